@@ -1,0 +1,215 @@
+"""The engine contract: token ids in, token ids out, KV events on the side.
+
+An engine is a plugin (entry-point group `dyn.engines`) wrapping one inference library. The worker
+drives it; the frontend never sees it. Closing or cancelling a `generate` iterator aborts the request
+and frees its KV blocks (Dynamo's `kill`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, NewType, Protocol
+
+import msgspec
+
+from dynamo_cli.errors import EngineNotInstalled, UnknownEngine
+
+RequestId = NewType("RequestId", str)
+BlockHash = NewType("BlockHash", int)
+"""xxh3 of one block's tokens alone (token-local)."""
+SequenceHash = NewType("SequenceHash", int)
+"""xxh3 chained over every block up to this one: identifies a prefix."""
+
+
+class Role(enum.Enum):
+    """What a worker does in a (possibly disaggregated) deployment."""
+
+    BOTH = "both"  # aggregated: prefill and decode
+    PREFILL = "prefill"  # computes the prompt's KV, returns a handle to it, one token
+    DECODE = "decode"  # imports prefilled KV and decodes
+
+
+class FinishReason(enum.Enum):
+    """Why a stream ended."""
+
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # aborted by the caller
+    ERROR = "error"  # the engine failed
+
+
+##### Wire messages (request plane) #####
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A preprocessed request: the frontend has already applied the template and tokenized."""
+
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    kv_transfer: dict[str, Any] | None = None
+    """Disaggregation: the prefill worker's handle to the prompt's KV, for a decode worker to pull."""
+    annotations: dict[str, str] = {}
+
+
+class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
+    """One or more new tokens of a stream; the last chunk carries `finish_reason`."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None
+    """Set on the first chunk: prompt tokens served from the prefix cache."""
+    kv_transfer: dict[str, Any] | None = None
+    """Prefill role: where the decode worker can fetch this prompt's KV."""
+
+
+##### KV events (event plane) #####
+
+
+class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
+    """A full block that entered the cache."""
+
+    block_hash: int
+    """SequenceHash of the prefix ending at this block."""
+    tokens_hash: int
+    """BlockHash of this block's tokens alone."""
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
+    """Consecutive blocks stored after `parent_hash` (None: from the first block)."""
+
+    parent_hash: int | None
+    blocks: list[StoredBlock]
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
+    """Blocks evicted from the cache."""
+
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
+    """The whole cache was dropped."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """Events of one engine step, numbered per worker from 0 with no gaps."""
+
+    event_id: int
+    events: list[KvEvent]
+    worker_id: int = 0
+    timestamp: float = 0.0
+
+
+class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's load after a step; routers use it for busy detection, planners for scaling."""
+
+    worker_id: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    active_blocks: int = 0
+    total_blocks: int = 0
+    active_prefill_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    """Cumulative prompt tokens actually computed (excludes prefix-cache hits)."""
+    num_prefill_tokens_cached: int = 0
+    """Cumulative prompt tokens served from the prefix cache."""
+
+
+##### The contract #####
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine tells the worker once started; published in the model card."""
+
+    model_name: str
+    """Served model name (what clients put in `model`)."""
+    tokenizer_source: str
+    """Local path the frontend loads the tokenizer and chat template from (GGUF file or HF dir)."""
+    block_size: int
+    """Tokens per KV block; the router hashes with the same size."""
+    context_length: int
+    """Largest prompt + output the engine accepts."""
+    total_kv_blocks: int
+    """KV capacity in blocks."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Arguments common to every engine; engine-specific ones travel in `extra`."""
+
+    model: str
+    """Model alias, GGUF path or HF directory."""
+    served_model_name: str | None = None
+    role: Role = Role.BOTH
+    block_size: int | None = None
+    """None: the engine's default."""
+    context_length: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Engine-specific options (`--speedup-ratio`, `--num-gpu-blocks` …), already parsed."""
+
+
+class Engine(Protocol):
+    """An inference engine behind a worker."""
+
+    async def start(self) -> EngineInfo:
+        """Load the model and start the step loop."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's tokens; closing the iterator aborts it and frees its KV."""
+        ...
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """Every KV cache change, in event-id order, for as long as the engine runs."""
+        ...
+
+    def load_metrics(self) -> LoadMetrics:
+        """A snapshot of the engine's current load."""
+        ...
+
+    async def stop(self) -> None:
+        """Abort everything and release the model. Idempotent."""
+        ...
+
+
+EngineFactory = Callable[[EngineArgs], Engine]
+
+ENGINE_GROUP = "dyn.engines"
+
+_EXTRA_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama-cpp-python"}
+
+
+def registered_engines() -> dict[str, str]:
+    """Engine name → `module:attr` for every installed plugin."""
+    return {ep.name: ep.value for ep in entry_points(group=ENGINE_GROUP)}
+
+
+def load_engine(name: str) -> EngineFactory:
+    """Resolve `--engine NAME` to its factory; clear errors for unknown or uninstalled engines."""
+    found = {ep.name: ep for ep in entry_points(group=ENGINE_GROUP)}
+    if name not in found:
+        raise UnknownEngine(name, list(found))
+    try:
+        factory: EngineFactory = found[name].load()
+    except ImportError as exc:
+        raise EngineNotInstalled(name, _EXTRA_PACKAGES.get(name, name), exc) from exc
+    return factory

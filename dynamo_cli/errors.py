@@ -1,0 +1,152 @@
+"""The one exception tree of dyn: every error a user can see is a DynError.
+
+    DynError
+    ├── ConfigError            bad flag, environment value or model path (CLI exit 2)
+    ├── EngineNotInstalled     an engine plugin whose library is missing (names the pip command)
+    ├── UnknownEngine          --engine NAME not in the registry (lists the known ones)
+    ├── PlaneUnavailable       etcd / NATS / embedded root unreachable at start
+    ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
+    │   ├── ModelNotFound      404
+    │   └── ContextOverflow    400, says the numbers
+    ├── Overloaded             503 / 429: every worker is over its busy threshold
+    ├── NoWorkers              503: no instance serves the model
+    └── TransportError         request-plane failures
+        ├── WorkerDisconnected the worker went away mid-stream (migratable)
+        ├── StreamTimeout      no frame within the idle timeout (migratable)
+        └── RemoteError        the worker raised while serving (not migratable)
+"""
+
+from __future__ import annotations
+
+
+class DynError(Exception):
+    """Base of every error dyn raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(DynError):
+    """A flag, environment variable or path is wrong; the message says which and what to do."""
+
+    exit_code = 2
+
+
+class EngineNotInstalled(DynError):
+    """The engine's library is not importable."""
+
+    def __init__(self, engine: str, package: str, cause: BaseException | None = None) -> None:
+        self.engine = engine
+        self.package = package
+        detail = f" ({cause})" if cause else ""
+        super().__init__(
+            f"engine '{engine}' needs {package}, which is not installed{detail}; "
+            f"install it with: pip install 'dynamo-cli[{engine}]'"
+        )
+
+
+class UnknownEngine(DynError):
+    """`--engine NAME` names no registered plugin."""
+
+    exit_code = 2
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(f"unknown engine '{name}'; known engines: {', '.join(sorted(known))}")
+
+
+class PlaneUnavailable(DynError):
+    """A discovery or event plane could not be reached at start."""
+
+    def __init__(self, plane: str, address: str, cause: str) -> None:
+        self.plane = plane
+        self.address = address
+        super().__init__(f"{plane} unreachable at {address}: {cause}")
+
+
+class RequestError(DynError):
+    """A client's mistake; the frontend maps it to a 4xx in OpenAI's JSON shape."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        self.message = message
+        self.param = param
+        self.code = code
+        super().__init__(message)
+
+
+class ModelNotFound(RequestError):
+    """The requested model is served by no registered worker."""
+
+    status = 404
+    error_type = "not_found_error"
+
+    def __init__(self, model: str, known: list[str]) -> None:
+        served = ", ".join(sorted(known)) or "none"
+        super().__init__(
+            f"the model '{model}' does not exist; models served here: {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class ContextOverflow(RequestError):
+    """Prompt plus max_tokens does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"this model's context is {context_length} tokens, but the prompt has {prompt_tokens} "
+            f"and max_tokens is {max_tokens} ({prompt_tokens + max_tokens} in all); "
+            "shorten the prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+class Overloaded(DynError):
+    """Every worker is over its busy threshold (503, never a hang)."""
+
+    status = 503
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"overloaded: {reason}; retry later")
+
+
+class NoWorkers(DynError):
+    """No live instance serves the endpoint."""
+
+    status = 503
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        super().__init__(f"no worker is serving {target}; start one with `dyn worker`")
+
+
+class TransportError(DynError):
+    """A request-plane failure."""
+
+    is_migratable = False
+
+
+class WorkerDisconnected(TransportError):
+    """The worker's connection closed while a stream was open."""
+
+    is_migratable = True
+
+
+class StreamTimeout(TransportError):
+    """No frame arrived within the idle timeout."""
+
+    is_migratable = True
+
+
+class RemoteError(TransportError):
+    """The worker failed the request; its message is carried over."""
+
+    def __init__(self, message: str, code: str = "engine_error", status: int = 500) -> None:
+        self.code = code
+        self.status = status
+        super().__init__(message)

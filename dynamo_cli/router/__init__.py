@@ -1,0 +1,1 @@
+"""Routing: pick the worker for each request (round-robin, random, KV-aware)."""

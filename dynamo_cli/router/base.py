@@ -1,0 +1,107 @@
+"""The routing seam: a policy picks one worker per request and tracks what it routed.
+
+The frontend calls `select` before sending, `on_first_token` when the first token comes back and
+`on_finish` when the stream ends for any reason (done, failed, client gone), so a policy that counts
+load never leaks it. KV-aware policies also ingest the workers' KV events.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dynamo_cli.engine import KvEventBatch, LoadMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may look at."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    pinned_worker: int | None = None
+    """A worker the caller asked for (header `x-worker-instance-id`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The chosen worker and, when asked for, why."""
+
+    worker_id: int
+    overlap_blocks: int = 0
+    explanation: dict[str, Any] = field(default_factory=dict)
+
+
+class RoutingPolicy(Protocol):
+    """Chooses a worker among the live candidates."""
+
+    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+        """Pick one of `workers` (never empty) for `request`."""
+        ...
+
+    def on_first_token(self, request_id: str) -> None:
+        """The request's prefill is done."""
+        ...
+
+    def on_finish(self, request_id: str) -> None:
+        """The request left its worker (finished, failed or cancelled)."""
+        ...
+
+    def remove_worker(self, worker_id: int) -> None:
+        """The worker left discovery: forget its state."""
+        ...
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        """Ingest a worker's KV cache changes (no-op for cache-blind policies)."""
+        ...
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        """Ingest a worker's published load (no-op for load-blind policies)."""
+        ...
+
+
+class _Blind:
+    """Shared no-op hooks of the cache- and load-blind policies."""
+
+    def on_first_token(self, request_id: str) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass
+
+    def remove_worker(self, worker_id: int) -> None:
+        pass
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        pass
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        pass
+
+
+class RoundRobinPolicy(_Blind):
+    """Cycle through the workers in id order."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+        if request.pinned_worker in workers:
+            return RouteDecision(request.pinned_worker)  # type: ignore[arg-type]
+        chosen = workers[self._next % len(workers)]
+        self._next += 1
+        return RouteDecision(chosen)
+
+
+class RandomPolicy(_Blind):
+    """Uniform random choice."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+        if request.pinned_worker in workers:
+            return RouteDecision(request.pinned_worker)  # type: ignore[arg-type]
+        return RouteDecision(self._rng.choice(workers))

@@ -1,0 +1,1 @@
+"""Distributed runtime: names, planes (discovery, events, request), supervisor. Knows nothing about LLMs."""
