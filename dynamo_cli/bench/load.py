@@ -1,0 +1,206 @@
+"""Load generation: send a workload's conversations at a fixed concurrency, a request rate or a trace's times.
+
+NOTE: the three modes differ only in *when* a conversation starts. Concurrency N runs N slots that each
+start the next conversation when their last one ends (closed loop). A request rate starts conversations
+at constant or exponential (Poisson) gaps, optionally capped at N in flight (open loop; a capped request
+waits for a slot, and its send time is recorded). A trace starts each at its own `at`. Turns of one
+conversation always run one after the other. The run stops issuing at `num_requests` or `duration_s`
+and then waits for what is in flight; warm-up requests run first and are not returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dynamo_cli.bench.http import HttpClient, RequestRecord
+from dynamo_cli.bench.workload import Conversation, Turn
+from dynamo_cli.errors import ConfigError
+
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How many requests, how fast."""
+
+    concurrency: int | None = None
+    """Slots in flight (closed loop); with a request rate, the cap on requests in flight."""
+    request_rate: float | None = None
+    """Requests per second (open loop); None for pure concurrency."""
+    arrival: Literal["constant", "poisson"] = "constant"
+    """Gaps between request starts in rate mode."""
+    num_requests: int | None = None
+    """Stop issuing after this many measured requests."""
+    duration_s: float | None = None
+    """Stop issuing after this many seconds."""
+    warmup: int = 0
+    """Requests sent before the measured ones, excluded from the figures."""
+    seed: int = 0
+    """Seeds the Poisson gaps."""
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"--concurrency ({self.concurrency}) must be ≥ 1")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ConfigError(f"--request-rate ({self.request_rate}) must be > 0")
+        if self.num_requests is None and self.duration_s is None:
+            raise ConfigError("give --num-requests or --duration")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBuilder:
+    """Turns a conversation's history into an OpenAI request body."""
+
+    model: str
+    endpoint: Endpoint = "chat"
+    ignore_eos: bool = True
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def body(self, history: list[dict[str, str]], turn: Turn) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": turn.output_tokens, "stream": True,
+                                "stream_options": {"include_usage": True}}  # fmt: skip
+        if self.endpoint == "chat":
+            body["messages"] = [*history, {"role": "user", "content": turn.text}]
+        else:
+            body["prompt"] = "".join(m["content"] for m in history) + turn.text
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+            body["min_tokens"] = turn.output_tokens
+        body.update(self.extra)
+        return body
+
+
+OnRecord = Callable[[RequestRecord], None]
+
+
+class LoadRunner:
+    """Runs one load phase; `records` holds every finished request in completion order."""
+
+    def __init__(self, client: HttpClient, builder: RequestBuilder, on_record: OnRecord | None = None) -> None:
+        self.client = client
+        self.builder = builder
+        self.on_record = on_record
+        self.records: list[RequestRecord] = []
+        self._issued = 0
+        self._limit: int | None = None
+        self._stop_at = float("inf")
+
+    async def run(
+        self, config: LoadConfig, conversations: Iterator[Conversation],
+        warmup: Iterator[Conversation] | None = None, is_replay: bool = False,
+    ) -> list[RequestRecord]:  # fmt: skip
+        """Warm up (if asked), then run the measured phase and return its records.
+
+        With `is_replay`, each conversation starts at its `at` seconds after the phase starts (trace
+        replay), capped at `config.concurrency` in flight when set.
+        """
+        if config.warmup > 0:
+            warm = LoadRunner(self.client, self.builder)
+            slots = min(config.concurrency or 1, config.warmup)
+            await warm._closed_loop(slots, warmup or conversations, config.warmup, float("inf"))
+        self.records = []
+        self._issued = 0
+        stop_at = time.perf_counter() + config.duration_s if config.duration_s else float("inf")
+        if is_replay:
+            await self._open_loop(config, conversations, stop_at, is_replay=True)
+        elif config.request_rate is None:
+            await self._closed_loop(config.concurrency or 1, conversations, config.num_requests, stop_at)
+        else:
+            await self._open_loop(config, conversations, stop_at)
+        return self.records
+
+    ##### phases #####
+
+    async def _closed_loop(
+        self, slots: int, conversations: Iterator[Conversation], limit: int | None, stop_at: float
+    ) -> None:
+        self._limit, self._stop_at = limit, stop_at
+
+        async def slot() -> None:
+            for conversation in conversations:
+                if self._is_exhausted():
+                    return
+                await self._conversation(conversation, None)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(slots):
+                group.create_task(slot())
+
+    async def _open_loop(
+        self, config: LoadConfig, conversations: Iterator[Conversation], stop_at: float, is_replay: bool = False
+    ) -> None:
+        self._limit, self._stop_at = config.num_requests, stop_at
+        rate = config.request_rate or 1.0
+        rng = random.Random(config.seed)
+        cap = asyncio.Semaphore(config.concurrency) if config.concurrency else None
+        start = next_at = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            for conversation in conversations:
+                if is_replay:
+                    next_at = start + (conversation.at or 0.0)
+                await _sleep_until(next_at)
+                if self._is_exhausted():
+                    break
+                self._issued += 1  # reserve now, so the loop never schedules past the limit
+                group.create_task(self._capped(cap, conversation, next_at, reserved=True))
+                next_at += rng.expovariate(rate) if config.arrival == "poisson" else 1.0 / rate
+
+    ##### one conversation #####
+
+    async def _capped(
+        self, cap: asyncio.Semaphore | None, conversation: Conversation, at: float, reserved: bool = False
+    ) -> None:
+        if cap is None:
+            await self._conversation(conversation, at, reserved)
+            return
+        async with cap:
+            await self._conversation(conversation, at, reserved)
+
+    async def _conversation(self, conversation: Conversation, at: float | None, reserved: bool = False) -> None:
+        history: list[dict[str, str]] = []
+        for number, turn in enumerate(conversation.turns):
+            if not (reserved and number == 0):
+                if self._is_exhausted():
+                    return
+                self._issued += 1
+            record = RequestRecord(input_tokens=turn.input_tokens, scheduled=at if number == 0 else None)
+            await self.client.stream(self.builder.path, self.builder.body(history, turn), record)
+            self._finish(record)
+            if not record.is_ok:
+                return  # a failed turn ends its conversation: later turns would lack their history
+            history += [{"role": "user", "content": turn.text}, {"role": "assistant", "content": record.text}]
+
+    def _is_exhausted(self) -> bool:
+        if self._limit is not None and self._issued >= self._limit:
+            return True
+        return time.perf_counter() >= self._stop_at
+
+    def _finish(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """asyncio.run on uvloop when it is installed (lower per-request CPU), else on the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)

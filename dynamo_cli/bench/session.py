@@ -1,0 +1,197 @@
+"""One `dyn bench` invocation: check the endpoint, build the workload, run each load, summarise.
+
+The CLI builds a `BenchConfig` and calls `run_bench`; everything here is testable without a terminal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_cli.bench import workload as wl
+from dynamo_cli.bench.http import EndpointError, EndpointUnreachable, HttpClient, RequestRecord
+from dynamo_cli.bench.load import Endpoint, LoadConfig, LoadRunner, RequestBuilder
+from dynamo_cli.bench.metrics import RequestMetrics, Slo, Summary, request_metrics, summarize
+from dynamo_cli.errors import ConfigError, ModelNotFound
+
+_UNBOUNDED_CONNECTIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """Which prompts to send (the first of trace, prompts_file, shared prefix, synthetic that is set)."""
+
+    isl: float = 512
+    """Mean prompt length in tokens (synthetic)."""
+    isl_stddev: float = 0
+    """Its standard deviation."""
+    osl: float = 128
+    """Mean max_tokens (with ignore_eos: the output length)."""
+    osl_stddev: float = 0
+    """Its standard deviation."""
+    turns: int = 1
+    """User turns per conversation (multi-turn sessions when > 1)."""
+    num_prefixes: int = 0
+    """> 0 selects the shared-prefix workload with this many distinct prefixes."""
+    prefix_len: int = 0
+    """Tokens of each shared prefix."""
+    suffix_len: int = 0
+    """Tokens after the prefix, unique to each prompt (defaults to --isl)."""
+    trace: str | None = None
+    """A Mooncake JSONL trace to replay."""
+    trace_time_scale: float = 1.0
+    """Send time = trace timestamp × this (0.5 replays twice as fast)."""
+    trace_block_size: int = 512
+    """Tokens per hash id."""
+    prompts_file: str | None = None
+    """A file of prompts (one per line, or JSONL with "text")."""
+    seed: int = 0
+    """Seeds every random choice, so a run is reproducible."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Everything one benchmark run needs."""
+
+    url: str
+    load: LoadConfig
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    model: str | None = None
+    """None: the first model of GET /v1/models."""
+    endpoint: Endpoint = "chat"
+    tokenizer: str | None = None
+    """Alias or path of the tokenizer; None: try the model name."""
+    ignore_eos: bool = True
+    slo: Slo = field(default_factory=Slo)
+    request_timeout: float = 600.0
+    sweep: tuple[str, tuple[float, ...]] | None = None
+    """(parameter, values): run once per value of concurrency or request_rate."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One load's outcome."""
+
+    label: str
+    summary: Summary
+    metrics: list[RequestMetrics]
+    chunk_times: list[list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """Every load's outcome plus what the run was (for the report header and JSON `info`)."""
+
+    runs: list[RunResult]
+    info: dict[str, Any]
+
+
+OnRecord = Callable[[RequestRecord], None]
+OnPhase = Callable[[str, LoadConfig], None]
+
+
+def parse_sweep(spec: str | None) -> tuple[str, tuple[float, ...]] | None:
+    """`concurrency=1,2,4` or `request_rate=5,10` → (parameter, values)."""
+    if not spec:
+        return None
+    name, _, values = spec.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in ("concurrency", "request_rate") or not values:
+        raise ConfigError(f"--sweep {spec!r}: expected concurrency=1,2,4 or request_rate=5,10")
+    try:
+        numbers = tuple(float(v) for v in values.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--sweep {spec!r}: the values must be numbers") from None
+    return name, numbers
+
+
+async def resolve_model(client: HttpClient, model: str | None) -> str:
+    """Check `model` against GET /v1/models, or pick the first one listed."""
+    try:
+        listing = await client.get_json("/v1/models")
+    except EndpointError:
+        if model:
+            return model  # no /v1/models here: trust the flag
+        raise ConfigError(f"{client.url} lists no models (GET /v1/models failed); pass --model") from None
+    known = [str(m.get("id")) for m in listing.get("data", []) if isinstance(m, dict)]
+    if model is None:
+        if not known:
+            raise ConfigError(f"{client.url} serves no model yet (GET /v1/models is empty); pass --model")
+        return known[0]
+    if known and model not in known:
+        raise ModelNotFound(model, known)
+    return model
+
+
+async def probe(client: HttpClient, builder: RequestBuilder) -> None:
+    """Send one tiny request so a wrong model or a non-streaming server fails fast, with its reason."""
+    record = await client.stream(builder.path, builder.body([], wl.Turn(" hello", 1, 2)))
+    if record.error is None:
+        return
+    if record.status == 0:
+        raise EndpointUnreachable(client.url, record.error)
+    raise EndpointError(f"{client.url}{builder.path} failed a test request: {record.error}")
+
+
+def build_workload(config: BenchConfig, vocab: wl.Vocab, seed_offset: int = 0) -> Iterator[wl.Conversation]:
+    w = config.workload
+    seed = w.seed + seed_offset
+    if w.trace:
+        return wl.trace_replay(vocab, wl.read_trace(w.trace), w.trace_time_scale, w.trace_block_size, seed)
+    if w.prompts_file:
+        return wl.prompts_file(w.prompts_file, w.osl, w.osl_stddev, vocab, seed)
+    if w.num_prefixes > 0:
+        suffix = w.suffix_len or int(w.isl)
+        return wl.shared_prefix(vocab, w.num_prefixes, w.prefix_len, suffix, w.osl, w.osl_stddev, seed)
+    return wl.synthetic(vocab, w.isl, w.isl_stddev, w.osl, w.osl_stddev, w.turns, seed, offset=seed_offset)
+
+
+def _loads(config: BenchConfig) -> list[tuple[str, LoadConfig]]:
+    if config.sweep is None:
+        return [("", config.load)]
+    name, values = config.sweep
+    loads = []
+    for value in values:
+        number: float | int = int(value) if name == "concurrency" else value
+        loads.append((f"{value:g}", dataclasses.replace(config.load, **{name: number})))
+    return loads
+
+
+async def run_bench(
+    config: BenchConfig, on_record: OnRecord | None = None, on_phase: OnPhase | None = None
+) -> BenchResult:
+    """Check the endpoint, then run every load (one, or one per sweep value) and summarise each."""
+    loads = _loads(config)
+    is_open = config.workload.trace is not None or any(c.request_rate is not None for _, c in loads)
+    most = max(c.concurrency or (_UNBOUNDED_CONNECTIONS if is_open else 1) for _, c in loads)
+    async with HttpClient(config.url, max_connections=most, request_timeout=config.request_timeout) as client:
+        model = await resolve_model(client, config.model)
+        builder = RequestBuilder(model, config.endpoint, config.ignore_eos)
+        await probe(client, builder)
+        vocab = wl.load_vocab(config.tokenizer or model)
+        runs = []
+        for label, load in loads:
+            if on_phase is not None:
+                on_phase(label, load)
+            runner = LoadRunner(client, builder, on_record)
+            records = await runner.run(
+                load, build_workload(config, vocab), build_workload(config, vocab, seed_offset=1_000_003),
+                is_replay=config.workload.trace is not None,
+            )  # fmt: skip
+            runs.append(_result(label, records, vocab, config.slo))
+    info = {
+        "url": config.url, "model": model, "endpoint": config.endpoint, "tokenizer": vocab.source,
+        "is_tokenizer_exact": vocab.is_exact, "ignore_eos": config.ignore_eos, "time": time.time(),
+        "load": dataclasses.asdict(config.load), "workload": dataclasses.asdict(config.workload),
+        "sweep": list(config.sweep) if config.sweep else None,
+    }  # fmt: skip
+    return BenchResult(runs, info)
+
+
+def _result(label: str, records: list[RequestRecord], vocab: wl.Vocab, slo: Slo) -> RunResult:
+    metrics = [request_metrics(r, vocab.count_tokens) for r in records]
+    fallback = "tokenizer" if vocab.is_exact else "approximate word count"
+    return RunResult(label, summarize(metrics, slo, fallback), metrics, [list(r.chunk_times) for r in records])

@@ -1,0 +1,245 @@
+"""`dyn bench`: load-test any OpenAI-compatible endpoint and report TTFT, ITL, throughput and goodput."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dynamo_cli.bench import report
+from dynamo_cli.bench.http import RequestRecord
+from dynamo_cli.bench.load import LoadConfig, run_async
+from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, Summary, parse_slo
+from dynamo_cli.bench.session import BenchConfig, BenchResult, WorkloadConfig, parse_sweep, run_bench
+from dynamo_cli.bench.workload import read_trace
+from dynamo_cli.errors import ConfigError
+
+app = typer.Typer(help="Benchmark an OpenAI-compatible endpoint (TTFT, ITL, throughput, goodput).")
+
+_Url = Annotated[str, typer.Option(envvar="DYN_BENCH_URL", help="Server base URL, http://host:port.")]
+_Opt = typer.Option
+
+
+@app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    url: _Url = "http://127.0.0.1:8000",
+    model: Annotated[str | None, _Opt(help="Model name; default: the first of GET /v1/models.")] = None,
+    endpoint: Annotated[str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")] = "chat",
+    tokenizer: Annotated[str | None, _Opt(help="Tokenizer alias or path; default: the model name.")] = None,
+    concurrency: Annotated[int | None, _Opt("--concurrency", "-c", help="Requests in flight (closed loop); with --request-rate, a cap.")] = None,
+    request_rate: Annotated[float | None, _Opt(help="Requests per second (open loop).")] = None,
+    arrival: Annotated[str, _Opt(help="constant or poisson gaps in rate mode.")] = "constant",
+    num_requests: Annotated[int | None, _Opt("--num-requests", "-n", help="Measured requests (default 100 without --duration).")] = None,
+    duration: Annotated[float | None, _Opt(help="Stop issuing after this many seconds.")] = None,
+    warmup: Annotated[int, _Opt(help="Warm-up requests, excluded from the figures.")] = 0,
+    isl: Annotated[float, _Opt(help="Mean input tokens.")] = 512,
+    isl_stddev: Annotated[float, _Opt(help="Input tokens stddev.")] = 0,
+    osl: Annotated[float, _Opt(help="Mean output tokens (max_tokens).")] = 128,
+    osl_stddev: Annotated[float, _Opt(help="Output tokens stddev.")] = 0,
+    turns: Annotated[int, _Opt(help="User turns per session (multi-turn when > 1).")] = 1,
+    num_prefixes: Annotated[int, _Opt(help="Shared-prefix workload: number of distinct prefixes.")] = 0,
+    prefix_len: Annotated[int, _Opt(help="Shared-prefix workload: tokens per prefix.")] = 0,
+    suffix_len: Annotated[int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")] = 0,
+    trace: Annotated[str | None, _Opt(help="Replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids).")] = None,
+    trace_time_scale: Annotated[float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")] = 1.0,
+    trace_block_size: Annotated[int, _Opt(help="Tokens per trace hash id.")] = 512,
+    prompts_file: Annotated[str | None, _Opt(help="Prompts, one per line or JSONL with 'text'.")] = None,
+    ignore_eos: Annotated[bool, _Opt(help="Send ignore_eos/min_tokens so the output length is met.")] = True,
+    slo: Annotated[list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")] = None,
+    sweep: Annotated[str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")] = None,
+    seed: Annotated[int, _Opt(help="Seed of every random choice.")] = 0,
+    timeout: Annotated[float, _Opt(help="Per-request timeout in seconds.")] = 600.0,
+    json_path: Annotated[str | None, _Opt("--json", help="Write the summary as JSON.")] = None,
+    csv_path: Annotated[str | None, _Opt("--csv", help="Write the summary as CSV.")] = None,
+    jsonl_path: Annotated[str | None, _Opt("--jsonl", help="Write one JSON line per request.")] = None,
+    plot: Annotated[str | None, _Opt(help="Write plots to this PNG (needs matplotlib).")] = None,
+    progress: Annotated[bool, _Opt(help="Show live progress.")] = True,
+) -> None:  # fmt: skip
+    """Run a benchmark against --url and print the summary."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if endpoint not in ("chat", "completions") or arrival not in ("constant", "poisson"):
+        raise ConfigError(f"--endpoint must be chat|completions and --arrival constant|poisson, got {endpoint}, {arrival}")
+    if plot:
+        report.require_matplotlib()
+    if trace and not (num_requests or duration):
+        num_requests = len(read_trace(trace))  # replay the whole trace
+    load = LoadConfig(
+        concurrency=concurrency, request_rate=request_rate, arrival=arrival,  # type: ignore[arg-type]
+        num_requests=num_requests if num_requests or duration else 100,
+        duration_s=duration, warmup=warmup, seed=seed,
+    )  # fmt: skip
+    workload = WorkloadConfig(isl, isl_stddev, osl, osl_stddev, turns, num_prefixes, prefix_len, suffix_len,
+                              trace, trace_time_scale, trace_block_size, prompts_file, seed)  # fmt: skip
+    config = BenchConfig(url=url, load=load, workload=workload, model=model, endpoint=endpoint,  # type: ignore[arg-type]
+                         tokenizer=tokenizer, ignore_eos=ignore_eos, slo=parse_slo(slo or []),
+                         request_timeout=timeout, sweep=parse_sweep(sweep))  # fmt: skip
+    result = _run(config, progress)
+    _print(result, config)
+    _write(result, json_path, csv_path, jsonl_path, plot)
+
+
+@app.command()
+def compare(
+    a: Annotated[str, typer.Argument(help="Baseline JSON from `dyn bench --json`.")],
+    b: Annotated[str, typer.Argument(help="Candidate JSON.")],
+) -> None:
+    """Print every metric of two runs and the ratio B/A."""
+    rows = report.compare(report.read_json(a), report.read_json(b))
+    table = Table(title=f"B/A  (A = {a}, B = {b})")
+    for column in ("metric", "A", "B", "B/A"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for name, va, vb, ratio in rows:
+        table.add_row(name, _num(va), _num(vb), "" if ratio is None else f"{ratio:.3f}")
+    _console().print(table)
+
+
+##### running with progress #####
+
+
+class _Live:
+    """Running counts shown on the progress bar: done, failed, mean TTFT, output tokens/s."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.task: Any = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.done = self.failed = 0
+        self.ttft_sum = 0.0
+        self.pieces = 0
+        self.started = time.perf_counter()
+
+    def phase(self, label: str, load: LoadConfig) -> None:
+        if self.progress is None:
+            return
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        self._reset()
+        total = load.num_requests if load.num_requests else None
+        name = f"sweep {label}" if label else "bench"
+        self.task = self.progress.add_task(name, total=total, stats="")
+
+    def record(self, record: RequestRecord) -> None:
+        self.done += 1
+        if record.error is not None:
+            self.failed += 1
+        elif record.ttft is not None:
+            self.ttft_sum += record.ttft
+            self.pieces += record.completion_tokens or len(record.pieces)
+        if self.progress is not None and self.task is not None:
+            ok = self.done - self.failed
+            mean_ttft = self.ttft_sum / ok * 1e3 if ok else 0.0
+            rate = self.pieces / max(time.perf_counter() - self.started, 1e-9)
+            stats = f"TTFT avg {mean_ttft:7.1f} ms · {rate:8.1f} out tok/s · failed {self.failed}"
+            self.progress.update(self.task, completed=self.done, stats=stats)
+
+
+def _run(config: BenchConfig, show: bool) -> BenchResult:
+    console = Console(stderr=True)
+    if not show:
+        return run_async(run_bench(config))  # type: ignore[no-any-return]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[stats]}"))  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as progress:
+        live = _Live(progress)
+        return run_async(run_bench(config, live.record, live.phase))  # type: ignore[no-any-return]
+
+
+##### printing #####
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _summary_table(summary: Summary, title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    for stat in STAT_NAMES:
+        table.add_column(stat, justify="right")
+    for name in LATENCY_METRICS:
+        d = summary.latency[name]
+        unit = report.UNITS[name]
+        table.add_row(f"{name} ({unit})", *(_num(getattr(d, s)) for s in STAT_NAMES))
+    return table
+
+
+def _scalars_table(summary: Summary) -> Table:
+    table = Table(show_header=False, box=None)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, label, unit in report.SCALARS:
+        value = getattr(summary, key)
+        if value is not None:
+            table.add_row(label, f"{_num(value, 3 if isinstance(value, float) else 0)} {unit}".strip())
+    return table
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=140)  # files and pipes: no wrapped tables
+
+
+def _print(result: BenchResult, config: BenchConfig) -> None:
+    console = _console()
+    info = result.info
+    console.print(f"[bold]{info['model']}[/] at {info['url']} ({info['endpoint']}); prompts: {info['tokenizer']}")
+    if config.sweep is not None:
+        console.print(_sweep_table(config.sweep[0], result))
+    for run in result.runs:
+        s = run.summary
+        title = f"{config.sweep[0]}={run.label}" if config.sweep else "latency"
+        if config.sweep is None:
+            console.print(_summary_table(s, title))
+            console.print(_scalars_table(s))
+        console.print(f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else ""))
+        for error, count in s.errors.items():
+            console.print(f"[red]{count} failed:[/] {error}", highlight=False)
+    console.print("[dim]definitions:[/]")
+    for name, text in DEFINITIONS:
+        console.print(f"[dim]  {name}: {text}[/]", highlight=False)
+
+
+def _sweep_table(parameter: str, result: BenchResult) -> Table:
+    table = Table(title=f"sweep over {parameter}")
+    columns = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50", "goodput", "failed")
+    table.add_column(parameter, justify="right")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for run in result.runs:
+        s, lat = run.summary, run.summary.latency
+        table.add_row(run.label, _num(s.request_throughput), _num(s.output_token_throughput),
+                      _num(lat["ttft"].p50), _num(lat["ttft"].p99), _num(lat["itl"].p50),
+                      _num(lat["itl"].p99), _num(lat["e2e"].p50), _num(s.goodput), str(s.num_failed))  # fmt: skip
+    return table
+
+
+def _write(result: BenchResult, json_path: str | None, csv_path: str | None, jsonl_path: str | None,
+           plot: str | None) -> None:  # fmt: skip
+    runs = result.runs
+    if json_path:
+        if len(runs) == 1:
+            document = report.run_document(runs[0].summary, result.info)
+        else:
+            document = {"info": result.info, "sweep": [
+                {"label": r.label, **report.run_document(r.summary, {})} for r in runs]}  # fmt: skip
+        report.write_json(json_path, document)
+    if csv_path:
+        report.write_csv(csv_path, [(r.label, r.summary) for r in runs])
+    if jsonl_path:
+        report.write_jsonl(jsonl_path, [m for r in runs for m in r.metrics], [t for r in runs for t in r.chunk_times])
+    if plot:
+        if len(runs) == 1:
+            report.plot_run(plot, runs[0].metrics, runs[0].chunk_times)
+        else:
+            report.plot_sweep(plot, result.info["sweep"][0], [(r.label, r.summary) for r in runs])

@@ -1,0 +1,97 @@
+"""Options shared by several commands (each with its DYN_* environment twin) and their parsing."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+from typing import Annotated, Any
+
+import typer
+
+from dynamo_cli.config import DEFAULT_ENGINE, DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig
+from dynamo_cli.engine import Role, registered_engines
+from dynamo_cli.errors import ConfigError
+
+_LIBRARY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama_cpp"}
+
+
+def engines_help() -> str:
+    """`mocker (installed), vllm (not installed: pip install 'dynamo-cli[vllm]')...`"""
+    parts = []
+    for name in sorted(registered_engines()):
+        library = _LIBRARY.get(name)
+        ok = library is None or find_spec(library) is not None
+        parts.append(f"{name} ({'installed' if ok else f'needs pip install dynamo-cli[{name}]'})")
+    return "Engine plugin: " + ", ".join(parts)
+
+
+Engine = Annotated[str, typer.Option("--engine", "-e", envvar="DYN_ENGINE", help=engines_help())]
+Model = Annotated[str, typer.Option("--model", "-m", envvar="DYN_MODEL", help="Model alias (smollm2), GGUF file or HF dir.")]
+ServedName = Annotated[
+    str | None, typer.Option("--served-model-name", envvar="DYN_SERVED_MODEL_NAME", help="Name clients use.")
+]
+Namespace = Annotated[str, typer.Option("--namespace", envvar="DYN_NAMESPACE", help="Deployment namespace.")]
+Discovery = Annotated[
+    str,
+    typer.Option("--discovery", envvar="DYN_DISCOVERY", help="embedded | file:///DIR | etcd://HOST:PORT[,HOST:PORT]"),
+]
+Events = Annotated[str, typer.Option("--events", envvar="DYN_EVENTS", help="embedded | nats://HOST:PORT")]
+LeaseTtl = Annotated[float, typer.Option("--lease-ttl", envvar="DYN_LEASE_TTL", help="Discovery lease TTL (s).")]
+BlockSize = Annotated[
+    int | None, typer.Option("--block-size", envvar="DYN_KV_CACHE_BLOCK_SIZE", help="KV block size in tokens.")
+]
+ContextLength = Annotated[int | None, typer.Option("--context-length", envvar="DYN_CONTEXT_LENGTH")]
+SpeedupRatio = Annotated[
+    float | None, typer.Option("--speedup-ratio", envvar="DYN_SPEEDUP_RATIO", help="mocker: divide simulated time.")
+]
+NumGpuBlocks = Annotated[
+    int | None, typer.Option("--num-gpu-blocks", envvar="DYN_NUM_GPU_BLOCKS", help="mocker: KV capacity in blocks.")
+]
+MaxNumSeqs = Annotated[int | None, typer.Option("--max-num-seqs", envvar="DYN_MAX_NUM_SEQS")]
+EngineArg = Annotated[
+    list[str] | None,
+    typer.Option("--engine-arg", envvar="DYN_ENGINE_ARG", help="Engine option KEY=VALUE (repeatable; JSON values)."),
+]
+ExtraEngineArgs = Annotated[
+    str | None, typer.Option("--extra-engine-args", envvar="DYN_EXTRA_ENGINE_ARGS", help="JSON object of engine options.")
+]
+
+DEFAULTS = {"engine": DEFAULT_ENGINE, "model": DEFAULT_MODEL, "namespace": DEFAULT_NAMESPACE}
+
+
+def parse_role(value: str) -> Role:
+    try:
+        return Role(value)
+    except ValueError:
+        raise ConfigError(f"--role '{value}' is invalid; use one of: prefill, decode, both") from None
+
+
+def planes(discovery: str, events: str, lease_ttl: float) -> PlanesConfig:
+    if lease_ttl <= 0:
+        raise ConfigError(f"--lease-ttl must be positive, got {lease_ttl}")
+    return PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl)
+
+
+def engine_extra(
+    engine_args: list[str] | None, extra_json: str | None, **named: Any
+) -> dict[str, Any]:
+    """Merge --extra-engine-args JSON, then --engine-arg KEY=VALUE, then named flags that were given."""
+    extra: dict[str, Any] = {}
+    if extra_json:
+        try:
+            loaded = json.loads(extra_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--extra-engine-args is not valid JSON: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError("--extra-engine-args must be a JSON object")
+        extra.update(loaded)
+    for item in engine_args or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--engine-arg '{item}' must look like KEY=VALUE")
+        try:
+            extra[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            extra[key.replace("-", "_")] = raw
+    extra.update({k: v for k, v in named.items() if v is not None})
+    return extra

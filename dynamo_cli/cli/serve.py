@@ -1,0 +1,53 @@
+"""`dyn serve`: a whole deployment (frontend, router, workers) with one command."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dynamo_cli.cli import options as o
+from dynamo_cli.config import FrontendConfig, ServeConfig, WorkerConfig
+from dynamo_cli.engine import Role
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.launcher import serve_all
+from dynamo_cli.runtime.supervisor import run
+
+
+def command(
+    model: o.Model = o.DEFAULTS["model"],
+    engine: o.Engine = "llamacpp",
+    workers: Annotated[int, typer.Option("--workers", "-n", envvar="DYN_WORKERS", help="Worker processes (0: frontend only).")] = 1,
+    router: Annotated[str, typer.Option("--router", envvar="DYN_ROUTER_MODE", help="round-robin | random | kv")] = "round-robin",
+    host: Annotated[str, typer.Option("--host", envvar="DYN_HTTP_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", envvar="DYN_HTTP_PORT", help="HTTP port (0: any free port).")] = 8000,
+    served_model_name: o.ServedName = None,
+    namespace: o.Namespace = o.DEFAULTS["namespace"],
+    migration_limit: Annotated[int, typer.Option("--migration-limit", envvar="DYN_MIGRATION_LIMIT")] = 3,
+    http_server: Annotated[str, typer.Option("--http-server", envvar="DYN_HTTP_SERVER", help="uvicorn | hypercorn")] = "uvicorn",
+    block_size: o.BlockSize = None,
+    context_length: o.ContextLength = None,
+    speedup_ratio: o.SpeedupRatio = None,
+    num_gpu_blocks: o.NumGpuBlocks = None,
+    max_num_seqs: o.MaxNumSeqs = None,
+    engine_arg: o.EngineArg = None,
+    extra_engine_args: o.ExtraEngineArgs = None,
+    discovery: o.Discovery = "embedded",
+    events: o.Events = "embedded",
+    lease_ttl: o.LeaseTtl = 10.0,
+    ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
+) -> None:
+    """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
+    if workers < 0:
+        raise ConfigError(f"--workers must be >= 0, got {workers}")
+    if migration_limit < 0:
+        raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
+    planes = o.planes(discovery, events, lease_ttl)
+    extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
+                           num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)  # fmt: skip
+    worker = WorkerConfig(engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
+                          role=Role.BOTH, block_size=block_size, context_length=context_length,
+                          planes=planes, extra=extra)  # fmt: skip
+    frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
+                              migration_limit=migration_limit, planes=planes)  # fmt: skip
+    run(serve_all(ServeConfig(frontend=frontend, worker=worker, num_workers=workers, ready_timeout_s=ready_timeout)))

@@ -1,0 +1,78 @@
+"""One frozen dataclass per role. Precedence: flag > DYN_* environment (Typer reads it) > default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_cli.engine import Role
+
+DEFAULT_NAMESPACE = "dynamo"
+DEFAULT_MODEL = "smollm2"
+DEFAULT_ENGINE = "mocker"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanesConfig:
+    """Where the discovery and event planes are."""
+
+    discovery: str = "embedded"
+    """`embedded`, `file:///DIR` or `etcd://HOST:PORT[,HOST:PORT]`."""
+    events: str = "embedded"
+    """`embedded` (ZMQ advertised via discovery) or `nats://HOST:PORT`."""
+    lease_ttl: float = 10.0
+    """Seconds before a dead process's keys vanish."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """`dyn worker`."""
+
+    engine: str
+    """Registry name of the engine plugin."""
+    model: str
+    served_model_name: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    component: str = "backend"
+    """Defaults by role: `backend` (both), `prefill`, `decode`... kept explicit here."""
+    endpoint: str = "generate"
+    role: Role = Role.BOTH
+    host: str = "127.0.0.1"
+    """Address the request plane listens on and advertises."""
+    port: int = 0
+    block_size: int | None = None
+    context_length: int | None = None
+    graceful_shutdown_s: float = 5.0
+    """How long SIGTERM waits for in-flight streams after deregistering."""
+    planes: PlanesConfig = field(default_factory=PlanesConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Engine-specific options (speedup_ratio, num_gpu_blocks, n_ctx...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """The OpenAI HTTP frontend."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    namespace: str = DEFAULT_NAMESPACE
+    router: str = "round-robin"
+    """`round-robin`, `random` or `kv`."""
+    http_server: str = "uvicorn"
+    """`uvicorn` (httptools + uvloop, the fast default) or `hypercorn` (HTTP/2)."""
+    migration_limit: int = 3
+    """Re-dispatches of a stream whose worker died; 0 disables migration."""
+    max_body_bytes: int = 45 * 1024 * 1024
+    router_options: dict[str, Any] = field(default_factory=dict)
+    planes: PlanesConfig = field(default_factory=PlanesConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """`dyn serve`: a frontend plus worker subprocesses."""
+
+    frontend: FrontendConfig
+    worker: WorkerConfig
+    num_workers: int = 1
+    ready_timeout_s: float = 120.0
+    """How long to wait for every worker to register before giving up."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP frontend: preprocessing, routing, streaming, metrics."""

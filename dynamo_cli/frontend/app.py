@@ -1,0 +1,274 @@
+"""The ASGI app: OpenAI routes on a fast raw-ASGI path, the rest on Starlette.
+
+`POST /v1/chat/completions` and `/v1/completions` are handled as raw ASGI (no Request object, no
+per-request task group): they are the hot path. `/v1/models`, `/health`, `/live` and `/metrics` are
+ordinary Starlette routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from dynamo_cli.config import FrontendConfig
+from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.frontend.metrics import FrontendMetrics
+from dynamo_cli.frontend.models import ModelRegistry
+from dynamo_cli.frontend.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    message_text,
+    parse_chat,
+    parse_completion,
+    stop_list,
+)
+from dynamo_cli.frontend.pipeline import Generation, Sampling
+from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
+
+logger = logging.getLogger(__name__)
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+class Frontend:
+    """The OpenAI-compatible HTTP service over a model registry."""
+
+    def __init__(self, config: FrontendConfig, registry: ModelRegistry, metrics: FrontendMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self._rest = Starlette(
+            routes=[
+                Route("/v1/models", self.list_models),
+                Route("/health", self.health),
+                Route("/live", self.live),
+                Route("/metrics", self.prometheus),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_found},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path == "/v1/chat/completions":
+                return await self._generate(scope, receive, send, is_chat=True)
+            if path == "/v1/completions":
+                return await self._generate(scope, receive, send, is_chat=False)
+        await self._rest(scope, receive, send)
+
+    ##### Hot path #####
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, *, is_chat: bool) -> None:
+        endpoint = "chat_completions" if is_chat else "completions"
+        try:
+            body = await self._read_body(scope, receive)
+            request = parse_chat(body) if is_chat else parse_completion(body)
+            generation = await self._prepare(request, scope)
+        except ClientGone:
+            return
+        except DynError as exc:
+            return await _send_error(send, exc)
+        model = generation.entry.name
+        self.metrics.inflight.labels(model).inc()
+        status = "success"
+        try:
+            if request.stream:
+                status = await self._stream(generation, request, send, receive, is_chat)
+            else:
+                status = await self._complete(generation, send, is_chat)
+        finally:
+            self.metrics.inflight.labels(model).dec()
+            self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
+            self._observe(generation)
+
+    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> Generation:
+        entry = self.registry.get(request.model)
+        tokenizer = await entry.tokenizer
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
+            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+            max_tokens = request.max_completion_tokens or request.max_tokens
+        else:
+            prompt = request.prompt
+            prompt_ids = list(prompt) if isinstance(prompt, list) and prompt and type(prompt[0]) is int else (
+                tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0]))  # fmt: skip
+            max_tokens = request.max_tokens if request.max_tokens is not None else 16
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=max(0, request.top_k or 0),
+            seed=request.seed,
+            stop=tuple(stop_list(request.stop)),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+        )
+        headers = dict(scope["headers"])
+        prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
+        request_id = headers.get(b"x-request-id", b"").decode() or prefix + uuid.uuid4().hex
+        pinned = headers.get(b"x-worker-instance-id")
+        return Generation(
+            entry, tokenizer, prompt_ids, sampling, request_id,
+            migration_limit=self.config.migration_limit, metrics=self.metrics,
+            pinned_worker=int(pinned, 16) if pinned else None,
+        )  # fmt: skip
+
+    async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
+        fmt = ChunkFormatter(gen.request_id, gen.entry.name, is_chat=is_chat)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE, (b"x-request-id", gen.request_id.encode())]})  # fmt: skip
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, gen.abort))
+        status = "success"
+        try:
+            if is_chat:
+                await send({"type": "http.response.body", "body": fmt.role(), "more_body": True})
+            async for piece in gen.text():
+                await send({"type": "http.response.body", "body": fmt.text(piece), "more_body": True})
+            if gen.is_aborted:
+                status = "cancelled"
+            tail = b"" if status == "cancelled" else fmt.finish(gen.finish_reason or "length")
+            if include_usage and status != "cancelled":
+                tail += fmt.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        except DynError as exc:
+            status = "error"
+            tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
+        finally:
+            watcher.cancel()
+        if status == "cancelled":
+            self.metrics.disconnected.labels(gen.entry.name).inc()
+            self.metrics.cancellations.labels(gen.entry.name).inc()
+        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+        return status
+
+    async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
+        fmt = ChunkFormatter(gen.request_id, gen.entry.name, is_chat=is_chat)
+        try:
+            text = "".join([piece async for piece in gen.text()])
+        except DynError as exc:
+            await _send_error(send, exc)
+            return "error"
+        body = fmt.full(text, gen.finish_reason or "length", len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_JSON, (b"x-request-id", gen.request_id.encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+        return "success"
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _too_large(int(value), limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _observe(self, gen: Generation) -> None:
+        m, model = self.metrics, gen.entry.name
+        end = time.perf_counter()
+        m.isl.labels(model).observe(len(gen.prompt_ids))
+        m.osl.labels(model).observe(gen.completion_tokens)
+        m.output_tokens.labels(model).inc(gen.completion_tokens)
+        m.duration.labels(model).observe(end - gen.start)
+        if gen.cached_tokens is not None:
+            m.cached.labels(model).observe(gen.cached_tokens)
+        if gen.first_token_at is not None:
+            m.ttft.labels(model).observe(gen.first_token_at - gen.start)
+            if gen.completion_tokens > 1:
+                m.itl.labels(model).observe((end - gen.first_token_at) / (gen.completion_tokens - 1))
+
+    ##### REST #####
+
+    async def list_models(self, request: Request) -> Response:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "dyn",
+             "max_model_len": e.card.context_length, "num_workers": len(e.workers) + len(e.prefill_workers)}
+            for name, e in sorted(self.registry.models.items()) if e.workers or e.prefill_workers
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        instances = [
+            {"model": name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
+            for name, e in self.registry.models.items() for wid, w in {**e.workers, **e.prefill_workers}.items()
+        ]  # fmt: skip
+        healthy = bool(instances)
+        body = {"status": "healthy" if healthy else "unhealthy", "instances": instances}
+        if not healthy:
+            body["message"] = "No endpoints available"
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "live"})
+
+    async def prometheus(self, request: Request) -> Response:
+        for name, entry in self.registry.models.items():
+            self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
+        return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
+                        status_code=status, media_type="application/json")  # fmt: skip
+
+
+async def _watch_disconnect(receive: Receive, on_disconnect: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_disconnect()
+
+
+def _too_large(size: int, limit: int) -> RequestError:
+    error = RequestError(f"request body of {size} bytes exceeds the {limit}-byte limit", code="payload_too_large")
+    error.status = 413
+    return error
+
+
+def _error_type(exc: DynError) -> str:
+    if isinstance(exc, RequestError):
+        return exc.error_type
+    if isinstance(exc, NoWorkers | Overloaded):
+        return "service_unavailable"
+    return "internal_error"
+
+
+async def _send_error(send: Send, exc: DynError) -> None:
+    if isinstance(exc, RequestError):
+        status, param, code = exc.status, exc.param, exc.code
+    elif isinstance(exc, NoWorkers | Overloaded):
+        status, param, code = 503, None, "service_unavailable"
+    elif isinstance(exc, TransportError):
+        status, param, code = getattr(exc, "status", 502), None, getattr(exc, "code", "worker_error")
+    else:
+        status, param, code = 500, None, "internal_error"
+    body = error_body(str(exc), _error_type(exc), param, code)
+    await send({"type": "http.response.start", "status": status, "headers": _JSON})
+    await send({"type": "http.response.body", "body": body})

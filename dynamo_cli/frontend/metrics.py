@@ -1,0 +1,29 @@
+"""The frontend's Prometheus metrics, with Dynamo's `dynamo_frontend_*` names."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class FrontendMetrics:
+    """One registry per app (no global state)."""
+
+    def __init__(self, prefix: str = "dynamo_frontend") -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(f"{prefix}_requests", "Requests", ["model", "endpoint", "request_type", "status"], registry=r)
+        self.inflight = Gauge(f"{prefix}_inflight_requests", "Requests in flight", ["model"], registry=r)
+        self.queued = Gauge(f"{prefix}_queued_requests", "Requests waiting for their first token", ["model"], registry=r)
+        self.disconnected = Counter(f"{prefix}_disconnected_clients", "Clients gone mid-request", ["model"], registry=r)
+        self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds", "TTFT", ["model"], buckets=_LATENCY, registry=r)
+        self.itl = Histogram(f"{prefix}_inter_token_latency_seconds", "ITL", ["model"], buckets=_LATENCY, registry=r)
+        self.isl = Histogram(f"{prefix}_input_sequence_tokens", "ISL", ["model"], buckets=_TOKENS, registry=r)
+        self.osl = Histogram(f"{prefix}_output_sequence_tokens", "OSL", ["model"], buckets=_TOKENS, registry=r)
+        self.cached = Histogram(f"{prefix}_cached_tokens", "Prefix-cache hits", ["model"], buckets=_TOKENS, registry=r)
+        self.duration = Histogram(f"{prefix}_request_duration_seconds", "e2e", ["model"], buckets=_LATENCY, registry=r)
+        self.output_tokens = Counter(f"{prefix}_output_tokens", "Output tokens", ["model"], registry=r)
+        self.migrations = Counter(f"{prefix}_model_migration", "Migrations", ["model", "migration_type"], registry=r)
+        self.cancellations = Counter(f"{prefix}_model_cancellation", "Cancelled requests", ["model"], registry=r)
+        self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)

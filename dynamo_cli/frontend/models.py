@@ -1,0 +1,167 @@
+"""What the frontend can serve: models discovered from worker cards, their workers and routers.
+
+Watches `v1/instances/{ns}/` and `v1/mdc/{ns}/`; an instance is routable once both its record and
+its card are known. One request-plane connection per worker address; a worker that leaves
+discovery has its connection closed, which fails its open streams over to migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynamo_cli.engine import KvEventBatch, LoadMetrics, Role
+from dynamo_cli.errors import ModelNotFound
+from dynamo_cli.frontend.tokenizer import Tokenizer, load_tokenizer
+from dynamo_cli.model_card import InstanceRecord, ModelCard
+from dynamo_cli.router.base import RoutingPolicy
+from dynamo_cli.runtime.discovery import Discovery, WatchKind
+from dynamo_cli.runtime.names import parse_instance_key
+from dynamo_cli.runtime.transport import RequestClient
+
+logger = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[ModelCard], RoutingPolicy]
+
+
+@dataclass(slots=True)
+class Worker:
+    """A routable instance."""
+
+    instance_id: int
+    record: InstanceRecord
+    card: ModelCard
+    client: RequestClient
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One served model: its card, tokenizer, workers by role and routing policies."""
+
+    name: str
+    card: ModelCard
+    tokenizer: asyncio.Future[Tokenizer]
+    policy: RoutingPolicy
+    prefill_policy: RoutingPolicy
+    workers: dict[int, Worker] = field(default_factory=dict)
+    """Aggregated and decode workers."""
+    prefill_workers: dict[int, Worker] = field(default_factory=dict)
+
+    def pool(self, role: Role) -> dict[int, Worker]:
+        return self.prefill_workers if role is Role.PREFILL else self.workers
+
+
+class ModelRegistry:
+    """Live view of models and workers, fed by discovery watches."""
+
+    def __init__(self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory) -> None:
+        self._discovery = discovery
+        self._namespace = namespace
+        self._policy_factory = policy_factory
+        self.models: dict[str, ModelEntry] = {}
+        self._records: dict[int, InstanceRecord] = {}
+        self._cards: dict[int, ModelCard] = {}
+        self._placed: dict[int, ModelEntry] = {}
+        self._clients: dict[str, RequestClient] = {}
+        self.changed = asyncio.Event()
+
+    ##### Queries #####
+
+    def get(self, name: str) -> ModelEntry:
+        """The entry serving `name`, or ModelNotFound listing what is served."""
+        entry = self.models.get(name)
+        if entry is None or not (entry.workers or entry.prefill_workers):
+            raise ModelNotFound(name, [n for n, e in self.models.items() if e.workers])
+        return entry
+
+    def num_workers(self) -> int:
+        return len(self._placed)
+
+    def worker_of(self, instance_id: int) -> ModelEntry | None:
+        return self._placed.get(instance_id)
+
+    ##### Event ingestion #####
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        entry = self._placed.get(batch.worker_id)
+        if entry is not None:
+            pool_policy = entry.prefill_policy if batch.worker_id in entry.prefill_workers else entry.policy
+            pool_policy.apply_kv_events(batch)
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        entry = self._placed.get(metrics.worker_id)
+        if entry is not None:
+            entry.policy.apply_load(metrics)
+
+    ##### Discovery watches #####
+
+    async def watch_instances(self) -> None:
+        """Follow instance records; runs until cancelled."""
+        decode = msgspec.json.Decoder(InstanceRecord).decode
+        async for event in self._discovery.watch(f"v1/instances/{self._namespace}/"):
+            _, instance_id = parse_instance_key(event.key)
+            if event.kind is WatchKind.PUT:
+                self._records[instance_id] = decode(event.value)
+            else:
+                self._records.pop(instance_id, None)
+            await self._reconcile(instance_id)
+
+    async def watch_cards(self) -> None:
+        """Follow model cards; runs until cancelled."""
+        decode = msgspec.json.Decoder(ModelCard).decode
+        async for event in self._discovery.watch(f"v1/mdc/{self._namespace}/"):
+            _, instance_id = parse_instance_key(event.key)
+            if event.kind is WatchKind.PUT:
+                self._cards[instance_id] = decode(event.value)
+            else:
+                self._cards.pop(instance_id, None)
+            await self._reconcile(instance_id)
+
+    async def _reconcile(self, instance_id: int) -> None:
+        record, card = self._records.get(instance_id), self._cards.get(instance_id)
+        placed = self._placed.get(instance_id)
+        if record is not None and card is not None:
+            if placed is None:
+                self._add(instance_id, record, card)
+        elif placed is not None:
+            await self._remove(instance_id, placed)
+        self.changed.set()
+
+    def _add(self, instance_id: int, record: InstanceRecord, card: ModelCard) -> None:
+        entry = self.models.get(card.display_name)
+        if entry is None:
+            entry = self._new_entry(card)
+            self.models[card.display_name] = entry
+        client = self._clients.get(record.address)
+        if client is None:
+            client = self._clients[record.address] = RequestClient(record.address)
+        entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
+        self._placed[instance_id] = entry
+        logger.info("worker %x joined model %s at %s (%s)", instance_id, card.display_name, record.address, card.role)
+
+    def _new_entry(self, card: ModelCard) -> ModelEntry:
+        loop = asyncio.get_running_loop()
+        tokenizer = loop.run_in_executor(None, load_tokenizer, card.tokenizer_source)
+        return ModelEntry(card.display_name, card, tokenizer, self._policy_factory(card), self._policy_factory(card))
+
+    async def _remove(self, instance_id: int, entry: ModelEntry) -> None:
+        del self._placed[instance_id]
+        worker = entry.workers.pop(instance_id, None) or entry.prefill_workers.pop(instance_id, None)
+        entry.policy.remove_worker(instance_id)
+        entry.prefill_policy.remove_worker(instance_id)
+        if worker is not None and not any(w.record.address == worker.record.address for w in self._all_workers()):
+            self._clients.pop(worker.record.address, None)
+            await worker.client.close()  # in-flight streams fail over to migration
+        logger.info("worker %x left model %s", instance_id, entry.name)
+
+    def _all_workers(self) -> list[Worker]:
+        return [w for e in self.models.values() for w in (*e.workers.values(), *e.prefill_workers.values())]
+
+    async def close(self) -> None:
+        for client in list(self._clients.values()):
+            await client.close()
+        self._clients.clear()

@@ -1,0 +1,149 @@
+"""OpenAI request schemas, validated at the edge with msgspec; errors name the offending field."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from dynamo_cli.errors import RequestError
+
+MAX_STOP_SEQUENCES = 32
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions."""
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    logprobs: Any = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]
+    """A string, a list of token ids, or a one-element list of strings."""
+    echo: bool = False
+
+
+_PATH = re.compile(r"\$\.?([\w.\[\]]*)")
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        param = match.group(1) if match and match.group(1) else None
+        detail = text.split(" - at ")[0]
+        where = f"'{param}'" if param else "the request body"
+        raise RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    """Decode and check a /v1/chat/completions body."""
+    request: ChatCompletionRequest = _decode(_chat_decoder, body)
+    _check_common(request)
+    return request
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """Decode and check a /v1/completions body."""
+    request: CompletionRequest = _decode(_completion_decoder, body)
+    _check_common(request)
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise RequestError("prompt is empty", param="prompt")
+        if all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
+        elif not all(type(p) is int and p >= 0 for p in prompt):
+            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
+    elif not prompt:
+        raise RequestError("prompt is empty", param="prompt")
+    return request
+
+
+def _check_common(request: _Sampling) -> None:
+    if request.n != 1:
+        raise RequestError(f"n={request.n} is not supported; only n=1", param="n")
+    stops = stop_list(request.stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise RequestError("stop sequences must be non-empty strings", param="stop")
+    if request.logprobs not in (None, False):
+        raise RequestError("logprobs are not supported yet", param="logprobs")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def message_text(message: Message) -> str:
+    """Plain text of a message's content (text parts joined)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    for part in message.content:
+        if part.type != "text":
+            raise RequestError(f"content part type '{part.type}' is not supported (text only)", param="messages")
+    return "".join(part.text or "" for part in message.content)
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> bytes:
+    """OpenAI's error JSON."""
+    return msgspec.json.encode({"error": {"message": message, "type": error_type, "param": param, "code": code}})

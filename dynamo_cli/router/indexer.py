@@ -1,0 +1,286 @@
+"""The KV indexer: which worker caches which blocks, queried for a request's contiguous prefix overlap.
+
+NOTE: a flat map `sequence_hash -> bitmask of workers`, not a radix tree. A sequence hash already names
+the whole prefix it ends (hashing.py chains them), so the tree's structure is redundant: the router
+walks the request's hashes from block 0 and ANDs the masks until none is left. Each worker owns one
+bit; a block stored or removed is one dict update and a query one dict lookup and one `int` AND per
+block, so the hot paths stay a few bytecodes per block. Each worker's `set` of hashes gives its
+cached-block count and lets a removal, a clear or a dump touch only that worker's blocks.
+
+Event ids are per worker, from 0, without gaps. A batch that arrives ahead of the next expected id is
+held back and reported as a `Gap`; the caller fetches the missing batches from the worker (its ring
+holds the last 1,024) and feeds them in, or loads a dump of the worker's whole block set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import compress, islice, takewhile
+from operator import attrgetter
+
+from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_HASH = attrgetter("block_hash")
+_BIT_VALUE = bytes(1 if byte == ord("1") else 0 for byte in range(256))
+"""A `bytes.translate` table: ASCII "1" -> 1, anything else -> 0."""
+
+MAX_HELD_BATCHES = 1024
+"""Out-of-order batches kept per worker while a gap is open (the size of a worker's event ring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Event ids of one worker the indexer has not seen; ask the worker for them or for a dump."""
+
+    worker_id: int
+    first_missing: int
+    """The next event id the indexer expects."""
+    last_missing: int
+    """The last id the caller should fetch (inclusive); batches after it are held back."""
+
+
+class WorkerSlots:
+    """Gives each worker id one bit of a mask; the bits of removed workers are reused."""
+
+    def __init__(self) -> None:
+        self._bit_of: dict[int, int] = {}
+        self.worker_at: list[int] = []
+        """Bit index -> worker id (stale for released bits, which no mask carries)."""
+        self._free: list[int] = []
+
+    def bit(self, worker_id: int) -> int:
+        """The mask bit of `worker_id`, allocated on first use."""
+        bit = self._bit_of.get(worker_id)
+        if bit is None:
+            if self._free:
+                index = self._free.pop()
+                self.worker_at[index] = worker_id
+            else:
+                index = len(self.worker_at)
+                self.worker_at.append(worker_id)
+            bit = self._bit_of[worker_id] = 1 << index
+        return bit
+
+    def release(self, worker_id: int) -> None:
+        """Free the worker's bit; the caller has already cleared it from every mask."""
+        bit = self._bit_of.pop(worker_id, None)
+        if bit is not None:
+            self._free.append(bit.bit_length() - 1)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._bit_of
+
+    def workers(self) -> list[int]:
+        """Every worker that holds a bit."""
+        return list(self._bit_of)
+
+
+def match_prefix(
+    masks: dict[int, int],
+    hashes: Sequence[int],
+    worker_at: list[int],
+    holdings: Mapping[int, Container[int]],
+) -> dict[int, int]:
+    """For each worker, how many blocks of `hashes` it holds contiguously from block 0 (0s omitted).
+
+    `masks` maps a hash to the bits of the workers holding it, `holdings` each worker to its hashes.
+    The walk stops as soon as no worker is left, so a miss on block 0 costs one lookup; once a single
+    worker is left, its own (smaller, cache-friendlier) set is scanned in C instead.
+    """
+    scores: dict[int, int] = {}
+    get = masks.get
+    alive = -1  # every bit: the first AND keeps exactly the holders of block 0
+    depth = 0
+    for h in hashes:
+        still = alive & get(h, 0)
+        if still != alive:
+            if depth:
+                _assign(scores, alive & ~still, depth, worker_at)
+            if not still:
+                return scores
+            if not still & (still - 1):
+                worker = worker_at[still.bit_length() - 1]
+                rest = takewhile(holdings[worker].__contains__, islice(hashes, depth + 1, None))
+                scores[worker] = depth + 1 + len(list(rest))
+                return scores
+        alive = still
+        depth += 1
+    if depth:
+        _assign(scores, alive, depth, worker_at)
+    return scores
+
+
+def _assign(scores: dict[int, int], bits: int, depth: int, worker_at: list[int]) -> None:
+    if not bits & (bits - 1):
+        scores[worker_at[bits.bit_length() - 1]] = depth
+        return
+    # Many workers leave at once where a shared prefix ends: pick their bits in C, not bit by bit.
+    lowest_first = bin(bits).encode()[:1:-1].translate(_BIT_VALUE)  # one 0/1 byte per bit index
+    scores.update(dict.fromkeys(compress(worker_at, lowest_first), depth))
+
+
+class KvIndexer:
+    """Every worker's cached blocks, fed by KV events, answering prefix-overlap queries."""
+
+    def __init__(self, max_held_batches: int = MAX_HELD_BATCHES) -> None:
+        self._masks: dict[int, int] = {}
+        self._blocks: dict[int, set[int]] = {}
+        self._slots = WorkerSlots()
+        self._next_event: dict[int, int] = {}
+        self._held: dict[int, dict[int, KvEventBatch]] = {}
+        self._max_held = max_held_batches
+        self.num_batches_applied = 0
+        self.num_stale_batches = 0
+        """Batches ignored because their id was already applied (duplicates, replays)."""
+        self.num_dropped_batches = 0
+        """Out-of-order batches dropped because the hold-back buffer was full (a dump repairs)."""
+
+    ##### Queries #####
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[int, int]:
+        """Worker -> contiguous prefix blocks of `hashes` (sequence hashes) it caches; 0s omitted."""
+        return match_prefix(self._masks, hashes, self._slots.worker_at, self._blocks)
+
+    def num_blocks(self, worker_id: int) -> int:
+        """How many blocks `worker_id` caches (the tie-breaker: fewer wins)."""
+        blocks = self._blocks.get(worker_id)
+        return len(blocks) if blocks is not None else 0
+
+    def workers(self) -> list[int]:
+        """Every worker the indexer has heard of."""
+        return self._slots.workers()
+
+    def blocks_of(self, worker_id: int) -> frozenset[int]:
+        """A snapshot of the sequence hashes `worker_id` caches."""
+        return frozenset(self._blocks.get(worker_id, ()))
+
+    def next_event_id(self, worker_id: int) -> int:
+        """The event id expected next from `worker_id` (0 for a worker never heard of)."""
+        return self._next_event.get(worker_id, 0)
+
+    def gaps(self) -> list[Gap]:
+        """The gaps still open: for each worker with held-back batches, what it must resend."""
+        return [
+            Gap(worker, self._next_event.get(worker, 0), max(held) - 1)
+            for worker, held in self._held.items()
+            if held
+        ]
+
+    ##### Events #####
+
+    def apply_batch(self, batch: KvEventBatch) -> Gap | None:
+        """Apply `batch` in event-id order; a batch ahead of the expected id is held and a Gap returned.
+
+        The same gap may be returned for several held batches; the caller should de-duplicate.
+        """
+        worker = batch.worker_id
+        expected = self._next_event.get(worker, 0)
+        if batch.event_id < expected:
+            self.num_stale_batches += 1
+            return None
+        if batch.event_id > expected:
+            return self._hold(batch, expected)
+        self._apply(batch)
+        self._drain_held(worker)
+        return None
+
+    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
+        """Replace the worker's whole block set by a dump taken after event `last_event_id`."""
+        self.clear_worker(worker_id)
+        self.store_blocks(worker_id, hashes)
+        self._next_event[worker_id] = last_event_id + 1
+        held = self._held.get(worker_id)
+        if held:
+            for event_id in [e for e in held if e <= last_event_id]:
+                del held[event_id]
+        self._drain_held(worker_id)
+
+    def store_blocks(self, worker_id: int, hashes: Iterable[int]) -> None:
+        """Mark `hashes` (sequence hashes) as cached on `worker_id`."""
+        bit = self._slots.bit(worker_id)
+        owned = self._blocks.get(worker_id)
+        if owned is None:
+            owned = self._blocks[worker_id] = set()
+        masks = self._masks
+        get = masks.get
+        add = owned.add
+        for h in hashes:
+            mask = get(h)
+            # A block held by one worker shares that worker's `bit` object: no allocation, cache-hot.
+            masks[h] = bit if mask is None else mask | bit
+            add(h)
+
+    def remove_blocks(self, worker_id: int, hashes: Iterable[int]) -> None:
+        """Mark `hashes` as evicted from `worker_id`; hashes it does not hold are ignored."""
+        owned = self._blocks.get(worker_id)
+        if not owned:
+            return
+        bit = self._slots.bit(worker_id)
+        keep = ~bit
+        masks = self._masks
+        for h in hashes:
+            if h not in owned:
+                continue
+            owned.discard(h)
+            mask = masks[h]
+            if mask is bit:  # held by this worker alone, the common case (see store_blocks)
+                del masks[h]
+            elif mask := mask & keep:
+                masks[h] = mask
+            else:
+                del masks[h]
+
+    def clear_worker(self, worker_id: int) -> None:
+        """Drop every block of `worker_id` (its cache was cleared); its event numbering goes on."""
+        owned = self._blocks.get(worker_id)
+        if owned:
+            self.remove_blocks(worker_id, list(owned))
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget `worker_id` entirely: its blocks, its event numbering and its held batches."""
+        self.clear_worker(worker_id)
+        self._blocks.pop(worker_id, None)
+        self._slots.release(worker_id)
+        self._next_event.pop(worker_id, None)
+        self._held.pop(worker_id, None)
+
+    ##### Internals #####
+
+    def _apply(self, batch: KvEventBatch) -> None:
+        worker = batch.worker_id
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.store_blocks(worker, map(_BLOCK_HASH, event.blocks))
+            elif isinstance(event, BlockRemoved):
+                self.remove_blocks(worker, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_worker(worker)
+        self._next_event[worker] = batch.event_id + 1
+        self.num_batches_applied += 1
+
+    def _hold(self, batch: KvEventBatch, expected: int) -> Gap:
+        worker = batch.worker_id
+        held = self._held.setdefault(worker, {})
+        if worker not in self._slots:
+            self._slots.bit(worker)  # a worker first heard of through a gap is still a worker
+            self._blocks.setdefault(worker, set())
+        if len(held) < self._max_held:
+            held[batch.event_id] = batch
+            last_missing = batch.event_id - 1
+        else:
+            self.num_dropped_batches += 1
+            last_missing = batch.event_id
+        logger.debug("kv event gap on worker %d: expected %d, got %d", worker, expected, batch.event_id)
+        return Gap(worker, expected, last_missing)
+
+    def _drain_held(self, worker_id: int) -> None:
+        held = self._held.get(worker_id)
+        while held:
+            batch = held.pop(self._next_event.get(worker_id, 0), None)
+            if batch is None:
+                return
+            self._apply(batch)

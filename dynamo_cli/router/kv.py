@@ -1,0 +1,261 @@
+"""The KV-aware routing policy: indexer + in-flight load + cost, behind the `RoutingPolicy` seam.
+
+NOTE: one decision is: hash the prompt's full blocks, ask the indexer (or, in approximate mode, the
+router's own past decisions) how much of the prefix each candidate caches, read each candidate's
+in-flight load, choose by cost (cost.py), then count the request's load on the chosen worker at once.
+Every path that routes, the pinned one included, goes through that last step, so load is never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dynamo_cli.engine import KvEventBatch, LoadMetrics
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
+from dynamo_cli.router.base import RouteDecision, RouteRequest
+from dynamo_cli.router.cost import (
+    CandidateLoad,
+    CostConfig,
+    Reason,
+    Selection,
+    explain_pinned,
+    select_worker,
+)
+from dynamo_cli.router.hashing import sequence_hashes
+from dynamo_cli.router.indexer import Gap, KvIndexer
+from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KvRouterConfig:
+    """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...)."""
+
+    block_size: int = 16
+    """Tokens per KV block; must equal the workers' block size."""
+    overlap_score_weight: float = 1.0
+    """w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    temperature: float = 0.0
+    """0 = argmin; > 0 = softmax sampling over normalised logits."""
+    use_kv_events: bool = True
+    """False = approximate mode: the router's own decisions stand in for the workers' caches."""
+    hot_spot_guard: bool = True
+    """Ignore the cache and pick by load when active blocks are badly imbalanced."""
+    hot_spot_min_blocks: int = 512
+    """Hot-spot absolute threshold: max - min active blocks."""
+    hot_spot_ratio: float = 0.5
+    """Hot-spot relative threshold: (max - min) / max active blocks."""
+    approx_ttl_s: float = 120.0
+    """Approximate mode: seconds a routed prefix is presumed cached."""
+    approx_max_blocks: int = 1 << 20
+    """Approximate mode: entries kept before pruning to 80 %."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size > 0, "block_size", self.block_size, "use the workers' block size, e.g. 16"),
+            (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
+            (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
+            (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
+            (self.hot_spot_ratio >= 0, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
+            (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
+            (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
+        ]
+        for ok, name, value, fix in checks:
+            if not ok:
+                raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
+
+    @property
+    def cost(self) -> CostConfig:
+        """The selection knobs."""
+        return CostConfig(
+            block_size=self.block_size,
+            overlap_score_weight=self.overlap_score_weight,
+            temperature=self.temperature,
+            hot_spot_guard=self.hot_spot_guard,
+            hot_spot_min_blocks=self.hot_spot_min_blocks,
+            hot_spot_ratio=self.hot_spot_ratio,
+        )
+
+    @property
+    def approx(self) -> ApproxConfig:
+        """The approximate-mode cache settings."""
+        return ApproxConfig(ttl_s=self.approx_ttl_s, max_blocks=self.approx_max_blocks)
+
+
+@dataclass(slots=True)
+class RouterCounters:
+    """Monotonic counters for Prometheus (the exporter reads the attributes)."""
+
+    num_decisions: int = 0
+    num_request_blocks: int = 0
+    """Full prompt blocks of every routed request (the hit-rate denominator)."""
+    num_hit_blocks: int = 0
+    """Cached prefix blocks on the chosen workers (achieved hits)."""
+    num_reachable_hit_blocks: int = 0
+    """Best cached prefix among the candidates of each decision (reachable hits)."""
+    num_hot_spot_decisions: int = 0
+    num_pinned_decisions: int = 0
+    num_kv_gaps: int = 0
+    """Event-id gaps seen in the workers' KV event streams."""
+
+    def to_dict(self) -> dict[str, int]:
+        """Name -> value."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class KvRoutingPolicy:
+    """Routes each request to the worker with the lowest KV-aware cost; tracks what it routed."""
+
+    def __init__(
+        self,
+        config: KvRouterConfig | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or KvRouterConfig()
+        self._cost = self.config.cost
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self.indexer = KvIndexer()
+        self.approx = ApproxIndexer(self.config.approx)
+        self.sequences = ActiveSequences()
+        self.counters = RouterCounters()
+        self._gaps: list[Gap] = []
+
+    ##### RoutingPolicy #####
+
+    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+        """Choose a worker for `request` among `workers` (never empty) and count its load there."""
+        hashes = sequence_hashes(request.token_ids, self.config.block_size)
+        isl = len(request.token_ids)
+        now = self._clock()
+        loads = self._candidate_loads(hashes, workers, now)
+        if request.pinned_worker is not None and request.pinned_worker in workers:
+            selection = explain_pinned(request.pinned_worker, loads, isl, len(hashes), self._cost)
+        else:
+            selection = select_worker(loads, isl, len(hashes), self._cost, self._rng)
+        chosen = selection.chosen
+        prefill_tokens = max(0, isl - chosen.overlap_blocks * self.config.block_size)
+        self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
+        if not self.config.use_kv_events:
+            self.approx.record(chosen.worker_id, hashes, now)
+        self._count(selection, len(hashes))
+        self._log(request.request_id, selection)
+        return RouteDecision(chosen.worker_id, chosen.overlap_blocks, selection.to_dict())
+
+    def on_first_token(self, request_id: str) -> None:
+        """The request's prefill is done: its prompt tokens leave the worker's prefill load."""
+        self.sequences.mark_prefill_completed(request_id)
+
+    def on_finish(self, request_id: str) -> None:
+        """The request left its worker: free its blocks (idempotent)."""
+        self.sequences.free(request_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """The worker left discovery: drop its cached blocks and in-flight load."""
+        self.indexer.remove_worker(worker_id)
+        self.approx.remove_worker(worker_id)
+        self.sequences.remove_worker(worker_id)
+        self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        """Ingest a worker's KV events; a gap is queued for `take_gaps` (ignored in approximate mode)."""
+        if not self.config.use_kv_events:
+            return
+        gap = self.indexer.apply_batch(batch)
+        if gap is not None:
+            self.counters.num_kv_gaps += 1
+            self._gaps.append(gap)
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        """Ignored: the router predicts load from its own decisions (sequences.py)."""
+
+    ##### Repair and housekeeping #####
+
+    def take_gaps(self) -> list[Gap]:
+        """Gaps seen since the last call, one per worker (widest range); the caller asks for a dump."""
+        merged: dict[int, Gap] = {}
+        for gap in self._gaps:
+            seen = merged.get(gap.worker_id)
+            if seen is None or gap.last_missing > seen.last_missing:
+                merged[gap.worker_id] = gap
+        self._gaps = []
+        return list(merged.values())
+
+    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
+        """Replace a worker's cached blocks by its dump taken after event `last_event_id`."""
+        self.indexer.load_dump(worker_id, hashes, last_event_id)
+
+    def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
+        """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
+        return self.sequences.expire(self._clock(), max_age)
+
+    ##### Internals #####
+
+    def _candidate_loads(self, hashes: list[int], workers: Sequence[int], now: float) -> list[CandidateLoad]:
+        if self.config.use_kv_events:
+            overlaps, cached = self.indexer.find_matches(hashes), self.indexer.num_blocks
+        else:
+            overlaps, cached = self.approx.find_matches(hashes, now), self.approx.num_blocks
+        active_overlaps = self.sequences.active_overlaps(hashes)
+        sequences = self.sequences
+        return [
+            CandidateLoad(
+                worker_id=worker,
+                overlap_blocks=overlaps.get(worker, 0),
+                active_prefill_tokens=sequences.active_prefill_tokens(worker),
+                active_blocks=sequences.active_blocks(worker),
+                active_overlap_blocks=active_overlaps.get(worker, 0),
+                cached_blocks=cached(worker),
+            )
+            for worker in workers
+        ]
+
+    def _count(self, selection: Selection, num_blocks: int) -> None:
+        counters = self.counters
+        counters.num_decisions += 1
+        counters.num_request_blocks += num_blocks
+        counters.num_hit_blocks += selection.chosen.overlap_blocks
+        counters.num_reachable_hit_blocks += max(c.overlap_blocks for c in selection.candidates)
+        if selection.reason is Reason.HOT_SPOT:
+            counters.num_hot_spot_decisions += 1
+        elif selection.reason is Reason.PINNED:
+            counters.num_pinned_decisions += 1
+
+    def _log(self, request_id: str, selection: Selection) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        w = self.config.overlap_score_weight
+        for c in selection.candidates:
+            logger.debug(
+                "route %s: formula for worker %d: %.3f = %.2f * %.3f prefill + %d decode (overlap %d blocks)",
+                request_id,
+                c.worker_id,
+                c.logit,
+                w,
+                c.prefill_blocks,
+                c.decode_blocks,
+                c.overlap_blocks,
+            )
+        logger.debug(
+            "route %s: chose worker %d (%s, margin %s)",
+            request_id,
+            selection.worker_id,
+            selection.reason.value,
+            selection.margin,
+        )
+
+
+def explanation_summary(explanation: dict[str, Any]) -> str:
+    """One line for an INFO log or a header: `worker=3 reason=argmin margin=1.5 candidates=4`."""
+    return (
+        f"worker={explanation.get('worker_id')} reason={explanation.get('reason')} "
+        f"margin={explanation.get('margin')} candidates={len(explanation.get('candidates', []))}"
+    )

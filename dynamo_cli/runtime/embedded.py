@@ -1,0 +1,330 @@
+"""Embedded planes for one host with no server: file-backed discovery and a ZMQ event bus.
+
+Discovery: every key is a file under `{root}/kv/` naming its lease; a lease is a file under
+`{root}/leases/` that its process touches every TTL/3. A lease is dead when its file is stale (older
+than the TTL), missing, or its process is gone (checked by pid, so a SIGKILLed worker disappears at
+the next poll rather than after the TTL). Watchers poll the directory and diff snapshots.
+
+Events: each process binds a ZMQ PUB socket on loopback and advertises it in discovery under
+`v1/event_channels/{lease:x}`; subscribers watch that prefix and connect to every publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dynamo_cli.errors import PlaneUnavailable
+from dynamo_cli.runtime.discovery import DEFAULT_TTL_S, Discovery, WatchEvent, WatchKind
+from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE, subject_matches
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""How often watchers rescan the directory."""
+
+_HOST = socket.gethostname()
+
+
+def embedded_root(url: str) -> Path:
+    """Directory behind `embedded`, `embedded:///DIR` or `file:///DIR` (default: DYN_HOME or /tmp/dyn-UID)."""
+    for scheme in ("file://", "embedded://"):
+        if url.startswith(scheme) and len(url) > len(scheme):
+            return Path(url[len(scheme) :]).expanduser()
+    base = os.environ.get("DYN_HOME") or f"/tmp/dyn-{os.getuid()}"
+    return Path(base) / "embedded"
+
+
+class _LeaseRecord(msgspec.Struct, frozen=True):
+    pid: int
+    host: str
+    ttl: float
+
+
+class _KeyRecord(msgspec.Struct, frozen=True, array_like=True):
+    lease: int
+    value: bytes
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a SIGKILLed child not yet reaped is a zombie: dead for our purpose
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class FileDiscovery:
+    """The `Discovery` Protocol over a directory shared by the processes of one host."""
+
+    def __init__(self, root: Path, *, ttl: float = DEFAULT_TTL_S) -> None:
+        self._root = root
+        self._ttl = ttl
+        self._lease_id = random.getrandbits(63) | 1
+        self._owned: set[str] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease_id
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    ##### Lifecycle #####
+
+    async def start(self) -> None:
+        try:
+            (self._root / "kv").mkdir(parents=True, exist_ok=True)
+            (self._root / "leases").mkdir(parents=True, exist_ok=True)
+            self._touch_lease()
+        except OSError as exc:
+            raise PlaneUnavailable("embedded discovery", str(self._root), str(exc)) from exc
+        # NOTE: owned by this object; close() cancels it. A dead process stops touching its lease.
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        for key in list(self._owned):
+            self._unlink(self._key_path(key))
+        self._unlink(self._lease_path(self._lease_id))
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                self._touch_lease()
+            except OSError as exc:
+                logger.warning("embedded discovery: cannot refresh lease in %s: %s", self._root, exc)
+
+    def _touch_lease(self) -> None:
+        path = self._lease_path(self._lease_id)
+        if path.exists():
+            os.utime(path)
+        else:
+            self._write_atomic(path, msgspec.json.encode(_LeaseRecord(os.getpid(), _HOST, self._ttl)))
+
+    ##### Key-value #####
+
+    async def put(self, key: str, value: bytes, *, leased: bool = True) -> None:
+        record = _KeyRecord(self._lease_id if leased else 0, value)
+        self._write_atomic(self._key_path(key), msgspec.msgpack.encode(record))
+        if leased:
+            self._owned.add(key)
+
+    async def delete(self, key: str) -> None:
+        self._unlink(self._key_path(key))
+        self._owned.discard(key)
+
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        return {key: value for key, (_, value) in self._scan(prefix, {}).items()}
+
+    async def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
+        known: dict[str, tuple[int, bytes]] = {}
+        cache: dict[str, tuple[int, int, bytes]] = {}
+        while True:
+            current = self._scan(prefix, cache)
+            for key, (stamp, value) in current.items():
+                if known.get(key, (None,))[0] != stamp:
+                    yield WatchEvent(kind=WatchKind.PUT, key=key, value=value)
+            for key in known.keys() - current.keys():
+                yield WatchEvent(kind=WatchKind.DELETE, key=key)
+            known = current
+            await asyncio.sleep(POLL_S)
+
+    ##### Files #####
+
+    def _scan(self, prefix: str, cache: dict[str, tuple[int, int, bytes]]) -> dict[str, tuple[int, bytes]]:
+        """Live keys under `prefix` → (change stamp, value); `cache` saves re-reading unchanged files."""
+        quoted = quote(prefix, safe="")
+        leases: dict[int, bool] = {}
+        out: dict[str, tuple[int, bytes]] = {}
+        try:
+            entries = [e for e in os.scandir(self._root / "kv") if e.name.startswith(quoted)]
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            record = self._read_key(entry, cache)
+            if record is None:
+                continue
+            lease, stamp, value = record
+            if lease and not leases.setdefault(lease, self._lease_alive(lease)):
+                self._unlink(Path(entry.path))  # garbage-collect a dead process's key
+                continue
+            out[unquote(entry.name)] = (stamp, value)
+        return out
+
+    def _read_key(self, entry: os.DirEntry[str], cache: dict[str, tuple[int, int, bytes]]) -> tuple[int, int, bytes] | None:
+        try:
+            stamp = entry.stat().st_mtime_ns ^ entry.inode()
+        except FileNotFoundError:
+            return None
+        hit = cache.get(entry.name)
+        if hit is not None and hit[1] == stamp:
+            return hit
+        try:
+            record = msgspec.msgpack.decode(Path(entry.path).read_bytes(), type=_KeyRecord)
+        except (OSError, msgspec.DecodeError):
+            return None
+        cache[entry.name] = (record.lease, stamp, record.value)
+        return cache[entry.name]
+
+    def _lease_alive(self, lease: int) -> bool:
+        path = self._lease_path(lease)
+        try:
+            age = time.time() - path.stat().st_mtime
+            record = msgspec.json.decode(path.read_bytes(), type=_LeaseRecord)
+        except (OSError, msgspec.DecodeError):
+            return False
+        alive = age <= record.ttl and (record.host != _HOST or _pid_alive(record.pid))
+        if not alive:
+            self._unlink(path)
+        return alive
+
+    def _key_path(self, key: str) -> Path:
+        return self._root / "kv" / quote(key, safe="")
+
+    def _lease_path(self, lease: int) -> Path:
+        return self._root / "leases" / f"{lease:x}"
+
+    @staticmethod
+    def _write_atomic(path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+##### Events over ZMQ #####
+
+CHANNEL_PREFIX = "v1/event_channels/"
+
+
+class _ZmqSubscription:
+    """One subscription: a SUB socket connected to every advertised publisher."""
+
+    def __init__(self, bus: ZmqEventBus, pattern: str) -> None:
+        self.dropped = 0
+        self._pattern = pattern
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self._socket = bus._context.socket(zmq.SUB)
+        literal = pattern.split("*", 1)[0].split(">", 1)[0]
+        self._socket.setsockopt(zmq.SUBSCRIBE, literal.encode())
+        self._socket.setsockopt(zmq.RCVHWM, SUBSCRIBER_QUEUE)
+        self._bus = bus
+        self._connected: dict[str, str] = {}
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._follow_publishers()),
+            asyncio.get_running_loop().create_task(self._pump()),
+        ]
+
+    async def _follow_publishers(self) -> None:
+        async for event in self._bus._discovery.watch(CHANNEL_PREFIX):
+            if event.kind is WatchKind.PUT:
+                address = event.value.decode()
+                if self._connected.get(event.key) != address:
+                    self._socket.connect(address)
+                    self._connected[event.key] = address
+            elif event.key in self._connected:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.disconnect(self._connected.pop(event.key))
+
+    async def _pump(self) -> None:
+        while True:
+            subject_raw, payload = await self._socket.recv_multipart()
+            subject = subject_raw.decode()
+            if not subject_matches(self._pattern, subject):
+                continue
+            try:
+                self._queue.put_nowait((subject, payload))
+            except asyncio.QueueFull:
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 10_000 == 0:
+                    logger.warning("event subscriber on %s is slow: %d messages dropped", self._pattern, self.dropped)
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[str, bytes]]:
+        while True:
+            yield await self._queue.get()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._socket.close(linger=0)
+
+
+class ZmqEventBus:
+    """The `EventBus` Protocol on one host: ZMQ PUB per process, SUB connects via discovery."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+        self._context = zmq.asyncio.Context()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._subs: list[_ZmqSubscription] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        pub = self._context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_QUEUE)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        self._pub = pub
+        await self._discovery.put(f"{CHANNEL_PREFIX}{self._discovery.lease_id:x}", f"tcp://127.0.0.1:{port}".encode())
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        assert self._pub is not None, "start() first"
+        try:
+            await self._pub.send_multipart([subject.encode(), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB drops at its high-water mark: the event plane never blocks a publisher
+
+    async def subscribe(self, subject: str) -> _ZmqSubscription:
+        sub = _ZmqSubscription(self, subject)
+        self._subs.append(sub)
+        return sub
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self._subs:
+            await sub.close()
+        if self._pub is not None:
+            self._pub.close(linger=0)
+        self._context.term()

@@ -1,0 +1,171 @@
+"""A worker process: an engine behind a request-plane endpoint, registered in discovery.
+
+Lifecycle: start the planes, start the engine, listen, register instance + model card under the
+process lease, publish KV events and load while serving; on SIGTERM deregister first (no new
+requests arrive), drain in-flight streams within the grace period, then stop everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from dynamo_cli.config import WorkerConfig
+from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.errors import RequestError
+from dynamo_cli.model_card import InstanceRecord, ModelCard
+from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.events import EventBus, open_event_bus
+from dynamo_cli.runtime.names import EndpointName, component_subject
+from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.transport import RequestServer
+
+logger = logging.getLogger(__name__)
+
+LOAD_INTERVAL_S = 0.05
+"""How often a changed load snapshot is published."""
+
+
+class Worker:
+    """One engine served on one endpoint."""
+
+    def __init__(self, config: WorkerConfig, engine: Engine, discovery: Discovery, bus: EventBus) -> None:
+        self.config = config
+        self.engine = engine
+        self.discovery = discovery
+        self.bus = bus
+        self.name = EndpointName(config.namespace, config.component, config.endpoint)
+        self.server = RequestServer(config.host, config.port)
+        self._request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+        self._chunk_encoder = msgspec.msgpack.Encoder()
+
+    @property
+    def instance_id(self) -> int:
+        return self.discovery.lease_id
+
+    async def generate(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """The `generate` endpoint: decode, run, encode; closing aborts the engine request."""
+        try:
+            request = self._request_decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"malformed generate request: {exc}") from exc
+        encode = self._chunk_encoder.encode
+        chunk: GenerateChunk
+        async for chunk in self.engine.generate(request):
+            yield encode(chunk)
+
+    async def register(self, address: str) -> ModelCard:
+        """Publish instance and model card under the process lease."""
+        info = await self.engine.start()
+        card = ModelCard.from_engine(info, self.config.engine, self.config.role)
+        record = InstanceRecord(
+            namespace=self.name.namespace,
+            component=self.name.component,
+            endpoint=self.name.endpoint,
+            instance_id=self.instance_id,
+            transport={"tcp": address},
+            role=self.config.role.value,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+        await self.discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
+        await self.discovery.put(self.name.instance_key(self.instance_id), msgspec.json.encode(record))
+        return card
+
+    async def deregister(self) -> None:
+        """Remove instance and card so routers stop sending here."""
+        await self.discovery.delete(self.name.instance_key(self.instance_id))
+        await self.discovery.delete(self.name.card_key(self.instance_id))
+
+    async def pump_kv_events(self) -> None:
+        """Relay the engine's KV events to the event plane, stamped with this instance's id."""
+        subject = component_subject(self.name.namespace, self.name.component, "kv-events")
+        encode = msgspec.msgpack.encode
+        async for batch in self.engine.kv_events():
+            stamped = msgspec.structs.replace(batch, worker_id=self.instance_id)
+            await self.bus.publish(subject, encode(stamped))
+
+    async def pump_load(self) -> None:
+        """Publish the engine's load whenever it changes (at most every LOAD_INTERVAL_S)."""
+        subject = component_subject(self.name.namespace, self.name.component, "kv-metrics")
+        last = None
+        while True:
+            metrics = msgspec.structs.replace(self.engine.load_metrics(), worker_id=self.instance_id)
+            if metrics != last:
+                await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
+                last = metrics
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
+
+async def serve_worker(config: WorkerConfig) -> None:
+    """Run a worker until SIGTERM/SIGINT, then drain and exit."""
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    discovery = open_discovery(config.planes.discovery, ttl=config.planes.lease_ttl)
+    await discovery.start()
+    bus = open_event_bus(config.planes.events, discovery)
+    try:
+        await bus.start()
+        engine = load_engine(config.engine)(_engine_args(config))
+        worker = Worker(config, engine, discovery, bus)
+        await _serve_until(worker, stop)
+    finally:
+        await bus.close()
+        await discovery.close()
+
+
+async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
+    worker.server.add_endpoint(worker.config.endpoint, worker.generate)
+    address = await worker.server.start()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        card = await worker.register(address)
+        loop = asyncio.get_running_loop()
+        # NOTE: the worker's background loops; owned here and cancelled on the way out.
+        tasks = [loop.create_task(worker.pump_kv_events()), loop.create_task(worker.pump_load())]
+        print(
+            f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
+            f"model={card.display_name} engine={card.engine} role={card.role}",
+            flush=True,
+        )
+        await _wait_stop(stop, tasks)
+        await worker.deregister()
+        finished = await worker.server.drain(worker.config.graceful_shutdown_s)
+        if not finished:
+            logger.warning("grace period over with %d streams in flight; aborting them", worker.server.num_inflight)
+    finally:
+        await cancel_and_wait(*tasks)
+        await worker.server.close()
+        await worker.engine.stop()
+
+
+async def _wait_stop(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
+    """Return on stop; re-raise if a background loop died."""
+    stopper = asyncio.get_running_loop().create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    await cancel_and_wait(stopper)
+    for task in done:
+        if task is not stopper and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+
+def _engine_args(config: WorkerConfig) -> EngineArgs:
+    return EngineArgs(
+        model=config.model,
+        served_model_name=config.served_model_name,
+        role=config.role,
+        block_size=config.block_size,
+        context_length=config.context_length,
+        extra=dict(config.extra),
+    )
+
+
+def print_error(message: str) -> None:
+    """Last-resort error line for a worker subprocess."""
+    print(message, file=sys.stderr, flush=True)

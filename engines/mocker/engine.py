@@ -1,0 +1,317 @@
+"""The mocker engine: Dynamo's GPU-free simulated engine behind the `Engine` contract.
+
+A step loop runs scheduler passes and sleeps each pass's simulated time, so tokens arrive with the
+latency a real GPU worker would show (divided by the speedup ratio), KV blocks fill and evict as in a
+paged cache, and the router sees the same KV events. It lets routing, planning and disaggregation be
+measured at scale on one laptop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dynamo_cli.engine import (
+    EngineArgs,
+    EngineInfo,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    LoadMetrics,
+    Role,
+)
+from dynamo_cli.errors import ContextOverflow, DynError, RequestError
+from engines.mocker.config import MockerConfig
+from engines.mocker.events import EventRing
+from engines.mocker.kv_manager import KvManager
+from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
+from engines.mocker.timing import TimingModel
+
+logger = logging.getLogger(__name__)
+
+MAX_CATCH_UP_S = 0.005
+"""A busy loop that wakes this late starts the next pass at its nominal time, so the simulated clock
+does not drift by the event loop's oversleep; later than that (a starved CPU) it starts afresh."""
+
+
+class EngineState(enum.Enum):
+    """Lifecycle of a MockerEngine."""
+
+    CREATED = "created"  # configured; start() not called yet
+    RUNNING = "running"  # the step loop runs passes
+    STOPPED = "stopped"  # stop() called, or the step loop failed; no new requests
+
+
+class _Stream:
+    """Tokens of one request waiting for its consumer; several pile into one chunk if it lags."""
+
+    __slots__ = ("request", "token_ids", "finish_reason", "waiter")
+
+    def __init__(self, request: MockRequest) -> None:
+        self.request = request
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def end(self, reason: FinishReason) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason.value
+        self.wake()
+
+
+class MockerEngine:
+    """Simulated engine; `EngineArgs.extra` keys are those of `MockerConfig` (speedup_ratio, …)."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.config = config = MockerConfig.from_args(args)
+        self.state = EngineState.CREATED
+        self._kv = KvManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self._scheduler = Scheduler(
+            self._kv,
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                is_prefill_only=config.role is Role.PREFILL,
+            ),
+            TimingModel(config.speedup_ratio, config.decode_speedup_ratio),
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._events = EventRing()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._deadline: float | None = None  # when the current pass ends, in loop time
+        self._info: EngineInfo | None = None
+
+    ##### The Engine contract #####
+
+    async def start(self) -> EngineInfo:
+        """Start the step loop; the model is only a tokenizer source, nothing is loaded."""
+        if self._info is None:
+            self._info = self._engine_info()
+        if self.state is EngineState.CREATED:
+            # The engine owns its one loop task and cancels it in stop().
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="mocker-step-loop")
+            self.state = EngineState.RUNNING
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream exactly `max_tokens` random tokens; closing or cancelling the iterator aborts it."""
+        mock = self._admit(request)
+        stream = _Stream(mock)
+        self._streams[request.request_id] = stream
+        try:
+            await self._simulate_transfer(request)
+            if stream.finish_reason is None:  # stop() may have come during the transfer
+                self._scheduler.add(mock)
+                self._wakeup.set()
+            async for chunk in self._chunks(stream):
+                yield chunk
+        finally:
+            if self._streams.get(request.request_id) is stream:
+                del self._streams[request.request_id]
+            if stream.finish_reason is None:  # closed early: free the blocks now, not at the next pass
+                self._scheduler.abort(request.request_id)
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """Every KV cache change in event-id order, from the oldest batch kept, until stop()."""
+        return self._events.subscribe()
+
+    def load_metrics(self) -> LoadMetrics:
+        """Queue lengths, KV blocks in use and prompt-token counters, as of now."""
+        scheduler = self._scheduler
+        return LoadMetrics(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            active_blocks=self._kv.num_active_blocks,
+            total_blocks=self._kv.num_blocks,
+            active_prefill_tokens=scheduler.num_prompt_tokens_left(),
+            num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
+            num_prefill_tokens_cached=scheduler.num_prefill_tokens_cached,
+        )
+
+    async def stop(self) -> None:
+        """Cancel the step loop and end every open stream as cancelled. Idempotent."""
+        self.state = EngineState.STOPPED
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._end_all(FinishReason.CANCELLED)
+        self._events.close()
+
+    ##### The step loop #####
+
+    async def _run(self) -> None:
+        # NOTE: one pass = schedule + compute + emit, as in Dynamo's mocker. The scheduler decides the
+        # whole pass up front (pure); its KV events are published when the pass starts, its tokens are
+        # delivered when the pass's simulated time (polynomial timing model) has elapsed. With nothing
+        # queued the loop waits on an event instead of spinning.
+        try:
+            while True:
+                await self._wait_for_work()
+                result = self._scheduler.step()
+                self._publish_events()
+                await self._sleep_pass(result.duration_ms)
+                self._deliver(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("mocker step loop failed; ending every stream with an error")
+            self.state = EngineState.STOPPED
+            self._end_all(FinishReason.ERROR)
+            self._events.close()
+
+    async def _wait_for_work(self) -> None:
+        if self._scheduler.has_work:
+            return
+        self._deadline = None  # idle: the next pass starts whenever work arrives
+        self._wakeup.clear()
+        while not self._scheduler.has_work:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+
+    def _publish_events(self) -> None:
+        batch = self._kv.take_events(timestamp=time.time())
+        if batch is not None:
+            self._events.append(batch)
+
+    async def _sleep_pass(self, duration_ms: float) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = self._deadline
+        if start is None or now - start > MAX_CATCH_UP_S:
+            start = now
+        self._deadline = deadline = start + duration_ms / 1000.0
+        delay = deadline - now
+        # sleep(0) still yields, so consumers run between passes even at a huge speedup ratio.
+        await asyncio.sleep(delay if delay > 0 else 0)
+
+    def _deliver(self, result: PassResult) -> None:
+        streams = self._streams
+        for request in result.emitted:
+            stream = streams.get(request.request_id)
+            if stream is None or stream.request is not request:
+                continue  # aborted during the pass
+            stream.token_ids.append(request.token_ids[-1])
+            if request.num_output_tokens >= request.max_tokens:
+                stream.finish_reason = FinishReason.LENGTH.value
+            stream.wake()
+
+    ##### Requests #####
+
+    def _admit(self, request: GenerateRequest) -> MockRequest:
+        if self.state is not EngineState.RUNNING:
+            raise DynError(f"the mocker engine is {self.state.value}; call start() before generate()")
+        self._check_request(request)
+        max_tokens = 1 if self.config.role is Role.PREFILL else request.max_tokens
+        is_prefilled = request.kv_transfer is not None and self.config.role is not Role.PREFILL
+        return MockRequest(
+            request.request_id,
+            request.token_ids,
+            max_tokens,
+            self.config.block_size,
+            seed=request.seed,
+            is_prefilled=is_prefilled,
+        )
+
+    def _check_request(self, request: GenerateRequest) -> None:
+        num_prompt = len(request.token_ids)
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        if num_prompt == 0:
+            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+        if num_prompt + request.max_tokens > self.config.context_length:
+            raise ContextOverflow(num_prompt, request.max_tokens, self.config.context_length)
+        num_blocks = -(-(num_prompt + request.max_tokens) // self.config.block_size)
+        if num_blocks > self.config.num_gpu_blocks:
+            raise RequestError(
+                f"prompt ({num_prompt}) + max_tokens ({request.max_tokens}) needs {num_blocks} KV blocks "
+                f"but the engine has {self.config.num_gpu_blocks}; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+            )
+        if request.request_id in self._streams:
+            raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+
+    async def _simulate_transfer(self, request: GenerateRequest) -> None:
+        if request.kv_transfer is None or self.config.role is Role.PREFILL:
+            return
+        num_tokens = int(request.kv_transfer.get("num_tokens", len(request.token_ids)))
+        delay = self.config.transfer_delay_s(num_tokens)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _chunks(self, stream: _Stream) -> AsyncIterator[GenerateChunk]:
+        loop = asyncio.get_running_loop()
+        is_first = True
+        while True:
+            if not stream.token_ids and stream.finish_reason is None:
+                stream.waiter = loop.create_future()
+                await stream.waiter
+            token_ids, stream.token_ids = stream.token_ids, []
+            finish_reason = stream.finish_reason
+            yield GenerateChunk(
+                token_ids=token_ids,
+                finish_reason=finish_reason,
+                num_cached_tokens=stream.request.num_cached_tokens if is_first else None,
+                kv_transfer=self._kv_handle(stream.request) if finish_reason == "length" else None,
+            )
+            if finish_reason is not None:
+                return
+            is_first = False
+
+    def _kv_handle(self, request: MockRequest) -> dict[str, Any] | None:
+        if self.config.role is not Role.PREFILL:
+            return None
+        return {
+            "mock": True,
+            "request_id": request.request_id,
+            "num_tokens": request.prompt_len,
+            "block_size": self.config.block_size,
+        }
+
+    def _end_all(self, reason: FinishReason) -> None:
+        for request_id, stream in list(self._streams.items()):
+            if stream.finish_reason is None:
+                self._scheduler.abort(request_id)
+            stream.end(reason)
+
+    def _engine_info(self) -> EngineInfo:
+        config = self.config
+        return EngineInfo(
+            model_name=config.served_model_name or _display_name(config.model),
+            tokenizer_source=_tokenizer_source(config.model),
+            block_size=config.block_size,
+            context_length=config.context_length,
+            total_kv_blocks=config.num_gpu_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            extra={"engine": "mocker", "speedup_ratio": config.speedup_ratio, "role": config.role.value},
+        )
+
+
+def _tokenizer_source(model: str) -> str:
+    # Imported here: the tokenizer module pulls in `tokenizers`, which the step loop never needs.
+    from dynamo_cli.frontend.tokenizer import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def _display_name(model: str) -> str:
+    from dynamo_cli.frontend.tokenizer import model_display_name
+
+    return model_display_name(model)

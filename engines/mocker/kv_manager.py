@@ -1,0 +1,221 @@
+"""Paged KV blocks with prefix caching: a ref-counted active pool over an LRU pool of cached blocks.
+
+A full block is named by the sequence hash of the prefix ending at it, so two requests sharing a
+prefix share its blocks. A block still being filled (the last, partial block of a sequence) gets a
+private negative key and is renamed to its sequence hash once full. A block nobody references moves
+to the inactive pool: it still serves prefix hits until a new allocation evicts it, least recently
+released first. Sequences release their blocks tail-first, so deeper blocks die before the shallow
+prefix blocks that more requests share (Dynamo's depth-aware eviction). Every block that enters the
+cache is published as `BlockStored`, every eviction as `BlockRemoved` (only with prefix caching on,
+as in Dynamo and vLLM). Pure and synchronous: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from dynamo_cli.engine import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+
+_REF = 0  # the block is active: take one more reference
+_REUSE = 1  # the block is cached in the inactive pool: bring it back
+_NEW = 2  # the block is not cached: take a free block (evicting if needed)
+
+
+class KvManager:
+    """Block accounting for one engine; tables map a request id to its blocks' keys in order."""
+
+    __slots__ = (
+        "block_size",
+        "num_blocks",
+        "enable_prefix_caching",
+        "_active",
+        "_inactive",
+        "_tables",
+        "_next_private",
+        "_events",
+        "_next_event_id",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._active: dict[int, int] = {}  # key -> reference count (> 0)
+        self._inactive: OrderedDict[int, None] = OrderedDict()  # LRU order: first is evicted first
+        self._tables: dict[str, list[int]] = {}
+        self._next_private = -1  # private keys are negative; sequence hashes are u64
+        self._events: list[KvEvent] = []
+        self._next_event_id = 0
+
+    ##### Queries #####
+
+    @property
+    def num_active_blocks(self) -> int:
+        """Blocks referenced by at least one request (partial blocks included)."""
+        return len(self._active)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks kept for prefix reuse; evicted on demand."""
+        return len(self._inactive)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks holding nothing."""
+        return self.num_blocks - len(self._active) - len(self._inactive)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the cache referenced by requests (the decode timing model's input)."""
+        return len(self._active) / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The keys of a request's blocks (a copy); negative keys are private partial blocks."""
+        return list(self._tables.get(request_id, ()))
+
+    def cached_lru_order(self) -> list[int]:
+        """Sequence hashes of the inactive pool, next to be evicted first."""
+        return list(self._inactive)
+
+    def num_prefix_hits(self, seq_hashes: Sequence[int]) -> int:
+        """How many leading full blocks of a sequence are already cached (active or inactive)."""
+        if not self.enable_prefix_caching:
+            return 0
+        active, inactive = self._active, self._inactive
+        for i, key in enumerate(seq_hashes):
+            if key not in active and key not in inactive:
+                return i
+        return len(seq_hashes)
+
+    ##### Allocation #####
+
+    def allocate(
+        self, request_id: str, num_tokens: int, seq_hashes: Sequence[int], local_hashes: Sequence[int]
+    ) -> bool:
+        """Grow a request's table to hold `num_tokens`; False, with nothing changed, if blocks run out.
+
+        `seq_hashes` / `local_hashes` name every full block of the first `num_tokens` tokens (more are fine).
+        """
+        table = self._tables.setdefault(request_id, [])
+        if not self.enable_prefix_caching:
+            return self._allocate_private(table, -(-num_tokens // self.block_size))
+        num_full = num_tokens // self.block_size
+        has_partial = bool(table) and table[-1] < 0
+        first = len(table) - has_partial  # first index that is not yet a full block
+        plan = [self._classify(seq_hashes[i]) for i in range(first, num_full)]
+        frees_partial = has_partial and num_full > first and plan[0] != _NEW
+        num_new = plan.count(_NEW) - (has_partial and num_full > first and plan[0] == _NEW)
+        needs_partial = num_tokens % self.block_size != 0 and len(table) <= num_full
+        num_new += needs_partial
+        num_reused = plan.count(_REUSE)
+        if num_new > self.num_free_blocks + frees_partial + len(self._inactive) - num_reused:
+            return False
+        self._take_cached(seq_hashes, first, plan)
+        if frees_partial:
+            del self._active[table.pop()]
+        self._evict(num_new - self.num_free_blocks)
+        self._fill_full(table, first, plan, seq_hashes, local_hashes)
+        if needs_partial:
+            table.append(self._new_private())
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks tail-first; full ones stay cached for prefix reuse."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return
+        active, inactive = self._active, self._inactive
+        for key in reversed(table):
+            count = active[key] - 1
+            if count:
+                active[key] = count
+                continue
+            del active[key]
+            if key >= 0:
+                inactive[key] = None
+
+    ##### Events #####
+
+    def take_events(self, timestamp: float = 0.0, worker_id: int = 0) -> KvEventBatch | None:
+        """The events since the last call as one batch (ids 0, 1, 2 …), or None if there were none."""
+        if not self._events:
+            return None
+        batch = KvEventBatch(
+            event_id=self._next_event_id, events=self._events, worker_id=worker_id, timestamp=timestamp
+        )
+        self._next_event_id += 1
+        self._events = []
+        return batch
+
+    ##### Internals #####
+
+    def _classify(self, key: int) -> int:
+        if key in self._active:
+            return _REF
+        return _REUSE if key in self._inactive else _NEW
+
+    def _allocate_private(self, table: list[int], num_blocks: int) -> bool:
+        num_new = num_blocks - len(table)
+        if num_new > self.num_free_blocks:
+            return False
+        for _ in range(num_new):
+            table.append(self._new_private())
+        return True
+
+    def _new_private(self) -> int:
+        key = self._next_private
+        self._next_private -= 1
+        self._active[key] = 1
+        return key
+
+    def _take_cached(self, seq_hashes: Sequence[int], first: int, plan: list[int]) -> None:
+        # Hits are taken before evicting, so an eviction can never remove a block this request needs.
+        active, inactive = self._active, self._inactive
+        for offset, kind in enumerate(plan):
+            key = seq_hashes[first + offset]
+            if kind == _REF:
+                active[key] += 1
+            elif kind == _REUSE:
+                del inactive[key]
+                active[key] = 1
+
+    def _evict(self, count: int) -> None:
+        if count <= 0:
+            return
+        removed = [self._inactive.popitem(last=False)[0] for _ in range(count)]
+        self._events.append(BlockRemoved(block_hashes=removed))
+
+    def _fill_full(
+        self,
+        table: list[int],
+        first: int,
+        plan: list[int],
+        seq_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+    ) -> None:
+        # Consecutive new blocks are published as one BlockStored after their parent's hash.
+        run: list[StoredBlock] = []
+        run_parent: int | None = None
+        for offset, kind in enumerate(plan):
+            i = first + offset
+            key = seq_hashes[i]
+            if kind == _NEW:
+                if i < len(table):  # the partial block filled up: rename it
+                    del self._active[table[i]]
+                    table[i] = key
+                else:
+                    table.append(key)
+                self._active[key] = 1
+                if not run:
+                    run_parent = seq_hashes[i - 1] if i else None
+                run.append(StoredBlock(block_hash=key, tokens_hash=local_hashes[i]))
+                continue
+            table.append(key)
+            self._flush_stored(run_parent, run)
+            run = []
+        self._flush_stored(run_parent, run)
+
+    def _flush_stored(self, parent: int | None, run: list[StoredBlock]) -> None:
+        if run:
+            self._events.append(BlockStored(parent_hash=parent, blocks=run))

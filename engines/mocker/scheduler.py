@@ -1,0 +1,273 @@
+"""A vLLM-style continuous-batching pass over simulated requests, as Dynamo's mocker runs it.
+
+Each pass has a token budget. Running requests are served first (a decoding request needs 1 token, a
+prefilling one the rest of its prompt, chunked to the budget), then waiting requests are admitted in
+arrival order. A prefix found in the KV cache counts as computed when a request is first scheduled.
+When a running request cannot get a block, the newest running request is preempted (LIFO, as vLLM
+v1): its blocks are freed and it goes back to the front of the queue to be recomputed. Every request
+whose tokens are all computed emits one token at the end of the pass. Pure and deterministic: token
+ids come from a per-request RNG, time from `TimingModel`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynamo_cli.router.hashing import block_hash, chain_hash
+from engines.mocker.kv_manager import KvManager
+from engines.mocker.timing import TimingModel
+
+TOKEN_ID_LOW = 1000
+TOKEN_ID_HIGH = 2000
+
+
+class MockRequest:
+    """One simulated sequence: prompt plus the tokens generated so far."""
+
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "prompt_len",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_output_tokens",
+        "num_cached_tokens",
+        "is_prefilled",
+        "seq_hashes",
+        "local_hashes",
+        "_rng",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        block_size: int,
+        seed: int | None = None,
+        is_prefilled: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # set at first schedule
+        self.is_prefilled = is_prefilled  # disagg: the prompt's KV came from a prefill worker
+        self.seq_hashes: list[int] = []
+        self.local_hashes: list[int] = []
+        self._rng = random.Random(seed)
+        self.extend_hashes(block_size)
+
+    @property
+    def is_finished(self) -> bool:
+        """All `max_tokens` tokens were emitted."""
+        return self.num_output_tokens >= self.max_tokens
+
+    def extend_hashes(self, block_size: int) -> None:
+        """Hash every full block not hashed yet (prompt blocks at creation, then generated ones)."""
+        tokens, seq, local = self.token_ids, self.seq_hashes, self.local_hashes
+        parent = seq[-1] if seq else None
+        for i in range(len(seq), len(tokens) // block_size):
+            h = block_hash(tokens[i * block_size : (i + 1) * block_size])
+            parent = chain_hash(parent, h)
+            local.append(h)
+            seq.append(parent)
+
+    def emit_token(self, block_size: int) -> int:
+        """Draw the next output token, append it to the sequence and return it."""
+        token = self._rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH)
+        self.token_ids.append(token)
+        self.num_output_tokens += 1
+        if len(self.token_ids) % block_size == 0:
+            self.extend_hashes(block_size)
+        return token
+
+
+_Scheduled = list[tuple[MockRequest, int]]  # (request, tokens computed for it this pass)
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """What one pass did."""
+
+    emitted: list[MockRequest]
+    """Requests that got one token this pass (its id is `token_ids[-1]`), in schedule order."""
+    finished: list[MockRequest]
+    """Requests that emitted their last token this pass; their blocks are already released."""
+    duration_ms: float
+    """Simulated wall time of the pass."""
+    num_prefill_tokens: int
+    """Prompt tokens computed this pass (prefix-cache hits excluded)."""
+    num_preempted: int
+    """Running requests preempted this pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batch limits of the simulated engine."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one pass."""
+    is_prefill_only: bool = False
+    """Prefill role: passes have no decode time."""
+
+
+class Scheduler:
+    """Waiting and running queues over a `KvManager`; `step()` runs one pass."""
+
+    __slots__ = (
+        "kv",
+        "config",
+        "timing",
+        "waiting",
+        "running",
+        "num_prefill_tokens_computed",
+        "num_prefill_tokens_cached",
+    )
+
+    def __init__(self, kv: KvManager, config: SchedulerConfig, timing: TimingModel) -> None:
+        self.kv = kv
+        self.config = config
+        self.timing = timing
+        self.waiting: deque[MockRequest] = deque()
+        self.running: list[MockRequest] = []
+        self.num_prefill_tokens_computed = 0
+        self.num_prefill_tokens_cached = 0
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a pass would do anything."""
+        return bool(self.running or self.waiting)
+
+    def add(self, request: MockRequest) -> None:
+        """Queue a request behind those already waiting."""
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks at once; False if unknown."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.kv.free(request_id)
+                    return True
+        return False
+
+    def num_prompt_tokens_left(self) -> int:
+        """Prompt tokens still to compute over every queued request (the router's prefill load)."""
+        queued = [*self.running, *self.waiting]
+        return sum(max(0, r.prompt_len - r.num_computed_tokens) for r in queued)
+
+    def step(self) -> PassResult:
+        """Run one pass: schedule, compute, emit one token per ready request, release finished ones."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: _Scheduled = []
+        budget, num_preempted = self._schedule_running(budget, scheduled)
+        if num_preempted == 0:
+            self._schedule_waiting(budget, scheduled)
+        num_prefill_tokens = self._compute(scheduled)
+        emitted, finished = self._emit_tokens(scheduled)
+        num_decoding = 0 if self.config.is_prefill_only else len(emitted)
+        duration = self.timing.pass_ms(num_prefill_tokens, num_decoding, self.kv.usage)
+        self._release(finished)
+        return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted)
+
+    ##### Internals #####
+
+    def _schedule_running(self, budget: int, scheduled: _Scheduled) -> tuple[int, int]:
+        running, kv = self.running, self.kv
+        num_preempted = 0
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while not kv.allocate(request.request_id, total, request.seq_hashes, request.local_hashes):
+                victim = running.pop()  # LIFO: the newest running request gives way
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+        return budget, num_preempted
+
+    def _schedule_waiting(self, budget: int, scheduled: _Scheduled) -> None:
+        waiting, running, kv = self.waiting, self.running, self.kv
+        max_num_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            request = waiting[0]
+            if request.num_computed_tokens == 0:
+                self._apply_prefix_hits(request)
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            if not kv.allocate(request.request_id, total, request.seq_hashes, request.local_hashes):
+                kv.free(request.request_id)  # undo the prefix blocks taken: retry next pass
+                request.num_computed_tokens = 0
+                break
+            waiting.popleft()
+            running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _apply_prefix_hits(self, request: MockRequest) -> None:
+        # At least one token is always computed: the last one yields the logits for the next token.
+        num_hits = self.kv.num_prefix_hits(request.seq_hashes)
+        cached = min(num_hits * self.kv.block_size, len(request.token_ids) - 1)
+        if request.is_prefilled:  # the prompt's KV was transferred: only the blocks need allocating
+            cached = 0
+        request.num_computed_tokens = cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+            self.num_prefill_tokens_cached += cached
+
+    def _compute(self, scheduled: _Scheduled) -> int:
+        num_prefill_tokens = 0
+        for request, num_new in scheduled:
+            is_decode = (
+                num_new == 1
+                and request.num_output_tokens > 0
+                and (request.num_computed_tokens == len(request.token_ids) - 1)
+            )
+            if not is_decode and not request.is_prefilled:
+                num_prefill_tokens += num_new
+            request.num_computed_tokens += num_new
+        self.num_prefill_tokens_computed += num_prefill_tokens
+        return num_prefill_tokens
+
+    def _emit_tokens(self, scheduled: _Scheduled) -> tuple[list[MockRequest], list[MockRequest]]:
+        block_size = self.kv.block_size
+        emitted: list[MockRequest] = []
+        finished: list[MockRequest] = []
+        for request, _ in scheduled:
+            if request.num_computed_tokens < len(request.token_ids):
+                continue  # prompt not fully computed yet (chunked prefill)
+            request.emit_token(block_size)
+            emitted.append(request)
+            if request.num_output_tokens >= request.max_tokens:
+                finished.append(request)
+        return emitted, finished
+
+    def _release(self, finished: list[MockRequest]) -> None:
+        if not finished:
+            return
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for request in finished:
+            self.kv.free(request.request_id)
+
+    def _preempt(self, request: MockRequest) -> None:
+        # Recompute: the generated tokens so far become part of the prompt to prefill again.
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.is_prefilled = False
+        self.waiting.appendleft(request)
