@@ -18,11 +18,9 @@ from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.runtime.discovery import open_discovery
 from dynamo_cli.runtime.events import open_event_bus
-from dynamo_cli.runtime.supervisor import stop_on_signals
+from dynamo_cli.runtime.supervisor import PARENT_ENV, stop_on_signals
 
 logger = logging.getLogger(__name__)
-
-PARENT_ENV = "DYN_PARENT_PID"
 
 
 class WorkerFailed(DynError):

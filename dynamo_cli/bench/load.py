@@ -85,7 +85,9 @@ OnRecord = Callable[[RequestRecord], None]
 class LoadRunner:
     """Runs one load phase; `records` holds every finished request in completion order."""
 
-    def __init__(self, client: HttpClient, builder: RequestBuilder, on_record: OnRecord | None = None) -> None:
+    def __init__(
+        self, client: HttpClient, builder: RequestBuilder, on_record: OnRecord | None = None
+    ) -> None:
         self.client = client
         self.builder = builder
         self.on_record = on_record
@@ -136,7 +138,11 @@ class LoadRunner:
                 group.create_task(slot())
 
     async def _open_loop(
-        self, config: LoadConfig, conversations: Iterator[Conversation], stop_at: float, is_replay: bool = False
+        self,
+        config: LoadConfig,
+        conversations: Iterator[Conversation],
+        stop_at: float,
+        is_replay: bool = False,
     ) -> None:
         self._limit, self._stop_at = config.num_requests, stop_at
         rate = config.request_rate or 1.0
@@ -165,7 +171,9 @@ class LoadRunner:
         async with cap:
             await self._conversation(conversation, at, reserved)
 
-    async def _conversation(self, conversation: Conversation, at: float | None, reserved: bool = False) -> None:
+    async def _conversation(
+        self, conversation: Conversation, at: float | None, reserved: bool = False
+    ) -> None:
         history: list[dict[str, str]] = []
         for number, turn in enumerate(conversation.turns):
             if not (reserved and number == 0):

@@ -108,7 +108,9 @@ def flatten(document: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
-def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
+def compare(
+    a: dict[str, Any], b: dict[str, Any]
+) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, A, B, B/A) for every figure of either run; the ratio is None where A is 0 or missing."""
     fa, fb = flatten(a), flatten(b)
     rows = []

@@ -194,4 +194,6 @@ async def run_bench(
 def _result(label: str, records: list[RequestRecord], vocab: wl.Vocab, slo: Slo) -> RunResult:
     metrics = [request_metrics(r, vocab.count_tokens) for r in records]
     fallback = "tokenizer" if vocab.is_exact else "approximate word count"
-    return RunResult(label, summarize(metrics, slo, fallback), metrics, [list(r.chunk_times) for r in records])
+    return RunResult(
+        label, summarize(metrics, slo, fallback), metrics, [list(r.chunk_times) for r in records]
+    )

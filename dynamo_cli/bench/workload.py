@@ -244,7 +244,9 @@ def trace_replay(
         yield Conversation((turn,), at=(entry.timestamp - origin) / 1e3 * time_scale)
 
 
-def prompts_file(path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0) -> Iterator[Conversation]:
+def prompts_file(
+    path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0
+) -> Iterator[Conversation]:
     """Cycle through a file of prompts: JSONL with "text"/"prompt" fields, or one prompt per line."""
     try:
         lines = [line for line in Path(path).read_text().splitlines() if line.strip()]

@@ -30,12 +30,18 @@ def bench(
     ctx: typer.Context,
     url: _Url = "http://127.0.0.1:8000",
     model: Annotated[str | None, _Opt(help="Model name; default: the first of GET /v1/models.")] = None,
-    endpoint: Annotated[str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")] = "chat",
+    endpoint: Annotated[
+        str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")
+    ] = "chat",
     tokenizer: Annotated[str | None, _Opt(help="Tokenizer alias or path; default: the model name.")] = None,
-    concurrency: Annotated[int | None, _Opt("--concurrency", "-c", help="Requests in flight (closed loop); with --request-rate, a cap.")] = None,
+    concurrency: Annotated[
+        int | None, _Opt("--concurrency", "-c", help="Requests in flight; with --request-rate, a cap.")
+    ] = None,
     request_rate: Annotated[float | None, _Opt(help="Requests per second (open loop).")] = None,
     arrival: Annotated[str, _Opt(help="constant or poisson gaps in rate mode.")] = "constant",
-    num_requests: Annotated[int | None, _Opt("--num-requests", "-n", help="Measured requests (default 100 without --duration).")] = None,
+    num_requests: Annotated[
+        int | None, _Opt("--num-requests", "-n", help="Measured requests (default 100 without --duration).")
+    ] = None,
     duration: Annotated[float | None, _Opt(help="Stop issuing after this many seconds.")] = None,
     warmup: Annotated[int, _Opt(help="Warm-up requests, excluded from the figures.")] = 0,
     isl: Annotated[float, _Opt(help="Mean input tokens.")] = 512,
@@ -45,14 +51,22 @@ def bench(
     turns: Annotated[int, _Opt(help="User turns per session (multi-turn when > 1).")] = 1,
     num_prefixes: Annotated[int, _Opt(help="Shared-prefix workload: number of distinct prefixes.")] = 0,
     prefix_len: Annotated[int, _Opt(help="Shared-prefix workload: tokens per prefix.")] = 0,
-    suffix_len: Annotated[int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")] = 0,
-    trace: Annotated[str | None, _Opt(help="Replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids).")] = None,
-    trace_time_scale: Annotated[float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")] = 1.0,
+    suffix_len: Annotated[
+        int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")
+    ] = 0,
+    trace: Annotated[str | None, _Opt(help="Mooncake JSONL trace to replay (timestamp in ms).")] = None,
+    trace_time_scale: Annotated[
+        float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")
+    ] = 1.0,
     trace_block_size: Annotated[int, _Opt(help="Tokens per trace hash id.")] = 512,
     prompts_file: Annotated[str | None, _Opt(help="Prompts, one per line or JSONL with 'text'.")] = None,
     ignore_eos: Annotated[bool, _Opt(help="Send ignore_eos/min_tokens so the output length is met.")] = True,
-    slo: Annotated[list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")] = None,
-    sweep: Annotated[str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")] = None,
+    slo: Annotated[
+        list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")
+    ] = None,
+    sweep: Annotated[
+        str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")
+    ] = None,
     seed: Annotated[int, _Opt(help="Seed of every random choice.")] = 0,
     timeout: Annotated[float, _Opt(help="Per-request timeout in seconds.")] = 600.0,
     json_path: Annotated[str | None, _Opt("--json", help="Write the summary as JSON.")] = None,
@@ -60,12 +74,14 @@ def bench(
     jsonl_path: Annotated[str | None, _Opt("--jsonl", help="Write one JSON line per request.")] = None,
     plot: Annotated[str | None, _Opt(help="Write plots to this PNG (needs matplotlib).")] = None,
     progress: Annotated[bool, _Opt(help="Show live progress.")] = True,
-) -> None:  # fmt: skip
+) -> None:
     """Run a benchmark against --url and print the summary."""
     if ctx.invoked_subcommand is not None:
         return
     if endpoint not in ("chat", "completions") or arrival not in ("constant", "poisson"):
-        raise ConfigError(f"--endpoint must be chat|completions and --arrival constant|poisson, got {endpoint}, {arrival}")
+        raise ConfigError(
+            f"--endpoint must be chat|completions and --arrival constant|poisson, got {endpoint}, {arrival}"
+        )
     if plot:
         report.require_matplotlib()
     if trace and not (num_requests or duration):
@@ -193,7 +209,9 @@ def _console() -> Console:
 def _print(result: BenchResult, config: BenchConfig) -> None:
     console = _console()
     info = result.info
-    console.print(f"[bold]{info['model']}[/] at {info['url']} ({info['endpoint']}); prompts: {info['tokenizer']}")
+    console.print(
+        f"[bold]{info['model']}[/] at {info['url']} ({info['endpoint']}); prompts: {info['tokenizer']}"
+    )
     if config.sweep is not None:
         console.print(_sweep_table(config.sweep[0], result))
     for run in result.runs:
@@ -202,7 +220,9 @@ def _print(result: BenchResult, config: BenchConfig) -> None:
         if config.sweep is None:
             console.print(_summary_table(s, title))
             console.print(_scalars_table(s))
-        console.print(f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else ""))
+        console.print(
+            f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else "")
+        )
         for error, count in s.errors.items():
             console.print(f"[red]{count} failed:[/] {error}", highlight=False)
     console.print("[dim]definitions:[/]")
@@ -212,15 +232,25 @@ def _print(result: BenchResult, config: BenchConfig) -> None:
 
 def _sweep_table(parameter: str, result: BenchResult) -> Table:
     table = Table(title=f"sweep over {parameter}")
-    columns = ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50", "goodput", "failed")
+    columns = (
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "e2e p50",
+        "goodput",
+        "failed",
+    )
     table.add_column(parameter, justify="right")
     for column in columns:
         table.add_column(column, justify="right")
     for run in result.runs:
         s, lat = run.summary, run.summary.latency
-        table.add_row(run.label, _num(s.request_throughput), _num(s.output_token_throughput),
-                      _num(lat["ttft"].p50), _num(lat["ttft"].p99), _num(lat["itl"].p50),
-                      _num(lat["itl"].p99), _num(lat["e2e"].p50), _num(s.goodput), str(s.num_failed))  # fmt: skip
+        figures = (s.request_throughput, s.output_token_throughput, lat["ttft"].p50, lat["ttft"].p99,
+                   lat["itl"].p50, lat["itl"].p99, lat["e2e"].p50, s.goodput)  # fmt: skip
+        table.add_row(run.label, *(_num(f) for f in figures), str(s.num_failed))
     return table
 
 
@@ -237,7 +267,9 @@ def _write(result: BenchResult, json_path: str | None, csv_path: str | None, jso
     if csv_path:
         report.write_csv(csv_path, [(r.label, r.summary) for r in runs])
     if jsonl_path:
-        report.write_jsonl(jsonl_path, [m for r in runs for m in r.metrics], [t for r in runs for t in r.chunk_times])
+        report.write_jsonl(
+            jsonl_path, [m for r in runs for m in r.metrics], [t for r in runs for t in r.chunk_times]
+        )
     if plot:
         if len(runs) == 1:
             report.plot_run(plot, runs[0].metrics, runs[0].chunk_times)

@@ -35,6 +35,7 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
+    body_limit_mb: Annotated[float, typer.Option("--body-limit-mb", envvar="DYN_HTTP_BODY_LIMIT_MB")] = 45.0,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
@@ -49,5 +50,6 @@ def command(
                           role=Role.BOTH, block_size=block_size, context_length=context_length,
                           planes=planes, extra=extra)  # fmt: skip
     frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
-                              migration_limit=migration_limit, planes=planes)  # fmt: skip
+                              migration_limit=migration_limit, planes=planes,
+                              max_body_bytes=int(body_limit_mb * 1024 * 1024))  # fmt: skip
     run(serve_all(ServeConfig(frontend=frontend, worker=worker, num_workers=workers, ready_timeout_s=ready_timeout)))

@@ -8,7 +8,7 @@ import typer
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.runtime.supervisor import run
+from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.worker import serve_worker
 
 
@@ -39,6 +39,7 @@ def command(
     lease_ttl: o.LeaseTtl = 10.0,
 ) -> None:
     """Run one worker: an engine that registers itself and serves `generate` until SIGTERM."""
+    die_with_parent()
     parsed_role = o.parse_role(role)
     extra = o.engine_extra(
         engine_arg, extra_engine_args, speedup_ratio=speedup_ratio, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs

@@ -93,6 +93,7 @@ class Frontend:
             else:
                 status = await self._complete(generation, send, is_chat)
         finally:
+            generation.entry.policy.on_finish(generation.request_id)  # idempotent: load never leaks
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
             self._observe(generation)
@@ -134,7 +135,7 @@ class Frontend:
         fmt = ChunkFormatter(gen.request_id, gen.entry.name, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE, (b"x-request-id", gen.request_id.encode())]})  # fmt: skip
+                    "headers": [*_SSE, *_ids(gen)]})  # fmt: skip
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, gen.abort))
         status = "success"
         try:
@@ -167,7 +168,7 @@ class Frontend:
             return "error"
         body = fmt.full(text, gen.finish_reason or "length", len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_JSON, (b"x-request-id", gen.request_id.encode())]})  # fmt: skip
+                    "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})
         return "success"
 
@@ -238,6 +239,10 @@ class Frontend:
         message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
         return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
                         status_code=status, media_type="application/json")  # fmt: skip
+
+
+def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
+    return [(b"x-request-id", gen.request_id.encode()), (b"x-worker-instance-id", f"{gen.first_worker.instance_id:x}".encode())]
 
 
 async def _watch_disconnect(receive: Receive, on_disconnect: Any) -> None:

@@ -77,6 +77,8 @@ class Generation:
         self.num_migrations = 0
         self.is_aborted = False
         self._stream: ResponseStream | None = None
+        self.first_worker = self._route(set())
+        """Routed up front, so "no worker" is a clean 503 and the response can name the worker."""
 
     def abort(self) -> None:
         """The client left: cancel the worker's stream (freeing its KV) and end `text()`."""
@@ -116,8 +118,8 @@ class Generation:
     async def _tokens(self) -> AsyncIterator[list[int]]:
         """Token ids across workers: re-dispatch on a migratable failure, up to the migration limit."""
         excluded: set[int] = set()
+        worker = self.first_worker
         while not self.is_aborted:
-            worker = self._route(excluded)
             try:
                 async for token_ids in self._stream_from(worker):
                     yield token_ids
@@ -131,6 +133,7 @@ class Generation:
                 self.metrics.migrations.labels(self.entry.name, kind).inc()
                 logger.warning("request %s: worker %x failed (%s); migrating (%d/%d)", self.request_id,
                                worker.instance_id, exc, self.num_migrations, self.migration_limit)  # fmt: skip
+                worker = self._route(excluded)
 
     def _route(self, excluded: set[int]) -> Worker:
         workers = self.entry.workers

@@ -63,7 +63,7 @@ class KvRouterConfig:
             (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
             (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
             (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
-            (self.hot_spot_ratio >= 0, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
+            (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
             (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
             (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
         ]

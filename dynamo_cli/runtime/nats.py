@@ -55,10 +55,16 @@ def parse_nats_url(url: str) -> list[str]:
 
 
 class NatsSubscription:
-    """A subscription's bounded queue of (subject, payload); drops and counts when the consumer lags."""
+    """A subscription's bounded queue of (subject, payload).
 
-    def __init__(self, subject: str, *, maxsize: int = SUBSCRIBER_QUEUE) -> None:
+    Overflow policy: a live subscription drops and counts (`dropped`) when its consumer lags, so
+    no publisher waits; a replay subscription (`is_lossless`) holds back instead, and JetStream's
+    flow control slows the server down, because a replay with holes would defeat its purpose.
+    """
+
+    def __init__(self, subject: str, *, maxsize: int = SUBSCRIBER_QUEUE, is_lossless: bool = False) -> None:
         self.subject = subject
+        self.is_lossless = is_lossless
         self.dropped = 0
         """Messages dropped because the consumer was slower than the publishers."""
         self.last_seq = 0
@@ -105,6 +111,9 @@ class NatsSubscription:
             return
         # A JetStream delivery carries its stream sequence in the reply subject; core NATS has none.
         seq = msg.metadata.sequence.stream if msg.reply.startswith("$JS.ACK.") else 0
+        if self.is_lossless:
+            await self._queue.put((msg.subject, msg.data, seq))
+            return
         try:
             self._queue.put_nowait((msg.subject, msg.data, seq))
         except asyncio.QueueFull:
@@ -213,7 +222,7 @@ class NatsEventBus:
         An ordered consumer: it skips nothing and restarts itself after a reconnect. Keep
         `subscription.last_seq` to resume a later run at `last_seq + 1`.
         """
-        sub = NatsSubscription(subject, maxsize=self._queue_size)
+        sub = NatsSubscription(subject, maxsize=self._queue_size, is_lossless=True)
         js = self._client.jetstream(timeout=CALL_TIMEOUT_S)
         sub._nats_sub = await js.subscribe(
             subject,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -36,3 +38,21 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     for task in live:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+PARENT_ENV = "DYN_PARENT_PID"
+"""Set by `dyn serve` for its workers: the pid whose death must take the worker down."""
+
+
+def die_with_parent() -> None:
+    """If started by `dyn serve`, get SIGTERM when it dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        sys.exit(1)

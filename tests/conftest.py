@@ -1,0 +1,123 @@
+"""Shared fixtures: real `dyn` subprocesses on free loopback ports, reporting their address on a ready line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+READY = re.compile(r"dyn serve ready: (http://\S+)")
+WORKER_READY = re.compile(r"dyn worker ready: instance=(\S+) address=(\S+)")
+
+try:  # real etcd / nats-server fixtures, when the planes module is present
+    from tests.planes import *  # noqa: F403
+except ImportError:
+    pass
+
+
+@dataclass
+class DynProcess:
+    """A running `dyn` command; `lines` collects its output."""
+
+    proc: subprocess.Popen[str]
+    url: str = ""
+    discovery: str = ""
+    events: str = "embedded"
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def worker_pids(self) -> list[int]:
+        """Pids of this deployment's registered workers, read from discovery."""
+        import json
+
+        out = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", self.discovery],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        return [row["pid"] for row in json.loads(out.stdout)]
+
+
+def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event, box: dict[str, str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        match = READY.search(line)
+        if match:
+            box["url"] = match.group(1)
+            ready.set()
+    ready.set()
+
+
+def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | None = None) -> DynProcess:
+    """Start `dyn serve ...` and wait for its ready line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )  # fmt: skip
+    handle = DynProcess(proc)
+    ready, box = threading.Event(), {}
+    threading.Thread(target=_pump, args=(proc, handle.lines, ready, box), daemon=True).start()
+    ready.wait(timeout)
+    if "url" not in box:
+        handle.stop()
+        raise AssertionError("dyn did not become ready:\n" + "\n".join(handle.lines[-40:]))
+    handle.url = box["url"]
+    return handle
+
+
+def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[no-untyped-def]
+
+    def factory(*flags: str, discovery: str | None = None, events: str = "embedded") -> DynProcess:
+        disc = discovery or f"file://{tmp_path}/discovery"
+        args = ["serve", "--port", "0", "--discovery", disc, "--events", events, *flags]
+        handle = start_dyn(args)
+        handle.discovery, handle.events = disc, events
+        started.append(handle)
+        return handle
+
+    return factory
+
+
+@pytest.fixture
+def dyn_serve(tmp_path: Path) -> Iterator[object]:
+    """Factory: `dyn_serve(*flags)` → a ready deployment on embedded planes in tmp_path; stopped after the test."""
+    started: list[DynProcess] = []
+    yield _serve_factory(tmp_path, started)
+    for handle in started:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def dyn_serve_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Like `dyn_serve`, shared by the tests of one module (for tests that leave it as they found it)."""
+    started: list[DynProcess] = []
+    yield _serve_factory(tmp_path_factory.mktemp("dyn"), started)
+    for handle in started:
+        handle.stop()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+    """Poll `predicate` until true or `timeout` s pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
