@@ -1,0 +1,163 @@
+"""Framework overhead: `dyn serve --engine mocker` with engine time ~0, streaming chat, 1 worker.
+
+For each (max_tokens, concurrency) the lean load generator runs for --seconds and the table shows
+requests/s, output tokens/s, TTFT and ITL percentiles, and the CPU used by the frontend, the worker
+and the load generator (from /proc and getrusage), plus CPU ms per request of frontend + worker.
+A last phase measures TTFT at concurrency 1 with an ordinary client (httpx), as a user would see it.
+
+    python benchmarks/overhead.py [--seconds 20] [--json benchmarks/out/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from dynamo_cli.bench.http import HttpClient, RequestRecord
+
+TICK = os.sysconf("SC_CLK_TCK")
+PROMPT = " ".join(["The quick brown fox jumps over the lazy dog while the cat watches."] * 7)  # ~100 tokens
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+async def run_level(url: str, concurrency: int, max_tokens: int, seconds: float) -> list[RequestRecord]:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    records: list[RequestRecord] = []
+    deadline = time.perf_counter() + seconds
+    async with HttpClient(url, max_connections=concurrency) as client:
+
+        async def loop() -> None:
+            while time.perf_counter() < deadline:
+                records.append(await client.stream_chat(body))
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return records
+
+
+def summarize(records: list[RequestRecord], wall: float, cpu: dict[str, float]) -> dict[str, float]:
+    ok = [r for r in records if r.is_ok]
+    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    itl = [(r.end - r.chunk_times[0]) / (len(r.chunk_times) - 1) * 1000 for r in ok if len(r.chunk_times) > 1]
+    tokens = sum(r.completion_tokens or 0 for r in ok)
+    n = max(1, len(ok))
+    return {
+        "requests": len(records), "failed": len(records) - len(ok), "req_per_s": len(ok) / wall,
+        "out_tok_per_s": tokens / wall, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "cpu_frontend_pct": cpu["frontend"] / wall * 100, "cpu_worker_pct": cpu["worker"] / wall * 100,
+        "cpu_loadgen_pct": cpu["loadgen"] / wall * 100,
+        "cpu_ms_per_req_fe_worker": (cpu["frontend"] + cpu["worker"]) / n * 1000,
+    }  # fmt: skip
+
+
+def start_serve(tmp: str) -> tuple[subprocess.Popen[str], str]:
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers", "1",
+            "--speedup-ratio", "1000000", "--port", "0", "--discovery", f"file://{tmp}/d"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = re.search(r"dyn serve ready: (\S+)", line)
+        if match:
+            return proc, match.group(1)
+    raise SystemExit("dyn serve did not start")
+
+
+async def ordinary_client_ttft(url: str, n: int = 50) -> float:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "stream": True}
+    ttfts = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for _ in range(n):
+            start = time.perf_counter()
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                seen = False
+                async for line in r.aiter_lines():
+                    if not seen and '"content":"' in line and '"content":""' not in line:
+                        ttfts.append((time.perf_counter() - start) * 1000)
+                        seen = True
+    return statistics.median(ttfts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--max-tokens", default="16,128")
+    parser.add_argument("--json", default="benchmarks/out/overhead.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_serve(tmp)
+        try:
+            rows = run_all(proc.pid, url, args)
+            rows.append({"max_tokens": 16, "concurrency": 1, "client": "httpx",
+                         "ttft_p50_ms": asyncio.run(ordinary_client_ttft(url))})  # fmt: skip
+        finally:
+            proc.terminate()
+            proc.wait(20)
+    print_table(rows)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"rows": rows, "seconds": args.seconds}, indent=2))
+    print(f"wrote {args.json}")
+
+
+def run_all(serve_pid: int, url: str, args: argparse.Namespace) -> list[dict[str, object]]:
+    import uvloop
+
+    worker_pid = children(serve_pid)[0]
+    rows: list[dict[str, object]] = []
+    uvloop.run(run_level(url, 4, 16, 2.0))  # warm-up
+    for max_tokens in [int(x) for x in args.max_tokens.split(",")]:
+        for concurrency in [int(x) for x in args.concurrency.split(",")]:
+            before = (cpu_seconds(serve_pid), cpu_seconds(worker_pid), resource.getrusage(resource.RUSAGE_SELF))
+            start = time.perf_counter()
+            records = uvloop.run(run_level(url, concurrency, max_tokens, args.seconds))
+            wall = time.perf_counter() - start
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = {"frontend": cpu_seconds(serve_pid) - before[0], "worker": cpu_seconds(worker_pid) - before[1],
+                   "loadgen": usage.ru_utime + usage.ru_stime - before[2].ru_utime - before[2].ru_stime}  # fmt: skip
+            row = {"max_tokens": max_tokens, "concurrency": concurrency, "client": "lean",
+                   **summarize(records, wall, cpu)}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    cols = ["max_tokens", "concurrency", "client", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
+            "itl_p50_ms", "itl_p99_ms", "cpu_frontend_pct", "cpu_worker_pct", "cpu_loadgen_pct",
+            "cpu_ms_per_req_fe_worker", "failed"]  # fmt: skip
+    print(" | ".join(cols))
+    for row in rows:
+        print(" | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols))
+
+
+if __name__ == "__main__":
+    main()
