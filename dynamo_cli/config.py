@@ -63,6 +63,10 @@ class FrontendConfig:
     migration_limit: int = 3
     """Re-dispatches of a stream whose worker died; 0 disables migration."""
     max_body_bytes: int = 45 * 1024 * 1024
+    max_inflight_per_worker: int = 0
+    """A worker with this many streams open from this frontend is busy; 0 = no limit."""
+    active_blocks_threshold: float = 1.0
+    """A worker whose published KV usage is above this fraction is busy; 1.0 = off."""
     router_options: dict[str, Any] = field(default_factory=dict)
     planes: PlanesConfig = field(default_factory=PlanesConfig)
 

@@ -32,6 +32,11 @@ DEFINITIONS: tuple[tuple[str, str], ...] = (
     ("e2e", "send → last byte of the response"),
     ("duration", "last response end − first request start, measured requests only (warm-up excluded)"),
     ("throughput", "completed requests, output tokens, input + output tokens, each / duration"),
+    (
+        "tokens",
+        "output: usage.completion_tokens, else the tokenizer; input: usage.prompt_tokens (chat "
+        "template included), else the prompt's own length",
+    ),
     ("goodput", "requests that succeeded and met every SLO / duration; failures count against it"),
     ("stddev", "population standard deviation; percentiles interpolate linearly (numpy's default)"),
 )

@@ -45,7 +45,10 @@ def _clean(value: Any) -> Any:
 
 def run_document(summary: Summary, info: dict[str, Any]) -> dict[str, Any]:
     """The JSON document of one run: what was run, the summary, and the metric definitions."""
-    return _clean({"info": info, "summary": summary.to_dict(), "definitions": dict(DEFINITIONS)})
+    document: dict[str, Any] = _clean(
+        {"info": info, "summary": summary.to_dict(), "definitions": dict(DEFINITIONS)}
+    )
+    return document
 
 
 def write_json(path: str, document: dict[str, Any]) -> None:
@@ -166,7 +169,7 @@ def plot_run(path: str, metrics: Sequence[RequestMetrics], chunk_times: Sequence
     axes[0][1].set(title="ITL (per request)", xlabel="ms", ylabel="requests")
     axes[1][0].scatter([m.start - origin for m in ok], [m.e2e for m in ok], s=6)
     axes[1][0].set(title="e2e latency over time", xlabel="request start (s)", ylabel="ms")
-    buckets: dict[int, int] = {}
+    buckets: dict[int, float] = {}
     for m, times in zip(metrics, chunk_times, strict=True):
         if m.is_ok and times:
             per_chunk = m.output_tokens / len(times)

@@ -155,8 +155,11 @@ def _loads(config: BenchConfig) -> list[tuple[str, LoadConfig]]:
     name, values = config.sweep
     loads = []
     for value in values:
-        number: float | int = int(value) if name == "concurrency" else value
-        loads.append((f"{value:g}", dataclasses.replace(config.load, **{name: number})))
+        if name == "concurrency":
+            load = dataclasses.replace(config.load, concurrency=int(value))
+        else:
+            load = dataclasses.replace(config.load, request_rate=value)
+        loads.append((f"{value:g}", load))
     return loads
 
 

@@ -35,6 +35,10 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
+    max_inflight_per_worker: Annotated[int, typer.Option("--max-inflight-per-worker", envvar="DYN_MAX_INFLIGHT_PER_WORKER",
+        help="Busy threshold: streams per worker (0: none); all workers busy → 503.")] = 0,
+    active_blocks_threshold: Annotated[float, typer.Option("--active-decode-blocks-threshold",
+        envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD", help="Busy threshold: KV usage fraction (1.0: off).")] = 1.0,
     body_limit_mb: Annotated[float, typer.Option("--body-limit-mb", envvar="DYN_HTTP_BODY_LIMIT_MB")] = 45.0,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
 ) -> None:
@@ -51,5 +55,7 @@ def command(
                           planes=planes, extra=extra)  # fmt: skip
     frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
                               migration_limit=migration_limit, planes=planes,
-                              max_body_bytes=int(body_limit_mb * 1024 * 1024))  # fmt: skip
+                              max_body_bytes=int(body_limit_mb * 1024 * 1024),
+                              max_inflight_per_worker=max_inflight_per_worker,
+                              active_blocks_threshold=active_blocks_threshold)  # fmt: skip
     run(serve_all(ServeConfig(frontend=frontend, worker=worker, num_workers=workers, ready_timeout_s=ready_timeout)))

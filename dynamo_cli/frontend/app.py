@@ -128,7 +128,7 @@ class Frontend:
         return Generation(
             entry, tokenizer, prompt_ids, sampling, request_id,
             migration_limit=self.config.migration_limit, metrics=self.metrics,
-            pinned_worker=int(pinned, 16) if pinned else None,
+            pinned_worker=_pinned(pinned), busy=self.registry.busy,
         )  # fmt: skip
 
     async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
@@ -239,6 +239,15 @@ class Frontend:
         message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
         return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
                         status_code=status, media_type="application/json")  # fmt: skip
+
+
+def _pinned(header: bytes | None) -> int | None:
+    if not header:
+        return None
+    try:
+        return int(header, 16)
+    except ValueError:
+        raise RequestError(f"x-worker-instance-id '{header.decode(errors='replace')}' is not a hex instance id") from None
 
 
 def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:

@@ -21,11 +21,25 @@ from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.names import parse_instance_key
+from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import RequestClient
 
 logger = logging.getLogger(__name__)
 
+RETIRE_GRACE_S = 30.0
+"""How long a departed worker's connection stays open for its in-flight streams."""
+
 PolicyFactory = Callable[[ModelCard], RoutingPolicy]
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """When a worker counts as busy (a request finding every worker busy gets a 503)."""
+
+    max_inflight: int = 0
+    """Streams in flight from this frontend to one worker; 0 = no limit."""
+    active_blocks_fraction: float = 1.0
+    """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
 
 
 @dataclass(slots=True)
@@ -36,6 +50,21 @@ class Worker:
     record: InstanceRecord
     card: ModelCard
     client: RequestClient
+    num_inflight: int = 0
+    """Streams this frontend has open on the worker."""
+    load: LoadMetrics | None = None
+    """The worker's last published load."""
+
+    def busy_reason(self, limits: BusyThresholds) -> str | None:
+        """Why the worker is busy, or None."""
+        if limits.max_inflight and self.num_inflight >= limits.max_inflight:
+            return f"{self.num_inflight} requests in flight (limit {limits.max_inflight})"
+        load = self.load
+        if load is not None and load.total_blocks and limits.active_blocks_fraction < 1.0:
+            used = load.active_blocks / load.total_blocks
+            if used > limits.active_blocks_fraction:
+                return f"KV cache {used:.0%} used (threshold {limits.active_blocks_fraction:.0%})"
+        return None
 
 
 @dataclass(slots=True)
@@ -58,7 +87,11 @@ class ModelEntry:
 class ModelRegistry:
     """Live view of models and workers, fed by discovery watches."""
 
-    def __init__(self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory) -> None:
+    def __init__(
+        self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
+        busy: BusyThresholds | None = None,
+    ) -> None:  # fmt: skip
+        self.busy = busy or BusyThresholds()
         self._discovery = discovery
         self._namespace = namespace
         self._policy_factory = policy_factory
@@ -68,6 +101,7 @@ class ModelRegistry:
         self._placed: dict[int, ModelEntry] = {}
         self._clients: dict[str, RequestClient] = {}
         self.changed = asyncio.Event()
+        self._retiring: set[asyncio.Task[None]] = set()
 
     ##### Queries #####
 
@@ -95,6 +129,9 @@ class ModelRegistry:
     def apply_load(self, metrics: LoadMetrics) -> None:
         entry = self._placed.get(metrics.worker_id)
         if entry is not None:
+            worker = entry.workers.get(metrics.worker_id) or entry.prefill_workers.get(metrics.worker_id)
+            if worker is not None:
+                worker.load = metrics
             entry.policy.apply_load(metrics)
 
     ##### Discovery watches #####
@@ -155,13 +192,32 @@ class ModelRegistry:
         entry.prefill_policy.remove_worker(instance_id)
         if worker is not None and not any(w.record.address == worker.record.address for w in self._all_workers()):
             self._clients.pop(worker.record.address, None)
-            await worker.client.close()  # in-flight streams fail over to migration
+            self._retire(worker.client)
         logger.info("worker %x left model %s", instance_id, entry.name)
+
+    def _retire(self, client: RequestClient) -> None:
+        """Close a departed worker's connection once its streams finish (a draining worker completes
+        them), or after RETIRE_GRACE_S (a worker cut off without closing its socket): those fail over
+        to migration."""
+        if client.num_streams == 0:
+            self._retiring.add(asyncio.get_running_loop().create_task(client.close()))
+            return
+
+        async def close_when_idle() -> None:
+            deadline = asyncio.get_running_loop().time() + RETIRE_GRACE_S
+            while client.num_streams and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            await client.close()
+
+        task = asyncio.get_running_loop().create_task(close_when_idle())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _all_workers(self) -> list[Worker]:
         return [w for e in self.models.values() for w in (*e.workers.values(), *e.prefill_workers.values())]
 
     async def close(self) -> None:
+        await cancel_and_wait(*self._retiring)
         for client in list(self._clients.values()):
             await client.close()
         self._clients.clear()

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.engine import GenerateChunk, GenerateRequest
-from dynamo_cli.errors import ContextOverflow, NoWorkers, TransportError
+from dynamo_cli.errors import ContextOverflow, NoWorkers, Overloaded, TransportError
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ModelEntry, Worker
+from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
 from dynamo_cli.frontend.stops import StopMatcher
 from dynamo_cli.frontend.tokenizer import Tokenizer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
@@ -58,6 +58,7 @@ class Generation:
         migration_limit: int,
         metrics: FrontendMetrics,
         pinned_worker: int | None = None,
+        busy: BusyThresholds | None = None,
     ) -> None:
         self.entry = entry
         self.tokenizer = tokenizer
@@ -66,6 +67,7 @@ class Generation:
         self.migration_limit = migration_limit
         self.metrics = metrics
         self.pinned_worker = pinned_worker
+        self.busy = busy or BusyThresholds()
         self.max_tokens = self._max_tokens(sampling)
         self.sampling = sampling
         self.output_ids: list[int] = []
@@ -137,9 +139,14 @@ class Generation:
 
     def _route(self, excluded: set[int]) -> Worker:
         workers = self.entry.workers
-        candidates = [w for w in workers if w not in excluded] or (list(workers) if not excluded else [])
+        candidates = [w for w in workers if w not in excluded]
         if not candidates:
             raise NoWorkers(f"model '{self.entry.name}'")
+        reasons = [r for w in candidates if (r := workers[w].busy_reason(self.busy))]
+        if len(reasons) == len(candidates):
+            raise Overloaded(f"all {len(candidates)} workers of '{self.entry.name}' are busy ({reasons[0]})")
+        if reasons:
+            candidates = [w for w in candidates if workers[w].busy_reason(self.busy) is None]
         route = RouteRequest(self.request_id, self.prompt_ids + self.output_ids, self.pinned_worker)
         self.decision = self.entry.policy.select(route, candidates)
         return workers[self.decision.worker_id]
@@ -148,6 +155,7 @@ class Generation:
         request = self._request()
         policy = self.entry.policy
         stream: ResponseStream | None = None
+        worker.num_inflight += 1
         try:
             stream = self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
             while batch := await stream.next_batch():
@@ -169,6 +177,7 @@ class Generation:
                 self.finish_reason = "cancelled"
             stream = None
         finally:
+            worker.num_inflight -= 1
             self._stream = None
             policy.on_finish(self.request_id)
             if stream is not None:

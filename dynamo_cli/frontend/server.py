@@ -20,7 +20,7 @@ from dynamo_cli.engine import KvEventBatch, LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ModelRegistry
+from dynamo_cli.frontend.models import BusyThresholds, ModelRegistry
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery
@@ -80,7 +80,8 @@ class FrontendService:
     def __init__(self, config: FrontendConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.metrics = FrontendMetrics()
-        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config))
+        busy = BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
+        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy)
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
         self._tasks: list[asyncio.Task[None]] = []
@@ -90,13 +91,11 @@ class FrontendService:
         loop = asyncio.get_running_loop()
         ns = self.config.namespace
         self._tasks = [loop.create_task(self.registry.watch_instances()), loop.create_task(self.registry.watch_cards())]
+        self._tasks.append(loop.create_task(_pump_events(
+            self._bus, f"namespace.{ns}.component.*.kv-metrics", self.registry.apply_load, LoadMetrics)))  # fmt: skip
         if self.config.router == "kv":
-            self._tasks += [
-                loop.create_task(_pump_events(self._bus, f"namespace.{ns}.component.*.kv-events",
-                                              self.registry.apply_kv_events, KvEventBatch)),
-                loop.create_task(_pump_events(self._bus, f"namespace.{ns}.component.*.kv-metrics",
-                                              self.registry.apply_load, LoadMetrics)),
-            ]  # fmt: skip
+            self._tasks.append(loop.create_task(_pump_events(
+                self._bus, f"namespace.{ns}.component.*.kv-events", self.registry.apply_kv_events, KvEventBatch)))  # fmt: skip
         try:
             server = loop.create_task(self._serve_http(sock, stop))
             await on_ready()

@@ -206,12 +206,13 @@ class KvIndexer:
         if owned is None:
             owned = self._blocks[worker_id] = set()
         masks = self._masks
-        get = masks.get
+        setdefault = masks.setdefault
         add = owned.add
         for h in hashes:
-            mask = get(h)
-            # A block held by one worker shares that worker's `bit` object: no allocation, cache-hot.
-            masks[h] = bit if mask is None else mask | bit
+            # A block held by one worker shares that worker's `bit` object: one probe, no allocation.
+            mask = setdefault(h, bit)
+            if mask is not bit:
+                masks[h] = mask | bit
             add(h)
 
     def remove_blocks(self, worker_id: int, hashes: Iterable[int]) -> None:
@@ -223,16 +224,13 @@ class KvIndexer:
         keep = ~bit
         masks = self._masks
         for h in hashes:
-            if h not in owned:
+            try:
+                owned.remove(h)
+            except KeyError:
                 continue
-            owned.discard(h)
-            mask = masks[h]
-            if mask is bit:  # held by this worker alone, the common case (see store_blocks)
-                del masks[h]
-            elif mask := mask & keep:
+            mask = masks.pop(h)
+            if mask is not bit and (mask := mask & keep):  # still held by other workers
                 masks[h] = mask
-            else:
-                del masks[h]
 
     def clear_worker(self, worker_id: int) -> None:
         """Drop every block of `worker_id` (its cache was cleared); its event numbering goes on."""

@@ -122,11 +122,21 @@ class EtcdDiscovery:
     async def put(self, key: str, value: bytes, *, leased: bool = True) -> None:
         """Write `key`; leased keys vanish with the process's lease (and come back if it is re-granted)."""
         client = self._running_client()
-        if leased:
-            self._leased[key] = value
-        else:
+        if not leased:
             self._leased.pop(key, None)
-        await self._call(client.put(key.encode(), value, lease=self._lease_id if leased else None))
+            await self._call(client.put(key.encode(), value))
+            return
+        self._leased[key] = value
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await client.put(key.encode(), value, lease=self._lease_id)
+        except aetcd.ClientError as exc:
+            if "lease not found" not in str(exc):
+                raise PlaneUnavailable("etcd", self.address, _describe(exc)) from None
+            # etcd lost the lease before the keepalive noticed: re-grant now (it re-puts this key too).
+            await self._call(self._regrant_lease(found_by="a put"))
+        except TimeoutError as exc:
+            raise PlaneUnavailable("etcd", self.address, _describe(exc)) from None
 
     async def delete(self, key: str) -> None:
         """Remove `key` (no error when absent)."""
@@ -207,7 +217,7 @@ class EtcdDiscovery:
             try:
                 ttl_left = await self._refresh_lease()
                 if ttl_left <= 0:
-                    await self._regrant_lease()
+                    await self._regrant_lease(found_by="the keepalive")
             except (*_UNREACHABLE, PlaneUnavailable) as exc:
                 if is_connected:
                     logger.warning(
@@ -227,7 +237,7 @@ class EtcdDiscovery:
             reply = await self._running_client().refresh_lease(self._lease_id)
         return int(reply.TTL) if reply is not None else 0
 
-    async def _regrant_lease(self) -> None:
+    async def _regrant_lease(self, *, found_by: str) -> None:
         client = self._running_client()
         async with asyncio.timeout(CALL_TIMEOUT_S):
             try:
@@ -237,9 +247,10 @@ class EtcdDiscovery:
             for key, value in list(self._leased.items()):
                 await client.put(key.encode(), value, lease=self._lease_id)
         logger.warning(
-            "etcd at %s had lost lease %x; re-granted it and re-put %d keys",
+            "etcd at %s had lost lease %x (found by %s); re-granted it and re-put %d keys",
             self.address,
             self._lease_id,
+            found_by,
             len(self._leased),
         )
 

@@ -31,6 +31,8 @@ CALL_TIMEOUT_S = 3.0
 """Deadline of a JetStream management call or a flush."""
 RECONNECT_WAIT_S = 0.5
 """Pause between two attempts to reach a lost server; the client retries forever."""
+START_ATTEMPTS = 2
+"""Retries of each server at start (about a second in all) before PlaneUnavailable."""
 STREAM_MAX_AGE_S = 3600.0
 """How long a JetStream stream keeps KV events for late subscribers (default)."""
 STREAM_MAX_MSGS = 1_000_000
@@ -146,7 +148,7 @@ class NatsEventBus:
         return ",".join(server.partition("://")[2] for server in self._servers)
 
     async def start(self) -> None:
-        """Connect; PlaneUnavailable names the address when no server answers within 3 s."""
+        """Connect; PlaneUnavailable names the address when no server answers (in 1-3 s)."""
         if self._state is not _State.IDLE:
             return
         try:
@@ -155,11 +157,13 @@ class NatsEventBus:
                     self._servers,
                     connect_timeout=START_TIMEOUT_S,  # type: ignore[arg-type]  # nats-py takes float
                     reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
-                    max_reconnect_attempts=-1,
+                    max_reconnect_attempts=START_ATTEMPTS,
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                 )
+            # A few tries at start so a wrong address fails fast; once connected, retry forever.
+            self._client.options["max_reconnect_attempts"] = -1
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             await self._client.close()
             cause = _describe(exc)
@@ -213,8 +217,14 @@ class NatsEventBus:
         )
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError as exc:  # created meanwhile by another process
-            logger.debug("nats: stream %s: %s", name, exc)
+        except nats.js.errors.BadRequestError as exc:
+            try:
+                await js.stream_info(name)  # another process created it meanwhile: fine
+            except nats.js.errors.NotFoundError:
+                raise ConfigError(
+                    f"JetStream stream '{name}' for {subjects} cannot be created: {exc.description}; "
+                    "remove the stream that already captures these subjects (nats stream rm)"
+                ) from None
 
     async def subscribe_replay(self, subject: str, *, stream: str, start_seq: int = 1) -> NatsSubscription:
         """Every message of `stream` on `subject` from `start_seq` on, then new ones, in order.
@@ -245,7 +255,11 @@ class NatsEventBus:
             await sub.close()
         if was_connected:
             await self._flush()
-        await self._client.close()
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await self._client.close()
+        except TimeoutError:
+            logger.warning("nats at %s: close did not finish within %g s", self.address, CALL_TIMEOUT_S)
 
     ##### Internals #####
 
