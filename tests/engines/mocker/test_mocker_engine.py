@@ -1,0 +1,241 @@
+"""MockerEngine behind the Engine contract: streams, cancellation, KV events, roles, validation."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_cli.engine import (
+    BlockStored,
+    Engine,
+    EngineArgs,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    Role,
+    load_engine,
+)
+from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
+from engines.mocker.engine import MockerEngine
+from engines.mocker.timing import decode_ms, prefill_ms
+
+FAST = {"speedup_ratio": 1e6}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    path = tmp_path / "mock-model"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture
+async def engine(model_dir: str) -> AsyncIterator[MockerEngine]:
+    engine = MockerEngine(EngineArgs(model=model_dir, extra=dict(FAST)))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def request(request_id: str, num_prompt: int = 100, max_tokens: int = 17, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id, token_ids=list(range(num_prompt)), max_tokens=max_tokens, **kw
+    )
+
+
+async def collect(engine: MockerEngine, req: GenerateRequest) -> list[GenerateChunk]:
+    return [chunk async for chunk in engine.generate(req)]
+
+
+def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+async def eventually(condition: Any, timeout: float = 1.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+def test_the_entry_point_resolves_to_the_mocker_and_it_satisfies_the_protocol(model_dir: str) -> None:
+    assert load_engine("mocker") is MockerEngine
+    engine: Engine = MockerEngine(EngineArgs(model=model_dir))
+    assert isinstance(engine, MockerEngine)
+
+
+async def test_start_reports_the_model_and_the_kv_capacity(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, context_length=4096, extra={"num_gpu_blocks": 100}))
+    info = await engine.start()
+    await engine.stop()
+    assert (info.model_name, info.tokenizer_source) == ("mock-model", str(Path(model_dir).resolve()))
+    assert (info.block_size, info.context_length, info.total_kv_blocks) == (64, 4096, 100)
+
+
+async def test_a_request_gets_exactly_max_tokens_and_ends_with_length(engine: MockerEngine) -> None:
+    chunks = await collect(engine, request("a", max_tokens=17))
+    tokens = tokens_of(chunks)
+    assert len(tokens) == 17 and all(1000 <= t < 2000 for t in tokens)
+    assert chunks[-1].finish_reason == "length"
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[0].num_cached_tokens == 0
+
+
+async def test_the_first_chunk_reports_prompt_tokens_served_from_the_prefix_cache(
+    engine: MockerEngine,
+) -> None:
+    await collect(engine, request("a", num_prompt=200))
+    chunks = await collect(engine, request("b", num_prompt=200))
+    assert chunks[0].num_cached_tokens == 192  # 3 full blocks of 64
+    assert engine.load_metrics().num_prefill_tokens_cached == 192
+
+
+async def test_concurrent_requests_each_get_their_own_count_and_seeded_tokens(engine: MockerEngine) -> None:
+    reqs = [request(str(i), num_prompt=50 + i, max_tokens=1 + i % 20, seed=i % 2) for i in range(60)]
+    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    for req, chunks in zip(reqs, results, strict=True):
+        assert len(tokens_of(chunks)) == req.max_tokens
+    assert tokens_of(results[2])[:3] == tokens_of(results[4])[:3]  # same seed, same tokens
+    assert engine.load_metrics().active_blocks == 0
+
+
+async def test_cancelling_a_stream_mid_way_frees_its_blocks_at_once(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, extra={"speedup_ratio": 10.0}))
+    await engine.start()
+    first_chunk = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(request("a", num_prompt=300, max_tokens=1000)):
+            first_chunk.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first_chunk.wait(), 1.0)
+    assert engine.load_metrics().active_blocks == 5
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (engine.load_metrics().active_blocks, engine.load_metrics().num_running) == (0, 0)
+    await engine.stop()
+
+
+async def test_closing_the_iterator_aborts_the_request(engine: MockerEngine) -> None:
+    stream = engine.generate(request("a", max_tokens=5000, num_prompt=1000))
+    await anext(stream)
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert engine.load_metrics().active_blocks == 0
+    assert len(tokens_of(await collect(engine, request("a", max_tokens=3)))) == 3  # the id is free again
+
+
+async def test_kv_events_arrive_in_order_without_gaps(engine: MockerEngine) -> None:
+    received: list[KvEventBatch] = []
+
+    async def subscribe() -> None:
+        async for batch in engine.kv_events():
+            received.append(batch)
+
+    reader = asyncio.create_task(subscribe())
+    reqs = [request(str(i), num_prompt=64 * (1 + i % 4) + i, max_tokens=70) for i in range(40)]
+    await asyncio.gather(*(collect(engine, r) for r in reqs))
+    await engine.stop()
+    await asyncio.wait_for(reader, 1.0)
+    assert [b.event_id for b in received] == list(range(len(received)))
+    assert len(received) > 1
+    first = received[0].events[0]
+    assert isinstance(first, BlockStored) and first.parent_hash is None
+
+
+async def test_stop_ends_open_streams_as_cancelled_and_is_idempotent(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, extra={"speedup_ratio": 10.0}))
+    await engine.start()
+    stream = engine.generate(request("a", max_tokens=1000))
+    await anext(stream)
+    await engine.stop()
+    await engine.stop()
+    rest = [chunk async for chunk in stream]
+    assert rest[-1].finish_reason == "cancelled"
+    assert engine.load_metrics().active_blocks == 0
+
+
+async def test_pass_times_follow_the_timing_model(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, extra={"speedup_ratio": 4.0}))
+    await engine.start()
+    start = time.perf_counter()
+    arrivals = []
+    async for _ in engine.generate(request("a", num_prompt=1024, max_tokens=4)):
+        arrivals.append(time.perf_counter() - start)
+    await engine.stop()
+    ttft = (prefill_ms(1024) + decode_ms(16 / 16384)) / 4.0 / 1000
+    assert ttft <= arrivals[0] < ttft + 0.1
+    assert arrivals[-1] >= ttft + 3 * decode_ms(0.0) / 4.0 / 1000
+
+
+async def test_a_prefill_worker_returns_one_token_and_a_kv_handle(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.PREFILL, extra=dict(FAST)))
+    await engine.start()
+    chunks = await collect(engine, request("a", num_prompt=300, max_tokens=50))
+    await engine.stop()
+    assert len(tokens_of(chunks)) == 1
+    assert chunks[-1].kv_transfer is not None and chunks[-1].kv_transfer["mock"] is True
+    assert chunks[-1].kv_transfer["num_tokens"] == 300
+
+
+async def test_a_decode_worker_waits_out_the_simulated_kv_transfer(model_dir: str) -> None:
+    extra = {**FAST, "kv_bytes_per_token": 1_000_000, "kv_transfer_bandwidth": 1.0}  # 1 ms per token
+    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.DECODE, extra=extra))
+    await engine.start()
+    start = time.perf_counter()
+    chunks = await collect(engine, request("a", num_prompt=50, max_tokens=3, kv_transfer={"mock": True}))
+    elapsed = time.perf_counter() - start
+    await engine.stop()
+    assert len(tokens_of(chunks)) == 3
+    assert 0.05 <= elapsed < 0.5
+    assert engine.load_metrics().num_prefill_tokens_computed == 0
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "error", "words"),
+    [
+        pytest.param(10, 0, RequestError, "max_tokens must be at least 1, got 0", id="no-tokens"),
+        pytest.param(8000, 500, ContextOverflow, "8000 and max_tokens is 500", id="over-context"),
+        pytest.param(0, 5, RequestError, "no tokens", id="empty-prompt"),
+    ],
+)
+async def test_bad_requests_are_refused_with_the_numbers(
+    engine: MockerEngine, num_prompt: int, max_tokens: int, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        await collect(engine, request("a", num_prompt=num_prompt, max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        pytest.param({"speedup_ratio": 0}, "speedup_ratio must be a number above 0", id="zero-speedup"),
+        pytest.param(
+            {"num_gpu_blocks": -1}, "num_gpu_blocks must be a positive integer", id="negative-blocks"
+        ),
+        pytest.param({"enable_prefix_caching": "yes"}, "must be true or false", id="string-bool"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_option(model_dir: str, extra: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        MockerEngine(EngineArgs(model=model_dir, extra=extra))
+
+
+async def test_generate_before_start_says_to_call_start(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir))
+    with pytest.raises(DynError, match="call start"):
+        await collect(engine, request("a"))
+
+
+async def test_without_prefix_caching_no_kv_events_are_published(model_dir: str) -> None:
+    extra = {**FAST, "enable_prefix_caching": False}
+    engine = MockerEngine(EngineArgs(model=model_dir, extra=extra))
+    await engine.start()
+    await collect(engine, request("a", num_prompt=300))
+    chunks = await collect(engine, request("b", num_prompt=300))
+    await engine.stop()
+    assert chunks[0].num_cached_tokens == 0
+    assert [batch async for batch in engine.kv_events()] == []

