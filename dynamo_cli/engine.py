@@ -114,6 +114,14 @@ class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
     timestamp: float = 0.0
 
 
+class KvDump(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's whole cached block set after event `last_event_id` (gap repair when replay is too old)."""
+
+    worker_id: int
+    last_event_id: int
+    block_hashes: list[int]
+
+
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's load after a step; routers use it for busy detection, planners for scaling."""
 

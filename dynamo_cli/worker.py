@@ -12,12 +12,24 @@ import logging
 import os
 import socket
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Engine,
+    EngineArgs,
+    GenerateChunk,
+    GenerateRequest,
+    KvDump,
+    KvEventBatch,
+    load_engine,
+)
 from dynamo_cli.errors import RequestError
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.runtime.discovery import Discovery, open_discovery
@@ -30,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 0.05
 """How often a changed load snapshot is published."""
+KV_HISTORY = 1024
+"""KV event batches a worker keeps for routers that missed some (gap repair)."""
 LOAD_HEARTBEAT_S = 0.5
 """Longest gap between two load publications."""
 
@@ -46,6 +60,9 @@ class Worker:
         self.server = RequestServer(config.host, config.port)
         self._request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
         self._chunk_encoder = msgspec.msgpack.Encoder()
+        self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
+        self._blocks: set[int] = set()
+        self._last_event_id = -1
 
     @property
     def instance_id(self) -> int:
@@ -86,12 +103,41 @@ class Worker:
         await self.discovery.delete(self.name.card_key(self.instance_id))
 
     async def pump_kv_events(self) -> None:
-        """Relay the engine's KV events to the event plane, stamped with this instance's id."""
+        """Relay the engine's KV events to the event plane, stamped with this instance's id; keep the
+        last KV_HISTORY batches and the current block set for routers that missed some."""
         subject = component_subject(self.name.namespace, self.name.component, "kv-events")
         encode = msgspec.msgpack.encode
         async for batch in self.engine.kv_events():
             stamped = msgspec.structs.replace(batch, worker_id=self.instance_id)
-            await self.bus.publish(subject, encode(stamped))
+            payload = encode(stamped)
+            self._remember(stamped, payload)
+            await self.bus.publish(subject, payload)
+
+    def _remember(self, batch: KvEventBatch, payload: bytes) -> None:
+        self._history.append((batch.event_id, payload))
+        self._last_event_id = batch.event_id
+        for event in batch.events:
+            if type(event) is BlockStored:
+                self._blocks.update(block.block_hash for block in event.blocks)
+            elif type(event) is BlockRemoved:
+                self._blocks.difference_update(event.block_hashes)
+            elif type(event) is AllBlocksCleared:
+                self._blocks.clear()
+
+    async def kv_events_since(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: replay kept KV event batches from event id `body` on; `too_old` if they are gone."""
+        since = msgspec.msgpack.decode(body, type=int)
+        if not self._history or since < self._history[0][0]:
+            oldest = self._history[0][0] if self._history else self._last_event_id + 1
+            raise RequestError(f"KV events before {oldest} are no longer kept; ask kv_dump", code="too_old")
+        for event_id, payload in list(self._history):
+            if event_id >= since:
+                yield payload
+
+    async def kv_dump(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: the whole cached block set and the event id it is current to."""
+        yield msgspec.msgpack.encode(KvDump(worker_id=self.instance_id, last_event_id=self._last_event_id,
+                                            block_hashes=sorted(self._blocks)))  # fmt: skip
 
     async def pump_load(self) -> None:
         """Publish the engine's load when it changes (at most every LOAD_INTERVAL_S) and at least every
@@ -126,6 +172,8 @@ async def serve_worker(config: WorkerConfig) -> None:
 
 async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
     worker.server.add_endpoint(worker.config.endpoint, worker.generate)
+    worker.server.add_endpoint("kv_events_since", worker.kv_events_since)
+    worker.server.add_endpoint("kv_dump", worker.kv_dump)
     address = await worker.server.start()
     tasks: list[asyncio.Task[None]] = []
     try:

@@ -29,11 +29,16 @@ _Opt = typer.Option
 def bench(
     ctx: typer.Context,
     url: _Url = "http://127.0.0.1:8000",
-    model: Annotated[str | None, _Opt(help="Model name; default: the first of GET /v1/models.")] = None,
+    model: Annotated[
+        str | None, _Opt(envvar="DYN_BENCH_MODEL", help="Model name; default: the first of GET /v1/models.")
+    ] = None,
     endpoint: Annotated[
         str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")
     ] = "chat",
-    tokenizer: Annotated[str | None, _Opt(help="Tokenizer alias or path; default: the model name.")] = None,
+    tokenizer: Annotated[
+        str | None,
+        _Opt(envvar="DYN_BENCH_TOKENIZER", help="Tokenizer alias or path; default: the model name."),
+    ] = None,
     concurrency: Annotated[
         int | None, _Opt("--concurrency", "-c", help="Requests in flight; with --request-rate, a cap.")
     ] = None,

@@ -95,3 +95,25 @@ def engine_extra(
             extra[key.replace("-", "_")] = raw
     extra.update({k: v for k, v in named.items() if v is not None})
     return extra
+
+
+OverlapWeight = Annotated[float, typer.Option("--kv-overlap-score-weight", envvar="DYN_KV_OVERLAP_SCORE_WEIGHT",
+                                              help="KV router: weight of prefill blocks in the cost.")]
+RouterTemperature = Annotated[float, typer.Option("--router-temperature", envvar="DYN_ROUTER_TEMPERATURE",
+                                                 help="KV router: 0 = argmin, > 0 = softmax sampling.")]
+KvEvents = Annotated[bool, typer.Option("--kv-events/--no-kv-events", envvar="DYN_KV_EVENTS",
+                                        help="KV router: use workers' KV events, or approximate from own decisions.")]
+HotSpotGuard = Annotated[bool, typer.Option("--hot-spot-guard/--no-hot-spot-guard", envvar="DYN_HOT_SPOT_GUARD",
+                                            help="KV router: pick by load when load is badly imbalanced.")]
+RouterTtl = Annotated[float, typer.Option("--router-ttl", envvar="DYN_ROUTER_TTL_SECS",
+                                          help="KV router, approximate mode: seconds a routed prefix counts as cached.")]
+
+
+def router_options(block_size: int | None, weight: float, temperature: float, kv_events: bool,
+                   hot_spot_guard: bool, ttl: float) -> dict[str, Any]:
+    """KvRouterConfig fields from the router flags."""
+    options: dict[str, Any] = {"overlap_score_weight": weight, "temperature": temperature,
+                               "use_kv_events": kv_events, "hot_spot_guard": hot_spot_guard, "approx_ttl_s": ttl}
+    if block_size is not None:
+        options["block_size"] = block_size
+    return options

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -129,6 +130,7 @@ class Frontend:
             entry, tokenizer, prompt_ids, sampling, request_id,
             migration_limit=self.config.migration_limit, metrics=self.metrics,
             pinned_worker=_pinned(pinned), busy=self.registry.busy,
+            explain=headers.get(b"x-dyn-explain-route", b"") in (b"1", b"true", b"yes"),
         )  # fmt: skip
 
     async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
@@ -232,6 +234,9 @@ class Frontend:
     async def prometheus(self, request: Request) -> Response:
         for name, entry in self.registry.models.items():
             self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
+            counters = getattr(entry.policy, "counters", None)
+            if counters is not None:
+                self.metrics.export_router(name, counters.to_dict())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -251,7 +256,23 @@ def _pinned(header: bytes | None) -> int | None:
 
 
 def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
-    return [(b"x-request-id", gen.request_id.encode()), (b"x-worker-instance-id", f"{gen.first_worker.instance_id:x}".encode())]
+    headers = [(b"x-request-id", gen.request_id.encode()),
+               (b"x-worker-instance-id", f"{gen.first_worker.instance_id:x}".encode())]  # fmt: skip
+    if gen.explain and gen.decision is not None:
+        headers.append((b"x-dyn-route", msgspec.json.encode(_hex_ids(gen.decision.explanation))))
+    return headers
+
+
+def _hex_ids(explanation: dict[str, Any]) -> dict[str, Any]:
+    """Worker ids as the hex strings every other place shows."""
+    def fix(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: fix(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v, key) for v in value]
+        return f"{value:x}" if key.endswith("worker_id") and isinstance(value, int) else value
+
+    return fix(explanation)  # type: ignore[no-any-return]
 
 
 async def _watch_disconnect(receive: Receive, on_disconnect: Any) -> None:

@@ -27,3 +27,13 @@ class FrontendMetrics:
         self.migrations = Counter(f"{prefix}_model_migration", "Migrations", ["model", "migration_type"], registry=r)
         self.cancellations = Counter(f"{prefix}_model_cancellation", "Cancelled requests", ["model"], registry=r)
         self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)
+        self.kv_repairs = Counter("dynamo_router_kv_gap_repairs", "KV event gaps repaired", ["kind"], registry=r)
+        self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
+
+    def count_repair(self, kind: str) -> None:
+        self.kv_repairs.labels(kind).inc()
+
+    def export_router(self, model: str, counters: dict[str, int]) -> None:
+        """Copy a KV policy's counters (decisions, hit blocks, reachable hit blocks ...) into gauges."""
+        for name, value in counters.items():
+            self.router.labels(model, name).set(value)

@@ -20,11 +20,14 @@ from dynamo_cli.frontend.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
-from dynamo_cli.runtime.names import parse_instance_key
+from dynamo_cli.runtime.names import EndpointName, parse_instance_key
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import RequestClient
 
 logger = logging.getLogger(__name__)
+
+ROUTER_COMPONENT = "router"
+"""Component name of standalone `dyn router` instances; by default the frontend routes to workers only."""
 
 RETIRE_GRACE_S = 30.0
 """How long a departed worker's connection stays open for its in-flight streams."""
@@ -90,8 +93,10 @@ class ModelRegistry:
     def __init__(
         self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
         busy: BusyThresholds | None = None,
+        accept: Callable[[EndpointName], bool] | None = None,
     ) -> None:  # fmt: skip
         self.busy = busy or BusyThresholds()
+        self._accept = accept or (lambda name: name.component != ROUTER_COMPONENT)
         self._discovery = discovery
         self._namespace = namespace
         self._policy_factory = policy_factory
@@ -140,7 +145,9 @@ class ModelRegistry:
         """Follow instance records; runs until cancelled."""
         decode = msgspec.json.Decoder(InstanceRecord).decode
         async for event in self._discovery.watch(f"v1/instances/{self._namespace}/"):
-            _, instance_id = parse_instance_key(event.key)
+            name, instance_id = parse_instance_key(event.key)
+            if not self._accept(name):
+                continue
             if event.kind is WatchKind.PUT:
                 self._records[instance_id] = decode(event.value)
             else:
@@ -151,7 +158,9 @@ class ModelRegistry:
         """Follow model cards; runs until cancelled."""
         decode = msgspec.json.Decoder(ModelCard).decode
         async for event in self._discovery.watch(f"v1/mdc/{self._namespace}/"):
-            _, instance_id = parse_instance_key(event.key)
+            name, instance_id = parse_instance_key(event.key)
+            if not self._accept(name):
+                continue
             if event.kind is WatchKind.PUT:
                 self._cards[instance_id] = decode(event.value)
             else:

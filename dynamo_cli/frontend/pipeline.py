@@ -59,6 +59,7 @@ class Generation:
         metrics: FrontendMetrics,
         pinned_worker: int | None = None,
         busy: BusyThresholds | None = None,
+        explain: bool = False,
     ) -> None:
         self.entry = entry
         self.tokenizer = tokenizer
@@ -68,6 +69,8 @@ class Generation:
         self.metrics = metrics
         self.pinned_worker = pinned_worker
         self.busy = busy or BusyThresholds()
+        self.explain = explain
+        """The caller asked to see the routing decision (header x-dyn-explain-route)."""
         self.max_tokens = self._max_tokens(sampling)
         self.sampling = sampling
         self.output_ids: list[int] = []

@@ -19,8 +19,9 @@ from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import KvEventBatch, LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
+from dynamo_cli.frontend.kv_repair import repair_loop
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import BusyThresholds, ModelRegistry
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelRegistry
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery
@@ -29,20 +30,27 @@ from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-ROUTER_MODES = ("round-robin", "random", "kv")
+ROUTER_MODES = ("round-robin", "random", "kv", "remote")
 
 
 def policy_factory(config: FrontendConfig) -> Callable[[ModelCard], RoutingPolicy]:
     """Build one routing policy per model (and per role pool) for `--router`."""
     mode = config.router
-    if mode == "round-robin":
+    if mode in ("round-robin", "remote"):  # remote: spread over `dyn router` replicas, which pick workers
         return lambda card: RoundRobinPolicy()
     if mode == "random":
         return lambda card: RandomPolicy()
     if mode == "kv":
-        from dynamo_cli.router.kv import kv_policy_factory
+        from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
 
-        return kv_policy_factory(config.router_options)
+        options = dict(config.router_options)
+        block_size = options.pop("block_size", None)
+        KvRouterConfig(block_size=block_size or 16, **options)  # reject bad flags at start, not per model
+
+        def kv(card: ModelCard) -> RoutingPolicy:
+            return KvRoutingPolicy(KvRouterConfig(block_size=block_size or card.kv_cache_block_size, **options))
+
+        return kv
     raise ConfigError(f"--router '{mode}' is unknown; use one of: {', '.join(ROUTER_MODES)}")
 
 
@@ -81,7 +89,8 @@ class FrontendService:
         self.config = config
         self.metrics = FrontendMetrics()
         busy = BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
-        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy)
+        accept = (lambda name: name.component == ROUTER_COMPONENT) if config.router == "remote" else None
+        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept)
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,6 +105,7 @@ class FrontendService:
         if self.config.router == "kv":
             self._tasks.append(loop.create_task(_pump_events(
                 self._bus, f"namespace.{ns}.component.*.kv-events", self.registry.apply_kv_events, KvEventBatch)))  # fmt: skip
+            self._tasks.append(loop.create_task(repair_loop(self.registry, self.metrics.count_repair)))
         try:
             server = loop.create_task(self._serve_http(sock, stop))
             await on_ready()

@@ -1,0 +1,61 @@
+"""Repair the KV router's view when a worker's event stream has a gap: replay, else a full dump."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from dynamo_cli.engine import KvDump, KvEventBatch
+from dynamo_cli.errors import TransportError
+from dynamo_cli.frontend.models import ModelRegistry, Worker
+
+logger = logging.getLogger(__name__)
+
+REPAIR_INTERVAL_S = 0.5
+REPAIR_TIMEOUT_S = 5.0
+
+_decode_batch = msgspec.msgpack.Decoder(KvEventBatch).decode
+_decode_dump = msgspec.msgpack.Decoder(KvDump).decode
+_encode = msgspec.msgpack.encode
+
+
+async def repair_loop(registry: ModelRegistry, on_repair: Any = None) -> None:
+    """Every REPAIR_INTERVAL_S, ask workers whose event ids jumped for what the router missed."""
+    while True:
+        await asyncio.sleep(REPAIR_INTERVAL_S)
+        for entry in list(registry.models.values()):
+            for policy, pool in ((entry.policy, entry.workers), (entry.prefill_policy, entry.prefill_workers)):
+                take_gaps = getattr(policy, "take_gaps", None)
+                for gap in take_gaps() if take_gaps else []:
+                    worker = pool.get(gap.worker_id)
+                    if worker is not None:
+                        kind = await repair_gap(policy, worker, gap.first_missing)
+                        if on_repair is not None:
+                            on_repair(kind)
+
+
+async def repair_gap(policy: Any, worker: Worker, first_missing: int) -> str:
+    """Replay from `first_missing`; when the worker no longer keeps it, load its dump. Returns which."""
+    try:
+        async with asyncio.timeout(REPAIR_TIMEOUT_S):
+            try:
+                stream = await worker.client.open_stream("kv_events_since", _encode(first_missing))
+                async for raw in stream:
+                    policy.apply_kv_events(_decode_batch(raw))
+                logger.info("KV router: replayed events of worker %x from %d", worker.instance_id, first_missing)
+                return "replay"
+            except TransportError as exc:
+                if getattr(exc, "code", None) != "too_old":
+                    raise
+            stream = await worker.client.open_stream("kv_dump", _encode(0))
+            async for raw in stream:
+                dump = _decode_dump(raw)
+                policy.load_dump(worker.instance_id, dump.block_hashes, dump.last_event_id)
+            logger.info("KV router: reloaded worker %x from a dump", worker.instance_id)
+            return "dump"
+    except (TransportError, TimeoutError) as exc:
+        logger.warning("KV router: cannot repair worker %x's events: %s", worker.instance_id, exc)
+        return "failed"
