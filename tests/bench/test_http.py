@@ -36,6 +36,16 @@ def test_a_chunked_sse_response_parses_the_same_however_the_bytes_are_split(step
     assert len(response.events) == 3  # role chunk, content chunk, usage chunk; [DONE] is not an event
 
 
+def test_sse_events_with_crlf_line_endings_take_the_slow_path_and_parse_the_same() -> None:
+    crlf = [e.replace(b"\n", b"\r\n") for e in EVENTS]
+    raw = CHUNKED.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+    raw += b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in crlf) + b"0\r\n\r\n"
+    response = _Response()
+    response.feed(raw, 1.0)
+    assert response.is_done and response.saw_done
+    assert [p for _, p in response.events] == [e[6:].strip() for e in EVENTS[:3]]
+
+
 def test_a_content_length_error_body_is_kept_for_the_message() -> None:
     response = _Response()
     body = b'{"error":{"message":"model x not found"}}'
