@@ -33,8 +33,8 @@ from dynamo_cli.engine import (
 from dynamo_cli.errors import RequestError
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.events import EventBus, open_event_bus
-from dynamo_cli.runtime.names import EndpointName, component_subject
+from dynamo_cli.runtime.events import EventBus, ensure_kv_stream, open_event_bus
+from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
@@ -106,6 +106,7 @@ class Worker:
         """Relay the engine's KV events to the event plane, stamped with this instance's id; keep the
         last KV_HISTORY batches and the current block set for routers that missed some."""
         subject = component_subject(self.name.namespace, self.name.component, "kv-events")
+        await ensure_kv_stream(self.bus, self.name.namespace, kv_events_subject(self.name.namespace))
         encode = msgspec.msgpack.encode
         async for batch in self.engine.kv_events():
             stamped = msgspec.structs.replace(batch, worker_id=self.instance_id)

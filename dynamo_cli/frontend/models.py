@@ -106,6 +106,8 @@ class ModelRegistry:
         self._placed: dict[int, ModelEntry] = {}
         self._clients: dict[str, RequestClient] = {}
         self.changed = asyncio.Event()
+        self.on_join: Callable[[ModelEntry, Worker], None] | None = None
+        """Called when a worker becomes routable (the KV router catches up on its cache then)."""
         self._retiring: set[asyncio.Task[None]] = set()
 
     ##### Queries #####
@@ -185,8 +187,10 @@ class ModelRegistry:
         client = self._clients.get(record.address)
         if client is None:
             client = self._clients[record.address] = RequestClient(record.address)
-        entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
+        worker = entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
         self._placed[instance_id] = entry
+        if self.on_join is not None:
+            self.on_join(entry, worker)
         logger.info("worker %x joined model %s at %s (%s)", instance_id, card.display_name, record.address, card.role)
 
     def _new_entry(self, card: ModelCard) -> ModelEntry:

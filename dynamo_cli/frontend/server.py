@@ -19,13 +19,14 @@ from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import KvEventBatch, LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
-from dynamo_cli.frontend.kv_repair import repair_loop
+from dynamo_cli.frontend.kv_repair import repair_gap, repair_loop
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelRegistry
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery
-from dynamo_cli.runtime.events import EventBus
+from dynamo_cli.runtime.events import EventBus, Subscription, subscribe_kv_events
+from dynamo_cli.runtime.names import component_subject, kv_events_subject
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _pump_events(bus: EventBus, subject: str, apply: Callable[[Any], None], kind: type) -> None:
+async def _pump_events(sub: Subscription, apply: Callable[[Any], None], kind: type) -> None:
     decode = msgspec.msgpack.Decoder(kind).decode
-    sub = await bus.subscribe(subject)
     try:
         async for _, payload in sub:
             try:
@@ -100,12 +100,13 @@ class FrontendService:
         loop = asyncio.get_running_loop()
         ns = self.config.namespace
         self._tasks = [loop.create_task(self.registry.watch_instances()), loop.create_task(self.registry.watch_cards())]
-        self._tasks.append(loop.create_task(_pump_events(
-            self._bus, f"namespace.{ns}.component.*.kv-metrics", self.registry.apply_load, LoadMetrics)))  # fmt: skip
+        load = await self._bus.subscribe(component_subject(ns, "*", "kv-metrics"))
+        self._tasks.append(loop.create_task(_pump_events(load, self.registry.apply_load, LoadMetrics)))
         if self.config.router == "kv":
-            self._tasks.append(loop.create_task(_pump_events(
-                self._bus, f"namespace.{ns}.component.*.kv-events", self.registry.apply_kv_events, KvEventBatch)))  # fmt: skip
+            kv = await subscribe_kv_events(self._bus, ns, kv_events_subject(ns))
+            self._tasks.append(loop.create_task(_pump_events(kv, self.registry.apply_kv_events, KvEventBatch)))
             self._tasks.append(loop.create_task(repair_loop(self.registry, self.metrics.count_repair)))
+            self.registry.on_join = self._catch_up
         try:
             server = loop.create_task(self._serve_http(sock, stop))
             await on_ready()
@@ -113,6 +114,13 @@ class FrontendService:
         finally:
             await cancel_and_wait(*self._tasks)
             await self.registry.close()
+
+    def _catch_up(self, entry: ModelEntry, worker: Worker) -> None:
+        """A worker joined: replay its kept KV events from 0 (or load its dump), so a router that
+        starts after the workers, or a worker that restarts, is known at once."""
+        policy = entry.prefill_policy if worker.instance_id in entry.prefill_workers else entry.policy
+        task = asyncio.get_running_loop().create_task(repair_gap(policy, worker, 0))
+        self._tasks.append(task)
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":

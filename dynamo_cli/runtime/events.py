@@ -72,3 +72,26 @@ def open_event_bus(url: str, discovery: object) -> EventBus:
 
         return ZmqEventBus(discovery)  # type: ignore[arg-type]
     raise ConfigError(f"--events '{url}' is not understood; use embedded or nats://HOST:PORT")
+
+
+def kv_stream_name(namespace: str) -> str:
+    """The JetStream stream that keeps a namespace's KV events for routers that start late."""
+    return f"DYN_KV_{namespace}"
+
+
+async def ensure_kv_stream(bus: EventBus, namespace: str, subject: str) -> None:
+    """Make KV events durable where the backend can (NATS JetStream); a no-op elsewhere."""
+    ensure = getattr(bus, "ensure_stream", None)
+    if ensure is not None:
+        await ensure(kv_stream_name(namespace), [subject])
+
+
+async def subscribe_kv_events(bus: EventBus, namespace: str, subject: str) -> Subscription:
+    """Subscribe to KV events, replaying what the stream kept when the backend can (a late router
+    catches up); otherwise from now on (gaps are then repaired from the workers)."""
+    replay = getattr(bus, "subscribe_replay", None)
+    if replay is None:
+        return await bus.subscribe(subject)
+    await ensure_kv_stream(bus, namespace, subject)
+    sub: Subscription = await replay(subject, stream=kv_stream_name(namespace), start_seq=1)
+    return sub

@@ -73,6 +73,11 @@ def component_subject(namespace: str, component: str, topic: str) -> str:
     return f"namespace.{namespace}.component.{component}.{topic}"
 
 
+def kv_events_subject(namespace: str) -> str:
+    """Every component's KV events in a namespace (what routers subscribe to)."""
+    return component_subject(namespace, "*", "kv-events")
+
+
 def parse_instance_key(key: str) -> tuple[EndpointName, InstanceId]:
     """Split `v1/{instances|mdc}/ns/comp/ep/{id:x}` into its endpoint and instance id."""
     parts = key.split("/")
