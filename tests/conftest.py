@@ -101,10 +101,12 @@ def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event,
     ready.set()
 
 
-def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | None = None) -> DynProcess:
-    """Start `dyn serve ...` and wait for its ready line."""
+def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | None = None,
+              netns: str | None = None) -> DynProcess:  # fmt: skip
+    """Start `dyn serve ...` (inside network namespace `netns` if given) and wait for its ready line."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_cli.cli.main", *args],
+        [*prefix, sys.executable, "-m", "dynamo_cli.cli.main", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
         start_new_session=True,
     )  # fmt: skip

@@ -3,7 +3,7 @@ eviction and preemption, with exact memory ops and hashes."""
 
 from __future__ import annotations
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, GenerateRequest, StoredBlock
+from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, GenerateRequest, StoredBlock
 from dynamo_cli.router.hashing import block_hashes, sequence_hashes
 from engines.llamacpp.plan import MemoryOp
 from engines.llamacpp.scheduler import Scheduler, Sequence
@@ -107,3 +107,16 @@ def test_out_of_kv_cells_the_newest_sequence_is_preempted_and_later_recomputed()
     num_tokens = len(new.tokens)  # prompt and the 5 tokens it had sampled, recomputed in one chunk
     assert step(scheduler) == [(0, num_tokens, True)]
     assert new.num_output_tokens == 6
+
+
+def test_a_reset_after_a_failed_step_drops_everything_and_clears_the_cache() -> None:
+    scheduler = make_scheduler()
+    running, waiting = make_seq(list(range(100, 140))), make_seq([3] * 20)
+    scheduler.add(running)
+    step(scheduler)
+    scheduler.drain_events()
+    scheduler.add(waiting)
+    assert scheduler.reset() == [running, waiting]
+    assert scheduler.drain_events() == [AllBlocksCleared()]
+    assert scheduler.pending_ops == [MemoryOp("clear", -1)]
+    assert (scheduler.running, list(scheduler.waiting), scheduler.refcounts) == ([], [], {})
