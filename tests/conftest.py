@@ -82,12 +82,26 @@ class DynProcess:
         return self.proc.returncode
 
     def worker_pids(self) -> list[int]:
-        """Pids of this deployment's registered workers, read from discovery."""
-        import json
+        """Pids of this deployment's registered workers, read from discovery (in-process: fast to poll)."""
+        import asyncio
 
-        out = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", self.discovery],
-                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
-        return [row["pid"] for row in json.loads(out.stdout)]
+        import msgspec
+
+        from dynamo_cli.model_card import InstanceRecord
+        from dynamo_cli.runtime.discovery import open_discovery
+
+        async def read() -> list[int]:
+            discovery = open_discovery(self.discovery)
+            await discovery.start()
+            try:
+                async with asyncio.timeout(10):
+                    found = await discovery.get_prefix("v1/instances/")
+            finally:
+                await discovery.close()
+            records = [msgspec.json.decode(v, type=InstanceRecord) for v in found.values()]
+            return [r.pid for r in records if r.component != "router"]
+
+        return asyncio.run(read())
 
 
 def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event, box: dict[str, str]) -> None:
