@@ -79,9 +79,10 @@ def summarize(records: list[RequestRecord], wall: float, cpu: dict[str, float]) 
     }  # fmt: skip
 
 
-def start_serve(tmp: str) -> tuple[subprocess.Popen[str], str]:
+def start_serve(tmp: str, http_server: str) -> tuple[subprocess.Popen[str], str]:
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers", "1",
-            "--speedup-ratio", "1000000", "--port", "0", "--discovery", f"file://{tmp}/d"]  # fmt: skip
+            "--speedup-ratio", "1000000", "--port", "0", "--discovery", f"file://{tmp}/d",
+            "--http-server", http_server]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -112,9 +113,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--max-tokens", default="16,128")
     parser.add_argument("--json", default="benchmarks/out/overhead.json")
+    parser.add_argument("--http-server", default="uvicorn", choices=["uvicorn", "hypercorn"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_serve(tmp)
+        proc, url = start_serve(tmp, args.http_server)
         try:
             rows = run_all(proc.pid, url, args)
             rows.append({"max_tokens": 16, "concurrency": 1, "client": "httpx",
@@ -143,7 +145,7 @@ def run_all(serve_pid: int, url: str, args: argparse.Namespace) -> list[dict[str
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu = {"frontend": cpu_seconds(serve_pid) - before[0], "worker": cpu_seconds(worker_pid) - before[1],
                    "loadgen": usage.ru_utime + usage.ru_stime - before[2].ru_utime - before[2].ru_stime}  # fmt: skip
-            row = {"max_tokens": max_tokens, "concurrency": concurrency, "client": "lean",
+            row = {"max_tokens": max_tokens, "concurrency": concurrency, "client": "lean", "server": args.http_server,
                    **summarize(records, wall, cpu)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -78,5 +78,7 @@ class ServeConfig:
     frontend: FrontendConfig
     worker: WorkerConfig
     num_workers: int = 1
+    num_routers: int = 0
+    """`dyn router` replicas to spawn (with `--router remote`); the frontend then waits for them."""
     ready_timeout_s: float = 120.0
     """How long to wait for every worker to register before giving up."""

@@ -1,19 +1,19 @@
 """The one exception tree of dyn: every error a user can see is a DynError.
 
-    DynError
-    ├── ConfigError            bad flag, environment value or model path (CLI exit 2)
-    ├── EngineNotInstalled     an engine plugin whose library is missing (names the pip command)
-    ├── UnknownEngine          --engine NAME not in the registry (lists the known ones)
-    ├── PlaneUnavailable       etcd / NATS / embedded root unreachable at start
-    ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
-    │   ├── ModelNotFound      404
-    │   └── ContextOverflow    400, says the numbers
-    ├── Overloaded             503 / 429: every worker is over its busy threshold
-    ├── NoWorkers              503: no instance serves the model
-    └── TransportError         request-plane failures
-        ├── WorkerDisconnected the worker went away mid-stream (migratable)
-        ├── StreamTimeout      no frame within the idle timeout (migratable)
-        └── RemoteError        the worker raised while serving (not migratable)
+DynError
+├── ConfigError            bad flag, environment value or model path (CLI exit 2)
+├── EngineNotInstalled     an engine plugin whose library is missing (names the pip command)
+├── UnknownEngine          --engine NAME not in the registry (lists the known ones)
+├── PlaneUnavailable       etcd / NATS / embedded root unreachable at start
+├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
+│   ├── ModelNotFound      404
+│   └── ContextOverflow    400, says the numbers
+├── Overloaded             503 / 429: every worker is over its busy threshold
+├── NoWorkers              503: no instance serves the model
+└── TransportError         request-plane failures
+    ├── WorkerDisconnected the worker went away mid-stream (migratable)
+    ├── StreamTimeout      no frame within the idle timeout (migratable)
+    └── RemoteError        the worker raised while serving (not migratable)
 """
 
 from __future__ import annotations

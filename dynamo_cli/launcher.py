@@ -51,14 +51,18 @@ async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
 
 
-async def _wait_ready(service: FrontendService, procs: list[asyncio.subprocess.Process], n: int, timeout: float) -> None:
+async def _wait_ready(
+    service: FrontendService, procs: list[asyncio.subprocess.Process], n: int, timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while service.registry.num_workers() < n:
         dead = [p for p in procs if p.returncode is not None]
         if dead:
             raise WorkerFailed(f"worker pid {dead[0].pid} exited with code {dead[0].returncode} before registering")
         if time.monotonic() > deadline:
-            raise WorkerFailed(f"only {service.registry.num_workers()} of {n} workers registered within {timeout:.0f} s")
+            raise WorkerFailed(
+                f"only {service.registry.num_workers()} of {n} workers registered within {timeout:.0f} s"
+            )
         service.registry.changed.clear()
         try:
             async with asyncio.timeout(0.2):
@@ -99,9 +103,16 @@ async def serve_all(config: ServeConfig) -> None:
         service = FrontendService(config.frontend, discovery, bus)
         argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
         procs = [await _spawn(argv) for _ in range(config.num_workers)]
+        expected = config.num_workers
+        if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
+            from dynamo_cli.router.service import router_argv
+
+            router_cmd = router_argv(config, _shared_discovery(planes.discovery, discovery))
+            procs += [await _spawn(router_cmd) for _ in range(config.num_routers)]
+            expected = config.num_routers
 
         async def on_ready() -> None:
-            await _wait_ready(service, procs, config.num_workers, config.ready_timeout_s)
+            await _wait_ready(service, procs, expected, config.ready_timeout_s)
             print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})", flush=True)
 
         await service.run(sock, stop, on_ready)

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-READY = re.compile(r"dyn serve ready: (http://\S+)")
-WORKER_READY = re.compile(r"dyn worker ready: instance=(\S+) address=(\S+)")
-
 from tests.planes import (  # noqa: F401  (fixtures)
     etcd_process,
     etcd_server,
@@ -28,6 +25,8 @@ from tests.planes import (  # noqa: F401  (fixtures)
     start_etcd,
     start_nats,
 )
+
+READY = re.compile(r"dyn serve ready: (http://\S+)")
 
 PLANES = [pytest.param("embedded", id="embedded"), pytest.param("etcd-nats", id="etcd-nats")]
 """The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS."""
@@ -53,7 +52,9 @@ def planes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
 
 
 @pytest.fixture(scope="module", params=PLANES)
-def planes_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str | None, str]]:
+def planes_module(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str | None, str]]:
     """Like `planes`, shared by one module's tests."""
     urls, servers = _open_planes(request.param, tmp_path_factory.mktemp("planes"))
     yield urls

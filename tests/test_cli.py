@@ -9,7 +9,9 @@ import dynamo_cli
 
 
 def dyn(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
@@ -20,7 +22,9 @@ def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
 
 
 def test_a_missing_model_path_is_one_clear_line() -> None:
-    result = dyn("worker", "--engine", "mocker", "--model", "/no/such/model.gguf", "--discovery", "file:///tmp/dyn-cli-test")
+    result = dyn(
+        "worker", "--engine", "mocker", "--model", "/no/such/model.gguf", "--discovery", "file:///tmp/dyn-cli-test"
+    )
     assert result.returncode != 0
     assert "neither a built-in alias" in result.stderr and "Traceback" not in result.stderr
 

@@ -26,7 +26,9 @@ def engines_help() -> str:
 
 
 Engine = Annotated[str, typer.Option("--engine", "-e", envvar="DYN_ENGINE", help=engines_help())]
-Model = Annotated[str, typer.Option("--model", "-m", envvar="DYN_MODEL", help="Model alias (smollm2), GGUF file or HF dir.")]
+Model = Annotated[
+    str, typer.Option("--model", "-m", envvar="DYN_MODEL", help="Model alias (smollm2), GGUF file or HF dir.")
+]
 ServedName = Annotated[
     str | None, typer.Option("--served-model-name", envvar="DYN_SERVED_MODEL_NAME", help="Name clients use.")
 ]
@@ -53,7 +55,8 @@ EngineArg = Annotated[
     typer.Option("--engine-arg", envvar="DYN_ENGINE_ARG", help="Engine option KEY=VALUE (repeatable; JSON values)."),
 ]
 ExtraEngineArgs = Annotated[
-    str | None, typer.Option("--extra-engine-args", envvar="DYN_EXTRA_ENGINE_ARGS", help="JSON object of engine options.")
+    str | None,
+    typer.Option("--extra-engine-args", envvar="DYN_EXTRA_ENGINE_ARGS", help="JSON object of engine options."),
 ]
 
 DEFAULTS = {"engine": DEFAULT_ENGINE, "model": DEFAULT_MODEL, "namespace": DEFAULT_NAMESPACE}
@@ -72,9 +75,7 @@ def planes(discovery: str, events: str, lease_ttl: float) -> PlanesConfig:
     return PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl)
 
 
-def engine_extra(
-    engine_args: list[str] | None, extra_json: str | None, **named: Any
-) -> dict[str, Any]:
+def engine_extra(engine_args: list[str] | None, extra_json: str | None, **named: Any) -> dict[str, Any]:
     """Merge --extra-engine-args JSON, then --engine-arg KEY=VALUE, then named flags that were given."""
     extra: dict[str, Any] = {}
     if extra_json:
@@ -97,23 +98,57 @@ def engine_extra(
     return extra
 
 
-OverlapWeight = Annotated[float, typer.Option("--kv-overlap-score-weight", envvar="DYN_KV_OVERLAP_SCORE_WEIGHT",
-                                              help="KV router: weight of prefill blocks in the cost.")]
-RouterTemperature = Annotated[float, typer.Option("--router-temperature", envvar="DYN_ROUTER_TEMPERATURE",
-                                                 help="KV router: 0 = argmin, > 0 = softmax sampling.")]
-KvEvents = Annotated[bool, typer.Option("--kv-events/--no-kv-events", envvar="DYN_KV_EVENTS",
-                                        help="KV router: use workers' KV events, or approximate from own decisions.")]
-HotSpotGuard = Annotated[bool, typer.Option("--hot-spot-guard/--no-hot-spot-guard", envvar="DYN_HOT_SPOT_GUARD",
-                                            help="KV router: pick by load when load is badly imbalanced.")]
-RouterTtl = Annotated[float, typer.Option("--router-ttl", envvar="DYN_ROUTER_TTL_SECS",
-                                          help="KV router, approximate mode: seconds a routed prefix counts as cached.")]
+OverlapWeight = Annotated[
+    float,
+    typer.Option(
+        "--kv-overlap-score-weight",
+        envvar="DYN_KV_OVERLAP_SCORE_WEIGHT",
+        help="KV router: weight of prefill blocks in the cost.",
+    ),
+]
+RouterTemperature = Annotated[
+    float,
+    typer.Option(
+        "--router-temperature", envvar="DYN_ROUTER_TEMPERATURE", help="KV router: 0 = argmin, > 0 = softmax sampling."
+    ),
+]
+KvEvents = Annotated[
+    bool,
+    typer.Option(
+        "--kv-events/--no-kv-events",
+        envvar="DYN_KV_EVENTS",
+        help="KV router: use workers' KV events, or approximate from own decisions.",
+    ),
+]
+HotSpotGuard = Annotated[
+    bool,
+    typer.Option(
+        "--hot-spot-guard/--no-hot-spot-guard",
+        envvar="DYN_HOT_SPOT_GUARD",
+        help="KV router: pick by load when load is badly imbalanced.",
+    ),
+]
+RouterTtl = Annotated[
+    float,
+    typer.Option(
+        "--router-ttl",
+        envvar="DYN_ROUTER_TTL_SECS",
+        help="KV router, approximate mode: seconds a routed prefix counts as cached.",
+    ),
+]
 
 
-def router_options(block_size: int | None, weight: float, temperature: float, kv_events: bool,
-                   hot_spot_guard: bool, ttl: float) -> dict[str, Any]:
+def router_options(
+    block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float
+) -> dict[str, Any]:
     """KvRouterConfig fields from the router flags."""
-    options: dict[str, Any] = {"overlap_score_weight": weight, "temperature": temperature,
-                               "use_kv_events": kv_events, "hot_spot_guard": hot_spot_guard, "approx_ttl_s": ttl}
+    options: dict[str, Any] = {
+        "overlap_score_weight": weight,
+        "temperature": temperature,
+        "use_kv_events": kv_events,
+        "hot_spot_guard": hot_spot_guard,
+        "approx_ttl_s": ttl,
+    }
     if block_size is not None:
         options["block_size"] = block_size
     return options

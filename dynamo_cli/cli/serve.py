@@ -17,19 +17,31 @@ from dynamo_cli.runtime.supervisor import run
 def command(
     model: o.Model = o.DEFAULTS["model"],
     engine: o.Engine = "llamacpp",
-    workers: Annotated[int, typer.Option("--workers", "-n", envvar="DYN_WORKERS", help="Worker processes (0: frontend only).")] = 1,
-    router: Annotated[str, typer.Option("--router", envvar="DYN_ROUTER_MODE", help="round-robin | random | kv")] = "round-robin",
+    workers: Annotated[
+        int, typer.Option("--workers", "-n", envvar="DYN_WORKERS", help="Worker processes (0: frontend only).")
+    ] = 1,
+    router: Annotated[
+        str, typer.Option("--router", envvar="DYN_ROUTER_MODE", help="round-robin | random | kv")
+    ] = "round-robin",
+    routers: Annotated[
+        int,
+        typer.Option("--routers", envvar="DYN_ROUTERS", help="With --router remote: `dyn router` replicas to start."),
+    ] = 0,
     kv_overlap_score_weight: o.OverlapWeight = 1.0,
     router_temperature: o.RouterTemperature = 0.0,
     kv_events: o.KvEvents = True,
     hot_spot_guard: o.HotSpotGuard = True,
     router_ttl: o.RouterTtl = 120.0,
     host: Annotated[str, typer.Option("--host", envvar="DYN_HTTP_HOST")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", envvar="DYN_HTTP_PORT", help="HTTP port (0: any free port).")] = 8000,
+    port: Annotated[
+        int, typer.Option("--port", "-p", envvar="DYN_HTTP_PORT", help="HTTP port (0: any free port).")
+    ] = 8000,
     served_model_name: o.ServedName = None,
     namespace: o.Namespace = o.DEFAULTS["namespace"],
     migration_limit: Annotated[int, typer.Option("--migration-limit", envvar="DYN_MIGRATION_LIMIT")] = 3,
-    http_server: Annotated[str, typer.Option("--http-server", envvar="DYN_HTTP_SERVER", help="uvicorn | hypercorn")] = "uvicorn",
+    http_server: Annotated[
+        str, typer.Option("--http-server", envvar="DYN_HTTP_SERVER", help="uvicorn | hypercorn")
+    ] = "uvicorn",
     block_size: o.BlockSize = None,
     context_length: o.ContextLength = None,
     speedup_ratio: o.SpeedupRatio = None,
@@ -40,16 +52,30 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
-    max_inflight_per_worker: Annotated[int, typer.Option("--max-inflight-per-worker", envvar="DYN_MAX_INFLIGHT_PER_WORKER",
-        help="Busy threshold: streams per worker (0: none); all workers busy → 503.")] = 0,
-    active_blocks_threshold: Annotated[float, typer.Option("--active-decode-blocks-threshold",
-        envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD", help="Busy threshold: KV usage fraction (1.0: off).")] = 1.0,
+    max_inflight_per_worker: Annotated[
+        int,
+        typer.Option(
+            "--max-inflight-per-worker",
+            envvar="DYN_MAX_INFLIGHT_PER_WORKER",
+            help="Busy threshold: streams per worker (0: none); all workers busy → 503.",
+        ),
+    ] = 0,
+    active_blocks_threshold: Annotated[
+        float,
+        typer.Option(
+            "--active-decode-blocks-threshold",
+            envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+            help="Busy threshold: KV usage fraction (1.0: off).",
+        ),
+    ] = 1.0,
     body_limit_mb: Annotated[float, typer.Option("--body-limit-mb", envvar="DYN_HTTP_BODY_LIMIT_MB")] = 45.0,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
+    if routers < 0 or (routers and router != "remote"):
+        raise ConfigError(f"--routers {routers} needs --router remote and a count >= 0")
     if migration_limit < 0:
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
     planes = o.planes(discovery, events, lease_ttl)
@@ -65,4 +91,14 @@ def command(
                               max_body_bytes=int(body_limit_mb * 1024 * 1024),
                               max_inflight_per_worker=max_inflight_per_worker,
                               active_blocks_threshold=active_blocks_threshold)  # fmt: skip
-    run(serve_all(ServeConfig(frontend=frontend, worker=worker, num_workers=workers, ready_timeout_s=ready_timeout)))
+    run(
+        serve_all(
+            ServeConfig(
+                frontend=frontend,
+                worker=worker,
+                num_workers=workers,
+                num_routers=routers,
+                ready_timeout_s=ready_timeout,
+            )
+        )
+    )

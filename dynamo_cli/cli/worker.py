@@ -42,7 +42,11 @@ def command(
     die_with_parent()
     parsed_role = o.parse_role(role)
     extra = o.engine_extra(
-        engine_arg, extra_engine_args, speedup_ratio=speedup_ratio, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs
+        engine_arg,
+        extra_engine_args,
+        speedup_ratio=speedup_ratio,
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_seqs=max_num_seqs,
     )
     config = WorkerConfig(
         engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,

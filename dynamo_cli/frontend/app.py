@@ -168,7 +168,9 @@ class Frontend:
         except DynError as exc:
             await _send_error(send, exc)
             return "error"
-        body = fmt.full(text, gen.finish_reason or "length", len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        body = fmt.full(
+            text, gen.finish_reason or "length", len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens
+        )
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})
@@ -252,7 +254,9 @@ def _pinned(header: bytes | None) -> int | None:
     try:
         return int(header, 16)
     except ValueError:
-        raise RequestError(f"x-worker-instance-id '{header.decode(errors='replace')}' is not a hex instance id") from None
+        raise RequestError(
+            f"x-worker-instance-id '{header.decode(errors='replace')}' is not a hex instance id"
+        ) from None
 
 
 def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
@@ -265,6 +269,7 @@ def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
 
 def _hex_ids(explanation: dict[str, Any]) -> dict[str, Any]:
     """Worker ids as the hex strings every other place shows."""
+
     def fix(value: Any, key: str = "") -> Any:
         if isinstance(value, dict):
             return {k: fix(v, k) for k, v in value.items()}

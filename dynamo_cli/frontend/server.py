@@ -71,7 +71,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def _pump_events(sub: Subscription, apply: Callable[[Any], None], kind: type) -> None:
-    decode = msgspec.msgpack.Decoder(kind).decode
+    decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
     try:
         async for _, payload in sub:
             try:
@@ -120,7 +120,7 @@ class FrontendService:
         starts after the workers, or a worker that restarts, is known at once."""
         policy = entry.prefill_policy if worker.instance_id in entry.prefill_workers else entry.policy
         task = asyncio.get_running_loop().create_task(repair_gap(policy, worker, 0))
-        self._tasks.append(task)
+        self._tasks.append(task)  # type: ignore[arg-type]
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":

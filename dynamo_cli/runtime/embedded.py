@@ -145,7 +145,7 @@ class FileDiscovery:
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: value for key, (_, value) in self._scan(prefix, {}).items()}
 
-    async def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
+    async def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
         known: dict[str, tuple[int, bytes]] = {}
         cache: dict[str, tuple[int, int, bytes]] = {}
         while True:
@@ -180,7 +180,9 @@ class FileDiscovery:
             out[unquote(entry.name)] = (stamp, value)
         return out
 
-    def _read_key(self, entry: os.DirEntry[str], cache: dict[str, tuple[int, int, bytes]]) -> tuple[int, int, bytes] | None:
+    def _read_key(
+        self, entry: os.DirEntry[str], cache: dict[str, tuple[int, int, bytes]]
+    ) -> tuple[int, int, bytes] | None:
         try:
             stamp = entry.stat().st_mtime_ns ^ entry.inode()
         except FileNotFoundError:

@@ -15,8 +15,8 @@ import itertools
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, cast
 
 import msgspec
 
@@ -113,7 +113,7 @@ class _ServerConnection(asyncio.Protocol):
         server, writer = self._server, self._writer
         server._inflight += 1
         try:
-            async with contextlib.aclosing(handler(body)) as items:
+            async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], handler(body))) as items:
                 async for item in items:
                     writer.send(Data(sid, msgspec.Raw(item)))
                     await writer.drained()
@@ -297,7 +297,7 @@ class _ClientConnection(asyncio.Protocol):
             return
         streams = self._client._streams
         for frame in frames:
-            stream = streams.get(frame.sid)  # type: ignore[union-attr]
+            stream = streams.get(frame.sid)
             if stream is None:
                 continue  # cancelled locally; late frames are dropped
             if type(frame) is Data:
@@ -364,7 +364,7 @@ class RequestClient:
             except (OSError, TimeoutError) as exc:
                 raise WorkerDisconnected(f"cannot connect to {self.address}: {exc or 'timed out'}") from exc
             self._writer = _Writer(self._loop)
-            self._writer.transport = transport  # type: ignore[assignment]
+            self._writer.transport = transport
 
     def _cancel(self, stream: ResponseStream) -> None:
         if self._streams.pop(stream.sid, None) is not None:

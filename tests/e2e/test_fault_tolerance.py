@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
-import pytest
 
-from tests.conftest import DynProcess, wait_until
+from tests.conftest import DynProcess
 
 SLOW = ("--engine", "mocker", "--speedup-ratio", "1", "--lease-ttl", "2")
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "tell me a story"}], "stream": True,

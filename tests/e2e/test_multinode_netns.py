@@ -54,8 +54,10 @@ def namespaces() -> Iterator[tuple[str, str]]:
 
 def fetch(ns: str, url: str, body: str | None = None) -> subprocess.CompletedProcess[str]:
     """An HTTP request made from inside namespace `ns`."""
-    code = ("import sys, urllib.request as u; d = sys.argv[2].encode() if len(sys.argv) > 2 else None; "
-            "print(u.urlopen(u.Request(sys.argv[1], d, {'content-type': 'application/json'}), timeout=20).read().decode())")
+    code = (
+        "import sys, urllib.request as u; d = sys.argv[2].encode() if len(sys.argv) > 2 else None; "
+        "print(u.urlopen(u.Request(sys.argv[1], d, {'content-type': 'application/json'}), timeout=20).read().decode())"
+    )
     return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, url, *([body] if body else []))
 
 

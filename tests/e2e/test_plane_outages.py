@@ -29,7 +29,9 @@ def metric(http: httpx.Client, name: str) -> float:
 
 
 def test_serving_continues_while_etcd_restarts_and_workers_re_register(
-    dyn_serve, etcd_process: EtcdProcess, nats_server: str  # type: ignore[no-untyped-def]
+    dyn_serve,
+    etcd_process: EtcdProcess,
+    nats_server: str,  # type: ignore[no-untyped-def]
 ) -> None:
     d: DynProcess = dyn_serve(*FLAGS, discovery=etcd_process.url, events=nats_server)
     with httpx.Client(base_url=d.url, timeout=30) as http:
@@ -54,7 +56,9 @@ def holder_overlap(http: httpx.Client, prefix: str) -> int:
 
 
 def test_serving_continues_while_nats_restarts_and_kv_events_resume(
-    dyn_serve, etcd_server: str, nats_process: NatsProcess  # type: ignore[no-untyped-def]
+    dyn_serve,
+    etcd_server: str,
+    nats_process: NatsProcess,  # type: ignore[no-untyped-def]
 ) -> None:
     d: DynProcess = dyn_serve(*FLAGS, "--router", "kv", discovery=etcd_server, events=nats_process.url)
     with httpx.Client(base_url=d.url, timeout=30) as http:
@@ -77,10 +81,14 @@ def test_serving_continues_while_nats_restarts_and_kv_events_resume(
         pytest.param("--events", "nats://127.0.0.1:1", "nats", id="nats"),
     ],
 )
-def test_an_unreachable_plane_at_start_is_one_line_naming_the_address(flag: str, url: str, plane: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreachable_plane_at_start_is_one_line_naming_the_address(
+    flag: str, url: str, plane: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     args = ["worker", "--engine", "mocker", "--discovery", f"file://{tmp_path}", flag, url]
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr

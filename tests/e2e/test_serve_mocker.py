@@ -47,9 +47,7 @@ def test_chat_and_completions_answer_streaming_and_not(deployment: DynProcess) -
     assert chat.usage is not None and chat.usage.completion_tokens == 7 and chat.usage.prompt_tokens > 5
     text = c.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=5)
     assert text.choices[0].text and text.usage is not None and text.usage.completion_tokens == 5
-    pieces = [
-        ch for ch in c.completions.create(model="smollm2", prompt="Once", max_tokens=4, stream=True)
-    ]
+    pieces = [ch for ch in c.completions.create(model="smollm2", prompt="Once", max_tokens=4, stream=True)]
     assert "".join(p.choices[0].text for p in pieces if p.choices)
     assert pieces[-1].choices[0].finish_reason == "length"
 
@@ -82,7 +80,9 @@ def test_requests_spread_over_both_workers(deployment: DynProcess) -> None:
     ("body", "status", "needle"),
     [
         pytest.param(b'{"model": "smollm2", "messages": [', 400, "not valid JSON", id="malformed-json"),
-        pytest.param(b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "nope", id="unknown-model"),
+        pytest.param(
+            b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "nope", id="unknown-model"
+        ),
         pytest.param(b'{"model": "smollm2", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}',
                      400, "max_tokens", id="negative-max-tokens"),
         pytest.param(b'{"model": "smollm2", "temperature": 9, "messages": [{"role": "user", "content": "x"}]}',
@@ -93,7 +93,9 @@ def test_requests_spread_over_both_workers(deployment: DynProcess) -> None:
                      413, "limit", id="oversize-body"),
     ],
 )  # fmt: skip
-def test_bad_requests_get_a_4xx_naming_the_problem(deployment: DynProcess, body: bytes, status: int, needle: str) -> None:
+def test_bad_requests_get_a_4xx_naming_the_problem(
+    deployment: DynProcess, body: bytes, status: int, needle: str
+) -> None:
     r = httpx.post(f"{deployment.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]

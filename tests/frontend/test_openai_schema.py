@@ -18,7 +18,9 @@ MSG = '"messages": [{"role": "user", "content": "x"}]'
         pytest.param('{"model": "m", ' + MSG + ', "n": 2}', "n", id="n-above-1"),
         pytest.param('{"model": "m", ' + MSG + ', "stop": [""]}', "stop", id="empty-stop"),
         pytest.param('{"model": "m", "messages": []}', "messages", id="no-messages"),
-        pytest.param('{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", id="bad-role"),
+        pytest.param(
+            '{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", id="bad-role"
+        ),
         pytest.param('{"model": 3, ' + MSG + "}", "model", id="model-not-string"),
     ],
 )

@@ -60,7 +60,9 @@ def test_token_ids_are_the_same_as_llama_cpp_produces(tok: Tokenizer, text: str)
         pytest.param([], ["a", "b"], "ab", False, id="no-stops"),
     ],
 )
-def test_stop_strings_hold_back_partial_matches(stops: list[str], pieces: list[str], emitted: str, stopped: bool) -> None:
+def test_stop_strings_hold_back_partial_matches(
+    stops: list[str], pieces: list[str], emitted: str, stopped: bool
+) -> None:
     matcher = StopMatcher(stops)
     out = ""
     for piece in pieces:
