@@ -49,15 +49,21 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_level(url: str, concurrency: int, max_tokens: int, seconds: float) -> list[RequestRecord]:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-            "stream_options": {"include_usage": True}}  # fmt: skip
     records: list[RequestRecord] = []
+    counter = iter(range(1 << 62))
+
+    def body() -> dict[str, object]:
+        # a unique prompt per request: the frontend really tokenizes every one (no cache hit on the user turn)
+        content = f"Request {next(counter)}: {PROMPT}"
+        return {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+
     deadline = time.perf_counter() + seconds
     async with HttpClient(url, max_connections=concurrency) as client:
 
         async def loop() -> None:
             while time.perf_counter() < deadline:
-                records.append(await client.stream_chat(body))
+                records.append(await client.stream_chat(body()))
 
         await asyncio.gather(*(loop() for _ in range(concurrency)))
     return records

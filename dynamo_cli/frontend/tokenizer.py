@@ -55,6 +55,10 @@ def model_display_name(model: str) -> str:
     return Path(model).name.removesuffix(".gguf")
 
 
+SEGMENT_CACHE = 4096
+"""Text segments (between special tokens) whose ids are kept: system prompts, earlier turns."""
+
+
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
     """Encode/decode, special ids and the chat template of one model."""
@@ -65,9 +69,13 @@ class Tokenizer:
     bos_token_id: int | None
     token_bytes: tuple[bytes, ...] | None
     """Per-id raw bytes for byte-level BPE (fast incremental detokenization); None otherwise."""
+    segments: SegmentCache | None = None
+    """Exact segment cache; None when the model has no special tokens to split on."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens recognised, no BOS added."""
+        if self.segments is not None:
+            return self.segments.encode(text)
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -89,6 +97,46 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
+
+
+class SegmentCache:
+    """Exact tokenization with a cache: special tokens are atomic (the tokenizer splits on them before
+    anything else), so the text between two of them tokenizes the same alone as in the whole prompt.
+    A chat's system prompt and earlier turns are then tokenized once, not on every request.
+    """
+
+    def __init__(self, hf: HfTokenizer, specials: dict[str, int]) -> None:
+        import re
+        from collections import OrderedDict
+
+        self._hf = hf
+        self._specials = specials
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in longest_first) + ")").split
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        cache, specials = self._cache, self._specials
+        for i, piece in enumerate(self._split(text)):
+            if i % 2:
+                ids.append(specials[piece])
+            elif piece:
+                hit = cache.get(piece)
+                if hit is None:
+                    hit = self._hf.encode(piece, add_special_tokens=False).ids
+                    cache[piece] = hit
+                    if len(cache) > SEGMENT_CACHE:
+                        cache.popitem(last=False)
+                else:
+                    cache.move_to_end(piece)
+                ids += hit
+        return ids
+
+
+def _segment_cache(hf: HfTokenizer) -> SegmentCache | None:
+    specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    return SegmentCache(hf, specials) if specials else None
 
 
 def load_tokenizer(source: str) -> Tokenizer:
@@ -198,7 +246,7 @@ def _assemble(hf: HfTokenizer, meta: dict[str, Any]) -> Tokenizer:
             bos_token=id_to_text.get(bos, "") if bos is not None else "",
             eos_token=id_to_text.get(eos, "") if eos is not None else "",
         )
-    return Tokenizer(hf, template, tuple(sorted(eos_ids)), bos, tuple(table))
+    return Tokenizer(hf, template, tuple(sorted(eos_ids)), bos, tuple(table), _segment_cache(hf))
 
 
 ##### HF directory #####
@@ -221,4 +269,4 @@ def _from_dir(path: str) -> Tokenizer:
     if template_src is None and os.path.exists(os.path.join(path, "chat_template.jinja")):
         template_src = Path(path, "chat_template.jinja").read_text()
     template = ChatTemplate(template_src, bos_token=bos_text, eos_token=eos_text) if template_src else None
-    return Tokenizer(hf, template, eos_ids, bos_id, None)
+    return Tokenizer(hf, template, eos_ids, bos_id, None, _segment_cache(hf))

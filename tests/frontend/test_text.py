@@ -72,3 +72,18 @@ def test_stop_strings_hold_back_partial_matches(
     if not matcher.stopped:
         out += matcher.flush()
     assert (out, matcher.stopped) == (emitted, stopped)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi there 123<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|><|im_end|>",
+        "no special tokens at all",
+        "<|im_start|>user\n<|im_start|>",
+    ],
+)
+def test_the_segment_cache_tokenizes_exactly_like_the_whole_prompt(tok: Tokenizer, text: str) -> None:
+    whole = tok.hf.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text) == whole
+    assert tok.encode(text) == whole  # second time from the cache
