@@ -133,14 +133,8 @@ class KvRoutingPolicy:
 
     def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
         """Choose a worker for `request` among `workers` (never empty) and count its load there."""
-        hashes = sequence_hashes(request.token_ids, self.config.block_size)
+        hashes, selection, now = self._choose(request, workers)
         isl = len(request.token_ids)
-        now = self._clock()
-        loads = self._candidate_loads(hashes, workers, now)
-        if request.pinned_worker is not None and request.pinned_worker in workers:
-            selection = explain_pinned(request.pinned_worker, loads, isl, len(hashes), self._cost)
-        else:
-            selection = select_worker(loads, isl, len(hashes), self._cost, self._rng)
         chosen = selection.chosen
         prefill_tokens = max(0, isl - chosen.overlap_blocks * self.config.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
@@ -149,6 +143,18 @@ class KvRoutingPolicy:
         self._count(selection, len(hashes))
         self._log(request.request_id, selection)
         return RouteDecision(chosen.worker_id, chosen.overlap_blocks, selection.to_dict())
+
+    def peek(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+        """The decision `select` would make now, counting nothing (`dyn router`'s `best_worker_id`)."""
+        _, selection, _ = self._choose(request, workers)
+        return RouteDecision(selection.worker_id, selection.chosen.overlap_blocks, selection.to_dict())
+
+    def add_remote(self, request_id: str, worker_id: int, hashes: Sequence[int], prefill_tokens: int) -> None:
+        """Count a request another router replica routed, so every replica sees the same load."""
+        now = self._clock()
+        self.sequences.add_request(request_id, worker_id, hashes, prefill_tokens, now)
+        if not self.config.use_kv_events:
+            self.approx.record(worker_id, hashes, now)
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done: its prompt tokens leave the worker's prefill load."""
@@ -198,6 +204,15 @@ class KvRoutingPolicy:
         return self.sequences.expire(self._clock(), max_age)
 
     ##### Internals #####
+
+    def _choose(self, request: RouteRequest, workers: Sequence[int]) -> tuple[list[int], Selection, float]:
+        hashes = sequence_hashes(request.token_ids, self.config.block_size)
+        isl = len(request.token_ids)
+        now = self._clock()
+        loads = self._candidate_loads(hashes, workers, now)
+        if request.pinned_worker is not None and request.pinned_worker in workers:
+            return hashes, explain_pinned(request.pinned_worker, loads, isl, len(hashes), self._cost), now
+        return hashes, select_worker(loads, isl, len(hashes), self._cost, self._rng), now
 
     def _candidate_loads(self, hashes: list[int], workers: Sequence[int], now: float) -> list[CandidateLoad]:
         if self.config.use_kv_events:

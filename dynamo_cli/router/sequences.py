@@ -66,6 +66,11 @@ class ActiveSequences:
         active = self._requests.get(request_id)
         return active.worker_id if active is not None else None
 
+    def describe(self, request_id: str) -> tuple[int, tuple[int, ...], int] | None:
+        """A request in flight as (worker, unique prompt block hashes, outstanding prefill tokens)."""
+        active = self._requests.get(request_id)
+        return None if active is None else (active.worker_id, active.hashes, active.prefill_tokens)
+
     ##### Lifecycle #####
 
     def add_request(

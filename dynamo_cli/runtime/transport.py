@@ -123,7 +123,8 @@ class _ServerConnection(asyncio.Protocol):
         except RequestError as exc:
             writer.send(Fail(sid, exc.code or "invalid_request", exc.message, exc.status))
         except DynError as exc:
-            writer.send(Fail(sid, type(exc).__name__, str(exc), getattr(exc, "status", 500)))
+            migratable = getattr(exc, "is_migratable", False)  # a proxy's lost backend: the caller may retry
+            writer.send(Fail(sid, type(exc).__name__, str(exc), getattr(exc, "status", 500), migratable))
         except Exception as exc:
             logger.exception("endpoint handler failed")
             writer.send(Fail(sid, "internal", f"{type(exc).__name__}: {exc}", 500))

@@ -1,0 +1,174 @@
+"""Router replicas share in-flight load: each publishes its routing events and applies the others'.
+
+NOTE: a `dyn router` replica counts the load of its own decisions at once (sequences.py) and tells the
+other replicas on `namespace.{ns}.component.router.active-sequences`: request added (worker, prompt
+block hashes, uncached prefill tokens), prefill completed (first token back), freed (stream over for
+any reason). A replica applies its peers' events to the same `ActiveSequences`, under the key
+`{router_id:x}/{request_id}` so two replicas' request ids never collide, and ignores its own echoes.
+When a peer leaves discovery, every request it had in flight is freed here too. Delivery is at most
+once (the event plane's), so a lost `freed` is cleaned up by the stale-request expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelRegistry
+from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.runtime.discovery import Discovery, WatchKind
+from dynamo_cli.runtime.events import EventBus
+from dynamo_cli.runtime.names import component_subject, parse_instance_key
+
+logger = logging.getLogger(__name__)
+
+SYNC_TOPIC = "active-sequences"
+"""Event-plane topic of the router component that carries the replicas' routing events."""
+OUTBOX_SIZE = 65_536
+"""Routing events waiting to be published; when full, new ones are dropped and counted."""
+PUBLISH_TIMEOUT_S = 2.0
+
+
+class SequenceAdded(msgspec.Struct, frozen=True, kw_only=True, tag="added"):
+    """A replica routed a request to `worker_id`."""
+
+    worker_id: int
+    block_hashes: list[int]
+    """The prompt's unique sequence hashes (its active blocks)."""
+    prefill_tokens: int
+    """Prompt tokens the worker must compute (not cached there)."""
+
+
+class PrefillCompleted(msgspec.Struct, frozen=True, tag="prefill_completed"):
+    """The request's first token came back."""
+
+
+class SequenceFreed(msgspec.Struct, frozen=True, tag="freed"):
+    """The request left its worker (finished, failed or cancelled)."""
+
+
+SequenceChange = SequenceAdded | PrefillCompleted | SequenceFreed
+
+
+class ActiveSequenceEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One routing event of one replica, for one model's policy."""
+
+    router_id: int
+    """The publishing replica's instance id (a replica drops its own echoes)."""
+    model: str
+    request_id: str
+    data: SequenceChange
+
+
+class ReplicaSync:
+    """Publishes this replica's routing events and applies its peers' to the registry's policies."""
+
+    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: ModelRegistry) -> None:
+        self.subject = component_subject(namespace, ROUTER_COMPONENT, SYNC_TOPIC)
+        self.router_id = router_id
+        self.num_dropped = 0
+        """Own events dropped because the outbox was full."""
+        self.num_applied = 0
+        """Peer events applied."""
+        self._bus = bus
+        self._namespace = namespace
+        self._registry = registry
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
+        self._peers: dict[int, set[tuple[str, str]]] = {}
+        """Peer router id -> (model, key) of its requests in flight, freed if the peer leaves."""
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(ActiveSequenceEvent).decode
+
+    ##### This replica's decisions -> peers #####
+
+    def added(self, model: str, request_id: str, policy: KvRoutingPolicy) -> None:
+        """Announce a request `policy` just counted (reads its worker, blocks and prefill back)."""
+        active = policy.sequences.describe(request_id)
+        if active is not None:
+            worker_id, hashes, prefill_tokens = active
+            self._send(model, request_id, SequenceAdded(worker_id=worker_id, block_hashes=list(hashes),
+                                                        prefill_tokens=prefill_tokens))  # fmt: skip
+
+    def prefill_completed(self, model: str, request_id: str) -> None:
+        """Announce a request's first token."""
+        self._send(model, request_id, PrefillCompleted())
+
+    def freed(self, model: str, request_id: str) -> None:
+        """Announce the end of a request's stream."""
+        self._send(model, request_id, SequenceFreed())
+
+    def _send(self, model: str, request_id: str, data: SequenceChange) -> None:
+        event = ActiveSequenceEvent(router_id=self.router_id, model=model, request_id=request_id, data=data)
+        try:
+            self._outbox.put_nowait(self._encode(event))
+        except asyncio.QueueFull:
+            self.num_dropped += 1
+            if self.num_dropped == 1:
+                logger.warning("replica sync: outbox full (%d events); dropping, peers' load views drift",
+                               OUTBOX_SIZE)  # fmt: skip
+
+    async def publish_loop(self) -> None:
+        """Send queued events in order; runs until cancelled."""
+        while True:
+            payload = await self._outbox.get()
+            try:
+                async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                    await self._bus.publish(self.subject, payload)
+            except TimeoutError:
+                self.num_dropped += 1
+                logger.warning("replica sync: publish took over %.0f s; event dropped", PUBLISH_TIMEOUT_S)
+
+    ##### Peers -> this replica's view #####
+
+    async def subscribe_loop(self) -> None:
+        """Apply the peers' events; runs until cancelled."""
+        sub = await self._bus.subscribe(self.subject)
+        try:
+            async for _, payload in sub:
+                try:
+                    self.apply(self._decode(payload))
+                except msgspec.DecodeError:
+                    logger.warning("replica sync: dropping an undecodable event")
+        finally:
+            await sub.close()
+
+    def apply(self, event: ActiveSequenceEvent) -> None:
+        """Count a peer's routing event in the model's policy; own echoes and unknown models are ignored."""
+        if event.router_id == self.router_id:
+            return
+        entry = self._registry.models.get(event.model)
+        policy = entry.policy if entry is not None else None
+        if not isinstance(policy, KvRoutingPolicy):
+            return
+        key = f"{event.router_id:x}/{event.request_id}"
+        data = event.data
+        in_flight = self._peers.setdefault(event.router_id, set())
+        if type(data) is SequenceAdded:
+            if data.worker_id not in entry.workers:  # type: ignore[union-attr]
+                return  # a worker this replica saw leave (or not yet join): its load is not tracked
+            policy.add_remote(key, data.worker_id, data.block_hashes, data.prefill_tokens)
+            in_flight.add((event.model, key))
+        elif type(data) is PrefillCompleted:
+            policy.on_first_token(key)
+        else:
+            policy.on_finish(key)
+            in_flight.discard((event.model, key))
+        self.num_applied += 1
+
+    def peer_left(self, router_id: int) -> None:
+        """Free every request a departed replica had in flight."""
+        for model, key in self._peers.pop(router_id, set()):
+            entry = self._registry.models.get(model)
+            if entry is not None:
+                entry.policy.on_finish(key)
+
+    async def watch_peers(self, discovery: Discovery) -> None:
+        """Follow the router instances; a replica that leaves has its load freed. Runs until cancelled."""
+        async for event in discovery.watch(f"v1/instances/{self._namespace}/{ROUTER_COMPONENT}/"):
+            _, instance_id = parse_instance_key(event.key)
+            if event.kind is WatchKind.DELETE and instance_id != self.router_id:
+                logger.info("router replica %x left; freeing its %d requests in flight", instance_id,
+                            len(self._peers.get(instance_id, ())))  # fmt: skip
+                self.peer_left(instance_id)

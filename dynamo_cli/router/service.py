@@ -1,0 +1,357 @@
+"""`dyn router`: the standalone KV router, a request-plane service between frontends and backend workers.
+
+NOTE: to a frontend the router is a worker, to the workers it is a frontend. It registers under
+`{ns}/router/generate` with a copy of a backend's model card (so a `--router remote` frontend finds
+it), and for each `generate` request it picks a backend with `KvRoutingPolicy`, forwards the request
+body unchanged, relays the worker's GenerateChunk bytes unchanged, and marks the first token and the
+end on the policy, telling the other replicas (replicas.py), on every path: done, failed, cancelled.
+A backend that fails before any token was relayed is replaced by the next best one; after that, the
+failure goes back to the frontend, which migrates the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
+from dynamo_cli.engine import GenerateChunk, GenerateRequest, KvEventBatch, LoadMetrics
+from dynamo_cli.errors import NoWorkers, RequestError, TransportError
+from dynamo_cli.frontend.kv_repair import repair_loop
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, PolicyFactory, Worker
+from dynamo_cli.model_card import InstanceRecord, ModelCard
+from dynamo_cli.router.base import RouteRequest, RoutingPolicy
+from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+from dynamo_cli.router.replicas import ReplicaSync
+from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.events import EventBus, open_event_bus
+from dynamo_cli.runtime.names import EndpointName, component_subject
+from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.transport import RequestServer
+
+logger = logging.getLogger(__name__)
+
+MAX_REROUTES = 3
+"""Backends tried for one request that fails before its first relayed chunk."""
+CARD_POLL_S = 0.5
+EXPIRE_INTERVAL_S = 30.0
+"""How often requests in flight for over STALE_REQUEST_S (a lost end) are freed."""
+PIN_ANNOTATION = "worker_instance_id"
+"""GenerateRequest annotation naming (hex) the backend a request must go to."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterServiceConfig:
+    """`dyn router`."""
+
+    namespace: str = DEFAULT_NAMESPACE
+    component: str = "backend"
+    """Component of the backend workers routed to."""
+    host: str = "127.0.0.1"
+    """Address the request plane listens on and advertises."""
+    port: int = 0
+    router_options: dict[str, Any] = field(default_factory=dict)
+    """KvRouterConfig fields from the flags; `block_size` absent = the backend card's."""
+    graceful_shutdown_s: float = 5.0
+    """How long SIGTERM waits for in-flight streams after deregistering."""
+    planes: PlanesConfig = field(default_factory=PlanesConfig)
+
+
+def kv_policy_factory(options: dict[str, Any]) -> PolicyFactory:
+    """One KvRoutingPolicy per model; flags are checked now, not when the first worker appears."""
+    options = dict(options)
+    block_size = options.pop("block_size", None)
+    KvRouterConfig(block_size=block_size or 16, **options)
+
+    def kv(card: ModelCard) -> RoutingPolicy:
+        return KvRoutingPolicy(KvRouterConfig(block_size=block_size or card.kv_cache_block_size, **options))
+
+    return kv
+
+
+class BackendRegistry(ModelRegistry):
+    """The backend workers a router routes to. No tokenizer is loaded: the router sees token ids only."""
+
+    def _new_entry(self, card: ModelCard) -> ModelEntry:
+        tokenizer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        tokenizer.cancel()
+        policy_factory = self._policy_factory
+        return ModelEntry(card.display_name, card, tokenizer, policy_factory(card), policy_factory(card))
+
+
+class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """`best_worker_id` request (msgpack): the prompt's token ids, optionally a pinned worker."""
+
+    token_ids: list[int]
+    worker_instance_id: int | None = None
+
+
+class RouterService:
+    """Routes and relays `generate`, answers `best_worker_id`, keeps the backends' KV and load views."""
+
+    def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
+        self.config = config
+        self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
+        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.router_options),
+                                        accept=lambda name: name.component == config.component)  # fmt: skip
+        self.server = RequestServer(config.host, config.port)
+        self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
+        self.model: str | None = None
+        """The model this router serves: the first backend card's (set at registration)."""
+        self._discovery = discovery
+        self._bus = bus
+        self._decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
+        self._decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
+
+    @property
+    def instance_id(self) -> int:
+        return self._discovery.lease_id
+
+    ##### Endpoints #####
+
+    async def generate(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Route `body` (a GenerateRequest) to a backend and relay its chunks; closing aborts it."""
+        try:
+            request = self._decode_request(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RequestError(f"malformed generate request: {exc}") from exc
+        entry = self._entry()
+        excluded: set[int] = set()
+        while True:
+            worker = self._route(entry, request, excluded)
+            is_relayed = False
+            try:
+                async for raw in self._relay(entry, worker, request.request_id, bytes(body)):
+                    is_relayed = True
+                    yield raw
+                return
+            except TransportError as exc:
+                if is_relayed or not exc.is_migratable or len(excluded) + 1 >= MAX_REROUTES:
+                    raise
+                excluded.add(worker.instance_id)
+                logger.warning("request %s: backend %x failed before its first token (%s); rerouting",
+                               request.request_id, worker.instance_id, exc)  # fmt: skip
+
+    async def best_worker_id(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """The backend `generate` would choose now, explained, with the in-flight view; routes nothing.
+
+        In: a msgpack map `{"token_ids": [...], "worker_instance_id": id?}`. Out: one msgpack map.
+        """
+        try:
+            query = msgspec.msgpack.decode(body, type=BestWorkerQuery)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RequestError(f'malformed best_worker_id query: {exc}; send {{"token_ids": [...]}}') from exc
+        entry = self._entry()
+        policy = entry.policy
+        assert isinstance(policy, KvRoutingPolicy)
+        decision = policy.peek(RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id),
+                               list(entry.workers))  # fmt: skip
+        reply = {"worker_id": decision.worker_id, "overlap_blocks": decision.overlap_blocks,
+                 "explanation": decision.explanation, "router_id": self.instance_id, "model": entry.name,
+                 "in_flight": in_flight_view(policy, list(entry.workers)),
+                 "indexed_workers": sorted(policy.indexer.workers())}  # fmt: skip
+        yield msgspec.msgpack.encode(reply)
+
+    def _entry(self) -> ModelEntry:
+        entry = self.registry.models.get(self.model) if self.model is not None else None
+        if entry is None or not entry.workers:
+            raise NoWorkers(f"model '{self.model}' (component '{self.config.component}' behind this router)")
+        return entry
+
+    def _route(self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]) -> Worker:
+        candidates = [w for w in entry.workers if w not in excluded]
+        if not candidates:
+            raise NoWorkers(f"model '{entry.name}' (every backend failed this request)")
+        pinned = _pinned(request.annotations.get(PIN_ANNOTATION))
+        route = RouteRequest(request.request_id, request.token_ids, pinned)
+        decision = entry.policy.select(route, candidates)
+        self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
+        return entry.workers[decision.worker_id]
+
+    async def _relay(
+        self, entry: ModelEntry, worker: Worker, request_id: str, body: bytes
+    ) -> AsyncIterator[bytes]:
+        """The backend's chunks, as received; the policy learns the first token and the end (any end)."""
+        stream = None
+        is_prefilled = False
+        worker.num_inflight += 1
+        try:
+            stream = await worker.client.open_stream(worker.record.endpoint, body)
+            while batch := await stream.next_batch():
+                if not is_prefilled and any(self._decode_chunk(raw).token_ids for raw in batch):
+                    is_prefilled = True
+                    entry.policy.on_first_token(request_id)
+                    self.sync.prefill_completed(entry.name, request_id)
+                for raw in batch:
+                    yield bytes(raw)
+            stream = None
+        finally:
+            worker.num_inflight -= 1
+            entry.policy.on_finish(request_id)
+            self.sync.freed(entry.name, request_id)
+            if stream is not None:
+                stream.cancel()  # the caller left or the stream failed: abort it on the backend
+
+    ##### Lifecycle #####
+
+    async def run(self, stop: asyncio.Event, announce: Callable[[str], None]) -> None:
+        """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
+        self.server.add_endpoint("generate", self.generate)
+        self.server.add_endpoint("best_worker_id", self.best_worker_id)
+        address = await self.server.start()
+        # NOTE: the router's background loops; owned here and cancelled on the way out.
+        tasks = [asyncio.get_running_loop().create_task(loop) for loop in self._loops()]
+        try:
+            card = await self._wait_for_card(stop, tasks)
+            if card is None:
+                return
+            await self.register(address, card)
+            announce(
+                f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
+                f"model={card.display_name} backends={self.config.namespace}/{self.config.component}"
+            )
+            await _wait_stop(stop, tasks)
+            await self.deregister()
+            if not await self.server.drain(self.config.graceful_shutdown_s):
+                logger.warning("grace period over with %d streams in flight; aborting them",
+                               self.server.num_inflight)  # fmt: skip
+        finally:
+            await cancel_and_wait(*tasks)
+            await self.server.close()
+            await self.registry.close()
+
+    def _loops(self) -> list[Any]:
+        ns, component = self.config.namespace, self.config.component
+        metrics = component_subject(ns, component, "kv-metrics")
+        loops = [self.registry.watch_instances(), self.registry.watch_cards(),
+                 pump(self._bus, metrics, self.registry.apply_load, LoadMetrics),
+                 self.sync.publish_loop(), self.sync.subscribe_loop(), self.sync.watch_peers(self._discovery),
+                 self._expire_loop()]  # fmt: skip
+        if self.config.router_options.get("use_kv_events", True):
+            subject = component_subject(ns, component, "kv-events")
+            loops += [pump(self._bus, subject, self.registry.apply_kv_events, KvEventBatch),
+                      repair_loop(self.registry)]  # fmt: skip
+        return loops
+
+    async def _wait_for_card(self, stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> ModelCard | None:
+        """The first backend card seen, or None if `stop` came first."""
+        while not stop.is_set():
+            _raise_if_died(tasks)
+            entry = next((e for e in self.registry.models.values() if e.workers), None)
+            if entry is not None:
+                self.model = entry.name
+                return entry.card
+            self.registry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CARD_POLL_S):
+                    await self.registry.changed.wait()
+        return None
+
+    async def register(self, address: str, card: ModelCard) -> None:
+        """Publish the router's card (a backend's copy) and instance record under the process lease."""
+        record = InstanceRecord(namespace=self.name.namespace, component=self.name.component,
+                                endpoint=self.name.endpoint, instance_id=self.instance_id,
+                                transport={"tcp": address}, role=card.role, pid=os.getpid(),
+                                hostname=socket.gethostname())  # fmt: skip
+        await self._discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
+        await self._discovery.put(self.name.instance_key(self.instance_id), msgspec.json.encode(record))
+
+    async def deregister(self) -> None:
+        """Remove instance and card so frontends stop sending here."""
+        await self._discovery.delete(self.name.instance_key(self.instance_id))
+        await self._discovery.delete(self.name.card_key(self.instance_id))
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            for entry in list(self.registry.models.values()):
+                expire = getattr(entry.policy, "expire_stale", None)
+                stale = expire() if expire is not None else []
+                if stale:
+                    logger.warning("freed %d requests in flight for too long on model %s",
+                                   len(stale), entry.name)  # fmt: skip
+
+
+def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[dict[str, int]]:
+    """Per worker: requests in flight, unique active blocks, outstanding prefill tokens (this replica)."""
+    s = policy.sequences
+    return [{"worker_id": w, "num_requests": s.num_requests(w), "active_blocks": s.active_blocks(w),
+             "active_prefill_tokens": s.active_prefill_tokens(w)} for w in sorted(workers)]  # fmt: skip
+
+
+async def pump(bus: EventBus, subject: str, apply: Callable[[Any], None], kind: type) -> None:
+    """Decode every message on `subject` as `kind` and apply it; runs until cancelled."""
+    decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
+    sub = await bus.subscribe(subject)
+    try:
+        async for _, payload in sub:
+            try:
+                apply(decode(payload))
+            except msgspec.DecodeError:
+                logger.warning("dropping an undecodable %s message on %s", kind.__name__, subject)
+    finally:
+        await sub.close()
+
+
+def _pinned(value: str | None) -> int | None:
+    if not value:
+        return None
+    try:
+        return int(value, 16)
+    except ValueError:
+        raise RequestError(f"annotation {PIN_ANNOTATION} '{value}' is not a hex instance id") from None
+
+
+def _raise_if_died(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+
+async def _wait_stop(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
+    """Return on stop; re-raise if a background loop died."""
+    stopper = asyncio.get_running_loop().create_task(stop.wait())
+    await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    await cancel_and_wait(stopper)
+    _raise_if_died(tasks)
+
+
+async def serve_router(config: RouterServiceConfig, announce: Callable[[str], None]) -> None:
+    """Run a router until SIGTERM/SIGINT, then deregister, drain and exit."""
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    discovery = open_discovery(config.planes.discovery, ttl=config.planes.lease_ttl)
+    await discovery.start()
+    bus = open_event_bus(config.planes.events, discovery)
+    try:
+        await bus.start()
+        await RouterService(config, discovery, bus).run(stop, announce)
+    finally:
+        await bus.close()
+        await discovery.close()
+
+
+def router_argv(config: ServeConfig, discovery: str) -> list[str]:
+    """The `dyn router` command line a `dyn serve --router remote --routers N` spawns."""
+    frontend, options = config.frontend, config.frontend.router_options
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "router", "--namespace", frontend.namespace,
+            "--component", config.worker.component, "--host", config.worker.host, "--discovery", discovery,
+            "--events", frontend.planes.events, "--lease-ttl", str(frontend.planes.lease_ttl),
+            "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
+            "--kv-overlap-score-weight", str(options.get("overlap_score_weight", 1.0)),
+            "--router-temperature", str(options.get("temperature", 0.0)),
+            "--router-ttl", str(options.get("approx_ttl_s", 120.0)),
+            "--kv-events" if options.get("use_kv_events", True) else "--no-kv-events",
+            "--hot-spot-guard" if options.get("hot_spot_guard", True) else "--no-hot-spot-guard"]  # fmt: skip
+    if options.get("block_size") is not None:
+        argv += ["--block-size", str(options["block_size"])]
+    return argv

@@ -1,0 +1,249 @@
+"""`dyn serve --router remote --routers 2`: two `dyn router` replicas between frontend and mocker workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+
+from dynamo_cli.engine import GenerateChunk, GenerateRequest
+from dynamo_cli.runtime.transport import RequestClient, ResponseStream
+from tests.conftest import DynProcess, wait_until
+
+FLAGS = ("--engine", "mocker", "--workers", "2", "--router", "remote", "--routers", "2", "--lease-ttl", "2")
+BLOCK = 64
+"""The mocker's default KV block size."""
+PREFIX = [1000 + i for i in range(8 * BLOCK)]
+"""A long shared prompt prefix: 8 full blocks."""
+CALL_TIMEOUT_S = 15.0
+
+
+def instances(d: DynProcess) -> list[dict[str, Any]]:
+    dyn = [sys.executable, "-m", "dynamo_cli.cli.main"]
+    out = subprocess.run([*dyn, "ls", "--json", "--discovery", d.discovery],
+                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    rows: list[dict[str, Any]] = json.loads(out.stdout)
+    return rows
+
+
+def of(d: DynProcess, component: str) -> list[dict[str, Any]]:
+    return [row for row in instances(d) if row["instance"].split("/")[1] == component]
+
+
+def instance_id(row: dict[str, Any]) -> int:
+    return int(row["instance"].rsplit("/", 1)[1], 16)
+
+
+def ready(d: DynProcess) -> DynProcess:
+    """Wait for both workers too: `dyn serve` is ready once its routers are, and they need one backend."""
+    is_ready = wait_until(lambda: len(of(d, "backend")) == 2 and len(of(d, "router")) == 2, timeout=60, interval=0.5)
+    assert is_ready, f"registered: {[row['instance'] for row in instances(d)]}\n" + "\n".join(d.lines[-30:])
+    return d
+
+
+@pytest.fixture(scope="module")
+def deployment(dyn_serve_module, planes_module) -> DynProcess:  # type: ignore[no-untyped-def]
+    discovery, events = planes_module
+    return ready(dyn_serve_module(*FLAGS, discovery=discovery, events=events))
+
+
+@pytest.fixture
+def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-def]
+    discovery, events = planes
+    return ready(dyn_serve(*FLAGS, discovery=discovery, events=events))
+
+
+def request(request_id: str, token_ids: list[int], max_tokens: int, pin: int | None = None) -> bytes:
+    annotations = {"worker_instance_id": f"{pin:x}"} if pin is not None else {}
+    body = GenerateRequest(request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, ignore_eos=True,
+                           annotations=annotations)  # fmt: skip
+    return msgspec.msgpack.encode(body)
+
+
+async def generate(
+    address: str, request_id: str, token_ids: list[int], max_tokens: int = 2, pin: int | None = None
+) -> list[GenerateChunk]:
+    """Every chunk of one request routed by the router at `address` (to worker `pin` if given)."""
+    client = RequestClient(address)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            stream = await client.open_stream("generate", request(request_id, token_ids, max_tokens, pin))
+            return [msgspec.msgpack.decode(raw, type=GenerateChunk) async for raw in stream]
+    finally:
+        await client.close()
+
+
+async def best_worker(address: str, token_ids: list[int]) -> dict[str, Any]:
+    """The router's `best_worker_id` answer (msgpack)."""
+    client = RequestClient(address)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            stream = await client.open_stream("best_worker_id", msgspec.msgpack.encode({"token_ids": token_ids}))
+            replies = [msgspec.msgpack.decode(raw) async for raw in stream]
+    finally:
+        await client.close()
+    assert len(replies) == 1
+    reply: dict[str, Any] = replies[0]
+    return reply
+
+
+async def eventually(check, timeout: float = 5.0) -> Any:  # type: ignore[no-untyped-def]
+    """Await `check()` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(0.1)
+
+
+def overlaps(reply: dict[str, Any]) -> dict[int, int]:
+    return {c["worker_id"]: c["overlap_blocks"] for c in reply["explanation"]["candidates"]}
+
+
+def test_serve_with_two_router_replicas_answers_the_openai_client(deployment: DynProcess) -> None:
+    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0, timeout=30)
+    routers = {f"{instance_id(row):x}" for row in of(deployment, "router")}
+    seen = set()
+    for _ in range(4):
+        raw = c.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=5)  # fmt: skip
+        reply = raw.parse()
+        assert reply.choices[0].message.content and reply.usage is not None and reply.usage.completion_tokens == 5
+        seen.add(raw.headers["x-worker-instance-id"])
+    assert seen == routers  # the frontend spreads over the replicas; they pick the workers
+
+
+async def cached_blocks(address: str) -> int:
+    """Blocks the router at `address` believes its workers cache, all workers together."""
+    reply = await best_worker(address, [1])
+    return sum(c["cached_blocks"] for c in reply["explanation"]["candidates"])
+
+
+def test_a_repeated_long_prompt_hits_the_cache_through_either_replica(deployment: DynProcess) -> None:
+    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0, timeout=30)
+    routers = [row["address"] for row in of(deployment, "router")]
+    for topic in ("rivers", "mountains", "deserts"):
+        messages = [{"role": "user", "content": f"{topic}: " + "tell me everything you know " * 60}]
+        before = [asyncio.run(cached_blocks(r)) for r in routers]
+        first = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+        # the prompt's blocks are stored in one engine step: one KV event batch, seen by both replicas
+        seen = dict(zip(routers, before, strict=True))
+        assert wait_until(lambda: all(asyncio.run(cached_blocks(r)) > n for r, n in seen.items()), 5)  # noqa: B023
+        second = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+        assert first.usage is not None and second.usage is not None
+        prompt = second.usage.prompt_tokens
+        assert second.usage.prompt_tokens_details is not None
+        assert second.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // BLOCK * BLOCK, topic
+
+
+async def test_a_shared_prefix_goes_to_the_worker_that_caches_it(deployment: DynProcess) -> None:
+    replica_a, replica_b = (row["address"] for row in of(deployment, "router"))
+    first = await generate(replica_a, "prefix-first", PREFIX + [7] * 40)
+    assert first[0].num_cached_tokens is not None
+    probe = PREFIX + [8] * 40
+
+    async def holder_known() -> dict[str, Any] | None:
+        reply = await best_worker(replica_b, probe)
+        return reply if max(overlaps(reply).values()) == 8 else None
+
+    reply = await eventually(holder_known)
+    assert reply, "replica B never learned which worker caches the prefix"
+    assert sorted(overlaps(reply).values()) == [0, 8]
+    assert reply["overlap_blocks"] == 8 and reply["explanation"]["reason"] == "argmin"
+    chunks = await generate(replica_b, "prefix-second", probe)
+    assert chunks[0].num_cached_tokens == 8 * BLOCK
+    assert sum(len(ch.token_ids) for ch in chunks) == 2
+    other = next(w for w, blocks in overlaps(reply).items() if blocks == 0)
+    pinned = await generate(replica_a, "prefix-pinned", PREFIX + [6] * 40, pin=other)
+    assert pinned[0].num_cached_tokens == 0  # the annotation wins over the cache
+
+
+async def test_two_replicas_agree_on_the_in_flight_load(deployment: DynProcess) -> None:
+    replica_a, replica_b = (row["address"] for row in of(deployment, "router"))
+    client = RequestClient(replica_a)
+    streams: list[ResponseStream] = []
+    try:
+        for n in range(3):
+            prompt = [50_000 + 1000 * n + i for i in range(4 * BLOCK)]
+            streams.append(await client.open_stream("generate", request(f"long-{n}", prompt, 4000)))
+        for stream in streams:  # every request has its first token: no prefill load left
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                assert await stream.next_batch()
+
+        async def views_agree() -> list[Any] | None:
+            view_a, view_b = [await best_worker(r, PREFIX) for r in (replica_a, replica_b)]
+            in_flight = view_a["in_flight"]
+            busy = sum(w["num_requests"] for w in in_flight) == 3 and all(
+                w["active_prefill_tokens"] == 0 for w in in_flight)  # fmt: skip
+            return in_flight if busy and view_b["in_flight"] == in_flight else None
+
+        agreed = await eventually(views_agree)
+        assert agreed, "replica B does not see replica A's three requests"
+        assert sum(w["active_blocks"] for w in agreed) == 3 * 4  # 4 prompt blocks each, nothing shared
+        for stream in streams:
+            stream.cancel()
+
+        async def both_idle() -> bool:
+            views = [await best_worker(r, PREFIX) for r in (replica_a, replica_b)]
+            return all(w["num_requests"] == 0 and w["active_blocks"] == 0 for v in views for w in v["in_flight"])
+
+        assert await eventually(both_idle), "cancelled requests still count as load"
+    finally:
+        await client.close()
+
+
+async def test_a_killed_workers_blocks_vanish_from_both_routers(own_deployment: DynProcess) -> None:
+    d = own_deployment
+    routers = [row["address"] for row in of(d, "router")]
+    await generate(routers[0], "to-be-lost", PREFIX + [9] * 10)
+
+    async def holder() -> int | None:
+        reply = await best_worker(routers[1], PREFIX)
+        return reply["worker_id"] if reply["overlap_blocks"] == 8 else None
+
+    victim = await eventually(holder)
+    assert victim is not None
+    os.kill(next(row["pid"] for row in of(d, "backend") if instance_id(row) == victim), signal.SIGKILL)
+
+    async def forgotten() -> bool:
+        views = [await best_worker(r, PREFIX) for r in routers]
+        return all(victim not in v["indexed_workers"] and victim not in overlaps(v)
+                   and v["overlap_blocks"] == 0
+                   for v in views)  # fmt: skip
+
+    assert await eventually(forgotten, timeout=2 + 4)
+    chunks = await generate(routers[0], "after-the-loss", PREFIX + [9] * 10)
+    assert chunks[0].num_cached_tokens == 0 and chunks[-1].finish_reason == "length"
+
+
+def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_serves(
+    own_deployment: DynProcess,
+) -> None:
+    d = own_deployment
+    leaving, staying = of(d, "router")
+    os.kill(leaving["pid"], signal.SIGTERM)
+    assert wait_until(lambda: [row["instance"] for row in of(d, "router")] == [staying["instance"]], timeout=5)
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=30)
+    for _ in range(3):
+        raw = c.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)  # fmt: skip
+        assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
+        assert raw.headers["x-worker-instance-id"] == f"{instance_id(staying):x}"
+
+
+def test_routers_without_the_remote_router_mode_is_refused_with_the_fix() -> None:
+    dyn = [sys.executable, "-m", "dynamo_cli.cli.main"]
+    out = subprocess.run([*dyn, "serve", "--engine", "mocker", "--router", "kv",
+                          "--routers", "2"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2
+    assert "--routers 2 needs --router remote" in out.stderr
