@@ -16,7 +16,7 @@ setup-llamacpp:
 	@$(PYTHON) -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python already installed" || { \
 	  echo "building llama-cpp-python (about 12 minutes on 2 cores; progress below)"; \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --disable-pip-version-check --no-cache-dir -v \
-	    'llama-cpp-python>=0.3.2' 2>&1 | grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' ; }
+	    'llama-cpp-python>=0.3.36' 2>&1 | grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' ; }
 
 demo: setup
 	bash scripts/demo.sh

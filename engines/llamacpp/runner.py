@@ -10,12 +10,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 
 from dynamo_cli.errors import DynError
+from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,44 +45,9 @@ class RunnerOptions:
     """Sequence ids available: running sequences plus cached prefixes."""
     n_threads: int
     """CPU threads for decode and prefill."""
-
-
-@dataclass(slots=True)
-class MemoryOp:
-    """A KV cache change applied before the step's decode."""
-
-    kind: str
-    """`rm` (drop positions [start, end) of seq, end -1: to the end), `cp` (share [0, end) of src with seq),
-    `import` (load `state` into seq)."""
-    seq_id: int
-    src_seq_id: int = -1
-    start: int = -1
-    end: int = -1
-    state: bytes = b""
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One llama_decode: memory ops first, then the batch, then sampling and exports."""
-
-    memory_ops: list[MemoryOp] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    seq_ids: list[int] = field(default_factory=list)
-    logits_rows: list[int] = field(default_factory=list)
-    """Batch rows whose logits are sampled, one per entry of `samplers`."""
-    samplers: list[Any] = field(default_factory=list)
-    exports: list[int] = field(default_factory=list)
-    """Seq ids whose KV state is read out after the decode (prefill role)."""
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step produced: one sampled token per sampler, exported states, failed imports."""
-
-    sampled: list[int]
-    exported: dict[int, bytes]
-    failed_imports: list[int]
+    kv_unified: bool = True
+    """One KV cache shared by all sequences (prefix sharing without copies); False: one stream of
+    n_ctx / n_seq_max cells per sequence id (attention never spans other sequences' cells)."""
 
 
 class Runner:
@@ -117,7 +83,10 @@ class Runner:
         params.n_threads = params.n_threads_batch = options.n_threads
         # One cache for all sequences: seq_cp then shares cells (prefix reuse without a copy) and
         # every sequence may grow to the whole context.
-        params.kv_unified = True
+        params.kv_unified = options.kv_unified
+        # The CPU flash-attention kernel skips masked cells, so a token attends only to its own
+        # sequence's cells rather than to every cell in the shared cache.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         return params
 
     ##### Model facts #####
@@ -191,8 +160,14 @@ class Runner:
         for op in ops:
             if op.kind == "rm":
                 llama_cpp.llama_memory_seq_rm(self._memory, op.seq_id, op.start, op.end)
-            elif op.kind == "cp":
+            elif op.kind == "cp" and self.options.kv_unified:
                 llama_cpp.llama_memory_seq_cp(self._memory, op.src_seq_id, op.seq_id, 0, op.end)
+            elif op.kind == "cp":  # across streams llama.cpp copies whole streams only
+                llama_cpp.llama_memory_seq_rm(self._memory, op.seq_id, -1, -1)
+                llama_cpp.llama_memory_seq_cp(self._memory, op.src_seq_id, op.seq_id, -1, -1)
+                llama_cpp.llama_memory_seq_rm(self._memory, op.seq_id, op.end, -1)
+            elif op.kind == "clear":
+                llama_cpp.llama_memory_clear(self._memory, True)
             elif op.kind == "import" and not self._import(op.seq_id, op.state):
                 failed.append(op.seq_id)
         return failed

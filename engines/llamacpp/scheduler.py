@@ -18,9 +18,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, GenerateRequest, KvEvent, StoredBlock
+from dynamo_cli.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GenerateRequest,
+    KvEvent,
+    StoredBlock,
+)
 from dynamo_cli.router.hashing import block_hash, chain_hash
-from engines.llamacpp.runner import MemoryOp, StepPlan
+from engines.llamacpp.plan import MemoryOp, StepPlan
 
 
 @dataclass(slots=True)
@@ -68,7 +75,16 @@ class Scheduled:
 class Scheduler:
     """Admission, batch building, prefix cache and KV events of one llama.cpp context."""
 
-    def __init__(self, *, block_size: int, capacity: int, max_num_seqs: int, max_cached: int, n_batch: int):
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        capacity: int,
+        max_num_seqs: int,
+        max_cached: int,
+        n_batch: int,
+        max_cached_tokens: int | None = None,
+    ):
         self.block_size = block_size
         self.capacity = capacity
         self.max_num_seqs = max_num_seqs
@@ -77,6 +93,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.cached: OrderedDict[int, CachedPrefix] = OrderedDict()
         self.max_cached = max_cached
+        # Cached cells cost every step a little (the attention mask spans all used cells), so the
+        # cache is bounded in tokens as well as in sequences.
+        self.max_cached_tokens = capacity if max_cached_tokens is None else max_cached_tokens
         self.free_seq_ids = list(range(max_num_seqs + max_cached - 1, -1, -1))
         self.refcounts: dict[int, int] = {}
         self.events: list[KvEvent] = []
@@ -138,8 +157,21 @@ class Scheduler:
             return
         self.pending_ops.append(MemoryOp("rm", seq_id, start=kept, end=-1))
         self.cached[seq_id] = CachedPrefix(kept, seq.hashes)
-        while len(self.cached) > self.max_cached:
+        while len(self.cached) > self.max_cached or self._num_cached_tokens() > self.max_cached_tokens:
             self._evict_one()
+
+    def reset(self) -> list[Sequence]:
+        """After a failed step: forget every sequence and cached prefix, clear the whole KV cache."""
+        dropped = self.running + list(self.waiting)
+        self.running, self.waiting = [], deque()
+        for seq in dropped:
+            seq.seq_id, seq.hashes = -1, []
+        self.cached.clear()
+        self.free_seq_ids = list(range(self.max_num_seqs + self.max_cached - 1, -1, -1))
+        self.refcounts.clear()
+        self.events = [AllBlocksCleared()]
+        self.pending_ops = [MemoryOp("clear", -1)]
+        return dropped
 
     def drain_events(self) -> list[KvEvent]:
         events, self.events = self.events, []
@@ -150,7 +182,10 @@ class Scheduler:
     def used_tokens(self) -> int:
         """KV cells in use, counted per sequence: an upper bound, since shared prefixes count twice."""
         running = sum(len(s.tokens) for s in self.running)
-        return running + sum(c.num_tokens for c in self.cached.values())
+        return running + self._num_cached_tokens()
+
+    def _num_cached_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.cached.values())
 
     def num_active_blocks(self) -> int:
         size = self.block_size

@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest, Role
-from engines.llamacpp.engine import LlamaCppEngine
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, installed or not
+
+from dynamo_cli.engine import EngineArgs, GenerateRequest, Role  # noqa: E402
+from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
 
 async def main() -> None:

@@ -71,9 +71,7 @@ async def collect(engine: object, req: GenerateRequest) -> tuple[list[int], list
     return tokens, chunks, times
 
 
-async def test_a_chat_prompt_gets_non_empty_text_and_a_finish_reason(
-    engine: object, prompt_ids: list[int]
-) -> None:
+async def test_a_chat_prompt_gets_non_empty_text_and_a_finish_reason(engine: object, prompt_ids: list[int]) -> None:
     from dynamo_cli.frontend.tokenizer import load_tokenizer
 
     tokens, chunks, _ = await collect(engine, request(prompt_ids, max_tokens=12))
@@ -97,9 +95,7 @@ async def test_max_tokens_ends_with_length_and_a_stop_token_ends_with_stop(
     assert stopped == tokens[: tokens.index(tokens[2]) + 1] and chunks[-1].finish_reason == "stop"
 
 
-async def test_eight_concurrent_streams_complete_and_overlap_in_time(
-    engine: object, prompt_ids: list[int]
-) -> None:
+async def test_eight_concurrent_streams_complete_and_overlap_in_time(engine: object, prompt_ids: list[int]) -> None:
     requests = [request(prompt_ids + [28 + i], max_tokens=16, ignore_eos=True) for i in range(8)]
     results = await asyncio.gather(*(collect(engine, r) for r in requests))
     assert [len(tokens) for tokens, _, _ in results] == [16] * 8
@@ -118,10 +114,7 @@ async def test_a_shared_prefix_is_reused_instead_of_recomputed(engine: object, p
     reused = len(long_prompt) // 16 * 16
     assert chunks[0].num_cached_tokens == reused
     assert after.num_prefill_tokens_cached - before.num_prefill_tokens_cached == reused
-    assert (
-        after.num_prefill_tokens_computed - before.num_prefill_tokens_computed
-        == len(long_prompt) + 3 - reused
-    )
+    assert after.num_prefill_tokens_computed - before.num_prefill_tokens_computed == len(long_prompt) + 3 - reused
 
 
 async def test_cancelling_mid_stream_frees_the_sequence(engine: object, prompt_ids: list[int]) -> None:
@@ -166,19 +159,18 @@ def run_worker(job: dict[str, object]) -> dict[str, object]:
         input=json.dumps(job),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
         check=True,
     )
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.timeout(300)
 async def test_kv_state_prefilled_in_one_process_and_decoded_in_another_gives_the_same_tokens(
     prompt_ids: list[int],
 ) -> None:
     whole = await asyncio.to_thread(run_worker, {"role": "both", "token_ids": prompt_ids, "max_tokens": 12})
-    prefill = await asyncio.to_thread(
-        run_worker, {"role": "prefill", "token_ids": prompt_ids, "max_tokens": 12}
-    )
+    prefill = await asyncio.to_thread(run_worker, {"role": "prefill", "token_ids": prompt_ids, "max_tokens": 12})
     transfer = prefill["kv_transfer"]
     assert isinstance(transfer, dict) and transfer["num_tokens"] == len(prompt_ids)
     assert prefill["token_ids"] == whole["token_ids"][:1]  # type: ignore[index]
@@ -186,3 +178,22 @@ async def test_kv_state_prefilled_in_one_process_and_decoded_in_another_gives_th
     decode = await asyncio.to_thread(run_worker, job)
     assert decode["token_ids"] == whole["token_ids"]
     assert decode["finish_reason"] == "length"
+
+
+async def test_per_sequence_kv_streams_give_the_same_tokens_and_still_reuse_prefixes(
+    engine: object, prompt_ids: list[int]
+) -> None:
+    from engines.llamacpp.engine import LlamaCppEngine
+
+    extra = {"kv_unified": False, "n_ctx": 4096, "max_num_seqs": 2, "max_cached_seqs": 2}
+    streams = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra))
+    await streams.start()
+    try:
+        long_prompt = prompt_ids * 3
+        for prompt in (long_prompt, long_prompt + [28, 29, 30]):
+            expected, _, _ = await collect(engine, request(prompt, max_tokens=6))
+            tokens, chunks, _ = await collect(streams, request(prompt, max_tokens=6))
+            assert tokens == expected
+        assert chunks[0].num_cached_tokens == len(long_prompt) // 16 * 16
+    finally:
+        await streams.stop()

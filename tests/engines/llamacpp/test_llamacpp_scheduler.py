@@ -72,9 +72,7 @@ def test_blocks_are_stored_once_and_removed_when_their_last_holder_is_evicted() 
     scheduler.add(first)
     step(scheduler)
     hashes, locals_ = sequence_hashes(prompt, BS), block_hashes(prompt, BS)
-    stored = BlockStored(
-        parent_hash=None, blocks=[StoredBlock(h, t) for h, t in zip(hashes, locals_, strict=True)]
-    )
+    stored = BlockStored(parent_hash=None, blocks=[StoredBlock(h, t) for h, t in zip(hashes, locals_, strict=True)])
     assert scheduler.drain_events() == [stored]
     scheduler.add(second)
     step(scheduler)  # shares both blocks, stores its own third block

@@ -1,0 +1,258 @@
+"""Throughput of the llamacpp engine against raw llama-cpp-python on the same model and CPU.
+
+Raw cells drive llama.cpp's low-level API directly (greedy sampler, no Python between steps beyond
+filling the batch): one sequence (prefill tokens/s of an ISL-token prompt, then OSL decode steps), and
+8 sequences decoded in one batch. Engine cells run `LlamaCppEngine` in-process at concurrency 1, 4,
+8, 16 with distinct random prompts (no prefix reuse), ignore_eos. Each round runs a raw cell right
+before the engine cell it is compared with, and ratios are medians over rounds, because a shared
+machine drifts between minutes.
+
+    python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--json out.json]
+
+Bars: engine single-stream decode >= 0.9x raw single-stream decode; engine aggregate output tokens/s
+at concurrency 8 >= 0.9x raw 8-sequence batch doing the same work (prefill 8 prompts, decode OSL steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import llama_cpp  # noqa: E402
+
+from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
+from dynamo_cli.frontend.tokenizer import resolve_model_path  # noqa: E402
+from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
+from engines.llamacpp.runner import default_threads  # noqa: E402
+
+CONCURRENCY = (1, 4, 8, 16)
+
+
+def prompts(n: int, isl: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(isl)] for _ in range(n)]
+
+
+##### Raw llama-cpp-python #####
+
+
+class Raw:
+    """A plain llama.cpp context (the library's defaults: one KV stream per sequence)."""
+
+    def __init__(self, path: str, n_seq: int, n_ctx: int, threads: int) -> None:
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False  # the AMX buffer type crashes on some VMs
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, 512, 512, n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        self.sampler = chain
+
+    def decode(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
+        batch = self.batch
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(rows)
+        if llama_cpp.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [llama_cpp.llama_sampler_sample(self.sampler, self.ctx, i) for i, r in enumerate(rows) if r[3]]
+
+    def run(self, batch_prompts: list[list[int]], osl: int) -> dict[str, float]:
+        """Prefill each prompt, then decode all sequences together for osl - 1 steps."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        t0 = time.perf_counter()
+        last = []
+        for seq, prompt in enumerate(batch_prompts):
+            rows = [(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)]
+            last += self.decode(rows)
+        t1 = time.perf_counter()
+        isl = len(batch_prompts[0])
+        for step in range(osl - 1):
+            last = self.decode([(tok, isl + step, seq, True) for seq, tok in enumerate(last)])
+        t2 = time.perf_counter()
+        n = len(batch_prompts)
+        return {
+            "prefill_tok_s": n * isl / (t1 - t0),
+            "decode_tok_s": n * (osl - 1) / (t2 - t1),
+            "output_tok_s": n * osl / (t2 - t0),
+        }
+
+    def close(self) -> None:
+        llama_cpp.llama_sampler_free(self.sampler)
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+##### Through the engine #####
+
+
+async def engine_cell(engine: LlamaCppEngine, concurrency: int, isl: int, osl: int, seed: int) -> dict[str, float]:
+    async def one(i: int, prompt: list[int]) -> list[float]:
+        request = GenerateRequest(
+            request_id=f"{seed}-{i}", token_ids=prompt, max_tokens=osl, temperature=0.0, ignore_eos=True
+        )
+        times = []
+        async for chunk in engine.generate(request):
+            times += [time.perf_counter()] * len(chunk.token_ids)
+        return times
+
+    t0 = time.perf_counter()
+    streams = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(concurrency, isl, seed))))
+    wall = time.perf_counter() - t0
+    # Decode phase: from the moment every stream has its first token to the first stream's end.
+    start, end = max(s[0] for s in streams), min(s[-1] for s in streams)
+    in_window = sum(1 for s in streams for t in s if start < t <= end)
+    itl = [(s[-1] - s[0]) / (len(s) - 1) for s in streams]
+    return {
+        "output_tok_s": concurrency * osl / wall,
+        "decode_tok_s": in_window / (end - start) if end > start else float("nan"),
+        "single_decode_tok_s": 1 / statistics.mean(itl),
+        "ttft_s": statistics.mean(s[0] - t0 for s in streams),
+    }
+
+
+async def measure(args: Any) -> dict[str, Any]:
+    """Paired rounds: each raw cell right before the engine cell it is compared with."""
+    path = resolve_model_path("smollm2")
+    isl, osl, threads = args.isl, args.osl, args.threads
+    raw_one = Raw(path, 1, isl + osl + 64, threads)
+    raw_eight = Raw(path, 8, 8 * (isl + osl + 64), threads)
+    extra = {"n_threads": threads, "max_num_seqs": max(CONCURRENCY)}
+    engine = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra))
+    await engine.start()
+    raw_one.run(prompts(1, 16, 0), 4)  # warm-up both
+    await engine_cell(engine, 1, 16, 4, seed=0)
+    rounds = []
+    for r in range(args.rounds):
+        cells: dict[str, Any] = {"raw_single": raw_one.run(prompts(1, isl, 10 + r), osl)}
+        cells["engine_1"] = await engine_cell(engine, 1, isl, osl, seed=20 + r)
+        cells["raw_batch8"] = raw_eight.run(prompts(8, isl, 30 + r), osl)
+        cells["engine_8"] = await engine_cell(engine, 8, isl, osl, seed=40 + r)
+        rounds.append(cells)
+    others = {c: await engine_cell(engine, c, isl, osl, seed=50 + c) for c in CONCURRENCY if c not in (1, 8)}
+    await engine.stop()
+    raw_one.close()
+    raw_eight.close()
+    return {"rounds": rounds, "engine_other": others}
+
+
+def find_key(doc: Any, key: str) -> Any:
+    """The first value under `key` anywhere in a JSON document."""
+    if isinstance(doc, dict):
+        if key in doc:
+            return doc[key]
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for item in doc:
+            found = find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def serve_cells(args: Any) -> dict[int, dict[str, float]]:
+    """The same load through `dyn serve` (HTTP, tokenizer, router, worker process) driven by `dyn bench`."""
+    command = ["dyn", "serve", "--port", "0", "--max-num-seqs", str(max(CONCURRENCY))]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert server.stdout is not None
+        line = ""
+        while "dyn serve ready:" not in line:
+            line = server.stdout.readline()
+            if not line:
+                raise SystemExit("dyn serve exited before it was ready")
+        url = line.split("dyn serve ready:")[1].split()[0]
+        out = {}
+        for c in CONCURRENCY:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "bench.json"
+                bench = ["dyn", "bench", "--url", url, "-c", str(c), "-n", str(c), "--warmup", "1"]
+                bench += ["--isl", str(args.isl), "--osl", str(args.osl), "--ignore-eos", "--no-progress"]
+                subprocess.run([*bench, "--json", str(path)], check=True, capture_output=True)
+                doc = json.loads(path.read_text())
+            itl = find_key(doc, "itl")
+            itl_ms = itl.get("mean") if isinstance(itl, dict) else None
+            out[c] = {
+                "output_tok_s": float(find_key(doc, "output_token_throughput")),
+                "single_decode_tok_s": 1000 / itl_ms if itl_ms else float("nan"),
+            }
+        return out
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def ratios(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over rounds of each paired engine/raw ratio."""
+
+    def med(f: Any) -> float:
+        return statistics.median(f(c) for c in rounds)
+
+    return {
+        "single_decode": med(lambda c: c["engine_1"]["single_decode_tok_s"] / c["raw_single"]["decode_tok_s"]),
+        "aggregate_8": med(lambda c: c["engine_8"]["output_tok_s"] / c["raw_batch8"]["output_tok_s"]),
+        "decode_phase_8": med(lambda c: c["engine_8"]["decode_tok_s"] / c["raw_batch8"]["decode_tok_s"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isl", type=int, default=200)
+    parser.add_argument("--osl", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--serve", action="store_true", help="also measure through `dyn serve` + `dyn bench`")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = asyncio.run(measure(args))
+    result["ratios"] = ratios(result["rounds"])
+    if args.serve:
+        result["serve"] = serve_cells(args)
+    print(f"ISL {args.isl}, OSL {args.osl}, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
+    print(f"{'round':<6}{'cell':<12}{'prefill tok/s':>14}{'decode tok/s':>14}{'output tok/s':>14}{'ttft s':>9}")
+    for r, cells in enumerate(result["rounds"]):
+        for name, cell in cells.items():
+            print_cell(str(r), name, cell)
+    for c, cell in result["engine_other"].items():
+        print_cell("-", f"engine_{c}", cell)
+    for c, cell in result.get("serve", {}).items():
+        print(
+            f"{'-':<6}{'serve_' + str(c):<12}{'':>14}{cell['single_decode_tok_s']:>14.1f}{cell['output_tok_s']:>14.1f}"
+        )
+    for name, value in result["ratios"].items():
+        print(f"{name} engine/raw (median of rounds): {value:.2f}")
+    if args.json:
+        result.update(isl=args.isl, osl=args.osl, threads=args.threads, machine=platform.platform())
+        result["llama_cpp_python"] = llama_cpp.__version__
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+
+
+def print_cell(round_name: str, name: str, cell: dict[str, float]) -> None:
+    prefill = f"{cell['prefill_tok_s']:.1f}" if "prefill_tok_s" in cell else ""
+    ttft = f"{cell['ttft_s']:.2f}" if "ttft_s" in cell else ""
+    decode = cell.get("single_decode_tok_s", cell["decode_tok_s"]) if name == "engine_1" else cell["decode_tok_s"]
+    print(f"{round_name:<6}{name:<12}{prefill:>14}{decode:>14.1f}{cell['output_tok_s']:>14.1f}{ttft:>9}")
+
+
+if __name__ == "__main__":
+    main()
