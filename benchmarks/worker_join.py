@@ -29,7 +29,8 @@ BODY = {"model": "smollm2", "max_tokens": 1, "messages": [{"role": "user", "cont
 
 
 def one_join(url: str, planes: list[str]) -> float:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--speedup-ratio", "100", *planes]
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--speedup-ratio", "100"]
+    argv += planes
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert worker.stdout is not None
