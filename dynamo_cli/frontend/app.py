@@ -140,11 +140,11 @@ class Frontend:
                     "headers": [*_SSE, *_ids(gen)]})  # fmt: skip
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, gen.abort))
         status = "success"
+        head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
         try:
-            if is_chat:
-                await send({"type": "http.response.body", "body": fmt.role(), "more_body": True})
             async for piece in gen.text():
-                await send({"type": "http.response.body", "body": fmt.text(piece), "more_body": True})
+                await send({"type": "http.response.body", "body": head + fmt.text(piece), "more_body": True})
+                head = b""
             if gen.is_aborted:
                 status = "cancelled"
             tail = b"" if status == "cancelled" else fmt.finish(gen.finish_reason or "length")
@@ -158,7 +158,7 @@ class Frontend:
         if status == "cancelled":
             self.metrics.disconnected.labels(gen.entry.name).inc()
             self.metrics.cancellations.labels(gen.entry.name).inc()
-        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+        await send({"type": "http.response.body", "body": head + tail + DONE, "more_body": False})
         return status
 
     async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:

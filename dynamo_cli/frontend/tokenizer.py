@@ -114,6 +114,8 @@ class SegmentCache:
         longest_first = sorted(specials, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(s) for s in longest_first) + ")").split
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        # encode_batch_fast skips computing offsets: ~1/3 cheaper per prompt, same ids
+        self._encode_fast = getattr(hf, "encode_batch_fast", hf.encode_batch)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -124,7 +126,7 @@ class SegmentCache:
             elif piece:
                 hit = cache.get(piece)
                 if hit is None:
-                    hit = self._hf.encode(piece, add_special_tokens=False).ids
+                    hit = self._encode_fast([piece], add_special_tokens=False)[0].ids
                     cache[piece] = hit
                     if len(cache) > SEGMENT_CACHE:
                         cache.popitem(last=False)
