@@ -135,6 +135,9 @@ class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """Cumulative prompt tokens actually computed (excludes prefix-cache hits)."""
     num_prefill_tokens_cached: int = 0
     """Cumulative prompt tokens served from the prefix cache."""
+    kv_event_id: int = -1
+    """Id of the last KV event batch the worker published (-1: none): lets a router notice events it
+    lost even when no later event arrives (anti-entropy)."""
 
 
 ##### The contract #####

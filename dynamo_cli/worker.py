@@ -147,7 +147,9 @@ class Worker:
         last, last_at = None, 0.0
         loop = asyncio.get_running_loop()
         while True:
-            metrics = msgspec.structs.replace(self.engine.load_metrics(), worker_id=self.instance_id)
+            metrics = msgspec.structs.replace(
+                self.engine.load_metrics(), worker_id=self.instance_id, kv_event_id=self._last_event_id
+            )
             if metrics != last or loop.time() - last_at >= LOAD_HEARTBEAT_S:
                 await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
                 last, last_at = metrics, loop.time()

@@ -128,6 +128,7 @@ class KvRoutingPolicy:
         self.sequences = ActiveSequences()
         self.counters = RouterCounters()
         self._gaps: list[Gap] = []
+        self._reported_event_id: dict[int, int] = {}
 
     ##### RoutingPolicy #####
 
@@ -169,6 +170,7 @@ class KvRoutingPolicy:
         self.indexer.remove_worker(worker_id)
         self.approx.remove_worker(worker_id)
         self.sequences.remove_worker(worker_id)
+        self._reported_event_id.pop(worker_id, None)
         self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
 
     def apply_kv_events(self, batch: KvEventBatch) -> None:
@@ -181,7 +183,17 @@ class KvRoutingPolicy:
             self._gaps.append(gap)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
-        """Ignored: the router predicts load from its own decisions (sequences.py)."""
+        """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
+        KV event id is compared with the index, so events lost with nothing after them are noticed."""
+        if not self.config.use_kv_events:
+            return
+        # The previous report, not this one: events and load travel on separate subscriptions and may
+        # be reordered by a few ms; an id reported one report ago and still missing was lost.
+        previous = self._reported_event_id.get(metrics.worker_id, -1)
+        self._reported_event_id[metrics.worker_id] = metrics.kv_event_id
+        expected = self.indexer.next_event_id(metrics.worker_id)  # 0 for a worker never heard of
+        if previous >= expected:
+            self._gaps.append(Gap(metrics.worker_id, expected, previous))
 
     ##### Repair and housekeeping #####
 

@@ -229,3 +229,17 @@ def test_the_explanation_summary_is_one_line() -> None:
 def test_an_invalid_setting_names_itself_and_its_value(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"{field} \\({value}\\)"):
         KvRouterConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_an_event_id_reported_twice_but_never_received_queues_a_gap_for_repair() -> None:
+    from dynamo_cli.engine import LoadMetrics
+    from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+
+    policy = KvRoutingPolicy(KvRouterConfig(block_size=4))
+    policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=-1))
+    assert policy.take_gaps() == []
+    policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=3))
+    assert policy.take_gaps() == []  # the events may still be on their way
+    policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=3))
+    gaps = policy.take_gaps()
+    assert [(g.worker_id, g.first_missing, g.last_missing) for g in gaps] == [(7, 0, 3)]
