@@ -16,8 +16,9 @@ import time
 from dynamo_cli.config import ServeConfig, WorkerConfig
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.events import open_event_bus
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.events import EventBus
+from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -92,34 +93,35 @@ async def serve_all(config: ServeConfig) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
-    discovery = open_discovery(planes.discovery, ttl=planes.lease_ttl)
-    await discovery.start()
-    bus = open_event_bus(planes.events, discovery)
     procs: list[asyncio.subprocess.Process] = []
-    try:
-        await bus.start()
-        sock = bind_socket(config.frontend.host, config.frontend.port)
-        url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
-        service = FrontendService(config.frontend, discovery, bus)
-        argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
-        procs = [await _spawn(argv) for _ in range(config.num_workers)]
-        expected = config.num_workers
-        if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
-            from dynamo_cli.router.service import router_argv
+    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+        try:
+            await _serve(config, discovery, bus, procs, stop)
+        finally:
+            await _stop_workers(procs, config.worker.graceful_shutdown_s)
 
-            router_cmd = router_argv(config, _shared_discovery(planes.discovery, discovery))
-            procs += [await _spawn(router_cmd) for _ in range(config.num_routers)]
-            expected = config.num_routers
 
-        async def on_ready() -> None:
-            await _wait_ready(service, procs, expected, config.ready_timeout_s)
-            print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})", flush=True)
+async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus,
+                 procs: list[asyncio.subprocess.Process], stop: asyncio.Event) -> None:  # fmt: skip
+    planes = config.frontend.planes
+    sock = bind_socket(config.frontend.host, config.frontend.port)
+    url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
+    service = FrontendService(config.frontend, discovery, bus)
+    argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
+    procs.extend([await _spawn(argv) for _ in range(config.num_workers)])  # the caller stops them
+    expected = config.num_workers
+    if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
+        from dynamo_cli.router.service import router_argv
 
-        await service.run(sock, stop, on_ready)
-    finally:
-        await _stop_workers(procs, config.worker.graceful_shutdown_s)
-        await bus.close()
-        await discovery.close()
+        router_cmd = router_argv(config, _shared_discovery(planes.discovery, discovery))
+        procs.extend([await _spawn(router_cmd) for _ in range(config.num_routers)])
+        expected = config.num_routers
+
+    async def on_ready() -> None:
+        await _wait_ready(service, procs, expected, config.ready_timeout_s)
+        print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})", flush=True)
+
+    await service.run(sock, stop, on_ready)
 
 
 def _shared_discovery(url: str, discovery: object) -> str:

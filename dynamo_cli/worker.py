@@ -32,9 +32,10 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import RequestError
 from dynamo_cli.model_card import InstanceRecord, ModelCard
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.events import EventBus, ensure_kv_stream, open_event_bus
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
+from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
@@ -160,17 +161,10 @@ async def serve_worker(config: WorkerConfig) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain and exit."""
     stop = asyncio.Event()
     stop_on_signals(stop)
-    discovery = open_discovery(config.planes.discovery, ttl=config.planes.lease_ttl)
-    await discovery.start()
-    bus = open_event_bus(config.planes.events, discovery)
-    try:
-        await bus.start()
+    planes = config.planes
+    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         engine = load_engine(config.engine)(_engine_args(config))
-        worker = Worker(config, engine, discovery, bus)
-        await _serve_until(worker, stop)
-    finally:
-        await bus.close()
-        await discovery.close()
+        await _serve_until(Worker(config, engine, discovery, bus), stop)
 
 
 async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:

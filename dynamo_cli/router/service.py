@@ -32,9 +32,10 @@ from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
 from dynamo_cli.router.replicas import ReplicaSync
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.events import EventBus, open_event_bus
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import EndpointName, component_subject
+from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
@@ -329,15 +330,9 @@ async def serve_router(config: RouterServiceConfig, announce: Callable[[str], No
     """Run a router until SIGTERM/SIGINT, then deregister, drain and exit."""
     stop = asyncio.Event()
     stop_on_signals(stop)
-    discovery = open_discovery(config.planes.discovery, ttl=config.planes.lease_ttl)
-    await discovery.start()
-    bus = open_event_bus(config.planes.events, discovery)
-    try:
-        await bus.start()
+    planes = config.planes
+    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         await RouterService(config, discovery, bus).run(stop, announce)
-    finally:
-        await bus.close()
-        await discovery.close()
 
 
 def router_argv(config: ServeConfig, discovery: str) -> list[str]:
