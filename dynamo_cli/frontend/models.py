@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -145,28 +146,22 @@ class ModelRegistry:
 
     async def watch_instances(self) -> None:
         """Follow instance records; runs until cancelled."""
-        decode = msgspec.json.Decoder(InstanceRecord).decode
-        async for event in self._discovery.watch(f"v1/instances/{self._namespace}/"):
-            name, instance_id = parse_instance_key(event.key)
-            if not self._accept(name):
-                continue
-            if event.kind is WatchKind.PUT:
-                self._records[instance_id] = decode(event.value)
-            else:
-                self._records.pop(instance_id, None)
-            await self._reconcile(instance_id)
+        await self._follow("v1/instances", InstanceRecord, self._records)
 
     async def watch_cards(self) -> None:
         """Follow model cards; runs until cancelled."""
-        decode = msgspec.json.Decoder(ModelCard).decode
-        async for event in self._discovery.watch(f"v1/mdc/{self._namespace}/"):
+        await self._follow("v1/mdc", ModelCard, self._cards)
+
+    async def _follow(self, root: str, kind: type[Any], store: dict[int, Any]) -> None:
+        decode = msgspec.json.Decoder(kind).decode
+        async for event in self._discovery.watch(f"{root}/{self._namespace}/"):
             name, instance_id = parse_instance_key(event.key)
             if not self._accept(name):
                 continue
             if event.kind is WatchKind.PUT:
-                self._cards[instance_id] = decode(event.value)
+                store[instance_id] = decode(event.value)
             else:
-                self._cards.pop(instance_id, None)
+                store.pop(instance_id, None)
             await self._reconcile(instance_id)
 
     async def _reconcile(self, instance_id: int) -> None:
