@@ -21,7 +21,8 @@ def engines_help() -> str:
     for name in sorted(registered_engines()):
         library = _LIBRARY.get(name)
         ok = library is None or find_spec(library) is not None
-        parts.append(f"{name} ({'installed' if ok else f'needs pip install dynamo-cli[{name}]'})")
+        status = "installed" if ok else "needs pip install 'dynamo-cli\\[" + name + "]'"  # \[: not rich markup
+        parts.append(f"{name} ({status})")
     return "Engine plugin: " + ", ".join(parts)
 
 

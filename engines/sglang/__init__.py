@@ -1,0 +1,1 @@
+"""SGLang adapter: `engine.SglangEngine` drives `sglang.Engine` in-process."""

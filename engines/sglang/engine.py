@@ -1,0 +1,238 @@
+"""SGLang behind the Engine contract: its offline `Engine` in-process, token ids in and out.
+
+`dyn worker --engine sglang --model DIR` builds `sglang.Engine(**server_args)`; `EngineArgs.extra`
+passes straight through to SGLang's `ServerArgs` (`tp_size`, `mem_fraction_static`, `dtype`, ...).
+The adapter forces `skip_tokenizer_init` (token ids only) and `stream_output` (each streamed output
+carries only the new tokens, as Dynamo's SGLang worker does), sets `page_size` to our block size, and
+asks SGLang's ZMQ publisher (`kv_events_config`) for KV events, re-hashed by `engines.vllm.kv_events`
+(SGLang's events are vLLM's wire format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dynamo_cli.engine import (
+    EngineArgs,
+    EngineInfo,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    LoadMetrics,
+    Role,
+)
+from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, EngineNotInstalled, RequestError
+from engines.vllm.kv_events import ZmqKvRelay
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+KV_EVENTS_TOPIC = "kv-events"
+FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
+"""SGLang's `finish_reason.type` mapped to ours; "abort" and anything else mean cancelled."""
+
+
+def load_engine_class() -> Any:
+    """`sglang.Engine`, or EngineNotInstalled naming `pip install 'dynamo-cli[sglang]'`."""
+    try:
+        import sglang
+    except ImportError as exc:
+        raise EngineNotInstalled("sglang", "sglang", exc) from exc
+    return sglang.Engine
+
+
+class SglangEngine:
+    """SGLang's offline engine in this process; `engine_cls` lets tests inject a fake of `sglang.Engine`."""
+
+    def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
+        self.engine_cls = engine_cls or load_engine_class()
+        if args.role is not Role.BOTH:
+            raise ConfigError(
+                f"the sglang engine serves --role both only, got {args.role.value}; "
+                "disaggregation needs SGLang's bootstrap server, which this adapter does not wire yet"
+            )
+        self.args = args
+        self._relay: ZmqKvRelay | None = None
+        self.server_args = self._server_args()
+        self._engine: Any = None
+        self._info: EngineInfo | None = None
+        self._in_flight: set[str] = set()
+        self._num_prefill_tokens_cached = 0
+        self._num_prefill_tokens_computed = 0
+        self._stopped = asyncio.Event()
+
+    def _server_args(self) -> dict[str, Any]:
+        args = self.args
+        model = str(Path(args.model).expanduser().resolve()) if Path(args.model).expanduser().exists() else args.model
+        server_args: dict[str, Any] = {"model_path": model, "page_size": args.block_size or DEFAULT_BLOCK_SIZE}
+        if args.served_model_name:
+            server_args["served_model_name"] = args.served_model_name
+        if args.context_length:
+            server_args["context_length"] = args.context_length
+        server_args.update(args.extra)
+        server_args.update(skip_tokenizer_init=True, stream_output=True)
+        server_args["kv_events_config"] = self._kv_events_config(server_args)
+        return server_args
+
+    def _kv_events_config(self, server_args: dict[str, Any]) -> str | None:
+        # SGLang's publisher is vLLM's: it binds `tcp://*:port` and connects to `tcp://host:port`.
+        config = server_args.get("kv_events_config")
+        if config:  # the user's publisher binds its endpoint: subscribe to it
+            parsed = json.loads(config) if isinstance(config, str) else dict(config)
+            if parsed.get("publisher") == "zmq":
+                self._relay = ZmqKvRelay(parsed.get("topic", ""))
+                self._relay.connect(parsed.get("endpoint", "tcp://*:5557"))
+            return json.dumps(parsed)
+        if server_args.get("disable_radix_cache"):
+            return None  # no prefix cache, no KV events
+        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC)
+        return json.dumps({"publisher": "zmq", "endpoint": self._relay.bind(), "topic": KV_EVENTS_TOPIC})
+
+    ##### The Engine contract #####
+
+    async def start(self) -> EngineInfo:
+        """Start the KV event relay, then launch SGLang (scheduler subprocesses, model load) in a thread."""
+        if self._info is not None:
+            return self._info
+        if self._relay is not None:
+            self._relay.start()  # before the engine: its publisher connects while it starts
+        self._engine = await asyncio.to_thread(lambda: self.engine_cls(**self.server_args))
+        self._info = self._engine_info()
+        logger.info("sglang: %s ready; page size %d", self._info.model_name, self._info.block_size)
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream SGLang's outputs; closing or cancelling the iterator aborts the SGLang request."""
+        engine = self._admit(request)
+        rid = request.request_id
+        self._in_flight.add(rid)
+        is_finished = False
+        try:
+            stream = await engine.async_generate(
+                input_ids=list(request.token_ids), sampling_params=self.sampling_params(request), stream=True, rid=rid
+            )
+            is_first = True
+            async for output in stream:
+                chunk = self._chunk(request, output, is_first)
+                is_finished = chunk.finish_reason is not None
+                if chunk.token_ids or is_finished:
+                    if is_first:
+                        self._count_prefill(request, chunk.num_cached_tokens or 0)
+                    yield chunk
+                    is_first = False
+                if is_finished:
+                    return
+            is_finished = True
+            yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not is_finished:
+                engine.tokenizer_manager.abort_request(rid=rid)
+            raise
+        finally:
+            self._in_flight.discard(rid)
+
+    def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """SGLang's KV events with our hashes; nothing when the radix cache is disabled."""
+        if self._relay is None:
+            return self._no_events()
+        return self._relay.batches()
+
+    def load_metrics(self) -> LoadMetrics:
+        """Requests in flight and prompt-token counters (SGLang's queues live in its scheduler process)."""
+        return LoadMetrics(
+            num_running=len(self._in_flight),
+            total_blocks=self._info.total_kv_blocks if self._info else 0,
+            num_prefill_tokens_computed=self._num_prefill_tokens_computed,
+            num_prefill_tokens_cached=self._num_prefill_tokens_cached,
+        )
+
+    async def stop(self) -> None:
+        """Abort every request, shut SGLang down and close the event relay. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            for rid in list(self._in_flight):
+                engine.tokenizer_manager.abort_request(rid=rid)
+            await asyncio.to_thread(engine.shutdown)
+        if self._relay is not None:
+            await self._relay.close()
+
+    ##### Mapping to and from SGLang #####
+
+    def sampling_params(self, request: GenerateRequest) -> dict[str, Any]:
+        """Our sampling fields as SGLang's sampling-params dict."""
+        params: dict[str, Any] = {
+            "max_new_tokens": request.max_tokens,
+            "min_new_tokens": request.min_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": request.top_k if request.top_k > 0 else -1,
+            "ignore_eos": request.ignore_eos,
+            "stop_token_ids": list(request.stop_token_ids),
+            "skip_special_tokens": False,
+        }
+        if request.seed is not None:
+            params["sampling_seed"] = request.seed
+        return params
+
+    def _chunk(self, request: GenerateRequest, output: dict[str, Any], is_first: bool) -> GenerateChunk:
+        meta = output.get("meta_info", {})
+        finish = meta.get("finish_reason")
+        finish_reason = None
+        if finish:
+            kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+            finish_reason = FINISH_REASONS.get(str(kind), FinishReason.CANCELLED.value)
+        num_cached = int(meta.get("cached_tokens") or 0) if is_first else None
+        return GenerateChunk(
+            token_ids=list(output.get("output_ids") or []), finish_reason=finish_reason, num_cached_tokens=num_cached
+        )
+
+    def _count_prefill(self, request: GenerateRequest, num_cached: int) -> None:
+        self._num_prefill_tokens_cached += num_cached
+        self._num_prefill_tokens_computed += len(request.token_ids) - num_cached
+
+    def _admit(self, request: GenerateRequest) -> Any:
+        info, engine = self._info, self._engine
+        if info is None or engine is None or self._stopped.is_set():
+            raise DynError("the sglang engine is not running; call start() before generate()")
+        num_prompt = len(request.token_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        if num_prompt + request.max_tokens > info.context_length:
+            raise ContextOverflow(num_prompt, request.max_tokens, info.context_length)
+        if request.request_id in self._in_flight:
+            raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+        return engine
+
+    def _engine_info(self) -> EngineInfo:
+        manager = self._engine.tokenizer_manager
+        server_args = manager.server_args
+        scheduler_info = getattr(self._engine, "scheduler_info", None) or {}
+        page_size = int(server_args.page_size)
+        max_total_tokens = int(scheduler_info.get("max_total_num_tokens") or 0)
+        model_path = str(self.server_args["model_path"])
+        return EngineInfo(
+            model_name=self.args.served_model_name or Path(model_path).name,
+            tokenizer_source=str(self.args.extra.get("tokenizer_path") or model_path),
+            block_size=page_size,
+            context_length=int(manager.model_config.context_len),
+            total_kv_blocks=max_total_tokens // page_size,
+            max_num_seqs=int(getattr(server_args, "max_running_requests", None) or 256),
+            max_num_batched_tokens=int(getattr(server_args, "chunked_prefill_size", None) or 8192),
+            extra={"engine": "sglang"},
+        )
+
+    async def _no_events(self) -> AsyncIterator[KvEventBatch]:
+        await self._stopped.wait()
+        return
+        yield  # an async generator that ends at stop()

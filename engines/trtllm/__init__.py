@@ -1,0 +1,1 @@
+"""TensorRT-LLM adapter: `engine.TrtllmEngine` drives `tensorrt_llm.LLM` in-process."""

@@ -1,0 +1,250 @@
+"""TensorRT-LLM behind the Engine contract: its `LLM` API in-process, token ids in and out.
+
+`dyn worker --engine trtllm --model DIR` builds `tensorrt_llm.LLM(model=DIR, **extra)`; `EngineArgs.extra`
+passes straight through (`tensor_parallel_size`, `max_batch_size`, `max_num_tokens`, `max_seq_len`,
+`backend`, ...). KV block reuse and the KV event buffer are switched on in `KvCacheConfig`; the events,
+read with `LLM.get_kv_cache_events_async`, are re-hashed from their token ids with our block hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamo_cli.engine import (
+    EngineArgs,
+    EngineInfo,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    LoadMetrics,
+    Role,
+)
+from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, EngineNotInstalled, RequestError
+from engines.vllm.kv_events import KvEventRehasher
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 32
+"""TensorRT-LLM's and Dynamo's default `tokens_per_block`."""
+EVENT_BUFFER_SIZE = 1024
+_QUEUE_SIZE = 4096
+FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
+
+
+@dataclass(frozen=True, slots=True)
+class TrtllmLibrary:
+    """The TensorRT-LLM names this adapter uses; tests pass a fake of them to `TrtllmEngine`."""
+
+    llm_cls: Any
+    """`tensorrt_llm.LLM`: `generate_async(..., streaming=True)`, `get_kv_cache_events_async`, `shutdown`."""
+    sampling_params_cls: Any
+    kv_cache_config_cls: Any
+
+
+def load_library() -> TrtllmLibrary:
+    """Import TensorRT-LLM, or raise EngineNotInstalled naming `pip install 'dynamo-cli[trtllm]'`."""
+    try:
+        from tensorrt_llm import LLM, SamplingParams
+        from tensorrt_llm.llmapi import KvCacheConfig
+    except ImportError as exc:
+        raise EngineNotInstalled("trtllm", "tensorrt_llm", exc) from exc
+    return TrtllmLibrary(LLM, SamplingParams, KvCacheConfig)
+
+
+def trtllm_event_as_vllm(event: dict[str, Any], block_size: int) -> list[Any] | None:
+    """One serialized TensorRT-LLM KV event in vLLM's positional form, for `KvEventRehasher`."""
+    data = event.get("data", {})
+    kind = data.get("type")
+    if kind == "stored":
+        blocks = data.get("blocks", [])
+        hashes = [block["block_hash"] for block in blocks]
+        tokens = [token["token_id"] for block in blocks for token in block["tokens"]]
+        return ["BlockStored", hashes, data.get("parent_hash"), tokens, block_size]
+    if kind == "removed":
+        return ["BlockRemoved", list(data.get("block_hashes", []))]
+    return None  # "created" and "updated" carry nothing the router indexes
+
+
+class TrtllmEngine:
+    """TensorRT-LLM's `LLM` in this process; one `generate_async` per `generate` call."""
+
+    def __init__(self, args: EngineArgs, *, library: TrtllmLibrary | None = None) -> None:
+        self.lib = library or load_library()
+        if args.role is not Role.BOTH:
+            raise ConfigError(f"the trtllm engine serves --role both only, got {args.role.value}")
+        self.args = args
+        self.block_size = args.block_size or DEFAULT_BLOCK_SIZE
+        model = Path(args.model).expanduser()
+        self.model = str(model.resolve()) if model.exists() else args.model
+        self._llm: Any = None
+        self._info: EngineInfo | None = None
+        self._rehasher = KvEventRehasher()
+        self._events: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(_QUEUE_SIZE)
+        self._next_event_id = 0
+        self._pump: asyncio.Task[None] | None = None
+        self._in_flight: dict[str, Any] = {}
+        self._stopped = False
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `LLM(...)`: ours, then `extra` verbatim."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "kv_cache_config": self.lib.kv_cache_config_cls(
+                enable_block_reuse=True, event_buffer_max_size=EVENT_BUFFER_SIZE, tokens_per_block=self.block_size
+            ),
+        }
+        if self.args.context_length:
+            kwargs["max_seq_len"] = self.args.context_length
+        kwargs.update(self.args.extra)
+        return kwargs
+
+    ##### The Engine contract #####
+
+    async def start(self) -> EngineInfo:
+        """Load the model in a thread (minutes), then start pumping its KV events."""
+        if self._info is not None:
+            return self._info
+        self._llm = await asyncio.to_thread(lambda: self.lib.llm_cls(**self.llm_kwargs()))
+        self._info = self._engine_info()
+        self._pump = asyncio.get_running_loop().create_task(self._pump_events(), name="trtllm-kv-events")
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream TensorRT-LLM's outputs; closing or cancelling the iterator aborts the request."""
+        llm = self._admit(request)
+        result = llm.generate_async(
+            list(request.token_ids), sampling_params=self.sampling_params(request), streaming=True
+        )
+        self._in_flight[request.request_id] = result
+        is_finished = False
+        try:
+            is_first = True
+            async for output in result:
+                chunk = self._chunk(output, is_first)
+                is_finished = chunk.finish_reason is not None
+                if chunk.token_ids or is_finished:
+                    yield chunk
+                    is_first = False
+                if is_finished:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not is_finished:
+                result.abort()
+            raise
+        finally:
+            self._in_flight.pop(request.request_id, None)
+
+    async def kv_events(self) -> AsyncIterator[KvEventBatch]:
+        """TensorRT-LLM's KV events with our hashes, in event-id order, until stop()."""
+        while (batch := await self._events.get()) is not None:
+            yield batch
+
+    def load_metrics(self) -> LoadMetrics:
+        """Requests in flight; TensorRT-LLM's queues live in its executor."""
+        return LoadMetrics(
+            num_running=len(self._in_flight), total_blocks=self._info.total_kv_blocks if self._info else 0
+        )
+
+    async def stop(self) -> None:
+        """Abort every request, stop the event pump and shut the LLM down. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for result in list(self._in_flight.values()):
+            result.abort()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+        with contextlib.suppress(asyncio.QueueFull):
+            self._events.put_nowait(None)
+
+    ##### Mapping to and from TensorRT-LLM #####
+
+    def sampling_params(self, request: GenerateRequest) -> Any:
+        """Our sampling fields as TensorRT-LLM `SamplingParams`, token ids only."""
+        return self.lib.sampling_params_cls(
+            max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens or None,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k if request.top_k > 0 else None,
+            seed=request.seed,
+            stop_token_ids=list(request.stop_token_ids) or None,
+            ignore_eos=request.ignore_eos,
+            detokenize=False,
+        )
+
+    def _chunk(self, output: Any, is_first: bool) -> GenerateChunk:
+        completion = output.outputs[0]
+        reason = completion.finish_reason
+        finish_reason = None
+        if output.finished or reason is not None:
+            finish_reason = FINISH_REASONS.get(str(reason), FinishReason.CANCELLED.value)
+        num_cached = int(getattr(output, "cached_tokens", 0) or 0) if is_first else None
+        return GenerateChunk(
+            token_ids=list(completion.token_ids_diff), finish_reason=finish_reason, num_cached_tokens=num_cached
+        )
+
+    async def _pump_events(self) -> None:
+        # NOTE: TensorRT-LLM buffers KV events in its executor; each poll drains what accumulated and
+        # becomes one of our batches. The poll's timeout ends an idle iteration, so the loop polls again.
+        while True:
+            raw: list[Any] = []
+            async for event in self._llm.get_kv_cache_events_async(timeout=1.0):
+                converted = trtllm_event_as_vllm(event, self.block_size)
+                if converted is not None:
+                    raw.append(converted)
+            events = self._rehasher.convert(raw)
+            if events:
+                self._put(KvEventBatch(event_id=self._next_event_id, events=events, timestamp=time.time()))
+            else:
+                await asyncio.sleep(0.01)
+
+    def _put(self, batch: KvEventBatch) -> None:
+        try:
+            self._events.put_nowait(batch)
+        except asyncio.QueueFull:
+            logger.warning("trtllm: KV event queue full (no consumer?); batch %d dropped", batch.event_id)
+            return
+        self._next_event_id += 1
+
+    def _admit(self, request: GenerateRequest) -> Any:
+        info, llm = self._info, self._llm
+        if info is None or llm is None or self._stopped:
+            raise DynError("the trtllm engine is not running; call start() before generate()")
+        num_prompt = len(request.token_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        if num_prompt + request.max_tokens > info.context_length:
+            raise ContextOverflow(num_prompt, request.max_tokens, info.context_length)
+        if request.request_id in self._in_flight:
+            raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+        return llm
+
+    def _engine_info(self) -> EngineInfo:
+        llm_args = getattr(self._llm, "args", None)
+        max_seq_len = getattr(llm_args, "max_seq_len", None) or self.args.context_length or 4096
+        return EngineInfo(
+            model_name=self.args.served_model_name or Path(self.model).name,
+            tokenizer_source=self.model,
+            block_size=self.block_size,
+            context_length=int(max_seq_len),
+            total_kv_blocks=0,  # TensorRT-LLM sizes its pool from free memory and does not report it here
+            max_num_seqs=int(getattr(llm_args, "max_batch_size", None) or 256),
+            max_num_batched_tokens=int(getattr(llm_args, "max_num_tokens", None) or 8192),
+            extra={"engine": "trtllm"},
+        )

@@ -1,0 +1,438 @@
+"""The vllm, sglang and trtllm adapters at the library boundary.
+
+Each test injects a small fake of the LIBRARY's objects (vLLM's AsyncLLM and its argument classes,
+`sglang.Engine`, `tensorrt_llm.LLM`) through the adapter's constructor hook, never a fake of our code,
+and checks what crosses the boundary: sampling parameters, token streaming into GenerateChunks, abort
+when the stream is closed, and KV events re-hashed with our hashes (vLLM's wire format over real ZMQ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from dynamo_cli.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineArgs,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    StoredBlock,
+    load_engine,
+)
+from dynamo_cli.errors import ConfigError, EngineNotInstalled
+from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from engines.sglang.engine import SglangEngine
+from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary
+from engines.vllm.engine import VllmEngine, VllmLibrary
+from engines.vllm.kv_events import KvEventRehasher
+
+PROMPT = list(range(1000, 1040))
+TOKENS = list(range(64))
+
+
+def request(max_tokens: int = 4, **kwargs: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", token_ids=PROMPT, max_tokens=max_tokens, **kwargs)
+
+
+async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
+    async with asyncio.timeout(5):
+        return [chunk async for chunk in stream]
+
+
+async def first_then_close(stream: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+    async with asyncio.timeout(5):
+        chunk = await anext(stream)  # type: ignore[call-overload]
+    await stream.aclose()  # type: ignore[attr-defined]
+    return chunk
+
+
+##### A fake of vLLM #####
+
+
+@dataclass
+class FakeAsyncEngineArgs:
+    """Stands for vllm.engine.arg_utils.AsyncEngineArgs (a dataclass of engine flags)."""
+
+    model: str
+    served_model_name: str | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None
+    kv_events_config: Any = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+
+@dataclass
+class FakeKVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+def vllm_output(token_ids: list[int], finish_reason: str | None, num_cached: int = 0) -> SimpleNamespace:
+    completion = SimpleNamespace(token_ids=token_ids, finish_reason=finish_reason)
+    return SimpleNamespace(outputs=[completion], finished=finish_reason is not None, num_cached_tokens=num_cached)
+
+
+class FakeAsyncLLM:
+    """Stands for vllm.v1.engine.async_llm.AsyncLLM: one token per step, DELTA outputs."""
+
+    def __init__(self, engine_args: FakeAsyncEngineArgs) -> None:
+        self.engine_args = engine_args
+        self.calls: list[tuple[Any, Any, str]] = []
+        self.aborted: list[str] = []
+        self.is_shut_down = False
+        self.vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=engine_args.block_size or 16, num_gpu_blocks=100),
+            model_config=SimpleNamespace(max_model_len=2048, hf_config=SimpleNamespace(eos_token_id=2)),
+            scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512),
+        )
+
+    @classmethod
+    def from_engine_args(cls, engine_args: FakeAsyncEngineArgs) -> FakeAsyncLLM:
+        return cls(engine_args)
+
+    async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str) -> AsyncIterator[Any]:
+        self.calls.append((prompt, sampling_params, request_id))
+        max_tokens = sampling_params.kwargs["max_tokens"]
+        for i in range(max_tokens):
+            await asyncio.sleep(0)
+            yield vllm_output([TOKENS[i]], "length" if i == max_tokens - 1 else None, num_cached=16)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+DELTA = object()
+FAKE_VLLM = VllmLibrary(FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, dict, DELTA, FakeKVEventsConfig)
+
+
+def test_vllm_engine_args_pass_extra_through_with_prefix_caching_and_zmq_kv_events() -> None:
+    args = EngineArgs(model="org/m", block_size=32, context_length=1024, extra={"tensor_parallel_size": 2})
+    engine_args = VllmEngine(args, library=FAKE_VLLM).engine_args
+    assert (engine_args.model, engine_args.block_size, engine_args.max_model_len) == ("org/m", 32, 1024)
+    assert engine_args.tensor_parallel_size == 2 and engine_args.enable_prefix_caching is True
+    events = engine_args.kv_events_config
+    assert events.enable_kv_cache_events and events.publisher == "zmq"
+    assert events.endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_vllm_unknown_engine_argument_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match="no_such_flag"):
+        VllmEngine(EngineArgs(model="m", extra={"no_such_flag": 1}), library=FAKE_VLLM)
+
+
+def test_vllm_sampling_params_map_every_field_and_ask_for_deltas_without_detokenizing() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    req = request(max_tokens=9, temperature=0.5, top_p=0.9, seed=7, stop_token_ids=[5], ignore_eos=True, min_tokens=2)
+    assert engine.sampling_params(req).kwargs == {
+        "n": 1,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": -1,
+        "seed": 7,
+        "max_tokens": 9,
+        "min_tokens": 2,
+        "stop_token_ids": [5],
+        "ignore_eos": True,
+        "detokenize": False,
+        "output_kind": DELTA,
+    }
+
+
+async def test_vllm_streams_delta_outputs_as_chunks_and_reports_engine_info() -> None:
+    engine = VllmEngine(EngineArgs(model="m", block_size=16), library=FAKE_VLLM)
+    info = await engine.start()
+    assert (info.block_size, info.context_length, info.total_kv_blocks, info.eos_token_ids) == (16, 2048, 100, (2,))
+    req = request(max_tokens=3)
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+    assert [c.finish_reason for c in chunks] == [None, None, "length"]
+    assert chunks[0].num_cached_tokens == 16
+    prompt, _, request_id = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": PROMPT} and request_id == req.request_id
+    assert engine.load_metrics().num_prefill_tokens_cached == 16
+    await engine.stop()
+    assert engine._engine is None
+
+
+async def test_vllm_closing_the_stream_aborts_the_vllm_request() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    await engine.start()
+    fake = engine._engine
+    req = request(max_tokens=50)
+    await first_then_close(engine.generate(req))
+    assert fake.aborted == [req.request_id]
+    assert engine.load_metrics().num_running == 0
+    await engine.stop()
+    assert fake.is_shut_down
+
+
+def vllm_batch(*events: list[Any]) -> bytes:
+    """A payload as vLLM's ZmqEventPublisher sends it: msgpack [ts, [tagged array events], dp_rank]."""
+    return msgspec.msgpack.encode([time.time(), list(events), 0])
+
+
+async def test_vllm_kv_events_over_zmq_are_re_hashed_with_our_sequence_hashes() -> None:
+    engine = VllmEngine(EngineArgs(model="m", block_size=16), library=FAKE_VLLM)
+    await engine.start()
+    publisher = zmq.Context.instance().socket(zmq.PUB)  # stands for vLLM's ZmqEventPublisher
+    publisher.connect(engine.engine_args.kv_events_config.endpoint)  # tcp://host:port: vLLM connects
+    ours = sequence_hashes(TOKENS[:48], 16)
+    stored = ["BlockStored", [b"v1", b"v2"], None, TOKENS[:32], 16, None, "GPU"]
+    events = engine.kv_events()
+    try:
+        async with asyncio.timeout(5):
+            first = asyncio.ensure_future(anext(events))  # type: ignore[call-overload]
+            while not first.done():  # a SUB socket joins late: publish until it hears
+                publisher.send_multipart([b"kv-events", (0).to_bytes(8, "big"), vllm_batch(stored)])
+                await asyncio.sleep(0.02)
+            batch: KvEventBatch = first.result()
+        local = block_hashes(TOKENS[:32], 16)
+        assert batch.events == [
+            BlockStored(parent_hash=None, blocks=[StoredBlock(ours[0], local[0]), StoredBlock(ours[1], local[1])])
+        ]
+        chained = ["BlockStored", [b"v3"], b"v2", TOKENS[32:48], 16]
+        publisher.send_multipart([b"kv-events", (1).to_bytes(8, "big"), vllm_batch(chained, ["BlockRemoved", [b"v1"]])])
+        async with asyncio.timeout(5):
+            second = await anext(events)  # type: ignore[call-overload]
+        assert second.event_id == 1
+        assert second.events[0] == BlockStored(
+            parent_hash=ours[1], blocks=[StoredBlock(ours[2], block_hashes(TOKENS[32:48], 16)[0])]
+        )
+        assert second.events[1] == BlockRemoved(block_hashes=[ours[0]])
+    finally:
+        publisher.close(linger=0)
+        await engine.stop()
+
+
+def test_the_rehasher_ignores_offloaded_tiers_and_unknown_parents_and_clears() -> None:
+    rehasher = KvEventRehasher()
+    assert rehasher.convert([["BlockStored", [1], None, TOKENS[:16], 16, None, "CPU"]]) == []
+    assert rehasher.convert([["BlockStored", [2], 999, TOKENS[:16], 16]]) == [] and rehasher.num_orphans == 1
+    assert (
+        len(
+            rehasher.convert(
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [3],
+                        "parent_block_hash": None,
+                        "token_ids": TOKENS[:16],
+                        "block_size": 16,
+                    }
+                ]
+            )
+        )
+        == 1
+    )
+    assert rehasher.convert([["AllBlocksCleared"]]) == [AllBlocksCleared()] and len(rehasher) == 0
+    assert rehasher.convert([["BlockRemoved", [3]]]) == []
+
+
+##### A fake of SGLang #####
+
+
+class FakeSglangEngine:
+    """Stands for sglang.Engine: `async_generate(..., stream=True)` yields disjoint output_ids."""
+
+    def __init__(self, **server_args: Any) -> None:
+        self.server_args = server_args
+        self.calls: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.is_shut_down = False
+        self.scheduler_info = {"max_total_num_tokens": 1600}
+        self.tokenizer_manager = SimpleNamespace(
+            server_args=SimpleNamespace(page_size=server_args["page_size"], max_running_requests=8),
+            model_config=SimpleNamespace(context_len=2048),
+            abort_request=lambda rid, abort_all=False: self.aborted.append(rid),
+        )
+
+    async def async_generate(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append(kwargs)
+        return self._stream(kwargs["rid"], kwargs["sampling_params"]["max_new_tokens"])
+
+    async def _stream(self, rid: str, max_new_tokens: int) -> AsyncIterator[dict[str, Any]]:
+        yield {"output_ids": [], "meta_info": {"id": rid, "finish_reason": None, "cached_tokens": 32}}
+        for i in range(max_new_tokens):
+            await asyncio.sleep(0)
+            finish = {"type": "length", "length": max_new_tokens} if i == max_new_tokens - 1 else None
+            yield {"output_ids": [TOKENS[i]], "meta_info": {"id": rid, "finish_reason": finish, "cached_tokens": 32}}
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+def test_sglang_server_args_force_token_ids_disjoint_streams_page_size_and_kv_events() -> None:
+    engine = SglangEngine(EngineArgs(model="org/m", block_size=32, extra={"tp_size": 2}), engine_cls=FakeSglangEngine)
+    args = engine.server_args
+    assert (args["model_path"], args["page_size"], args["tp_size"]) == ("org/m", 32, 2)
+    assert args["skip_tokenizer_init"] is True and args["stream_output"] is True
+    assert json.loads(args["kv_events_config"])["endpoint"].startswith("tcp://127.0.0.1:")
+
+
+async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> None:
+    engine = SglangEngine(EngineArgs(model="m", block_size=16), engine_cls=FakeSglangEngine)
+    info = await engine.start()
+    assert (info.block_size, info.context_length, info.total_kv_blocks) == (16, 2048, 100)
+    req = request(max_tokens=3, top_k=5, seed=3, stop_token_ids=[9])
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]] and chunks[-1].finish_reason == "length"
+    assert chunks[0].num_cached_tokens == 32
+    fake = engine._engine
+    call = fake.calls[0]
+    assert (call["input_ids"], call["stream"], call["rid"]) == (PROMPT, True, req.request_id)
+    assert call["sampling_params"] == {
+        "max_new_tokens": 3,
+        "min_new_tokens": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 5,
+        "ignore_eos": False,
+        "stop_token_ids": [9],
+        "skip_special_tokens": False,
+        "sampling_seed": 3,
+    }
+    long = request(max_tokens=50)
+    await first_then_close(engine.generate(long))
+    assert fake.aborted == [long.request_id] and engine.load_metrics().num_running == 0
+    await engine.stop()
+    assert fake.is_shut_down
+
+
+##### A fake of TensorRT-LLM #####
+
+
+@dataclass
+class FakeKvCacheConfig:
+    enable_block_reuse: bool = False
+    event_buffer_max_size: int = 0
+    tokens_per_block: int = 32
+
+
+class FakeResult:
+    """Stands for tensorrt_llm's streaming RequestOutput: async-iterable, `abort()`."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.is_aborted = False
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        for i in range(self.max_tokens):
+            await asyncio.sleep(0)
+            reason = "length" if i == self.max_tokens - 1 else None
+            completion = SimpleNamespace(token_ids_diff=[TOKENS[i]], finish_reason=reason)
+            yield SimpleNamespace(outputs=[completion], finished=reason is not None)
+
+    def abort(self) -> None:
+        self.is_aborted = True
+
+
+@dataclass
+class FakeLLM:
+    """Stands for tensorrt_llm.LLM."""
+
+    model: str
+    kv_cache_config: FakeKvCacheConfig
+    max_seq_len: int | None = None
+    max_batch_size: int = 8
+    results: list[tuple[list[int], Any, FakeResult]] = field(default_factory=list)
+    kv_events: list[dict[str, Any]] = field(default_factory=list)
+    is_shut_down: bool = False
+
+    @property
+    def args(self) -> Any:
+        return SimpleNamespace(max_seq_len=self.max_seq_len or 2048, max_batch_size=self.max_batch_size)
+
+    def generate_async(self, token_ids: list[int], sampling_params: Any, streaming: bool) -> FakeResult:
+        assert streaming
+        result = FakeResult(sampling_params.kwargs["max_tokens"])
+        self.results.append((token_ids, sampling_params, result))
+        return result
+
+    async def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+        events, self.kv_events = self.kv_events, []
+        for event in events:
+            yield event
+        await asyncio.sleep(0.01)
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+FAKE_TRTLLM = TrtllmLibrary(FakeLLM, FakeSamplingParams, FakeKvCacheConfig)
+
+
+async def test_trtllm_streams_diffs_maps_sampling_aborts_on_close_and_re_hashes_kv_events() -> None:
+    engine = TrtllmEngine(EngineArgs(model="m", block_size=16, context_length=1024), library=FAKE_TRTLLM)
+    info = await engine.start()
+    fake = engine._llm
+    assert fake.kv_cache_config == FakeKvCacheConfig(True, 1024, 16) and info.context_length == 1024
+    chunks = await collect(engine.generate(request(max_tokens=3, top_k=4, ignore_eos=True)))
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]] and chunks[-1].finish_reason == "length"
+    token_ids, params, _ = fake.results[0]
+    assert token_ids == PROMPT
+    assert params.kwargs == {
+        "max_tokens": 3,
+        "min_tokens": None,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 4,
+        "seed": None,
+        "stop_token_ids": None,
+        "ignore_eos": True,
+        "detokenize": False,
+    }
+    await first_then_close(engine.generate(request(max_tokens=50)))
+    assert fake.results[1][2].is_aborted and engine.load_metrics().num_running == 0
+    blocks = [
+        {"block_hash": 11 + i, "tokens": [{"token_id": t} for t in TOKENS[16 * i : 16 * i + 16]]} for i in range(2)
+    ]
+    fake.kv_events.append({"event_id": 0, "data": {"type": "stored", "parent_hash": None, "blocks": blocks}})
+    async with asyncio.timeout(5):
+        batch = await anext(engine.kv_events())  # type: ignore[call-overload]
+    assert [b.block_hash for b in batch.events[0].blocks] == sequence_hashes(TOKENS[:32], 16)
+    await engine.stop()
+    assert fake.is_shut_down
+
+
+##### Without the library #####
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        pytest.param("vllm", "vllm", id="vllm"),
+        pytest.param("sglang", "sglang", id="sglang"),
+        pytest.param("trtllm", "tensorrt_llm", id="trtllm"),
+    ],
+)
+def test_a_missing_library_raises_engine_not_installed_naming_the_extra(name: str, module: str) -> None:
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    factory = load_engine(name)  # the plugin module itself imports without its library
+    with pytest.raises(EngineNotInstalled, match=rf"pip install 'dynamo-cli\[{name}\]'"):
+        factory(EngineArgs(model="m"))

