@@ -8,14 +8,14 @@ and frees its KV blocks (Dynamo's `kill`).
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, NewType, Protocol
 
 import msgspec
 
-from dynamo_cli.errors import EngineNotInstalled, UnknownEngine
+from dynamo_cli.errors import ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", int)
@@ -200,6 +200,20 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Abort everything and release the model. Idempotent."""
         ...
+
+
+def check_request(request: GenerateRequest, context_length: int, in_flight: Container[str]) -> None:
+    """Reject what no engine can serve: an empty prompt, max_tokens < 1, prompt + max_tokens over the
+    context, or a request id already in flight. Raises RequestError / ContextOverflow (HTTP 400)."""
+    num_prompt = len(request.token_ids)
+    if num_prompt == 0:
+        raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+    if request.max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    if num_prompt + request.max_tokens > context_length:
+        raise ContextOverflow(num_prompt, request.max_tokens, context_length)
+    if request.request_id in in_flight:
+        raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
 
 
 EngineFactory = Callable[[EngineArgs], Engine]

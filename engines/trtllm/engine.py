@@ -26,8 +26,9 @@ from dynamo_cli.engine import (
     KvEventBatch,
     LoadMetrics,
     Role,
+    check_request,
 )
-from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, EngineNotInstalled, RequestError
+from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled
 from engines.vllm.kv_events import KvEventRehasher
 
 logger = logging.getLogger(__name__)
@@ -224,15 +225,7 @@ class TrtllmEngine:
         info, llm = self._info, self._llm
         if info is None or llm is None or self._stopped:
             raise DynError("the trtllm engine is not running; call start() before generate()")
-        num_prompt = len(request.token_ids)
-        if num_prompt == 0:
-            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
-        if request.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
-        if num_prompt + request.max_tokens > info.context_length:
-            raise ContextOverflow(num_prompt, request.max_tokens, info.context_length)
-        if request.request_id in self._in_flight:
-            raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+        check_request(request, info.context_length, self._in_flight)
         return llm
 
     def _engine_info(self) -> EngineInfo:
