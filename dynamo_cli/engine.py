@@ -179,7 +179,11 @@ class EngineArgs:
 
 
 class Engine(Protocol):
-    """An inference engine behind a worker."""
+    """An inference engine behind a worker.
+
+    An engine class that starts processes of its own sets `spawns_processes = True`: its worker then
+    runs a watchdog (`runtime.reaper`) that stops them if the worker dies, even by SIGKILL.
+    """
 
     async def start(self) -> EngineInfo:
         """Load the model and start the step loop."""

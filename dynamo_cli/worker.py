@@ -36,6 +36,7 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
+from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
@@ -162,8 +163,12 @@ async def serve_worker(config: WorkerConfig) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes
+    # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s),
+    # and the lease must not go stale meanwhile.
+    engine = load_engine(config.engine)(_engine_args(config))
+    if getattr(engine, "spawns_processes", False):
+        guard_descendants()  # owned by the OS: it exits by itself once this process is gone
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
-        engine = load_engine(config.engine)(_engine_args(config))
         await _serve_until(Worker(config, engine, discovery, bus), stop)
 
 

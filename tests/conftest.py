@@ -26,13 +26,20 @@ from tests.planes import (  # noqa: F401  (fixtures)
     start_nats,
 )
 
+# No hub at test time: engines that take HF directories (vLLM) must find everything on disk.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 READY = re.compile(r"dyn serve ready: (http://\S+)")
+
+VLLM_TEST_EXTRA = {"enforce_eager": True, "max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 30}
+"""vLLM in tests (a CPU here): no graph capture (minutes of startup saved), 1 GiB of KV cache, not a share of RAM."""
 
 PLANES = [pytest.param("embedded", id="embedded"), pytest.param("etcd-nats", id="etcd-nats")]
 """The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS."""
 
 
-def _open_planes(kind: str, root: Path) -> tuple[tuple[str | None, str], list[object]]:
+def open_planes_for_test(kind: str, root: Path) -> tuple[tuple[str | None, str], list[object]]:
     if kind == "embedded":
         return (None, "embedded"), []
     etcd_binary, nats_binary = find_etcd(), find_nats_server()
@@ -45,7 +52,7 @@ def _open_planes(kind: str, root: Path) -> tuple[tuple[str | None, str], list[ob
 @pytest.fixture(params=PLANES)
 def planes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str | None, str]]:
     """(discovery URL or None for embedded, events URL) for one test."""
-    urls, servers = _open_planes(request.param, tmp_path)
+    urls, servers = open_planes_for_test(request.param, tmp_path)
     yield urls
     for server in servers:
         server.stop()  # type: ignore[attr-defined]
@@ -56,7 +63,7 @@ def planes_module(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str | None, str]]:
     """Like `planes`, shared by one module's tests."""
-    urls, servers = _open_planes(request.param, tmp_path_factory.mktemp("planes"))
+    urls, servers = open_planes_for_test(request.param, tmp_path_factory.mktemp("planes"))
     yield urls
     for server in servers:
         server.stop()  # type: ignore[attr-defined]
@@ -138,10 +145,12 @@ def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | N
 
 def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[no-untyped-def]
 
-    def factory(*flags: str, discovery: str | None = None, events: str = "embedded") -> DynProcess:
+    def factory(
+        *flags: str, discovery: str | None = None, events: str = "embedded", timeout: float = 90.0
+    ) -> DynProcess:
         disc = discovery or f"file://{tmp_path}/discovery"
         args = ["serve", "--port", "0", "--discovery", disc, "--events", events, *flags]
-        handle = start_dyn(args)
+        handle = start_dyn(args, timeout=timeout)
         handle.discovery, handle.events = disc, events
         started.append(handle)
         return handle

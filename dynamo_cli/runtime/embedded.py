@@ -79,7 +79,8 @@ class FileDiscovery:
         self._root = root
         self._ttl = ttl
         self._lease_id = random.getrandbits(63) | 1
-        self._owned: set[str] = set()
+        self._owned: dict[str, bytes] = {}
+        """Leased keys this process put: re-put if its lease was lost (a stall longer than the TTL)."""
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -113,6 +114,7 @@ class FileDiscovery:
                 await self._heartbeat
         for key in list(self._owned):
             self._unlink(self._key_path(key))
+        self._owned.clear()
         self._unlink(self._lease_path(self._lease_id))
 
     async def _beat(self) -> None:
@@ -125,10 +127,19 @@ class FileDiscovery:
 
     def _touch_lease(self) -> None:
         path = self._lease_path(self._lease_id)
-        if path.exists():
+        try:
             os.utime(path)
-        else:
-            self._write_atomic(path, msgspec.json.encode(_LeaseRecord(os.getpid(), _HOST, self._ttl)))
+            return
+        except FileNotFoundError:
+            pass
+        self._write_atomic(path, msgspec.json.encode(_LeaseRecord(os.getpid(), _HOST, self._ttl)))
+        if self._owned:  # another process found the lease stale and removed it with our keys: put them back
+            logger.warning(
+                "embedded discovery: lease %x expired (this process stalled over %.0f s); re-registering %d keys",
+                self._lease_id, self._ttl, len(self._owned),
+            )  # fmt: skip
+            for key, value in self._owned.items():
+                self._write_atomic(self._key_path(key), msgspec.msgpack.encode(_KeyRecord(self._lease_id, value)))
 
     ##### Key-value #####
 
@@ -136,11 +147,11 @@ class FileDiscovery:
         record = _KeyRecord(self._lease_id if leased else 0, value)
         self._write_atomic(self._key_path(key), msgspec.msgpack.encode(record))
         if leased:
-            self._owned.add(key)
+            self._owned[key] = value
 
     async def delete(self, key: str) -> None:
         self._unlink(self._key_path(key))
-        self._owned.discard(key)
+        self._owned.pop(key, None)
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {key: value for key, (_, value) in self._scan(prefix, {}).items()}

@@ -51,6 +51,9 @@ def load_engine_class() -> Any:
 class SglangEngine:
     """SGLang's offline engine in this process; `engine_cls` lets tests inject a fake of `sglang.Engine`."""
 
+    spawns_processes = True
+    """The library runs the model in child processes: the worker's reaper stops them if it dies."""
+
     def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
         self.engine_cls = engine_cls or load_engine_class()
         if args.role is not Role.BOTH:

