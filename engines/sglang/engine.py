@@ -28,7 +28,7 @@ from dynamo_cli.engine import (
     Role,
     check_request,
 )
-from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled
+from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled, RequestError
 from engines.vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
@@ -173,9 +173,14 @@ class SglangEngine:
 
     def sampling_params(self, request: GenerateRequest) -> dict[str, Any]:
         """Our sampling fields as SGLang's sampling-params dict."""
+        if request.min_tokens > 0:  # SGLang needs its tokenizer (for the EOS id) to hold EOS back
+            raise RequestError(
+                "min_tokens is not supported by the sglang engine: it runs with skip_tokenizer_init, and SGLang "
+                "then rejects min_new_tokens",
+                param="min_tokens",
+            )
         params: dict[str, Any] = {
             "max_new_tokens": request.max_tokens,
-            "min_new_tokens": request.min_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "top_k": request.top_k if request.top_k > 0 else -1,

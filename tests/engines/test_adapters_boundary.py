@@ -32,7 +32,7 @@ from dynamo_cli.engine import (
     StoredBlock,
     load_engine,
 )
-from dynamo_cli.errors import ConfigError, EngineNotInstalled
+from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.router.hashing import block_hashes, sequence_hashes
 from engines.sglang.engine import SglangEngine
 from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary
@@ -307,7 +307,6 @@ async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> 
     assert (call["input_ids"], call["stream"], call["rid"]) == (PROMPT, True, req.request_id)
     assert call["sampling_params"] == {
         "max_new_tokens": 3,
-        "min_new_tokens": 0,
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": 5,
@@ -319,6 +318,8 @@ async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> 
     long = request(max_tokens=50)
     await first_then_close(engine.generate(long))
     assert fake.aborted == [long.request_id] and engine.load_metrics().num_running == 0
+    with pytest.raises(RequestError, match="min_tokens"):  # SGLang rejects it without its tokenizer
+        await collect(engine.generate(request(max_tokens=3, min_tokens=2)))
     await engine.stop()
     assert fake.is_shut_down
 
