@@ -176,6 +176,26 @@ def dyn_serve_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objec
         handle.stop()
 
 
+def descendants(root: int) -> set[int]:
+    """Every live process under `root` in the process tree, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: set[int] = set()
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
     """Poll `predicate` until true or `timeout` s pass."""
     deadline = time.monotonic() + timeout

@@ -2,103 +2,103 @@
 
 Engines such as vLLM run their model in processes of their own (EngineCore, one worker per GPU) that do
 not notice their parent's death: `kill -9` of a `dyn worker` would leave them running, holding the GPU
-memory and the CPU. `guard_descendants()` starts a small watchdog process (`python -m
-dynamo_cli.runtime.reaper PID`). Every second it records the worker's descendants with their start times;
-once the worker is gone (its parent pid changes) it sends SIGTERM to each recorded descendant still alive,
-and SIGKILL to those left after the grace period. The start time guards against a recycled pid.
+memory and the CPU. `guard_descendants()` marks this process's environment with a random token, which
+every process it starts from then on inherits, and starts a small watchdog (`python -m
+dynamo_cli.runtime.reaper PID TOKEN`). The watchdog sleeps until the worker dies (PR_SET_PDEATHSIG, with a
+once-a-second parent check as a fallback), then finds the processes whose environment carries the token
+and sends them SIGTERM, and SIGKILL to those left after the grace period. It costs nothing while the
+worker lives: no polling of /proc, so no wakeups that would steal a core from the engine. A process
+that starts its children with an emptied environment escapes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SNAPSHOT_INTERVAL_S = 1.0
-POLL_INTERVAL_S = 0.1
+TOKEN_ENV = "DYN_REAPER_TOKEN"
 DEFAULT_GRACE_S = 5.0
+PARENT_CHECK_S = 1.0
+POLL_S = 0.1
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of `pid`, or None when it is gone."""
+def _start_time(pid: int) -> int | None:
+    """Start time (clock ticks) of a live, non-zombie `pid`; None when it is gone."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    if fields[0] == "Z":
-        return None  # a zombie holds nothing
-    return int(fields[1]), int(fields[19])
+    return None if fields[0] == "Z" else int(fields[19])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of `root`: pid → start time."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(int(entry.name))
-        if stat is not None:
-            children.setdefault(stat[0], []).append(int(entry.name))
-            starts[int(entry.name)] = stat[1]
+def marked(token: str) -> dict[int, int]:
+    """Live processes whose environment holds `TOKEN_ENV=token`, but this one: pid → start time."""
+    needle = f"{TOKEN_ENV}={token}".encode()
     found: dict[int, int] = {}
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        if pid in starts and pid not in found:
-            found[pid] = starts[pid]
-            todo.extend(children.get(pid, ()))
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in environ.split(b"\0"):
+            start = _start_time(int(entry.name))
+            if start is not None:
+                found[int(entry.name)] = start
     return found
 
 
-def _alive(pid: int, start: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[1] == start
-
-
-def _signal_all(recorded: dict[int, int], sig: signal.Signals) -> int:
-    sent = 0
-    for pid, start in recorded.items():
-        if _alive(pid, start):
-            try:
+def _signal_all(victims: dict[int, int], sig: signal.Signals) -> None:
+    for pid, start in victims.items():
+        if _start_time(pid) == start:  # the same process, not a recycled pid
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-                sent += 1
-            except ProcessLookupError:
-                pass
-    return sent
 
 
-def watch(target: int, grace: float) -> None:
-    """Record `target`'s descendants until it dies, then stop the ones still running."""
-    me = os.getpid()
-    recorded: dict[int, int] = {}
-    next_snapshot = 0.0
+def _wait_for_parent_death(target: int) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGUSR1)
     while os.getppid() == target:
-        now = time.monotonic()
-        if now >= next_snapshot:
-            # Keep every pid ever seen: a child reparented mid-run is still the worker's to clean up.
-            recorded.update({pid: start for pid, start in descendants(target).items() if pid != me})
-            next_snapshot = now + SNAPSHOT_INTERVAL_S
-        time.sleep(POLL_INTERVAL_S)
-    if not _signal_all(recorded, signal.SIGTERM):
+        signal.sigtimedwait({signal.SIGUSR1}, PARENT_CHECK_S)
+
+
+def watch(target: int, token: str, grace: float) -> None:
+    """Sleep until `target` dies, then stop every process carrying `token`."""
+    _wait_for_parent_death(target)
+    victims = marked(token)
+    if not victims:
         return
-    print(f"dyn reaper: worker {target} is gone; stopping its {len(recorded)} leftover processes", file=sys.stderr)
+    print(f"dyn reaper: worker {target} is gone; stopping its {len(victims)} leftover processes", file=sys.stderr)
+    _signal_all(victims, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s in recorded.items()):
-        time.sleep(POLL_INTERVAL_S)
-    _signal_all(recorded, signal.SIGKILL)
+    while time.monotonic() < deadline and any(_start_time(p) == s for p, s in victims.items()):
+        time.sleep(POLL_S)
+    _signal_all(victims, signal.SIGKILL)
 
 
 def guard_descendants(grace: float = DEFAULT_GRACE_S) -> subprocess.Popen[bytes] | None:
-    """Start the watchdog for this process (Linux only; elsewhere None). Call it from the main thread."""
+    """Mark the processes this one starts from now on, and start their watchdog (Linux only; else None).
+
+    Call it from the main thread, before the engine starts its processes.
+    """
     if not sys.platform.startswith("linux"):
         return None
+    token = secrets.token_hex(8)
+    os.environ[TOKEN_ENV] = token
     return subprocess.Popen(
-        [sys.executable, "-m", "dynamo_cli.runtime.reaper", str(os.getpid()), str(grace)],
+        [sys.executable, "-m", "dynamo_cli.runtime.reaper", str(os.getpid()), token, str(grace)],
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # a Ctrl-C to the worker's process group must not kill the watchdog first
     )
@@ -106,5 +106,5 @@ def guard_descendants(grace: float = DEFAULT_GRACE_S) -> subprocess.Popen[bytes]
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it leaves on its own once the worker is gone
-    watch(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_GRACE_S)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it leaves by itself once the worker is gone
+    watch(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else DEFAULT_GRACE_S)

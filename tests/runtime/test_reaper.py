@@ -7,12 +7,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from dynamo_cli.runtime.reaper import descendants
-from tests.conftest import wait_until
+from dynamo_cli.runtime.reaper import TOKEN_ENV, marked
+from tests.conftest import descendants, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
 
@@ -21,9 +20,12 @@ WORKER = textwrap.dedent(
     import signal, subprocess, sys, time
     from dynamo_cli.runtime.reaper import guard_descendants
     guard_descendants(grace=float(sys.argv[1]))
-    # a child in a session of its own, as an engine's process might be: a process-group kill misses it
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[2]], start_new_session=True)
-    print(child.pid, flush=True)
+    # a grandchild in a session of its own, as an engine's process might be: a process-group kill misses it,
+    # and its parent exits first, so it is reparented away from the worker's tree
+    middle = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    out = subprocess.run([sys.executable, "-c", middle, sys.argv[2]], capture_output=True, text=True).stdout
+    print(out.strip(), flush=True)
     time.sleep(300)
     """
 )
@@ -40,42 +42,34 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def _start_worker(grace: float, child_code: str) -> tuple[subprocess.Popen[str], int]:
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(grace), child_code], stdout=subprocess.PIPE, text=True)
+def _start_worker(grace: float, code: str) -> tuple[subprocess.Popen[str], int]:
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(grace), code], stdout=subprocess.PIPE, text=True)
     assert worker.stdout is not None
-    child = int(worker.stdout.readline())
-    # the watchdog snapshots every second: let it see the child before the worker dies
-    assert wait_until(lambda: child in descendants(worker.pid), timeout=5)
-    time.sleep(1.5)
-    return worker, child
+    return worker, int(worker.stdout.readline())
 
 
-@pytest.mark.parametrize(("code", "grace", "within"), [(POLITE, 5.0, 3.0), (STUBBORN, 0.5, 3.0)],
-                         ids=["sigterm", "sigkill-after-grace"])  # fmt: skip
-def test_a_sigkilled_workers_children_are_stopped(code: str, grace: float, within: float) -> None:
-    worker, child = _start_worker(grace, code)
+@pytest.mark.parametrize(("code", "grace"), [(POLITE, 5.0), (STUBBORN, 0.5)], ids=["sigterm", "sigkill-after-grace"])
+def test_a_sigkilled_workers_processes_are_stopped_even_outside_its_tree(code: str, grace: float) -> None:
+    worker, orphan = _start_worker(grace, code)
     try:
-        assert not _gone(child)
+        assert not _gone(orphan) and orphan not in descendants(worker.pid)
         worker.kill()
         worker.wait()
-        assert wait_until(lambda: _gone(child), timeout=within), "the child outlived its worker"
+        assert wait_until(lambda: _gone(orphan), timeout=3.0), "the process outlived its worker"
     finally:
-        if not _gone(child):
-            os.kill(child, signal.SIGKILL)
+        if not _gone(orphan):
+            os.kill(orphan, signal.SIGKILL)
 
 
-def test_descendants_are_found_through_every_generation() -> None:
-    code = (
-        "import subprocess, sys, time; "
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
-    )
-    middle = subprocess.Popen([sys.executable, "-c", code])
+def test_the_reaper_finds_exactly_the_processes_carrying_its_token() -> None:
+    env = {**os.environ, TOKEN_ENV: "feedface"}
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, TOKEN_ENV: "feedfacf"})  # fmt: skip
     try:
-        assert wait_until(lambda: len(descendants(middle.pid)) == 1, timeout=5)
-        (grandchild,) = descendants(middle.pid)
-        assert middle.pid in descendants(os.getpid()) and grandchild in descendants(os.getpid())
+        assert wait_until(lambda: mine.pid in marked("feedface"), timeout=5)
+        assert set(marked("feedface")) == {mine.pid}
     finally:
-        for pid in descendants(middle.pid):
-            os.kill(pid, signal.SIGKILL)
-        middle.kill()
-        middle.wait()
+        for proc in (mine, other):
+            proc.kill()
+            proc.wait()
