@@ -95,6 +95,16 @@ async def next_events(events: AsyncIterator[WatchEvent], count: int, timeout: fl
         return [await anext(events) for _ in range(count)]
 
 
+def _start_script(script: str, discovery_url: str) -> subprocess.Popen[bytes]:
+    """Another process on the store, running `script` with (url, ttl, prefix) as its arguments."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, discovery_url, str(TTL_S), PREFIX],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
 def put(key: str, value: bytes) -> WatchEvent:
     return WatchEvent(kind=WatchKind.PUT, key=key, value=value)
 
@@ -140,12 +150,7 @@ async def test_a_leased_key_vanishes_within_ttl_plus_2s_when_its_process_is_kill
     open_started: Opener, discovery_url: str
 ) -> None:
     watcher = await open_started()
-    owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, discovery_url, str(TTL_S), PREFIX],
-        stdout=subprocess.PIPE,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    owner = _start_script(OWNER, discovery_url)
     events = aiter(watcher.watch(PREFIX))
     try:
         assert owner.stdout is not None
@@ -167,12 +172,7 @@ async def test_a_process_that_stalls_past_its_ttl_is_registered_again_when_it_re
     open_started: Opener, discovery_url: str
 ) -> None:
     reader = await open_started()
-    owner = subprocess.Popen(
-        [sys.executable, "-c", STALLER, discovery_url, str(TTL_S), PREFIX],
-        stdout=subprocess.PIPE,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    owner = _start_script(STALLER, discovery_url)
 
     async def wait_for(expected: dict[str, bytes], timeout: float) -> None:
         async with asyncio.timeout(timeout):
