@@ -166,10 +166,11 @@ async def serve_worker(config: WorkerConfig) -> None:
     # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s),
     # and the lease must not go stale meanwhile.
     engine = load_engine(config.engine)(_engine_args(config))
-    if getattr(engine, "spawns_processes", False):
-        guard_descendants()  # owned by the OS: it exits by itself once this process is gone
+    # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
+    reaper = guard_descendants() if getattr(engine, "spawns_processes", False) else None
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         await _serve_until(Worker(config, engine, discovery, bus), stop)
+    del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
 
 
 async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:

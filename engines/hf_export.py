@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -84,7 +85,7 @@ def _export(gguf: Path, target: Path) -> None:
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(str(scratch), safe_serialization=True)
         tokenizer.save_pretrained(str(scratch))
-        (scratch / MARKER).write_text(f'{{"source": "{gguf}"}}\n')
+        (scratch / MARKER).write_text(json.dumps({"source": str(gguf)}) + "\n")
         scratch.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users of the cache
         if target.exists():
             shutil.rmtree(target)  # an unfinished export left by a killed process
