@@ -25,10 +25,9 @@ from dynamo_cli.engine import (
     GenerateRequest,
     KvEventBatch,
     LoadMetrics,
-    Role,
-    check_request,
 )
-from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled, RequestError
+from dynamo_cli.errors import EngineNotInstalled, RequestError
+from engines.adapter import RequestBook, local_or_hub, require_role_both
 from engines.vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
@@ -56,24 +55,18 @@ class SglangEngine:
 
     def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
         self.engine_cls = engine_cls or load_engine_class()
-        if args.role is not Role.BOTH:
-            raise ConfigError(
-                f"the sglang engine serves --role both only, got {args.role.value}; "
-                "disaggregation needs SGLang's bootstrap server, which this adapter does not wire yet"
-            )
+        require_role_both("sglang", args.role, "disaggregation needs SGLang's bootstrap server, not wired yet")
         self.args = args
         self._relay: ZmqKvRelay | None = None
         self.server_args = self._server_args()
         self._engine: Any = None
         self._info: EngineInfo | None = None
-        self._in_flight: set[str] = set()
-        self._num_prefill_tokens_cached = 0
-        self._num_prefill_tokens_computed = 0
+        self._book = RequestBook("sglang")
         self._stopped = asyncio.Event()
 
     def _server_args(self) -> dict[str, Any]:
         args = self.args
-        model = str(Path(args.model).expanduser().resolve()) if Path(args.model).expanduser().exists() else args.model
+        model = local_or_hub(args.model)
         server_args: dict[str, Any] = {"model_path": model, "page_size": args.block_size or DEFAULT_BLOCK_SIZE}
         if args.served_model_name:
             server_args["served_model_name"] = args.served_model_name
@@ -115,7 +108,7 @@ class SglangEngine:
         """Stream SGLang's outputs; closing or cancelling the iterator aborts the SGLang request."""
         engine = self._admit(request)
         rid = request.request_id
-        self._in_flight.add(rid)
+        self._book.in_flight.add(rid)
         is_finished = False
         try:
             stream = await engine.async_generate(
@@ -127,7 +120,7 @@ class SglangEngine:
                 is_finished = chunk.finish_reason is not None
                 if chunk.token_ids or is_finished:
                     if is_first:
-                        self._count_prefill(request, chunk.num_cached_tokens or 0)
+                        self._book.count_prefill(request, chunk.num_cached_tokens or 0)
                     yield chunk
                     is_first = False
                 if is_finished:
@@ -139,7 +132,7 @@ class SglangEngine:
                 engine.tokenizer_manager.abort_request(rid=rid)
             raise
         finally:
-            self._in_flight.discard(rid)
+            self._book.in_flight.discard(rid)
 
     def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """SGLang's KV events with our hashes; nothing when the radix cache is disabled."""
@@ -149,12 +142,7 @@ class SglangEngine:
 
     def load_metrics(self) -> LoadMetrics:
         """Requests in flight and prompt-token counters (SGLang's queues live in its scheduler process)."""
-        return LoadMetrics(
-            num_running=len(self._in_flight),
-            total_blocks=self._info.total_kv_blocks if self._info else 0,
-            num_prefill_tokens_computed=self._num_prefill_tokens_computed,
-            num_prefill_tokens_cached=self._num_prefill_tokens_cached,
-        )
+        return self._book.load(self._info)
 
     async def stop(self) -> None:
         """Abort every request, shut SGLang down and close the event relay. Idempotent."""
@@ -163,7 +151,7 @@ class SglangEngine:
         self._stopped.set()
         engine, self._engine = self._engine, None
         if engine is not None:
-            for rid in list(self._in_flight):
+            for rid in list(self._book.in_flight):
                 engine.tokenizer_manager.abort_request(rid=rid)
             await asyncio.to_thread(engine.shutdown)
         if self._relay is not None:
@@ -204,15 +192,9 @@ class SglangEngine:
             token_ids=list(output.get("output_ids") or []), finish_reason=finish_reason, num_cached_tokens=num_cached
         )
 
-    def _count_prefill(self, request: GenerateRequest, num_cached: int) -> None:
-        self._num_prefill_tokens_cached += num_cached
-        self._num_prefill_tokens_computed += len(request.token_ids) - num_cached
-
     def _admit(self, request: GenerateRequest) -> Any:
-        info, engine = self._info, self._engine
-        if info is None or engine is None or self._stopped.is_set():
-            raise DynError("the sglang engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self._in_flight)
+        engine = self._engine
+        self._book.admit(request, self._info, engine is not None and not self._stopped.is_set())
         return engine
 
     def _engine_info(self) -> EngineInfo:

@@ -25,10 +25,10 @@ from dynamo_cli.engine import (
     GenerateRequest,
     KvEventBatch,
     LoadMetrics,
-    Role,
     check_request,
 )
-from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled
+from dynamo_cli.errors import DynError, EngineNotInstalled
+from engines.adapter import local_or_hub, require_role_both
 from engines.vllm.kv_events import KvEventRehasher
 
 logger = logging.getLogger(__name__)
@@ -82,12 +82,10 @@ class TrtllmEngine:
 
     def __init__(self, args: EngineArgs, *, library: TrtllmLibrary | None = None) -> None:
         self.lib = library or load_library()
-        if args.role is not Role.BOTH:
-            raise ConfigError(f"the trtllm engine serves --role both only, got {args.role.value}")
+        require_role_both("trtllm", args.role)
         self.args = args
         self.block_size = args.block_size or DEFAULT_BLOCK_SIZE
-        model = Path(args.model).expanduser()
-        self.model = str(model.resolve()) if model.exists() else args.model
+        self.model = local_or_hub(args.model)
         self._llm: Any = None
         self._info: EngineInfo | None = None
         self._rehasher = KvEventRehasher()

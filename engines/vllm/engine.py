@@ -27,11 +27,10 @@ from dynamo_cli.engine import (
     GenerateRequest,
     KvEventBatch,
     LoadMetrics,
-    Role,
-    check_request,
 )
-from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled
+from dynamo_cli.errors import ConfigError, EngineNotInstalled
 from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
+from engines.adapter import RequestBook, local_or_hub, require_role_both
 from engines.hf_export import export_path, hf_model_dir, needs_export
 from engines.vllm.kv_events import ZmqKvRelay
 
@@ -97,19 +96,13 @@ class VllmEngine:
 
     def __init__(self, args: EngineArgs, *, library: VllmLibrary | None = None) -> None:
         self.lib = library or load_library()
-        if args.role is not Role.BOTH:
-            raise ConfigError(
-                f"the vllm engine serves --role both only, got {args.role.value}; "
-                "disaggregation needs vLLM's NIXL connector, which this adapter does not wire yet"
-            )
+        require_role_both("vllm", args.role, "disaggregation needs vLLM's NIXL connector, not wired yet")
         self.args = args
         self._relay: ZmqKvRelay | None = None
         self.engine_args = self._engine_args()
         self._engine: Any = None
         self._info: EngineInfo | None = None
-        self._in_flight: set[str] = set()
-        self._num_prefill_tokens_computed = 0
-        self._num_prefill_tokens_cached = 0
+        self._book = RequestBook("vllm")
         self._stopped = asyncio.Event()
 
     def _engine_args(self) -> Any:
@@ -121,10 +114,8 @@ class VllmEngine:
             raise ConfigError(f"vLLM has no engine argument(s) {', '.join(unknown)}; see `vllm serve --help`")
         if needs_export(args.model):  # exported in start(): it takes seconds to minutes
             model = str(export_path(Path(resolve_model_path(args.model))))
-        elif Path(args.model).expanduser().exists():
-            model = str(Path(args.model).expanduser().resolve())
         else:
-            model = args.model
+            model = local_or_hub(args.model)
         kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": True}
         if self.lib.is_cpu:
             kwargs["dtype"] = "float32"
@@ -181,7 +172,7 @@ class VllmEngine:
         """Stream vLLM's delta outputs; closing or cancelling the iterator aborts the vLLM request."""
         engine = self._admit(request)
         prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(request.token_ids))
-        self._in_flight.add(request.request_id)
+        self._book.in_flight.add(request.request_id)
         is_finished = False
         try:
             is_first = True
@@ -200,7 +191,7 @@ class VllmEngine:
                 await engine.abort(request.request_id)
             raise
         finally:
-            self._in_flight.discard(request.request_id)
+            self._book.in_flight.discard(request.request_id)
 
     def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """vLLM's KV events with our hashes; nothing when prefix caching (and so KV events) is off."""
@@ -210,13 +201,7 @@ class VllmEngine:
 
     def load_metrics(self) -> LoadMetrics:
         """Requests in flight and prompt-token counters; vLLM keeps its queue depths in its core process."""
-        info = self._info
-        return LoadMetrics(
-            num_running=len(self._in_flight),
-            total_blocks=info.total_kv_blocks if info else 0,
-            num_prefill_tokens_computed=self._num_prefill_tokens_computed,
-            num_prefill_tokens_cached=self._num_prefill_tokens_cached,
-        )
+        return self._book.load(self._info)
 
     async def stop(self) -> None:
         """Abort every request, shut vLLM down and close the event relay. Idempotent."""
@@ -225,7 +210,7 @@ class VllmEngine:
         self._stopped.set()
         engine, self._engine = self._engine, None
         if engine is not None:
-            for request_id in list(self._in_flight):
+            for request_id in list(self._book.in_flight):
                 await engine.abort(request_id)
             shutdown = getattr(engine, "shutdown", None) or getattr(engine, "shutdown_background_loop", None)
             if shutdown is not None:
@@ -260,17 +245,14 @@ class VllmEngine:
         num_cached = None
         if is_first:
             num_cached = int(getattr(output, "num_cached_tokens", None) or 0)
-            self._num_prefill_tokens_cached += num_cached
-            self._num_prefill_tokens_computed += len(request.token_ids) - num_cached
+            self._book.count_prefill(request, num_cached)
         return GenerateChunk(
             token_ids=list(completion.token_ids), finish_reason=finish_reason, num_cached_tokens=num_cached
         )
 
     def _admit(self, request: GenerateRequest) -> Any:
-        info, engine = self._info, self._engine
-        if info is None or engine is None or self._stopped.is_set():
-            raise DynError("the vllm engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self._in_flight)
+        engine = self._engine
+        self._book.admit(request, self._info, engine is not None and not self._stopped.is_set())
         return engine
 
     async def _engine_info(self) -> EngineInfo:
