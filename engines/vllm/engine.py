@@ -99,13 +99,16 @@ class VllmEngine:
         require_role_both("vllm", args.role, "disaggregation needs vLLM's NIXL connector, not wired yet")
         self.args = args
         self._relay: ZmqKvRelay | None = None
-        self.engine_args = self._engine_args()
+        self.engine_kwargs = self._engine_kwargs()
+        self.engine_args: Any = None
+        """vLLM's `AsyncEngineArgs`, built in start(): its constructor resolves the model path, so an
+        exported model must exist first (else vLLM takes the path for a hub name)."""
         self._engine: Any = None
         self._info: EngineInfo | None = None
         self._book = RequestBook("vllm")
         self._stopped = asyncio.Event()
 
-    def _engine_args(self) -> Any:
+    def _engine_kwargs(self) -> dict[str, Any]:
         args = self.args
         extra = {EXTRA_ALIASES.get(key, key): value for key, value in args.extra.items()}
         known = {f.name for f in dataclasses.fields(self.lib.engine_args_cls)}
@@ -129,7 +132,7 @@ class VllmEngine:
             kwargs["max_model_len"] = args.context_length
         kwargs.update(extra)
         kwargs["kv_events_config"] = self._kv_events_config(kwargs)
-        return self.lib.engine_args_cls(**kwargs)
+        return kwargs
 
     def _kv_events_config(self, kwargs: dict[str, Any]) -> Any:
         config = kwargs.get("kv_events_config")
@@ -155,6 +158,7 @@ class VllmEngine:
             return self._info
         if needs_export(self.args.model):
             await asyncio.to_thread(hf_model_dir, self.args.model)
+        self.engine_args = await asyncio.to_thread(lambda: self.lib.engine_args_cls(**self.engine_kwargs))
         if self._relay is not None:
             self._relay.start()  # before the engine: its publisher connects while it starts
         self._engine = await asyncio.to_thread(self.lib.engine_cls.from_engine_args, self.engine_args)
@@ -262,7 +266,7 @@ class VllmEngine:
         cache, model, scheduler = config.cache_config, config.model_config, config.scheduler_config
         eos = getattr(getattr(model, "hf_config", None), "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
-        model_path = self.engine_args.model
+        model_path = self.engine_kwargs["model"]
         return EngineInfo(
             model_name=self.served_name,
             tokenizer_source=str(self.args.extra.get("tokenizer") or model_path),

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,8 +35,10 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from engines.hf_export import export_path
 from engines.sglang.engine import SglangEngine
 from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary
+from engines.vllm import engine as vllm_engine_module
 from engines.vllm.engine import VllmEngine, VllmLibrary
 from engines.vllm.kv_events import KvEventRehasher
 
@@ -74,6 +77,10 @@ class FakeAsyncEngineArgs:
     kv_events_config: Any = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:  # as vLLM's get_model_path: a path not on disk is taken for a hub name
+        if self.model.startswith("/") and not Path(self.model).is_dir():
+            raise ValueError(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{self.model}'")
 
 
 @dataclass
@@ -132,12 +139,36 @@ FAKE_VLLM = VllmLibrary(FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, d
 
 def test_vllm_engine_args_pass_extra_through_with_prefix_caching_and_zmq_kv_events() -> None:
     args = EngineArgs(model="org/m", block_size=32, context_length=1024, extra={"tensor_parallel_size": 2})
-    engine_args = VllmEngine(args, library=FAKE_VLLM).engine_args
-    assert (engine_args.model, engine_args.block_size, engine_args.max_model_len) == ("org/m", 32, 1024)
-    assert engine_args.tensor_parallel_size == 2 and engine_args.enable_prefix_caching is True
-    events = engine_args.kv_events_config
+    engine_args = VllmEngine(args, library=FAKE_VLLM).engine_kwargs
+    assert (engine_args["model"], engine_args["block_size"], engine_args["max_model_len"]) == ("org/m", 32, 1024)
+    assert engine_args["tensor_parallel_size"] == 2 and engine_args["enable_prefix_caching"] is True
+    events = engine_args["kv_events_config"]
     assert events.enable_kv_cache_events and events.publisher == "zmq"
     assert events.endpoint.startswith("tcp://127.0.0.1:")
+
+
+async def test_vllm_gguf_model_is_exported_before_vllm_sees_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a fresh cache the export directory does not exist until start(): vLLM must not be given it before."""
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("DYN_CACHE_DIR", str(tmp_path / "cache"))
+    exported: list[str] = []
+
+    def fake_export(model: str) -> str:  # stands for the transformers export (tested in test_hf_export.py)
+        target = export_path(gguf)
+        target.mkdir(parents=True)
+        exported.append(model)
+        return str(target)
+
+    monkeypatch.setattr(vllm_engine_module, "hf_model_dir", fake_export)
+    engine = VllmEngine(EngineArgs(model=str(gguf)), library=FAKE_VLLM)
+    assert not export_path(gguf).exists() and engine.engine_args is None
+    info = await engine.start()
+    assert exported == [str(gguf)] and engine.engine_args.model == str(export_path(gguf))
+    assert info.model_name == "tiny.Q4_1"
+    await engine.stop()
 
 
 def test_vllm_unknown_engine_argument_is_a_config_error_naming_it() -> None:
