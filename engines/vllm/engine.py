@@ -266,7 +266,7 @@ class VllmEngine:
         cache, model, scheduler = config.cache_config, config.model_config, config.scheduler_config
         eos = getattr(getattr(model, "hf_config", None), "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
-        model_path = self.engine_kwargs["model"]
+        model_path = self.engine_args.model  # vLLM resolved it: a hub name becomes its local snapshot
         return EngineInfo(
             model_name=self.served_name,
             tokenizer_source=str(self.args.extra.get("tokenizer") or model_path),
