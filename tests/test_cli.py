@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import dynamo_cli
 
@@ -44,3 +48,29 @@ def test_the_public_api_is_sorted_and_importable() -> None:
     assert dynamo_cli.__all__ == sorted(dynamo_cli.__all__)
     for name in dynamo_cli.__all__:
         assert hasattr(dynamo_cli, name)
+
+
+def installed_dyn(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the `dyn` console script pip installed next to this Python (what a user types)."""
+    exe = Path(sys.executable).parent / "dyn"
+    path = str(exe) if exe.exists() else shutil.which("dyn")
+    assert path, "the dyn console script is not installed; run `make setup`"
+    return subprocess.run([path, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["serve", "--prot", "8000"], "--prot"),  # an unknown option
+        (["serve", "--workers", "abc"], "--workers"),  # a bad value
+        (["serve", "--router"], "--router"),  # an option missing its value
+        (["nosuchcommand"], "nosuchcommand"),  # an unknown command
+    ],
+)
+def test_a_usage_error_is_one_red_line_with_the_usage_hint(args: list[str], expected: str) -> None:
+    result = installed_dyn(*args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:") and expected in lines[0] and "--help" in lines[0]

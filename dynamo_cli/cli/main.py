@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -61,26 +63,55 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry: run the app, print a DynError as one red line and exit non-zero."""
+    """Console-script entry: run the app; any usage error or DynError is one red line and a non-zero exit."""
     _register()
     try:
         app(standalone_mode=False)
     except DynError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
+        _fail(str(exc), exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
+    except Exception as exc:
+        if not _is_click_error(exc):
+            logging.getLogger("dynamo_cli").debug("internal error", exc_info=exc)
+            _fail(f"internal error: {type(exc).__name__}: {exc} (DYN_LOG_LEVEL=DEBUG shows the traceback)", 1)
+        _fail(exc.format_message(), int(getattr(exc, "exit_code", 2)), _usage_hint(exc))  # type: ignore[attr-defined]
 
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+
+def _click_modules() -> list[Any]:
+    """The click a Typer uses: its vendored copy (typer >= 0.29: `typer._click`) and/or the click package."""
+    found = []
+    for name in ("typer._click", "click"):
+        with contextlib.suppress(ImportError):
+            found.append(importlib.import_module(name))
+    return found
+
+
+def _is_click_error(exc: BaseException) -> bool:
+    """A usage or parameter error from whichever click raised it (by class where known, else by shape)."""
+    classes = tuple(m.ClickException for m in _click_modules() if hasattr(m, "ClickException"))
+    if classes and isinstance(exc, classes):
+        return True
+    return callable(getattr(exc, "format_message", None)) and isinstance(getattr(exc, "exit_code", None), int)
+
+
+def _usage_hint(exc: BaseException) -> str:
+    """`try 'dyn serve --help'`: the command whose arguments failed, from click's context or the argv."""
+    path = getattr(getattr(exc, "ctx", None), "command_path", None)
+    if not path:
+        sub = next((arg for arg in sys.argv[1:] if arg in _SUBCOMMANDS), None)
+        path = f"dyn {sub}" if sub else "dyn"
+    return f"try '{path} --help'"
+
+
+def _fail(message: str, exit_code: int, hint: str | None = None) -> NoReturn:
+    line = " ".join(message.split())  # click's messages may span lines; the error is one line
+    if hint:
+        line += f" ({hint})"
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":
