@@ -6,11 +6,16 @@ import re
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.errors import RequestError
 
 MAX_STOP_SEQUENCES = 32
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays/objects a request body may have (OpenAI's own bodies need under 10)."""
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -32,7 +37,9 @@ class Message(msgspec.Struct, kw_only=True):
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+"""A token id as engines take it; the model's vocabulary bounds it further (checked once the model is known)."""
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -42,11 +49,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    seed: int | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
+    seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1
@@ -60,7 +67,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -70,14 +77,34 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 _PATH = re.compile(r"\$\.?([\w.\[\]]*)")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes(3 if c in b"[{" else 1 if c in b"]}" else 0 for c in range(256))
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
+def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a body nested deeper than `limit` before any parser recurses into it (C-speed scan:
+    strings are cut out, then the running bracket count's maximum is the depth)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return
+    skeleton = _STRING.sub(b"", body)
+    steps = np.frombuffer(skeleton.translate(_BRACKETS), dtype=np.int8)
+    steps = steps[steps != 0] - 2  # "[" / "{" -> +1, "]" / "}" -> -1
+    if steps.size and int(np.cumsum(steps, dtype=np.int64).max()) > limit:
+        raise RequestError(f"the request body is nested deeper than {limit} levels", code="invalid_json")
+
+
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    check_depth(body)
     try:
         return decoder.decode(body)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+                           code="invalid_json") from None  # fmt: skip
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", code="invalid_json") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH.search(text)
@@ -107,7 +134,10 @@ def parse_completion(body: bytes) -> CompletionRequest:
         if all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
-        elif not all(type(p) is int and p >= 0 for p in prompt):
+        elif not all(type(p) is int and 0 <= p <= INT32_MAX for p in prompt):
+            bad = next((p for p in prompt if type(p) is int and not 0 <= p <= INT32_MAX), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} in prompt is outside 0..{INT32_MAX}", param="prompt")
             raise RequestError("prompt must be a string or a list of token ids", param="prompt")
     elif not prompt:
         raise RequestError("prompt is empty", param="prompt")
