@@ -1,0 +1,161 @@
+"""Child-process supervision for `dyn serve`: worker processes that die unexpectedly are started again.
+
+NOTE: each slot is one long-lived task that starts its process, waits for it to exit, and, unless the
+pool is stopping, starts it again after a backoff (doubling from `backoff_initial_s` to
+`backoff_max_s`). A slot that exits more than `max_restarts` times within `window_s` is given up on
+and logged; the others keep running. The pool's TaskGroup owns the slot tasks; `stop()` terminates
+the processes (SIGTERM, grace period, SIGKILL) and ends the tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How `dyn serve` restarts a worker that exited on its own."""
+
+    max_restarts: int = 5
+    """Restarts allowed per slot within `window_s`; past that the slot stays down (0: never restart)."""
+    window_s: float = 300.0
+    """The sliding window the restart budget is counted over (seconds)."""
+    backoff_initial_s: float = 0.5
+    """Wait before the first restart; doubled for each further restart within the window."""
+    backoff_max_s: float = 30.0
+    """Longest wait before a restart."""
+
+    def backoff(self, recent_restarts: int) -> float:
+        return min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** max(0, recent_restarts))
+
+
+class SlotState(enum.Enum):
+    """Where one supervised process is."""
+
+    RUNNING = "running"  # its process is alive
+    RESTARTING = "restarting"  # it exited; waiting out the backoff before starting again
+    GAVE_UP = "gave_up"  # it exhausted the restart budget and stays down
+    STOPPED = "stopped"  # the pool is stopping or stopped
+
+
+@dataclass(slots=True)
+class Slot:
+    """One supervised command line and its current process."""
+
+    index: int
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    state: SlotState = SlotState.RUNNING
+    restart_at: float = 0.0
+    """Monotonic time of the pending restart (state RESTARTING)."""
+    exits: deque[float] = field(default_factory=deque)
+    """Monotonic times of unexpected exits within the policy window."""
+
+
+class ProcessPool:
+    """N copies of a command (plus any extra command lines), each restarted on unexpected exit."""
+
+    def __init__(self, policy: RestartPolicy, env: dict[str, str],
+                 on_restart: Callable[[int, int | None], None] | None = None) -> None:  # fmt: skip
+        self.policy = policy
+        self.slots: list[Slot] = []
+        self._env = env
+        self._on_restart = on_restart
+        self._stopping = False
+
+    @property
+    def procs(self) -> list[asyncio.subprocess.Process]:
+        return [slot.proc for slot in self.slots if slot.proc is not None]
+
+    async def spawn(self, argv: list[str]) -> Slot:
+        """Start one process now (not yet supervised: `supervise()` takes over every slot)."""
+        slot = Slot(len(self.slots), argv)
+        slot.proc = await self._start(argv)
+        self.slots.append(slot)
+        return slot
+
+    def retry_after(self) -> float | None:
+        """Seconds until the next pending restart, or None when no slot is restarting."""
+        pending = [s.restart_at for s in self.slots if s.state is SlotState.RESTARTING]
+        if not pending:
+            return None
+        return max(0.0, min(pending) - time.monotonic())
+
+    def is_live(self) -> bool:
+        """Some slot runs or will run again (not every one gave up or stopped)."""
+        return any(s.state in (SlotState.RUNNING, SlotState.RESTARTING) for s in self.slots)
+
+    async def supervise(self) -> None:
+        """Watch every slot until `stop()`; runs as long as the pool lives."""
+        async with asyncio.TaskGroup() as group:
+            for slot in self.slots:
+                group.create_task(self._keep(slot))
+
+    async def _keep(self, slot: Slot) -> None:
+        while not self._stopping and slot.proc is not None:
+            slot.state = SlotState.RUNNING
+            code = await slot.proc.wait()
+            if self._stopping:
+                break
+            if not self._may_restart(slot, code):
+                slot.state = SlotState.GAVE_UP
+                return
+            delay = self.policy.backoff(len(slot.exits) - 1)
+            slot.state, slot.restart_at = SlotState.RESTARTING, time.monotonic() + delay
+            await asyncio.sleep(delay)
+            if self._stopping:
+                break
+            slot.proc = await self._start(slot.argv)
+            if self._on_restart is not None:
+                self._on_restart(slot.index, code)
+        slot.state = SlotState.STOPPED
+
+    def _may_restart(self, slot: Slot, code: int | None) -> bool:
+        now = time.monotonic()
+        slot.exits.append(now)
+        while slot.exits and now - slot.exits[0] > self.policy.window_s:
+            slot.exits.popleft()
+        pid = slot.proc.pid if slot.proc is not None else 0
+        if len(slot.exits) > self.policy.max_restarts:
+            logger.error("worker %d (pid %d) exited with code %s; restart budget (%d in %.0f s) spent, not "
+                         "restarting it", slot.index, pid, code, self.policy.max_restarts,
+                         self.policy.window_s)  # fmt: skip
+            return False
+        logger.warning("worker %d (pid %d) exited with code %s; restarting it (%d/%d in %.0f s)", slot.index, pid,
+                       code, len(slot.exits), self.policy.max_restarts, self.policy.window_s)  # fmt: skip
+        return True
+
+    async def _start(self, argv: list[str]) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(*argv, env={**os.environ, **self._env},
+                                                    stdin=asyncio.subprocess.DEVNULL)  # fmt: skip
+
+    async def stop(self, grace: float) -> None:
+        """Terminate every process (SIGTERM, `grace` + 2 s, then SIGKILL); supervision ends. Idempotent."""
+        self._stopping = True
+        procs = [p for p in self.procs if p.returncode is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        try:
+            async with asyncio.timeout(grace + 2):
+                for proc in procs:
+                    await proc.wait()
+        except TimeoutError:
+            for proc in procs:
+                if proc.returncode is None:
+                    logger.warning("worker pid %d ignored SIGTERM; killing it", proc.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    await proc.wait()
+        for slot in self.slots:
+            slot.state = SlotState.STOPPED
