@@ -23,17 +23,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import (
-    BlockStored,
-    Engine,
-    EngineArgs,
-    EngineInfo,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    load_engine,
-)
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.kv.events import BlockStored, KvEventBatch
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from tests.conftest import VLLM_TEST_EXTRA
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -200,7 +192,7 @@ async def test_eos_ends_a_chat_answer_with_stop_when_the_engine_honours_eos(runn
         chunks = await collect(running.engine, make_request(prompt_of(5), max_tokens=6, ignore_eos=False))
         assert len(tokens_of(chunks)) == 6 and chunks[-1].finish_reason == "length"
         return
-    from dynamo_cli.frontend.tokenizer import load_tokenizer
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(running.info.tokenizer_source)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with the single word: yes"}])
