@@ -43,7 +43,7 @@ test-gpu: setup
 
 lint:
 	ruff check dynamo_cli engines tests
-	mypy --strict dynamo_cli
+	mypy --strict dynamo_cli engines
 
 sz:
 	@find dynamo_cli engines -name '*.py' | xargs wc -l | sort -n | tail -15
