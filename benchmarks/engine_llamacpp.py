@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import llama_cpp  # noqa: E402
 
 from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
-from dynamo_cli.frontend.tokenizer import resolve_model_path  # noqa: E402
+from dynamo_cli.model.paths import resolve_model_path  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 from engines.llamacpp.runner import default_threads  # noqa: E402
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.hashing import sequence_hashes
 from dynamo_cli.router.indexer import KvIndexer
 from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
 

@@ -92,7 +92,7 @@ class Workload:
 
 def build_workload(num_prefixes: int, prefix_tokens: int, suffix_tokens: int, max_tokens: int,
                    block_size: int, seed: int) -> Workload:  # fmt: skip
-    from dynamo_cli.frontend.tokenizer import load_tokenizer
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(MODEL)
     pool = tok.encode(CORPUS)

@@ -16,12 +16,9 @@ from typing import Any, NewType, Protocol
 import msgspec
 
 from dynamo_cli.errors import ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
+from dynamo_cli.kv.events import KvEventBatch
 
 RequestId = NewType("RequestId", str)
-BlockHash = NewType("BlockHash", int)
-"""xxh3 of one block's tokens alone (token-local)."""
-SequenceHash = NewType("SequenceHash", int)
-"""xxh3 chained over every block up to this one: identifies a prefix."""
 
 
 class Role(enum.Enum):
@@ -71,55 +68,6 @@ class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
     """Set on the first chunk: prompt tokens served from the prefix cache."""
     kv_transfer: dict[str, Any] | None = None
     """Prefill role: where the decode worker can fetch this prompt's KV."""
-
-
-##### KV events (event plane) #####
-
-
-class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
-    """A full block that entered the cache."""
-
-    block_hash: int
-    """SequenceHash of the prefix ending at this block."""
-    tokens_hash: int
-    """BlockHash of this block's tokens alone."""
-
-
-class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
-    """Consecutive blocks stored after `parent_hash` (None: from the first block)."""
-
-    parent_hash: int | None
-    blocks: list[StoredBlock]
-
-
-class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
-    """Blocks evicted from the cache."""
-
-    block_hashes: list[int]
-
-
-class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
-    """The whole cache was dropped."""
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """Events of one engine step, numbered per worker from 0 with no gaps."""
-
-    event_id: int
-    events: list[KvEvent]
-    worker_id: int = 0
-    timestamp: float = 0.0
-
-
-class KvDump(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's whole cached block set after event `last_event_id` (gap repair when replay is too old)."""
-
-    worker_id: int
-    last_event_id: int
-    block_hashes: list[int]
 
 
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,19 +18,9 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Engine,
-    EngineArgs,
-    GenerateChunk,
-    GenerateRequest,
-    KvDump,
-    KvEventBatch,
-    load_engine,
-)
+from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, load_engine
 from dynamo_cli.errors import RequestError
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.frontend.tokenizer import MODEL_ALIASES, resolve_model_path
+from dynamo_cli.model.paths import MODEL_ALIASES, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def _export(gguf: Path, target: Path) -> None:
         config = loaded.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the weights are dequantized: the export is a plain checkpoint
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # no GGUF quantizer attached
+        # no GGUF quantizer attached; from_config is untyped in transformers (Any when it is not installed)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call,unused-ignore]
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(str(scratch), safe_serialization=True)
         tokenizer.save_pretrained(str(scratch))

@@ -73,7 +73,8 @@ def load_vocab(tokenizer: str | None) -> Vocab:
     """Build the word list from the model's tokenizer (alias or path); fall back to an approximation."""
     if tokenizer:
         try:
-            from dynamo_cli.frontend.tokenizer import load_tokenizer, resolve_model_path
+            from dynamo_cli.model.paths import resolve_model_path
+            from dynamo_cli.model.tokenizer import load_tokenizer
 
             tok = load_tokenizer(resolve_model_path(tokenizer))
             words = vocab_words(tok)

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import KvDump, KvEventBatch
 from dynamo_cli.errors import TransportError
 from dynamo_cli.frontend.models import ModelRegistry, Worker
+from dynamo_cli.kv.events import KvDump, KvEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import KvEventBatch, LoadMetrics, Role
+from dynamo_cli.engine import LoadMetrics, Role
 from dynamo_cli.errors import ModelNotFound
-from dynamo_cli.frontend.tokenizer import Tokenizer, load_tokenizer
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery, WatchKind

@@ -19,7 +19,7 @@ from dynamo_cli.errors import ContextOverflow, NoWorkers, Overloaded, TransportE
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
 from dynamo_cli.frontend.stops import StopMatcher
-from dynamo_cli.frontend.tokenizer import Tokenizer
+from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.runtime.transport import ResponseStream
 

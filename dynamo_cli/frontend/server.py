@@ -16,12 +16,13 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.config import FrontendConfig
-from dynamo_cli.engine import KvEventBatch, LoadMetrics
+from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.kv_repair import repair_gap, repair_loop
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
+from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.runtime.discovery import Discovery

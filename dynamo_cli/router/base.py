@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dynamo_cli.engine import KvEventBatch, LoadMetrics
+from dynamo_cli.engine import LoadMetrics
+from dynamo_cli.kv.events import KvEventBatch
 
 
 @dataclass(frozen=True, slots=True)

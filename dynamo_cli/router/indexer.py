@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import compress, islice, takewhile
 from operator import attrgetter
 
-from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from dynamo_cli.engine import KvEventBatch, LoadMetrics
+from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.cost import (
@@ -27,7 +29,6 @@ from dynamo_cli.router.cost import (
     explain_pinned,
     select_worker,
 )
-from dynamo_cli.router.hashing import sequence_hashes
 from dynamo_cli.router.indexer import Gap, KvIndexer
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
 

@@ -24,10 +24,11 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
-from dynamo_cli.engine import GenerateChunk, GenerateRequest, KvEventBatch, LoadMetrics
+from dynamo_cli.engine import GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import NoWorkers, RequestError, TransportError
 from dynamo_cli.frontend.kv_repair import repair_loop
 from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, PolicyFactory, Worker
+from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy

@@ -24,12 +24,13 @@ from dynamo_cli.engine import (
     FinishReason,
     GenerateChunk,
     GenerateRequest,
-    KvEventBatch,
     LoadMetrics,
     Role,
+    check_request,
 )
-from dynamo_cli.errors import ConfigError, ContextOverflow, RequestError
-from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.model.paths import model_display_name, resolve_model_path
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions, default_threads
 from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
@@ -109,6 +110,8 @@ class LlamaCppEngine:
         self._wake = asyncio.Event()
         self._aborted: list[Sequence] = []
         self._streams: dict[int, asyncio.Queue[GenerateChunk | BaseException]] = {}
+        self._in_flight: set[str] = set()
+        """Request ids being served (a duplicate is refused)."""
         self._events: asyncio.Queue[KvEventBatch] = asyncio.Queue(_EVENT_QUEUE_SIZE)
         self._next_event_id = 0
         self._num_events_dropped = 0
@@ -160,6 +163,7 @@ class LlamaCppEngine:
         seq = self._admit(request)
         stream: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
         self._streams[id(seq)] = stream
+        self._in_flight.add(request.request_id)
         finished = False
         try:
             if seq.kv_state is not None:
@@ -178,6 +182,7 @@ class LlamaCppEngine:
                     return
         finally:
             self._streams.pop(id(seq), None)
+            self._in_flight.discard(request.request_id)
             if not finished:
                 self._aborted.append(seq)
                 self._wake.set()
@@ -226,12 +231,8 @@ class LlamaCppEngine:
         info, runner = self._info, self._runner
         if info is None or runner is None or self._stopped:
             raise RuntimeError("the llamacpp engine is not running; call start() first")
-        num_prompt = len(request.token_ids)
-        if num_prompt == 0:
-            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
-        if num_prompt + request.max_tokens > info.context_length:
-            raise ContextOverflow(num_prompt, request.max_tokens, info.context_length)
-        seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=num_prompt)
+        check_request(request, info.context_length, self._in_flight)
+        seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=len(request.token_ids))
         transfer = request.kv_transfer
         if self.options.role is Role.DECODE and transfer and transfer.get("kind") == KV_TRANSFER_KIND:
             seq.kv_state = base64.b64decode(transfer["state"])

@@ -18,15 +18,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_cli.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    GenerateRequest,
-    KvEvent,
-    StoredBlock,
-)
-from dynamo_cli.router.hashing import block_hash, chain_hash
+from dynamo_cli.engine import GenerateRequest
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, StoredBlock
+from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, sequence_hashes
 from engines.llamacpp.plan import MemoryOp, StepPlan
 
 
@@ -188,8 +182,7 @@ class Scheduler:
         return sum(c.num_tokens for c in self.cached.values())
 
     def num_active_blocks(self) -> int:
-        size = self.block_size
-        return sum(-(-len(s.tokens) // size) for s in self.running)
+        return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.running)
 
     def _make_room(self, needed: int) -> bool:
         while self.used_tokens() + needed > self.capacity and self.cached:
@@ -280,20 +273,14 @@ class Scheduler:
     ##### Block hashes and events #####
 
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        size, out, parent = self.block_size, [], None
-        for i in range(len(seq.tokens) // size):
-            parent = chain_hash(parent, block_hash(seq.tokens[i * size : (i + 1) * size]))
-            out.append(parent)
-        return out
+        return sequence_hashes(seq.tokens, self.block_size)
 
     def _store_blocks(self, seq: Sequence) -> None:
-        size = self.block_size
         new: list[StoredBlock] = []
-        parent = seq.hashes[-1] if seq.hashes else None
-        run_parent = parent
-        for i in range(len(seq.hashes), seq.num_computed // size):
-            local = block_hash(seq.tokens[i * size : (i + 1) * size])
-            parent = chain_hash(parent, local)
+        run_parent = seq.hashes[-1] if seq.hashes else None
+        for parent, local in hash_blocks(
+            seq.tokens, self.block_size, start=len(seq.hashes), parent=run_parent, num_tokens=seq.num_computed
+        ):
             seq.hashes.append(parent)
             self.refcounts[parent] = self.refcounts.get(parent, 0) + 1
             if self.refcounts[parent] == 1:

@@ -21,11 +21,14 @@ from dynamo_cli.engine import (
     FinishReason,
     GenerateChunk,
     GenerateRequest,
-    KvEventBatch,
     LoadMetrics,
     Role,
+    check_request,
 )
-from dynamo_cli.errors import ContextOverflow, DynError, RequestError
+from dynamo_cli.errors import DynError, RequestError
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.hashing import blocks_needed
+from dynamo_cli.model.paths import model_display_name, resolve_model_path
 from engines.mocker.config import MockerConfig
 from engines.mocker.events import EventRing
 from engines.mocker.kv_manager import KvManager
@@ -230,22 +233,15 @@ class MockerEngine:
         )
 
     def _check_request(self, request: GenerateRequest) -> None:
+        check_request(request, self.config.context_length, self._streams)
         num_prompt = len(request.token_ids)
-        if request.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
-        if num_prompt == 0:
-            raise RequestError("the prompt has no tokens; send at least one", param="prompt")
-        if num_prompt + request.max_tokens > self.config.context_length:
-            raise ContextOverflow(num_prompt, request.max_tokens, self.config.context_length)
-        num_blocks = -(-(num_prompt + request.max_tokens) // self.config.block_size)
+        num_blocks = blocks_needed(num_prompt + request.max_tokens, self.config.block_size)
         if num_blocks > self.config.num_gpu_blocks:
             raise RequestError(
                 f"prompt ({num_prompt}) + max_tokens ({request.max_tokens}) needs {num_blocks} KV blocks "
                 f"but the engine has {self.config.num_gpu_blocks}; lower max_tokens or shorten the prompt",
                 param="max_tokens",
             )
-        if request.request_id in self._streams:
-            raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
 
     async def _simulate_transfer(self, request: GenerateRequest) -> None:
         if request.kv_transfer is None or self.config.role is Role.PREFILL:
@@ -293,8 +289,8 @@ class MockerEngine:
     def _engine_info(self) -> EngineInfo:
         config = self.config
         return EngineInfo(
-            model_name=config.served_model_name or _display_name(config.model),
-            tokenizer_source=_tokenizer_source(config.model),
+            model_name=config.served_model_name or model_display_name(config.model),
+            tokenizer_source=resolve_model_path(config.model),
             block_size=config.block_size,
             context_length=config.context_length,
             total_kv_blocks=config.num_gpu_blocks,
@@ -303,15 +299,3 @@ class MockerEngine:
             extra={"engine": "mocker", "speedup_ratio": config.speedup_ratio, "role": config.role.value},
         )
 
-
-def _tokenizer_source(model: str) -> str:
-    # Imported here: the tokenizer module pulls in `tokenizers`, which the step loop never needs.
-    from dynamo_cli.frontend.tokenizer import resolve_model_path
-
-    return resolve_model_path(model)
-
-
-def _display_name(model: str) -> str:
-    from dynamo_cli.frontend.tokenizer import model_display_name
-
-    return model_display_name(model)

@@ -13,7 +13,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 
-from dynamo_cli.engine import KvEventBatch
+from dynamo_cli.kv.events import KvEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.hashing import blocks_needed
 
 _REF = 0  # the block is active: take one more reference
 _REUSE = 1  # the block is cached in the inactive pool: bring it back
@@ -99,7 +100,7 @@ class KvManager:
         """
         table = self._tables.setdefault(request_id, [])
         if not self.enable_prefix_caching:
-            return self._allocate_private(table, -(-num_tokens // self.block_size))
+            return self._allocate_private(table, blocks_needed(num_tokens, self.block_size))
         num_full = num_tokens // self.block_size
         has_partial = bool(table) and table[-1] < 0
         first = len(table) - has_partial  # first index that is not yet a full block

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynamo_cli.router.hashing import block_hash, chain_hash
+from dynamo_cli.kv.hashing import hash_blocks
 from engines.mocker.kv_manager import KvManager
 from engines.mocker.timing import TimingModel
 
@@ -70,13 +70,12 @@ class MockRequest:
 
     def extend_hashes(self, block_size: int) -> None:
         """Hash every full block not hashed yet (prompt blocks at creation, then generated ones)."""
-        tokens, seq, local = self.token_ids, self.seq_hashes, self.local_hashes
-        parent = seq[-1] if seq else None
-        for i in range(len(seq), len(tokens) // block_size):
-            h = block_hash(tokens[i * block_size : (i + 1) * block_size])
-            parent = chain_hash(parent, h)
-            local.append(h)
-            seq.append(parent)
+        seq, local = self.seq_hashes, self.local_hashes
+        for seq_hash, local_hash in hash_blocks(
+            self.token_ids, block_size, start=len(seq), parent=seq[-1] if seq else None
+        ):
+            seq.append(seq_hash)
+            local.append(local_hash)
 
     def emit_token(self, block_size: int) -> int:
         """Draw the next output token, append it to the sequence and return it."""

@@ -17,16 +17,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from dynamo_cli.engine import (
-    EngineArgs,
-    EngineInfo,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    LoadMetrics,
-)
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import EngineNotInstalled, RequestError
+from dynamo_cli.kv.events import KvEventBatch
 from engines.adapter import RequestBook, local_or_hub, require_role_both
 from engines.vllm.kv_events import ZmqKvRelay
 

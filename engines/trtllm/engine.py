@@ -23,11 +23,11 @@ from dynamo_cli.engine import (
     FinishReason,
     GenerateChunk,
     GenerateRequest,
-    KvEventBatch,
     LoadMetrics,
     check_request,
 )
 from dynamo_cli.errors import DynError, EngineNotInstalled
+from dynamo_cli.kv.events import KvEventBatch
 from engines.adapter import local_or_hub, require_role_both
 from engines.vllm.kv_events import KvEventRehasher
 

@@ -19,17 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo_cli.engine import (
-    EngineArgs,
-    EngineInfo,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    LoadMetrics,
-)
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import ConfigError, EngineNotInstalled
-from dynamo_cli.frontend.tokenizer import model_display_name, resolve_model_path
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.model.paths import model_display_name, resolve_model_path
 from engines.adapter import RequestBook, local_or_hub, require_role_both
 from engines.hf_export import export_path, hf_model_dir, needs_export
 from engines.vllm.kv_events import ZmqKvRelay

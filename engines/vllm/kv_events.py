@@ -5,7 +5,7 @@ payload a msgpack `[ts, [event, ...], dp_rank?]` whose events are tagged arrays:
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, ...]`,
 `["BlockRemoved", block_hashes, medium?]`, `["AllBlocksCleared"]`. The engine's own hashes depend on
 its hash function and seed, so routers would never match them: every stored block is re-hashed from its
-token ids with `dynamo_cli.router.hashing`, and a map engine hash -> our hash translates removals.
+token ids with `dynamo_cli.kv.hashing`, and a map engine hash -> our hash translates removals.
 This module imports no inference library; the sglang adapter uses it too.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.hashing import hash_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def parse_event(raw: Any) -> tuple[str, list[Any]]:
     if isinstance(raw, dict):
         fields = dict(raw)
         tag = str(fields.pop("type", ""))
-        order = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+        order: tuple[str, ...] = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
         if tag == "BlockRemoved":
             order = ("block_hashes", "medium")
         return tag, [fields.get(name) for name in order]
@@ -82,7 +82,8 @@ class KvEventRehasher:
                 self.num_orphans += 1
                 logger.debug("kv events: parent block %r unknown; skipping %d blocks", parent, len(engine_hashes))
                 return None
-        ours = sequence_hashes(token_ids, block_size, parent=our_parent)
+        pairs = list(hash_blocks(token_ids, block_size, parent=our_parent))
+        ours = [seq_hash for seq_hash, _ in pairs]
         if len(ours) != len(engine_hashes):
             logger.warning(
                 "kv events: %d block hashes for %d tokens at block size %d; event skipped",
@@ -92,7 +93,7 @@ class KvEventRehasher:
             )
             return None
         self._ours.update(zip(engine_hashes, ours, strict=True))
-        blocks = [StoredBlock(h, local) for h, local in zip(ours, block_hashes(token_ids, block_size), strict=True)]
+        blocks = [StoredBlock(seq_hash, local) for seq_hash, local in pairs]
         return BlockStored(parent_hash=our_parent, blocks=blocks)
 
     def _removed(self, fields: list[Any]) -> BlockRemoved | None:

@@ -45,7 +45,8 @@ def test_shared_prefix_prompts_share_exactly_the_prefix_within_a_group_and_nothi
 
 
 def test_shared_prefix_is_exact_in_the_models_own_tokens(model_vocab: wl.Vocab) -> None:
-    from dynamo_cli.frontend.tokenizer import load_tokenizer, resolve_model_path
+    from dynamo_cli.model.paths import resolve_model_path
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path("smollm2"))
     ids = [

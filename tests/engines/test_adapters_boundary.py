@@ -22,19 +22,10 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_cli.engine import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineArgs,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    StoredBlock,
-    load_engine,
-)
+from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.hf_export import export_path
 from engines.sglang.engine import SglangEngine
 from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary

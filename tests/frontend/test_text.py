@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dynamo_cli.frontend.stops import StopMatcher
-from dynamo_cli.frontend.tokenizer import Tokenizer, load_tokenizer, resolve_model_path
+from dynamo_cli.model.paths import resolve_model_path
+from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 
 SAMPLES = [
     "Héllo wörld 12345! 你好 🎉",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
-from dynamo_cli.router.hashing import sequence_hashes
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.indexer import Gap, KvIndexer
 
 A, B, C, D, E = 101, 102, 103, 104, 105  # stand-ins for sequence hashes of a 5-block prompt

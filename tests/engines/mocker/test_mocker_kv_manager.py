@@ -1,7 +1,7 @@
 """The paged KV cache: exact block counts, prefix hits, LRU and tail-first eviction, KV events."""
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, StoredBlock
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.events import BlockRemoved, BlockStored, StoredBlock
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.mocker.kv_manager import KvManager
 
 BS = 4

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from dynamo_cli.engine import BlockRemoved, BlockStored, StoredBlock
-from dynamo_cli.router.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.events import BlockRemoved, BlockStored, StoredBlock
+from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.mocker.kv_manager import KvManager
 from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 from engines.mocker.timing import TimingModel, decode_ms, prefill_ms

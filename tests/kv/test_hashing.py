@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 
-from dynamo_cli.router.hashing import HASH_SEED, block_hash, block_hashes, chain_hash, sequence_hashes
+from dynamo_cli.kv.hashing import HASH_SEED, block_hash, block_hashes, chain_hash, sequence_hashes
 
 # Computed once with xxhash.xxh3_64_intdigest(..., seed=1337) directly, not through dynamo_cli.
 LOCAL_1_TO_4 = 14643705804678351452  # le_u32 of [1, 2, 3, 4]

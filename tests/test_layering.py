@@ -1,0 +1,144 @@
+"""The import layering of dynamo_cli and engines/, read from the source with `ast` (function-local and
+TYPE_CHECKING imports included), so a layer that reaches up is caught before it ships.
+
+Layers, lowest first; each may import the ones listed for it in ALLOWED and its own modules:
+
+    errors                      the DynError tree; imports nothing
+    kv, model                   KV hashing and events; a model's files and tokenizer (errors only)
+    engine                      the engine contract (errors, kv)
+    config, model_card          per-role config and the published model card (the contract)
+    runtime                     distributed planes; knows nothing about LLMs (errors, config)
+    router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
+    frontend                    the OpenAI server (router, model, runtime ...)
+    worker                      one engine behind the request plane (the contract, kv, runtime)
+    engines/                    plugins: only the contract, kv, model, errors and config
+    bench                       an HTTP load generator (errors, model for token counts)
+    launcher, cli               assemble processes; may import any layer (cli is the top)
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CONTRACT = {"errors", "config", "engine", "kv", "model_card"}
+_EVERYTHING = {
+    "dynamo_cli", "errors", "config", "engine", "kv", "model", "model_card", "runtime", "router", "frontend",
+    "worker", "launcher", "bench",
+}  # fmt: skip
+
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "kv": {"errors"},
+    "model": {"errors"},
+    "engine": {"errors", "kv"},
+    "config": {"errors", "engine"},
+    "model_card": {"errors", "engine"},
+    "runtime": {"errors", "config"},
+    "router": _CONTRACT | {"runtime"},
+    "frontend": _CONTRACT | {"model", "runtime", "router"},
+    "worker": _CONTRACT | {"runtime"},
+    "engines": {"errors", "config", "engine", "kv", "model"},
+    "bench": {"errors", "model"},
+    "dynamo_cli": {"errors", "engine", "kv"},  # the package's curated __all__
+    "launcher": _EVERYTHING,
+    "cli": _EVERYTHING | {"cli"},
+}
+"""Layer -> the layers it may import (besides itself). `engines` is not importable from dynamo_cli at all."""
+
+# Temporary: removed when the endpoint layer lands (issue 11: the router stops importing the frontend's
+# model registry). The lead deletes this allowlist at merge; a stale entry fails the test below.
+KNOWN_VIOLATIONS = {
+    ("dynamo_cli.router.service", "dynamo_cli.frontend.kv_repair"),
+    ("dynamo_cli.router.service", "dynamo_cli.frontend.models"),
+    ("dynamo_cli.router.replicas", "dynamo_cli.frontend.models"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    """`dynamo_cli.router.kv` -> router, `dynamo_cli` -> dynamo_cli, `engines.vllm.engine` -> engines."""
+    parts = module.split(".")
+    if parts[0] == "engines":
+        return "engines"
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imported_modules(source: str, importer: str) -> Iterator[str]:
+    """Every first-party module `source` imports, wherever the import statement is."""
+    package = importer.split(".")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importer's package
+                base = ".".join([*package[: len(package) - node.level], *filter(None, [base])])
+            yield from (_submodule_or_package(base, alias.name) for alias in node.names)
+
+
+def _submodule_or_package(base: str, name: str) -> str:
+    """`from dynamo_cli import errors` imports the module dynamo_cli.errors; `import __version__`, the package."""
+    candidate = ROOT.joinpath(*base.split("."), name)
+    return f"{base}.{name}" if candidate.with_suffix(".py").exists() or candidate.is_dir() else base
+
+
+def violations(importer: str, source: str) -> set[tuple[str, str]]:
+    """(importer, imported) edges that break ALLOWED."""
+    layer = layer_of(importer)
+    found = set()
+    for imported in imported_modules(source, importer):
+        root = imported.split(".")[0]
+        if root not in ("dynamo_cli", "engines"):
+            continue
+        target = layer_of(imported)
+        if target == "engines" and layer != "engines":
+            found.add((importer, imported))  # plugins are loaded through entry points only
+        elif target != layer and target not in ALLOWED[layer]:
+            found.add((importer, imported))
+    return found
+
+
+def first_party_modules() -> Iterator[tuple[str, str]]:
+    for path in sorted([*ROOT.glob("dynamo_cli/**/*.py"), *ROOT.glob("engines/**/*.py")]):
+        yield module_name(path), path.read_text()
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    unknown = {name for name, _ in first_party_modules() if layer_of(name) not in ALLOWED}
+    assert unknown == set(), "add the new top-level module to ALLOWED in tests/test_layering.py"
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    found = set().union(*(violations(name, source) for name, source in first_party_modules()))
+    assert found - KNOWN_VIOLATIONS == set()
+
+
+def test_the_known_violations_are_still_there() -> None:
+    """An entry whose import is gone must leave the allowlist, so the list only shrinks."""
+    found = set().union(*(violations(name, source) for name, source in first_party_modules()))
+    assert KNOWN_VIOLATIONS - found == set()
+
+
+def test_a_function_local_import_counts() -> None:
+    source = "def f():\n    from dynamo_cli.frontend.models import ModelRegistry\n"
+    assert violations("engines.mocker.engine", source) == {("engines.mocker.engine", "dynamo_cli.frontend.models")}
+
+
+def test_from_package_imports_resolve_to_the_module() -> None:
+    source = "from dynamo_cli import router\nfrom dynamo_cli import errors\n"
+    assert violations("dynamo_cli.runtime.x", source) == {("dynamo_cli.runtime.x", "dynamo_cli.router")}
+
+
+def test_dynamo_cli_never_imports_the_engine_plugins() -> None:
+    source = "import engines.mocker\n"
+    assert violations("dynamo_cli.worker", source) == {("dynamo_cli.worker", "engines.mocker")}
