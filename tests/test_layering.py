@@ -13,6 +13,7 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     worker                      one engine behind the request plane (the contract, kv, runtime)
     engines/                    plugins: only the contract, kv, model, errors and config
     bench                       an HTTP load generator (errors, model for token counts)
+    supervise                   restarts `dyn serve`'s child processes (nothing of dyn)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _CONTRACT = {"errors", "config", "engine", "kv", "model_card"}
 _EVERYTHING = {
     "dynamo_cli", "errors", "config", "engine", "kv", "model", "model_card", "runtime", "router", "frontend",
-    "worker", "launcher", "bench",
+    "worker", "launcher", "bench", "supervise",
 }  # fmt: skip
 
 ALLOWED: dict[str, set[str]] = {
@@ -43,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "worker": _CONTRACT | {"runtime"},
     "engines": {"errors", "config", "engine", "kv", "model"},
     "bench": {"errors", "model"},
+    "supervise": set(),  # child-process restarts for `dyn serve`: asyncio only
     "dynamo_cli": {"errors", "engine", "kv"},  # the package's curated __all__
     "launcher": _EVERYTHING,
     "cli": _EVERYTHING | {"cli"},
