@@ -27,10 +27,10 @@ from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
 from dynamo_cli.engine import GenerateChunk, GenerateRequest, KvEventBatch, LoadMetrics
 from dynamo_cli.errors import NoWorkers, RequestError, TransportError
 from dynamo_cli.frontend.kv_repair import repair_loop
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, PolicyFactory, Worker
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.model_card import InstanceRecord, ModelCard
-from dynamo_cli.router.base import RouteRequest, RoutingPolicy
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+from dynamo_cli.router.base import RouteRequest
+from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
@@ -60,23 +60,11 @@ class RouterServiceConfig:
     host: str = "127.0.0.1"
     """Address the request plane listens on and advertises."""
     port: int = 0
-    router_options: dict[str, Any] = field(default_factory=dict)
-    """KvRouterConfig fields from the flags; `block_size` absent = the backend card's."""
+    kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
+    """The routing settings; `block_size` None = the backend card's."""
     graceful_shutdown_s: float = 5.0
     """How long SIGTERM waits for in-flight streams after deregistering."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
-
-
-def kv_policy_factory(options: dict[str, Any]) -> PolicyFactory:
-    """One KvRoutingPolicy per model; flags are checked now, not when the first worker appears."""
-    options = dict(options)
-    block_size = options.pop("block_size", None)
-    KvRouterConfig(block_size=block_size or 16, **options)
-
-    def kv(card: ModelCard) -> RoutingPolicy:
-        return KvRoutingPolicy(KvRouterConfig(block_size=block_size or card.kv_cache_block_size, **options))
-
-    return kv
 
 
 class BackendRegistry(ModelRegistry):
@@ -102,7 +90,7 @@ class RouterService:
     def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
-        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.router_options),
+        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
                                         accept=lambda name: name.component == config.component)  # fmt: skip
         self.server = RequestServer(config.host, config.port)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
@@ -237,7 +225,7 @@ class RouterService:
                  pump(self._bus, metrics, self.registry.apply_load, LoadMetrics),
                  self.sync.publish_loop(), self.sync.subscribe_loop(), self.sync.watch_peers(self._discovery),
                  self._expire_loop()]  # fmt: skip
-        if self.config.router_options.get("use_kv_events", True):
+        if self.config.kv_router.use_kv_events:
             subject = component_subject(ns, component, "kv-events")
             loops += [pump(self._bus, subject, self.registry.apply_kv_events, KvEventBatch),
                       repair_loop(self.registry)]  # fmt: skip
@@ -337,16 +325,14 @@ async def serve_router(config: RouterServiceConfig, announce: Callable[[str], No
 
 def router_argv(config: ServeConfig, discovery: str) -> list[str]:
     """The `dyn router` command line a `dyn serve --router remote --routers N` spawns."""
-    frontend, options = config.frontend, config.frontend.router_options
+    frontend, kv = config.frontend, config.frontend.kv_router
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "router", "--namespace", frontend.namespace,
             "--component", config.worker.component, "--host", config.worker.host, "--discovery", discovery,
             "--events", frontend.planes.events, "--lease-ttl", str(frontend.planes.lease_ttl),
             "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
-            "--kv-overlap-score-weight", str(options.get("overlap_score_weight", 1.0)),
-            "--router-temperature", str(options.get("temperature", 0.0)),
-            "--router-ttl", str(options.get("approx_ttl_s", 120.0)),
-            "--kv-events" if options.get("use_kv_events", True) else "--no-kv-events",
-            "--hot-spot-guard" if options.get("hot_spot_guard", True) else "--no-hot-spot-guard"]  # fmt: skip
-    if options.get("block_size") is not None:
-        argv += ["--block-size", str(options["block_size"])]
+            "--kv-overlap-score-weight", str(kv.overlap_score_weight), "--router-temperature", str(kv.temperature),
+            "--router-ttl", str(kv.approx_ttl_s), "--kv-events" if kv.use_kv_events else "--no-kv-events",
+            "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard"]  # fmt: skip
+    if kv.block_size is not None:
+        argv += ["--block-size", str(kv.block_size)]
     return argv
