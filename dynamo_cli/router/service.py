@@ -6,7 +6,9 @@ it), and for each `generate` request it picks a backend with `KvRoutingPolicy`, 
 body unchanged, relays the worker's GenerateChunk bytes unchanged, and marks the first token and the
 end on the policy, telling the other replicas (replicas.py), on every path: done, failed, cancelled.
 A backend that fails before any token was relayed is replaced by the next best one; after that, the
-failure goes back to the frontend, which migrates the request.
+failure goes back to the frontend, which migrates the request. A request annotated
+`report_worker` (a frontend's) first gets an empty chunk naming the backend chosen, and a pin
+(annotation `worker_instance_id`) that names no backend is a 400 listing the known ones.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
-from dynamo_cli.engine import GenerateChunk, GenerateRequest, KvEventBatch, LoadMetrics
-from dynamo_cli.errors import NoWorkers, RequestError, TransportError
+from dynamo_cli.engine import (
+    PIN_ANNOTATION,
+    REPORT_WORKER_ANNOTATION,
+    GenerateChunk,
+    GenerateRequest,
+    KvEventBatch,
+    LoadMetrics,
+)
+from dynamo_cli.errors import NoWorkers, RequestError, TransportError, UnknownInstance
 from dynamo_cli.frontend.kv_repair import repair_loop
 from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.model_card import InstanceRecord, ModelCard
@@ -46,8 +55,6 @@ MAX_REROUTES = 3
 CARD_POLL_S = 0.5
 EXPIRE_INTERVAL_S = 30.0
 """How often requests in flight for over STALE_REQUEST_S (a lost end) are freed."""
-PIN_ANNOTATION = "worker_instance_id"
-"""GenerateRequest annotation naming (hex) the backend a request must go to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +122,11 @@ class RouterService:
             raise RequestError(f"malformed generate request: {exc}") from exc
         entry = self._entry()
         excluded: set[int] = set()
+        is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
         while True:
             worker = self._route(entry, request, excluded)
+            if is_reported:  # before any token, so the frontend's response can name the backend
+                yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
             is_relayed = False
             try:
                 async for raw in self._relay(entry, worker, request.request_id, bytes(body)):
@@ -161,6 +171,8 @@ class RouterService:
         if not candidates:
             raise NoWorkers(f"model '{entry.name}' (every backend failed this request)")
         pinned = _pinned(request.annotations.get(PIN_ANNOTATION))
+        if pinned is not None and pinned not in entry.workers:
+            raise UnknownInstance(pinned, entry.name, list(entry.workers))
         route = RouteRequest(request.request_id, request.token_ids, pinned)
         decision = entry.policy.select(route, candidates)
         self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
