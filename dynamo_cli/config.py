@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_cli.engine import Role
+from dynamo_cli.router.kv import KvRouterConfig
 
 DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_MODEL = "smollm2"
@@ -57,7 +58,7 @@ class FrontendConfig:
     port: int = 8000
     namespace: str = DEFAULT_NAMESPACE
     router: str = "round-robin"
-    """`round-robin`, `random` or `kv`."""
+    """`round-robin`, `random`, `kv` or `remote` (spread over `dyn router` replicas)."""
     http_server: str = "uvicorn"
     """`uvicorn` (httptools + uvloop, the fast default) or `hypercorn` (HTTP/2)."""
     migration_limit: int = 3
@@ -67,7 +68,8 @@ class FrontendConfig:
     """A worker with this many streams open from this frontend is busy; 0 = no limit."""
     active_blocks_threshold: float = 1.0
     """A worker whose published KV usage is above this fraction is busy; 1.0 = off."""
-    router_options: dict[str, Any] = field(default_factory=dict)
+    kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
+    """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
 
 

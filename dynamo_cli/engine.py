@@ -41,6 +41,12 @@ class FinishReason(enum.Enum):
 ##### Wire messages (request plane) #####
 
 
+PIN_ANNOTATION = "worker_instance_id"
+"""GenerateRequest annotation naming (hex) the backend a `dyn router` must route the request to."""
+REPORT_WORKER_ANNOTATION = "report_worker"
+"""GenerateRequest annotation ("1"): a `dyn router` first sends an empty chunk naming the backend it chose."""
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A preprocessed request: the frontend has already applied the template and tokenized."""
 
@@ -68,6 +74,8 @@ class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
     """Set on the first chunk: prompt tokens served from the prefix cache."""
     kv_transfer: dict[str, Any] | None = None
     """Prefill role: where the decode worker can fetch this prompt's KV."""
+    worker_id: int | None = None
+    """Only on a `dyn router`'s first, empty chunk, when asked (REPORT_WORKER_ANNOTATION): the backend it chose."""
 
 
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,7 +7,8 @@ DynError
 ├── PlaneUnavailable       etcd / NATS / embedded root unreachable at start
 ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
 │   ├── ModelNotFound      404
-│   └── ContextOverflow    400, says the numbers
+│   ├── ContextOverflow    400, says the numbers
+│   └── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
 ├── Overloaded             503 / 429: every worker is over its busy threshold
 ├── NoWorkers              503: no instance serves the model
 └── TransportError         request-plane failures
@@ -102,6 +103,21 @@ class ContextOverflow(RequestError):
             "shorten the prompt or lower max_tokens",
             param="max_tokens",
             code="context_length_exceeded",
+        )
+
+
+class UnknownInstance(RequestError):
+    """`x-worker-instance-id` (or a router's pin annotation) names no worker of the model."""
+
+    def __init__(self, instance_id: int, model: str, known: list[int]) -> None:
+        self.instance_id = instance_id
+        self.known = known
+        ids = ", ".join(f"{k:x}" for k in sorted(known)) or "none"
+        super().__init__(
+            f"x-worker-instance-id '{instance_id:x}' names no worker of model '{model}'; "
+            f"known instance ids: {ids}; send one of those or drop the header",
+            param="x-worker-instance-id",
+            code="unknown_instance",
         )
 
 

@@ -11,6 +11,7 @@ import typer
 from dynamo_cli.config import DEFAULT_ENGINE, DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.router.kv import KvRouterConfig
 
 _LIBRARY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama_cpp"}
 
@@ -61,6 +62,8 @@ ExtraEngineArgs = Annotated[
 ]
 
 DEFAULTS = {"engine": DEFAULT_ENGINE, "model": DEFAULT_MODEL, "namespace": DEFAULT_NAMESPACE}
+KV_ROUTER = KvRouterConfig()
+"""The router flags' defaults (immutable): KvRouterConfig is the one place they are set."""
 
 
 def parse_role(value: str) -> Role:
@@ -139,17 +142,9 @@ RouterTtl = Annotated[
 ]
 
 
-def router_options(
+def kv_router(
     block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float
-) -> dict[str, Any]:
-    """KvRouterConfig fields from the router flags."""
-    options: dict[str, Any] = {
-        "overlap_score_weight": weight,
-        "temperature": temperature,
-        "use_kv_events": kv_events,
-        "hot_spot_guard": hot_spot_guard,
-        "approx_ttl_s": ttl,
-    }
-    if block_size is not None:
-        options["block_size"] = block_size
-    return options
+) -> KvRouterConfig:
+    """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
+    return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
+                          use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl)  # fmt: skip

@@ -28,11 +28,11 @@ def command(
         int, typer.Option("--port", envvar="DYN_ROUTER_PORT", help="Request-plane port (0: any).")
     ] = 0,
     block_size: o.BlockSize = None,
-    kv_overlap_score_weight: o.OverlapWeight = 1.0,
-    router_temperature: o.RouterTemperature = 0.0,
-    kv_events: o.KvEvents = True,
-    hot_spot_guard: o.HotSpotGuard = True,
-    router_ttl: o.RouterTtl = 120.0,
+    kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
+    router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
+    kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
+    hot_spot_guard: o.HotSpotGuard = o.KV_ROUTER.hot_spot_guard,
+    router_ttl: o.RouterTtl = o.KV_ROUTER.approx_ttl_s,
     graceful_shutdown: Annotated[
         float, typer.Option("--graceful-shutdown", envvar="DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS")
     ] = 5.0,
@@ -43,9 +43,8 @@ def command(
     """Run one KV router replica: routes `{ns}/router/generate` to the backends, sharing load with peers."""
     die_with_parent()
     weight, temperature = kv_overlap_score_weight, router_temperature
-    options = o.router_options(block_size, weight, temperature, kv_events, hot_spot_guard,
-                               router_ttl)  # fmt: skip
+    kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl)
     config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
-                                 router_options=options, graceful_shutdown_s=graceful_shutdown,
+                                 kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
                                  planes=o.planes(discovery, events, lease_ttl))  # fmt: skip
     run(serve_router(config, lambda line: typer.echo(line)))

@@ -27,11 +27,11 @@ def command(
         int,
         typer.Option("--routers", envvar="DYN_ROUTERS", help="With --router remote: `dyn router` replicas to start."),
     ] = 0,
-    kv_overlap_score_weight: o.OverlapWeight = 1.0,
-    router_temperature: o.RouterTemperature = 0.0,
-    kv_events: o.KvEvents = True,
-    hot_spot_guard: o.HotSpotGuard = True,
-    router_ttl: o.RouterTtl = 120.0,
+    kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
+    router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
+    kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
+    hot_spot_guard: o.HotSpotGuard = o.KV_ROUTER.hot_spot_guard,
+    router_ttl: o.RouterTtl = o.KV_ROUTER.approx_ttl_s,
     host: Annotated[str, typer.Option("--host", envvar="DYN_HTTP_HOST")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option("--port", "-p", envvar="DYN_HTTP_PORT", help="HTTP port (0: any free port).")
@@ -86,8 +86,8 @@ def command(
                           planes=planes, extra=extra)  # fmt: skip
     frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
                               migration_limit=migration_limit, planes=planes,
-                              router_options=o.router_options(block_size, kv_overlap_score_weight, router_temperature,
-                                                              kv_events, hot_spot_guard, router_ttl),
+                              kv_router=o.kv_router(block_size, kv_overlap_score_weight, router_temperature,
+                                                    kv_events, hot_spot_guard, router_ttl),
                               max_body_bytes=int(body_limit_mb * 1024 * 1024),
                               max_inflight_per_worker=max_inflight_per_worker,
                               active_blocks_threshold=active_blocks_threshold)  # fmt: skip

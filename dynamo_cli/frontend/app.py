@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelRegistry
 from dynamo_cli.frontend.openai import (
@@ -34,7 +35,7 @@ from dynamo_cli.frontend.openai import (
     parse_completion,
     stop_list,
 )
-from dynamo_cli.frontend.pipeline import Generation, Sampling
+from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Frontend:
         self.config = config
         self.registry = registry
         self.metrics = metrics
+        self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote")
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
@@ -85,7 +87,7 @@ class Frontend:
             return
         except DynError as exc:
             return await _send_error(send, exc)
-        model = generation.entry.name
+        model = generation.dispatch.entry.name
         self.metrics.inflight.labels(model).inc()
         status = "success"
         try:
@@ -94,7 +96,7 @@ class Frontend:
             else:
                 status = await self._complete(generation, send, is_chat)
         finally:
-            generation.entry.policy.on_finish(generation.request_id)  # idempotent: load never leaks
+            generation.dispatch.close()  # idempotent: load never leaks
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
             self._observe(generation)
@@ -125,51 +127,52 @@ class Frontend:
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         request_id = headers.get(b"x-request-id", b"").decode() or prefix + uuid.uuid4().hex
-        pinned = headers.get(b"x-worker-instance-id")
-        return Generation(
-            entry, tokenizer, prompt_ids, sampling, request_id,
-            migration_limit=self.config.migration_limit, metrics=self.metrics,
-            pinned_worker=_pinned(pinned), busy=self.registry.busy,
-            explain=headers.get(b"x-dyn-explain-route", b"") in (b"1", b"true", b"yes"),
-        )  # fmt: skip
+        pinned, explain = _pinned(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
+        plan = plan_request(entry, request_id, prompt_ids, sampling, pinned_worker=pinned,
+                            is_explained=explain in (b"1", b"true", b"yes"))  # fmt: skip
+        dispatch = Dispatch(entry, plan, self.rules, self.metrics)
+        await dispatch.start()
+        return Generation(dispatch, tokenizer)
 
     async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
-        fmt = ChunkFormatter(gen.request_id, gen.entry.name, is_chat=is_chat)
+        d = gen.dispatch
+        fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE, *_ids(gen)]})  # fmt: skip
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, gen.abort))
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
         status = "success"
         head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
         try:
             async for piece in gen.text():
                 await send({"type": "http.response.body", "body": head + fmt.text(piece), "more_body": True})
                 head = b""
-            if gen.is_aborted:
+            if d.is_aborted:
                 status = "cancelled"
             tail = b"" if status == "cancelled" else fmt.finish(gen.finish_reason or "length")
             if include_usage and status != "cancelled":
-                tail += fmt.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+                tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
         except DynError as exc:
             status = "error"
             tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
         finally:
             watcher.cancel()
         if status == "cancelled":
-            self.metrics.disconnected.labels(gen.entry.name).inc()
-            self.metrics.cancellations.labels(gen.entry.name).inc()
+            self.metrics.disconnected.labels(d.entry.name).inc()
+            self.metrics.cancellations.labels(d.entry.name).inc()
         await send({"type": "http.response.body", "body": head + tail + DONE, "more_body": False})
         return status
 
     async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
-        fmt = ChunkFormatter(gen.request_id, gen.entry.name, is_chat=is_chat)
+        d = gen.dispatch
+        fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
         try:
             text = "".join([piece async for piece in gen.text()])
         except DynError as exc:
             await _send_error(send, exc)
             return "error"
         body = fmt.full(
-            text, gen.finish_reason or "length", len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens
+            text, gen.finish_reason or "length", len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens
         )
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
@@ -196,18 +199,19 @@ class Frontend:
                 return b"".join(chunks)
 
     def _observe(self, gen: Generation) -> None:
-        m, model = self.metrics, gen.entry.name
+        d = gen.dispatch
+        m, model = self.metrics, d.entry.name
         end = time.perf_counter()
-        m.isl.labels(model).observe(len(gen.prompt_ids))
+        m.isl.labels(model).observe(len(d.plan.prompt_ids))
         m.osl.labels(model).observe(gen.completion_tokens)
         m.output_tokens.labels(model).inc(gen.completion_tokens)
-        m.duration.labels(model).observe(end - gen.start)
-        if gen.cached_tokens is not None:
-            m.cached.labels(model).observe(gen.cached_tokens)
-        if gen.first_token_at is not None:
-            m.ttft.labels(model).observe(gen.first_token_at - gen.start)
+        m.duration.labels(model).observe(end - d.started_at)
+        if d.cached_tokens is not None:
+            m.cached.labels(model).observe(d.cached_tokens)
+        if d.first_token_at is not None:
+            m.ttft.labels(model).observe(d.first_token_at - d.started_at)
             if gen.completion_tokens > 1:
-                m.itl.labels(model).observe((end - gen.first_token_at) / (gen.completion_tokens - 1))
+                m.itl.labels(model).observe((end - d.first_token_at) / (gen.completion_tokens - 1))
 
     ##### REST #####
 
@@ -260,10 +264,14 @@ def _pinned(header: bytes | None) -> int | None:
 
 
 def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-request-id", gen.request_id.encode()),
-               (b"x-worker-instance-id", f"{gen.first_worker.instance_id:x}".encode())]  # fmt: skip
-    if gen.explain and gen.decision is not None:
-        headers.append((b"x-dyn-route", msgspec.json.encode(_hex_ids(gen.decision.explanation))))
+    """x-request-id, the backend that serves and, behind `dyn router`s, the router that routed."""
+    d = gen.dispatch
+    headers = [(b"x-request-id", d.plan.request_id.encode()),
+               (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode())]  # fmt: skip
+    if d.rules.is_remote and d.worker is not None:
+        headers.append((b"x-dyn-router-instance-id", f"{d.worker.instance_id:x}".encode()))
+    if d.plan.is_explained and d.decision is not None:
+        headers.append((b"x-dyn-route", msgspec.json.encode(_hex_ids(d.decision.explanation))))
     return headers
 
 

@@ -25,6 +25,7 @@ from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelEn
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
+from dynamo_cli.router.kv import kv_policy_factory
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, Subscription, subscribe_kv_events
 from dynamo_cli.runtime.names import component_subject, kv_events_subject
@@ -43,16 +44,7 @@ def policy_factory(config: FrontendConfig) -> Callable[[ModelCard], RoutingPolic
     if mode == "random":
         return lambda card: RandomPolicy()
     if mode == "kv":
-        from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
-
-        options = dict(config.router_options)
-        block_size = options.pop("block_size", None)
-        KvRouterConfig(block_size=block_size or 16, **options)  # reject bad flags at start, not per model
-
-        def kv(card: ModelCard) -> RoutingPolicy:
-            return KvRoutingPolicy(KvRouterConfig(block_size=block_size or card.kv_cache_block_size, **options))
-
-        return kv
+        return kv_policy_factory(config.kv_router)
     raise ConfigError(f"--router '{mode}' is unknown; use one of: {', '.join(ROUTER_MODES)}")
 
 

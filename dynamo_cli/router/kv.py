@@ -12,13 +12,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.hashing import sequence_hashes
+from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.cost import (
@@ -37,10 +38,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KvRouterConfig:
-    """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...)."""
+    """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...).
 
-    block_size: int = 16
-    """Tokens per KV block; must equal the workers' block size."""
+    The one place of each router default: the CLI flags, `dyn serve`'s `dyn router` command line and
+    the frontend's and router's policies all read them from here.
+    """
+
+    block_size: int | None = None
+    """Tokens per KV block; must equal the workers' block size. None = the one on the workers' card."""
     overlap_score_weight: float = 1.0
     """w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
     temperature: float = 0.0
@@ -60,7 +65,7 @@ class KvRouterConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.block_size > 0, "block_size", self.block_size, "use the workers' block size, e.g. 16"),
+            (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
             (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
             (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
             (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
@@ -72,9 +77,14 @@ class KvRouterConfig:
             if not ok:
                 raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
 
+    def for_card(self, card: ModelCard) -> KvRouterConfig:
+        """This config with the card's block size, unless a block size was set."""
+        return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
+
     @property
     def cost(self) -> CostConfig:
-        """The selection knobs."""
+        """The selection knobs (the block size must be known: see `for_card`)."""
+        assert self.block_size is not None, "KvRouterConfig.block_size unresolved; call for_card(card)"
         return CostConfig(
             block_size=self.block_size,
             overlap_score_weight=self.overlap_score_weight,
@@ -116,11 +126,12 @@ class KvRoutingPolicy:
 
     def __init__(
         self,
-        config: KvRouterConfig | None = None,
+        config: KvRouterConfig,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config or KvRouterConfig()
+        self.config = config
+        """Resolved: its block size is known (`KvRouterConfig.for_card`)."""
         self._cost = self.config.cost
         self._rng = rng or random.Random()
         self._clock = clock
@@ -138,7 +149,7 @@ class KvRoutingPolicy:
         hashes, selection, now = self._choose(request, workers)
         isl = len(request.token_ids)
         chosen = selection.chosen
-        prefill_tokens = max(0, isl - chosen.overlap_blocks * self.config.block_size)
+        prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
         if not self.config.use_kv_events:
             self.approx.record(chosen.worker_id, hashes, now)
@@ -219,7 +230,7 @@ class KvRoutingPolicy:
     ##### Internals #####
 
     def _choose(self, request: RouteRequest, workers: Sequence[int]) -> tuple[list[int], Selection, float]:
-        hashes = sequence_hashes(request.token_ids, self.config.block_size)
+        hashes = sequence_hashes(request.token_ids, self._cost.block_size)
         isl = len(request.token_ids)
         now = self._clock()
         loads = self._candidate_loads(hashes, workers, now)
@@ -279,6 +290,11 @@ class KvRoutingPolicy:
             selection.reason.value,
             selection.margin,
         )
+
+
+def kv_policy_factory(config: KvRouterConfig) -> Callable[[ModelCard], KvRoutingPolicy]:
+    """One KvRoutingPolicy per model (and role pool), with the card's block size unless `config` sets one."""
+    return lambda card: KvRoutingPolicy(config.for_card(card))
 
 
 def explanation_summary(explanation: dict[str, Any]) -> str:

@@ -6,7 +6,9 @@ it), and for each `generate` request it picks a backend with `KvRoutingPolicy`, 
 body unchanged, relays the worker's GenerateChunk bytes unchanged, and marks the first token and the
 end on the policy, telling the other replicas (replicas.py), on every path: done, failed, cancelled.
 A backend that fails before any token was relayed is replaced by the next best one; after that, the
-failure goes back to the frontend, which migrates the request.
+failure goes back to the frontend, which migrates the request. A request annotated
+`report_worker` (a frontend's) first gets an empty chunk naming the backend chosen, and a pin
+(annotation `worker_instance_id`) that names no backend is a 400 listing the known ones.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
-from dynamo_cli.engine import GenerateChunk, GenerateRequest, LoadMetrics
-from dynamo_cli.errors import NoWorkers, RequestError, TransportError
+from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.errors import NoWorkers, RequestError, TransportError, UnknownInstance
 from dynamo_cli.frontend.kv_repair import repair_loop
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, PolicyFactory, Worker
+from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import InstanceRecord, ModelCard
-from dynamo_cli.router.base import RouteRequest, RoutingPolicy
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+from dynamo_cli.router.base import RouteRequest
+from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
@@ -47,8 +49,6 @@ MAX_REROUTES = 3
 CARD_POLL_S = 0.5
 EXPIRE_INTERVAL_S = 30.0
 """How often requests in flight for over STALE_REQUEST_S (a lost end) are freed."""
-PIN_ANNOTATION = "worker_instance_id"
-"""GenerateRequest annotation naming (hex) the backend a request must go to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,23 +61,11 @@ class RouterServiceConfig:
     host: str = "127.0.0.1"
     """Address the request plane listens on and advertises."""
     port: int = 0
-    router_options: dict[str, Any] = field(default_factory=dict)
-    """KvRouterConfig fields from the flags; `block_size` absent = the backend card's."""
+    kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
+    """The routing settings; `block_size` None = the backend card's."""
     graceful_shutdown_s: float = 5.0
     """How long SIGTERM waits for in-flight streams after deregistering."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
-
-
-def kv_policy_factory(options: dict[str, Any]) -> PolicyFactory:
-    """One KvRoutingPolicy per model; flags are checked now, not when the first worker appears."""
-    options = dict(options)
-    block_size = options.pop("block_size", None)
-    KvRouterConfig(block_size=block_size or 16, **options)
-
-    def kv(card: ModelCard) -> RoutingPolicy:
-        return KvRoutingPolicy(KvRouterConfig(block_size=block_size or card.kv_cache_block_size, **options))
-
-    return kv
 
 
 class BackendRegistry(ModelRegistry):
@@ -103,7 +91,7 @@ class RouterService:
     def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
-        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.router_options),
+        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
                                         accept=lambda name: name.component == config.component)  # fmt: skip
         self.server = RequestServer(config.host, config.port)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
@@ -128,8 +116,11 @@ class RouterService:
             raise RequestError(f"malformed generate request: {exc}") from exc
         entry = self._entry()
         excluded: set[int] = set()
+        is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
         while True:
             worker = self._route(entry, request, excluded)
+            if is_reported:  # before any token, so the frontend's response can name the backend
+                yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
             is_relayed = False
             try:
                 async for raw in self._relay(entry, worker, request.request_id, bytes(body)):
@@ -174,6 +165,8 @@ class RouterService:
         if not candidates:
             raise NoWorkers(f"model '{entry.name}' (every backend failed this request)")
         pinned = _pinned(request.annotations.get(PIN_ANNOTATION))
+        if pinned is not None and pinned not in entry.workers:
+            raise UnknownInstance(pinned, entry.name, list(entry.workers))
         route = RouteRequest(request.request_id, request.token_ids, pinned)
         decision = entry.policy.select(route, candidates)
         self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
@@ -238,7 +231,7 @@ class RouterService:
                  pump(self._bus, metrics, self.registry.apply_load, LoadMetrics),
                  self.sync.publish_loop(), self.sync.subscribe_loop(), self.sync.watch_peers(self._discovery),
                  self._expire_loop()]  # fmt: skip
-        if self.config.router_options.get("use_kv_events", True):
+        if self.config.kv_router.use_kv_events:
             subject = component_subject(ns, component, "kv-events")
             loops += [pump(self._bus, subject, self.registry.apply_kv_events, KvEventBatch),
                       repair_loop(self.registry)]  # fmt: skip
@@ -338,16 +331,14 @@ async def serve_router(config: RouterServiceConfig, announce: Callable[[str], No
 
 def router_argv(config: ServeConfig, discovery: str) -> list[str]:
     """The `dyn router` command line a `dyn serve --router remote --routers N` spawns."""
-    frontend, options = config.frontend, config.frontend.router_options
+    frontend, kv = config.frontend, config.frontend.kv_router
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "router", "--namespace", frontend.namespace,
             "--component", config.worker.component, "--host", config.worker.host, "--discovery", discovery,
             "--events", frontend.planes.events, "--lease-ttl", str(frontend.planes.lease_ttl),
             "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
-            "--kv-overlap-score-weight", str(options.get("overlap_score_weight", 1.0)),
-            "--router-temperature", str(options.get("temperature", 0.0)),
-            "--router-ttl", str(options.get("approx_ttl_s", 120.0)),
-            "--kv-events" if options.get("use_kv_events", True) else "--no-kv-events",
-            "--hot-spot-guard" if options.get("hot_spot_guard", True) else "--no-hot-spot-guard"]  # fmt: skip
-    if options.get("block_size") is not None:
-        argv += ["--block-size", str(options["block_size"])]
+            "--kv-overlap-score-weight", str(kv.overlap_score_weight), "--router-temperature", str(kv.temperature),
+            "--router-ttl", str(kv.approx_ttl_s), "--kv-events" if kv.use_kv_events else "--no-kv-events",
+            "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard"]  # fmt: skip
+    if kv.block_size is not None:
+        argv += ["--block-size", str(kv.block_size)]
     return argv

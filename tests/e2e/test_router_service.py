@@ -11,11 +11,13 @@ import sys
 import time
 from typing import Any
 
+import httpx
 import msgspec
 import openai
 import pytest
 
 from dynamo_cli.engine import GenerateChunk, GenerateRequest
+from dynamo_cli.errors import RemoteError
 from dynamo_cli.runtime.transport import RequestClient, ResponseStream
 from tests.conftest import DynProcess, wait_until
 
@@ -113,13 +115,15 @@ def overlaps(reply: dict[str, Any]) -> dict[int, int]:
 def test_serve_with_two_router_replicas_answers_the_openai_client(deployment: DynProcess) -> None:
     c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0, timeout=30)
     routers = {f"{instance_id(row):x}" for row in of(deployment, "router")}
+    backends = {f"{instance_id(row):x}" for row in of(deployment, "backend")}
     seen = set()
     for _ in range(4):
         raw = c.chat.completions.with_raw_response.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=5)  # fmt: skip
         reply = raw.parse()
         assert reply.choices[0].message.content and reply.usage is not None and reply.usage.completion_tokens == 5
-        seen.add(raw.headers["x-worker-instance-id"])
+        seen.add(raw.headers["x-dyn-router-instance-id"])
+        assert raw.headers["x-worker-instance-id"] in backends  # the backend that served, as the router reported
     assert seen == routers  # the frontend spreads over the replicas; they pick the workers
 
 
@@ -238,7 +242,42 @@ def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_se
         raw = c.chat.completions.with_raw_response.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)  # fmt: skip
         assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
-        assert raw.headers["x-worker-instance-id"] == f"{instance_id(staying):x}"
+        assert raw.headers["x-dyn-router-instance-id"] == f"{instance_id(staying):x}"
+
+
+@pytest.mark.parametrize("stream", [pytest.param(False, id="unary"), pytest.param(True, id="streaming")])
+def test_a_pin_through_the_routers_reaches_that_backend_and_the_response_names_it(
+    deployment: DynProcess, stream: bool
+) -> None:
+    routers = {f"{instance_id(row):x}" for row in of(deployment, "router")}
+    body = {"model": "smollm2", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "stream": stream}
+    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+        for row in of(deployment, "backend"):
+            pin = f"{instance_id(row):x}"
+            for _ in range(2):  # once through each replica (the frontend alternates)
+                r = http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": pin})
+                assert (r.status_code, r.headers["x-worker-instance-id"]) == (200, pin)
+                assert r.headers["x-dyn-router-instance-id"] in routers
+
+
+@pytest.mark.parametrize("stream", [pytest.param(False, id="unary"), pytest.param(True, id="streaming")])
+def test_a_pin_naming_no_backend_gets_a_400_through_the_routers(deployment: DynProcess, stream: bool) -> None:
+    backends = [f"{instance_id(row):x}" for row in of(deployment, "backend")]
+    body = {"model": "smollm2", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "stream": stream}
+    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "abc"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "unknown_instance")
+    assert "'abc'" in error["message"] and all(b in error["message"] for b in backends)
+
+
+async def test_a_router_asked_directly_refuses_a_pin_naming_no_backend(deployment: DynProcess) -> None:
+    router = of(deployment, "router")[0]["address"]
+    with pytest.raises(RemoteError) as raised:
+        await generate(router, "pin-nowhere", [1, 2, 3], pin=0xABC)
+    assert (raised.value.status, raised.value.code) == (400, "unknown_instance")
+    assert all(f"{instance_id(row):x}" in str(raised.value) for row in of(deployment, "backend"))
 
 
 def test_routers_without_the_remote_router_mode_is_refused_with_the_fix() -> None:

@@ -118,6 +118,25 @@ def test_requests_spread_over_both_workers(deployment: DynProcess) -> None:
     assert len(seen) == 2
 
 
+def test_a_pinned_request_goes_to_its_worker_and_an_unknown_pin_gets_a_400_naming_the_known_ids(
+    deployment: DynProcess,
+) -> None:
+    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "stream": False}
+    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+        known = {http.post("/v1/chat/completions", json=body).headers["x-worker-instance-id"] for _ in range(4)}
+        assert len(known) == 2
+        for pin in sorted(known):
+            for stream in (False, True):
+                r = http.post("/v1/chat/completions", json={**body, "stream": stream},
+                              headers={"x-worker-instance-id": pin})  # fmt: skip
+                assert (r.status_code, r.headers["x-worker-instance-id"]) == (200, pin)
+        r = http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "abc"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "unknown_instance" and error["param"] == "x-worker-instance-id"
+    assert "'abc'" in error["message"] and all(pin in error["message"] for pin in known)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
