@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.indexer import KvIndexer
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+from dynamo_cli.router.kv import KvRoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)

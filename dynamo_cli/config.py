@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dynamo_cli.engine import Role
-from dynamo_cli.router.kv import KvRouterConfig
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.model_card import ModelCard
 
 DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_MODEL = "smollm2"
 DEFAULT_ENGINE = "mocker"
+
+
+@dataclass(frozen=True, slots=True)
+class KvRouterConfig:
+    """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...).
+
+    The one place of each router default: the CLI flags, `dyn serve`'s `dyn router` command line and
+    the frontend's and router's policies all read them from here.
+    """
+
+    block_size: int | None = None
+    """Tokens per KV block; must equal the workers' block size. None = the one on the workers' card."""
+    overlap_score_weight: float = 1.0
+    """w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    temperature: float = 0.0
+    """0 = argmin; > 0 = softmax sampling over normalised logits."""
+    use_kv_events: bool = True
+    """False = approximate mode: the router's own decisions stand in for the workers' caches."""
+    hot_spot_guard: bool = True
+    """Ignore the cache and pick by load when active blocks are badly imbalanced."""
+    hot_spot_min_blocks: int = 512
+    """Hot-spot absolute threshold: max - min active blocks."""
+    hot_spot_ratio: float = 0.5
+    """Hot-spot relative threshold: (max - min) / max active blocks."""
+    approx_ttl_s: float = 120.0
+    """Approximate mode: seconds a routed prefix is presumed cached."""
+    approx_max_blocks: int = 1 << 20
+    """Approximate mode: entries kept before pruning to 80 %."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
+            (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
+            (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
+            (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
+            (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
+            (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
+            (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
+        ]
+        for ok, name, value, fix in checks:
+            if not ok:
+                raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
+
+    def for_card(self, card: ModelCard) -> KvRouterConfig:
+        """This config with the card's block size, unless a block size was set."""
+        return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "kv": {"errors"},
     "model": {"errors"},
     "engine": {"errors", "kv"},
-    "config": {"errors", "engine"},
+    "config": {"errors", "engine", "model_card"},
     "model_card": {"errors", "engine"},
     "runtime": {"errors", "config"},
     "router": _CONTRACT | {"runtime"},

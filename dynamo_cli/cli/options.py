@@ -8,10 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
-from dynamo_cli.config import DEFAULT_ENGINE, DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig
+from dynamo_cli.config import DEFAULT_ENGINE, DEFAULT_MODEL, DEFAULT_NAMESPACE, KvRouterConfig, PlanesConfig
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.router.kv import KvRouterConfig
 
 _LIBRARY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama_cpp"}
 

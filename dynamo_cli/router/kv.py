@@ -12,11 +12,11 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
+from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
@@ -36,68 +36,22 @@ from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class KvRouterConfig:
-    """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...).
+def cost_config(config: KvRouterConfig) -> CostConfig:
+    """The selection knobs of a resolved config (its block size known: see `KvRouterConfig.for_card`)."""
+    assert config.block_size is not None, "KvRouterConfig.block_size unresolved; call for_card(card)"
+    return CostConfig(
+        block_size=config.block_size,
+        overlap_score_weight=config.overlap_score_weight,
+        temperature=config.temperature,
+        hot_spot_guard=config.hot_spot_guard,
+        hot_spot_min_blocks=config.hot_spot_min_blocks,
+        hot_spot_ratio=config.hot_spot_ratio,
+    )
 
-    The one place of each router default: the CLI flags, `dyn serve`'s `dyn router` command line and
-    the frontend's and router's policies all read them from here.
-    """
 
-    block_size: int | None = None
-    """Tokens per KV block; must equal the workers' block size. None = the one on the workers' card."""
-    overlap_score_weight: float = 1.0
-    """w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
-    temperature: float = 0.0
-    """0 = argmin; > 0 = softmax sampling over normalised logits."""
-    use_kv_events: bool = True
-    """False = approximate mode: the router's own decisions stand in for the workers' caches."""
-    hot_spot_guard: bool = True
-    """Ignore the cache and pick by load when active blocks are badly imbalanced."""
-    hot_spot_min_blocks: int = 512
-    """Hot-spot absolute threshold: max - min active blocks."""
-    hot_spot_ratio: float = 0.5
-    """Hot-spot relative threshold: (max - min) / max active blocks."""
-    approx_ttl_s: float = 120.0
-    """Approximate mode: seconds a routed prefix is presumed cached."""
-    approx_max_blocks: int = 1 << 20
-    """Approximate mode: entries kept before pruning to 80 %."""
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
-            (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
-            (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
-            (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
-            (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
-            (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
-            (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
-        ]
-        for ok, name, value, fix in checks:
-            if not ok:
-                raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
-
-    def for_card(self, card: ModelCard) -> KvRouterConfig:
-        """This config with the card's block size, unless a block size was set."""
-        return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
-
-    @property
-    def cost(self) -> CostConfig:
-        """The selection knobs (the block size must be known: see `for_card`)."""
-        assert self.block_size is not None, "KvRouterConfig.block_size unresolved; call for_card(card)"
-        return CostConfig(
-            block_size=self.block_size,
-            overlap_score_weight=self.overlap_score_weight,
-            temperature=self.temperature,
-            hot_spot_guard=self.hot_spot_guard,
-            hot_spot_min_blocks=self.hot_spot_min_blocks,
-            hot_spot_ratio=self.hot_spot_ratio,
-        )
-
-    @property
-    def approx(self) -> ApproxConfig:
-        """The approximate-mode cache settings."""
-        return ApproxConfig(ttl_s=self.approx_ttl_s, max_blocks=self.approx_max_blocks)
+def approx_config(config: KvRouterConfig) -> ApproxConfig:
+    """The approximate-mode cache settings."""
+    return ApproxConfig(ttl_s=config.approx_ttl_s, max_blocks=config.approx_max_blocks)
 
 
 @dataclass(slots=True)
@@ -132,11 +86,11 @@ class KvRoutingPolicy:
     ) -> None:
         self.config = config
         """Resolved: its block size is known (`KvRouterConfig.for_card`)."""
-        self._cost = self.config.cost
+        self._cost = cost_config(self.config)
         self._rng = rng or random.Random()
         self._clock = clock
         self.indexer = KvIndexer()
-        self.approx = ApproxIndexer(self.config.approx)
+        self.approx = ApproxIndexer(approx_config(self.config))
         self.sequences = ActiveSequences()
         self.counters = RouterCounters()
         self._gaps: list[Gap] = []

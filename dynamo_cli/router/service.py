@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.config import DEFAULT_NAMESPACE, PlanesConfig, ServeConfig
+from dynamo_cli.config import DEFAULT_NAMESPACE, KvRouterConfig, PlanesConfig, ServeConfig
 from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import NoWorkers, RequestError, TransportError, UnknownInstance
 from dynamo_cli.frontend.kv_repair import repair_loop
@@ -33,7 +33,7 @@ from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegist
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import InstanceRecord, ModelCard
 from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus

@@ -7,12 +7,13 @@ import random
 
 import pytest
 
+from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.indexer import Gap
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy, explanation_summary
+from dynamo_cli.router.kv import KvRoutingPolicy, explanation_summary
 
 BLOCK = 16
 SYSTEM = list(range(1, 129))  # an 8-block system prompt

@@ -7,10 +7,11 @@ from typing import Any
 
 import msgspec
 
+from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.replicas import (
     ActiveSequenceEvent,
     PrefillCompleted,
