@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -63,7 +64,7 @@ class Frontend:
                 Route("/live", self.live),
                 Route("/metrics", self.prometheus),
             ],
-            exception_handlers={404: self._not_found, 405: self._not_found},
+            exception_handlers={404: self._not_found, 405: self._not_found, Exception: self._server_error},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,6 +88,8 @@ class Frontend:
             return
         except DynError as exc:
             return await _send_error(send, exc)
+        except Exception as exc:  # a bug, not the client's fault: a 500 in OpenAI's shape, findable in the log
+            return await _send_error(send, _internal(exc, "preparing a request"))
         model = generation.dispatch.entry.name
         self.metrics.inflight.labels(model).inc()
         status = "success"
@@ -124,12 +127,16 @@ class Frontend:
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
         )
+        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
+        check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
-        request_id = headers.get(b"x-request-id", b"").decode() or prefix + uuid.uuid4().hex
+        # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
+        request_id = prefix + uuid.uuid4().hex
+        client_id = _client_request_id(headers.get(b"x-request-id"))
         pinned, explain = _pinned(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
         plan = plan_request(entry, request_id, prompt_ids, sampling, pinned_worker=pinned,
-                            is_explained=explain in (b"1", b"true", b"yes"))  # fmt: skip
+                            is_explained=explain in (b"1", b"true", b"yes"), client_request_id=client_id)  # fmt: skip
         dispatch = Dispatch(entry, plan, self.rules, self.metrics)
         await dispatch.start()
         return Generation(dispatch, tokenizer)
@@ -155,6 +162,10 @@ class Frontend:
         except DynError as exc:
             status = "error"
             tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
+        except Exception as exc:  # the stream still ends with an error event and [DONE]
+            status = "error"
+            error = _internal(exc, f"streaming request {d.plan.request_id}")
+            tail = fmt.error(str(error), "internal_error", "internal_error")
         finally:
             watcher.cancel()
         if status == "cancelled":
@@ -170,6 +181,9 @@ class Frontend:
             text = "".join([piece async for piece in gen.text()])
         except DynError as exc:
             await _send_error(send, exc)
+            return "error"
+        except Exception as exc:
+            await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
             return "error"
         body = fmt.full(
             text, gen.finish_reason or "length", len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens
@@ -245,11 +259,44 @@ class Frontend:
                 self.metrics.export_router(name, counters.to_dict())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        error = _internal(exc, f"serving {request.method} {request.url.path}")
+        return Response(error_body(str(error), "internal_error", None, "internal_error"), status_code=500,
+                        media_type="application/json")  # fmt: skip
+
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
         return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
                         status_code=status, media_type="application/json")  # fmt: skip
+
+
+MAX_REQUEST_ID = 128
+
+
+def _client_request_id(header: bytes | None) -> str | None:
+    """The caller's x-request-id, when it is printable ASCII of at most MAX_REQUEST_ID bytes."""
+    if not header:
+        return None
+    if len(header) > MAX_REQUEST_ID or not all(0x20 < byte < 0x7F for byte in header):
+        raise RequestError(f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters",
+                           param="x-request-id")  # fmt: skip
+    return header.decode("ascii")
+
+
+def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:
+    """Every id names a token of the model's vocabulary (400 naming `field` and the range otherwise)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None) if vocab_size > 0 else None
+    if bad is not None:
+        raise RequestError(f"token id {bad} in {field} is outside this model's vocabulary (0..{vocab_size - 1})",
+                           param=field, code="invalid_value")  # fmt: skip
+
+
+def _internal(exc: Exception, doing: str) -> DynError:
+    """Log an unexpected failure with an id, and return the error the client sees (no internals)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s while %s", error_id, doing, exc_info=exc)
+    return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
 
 
 def _pinned(header: bytes | None) -> int | None:
@@ -266,7 +313,7 @@ def _pinned(header: bytes | None) -> int | None:
 def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
     """x-request-id, the backend that serves and, behind `dyn router`s, the router that routed."""
     d = gen.dispatch
-    headers = [(b"x-request-id", d.plan.request_id.encode()),
+    headers = [(b"x-request-id", (d.plan.client_request_id or d.plan.request_id).encode()),
                (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode())]  # fmt: skip
     if d.rules.is_remote and d.worker is not None:
         headers.append((b"x-dyn-router-instance-id", f"{d.worker.instance_id:x}".encode()))
@@ -318,5 +365,6 @@ async def _send_error(send: Send, exc: DynError) -> None:
     else:
         status, param, code = 500, None, "internal_error"
     body = error_body(str(exc), _error_type(exc), param, code)
-    await send({"type": "http.response.start", "status": status, "headers": _JSON})
+    headers = [*_JSON, (b"retry-after", b"1")] if status in (429, 503) else _JSON
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

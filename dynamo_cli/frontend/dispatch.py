@@ -70,11 +70,13 @@ class RequestPlan:
     """The worker the caller asked for (header `x-worker-instance-id`); a backend behind a router too."""
     is_explained: bool = False
     """The caller asked to see the routing decision (header `x-dyn-explain-route`)."""
+    client_request_id: str | None = None
+    """The caller's `x-request-id`, echoed back; `request_id` is always the frontend's own."""
 
 
 def plan_request(
     entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: Sampling,
-    *, pinned_worker: int | None = None, is_explained: bool = False,
+    *, pinned_worker: int | None = None, is_explained: bool = False, client_request_id: str | None = None,
 ) -> RequestPlan:  # fmt: skip
     """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context."""
     context = entry.card.context_length
@@ -82,7 +84,7 @@ def plan_request(
     wanted = sampling.max_tokens if sampling.max_tokens is not None else room
     if room < 1 or wanted > room:
         raise ContextOverflow(len(prompt_ids), wanted, context)
-    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained)
+    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id)
 
 
 @dataclass(frozen=True, slots=True)
