@@ -131,3 +131,5 @@ class ServeConfig:
     """`dyn router` replicas to spawn (with `--router remote`); the frontend then waits for them."""
     ready_timeout_s: float = 120.0
     """How long to wait for every worker to register before giving up."""
+    max_restarts: int = 5
+    """Restarts of one worker slot allowed within 5 minutes after it exits unexpectedly (0: never)."""

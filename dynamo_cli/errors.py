@@ -19,6 +19,8 @@ DynError
 
 from __future__ import annotations
 
+import math
+
 
 class DynError(Exception):
     """Base of every error dyn raises on purpose."""
@@ -136,9 +138,14 @@ class NoWorkers(DynError):
 
     status = 503
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, retry_after: float | None = None) -> None:
         self.target = target
-        super().__init__(f"no worker is serving {target}; start one with `dyn worker`")
+        self.retry_after = retry_after
+        """Seconds until a worker is expected back (`dyn serve` restarting one); None if unknown."""
+        hint = "start one with `dyn worker`"
+        if retry_after is not None:
+            hint = f"retry in {max(1, math.ceil(retry_after))} s"
+        super().__init__(f"no worker is serving {target}; {hint}")
 
 
 class TransportError(DynError):

@@ -1,8 +1,10 @@
 """`dyn serve`: one frontend in this process plus N worker subprocesses on shared planes.
 
 Workers are `dyn worker` processes started with this process's planes; each asks the kernel to
-SIGTERM it if this process dies (no orphans even on SIGKILL). Stop order on SIGINT/SIGTERM: HTTP
-server, then workers (SIGTERM, grace period, SIGKILL), then the planes.
+SIGTERM it if this process dies (no orphans even on SIGKILL). Once every worker registered, a worker
+that exits unexpectedly is started again (supervise.py: backoff, `--max-restarts` budget), and
+meanwhile requests for its model get 503 with Retry-After rather than 404. Stop order on
+SIGINT/SIGTERM: HTTP server, then workers (SIGTERM, grace period, SIGKILL), then the planes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import PARENT_ENV, stop_on_signals
+from dynamo_cli.runtime.supervisor import PARENT_ENV, cancel_and_wait, stop_on_signals
+from dynamo_cli.supervise import ProcessPool, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +50,6 @@ def worker_argv(config: WorkerConfig, discovery: str) -> list[str]:
     return argv
 
 
-async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
-    env = {**os.environ, PARENT_ENV: str(os.getpid())}
-    return await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
-
-
 async def _wait_ready(
     service: FrontendService, procs: list[asyncio.subprocess.Process], n: int, timeout: float
 ) -> None:
@@ -72,56 +70,52 @@ async def _wait_ready(
             pass
 
 
-async def _stop_workers(procs: list[asyncio.subprocess.Process], grace: float) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            proc.terminate()
-    try:
-        async with asyncio.timeout(grace + 2):
-            for proc in procs:
-                await proc.wait()
-    except TimeoutError:
-        for proc in procs:
-            if proc.returncode is None:
-                logger.warning("worker pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                await proc.wait()
-
-
 async def serve_all(config: ServeConfig) -> None:
     """Run frontend + workers until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
-    procs: list[asyncio.subprocess.Process] = []
+    pool = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), {PARENT_ENV: str(os.getpid())})
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         try:
-            await _serve(config, discovery, bus, procs, stop)
+            await _serve(config, discovery, bus, pool, stop)
         finally:
-            await _stop_workers(procs, config.worker.graceful_shutdown_s)
+            await pool.stop(config.worker.graceful_shutdown_s)
 
 
-async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus,
-                 procs: list[asyncio.subprocess.Process], stop: asyncio.Event) -> None:  # fmt: skip
+async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool: ProcessPool,
+                 stop: asyncio.Event) -> None:  # fmt: skip
     planes = config.frontend.planes
     sock = bind_socket(config.frontend.host, config.frontend.port)
     url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
     argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
-    procs.extend([await _spawn(argv) for _ in range(config.num_workers)])  # the caller stops them
+    for _ in range(config.num_workers):
+        await pool.spawn(argv)  # the caller stops them
     expected = config.num_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
 
         router_cmd = router_argv(config, _shared_discovery(planes.discovery, discovery))
-        procs.extend([await _spawn(router_cmd) for _ in range(config.num_routers)])
+        for _ in range(config.num_routers):
+            await pool.spawn(router_cmd)
         expected = config.num_routers
+    served: set[str] = set()
+    pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
+    service.app.standby = lambda model: (pool.retry_after() or 1.0) if model in served and pool.is_live() else None
+    supervision: list[asyncio.Task[None]] = []  # owned here: cancelled on the way out
 
     async def on_ready() -> None:
-        await _wait_ready(service, procs, expected, config.ready_timeout_s)
+        await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
+        served.update(service.registry.models)
+        supervision.append(asyncio.get_running_loop().create_task(pool.supervise()))
         print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})", flush=True)
 
-    await service.run(sock, stop, on_ready)
+    try:
+        await service.run(sock, stop, on_ready)
+    finally:
+        await pool.stop(config.worker.graceful_shutdown_s)
+        await cancel_and_wait(*supervision)
 
 
 def _shared_discovery(url: str, discovery: object) -> str:

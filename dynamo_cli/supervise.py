@@ -70,7 +70,8 @@ class ProcessPool:
         self.policy = policy
         self.slots: list[Slot] = []
         self._env = env
-        self._on_restart = on_restart
+        self.on_restart = on_restart
+        """Called as (slot index, exit code) each time a slot's process is started again."""
         self._stopping = False
 
     @property
@@ -116,8 +117,8 @@ class ProcessPool:
             if self._stopping:
                 break
             slot.proc = await self._start(slot.argv)
-            if self._on_restart is not None:
-                self._on_restart(slot.index, code)
+            if self.on_restart is not None:
+                self.on_restart(slot.index, code)
         slot.state = SlotState.STOPPED
 
     def _may_restart(self, slot: Slot, code: int | None) -> bool:

@@ -70,12 +70,19 @@ def command(
     ] = 1.0,
     body_limit_mb: Annotated[float, typer.Option("--body-limit-mb", envvar="DYN_HTTP_BODY_LIMIT_MB")] = 45.0,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
+    max_restarts: Annotated[
+        int,
+        typer.Option("--max-restarts", envvar="DYN_MAX_RESTARTS",
+                     help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never)."),
+    ] = 5,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
     if routers < 0 or (routers and router != "remote"):
         raise ConfigError(f"--routers {routers} needs --router remote and a count >= 0")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if migration_limit < 0:
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
     planes = o.planes(discovery, events, lease_ttl)
@@ -99,6 +106,7 @@ def command(
                 num_workers=workers,
                 num_routers=routers,
                 ready_timeout_s=ready_timeout,
+                max_restarts=max_restarts,
             )
         )
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -23,10 +24,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
-from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ModelRegistry
+from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,9 @@ class Frontend:
         self.config = config
         self.registry = registry
         self.metrics = metrics
+        self.standby: Callable[[str], float | None] | None = None
+        """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
+        again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
         self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote")
         self._rest = Starlette(
             routes=[
@@ -105,7 +109,7 @@ class Frontend:
             self._observe(generation)
 
     async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> Generation:
-        entry = self.registry.get(request.model)
+        entry = self._entry(request.model)
         tokenizer = await entry.tokenizer
         if isinstance(request, ChatCompletionRequest):
             messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
@@ -140,6 +144,15 @@ class Frontend:
         dispatch = Dispatch(entry, plan, self.rules, self.metrics)
         await dispatch.start()
         return Generation(dispatch, tokenizer)
+
+    def _entry(self, model: str) -> ModelEntry:
+        try:
+            return self.registry.get(model)
+        except ModelNotFound:
+            wait = self.standby(model) if self.standby is not None else None
+            if wait is None:
+                raise
+            raise NoWorkers(f"model '{model}' (its workers are restarting)", retry_after=wait) from None
 
     async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         d = gen.dispatch
@@ -365,6 +378,7 @@ async def _send_error(send: Send, exc: DynError) -> None:
     else:
         status, param, code = 500, None, "internal_error"
     body = error_body(str(exc), _error_type(exc), param, code)
-    headers = [*_JSON, (b"retry-after", b"1")] if status in (429, 503) else _JSON
+    retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
+    headers = [*_JSON, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else _JSON
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
