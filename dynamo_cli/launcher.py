@@ -16,7 +16,7 @@ import time
 from dynamo_cli.config import ServeConfig, WorkerConfig
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
-from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, stop_on_signals
@@ -126,5 +126,4 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus,
 
 def _shared_discovery(url: str, discovery: object) -> str:
     """The URL workers must use to share this process's discovery (the embedded root made explicit)."""
-    root = getattr(discovery, "root", None)
-    return f"file://{root}" if root is not None else url
+    return f"file://{discovery.root}" if isinstance(discovery, HostLocal) else url

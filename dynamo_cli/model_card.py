@@ -39,7 +39,6 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     eos_token_ids: list[int] = []
-    migration_limit: int = 3
 
     @classmethod
     def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:
