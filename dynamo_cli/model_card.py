@@ -1,28 +1,13 @@
-"""The model deployment card a worker publishes beside its instance, and the instance record."""
+"""The model deployment card a worker publishes beside its instance record (runtime/endpoint.py)."""
 
 from __future__ import annotations
 
 import msgspec
 
 from dynamo_cli.engine import EngineInfo, Role
+from dynamo_cli.runtime.endpoint import InstanceRecord
 
-
-class InstanceRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """`v1/instances/{ns}/{comp}/{ep}/{id:x}`: where an instance is reachable."""
-
-    namespace: str
-    component: str
-    endpoint: str
-    instance_id: int
-    transport: dict[str, str]
-    """`{"tcp": "host:port"}`."""
-    role: str = Role.BOTH.value
-    pid: int = 0
-    hostname: str = ""
-
-    @property
-    def address(self) -> str:
-        return self.transport["tcp"]
+__all__ = ["InstanceRecord", "ModelCard"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import msgspec
 
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelRegistry
 from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.router.registry import ROUTER_COMPONENT, Registry
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import component_subject, parse_instance_key
@@ -65,7 +66,7 @@ class ActiveSequenceEvent(msgspec.Struct, frozen=True, kw_only=True):
 class ReplicaSync:
     """Publishes this replica's routing events and applies its peers' to the registry's policies."""
 
-    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: ModelRegistry) -> None:
+    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: Registry[Any]) -> None:
         self.subject = component_subject(namespace, ROUTER_COMPONENT, SYNC_TOPIC)
         self.router_id = router_id
         self.num_dropped = 0

@@ -16,7 +16,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 
