@@ -273,4 +273,3 @@ class Client(Generic[CardT]):
     async def close(self) -> None:
         """Close the connections. Idempotent."""
         await self.connections.close()
-
