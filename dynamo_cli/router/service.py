@@ -219,7 +219,7 @@ class RouterService:
         KV events (with gap repair), the replicas' sync, and the expiry of lost requests."""
         ns, component = self.config.namespace, self.config.component
         for loop in [*self.registry.loops(), self.sync.publish_loop(), self.sync.subscribe_loop(),
-                     self.sync.watch_peers(self._discovery), self._expire_loop()]:  # fmt: skip
+                     *self.sync.peer_loops(self._discovery), self._expire_loop()]:  # fmt: skip
             tasks.spawn(loop)
         load = await self._bus.subscribe(component_subject(ns, component, "kv-metrics"))
         tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
