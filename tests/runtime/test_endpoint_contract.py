@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -63,16 +64,27 @@ async def wait_for(client: Client[Card], count: int) -> None:
             await client.watch.changed.wait()
 
 
+@contextlib.asynccontextmanager
+async def server_and_client(client_side: Discovery) -> AsyncIterator[tuple[RequestServer, Client[Card]]]:
+    """A started request server, and a running Client of NAME on another process's discovery."""
+    server = RequestServer()
+    await server.start()
+    client = Endpoint(NAME, client_side).client(Card)
+    try:
+        async with ServiceTasks() as tasks:
+            for loop in client.loops():
+                tasks.spawn(loop)
+            yield server, client
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def test_a_served_endpoint_is_visible_to_a_client_with_its_card_until_it_stops(
     planes: tuple[Discovery, Discovery],
 ) -> None:
     server_side, client_side = planes
-    server = RequestServer()
-    await server.start()
-    client = Endpoint(NAME, client_side).client(Card)
-    async with ServiceTasks() as tasks:
-        for loop in client.loops():
-            tasks.spawn(loop)
+    async with server_and_client(client_side) as (server, client):
         async with Endpoint(NAME, server_side).serve_endpoint(server, echo, Card(label="a"), role="both", grace_s=1):
             await wait_for(client, 1)
             [instance] = client.instances()
@@ -83,8 +95,6 @@ async def test_a_served_endpoint_is_visible_to_a_client_with_its_card_until_it_s
         await wait_for(client, 0)
         with pytest.raises(NoWorkers):
             await client.open_stream(msgspec.msgpack.encode("nobody"))
-    await client.close()
-    await server.close()
 
 
 async def test_stopping_deregisters_first_then_drains_the_streams_in_flight(
@@ -98,12 +108,7 @@ async def test_stopping_deregisters_first_then_drains_the_streams_in_flight(
         await release.wait()
         yield msgspec.msgpack.encode("done")
 
-    server = RequestServer()
-    await server.start()
-    client = Endpoint(NAME, client_side).client(Card)
-    async with ServiceTasks() as tasks:
-        for loop in client.loops():
-            tasks.spawn(loop)
+    async with server_and_client(client_side) as (server, client):
         endpoint = Endpoint(NAME, server_side)
         serving = endpoint.serve_endpoint(server, slow, Card(label="a"), role="both", grace_s=WAIT_S)
         await serving.__aenter__()
@@ -117,8 +122,6 @@ async def test_stopping_deregisters_first_then_drains_the_streams_in_flight(
         assert [msgspec.msgpack.decode(raw) async for raw in stream] == ["done"]
         await asyncio.wait_for(stopping, WAIT_S)  # the drain ends with the stream
         assert server.num_inflight == 0
-    await client.close()
-    await server.close()
 
 
 async def test_a_watch_counts_an_instance_only_while_both_its_record_and_card_are_known(
