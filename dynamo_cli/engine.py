@@ -11,7 +11,7 @@ import enum
 from collections.abc import AsyncIterator, Callable, Container
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, NewType, Protocol
+from typing import Any, NewType, Protocol, runtime_checkable
 
 import msgspec
 
@@ -135,11 +135,7 @@ class EngineArgs:
 
 
 class Engine(Protocol):
-    """An inference engine behind a worker.
-
-    An engine class that starts processes of its own sets `spawns_processes = True`: its worker then
-    runs a watchdog (`runtime.reaper`) that stops them if the worker dies, even by SIGKILL.
-    """
+    """An inference engine behind a worker (optional abilities: `SpawnsProcesses`)."""
 
     async def start(self) -> EngineInfo:
         """Load the model and start the step loop."""
@@ -160,6 +156,15 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Abort everything and release the model. Idempotent."""
         ...
+
+
+@runtime_checkable
+class SpawnsProcesses(Protocol):
+    """An engine that starts processes of its own: its worker then runs a watchdog (`runtime.reaper`)
+    that stops them if the worker dies, even by SIGKILL."""
+
+    spawns_processes: bool
+    """True when this engine's library starts processes."""
 
 
 def check_request(request: GenerateRequest, context_length: int, in_flight: Container[str]) -> None:

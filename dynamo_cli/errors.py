@@ -9,12 +9,17 @@ DynError
 │   ├── ModelNotFound      404
 │   ├── ContextOverflow    400, says the numbers
 │   └── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
-├── Overloaded             503 / 429: every worker is over its busy threshold
+├── Overloaded             503: every worker is over its busy threshold
 ├── NoWorkers              503: no instance serves the model
-└── TransportError         request-plane failures
-    ├── WorkerDisconnected the worker went away mid-stream (migratable)
-    ├── StreamTimeout      no frame within the idle timeout (migratable)
-    └── RemoteError        the worker raised while serving (not migratable)
+├── TransportError         request-plane failures
+│   ├── WorkerDisconnected the worker went away mid-stream (migratable)
+│   ├── StreamTimeout      no frame within the idle timeout (migratable)
+│   └── RemoteError        the worker raised while serving (not migratable)
+│   (defined beside their only raiser:)
+├── WorkerFailed           launcher.py: a `dyn serve` worker exited before registering
+├── EndpointUnreachable    bench/http.py: the benchmarked URL refuses connections
+├── EndpointError          bench/http.py: it answers, but not as a streaming OpenAI server
+└── LlamaCppError          engines/llamacpp/runner.py: llama.cpp refused a load, decode or state import
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ import time
 from dynamo_cli.config import ServeConfig, WorkerConfig
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
-from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import PARENT_ENV, cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
 from dynamo_cli.supervise import ProcessPool, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -103,22 +103,21 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     served: set[str] = set()
     pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
     service.app.standby = lambda model: (pool.retry_after() or 1.0) if model in served and pool.is_live() else None
-    supervision: list[asyncio.Task[None]] = []  # owned here: cancelled on the way out
+    async with ServiceTasks() as tasks:  # owns the pool's supervision; closed on the way out
 
-    async def on_ready() -> None:
-        await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
-        served.update(service.registry.models)
-        supervision.append(asyncio.get_running_loop().create_task(pool.supervise()))
-        print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})", flush=True)
+        async def on_ready() -> None:
+            await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
+            served.update(service.registry.models)
+            tasks.spawn(pool.supervise())
+            print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})",
+                  flush=True)  # fmt: skip
 
-    try:
-        await service.run(sock, stop, on_ready)
-    finally:
-        await pool.stop(config.worker.graceful_shutdown_s)
-        await cancel_and_wait(*supervision)
+        try:
+            await service.run(sock, stop, on_ready)
+        finally:
+            await pool.stop(config.worker.graceful_shutdown_s)
 
 
 def _shared_discovery(url: str, discovery: object) -> str:
     """The URL workers must use to share this process's discovery (the embedded root made explicit)."""
-    root = getattr(discovery, "root", None)
-    return f"file://{root}" if root is not None else url
+    return f"file://{discovery.root}" if isinstance(discovery, HostLocal) else url

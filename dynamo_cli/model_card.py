@@ -1,28 +1,10 @@
-"""The model deployment card a worker publishes beside its instance, and the instance record."""
+"""The model deployment card a worker publishes beside its instance record (runtime/endpoint.py)."""
 
 from __future__ import annotations
 
 import msgspec
 
 from dynamo_cli.engine import EngineInfo, Role
-
-
-class InstanceRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """`v1/instances/{ns}/{comp}/{ep}/{id:x}`: where an instance is reachable."""
-
-    namespace: str
-    component: str
-    endpoint: str
-    instance_id: int
-    transport: dict[str, str]
-    """`{"tcp": "host:port"}`."""
-    role: str = Role.BOTH.value
-    pid: int = 0
-    hostname: str = ""
-
-    @property
-    def address(self) -> str:
-        return self.transport["tcp"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +21,6 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     eos_token_ids: list[int] = []
-    migration_limit: int = 3
 
     @classmethod
     def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:

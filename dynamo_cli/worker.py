@@ -9,25 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import sys
 from collections import deque
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, SpawnsProcesses, load_engine
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
-from dynamo_cli.model_card import InstanceRecord, ModelCard
+from dynamo_cli.model_card import ModelCard
 from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
-from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
 logger = logging.getLogger(__name__)
@@ -71,28 +69,10 @@ class Worker:
         async for chunk in self.engine.generate(request):
             yield encode(chunk)
 
-    async def register(self, address: str) -> ModelCard:
-        """Publish instance and model card under the process lease."""
+    async def start_engine(self) -> ModelCard:
+        """Start the engine; the card it will be served with."""
         info = await self.engine.start()
-        card = ModelCard.from_engine(info, self.config.engine, self.config.role)
-        record = InstanceRecord(
-            namespace=self.name.namespace,
-            component=self.name.component,
-            endpoint=self.name.endpoint,
-            instance_id=self.instance_id,
-            transport={"tcp": address},
-            role=self.config.role.value,
-            pid=os.getpid(),
-            hostname=socket.gethostname(),
-        )
-        await self.discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
-        await self.discovery.put(self.name.instance_key(self.instance_id), msgspec.json.encode(record))
-        return card
-
-    async def deregister(self) -> None:
-        """Remove instance and card so routers stop sending here."""
-        await self.discovery.delete(self.name.instance_key(self.instance_id))
-        await self.discovery.delete(self.name.card_key(self.instance_id))
+        return ModelCard.from_engine(info, self.config.engine, self.config.role)
 
     async def pump_kv_events(self) -> None:
         """Relay the engine's KV events to the event plane, stamped with this instance's id; keep the
@@ -157,47 +137,32 @@ async def serve_worker(config: WorkerConfig) -> None:
     # and the lease must not go stale meanwhile.
     engine = load_engine(config.engine)(_engine_args(config))
     # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
-    reaper = guard_descendants() if getattr(engine, "spawns_processes", False) else None
+    reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         await _serve_until(Worker(config, engine, discovery, bus), stop)
     del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
 
 
 async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
-    worker.server.add_endpoint(worker.config.endpoint, worker.generate)
+    config = worker.config
     worker.server.add_endpoint("kv_events_since", worker.kv_events_since)
     worker.server.add_endpoint("kv_dump", worker.kv_dump)
     address = await worker.server.start()
-    tasks: list[asyncio.Task[None]] = []
+    endpoint = Endpoint(worker.name, worker.discovery)
     try:
-        card = await worker.register(address)
-        loop = asyncio.get_running_loop()
-        # NOTE: the worker's background loops; owned here and cancelled on the way out.
-        tasks = [loop.create_task(worker.pump_kv_events()), loop.create_task(worker.pump_load())]
-        print(
-            f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
-            f"model={card.display_name} engine={card.engine} role={card.role}",
-            flush=True,
-        )
-        await _wait_stop(stop, tasks)
-        await worker.deregister()
-        finished = await worker.server.drain(worker.config.graceful_shutdown_s)
-        if not finished:
-            logger.warning("grace period over with %d streams in flight; aborting them", worker.server.num_inflight)
+        async with ServiceTasks() as tasks:
+            card = await worker.start_engine()
+            async with endpoint.serve_endpoint(worker.server, worker.generate, card, role=config.role.value,
+                                               grace_s=config.graceful_shutdown_s):  # fmt: skip
+                # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
+                tasks.spawn(worker.pump_kv_events())
+                tasks.spawn(worker.pump_load())
+                print(f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
+                      f"model={card.display_name} engine={card.engine} role={card.role}", flush=True)  # fmt: skip
+                await tasks.wait_stop(stop)
     finally:
-        await cancel_and_wait(*tasks)
         await worker.server.close()
         await worker.engine.stop()
-
-
-async def _wait_stop(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
-    """Return on stop; re-raise if a background loop died."""
-    stopper = asyncio.get_running_loop().create_task(stop.wait())
-    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    await cancel_and_wait(stopper)
-    for task in done:
-        if task is not stopper and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
 
 
 def _engine_args(config: WorkerConfig) -> EngineArgs:
@@ -210,7 +175,3 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         extra=dict(config.extra),
     )
 
-
-def print_error(message: str) -> None:
-    """Last-resort error line for a worker subprocess."""
-    print(message, file=sys.stderr, flush=True)

@@ -95,8 +95,8 @@ class DynProcess:
 
         import msgspec
 
-        from dynamo_cli.model_card import InstanceRecord
         from dynamo_cli.runtime.discovery import open_discovery
+        from dynamo_cli.runtime.endpoint import InstanceRecord
 
         async def read() -> list[int]:
             discovery = open_discovery(self.discovery)

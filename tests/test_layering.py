@@ -51,14 +51,6 @@ ALLOWED: dict[str, set[str]] = {
 }
 """Layer -> the layers it may import (besides itself). `engines` is not importable from dynamo_cli at all."""
 
-# Temporary: removed when the endpoint layer lands (issue 11: the router stops importing the frontend's
-# model registry). The lead deletes this allowlist at merge; a stale entry fails the test below.
-KNOWN_VIOLATIONS = {
-    ("dynamo_cli.router.service", "dynamo_cli.frontend.kv_repair"),
-    ("dynamo_cli.router.service", "dynamo_cli.frontend.models"),
-    ("dynamo_cli.router.replicas", "dynamo_cli.frontend.models"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -122,13 +114,7 @@ def test_every_module_belongs_to_a_known_layer() -> None:
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
     found = set().union(*(violations(name, source) for name, source in first_party_modules()))
-    assert found - KNOWN_VIOLATIONS == set()
-
-
-def test_the_known_violations_are_still_there() -> None:
-    """An entry whose import is gone must leave the allowlist, so the list only shrinks."""
-    found = set().union(*(violations(name, source) for name, source in first_party_modules()))
-    assert KNOWN_VIOLATIONS - found == set()
+    assert found == set()
 
 
 def test_a_function_local_import_counts() -> None:

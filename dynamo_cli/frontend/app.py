@@ -39,6 +39,7 @@ from dynamo_cli.frontend.openai import (
 )
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
+from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class Frontend:
             error = _internal(exc, f"streaming request {d.plan.request_id}")
             tail = fmt.error(str(error), "internal_error", "internal_error")
         finally:
-            watcher.cancel()
+            await cancel_and_wait(watcher)
         if status == "cancelled":
             self.metrics.disconnected.labels(d.entry.name).inc()
             self.metrics.cancellations.labels(d.entry.name).inc()
@@ -243,17 +244,18 @@ class Frontend:
     ##### REST #####
 
     async def list_models(self, request: Request) -> Response:
+        # servable(): a model only prefill workers serve is left out until disaggregation lands
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "dyn",
+            {"id": e.name, "object": "model", "created": 0, "owned_by": "dyn",
              "max_model_len": e.card.context_length, "num_workers": len(e.workers) + len(e.prefill_workers)}
-            for name, e in sorted(self.registry.models.items()) if e.workers or e.prefill_workers
+            for e in self.registry.servable()
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
         instances = [
-            {"model": name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
-            for name, e in self.registry.models.items() for wid, w in {**e.workers, **e.prefill_workers}.items()
+            {"model": e.name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
+            for e in self.registry.servable() for wid, w in {**e.workers, **e.prefill_workers}.items()
         ]  # fmt: skip
         healthy = bool(instances)
         body = {"status": "healthy" if healthy else "unhealthy", "instances": instances}

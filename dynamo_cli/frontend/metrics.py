@@ -17,9 +17,6 @@ class FrontendMetrics:
             f"{prefix}_requests", "Requests", ["model", "endpoint", "request_type", "status"], registry=r
         )
         self.inflight = Gauge(f"{prefix}_inflight_requests", "Requests in flight", ["model"], registry=r)
-        self.queued = Gauge(
-            f"{prefix}_queued_requests", "Requests waiting for their first token", ["model"], registry=r
-        )
         self.disconnected = Counter(f"{prefix}_disconnected_clients", "Clients gone mid-request", ["model"], registry=r)
         self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds", "TTFT", ["model"], buckets=_LATENCY, registry=r)
         self.itl = Histogram(f"{prefix}_inter_token_latency_seconds", "ITL", ["model"], buckets=_LATENCY, registry=r)

@@ -13,23 +13,22 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
-
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
-from dynamo_cli.frontend.kv_repair import repair_gap, repair_loop
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
+from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
+from dynamo_cli.router.base import RandomPolicy, RepairsKvGaps, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.router.kv import kv_policy_factory
+from dynamo_cli.router.kv_repair import repair_gap, repair_loop
+from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, Worker
 from dynamo_cli.runtime.discovery import Discovery
-from dynamo_cli.runtime.events import EventBus, Subscription, subscribe_kv_events
+from dynamo_cli.runtime.events import EventBus, pump, subscribe_kv_events
 from dynamo_cli.runtime.names import component_subject, kv_events_subject
-from dynamo_cli.runtime.supervisor import cancel_and_wait
+from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +62,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _pump_events(sub: Subscription, apply: Callable[[Any], None], kind: type) -> None:
-    decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
-    try:
-        async for _, payload in sub:
-            try:
-                apply(decode(payload))
-            except msgspec.DecodeError:
-                logger.warning("dropping an undecodable %s message", kind.__name__)
-    finally:
-        await sub.close()
-
-
 class FrontendService:
     """Owns the registry's watches, the event pumps and the HTTP server."""
 
@@ -86,34 +73,36 @@ class FrontendService:
         self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept)
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = ServiceTasks()
+        """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
+        catch-up, and the HTTP server itself; cancelled when `run` returns."""
 
     async def run(self, sock: socket.socket, stop: asyncio.Event, on_ready: Callable[[], Awaitable[None]]) -> None:
         """Serve until `stop` is set."""
-        loop = asyncio.get_running_loop()
         ns = self.config.namespace
-        self._tasks = [loop.create_task(self.registry.watch_instances()), loop.create_task(self.registry.watch_cards())]
-        load = await self._bus.subscribe(component_subject(ns, "*", "kv-metrics"))
-        self._tasks.append(loop.create_task(_pump_events(load, self.registry.apply_load, LoadMetrics)))
-        if self.config.router == "kv":
-            kv = await subscribe_kv_events(self._bus, ns, kv_events_subject(ns))
-            self._tasks.append(loop.create_task(_pump_events(kv, self.registry.apply_kv_events, KvEventBatch)))
-            self._tasks.append(loop.create_task(repair_loop(self.registry, self.metrics.count_repair)))
-            self.registry.on_join = self._catch_up
         try:
-            server = loop.create_task(self._serve_http(sock, stop))
+            for loop in self.registry.loops():
+                self._tasks.spawn(loop)
+            load = await self._bus.subscribe(component_subject(ns, "*", "kv-metrics"))
+            self._tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
+            if self.config.router == "kv":
+                kv = await subscribe_kv_events(self._bus, ns, kv_events_subject(ns))
+                self._tasks.spawn(pump(kv, self.registry.apply_kv_events, KvEventBatch))
+                self._tasks.spawn(repair_loop(self.registry, self.metrics.count_repair))
+                self.registry.on_join = self._catch_up
+            server = self._tasks.spawn(self._serve_http(sock, stop))
             await on_ready()
             await server
         finally:
-            await cancel_and_wait(*self._tasks)
+            await self._tasks.close()
             await self.registry.close()
 
     def _catch_up(self, entry: ModelEntry, worker: Worker) -> None:
         """A worker joined: replay its kept KV events from 0 (or load its dump), so a router that
         starts after the workers, or a worker that restarts, is known at once."""
         policy = entry.prefill_policy if worker.instance_id in entry.prefill_workers else entry.policy
-        task = asyncio.get_running_loop().create_task(repair_gap(policy, worker, 0))
-        self._tasks.append(task)  # type: ignore[arg-type]
+        if isinstance(policy, RepairsKvGaps):
+            self._tasks.spawn(repair_gap(policy, worker, 0))
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":
@@ -130,12 +119,12 @@ class FrontendService:
         config = uvicorn.Config(self.app, http="httptools", lifespan="off", access_log=False,
                                 log_level="warning", timeout_keep_alive=30, backlog=2048)  # fmt: skip
         server = _Server(config)
-        watcher = asyncio.get_running_loop().create_task(stop.wait())
+        watcher = asyncio.get_running_loop().create_task(stop.wait())  # owned here: awaited below
         watcher.add_done_callback(lambda _: setattr(server, "should_exit", True))
         try:
             await server.serve(sockets=[sock])
         finally:
-            watcher.cancel()
+            await cancel_and_wait(watcher)
 
     async def _serve_hypercorn(self, sock: socket.socket, stop: asyncio.Event) -> None:
         from hypercorn.asyncio import serve

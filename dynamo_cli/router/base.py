@@ -8,12 +8,13 @@ load never leaks it. KV-aware policies also ingest the workers' KV events.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.router.indexer import Gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +107,30 @@ class RandomPolicy(_Blind):
         if request.pinned_worker in workers:
             return RouteDecision(request.pinned_worker)  # type: ignore[arg-type]
         return RouteDecision(self._rng.choice(workers))
+
+
+##### Optional abilities of a policy #####
+
+
+@runtime_checkable
+class RepairsKvGaps(Protocol):
+    """A policy that notices gaps in a worker's KV event ids and can be repaired (kv_repair.py)."""
+
+    def take_gaps(self) -> list[Gap]:
+        """Gaps seen since the last call, at most one per worker."""
+        ...
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None: ...
+
+    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
+        """Replace what the policy knows of a worker's cache by the worker's own dump."""
+        ...
+
+
+@runtime_checkable
+class ExpiresStale(Protocol):
+    """A policy that can free requests whose end it never heard of (a lost event)."""
+
+    def expire_stale(self) -> list[str]:
+        """Free requests in flight for too long; return their ids."""
+        ...

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelRegistry
 from dynamo_cli.router.kv import KvRoutingPolicy
-from dynamo_cli.runtime.discovery import Discovery, WatchKind
-from dynamo_cli.runtime.events import EventBus
-from dynamo_cli.runtime.names import component_subject, parse_instance_key
+from dynamo_cli.router.registry import ROUTER_COMPONENT, Registry
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.endpoint import Instance, InstanceWatch
+from dynamo_cli.runtime.events import EventBus, pump
+from dynamo_cli.runtime.names import component_subject
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class ActiveSequenceEvent(msgspec.Struct, frozen=True, kw_only=True):
 class ReplicaSync:
     """Publishes this replica's routing events and applies its peers' to the registry's policies."""
 
-    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: ModelRegistry) -> None:
+    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: Registry[Any]) -> None:
         self.subject = component_subject(namespace, ROUTER_COMPONENT, SYNC_TOPIC)
         self.router_id = router_id
         self.num_dropped = 0
@@ -79,7 +82,6 @@ class ReplicaSync:
         self._peers: dict[int, set[tuple[str, str]]] = {}
         """Peer router id -> (model, key) of its requests in flight, freed if the peer leaves."""
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(ActiveSequenceEvent).decode
 
     ##### This replica's decisions -> peers #####
 
@@ -124,15 +126,7 @@ class ReplicaSync:
 
     async def subscribe_loop(self) -> None:
         """Apply the peers' events; runs until cancelled."""
-        sub = await self._bus.subscribe(self.subject)
-        try:
-            async for _, payload in sub:
-                try:
-                    self.apply(self._decode(payload))
-                except msgspec.DecodeError:
-                    logger.warning("replica sync: dropping an undecodable event")
-        finally:
-            await sub.close()
+        await pump(await self._bus.subscribe(self.subject), self.apply, ActiveSequenceEvent)
 
     def apply(self, event: ActiveSequenceEvent) -> None:
         """Count a peer's routing event in the model's policy; own echoes and unknown models are ignored."""
@@ -164,11 +158,16 @@ class ReplicaSync:
             if entry is not None:
                 entry.policy.on_finish(key)
 
-    async def watch_peers(self, discovery: Discovery) -> None:
-        """Follow the router instances; a replica that leaves has its load freed. Runs until cancelled."""
-        async for event in discovery.watch(f"v1/instances/{self._namespace}/{ROUTER_COMPONENT}/"):
-            _, instance_id = parse_instance_key(event.key)
-            if event.kind is WatchKind.DELETE and instance_id != self.router_id:
-                logger.info("router replica %x left; freeing its %d requests in flight", instance_id,
-                            len(self._peers.get(instance_id, ())))  # fmt: skip
-                self.peer_left(instance_id)
+    def peer_loops(self, discovery: Discovery) -> list[Coroutine[Any, Any, None]]:
+        """The watches of the router instances (their cards are not read): a replica that leaves has
+        its load freed. Each runs until cancelled."""
+        peers: InstanceWatch[msgspec.Raw] = InstanceWatch(discovery, f"{self._namespace}/{ROUTER_COMPONENT}/",
+                                                          msgspec.Raw)  # fmt: skip
+        peers.on_leave = self._on_peer_leave
+        return peers.loops()
+
+    def _on_peer_leave(self, peer: Instance[msgspec.Raw]) -> None:
+        if peer.instance_id != self.router_id:
+            logger.info("router replica %x left; freeing its %d requests in flight", peer.instance_id,
+                        len(self._peers.get(peer.instance_id, ())))  # fmt: skip
+            self.peer_left(peer.instance_id)

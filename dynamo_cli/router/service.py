@@ -16,30 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from dynamo_cli.config import DEFAULT_NAMESPACE, KvRouterConfig, PlanesConfig, ServeConfig
 from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import NoWorkers, RequestError, TransportError, UnknownInstance
-from dynamo_cli.frontend.kv_repair import repair_loop
-from dynamo_cli.frontend.models import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.kv.events import KvEventBatch
-from dynamo_cli.model_card import InstanceRecord, ModelCard
-from dynamo_cli.router.base import RouteRequest
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.router.base import ExpiresStale, RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.router.kv_repair import repair_loop
+from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
-from dynamo_cli.runtime.events import EventBus
+from dynamo_cli.runtime.endpoint import Endpoint
+from dynamo_cli.runtime.events import EventBus, pump
 from dynamo_cli.runtime.names import EndpointName, component_subject
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
 logger = logging.getLogger(__name__)
@@ -68,14 +66,6 @@ class RouterServiceConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
 
 
-class BackendRegistry(ModelRegistry):
-    """The backend workers a router routes to. No tokenizer is loaded: the router sees token ids only."""
-
-    def _new_entry(self, card: ModelCard) -> ModelEntry:
-        tokenizer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        tokenizer.cancel()
-        policy_factory = self._policy_factory
-        return ModelEntry(card.display_name, card, tokenizer, policy_factory(card), policy_factory(card))
 
 
 class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,8 +81,8 @@ class RouterService:
     def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
-        self.registry = BackendRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
-                                        accept=lambda name: name.component == config.component)  # fmt: skip
+        self.registry = ModelRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
+                                      accept=lambda name: name.component == config.component)  # fmt: skip
         self.server = RequestServer(config.host, config.port)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.model: str | None = None
@@ -200,47 +190,43 @@ class RouterService:
 
     async def run(self, stop: asyncio.Event, announce: Callable[[str], None]) -> None:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
-        self.server.add_endpoint("generate", self.generate)
         self.server.add_endpoint("best_worker_id", self.best_worker_id)
         address = await self.server.start()
-        # NOTE: the router's background loops; owned here and cancelled on the way out.
-        tasks = [asyncio.get_running_loop().create_task(loop) for loop in self._loops()]
         try:
-            card = await self._wait_for_card(stop, tasks)
-            if card is None:
-                return
-            await self.register(address, card)
-            announce(
-                f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
-                f"model={card.display_name} backends={self.config.namespace}/{self.config.component}"
-            )
-            await _wait_stop(stop, tasks)
-            await self.deregister()
-            if not await self.server.drain(self.config.graceful_shutdown_s):
-                logger.warning("grace period over with %d streams in flight; aborting them",
-                               self.server.num_inflight)  # fmt: skip
+            async with ServiceTasks() as tasks:
+                await self._start_loops(tasks)
+                card = await self._wait_for_card(stop, tasks)
+                if card is None:
+                    return
+                async with Endpoint(self.name, self._discovery).serve_endpoint(
+                    self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
+                ):
+                    backends = f"{self.config.namespace}/{self.config.component}"
+                    announce(f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
+                             f"model={card.display_name} backends={backends}")  # fmt: skip
+                    await tasks.wait_stop(stop)
         finally:
-            await cancel_and_wait(*tasks)
             await self.server.close()
             await self.registry.close()
 
-    def _loops(self) -> list[Any]:
+    async def _start_loops(self, tasks: ServiceTasks) -> None:
+        """NOTE: the router's background loops, owned by `tasks`: the backends' discovery, load and
+        KV events (with gap repair), the replicas' sync, and the expiry of lost requests."""
         ns, component = self.config.namespace, self.config.component
-        metrics = component_subject(ns, component, "kv-metrics")
-        loops = [self.registry.watch_instances(), self.registry.watch_cards(),
-                 pump(self._bus, metrics, self.registry.apply_load, LoadMetrics),
-                 self.sync.publish_loop(), self.sync.subscribe_loop(), self.sync.watch_peers(self._discovery),
-                 self._expire_loop()]  # fmt: skip
+        for loop in [*self.registry.loops(), self.sync.publish_loop(), self.sync.subscribe_loop(),
+                     *self.sync.peer_loops(self._discovery), self._expire_loop()]:  # fmt: skip
+            tasks.spawn(loop)
+        load = await self._bus.subscribe(component_subject(ns, component, "kv-metrics"))
+        tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
         if self.config.kv_router.use_kv_events:
-            subject = component_subject(ns, component, "kv-events")
-            loops += [pump(self._bus, subject, self.registry.apply_kv_events, KvEventBatch),
-                      repair_loop(self.registry)]  # fmt: skip
-        return loops
+            kv = await self._bus.subscribe(component_subject(ns, component, "kv-events"))
+            tasks.spawn(pump(kv, self.registry.apply_kv_events, KvEventBatch))
+            tasks.spawn(repair_loop(self.registry))
 
-    async def _wait_for_card(self, stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> ModelCard | None:
+    async def _wait_for_card(self, stop: asyncio.Event, tasks: ServiceTasks) -> ModelCard | None:
         """The first backend card seen, or None if `stop` came first."""
         while not stop.is_set():
-            _raise_if_died(tasks)
+            tasks.raise_if_died()
             entry = next((e for e in self.registry.models.values() if e.workers), None)
             if entry is not None:
                 self.model = entry.name
@@ -251,26 +237,11 @@ class RouterService:
                     await self.registry.changed.wait()
         return None
 
-    async def register(self, address: str, card: ModelCard) -> None:
-        """Publish the router's card (a backend's copy) and instance record under the process lease."""
-        record = InstanceRecord(namespace=self.name.namespace, component=self.name.component,
-                                endpoint=self.name.endpoint, instance_id=self.instance_id,
-                                transport={"tcp": address}, role=card.role, pid=os.getpid(),
-                                hostname=socket.gethostname())  # fmt: skip
-        await self._discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
-        await self._discovery.put(self.name.instance_key(self.instance_id), msgspec.json.encode(record))
-
-    async def deregister(self) -> None:
-        """Remove instance and card so frontends stop sending here."""
-        await self._discovery.delete(self.name.instance_key(self.instance_id))
-        await self._discovery.delete(self.name.card_key(self.instance_id))
-
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
             for entry in list(self.registry.models.values()):
-                expire = getattr(entry.policy, "expire_stale", None)
-                stale = expire() if expire is not None else []
+                stale = entry.policy.expire_stale() if isinstance(entry.policy, ExpiresStale) else []
                 if stale:
                     logger.warning("freed %d requests in flight for too long on model %s",
                                    len(stale), entry.name)  # fmt: skip
@@ -283,20 +254,6 @@ def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[dict[str
              "active_prefill_tokens": s.active_prefill_tokens(w)} for w in sorted(workers)]  # fmt: skip
 
 
-async def pump(bus: EventBus, subject: str, apply: Callable[[Any], None], kind: type) -> None:
-    """Decode every message on `subject` as `kind` and apply it; runs until cancelled."""
-    decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
-    sub = await bus.subscribe(subject)
-    try:
-        async for _, payload in sub:
-            try:
-                apply(decode(payload))
-            except msgspec.DecodeError:
-                logger.warning("dropping an undecodable %s message on %s", kind.__name__, subject)
-    finally:
-        await sub.close()
-
-
 def _pinned(value: str | None) -> int | None:
     if not value:
         return None
@@ -304,20 +261,6 @@ def _pinned(value: str | None) -> int | None:
         return int(value, 16)
     except ValueError:
         raise RequestError(f"annotation {PIN_ANNOTATION} '{value}' is not a hex instance id") from None
-
-
-def _raise_if_died(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
-
-
-async def _wait_stop(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
-    """Return on stop; re-raise if a background loop died."""
-    stopper = asyncio.get_running_loop().create_task(stop.wait())
-    await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    await cancel_and_wait(stopper)
-    _raise_if_died(tasks)
 
 
 async def serve_router(config: RouterServiceConfig, announce: Callable[[str], None]) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -64,6 +65,17 @@ class Discovery(Protocol):
 
     async def close(self) -> None:
         """Revoke the lease (its keys vanish at once) and disconnect. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class HostLocal(Protocol):
+    """A discovery store kept in a directory of this host (the embedded one): other processes share
+    it by that directory."""
+
+    @property
+    def root(self) -> Path:
+        """The store's directory."""
         ...
 
 

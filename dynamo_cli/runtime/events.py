@@ -8,10 +8,15 @@ it is full new messages are dropped and counted (`dropped`), never blocking the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
 
 from dynamo_cli.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 SUBSCRIBER_QUEUE = 65_536
 """Messages buffered per subscription before drops are counted."""
@@ -48,6 +53,33 @@ class EventBus(Protocol):
         ...
 
 
+@runtime_checkable
+class DurableStreams(Protocol):
+    """An event bus that can keep a subject's messages in a stream and replay them (NATS JetStream)."""
+
+    async def ensure_stream(self, name: str, subjects: list[str]) -> None:
+        """Create stream `name` capturing `subjects` unless it exists."""
+        ...
+
+    async def subscribe_replay(self, subject: str, *, stream: str, start_seq: int = 1) -> Subscription:
+        """Every kept message of `stream` on `subject` from `start_seq` on, then new ones."""
+        ...
+
+
+async def pump(sub: Subscription, apply: Callable[[Any], None], kind: type) -> None:
+    """Decode every message of `sub` as msgpack `kind` and apply it; undecodable ones are logged and
+    skipped. Runs until cancelled, then closes `sub`."""
+    decode: Callable[[bytes], Any] = msgspec.msgpack.Decoder(kind).decode
+    try:
+        async for subject, payload in sub:
+            try:
+                apply(decode(payload))
+            except msgspec.DecodeError:
+                logger.warning("dropping an undecodable %s message on %s", kind.__name__, subject)
+    finally:
+        await sub.close()
+
+
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS-style match: `*` is one token, a trailing `>` is one or more tokens."""
     if pattern == subject:
@@ -81,17 +113,14 @@ def kv_stream_name(namespace: str) -> str:
 
 async def ensure_kv_stream(bus: EventBus, namespace: str, subject: str) -> None:
     """Make KV events durable where the backend can (NATS JetStream); a no-op elsewhere."""
-    ensure = getattr(bus, "ensure_stream", None)
-    if ensure is not None:
-        await ensure(kv_stream_name(namespace), [subject])
+    if isinstance(bus, DurableStreams):
+        await bus.ensure_stream(kv_stream_name(namespace), [subject])
 
 
 async def subscribe_kv_events(bus: EventBus, namespace: str, subject: str) -> Subscription:
     """Subscribe to KV events, replaying what the stream kept when the backend can (a late router
     catches up); otherwise from now on (gaps are then repaired from the workers)."""
-    replay = getattr(bus, "subscribe_replay", None)
-    if replay is None:
+    if not isinstance(bus, DurableStreams):
         return await bus.subscribe(subject)
-    await ensure_kv_stream(bus, namespace, subject)
-    sub: Subscription = await replay(subject, stream=kv_stream_name(namespace), start_seq=1)
-    return sub
+    await bus.ensure_stream(kv_stream_name(namespace), [subject])
+    return await bus.subscribe_replay(subject, stream=kv_stream_name(namespace), start_seq=1)

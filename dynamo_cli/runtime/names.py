@@ -51,11 +51,6 @@ class EndpointName:
         """`ns/comp/ep`, the discovery key fragment."""
         return f"{self.namespace}/{self.component}/{self.endpoint}"
 
-    @property
-    def subject(self) -> str:
-        """`ns.comp.ep`, the event-plane spelling."""
-        return f"{self.namespace}.{self.component}.{self.endpoint}"
-
     def instance_key(self, instance_id: int) -> str:
         """Discovery key of one instance of this endpoint."""
         return f"v1/instances/{self.path}/{instance_id:x}"

@@ -1,4 +1,13 @@
-"""Process lifecycle: the event loop, stop signals, and the one TaskGroup that owns background loops."""
+"""Process lifecycle: the event loop, stop signals, and the task owner of each service.
+
+NOTE: every background task has an owner that cancels and awaits it. A service (worker, router service,
+frontend server) spawns its long-lived loops on one `ServiceTasks` and closes it on the way out;
+`wait_stop` returns when the process is told to stop and re-raises the first loop that died, as
+itself (an `asyncio.TaskGroup` would wrap it in an ExceptionGroup, which the CLI's one `DynError`
+handler would not recognise). Below the services, objects that must run a task of their own
+(etcd's lease keep-alive, a ZMQ subscription's pumps, the request server's streams, the connection
+pool's closers) own it themselves and cancel it in their idempotent `close()`.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +47,53 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     for task in live:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+class ServiceTasks:
+    """The background tasks of one service: spawned here, cancelled and awaited by `close()`."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `coro` as a task owned by this service; a finished one that did not fail is forgotten."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._forget_if_clean)
+        return task
+
+    def _forget_if_clean(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            self._tasks.discard(task)
+
+    def raise_if_died(self) -> None:
+        """Re-raise the exception of a task that failed."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    async def wait_stop(self, stop: asyncio.Event) -> None:
+        """Return when `stop` is set; re-raise if a task died first."""
+        stopper = asyncio.get_running_loop().create_task(stop.wait())
+        try:
+            while not stopper.done():
+                self.raise_if_died()
+                running = [t for t in self._tasks if not t.done()]
+                await asyncio.wait([stopper, *running], return_when=asyncio.FIRST_COMPLETED)
+            self.raise_if_died()
+        finally:
+            await cancel_and_wait(stopper)
+
+    async def close(self) -> None:
+        """Cancel every task and wait for them. Idempotent."""
+        tasks, self._tasks = list(self._tasks), set()
+        await cancel_and_wait(*tasks)
+
+    async def __aenter__(self) -> ServiceTasks:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
 
 PARENT_ENV = "DYN_PARENT_PID"

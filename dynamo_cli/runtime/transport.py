@@ -16,7 +16,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 
@@ -163,6 +163,14 @@ class RequestServer:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._is_closing = False
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        """The `host:port` callers should dial; set by `start()`."""
+        if self._address is None:
+            raise RuntimeError("RequestServer.address read before start()")
+        return self._address
 
     def add_endpoint(self, name: str, handler: Handler) -> None:
         """Serve `handler` under `name`."""
@@ -174,7 +182,8 @@ class RequestServer:
         self._server = await loop.create_server(lambda: _ServerConnection(self), self._host, self._port)
         port = self._server.sockets[0].getsockname()[1]
         host = self._host if self._host not in ("0.0.0.0", "::", "") else socket.gethostname()
-        return f"{host}:{port}"
+        self._address = f"{host}:{port}"
+        return self._address
 
     @property
     def num_inflight(self) -> int:
@@ -394,8 +403,3 @@ class RequestClient:
             self._closed = True
             self._lost(WorkerDisconnected(f"client for {self.address} closed"))
 
-
-def describe(value: Any) -> str:
-    """Short text of a body for logs."""
-    text = repr(value)
-    return text if len(text) < 200 else text[:197] + "..."

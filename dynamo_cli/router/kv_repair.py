@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from dynamo_cli.errors import TransportError
-from dynamo_cli.frontend.models import ModelRegistry, Worker
 from dynamo_cli.kv.events import KvDump, KvEventBatch
+from dynamo_cli.router.base import RepairsKvGaps
+from dynamo_cli.router.registry import Registry, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +24,15 @@ _decode_dump = msgspec.msgpack.Decoder(KvDump).decode
 _encode = msgspec.msgpack.encode
 
 
-async def repair_loop(registry: ModelRegistry, on_repair: Any = None) -> None:
+async def repair_loop(registry: Registry[Any], on_repair: Callable[[str], None] | None = None) -> None:
     """Every REPAIR_INTERVAL_S, ask workers whose event ids jumped for what the router missed."""
     while True:
         await asyncio.sleep(REPAIR_INTERVAL_S)
         for entry in list(registry.models.values()):
             for policy, pool in ((entry.policy, entry.workers), (entry.prefill_policy, entry.prefill_workers)):
-                take_gaps = getattr(policy, "take_gaps", None)
-                for gap in take_gaps() if take_gaps else []:
+                if not isinstance(policy, RepairsKvGaps):
+                    continue
+                for gap in policy.take_gaps():
                     worker = pool.get(gap.worker_id)
                     if worker is not None:
                         kind = await repair_gap(policy, worker, gap.first_missing)
@@ -37,7 +40,7 @@ async def repair_loop(registry: ModelRegistry, on_repair: Any = None) -> None:
                             on_repair(kind)
 
 
-async def repair_gap(policy: Any, worker: Worker, first_missing: int) -> str:
+async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) -> str:
     """Replay from `first_missing`; when the worker no longer keeps it, load its dump. Returns which."""
     try:
         async with asyncio.timeout(REPAIR_TIMEOUT_S):

@@ -1,0 +1,193 @@
+"""The routable models of a namespace: discovered from worker cards, with their workers and policies.
+
+Built on the runtime's instance watch (`v1/instances/{ns}/` + `v1/mdc/{ns}/`, cards decoded as
+`ModelCard`): an instance is routable once both are known. One request-plane connection per worker
+address; a worker that leaves discovery has its connection closed once idle, which fails its open
+streams over to migration. The frontend and `dyn router` both route with it.
+
+NOTE: until disaggregation lands, only aggregated and decode workers serve a model: a model whose
+only workers are prefill workers is known (`models`) but not servable (`get`, `servable`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from dynamo_cli.engine import LoadMetrics, Role
+from dynamo_cli.errors import ModelNotFound
+from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.router.base import RoutingPolicy
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.endpoint import Connections, Instance, InstanceRecord, InstanceWatch
+from dynamo_cli.runtime.names import EndpointName
+from dynamo_cli.runtime.transport import RequestClient
+
+logger = logging.getLogger(__name__)
+
+ROUTER_COMPONENT = "router"
+"""Component name of standalone `dyn router` instances; by default the frontend routes to workers only."""
+
+PolicyFactory = Callable[[ModelCard], RoutingPolicy]
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """When a worker counts as busy (a request finding every worker busy gets a 503)."""
+
+    max_inflight: int = 0
+    """Streams in flight from this frontend to one worker; 0 = no limit."""
+    active_blocks_fraction: float = 1.0
+    """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
+
+
+@dataclass(slots=True)
+class Worker:
+    """A routable instance."""
+
+    instance_id: int
+    record: InstanceRecord
+    card: ModelCard
+    client: RequestClient
+    num_inflight: int = 0
+    """Streams this frontend has open on the worker."""
+    load: LoadMetrics | None = None
+    """The worker's last published load."""
+
+    def busy_reason(self, limits: BusyThresholds) -> str | None:
+        """Why the worker is busy, or None."""
+        if limits.max_inflight and self.num_inflight >= limits.max_inflight:
+            return f"{self.num_inflight} requests in flight (limit {limits.max_inflight})"
+        load = self.load
+        if load is not None and load.total_blocks and limits.active_blocks_fraction < 1.0:
+            used = load.active_blocks / load.total_blocks
+            if used > limits.active_blocks_fraction:
+                return f"KV cache {used:.0%} used (threshold {limits.active_blocks_fraction:.0%})"
+        return None
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One model: its card, workers by role and routing policies."""
+
+    name: str
+    card: ModelCard
+    policy: RoutingPolicy
+    prefill_policy: RoutingPolicy
+    workers: dict[int, Worker] = field(default_factory=dict)
+    """Aggregated and decode workers."""
+    prefill_workers: dict[int, Worker] = field(default_factory=dict)
+
+    def pool(self, role: Role) -> dict[int, Worker]:
+        return self.prefill_workers if role is Role.PREFILL else self.workers
+
+
+EntryT = TypeVar("EntryT", bound=ModelEntry)
+
+
+class Registry(Generic[EntryT]):
+    """Live view of models and workers, fed by discovery watches; `_new_entry` makes a model's entry."""
+
+    def __init__(
+        self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
+        busy: BusyThresholds | None = None,
+        accept: Callable[[EndpointName], bool] | None = None,
+    ) -> None:  # fmt: skip
+        self.busy = busy or BusyThresholds()
+        self._policy_factory = policy_factory
+        self.models: dict[str, EntryT] = {}
+        self._placed: dict[int, EntryT] = {}
+        self._watch = InstanceWatch(discovery, f"{namespace}/", ModelCard,
+                                    accept or (lambda name: name.component != ROUTER_COMPONENT))  # fmt: skip
+        self._watch.on_join, self._watch.on_leave = self._add, self._remove
+        self._connections = Connections()
+        self.changed = self._watch.changed
+        """Set after every discovery event."""
+        self.on_join: Callable[[EntryT, Worker], None] | None = None
+        """Called when a worker becomes routable (the KV router catches up on its cache then)."""
+
+    def _new_entry(self, card: ModelCard) -> EntryT:
+        raise NotImplementedError
+
+    ##### Queries #####
+
+    def get(self, name: str) -> EntryT:
+        """The entry serving `name`, or ModelNotFound listing what is served."""
+        entry = self.models.get(name)
+        if entry is None or not entry.workers:
+            raise ModelNotFound(name, [e.name for e in self.servable()])
+        return entry
+
+    def servable(self) -> list[EntryT]:
+        """The models some aggregated or decode worker serves, by name."""
+        return [e for _, e in sorted(self.models.items()) if e.workers]
+
+    def num_workers(self) -> int:
+        """Registered workers of every role."""
+        return len(self._placed)
+
+    def worker_of(self, instance_id: int) -> EntryT | None:
+        return self._placed.get(instance_id)
+
+    ##### Event ingestion #####
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        entry = self._placed.get(batch.worker_id)
+        if entry is not None:
+            pool_policy = entry.prefill_policy if batch.worker_id in entry.prefill_workers else entry.policy
+            pool_policy.apply_kv_events(batch)
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        entry = self._placed.get(metrics.worker_id)
+        if entry is not None:
+            worker = entry.workers.get(metrics.worker_id) or entry.prefill_workers.get(metrics.worker_id)
+            if worker is not None:
+                worker.load = metrics
+            entry.policy.apply_load(metrics)
+
+    ##### Discovery #####
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """The discovery watches (instances, cards); each runs until cancelled."""
+        return self._watch.loops()
+
+    def _add(self, instance: Instance[ModelCard]) -> None:
+        instance_id, record, card = instance.instance_id, instance.record, instance.card
+        entry = self.models.get(card.display_name)
+        if entry is None:
+            entry = self.models[card.display_name] = self._new_entry(card)
+        client = self._connections.get(record.address)
+        worker = entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
+        self._placed[instance_id] = entry
+        if self.on_join is not None:
+            self.on_join(entry, worker)
+        logger.info("worker %x joined model %s at %s (%s)", instance_id, card.display_name, record.address, card.role)
+
+    def _remove(self, instance: Instance[ModelCard]) -> None:
+        instance_id = instance.instance_id
+        entry = self._placed.pop(instance_id)
+        if entry.workers.pop(instance_id, None) is None:
+            entry.prefill_workers.pop(instance_id, None)
+        entry.policy.remove_worker(instance_id)
+        entry.prefill_policy.remove_worker(instance_id)
+        address = instance.record.address
+        if not any(w.record.address == address for w in self._all_workers()):
+            self._connections.retire(address)
+        logger.info("worker %x left model %s", instance_id, entry.name)
+
+    def _all_workers(self) -> list[Worker]:
+        return [w for e in self.models.values() for w in (*e.workers.values(), *e.prefill_workers.values())]
+
+    async def close(self) -> None:
+        """Close every worker connection. Idempotent."""
+        await self._connections.close()
+
+
+class ModelRegistry(Registry[ModelEntry]):
+    """The registry of `dyn router`: plain entries (it sees token ids only, no tokenizer)."""
+
+    def _new_entry(self, card: ModelCard) -> ModelEntry:
+        return ModelEntry(card.display_name, card, self._policy_factory(card), self._policy_factory(card))

@@ -1,0 +1,82 @@
+"""The model registry on a real (embedded) discovery: what it routes to, and what it advertises."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dynamo_cli.engine import Role
+from dynamo_cli.errors import ModelNotFound
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.router.base import RoundRobinPolicy
+from dynamo_cli.router.registry import ModelRegistry
+from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.endpoint import Endpoint
+from dynamo_cli.runtime.names import EndpointName
+from dynamo_cli.runtime.supervisor import ServiceTasks
+from dynamo_cli.runtime.transport import RequestServer
+
+WAIT_S = 5.0
+
+
+@pytest.fixture
+async def discoveries(tmp_path: Path) -> AsyncIterator[list[Discovery]]:
+    """Three processes on one embedded store: the registry's and two workers'."""
+    opened = [open_discovery(f"file://{tmp_path / 'discovery'}", ttl=2.0) for _ in range(3)]
+    for discovery in opened:
+        await discovery.start()
+    yield opened
+    for discovery in opened:
+        await discovery.close()
+
+
+def card(role: Role) -> ModelCard:
+    return ModelCard(display_name="m", tokenizer_source="-", engine="mocker", role=role.value)
+
+
+async def register(discovery: Discovery, component: str, role: Role) -> None:
+    """Write a worker's card and record as serve_endpoint does, without serving (nothing dials it)."""
+    name = EndpointName("ns", component, "generate")
+    server = RequestServer()
+    await server.start()
+    serving = Endpoint(name, discovery).serve_endpoint(server, _never, card(role), role=role.value, grace_s=0)
+    await serving.__aenter__()  # left registered: the lease takes the keys at the end of the test
+    await server.close()
+
+
+async def _never(body: msgspec.Raw) -> AsyncIterator[bytes]:
+    raise AssertionError("not dialled")
+    yield b""
+
+
+async def wait_until(registry: ModelRegistry, num_workers: int) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while registry.num_workers() != num_workers:
+            registry.changed.clear()
+            await registry.changed.wait()
+
+
+async def test_a_model_served_only_by_prefill_workers_is_known_but_not_advertised(
+    discoveries: list[Discovery],
+) -> None:
+    mine, prefill, decode = discoveries
+    registry = ModelRegistry(mine, "ns", lambda card: RoundRobinPolicy())
+    async with ServiceTasks() as tasks:
+        for loop in registry.loops():
+            tasks.spawn(loop)
+        await register(prefill, "prefill", Role.PREFILL)
+        await wait_until(registry, 1)
+        assert list(registry.models["m"].prefill_workers) == [prefill.lease_id]
+        assert registry.servable() == []
+        with pytest.raises(ModelNotFound):
+            registry.get("m")
+
+        await register(decode, "backend", Role.DECODE)
+        await wait_until(registry, 2)
+        assert [e.name for e in registry.servable()] == ["m"]
+        assert list(registry.get("m").workers) == [decode.lease_id]
+    await registry.close()
