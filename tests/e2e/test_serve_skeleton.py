@@ -52,12 +52,13 @@ STACKS = [
 ]  # fmt: skip
 
 
-def _serve(factory, stack: Stack, root: Path) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
+def _serve(factory, stack: Stack, root: Path, *flags: str) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
     if stack.needs and importlib.util.find_spec(stack.needs) is None:
         pytest.skip(f"needs {stack.needs}: pip install 'dynamo-cli[{stack.needs}]'")
     (discovery, events), servers = open_planes_for_test(stack.planes, root)
     try:
-        yield factory(*stack.engine_flags, *COMMON, discovery=discovery, events=events, timeout=stack.ready_timeout)
+        yield factory(*stack.engine_flags, *COMMON, *flags, discovery=discovery, events=events,
+                      timeout=stack.ready_timeout)  # fmt: skip
     finally:
         for server in servers:
             server.stop()  # type: ignore[attr-defined]
@@ -71,8 +72,9 @@ def deployment(request, dyn_serve_module, tmp_path_factory) -> Iterator[DynProce
 
 @pytest.fixture(params=STACKS)
 def own_deployment(request, dyn_serve, tmp_path) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
-    """A deployment a test may damage."""
-    yield from _serve(dyn_serve, request.param, tmp_path)
+    """A deployment a test may damage; `dyn serve` does not restart its workers, so the damage shows
+    (tests/e2e/test_supervision.py covers the restarts)."""
+    yield from _serve(dyn_serve, request.param, tmp_path, "--max-restarts", "0")
 
 
 def client(d: DynProcess) -> openai.OpenAI:
