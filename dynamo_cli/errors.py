@@ -8,6 +8,7 @@ DynError
 ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
 │   ├── ModelNotFound      404
 │   └── ContextOverflow    400, says the numbers
+├── RequestFailed          500: the engine failed this one request; the others go on (not migratable)
 ├── Overloaded             503 / 429: every worker is over its busy threshold
 ├── NoWorkers              503: no instance serves the model
 └── TransportError         request-plane failures
@@ -103,6 +104,20 @@ class ContextOverflow(RequestError):
             param="max_tokens",
             code="context_length_exceeded",
         )
+
+
+class RequestFailed(DynError):
+    """The engine failed one request while serving it (its data broke a step); the other requests go on.
+
+    Not migratable: another worker would fail the same request the same way."""
+
+    status = 500
+    is_migratable = False
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        super().__init__(f"the engine failed request '{request_id}': {reason}; the other requests go on")
 
 
 class Overloaded(DynError):

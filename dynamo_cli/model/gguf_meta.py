@@ -73,13 +73,46 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read GGUF metadata from {path}: {exc}") from exc
 
 
-def _parse(path: str, c: _Cursor) -> dict[str, Any]:
+def read_gguf_vocab_size(path: str) -> int:
+    """The vocabulary size of the GGUF file at `path` (`<arch>.vocab_size`, else the token list's
+    length), reading no further than needed; ConfigError when it is not a GGUF file, 0 when absent."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return _vocab_size(path, _Cursor(view))
+            finally:
+                view.release()
+    except (OSError, ValueError, struct.error) as exc:
+        raise ConfigError(f"cannot read GGUF metadata from {path}: {exc}") from exc
+
+
+def _vocab_size(path: str, c: _Cursor) -> int:
+    num_kv = _header(path, c)
+    for _ in range(num_kv):
+        key = c.string()
+        kind = c.unpack("<I", 4)[0]
+        if key == "tokenizer.ggml.tokens" and kind == _ARRAY:
+            _item_kind, count = c.unpack("<IQ", 12)
+            return int(count)
+        value = _value(c, kind)
+        if key.endswith(".vocab_size"):
+            return int(value)
+    return 0
+
+
+def _header(path: str, c: _Cursor) -> int:
     if bytes(c.buf[:4]) != b"GGUF":
         raise ConfigError(f"{path} is not a GGUF file (bad magic)")
     c.pos = 4
     version, _tensors, num_kv = c.unpack("<IQQ", 20)
     if version < 2:
         raise ConfigError(f"{path}: GGUF version {version} is too old; re-convert the model")
+    return int(num_kv)
+
+
+def _parse(path: str, c: _Cursor) -> dict[str, Any]:
+    num_kv = _header(path, c)
     out: dict[str, Any] = {}
     for _ in range(num_kv):
         key = c.string()
