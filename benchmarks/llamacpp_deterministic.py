@@ -105,7 +105,8 @@ def main() -> None:
     load_before = os.getloadavg()
     result = asyncio.run(run(args.isl, args.osl, args.rounds, args.threads))
     result["info"] = {
-        "isl": args.isl, "osl": args.osl, "rounds": args.rounds, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
+        "isl": args.isl, "osl": args.osl, "rounds": args.rounds, "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "time": time.time(),
     }  # fmt: skip
     print_table(result)
