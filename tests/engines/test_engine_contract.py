@@ -281,19 +281,25 @@ async def test_a_request_no_engine_can_serve_is_refused_and_the_engine_keeps_ser
 
 async def test_a_request_id_already_in_flight_is_refused_and_the_first_request_goes_on(running: Running) -> None:
     first = make_request(prompt_of(42), max_tokens=500, ignore_eos=True)
+    duplicate = msgspec.structs.replace(make_request(prompt_of(43), max_tokens=4), request_id=first.request_id)
+    refused = await refused_beside(running, first, duplicate)
+    assert refused.param == "request_id"
+    await assert_still_serves(running)
+
+
+async def refused_beside(running: Running, first: GenerateRequest, refused: GenerateRequest) -> RequestError:
+    """`refused` is refused while `first` streams, and `first` streams on after it."""
     stream = running.engine.generate(first)
     try:
         async with asyncio.timeout(60):
             assert (await anext(stream)).finish_reason is None  # type: ignore[call-overload]
-        duplicate = msgspec.structs.replace(make_request(prompt_of(43), max_tokens=4), request_id=first.request_id)
-        with pytest.raises(RequestError) as refused:
-            await collect(running.engine, duplicate)
-        assert refused.value.param == "request_id"
+        with pytest.raises(RequestError) as refusal:
+            await collect(running.engine, refused)
         async with asyncio.timeout(60):
             assert (await anext(stream)).token_ids  # type: ignore[call-overload]
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
-    await assert_still_serves(running)
+    return refusal.value
 
 
 def first_id_outside(info: EngineInfo) -> int:
@@ -329,16 +335,8 @@ async def test_the_engine_reports_its_vocabulary_size(running: Running) -> None:
 async def test_a_huge_token_id_is_refused_and_never_breaks_the_step_loop(
     running: Running, huge: int, length: int
 ) -> None:
-    beside = running.engine.generate(make_request(prompt_of(45), max_tokens=200, ignore_eos=True))
-    try:
-        async with asyncio.timeout(60):
-            assert (await anext(beside)).finish_reason is None  # type: ignore[call-overload]
-        prompt = [*prompt_of(46, length=length - 1), huge]
-        with pytest.raises(RequestError) as refused:
-            await collect(running.engine, make_request(prompt, max_tokens=BLOCK_SIZE + 2, ignore_eos=True))
-        assert refused.value.param == "prompt"
-        async with asyncio.timeout(60):
-            assert (await anext(beside)).token_ids  # type: ignore[call-overload]
-    finally:
-        await beside.aclose()  # type: ignore[attr-defined]
+    beside = make_request(prompt_of(45), max_tokens=200, ignore_eos=True)
+    prompt = [*prompt_of(46, length=length - 1), huge]
+    refused = await refused_beside(running, beside, make_request(prompt, max_tokens=BLOCK_SIZE + 2, ignore_eos=True))
+    assert refused.param == "prompt"
     await assert_still_serves(running)
