@@ -116,6 +116,8 @@ class EngineInfo:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+    """Token ids the model knows (0..vocab_size-1); 0: unknown, ids are then only bounded by MAX_TOKEN_ID."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,6 +134,16 @@ class EngineArgs:
     context_length: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Engine-specific options (`--speedup-ratio`, `--num-gpu-blocks` …), already parsed."""
+
+
+DETERMINISTIC = "deterministic"
+"""The `EngineArgs.extra` key (`--deterministic`) asking for greedy output that does not depend on
+batching, prefix-cache hits or migration; each engine maps it to its library's switch."""
+
+
+def is_deterministic(extra: dict[str, Any]) -> bool:
+    """Whether `extra` asks for deterministic decoding (true, "true", "1", "yes")."""
+    return str(extra.get(DETERMINISTIC, False)).lower() in ("1", "true", "yes")
 
 
 class Engine(Protocol):
@@ -167,18 +179,40 @@ class SpawnsProcesses(Protocol):
     """True when this engine's library starts processes."""
 
 
-def check_request(request: GenerateRequest, context_length: int, in_flight: Container[str]) -> None:
-    """Reject what no engine can serve: an empty prompt, max_tokens < 1, prompt + max_tokens over the
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id any engine takes (llama.cpp's and vLLM's token ids are int32)."""
+
+
+def check_request(
+    request: GenerateRequest, context_length: int, in_flight: Container[str], vocab_size: int = 0
+) -> None:
+    """Reject what no engine can serve: an empty prompt, a token id outside the vocabulary (or outside
+    0..MAX_TOKEN_ID when `vocab_size` is 0, unknown), max_tokens < 1, prompt + max_tokens over the
     context, or a request id already in flight. Raises RequestError / ContextOverflow (HTTP 400)."""
     num_prompt = len(request.token_ids)
     if num_prompt == 0:
         raise RequestError("the prompt has no tokens; send at least one", param="prompt")
+    _check_token_ids(request.token_ids, "prompt", vocab_size)
+    _check_token_ids(request.stop_token_ids, "stop_token_ids", vocab_size)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     if num_prompt + request.max_tokens > context_length:
         raise ContextOverflow(num_prompt, request.max_tokens, context_length)
     if request.request_id in in_flight:
         raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+
+
+def _check_token_ids(token_ids: list[int], param: str, vocab_size: int) -> None:
+    if not token_ids:
+        return
+    highest = vocab_size - 1 if vocab_size > 0 else MAX_TOKEN_ID
+    low, high = min(token_ids), max(token_ids)
+    if low < 0 or high > highest:
+        bad = low if low < 0 else high
+        raise RequestError(
+            f"{param} has token id {bad}, outside this model's vocabulary (0..{highest}); send ids in that range",
+            param=param,
+        )
 
 
 EngineFactory = Callable[[EngineArgs], Engine]

@@ -9,6 +9,7 @@ DynError
 │   ├── ModelNotFound      404
 │   ├── ContextOverflow    400, says the numbers
 │   └── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
+├── RequestFailed          500: the engine failed this one request; the others go on (not migratable)
 ├── Overloaded             503: every worker is over its busy threshold
 ├── NoWorkers              503: no instance serves the model
 ├── TransportError         request-plane failures
@@ -126,6 +127,20 @@ class UnknownInstance(RequestError):
             param="x-worker-instance-id",
             code="unknown_instance",
         )
+
+
+class RequestFailed(DynError):
+    """The engine failed one request while serving it (its data broke a step); the other requests go on.
+
+    Not migratable: another worker would fail the same request the same way."""
+
+    status = 500
+    is_migratable = False
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        super().__init__(f"the engine failed request '{request_id}': {reason}; the other requests go on")
 
 
 class Overloaded(DynError):

@@ -21,6 +21,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     eos_token_ids: list[int] = []
+    vocab_size: int = 0
+    """Token ids the model knows (0..vocab_size-1); 0: unknown."""
 
     @classmethod
     def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:
@@ -35,4 +37,5 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             max_num_seqs=info.max_num_seqs,
             max_num_batched_tokens=info.max_num_batched_tokens,
             eos_token_ids=list(info.eos_token_ids),
+            vocab_size=info.vocab_size,
         )

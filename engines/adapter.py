@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dynamo_cli.engine import EngineInfo, GenerateRequest, LoadMetrics, Role, check_request
+from dynamo_cli.engine import (
+    DETERMINISTIC,
+    EngineArgs,
+    EngineInfo,
+    GenerateRequest,
+    LoadMetrics,
+    Role,
+    check_request,
+    is_deterministic,
+)
 from dynamo_cli.errors import ConfigError, DynError
 
 
@@ -14,6 +23,14 @@ def require_role_both(engine: str, role: Role, why: str = "") -> None:
     if role is not Role.BOTH:
         reason = f"; {why}" if why else ""
         raise ConfigError(f"the {engine} engine serves --role both only, got {role.value}{reason}")
+
+
+def split_deterministic(args: EngineArgs) -> tuple[EngineArgs, bool]:
+    """Take our `deterministic` key out of the options a library gets verbatim; say whether it was set."""
+    if DETERMINISTIC not in args.extra:
+        return args, False
+    extra = {key: value for key, value in args.extra.items() if key != DETERMINISTIC}
+    return replace(args, extra=extra), is_deterministic(args.extra)
 
 
 def local_or_hub(model: str) -> str:
@@ -35,7 +52,7 @@ class RequestBook:
         """Check the engine runs and the request fits (RequestError/ContextOverflow for the client)."""
         if info is None or not is_running:
             raise DynError(f"the {self.engine} engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self.in_flight)
+        check_request(request, info.context_length, self.in_flight, info.vocab_size)
         return info
 
     def count_prefill(self, request: GenerateRequest, num_cached: int) -> None:

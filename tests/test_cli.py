@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -74,3 +76,19 @@ def test_a_usage_error_is_one_red_line_with_the_usage_hint(args: list[str], expe
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error:") and expected in lines[0] and "--help" in lines[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_deterministic_reaches_the_engine_by_flag_or_environment(how: str, tmp_path: Path) -> None:
+    args = ["worker", "--engine", "llamacpp", "--context-length", "8192", "--max-num-seqs", "4096",
+            "--discovery", f"file://{tmp_path}"]  # fmt: skip
+    env = None
+    if how == "flag":
+        args.append("--deterministic")
+    else:
+        env = {**os.environ, "DYN_DETERMINISTIC": "1"}
+    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True,
+                            timeout=60, env=env)  # fmt: skip
+    # Deterministic mode gives each of the 4100 sequence ids its own 8192-token KV stream: far too big.
+    assert result.returncode != 0 and "GiB of KV cache" in result.stderr

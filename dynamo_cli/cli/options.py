@@ -50,6 +50,15 @@ SpeedupRatio = Annotated[
 NumGpuBlocks = Annotated[
     int | None, typer.Option("--num-gpu-blocks", envvar="DYN_NUM_GPU_BLOCKS", help="mocker: KV capacity in blocks.")
 ]
+Deterministic = Annotated[
+    bool,
+    typer.Option(
+        "--deterministic",
+        envvar="DYN_DETERMINISTIC",
+        help="Greedy output independent of batching, prefix hits and migration (engine option deterministic=true;"
+        " slower).",
+    ),
+]
 MaxNumSeqs = Annotated[int | None, typer.Option("--max-num-seqs", envvar="DYN_MAX_NUM_SEQS")]
 EngineArg = Annotated[
     list[str] | None,

@@ -47,6 +47,7 @@ def command(
     speedup_ratio: o.SpeedupRatio = None,
     num_gpu_blocks: o.NumGpuBlocks = None,
     max_num_seqs: o.MaxNumSeqs = None,
+    deterministic: o.Deterministic = False,
     engine_arg: o.EngineArg = None,
     extra_engine_args: o.ExtraEngineArgs = None,
     discovery: o.Discovery = "embedded",
@@ -87,7 +88,8 @@ def command(
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
     planes = o.planes(discovery, events, lease_ttl)
     extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
-                           num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs)  # fmt: skip
+                           num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                           deterministic=deterministic or None)  # fmt: skip
     worker = WorkerConfig(engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
                           role=Role.BOTH, block_size=block_size, context_length=context_length,
                           planes=planes, extra=extra)  # fmt: skip

@@ -29,6 +29,7 @@ def command(
     speedup_ratio: o.SpeedupRatio = None,
     num_gpu_blocks: o.NumGpuBlocks = None,
     max_num_seqs: o.MaxNumSeqs = None,
+    deterministic: o.Deterministic = False,
     engine_arg: o.EngineArg = None,
     extra_engine_args: o.ExtraEngineArgs = None,
     graceful_shutdown: Annotated[
@@ -47,6 +48,7 @@ def command(
         speedup_ratio=speedup_ratio,
         num_gpu_blocks=num_gpu_blocks,
         max_num_seqs=max_num_seqs,
+        deterministic=deterministic or None,
     )
     config = WorkerConfig(
         engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,

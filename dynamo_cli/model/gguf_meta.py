@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dynamo_cli.errors import ConfigError
 
@@ -18,6 +19,7 @@ _SCALARS = {
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_T = TypeVar("_T")
 
 
 class _Cursor:
@@ -62,24 +64,53 @@ def _value(c: _Cursor, kind: int) -> Any:
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """Every metadata key of the GGUF file at `path`; ConfigError when it is not a GGUF file."""
+    return _read(path, _parse)
+
+
+def read_gguf_vocab_size(path: str) -> int:
+    """The vocabulary size of the GGUF file at `path` (`<arch>.vocab_size`, else the token list's
+    length), reading no further than needed; ConfigError when it is not a GGUF file, 0 when absent."""
+    return _read(path, _vocab_size)
+
+
+def _read(path: str, reader: Callable[[str, _Cursor], _T]) -> _T:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return _parse(path, _Cursor(view))
+                return reader(path, _Cursor(view))
             finally:
                 view.release()
     except (OSError, ValueError, struct.error) as exc:
         raise ConfigError(f"cannot read GGUF metadata from {path}: {exc}") from exc
 
 
-def _parse(path: str, c: _Cursor) -> dict[str, Any]:
+def _vocab_size(path: str, c: _Cursor) -> int:
+    num_kv = _header(path, c)
+    for _ in range(num_kv):
+        key = c.string()
+        kind = c.unpack("<I", 4)[0]
+        if key == "tokenizer.ggml.tokens" and kind == _ARRAY:
+            _item_kind, count = c.unpack("<IQ", 12)
+            return int(count)
+        value = _value(c, kind)
+        if key.endswith(".vocab_size"):
+            return int(value)
+    return 0
+
+
+def _header(path: str, c: _Cursor) -> int:
     if bytes(c.buf[:4]) != b"GGUF":
         raise ConfigError(f"{path} is not a GGUF file (bad magic)")
     c.pos = 4
     version, _tensors, num_kv = c.unpack("<IQQ", 20)
     if version < 2:
         raise ConfigError(f"{path}: GGUF version {version} is too old; re-convert the model")
+    return int(num_kv)
+
+
+def _parse(path: str, c: _Cursor) -> dict[str, Any]:
+    num_kv = _header(path, c)
     out: dict[str, Any] = {}
     for _ in range(num_kv):
         key = c.string()

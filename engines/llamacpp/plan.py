@@ -37,8 +37,12 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepResult:
-    """What a step produced: one sampled token per sampler, exported states, failed imports."""
+    """What a step produced: a sampled token per sampled sequence, exported states, and the sequences
+    that failed (their state import, or their part of the decode)."""
 
-    sampled: list[int]
-    exported: dict[int, bytes]
-    failed_imports: list[int]
+    sampled: dict[int, int] = field(default_factory=dict)
+    """Seq id → the token sampled for it."""
+    exported: dict[int, bytes] = field(default_factory=dict)
+    failed_imports: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    """Seq id → why llama.cpp refused its tokens; the step went on without it."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import llama_cpp
 
-from dynamo_cli.errors import DynError
+from dynamo_cli.errors import ConfigError, DynError
 from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,14 @@ class RunnerOptions:
     kv_unified: bool = True
     """One KV cache shared by all sequences (prefix sharing without copies); False: one stream of
     n_ctx / n_seq_max cells per sequence id (attention never spans other sequences' cells)."""
+    flash_attn: bool = True
+    """llama.cpp's flash-attention kernel; off for deterministic decoding (its CPU kernel picks one of
+    three summation orders by batch shape)."""
+    context_per_seq: int = 0
+    """Non-unified sizing: each sequence id's stream gets this many cells (capped at the model's training
+    context) and n_ctx becomes that times n_seq_max; 0: n_ctx as given."""
+    max_kv_bytes: int = 0
+    """With context_per_seq: refuse (ConfigError) a KV cache larger than this; 0: half the machine's memory."""
 
 
 class Runner:
@@ -65,18 +73,49 @@ class Runner:
         if not self._model:
             raise LlamaCppError(f"cannot load model {options.model_path}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params(options))
+        try:
+            n_ctx = self._sized_context(options)
+        except ConfigError:
+            llama_cpp.llama_model_free(self._model)
+            raise
+        self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params(options, n_ctx))
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
-            raise LlamaCppError(f"cannot create a context of {options.n_ctx} tokens")
+            raise LlamaCppError(f"cannot create a context of {n_ctx} tokens")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(options.n_batch, 0, 1)
         self._closed = False
 
+    def _sized_context(self, options: RunnerOptions) -> int:
+        """n_ctx for llama.cpp: as given, or context_per_seq cells for every sequence id (checked
+        against the memory limit)."""
+        if options.context_per_seq <= 0:
+            return options.n_ctx
+        per_seq = min(options.context_per_seq, self.n_ctx_train)
+        per_seq = -(-per_seq // 256) * 256  # llama.cpp pads each stream to 256 cells
+        n_ctx = per_seq * options.n_seq_max
+        needed = n_ctx * self.kv_bytes_per_cell()
+        limit = options.max_kv_bytes or _half_of_memory()
+        if needed > limit:
+            raise ConfigError(
+                f"a KV stream of {per_seq} tokens for each of {options.n_seq_max} sequence ids needs "
+                f"{needed / 2**30:.1f} GiB of KV cache, over the {limit / 2**30:.1f} GiB allowed; lower "
+                "--context-length, max_num_seqs or max_cached_seqs"
+            )
+        return n_ctx
+
+    def kv_bytes_per_cell(self) -> int:
+        """Bytes of K and V (f16) one token takes over every layer."""
+        model = self._model
+        n_head = max(1, int(llama_cpp.llama_model_n_head(model)))
+        head_dim = int(llama_cpp.llama_model_n_embd(model)) // n_head
+        n_kv = int(llama_cpp.llama_model_n_head_kv(model)) * head_dim
+        return 2 * 2 * n_kv * int(llama_cpp.llama_model_n_layer(model))
+
     @staticmethod
-    def _context_params(options: RunnerOptions) -> Any:
+    def _context_params(options: RunnerOptions, n_ctx: int) -> Any:
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = options.n_ctx
+        params.n_ctx = n_ctx
         params.n_batch = options.n_batch
         params.n_ubatch = options.n_batch
         params.n_seq_max = options.n_seq_max
@@ -86,7 +125,8 @@ class Runner:
         params.kv_unified = options.kv_unified
         # The CPU flash-attention kernel skips masked cells, so a token attends only to its own
         # sequence's cells rather than to every cell in the shared cache.
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        enabled = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.flash_attn_type = enabled if options.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         return params
 
     ##### Model facts #####
@@ -94,6 +134,16 @@ class Runner:
     @property
     def n_ctx_train(self) -> int:
         return int(llama_cpp.llama_model_n_ctx_train(self._model))
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells of the context, over every stream."""
+        return int(llama_cpp.llama_n_ctx(self._ctx))
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """KV cells one sequence may use: n_ctx unified, one stream's otherwise."""
+        return int(llama_cpp.llama_n_ctx_seq(self._ctx))
 
     @property
     def n_vocab(self) -> int:
@@ -131,29 +181,58 @@ class Runner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the memory ops, decode the batch, sample, export: one engine step."""
-        failed = self._apply_memory_ops(plan.memory_ops)
+        result = StepResult(failed_imports=self._apply_memory_ops(plan.memory_ops))
         if plan.tokens:
-            self._fill_batch(plan)
-            code = llama_cpp.llama_decode(self._ctx, self._batch)
-            if code != 0:
-                raise LlamaCppError(f"decode of {len(plan.tokens)} tokens failed", code)
-        sampled = [
-            int(llama_cpp.llama_sampler_sample(sampler, self._ctx, row))
-            for sampler, row in zip(plan.samplers, plan.logits_rows, strict=True)
-        ]
-        exported = {seq_id: self._export(seq_id) for seq_id in plan.exports}
-        return StepResult(sampled=sampled, exported=exported, failed_imports=failed)
+            self._decode_isolating(plan, list(dict.fromkeys(plan.seq_ids)), result)
+        result.exported = {s: self._export(s) for s in plan.exports if s not in result.rejected}
+        return result
 
-    def _fill_batch(self, plan: StepPlan) -> None:
+    def _decode_isolating(self, plan: StepPlan, seq_ids: list[int], result: StepResult) -> None:
+        """Decode the rows of `seq_ids` and sample them. When llama.cpp refuses the batch (an id outside
+        the vocabulary fails the whole of it), retry each half apart until the sequences it refuses are
+        found: those alone are rejected, their neighbours decode as if nothing happened."""
+        wanted = set(seq_ids)
+        rows = [row for row, seq_id in enumerate(plan.seq_ids) if seq_id in wanted]
+        self._fill_batch(plan, rows)
+        code = llama_cpp.llama_decode(self._ctx, self._batch)
+        if code == 0:
+            self._sample(plan, rows, result.sampled)
+            return
+        self._forget(plan, rows)
+        if len(seq_ids) == 1:
+            logger.warning("llama_decode refused seq %d's %d tokens (code %d)", seq_ids[0], len(rows), code)
+            result.rejected[seq_ids[0]] = f"llama.cpp could not decode its tokens (llama_decode returned {code})"
+            return
+        half = len(seq_ids) // 2
+        self._decode_isolating(plan, seq_ids[:half], result)
+        self._decode_isolating(plan, seq_ids[half:], result)
+
+    def _fill_batch(self, plan: StepPlan, rows: list[int]) -> None:
         batch = self._batch
         wanted = set(plan.logits_rows)
-        for i, (token, pos, seq_id) in enumerate(zip(plan.tokens, plan.positions, plan.seq_ids, strict=True)):
-            batch.token[i] = token
-            batch.pos[i] = pos
+        for i, row in enumerate(rows):
+            batch.token[i] = plan.tokens[row]
+            batch.pos[i] = plan.positions[row]
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq_id
-            batch.logits[i] = i in wanted
-        batch.n_tokens = len(plan.tokens)
+            batch.seq_id[i][0] = plan.seq_ids[row]
+            batch.logits[i] = row in wanted
+        batch.n_tokens = len(rows)
+
+    def _sample(self, plan: StepPlan, rows: list[int], sampled: dict[int, int]) -> None:
+        index = {row: i for i, row in enumerate(rows)}
+        for sampler, row in zip(plan.samplers, plan.logits_rows, strict=True):
+            if row in index:
+                token = llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row])
+                sampled[plan.seq_ids[row]] = int(token)
+
+    def _forget(self, plan: StepPlan, rows: list[int]) -> None:
+        """After a refused decode: drop whatever llama.cpp may have kept of these rows' positions."""
+        first: dict[int, int] = {}
+        for row in rows:
+            seq_id = plan.seq_ids[row]
+            first[seq_id] = min(first.get(seq_id, plan.positions[row]), plan.positions[row])
+        for seq_id, pos in first.items():
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
 
     def _apply_memory_ops(self, ops: list[MemoryOp]) -> list[int]:
         failed: list[int] = []
@@ -196,6 +275,13 @@ class Runner:
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
+
+
+def _half_of_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
 
 
 def default_threads() -> int:

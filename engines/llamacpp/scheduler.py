@@ -78,11 +78,15 @@ class Scheduler:
         max_cached: int,
         n_batch: int,
         max_cached_tokens: int | None = None,
+        max_prefill_chunk: int | None = None,
     ):
         self.block_size = block_size
         self.capacity = capacity
         self.max_num_seqs = max_num_seqs
         self.n_batch = n_batch
+        # Deterministic mode feeds prompts one token per step (1): every token's attention is then
+        # computed as a decode step computes it, whether it was generated here or re-sent after migration.
+        self.max_prefill_chunk = n_batch if max_prefill_chunk is None else max_prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cached: OrderedDict[int, CachedPrefix] = OrderedDict()
@@ -256,7 +260,7 @@ class Scheduler:
             left = len(seq.tokens) - seq.num_computed
             if left <= 1 or budget <= 0:
                 continue
-            n = min(left, budget)
+            n = min(left, budget, self.max_prefill_chunk)
             scheduled.append(Scheduled(seq, n, n == left))
             budget -= n
         return scheduled

@@ -25,6 +25,7 @@ _KNOWN_KEYS = (
     "enable_prefix_caching",
     "kv_bytes_per_token",
     "kv_transfer_bandwidth",
+    "vocab_size",
 )
 
 
@@ -56,6 +57,8 @@ class MockerConfig:
     """Size of one token's KV, for the simulated disaggregated transfer."""
     kv_transfer_bandwidth: float = 64.0
     """GB/s of the simulated KV transfer; 0 disables the delay."""
+    vocab_size: int = 0
+    """Token ids accepted (0..vocab_size-1); 0: the model's (GGUF or config.json), unknown if it has none."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> MockerConfig:
@@ -88,6 +91,7 @@ class MockerConfig:
             kv_transfer_bandwidth=_non_negative_float(
                 "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
             ),
+            vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
         )
 
     def transfer_delay_s(self, num_tokens: int) -> float:
@@ -100,6 +104,12 @@ class MockerConfig:
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"mocker option {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"mocker option {key} must be an integer >= 0 (0: the model's), got {value!r}")
     return value
 
 

@@ -25,10 +25,10 @@ from dynamo_cli.engine import (
     Role,
     check_request,
 )
-from dynamo_cli.errors import DynError, RequestError
+from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.hashing import blocks_needed
-from dynamo_cli.model.paths import model_display_name, resolve_model_path
+from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from engines.mocker.config import MockerConfig
 from engines.mocker.events import EventRing
 from engines.mocker.kv_manager import KvManager
@@ -53,12 +53,14 @@ class EngineState(enum.Enum):
 class _Stream:
     """Tokens of one request waiting for its consumer; several pile into one chunk if it lags."""
 
-    __slots__ = ("request", "token_ids", "finish_reason", "waiter")
+    __slots__ = ("request", "token_ids", "finish_reason", "error", "waiter")
 
     def __init__(self, request: MockRequest) -> None:
         self.request = request
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.error: DynError | None = None
+        """Set when the engine failed this request alone: the consumer gets it raised."""
         self.waiter: asyncio.Future[None] | None = None
 
     def wake(self) -> None:
@@ -72,6 +74,10 @@ class _Stream:
         if self.finish_reason is None:
             self.finish_reason = reason.value
         self.wake()
+
+    def fail(self, error: DynError) -> None:
+        self.error = error
+        self.end(FinishReason.ERROR)
 
 
 class MockerEngine:
@@ -214,6 +220,11 @@ class MockerEngine:
             if request.num_output_tokens >= request.max_tokens:
                 stream.finish_reason = FinishReason.LENGTH.value
             stream.wake()
+        for request, reason in result.failed:
+            logger.error("mocker: request %s failed alone: %s", request.request_id, reason)
+            stream = streams.get(request.request_id)
+            if stream is not None and stream.request is request:
+                stream.fail(RequestFailed(request.request_id, reason))
 
     ##### Requests #####
 
@@ -233,7 +244,7 @@ class MockerEngine:
         )
 
     def _check_request(self, request: GenerateRequest) -> None:
-        check_request(request, self.config.context_length, self._streams)
+        check_request(request, self.config.context_length, self._streams, self._vocab_size())
         num_prompt = len(request.token_ids)
         num_blocks = blocks_needed(num_prompt + request.max_tokens, self.config.block_size)
         if num_blocks > self.config.num_gpu_blocks:
@@ -259,6 +270,8 @@ class MockerEngine:
                 stream.waiter = loop.create_future()
                 await stream.waiter
             token_ids, stream.token_ids = stream.token_ids, []
+            if stream.error is not None:
+                raise stream.error
             finish_reason = stream.finish_reason
             yield GenerateChunk(
                 token_ids=token_ids,
@@ -286,16 +299,21 @@ class MockerEngine:
                 self._scheduler.abort(request_id)
             stream.end(reason)
 
+    def _vocab_size(self) -> int:
+        return self._info.vocab_size if self._info is not None else self.config.vocab_size
+
     def _engine_info(self) -> EngineInfo:
         config = self.config
+        tokenizer_source = resolve_model_path(config.model)
         return EngineInfo(
             model_name=config.served_model_name or model_display_name(config.model),
-            tokenizer_source=resolve_model_path(config.model),
+            tokenizer_source=tokenizer_source,
             block_size=config.block_size,
             context_length=config.context_length,
             total_kv_blocks=config.num_gpu_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
             extra={"engine": "mocker", "speedup_ratio": config.speedup_ratio, "role": config.role.value},
         )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynamo_cli.kv.hashing import hash_blocks
 from engines.mocker.kv_manager import KvManager
@@ -104,6 +104,9 @@ class PassResult:
     """Prompt tokens computed this pass (prefix-cache hits excluded)."""
     num_preempted: int
     """Running requests preempted this pass."""
+    failed: list[tuple[MockRequest, str]] = field(default_factory=list)
+    """Requests whose own data broke the pass (and why); they are dropped, their blocks freed, and
+    every other request goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +175,11 @@ class Scheduler:
         if num_preempted == 0:
             self._schedule_waiting(budget, scheduled)
         num_prefill_tokens = self._compute(scheduled)
-        emitted, finished = self._emit_tokens(scheduled)
+        emitted, finished, failed = self._emit_tokens(scheduled)
         num_decoding = 0 if self.config.is_prefill_only else len(emitted)
         duration = self.timing.pass_ms(num_prefill_tokens, num_decoding, self.kv.usage)
-        self._release(finished)
-        return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted)
+        self._release(finished + [request for request, _ in failed])
+        return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted, failed)
 
     ##### Internals #####
 
@@ -243,18 +246,25 @@ class Scheduler:
         self.num_prefill_tokens_computed += num_prefill_tokens
         return num_prefill_tokens
 
-    def _emit_tokens(self, scheduled: _Scheduled) -> tuple[list[MockRequest], list[MockRequest]]:
+    def _emit_tokens(
+        self, scheduled: _Scheduled
+    ) -> tuple[list[MockRequest], list[MockRequest], list[tuple[MockRequest, str]]]:
         block_size = self.kv.block_size
         emitted: list[MockRequest] = []
         finished: list[MockRequest] = []
+        failed: list[tuple[MockRequest, str]] = []
         for request, _ in scheduled:
             if request.num_computed_tokens < len(request.token_ids):
                 continue  # prompt not fully computed yet (chunked prefill)
-            request.emit_token(block_size)
+            try:
+                request.emit_token(block_size)
+            except Exception as exc:  # noqa: BLE001 - one request's data fails that request alone
+                failed.append((request, f"{type(exc).__name__}: {exc}"))
+                continue
             emitted.append(request)
             if request.num_output_tokens >= request.max_tokens:
                 finished.append(request)
-        return emitted, finished
+        return emitted, finished, failed
 
     def _release(self, finished: list[MockRequest]) -> None:
         if not finished:

@@ -20,7 +20,7 @@ from typing import Any
 from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics
 from dynamo_cli.errors import EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
-from engines.adapter import RequestBook, local_or_hub, require_role_both
+from engines.adapter import RequestBook, local_or_hub, require_role_both, split_deterministic
 from engines.vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class SglangEngine:
     def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
         self.engine_cls = engine_cls or load_engine_class()
         require_role_both("sglang", args.role, "disaggregation needs SGLang's bootstrap server, not wired yet")
-        self.args = args
+        self.args, self.deterministic = split_deterministic(args)
         self._relay: ZmqKvRelay | None = None
         self.server_args = self._server_args()
         self._engine: Any = None
@@ -66,6 +66,8 @@ class SglangEngine:
         if args.context_length:
             server_args["context_length"] = args.context_length
         server_args.update(args.extra)
+        if self.deterministic:
+            server_args["enable_deterministic_inference"] = True  # SGLang's batch-invariant ops
         server_args.update(skip_tokenizer_init=True, stream_output=True)
         server_args["kv_events_config"] = self._kv_events_config(server_args)
         return server_args
@@ -205,6 +207,7 @@ class SglangEngine:
             total_kv_blocks=max_total_tokens // page_size,
             max_num_seqs=int(getattr(server_args, "max_running_requests", None) or 256),
             max_num_batched_tokens=int(getattr(server_args, "chunked_prefill_size", None) or 8192),
+            vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or 0),
             extra={"engine": "sglang"},
         )
 

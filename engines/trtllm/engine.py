@@ -28,7 +28,7 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import DynError, EngineNotInstalled
 from dynamo_cli.kv.events import KvEventBatch
-from engines.adapter import local_or_hub, require_role_both
+from engines.adapter import local_or_hub, require_role_both, split_deterministic
 from engines.vllm.kv_events import KvEventRehasher
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class TrtllmEngine:
     def __init__(self, args: EngineArgs, *, library: TrtllmLibrary | None = None) -> None:
         self.lib = library or load_library()
         require_role_both("trtllm", args.role)
-        self.args = args
+        self.args, deterministic = split_deterministic(args)
+        if deterministic:
+            logger.warning("trtllm: deterministic=true has no TensorRT-LLM switch here; batching may change output")
         self.block_size = args.block_size or DEFAULT_BLOCK_SIZE
         self.model = local_or_hub(args.model)
         self._llm: Any = None
@@ -226,7 +228,7 @@ class TrtllmEngine:
         info, llm = self._info, self._llm
         if info is None or llm is None or self._stopped:
             raise DynError("the trtllm engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self._in_flight)
+        check_request(request, info.context_length, self._in_flight, info.vocab_size)
         return llm
 
     def _engine_info(self) -> EngineInfo:

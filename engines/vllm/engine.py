@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChun
 from dynamo_cli.errors import ConfigError, EngineNotInstalled
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
-from engines.adapter import RequestBook, local_or_hub, require_role_both
+from engines.adapter import RequestBook, local_or_hub, require_role_both, split_deterministic
 from engines.hf_export import export_path, hf_model_dir, needs_export
 from engines.vllm.kv_events import ZmqKvRelay
 
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 KV_EVENTS_TOPIC = "kv-events"
 EXTRA_ALIASES = {"num_gpu_blocks": "num_gpu_blocks_override"}
 """dyn's engine-neutral option names (`--num-gpu-blocks`) that vLLM spells differently."""
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+"""vLLM's deterministic (batch-invariant kernels) switch, set for `deterministic=true`."""
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
 """vLLM's finish reasons mapped to ours; anything else ("abort", ...) means the request was cancelled."""
 
@@ -88,6 +91,11 @@ class VllmEngine:
     """The library runs the model in child processes: the worker's reaper stops them if it dies."""
 
     def __init__(self, args: EngineArgs, *, library: VllmLibrary | None = None) -> None:
+        args, self.deterministic = split_deterministic(args)
+        if self.deterministic:
+            # vLLM reads its batch-invariant switch from the environment, some modules at import time,
+            # and its engine-core processes inherit it: set before vLLM is imported or started.
+            os.environ[BATCH_INVARIANT_ENV] = "1"
         self.lib = library or load_library()
         require_role_both("vllm", args.role, "disaggregation needs vLLM's NIXL connector, not wired yet")
         self.args = args
@@ -269,10 +277,20 @@ class VllmEngine:
             max_num_seqs=int(scheduler.max_num_seqs),
             max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
             eos_token_ids=eos_ids,
-            extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__},
+            vocab_size=_vocab_size(model),
+            extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__, "deterministic": self.deterministic},
         )
 
     async def _no_events(self) -> AsyncIterator[KvEventBatch]:
         await self._stopped.wait()
         return
         yield  # an async generator that ends at stop()
+
+
+def _vocab_size(model_config: Any) -> int:
+    """vLLM's `ModelConfig.get_vocab_size()`, 0 where it has none."""
+    get = getattr(model_config, "get_vocab_size", None)
+    try:
+        return int(get()) if get is not None else 0
+    except (TypeError, ValueError, AttributeError):
+        return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -102,7 +103,9 @@ class FakeAsyncLLM:
         self.is_shut_down = False
         self.vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(block_size=engine_args.block_size or 16, num_gpu_blocks=100),
-            model_config=SimpleNamespace(max_model_len=2048, hf_config=SimpleNamespace(eos_token_id=2)),
+            model_config=SimpleNamespace(
+                max_model_len=2048, hf_config=SimpleNamespace(eos_token_id=2), get_vocab_size=lambda: 49152
+            ),
             scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512),
         )
 
@@ -159,6 +162,34 @@ async def test_vllm_gguf_model_is_exported_before_vllm_sees_its_path(
     info = await engine.start()
     assert exported == [str(gguf)] and engine.engine_args.model == str(export_path(gguf))
     assert info.model_name == "tiny.Q4_1"
+    await engine.stop()
+
+
+def test_vllm_deterministic_sets_batch_invariance_before_vllm_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    seen: list[str | None] = []
+
+    def load_library() -> VllmLibrary:  # stands for importing vLLM: it reads the variable then
+        seen.append(os.environ.get("VLLM_BATCH_INVARIANT"))
+        return FAKE_VLLM
+
+    monkeypatch.setattr(vllm_engine_module, "load_library", load_library)
+    engine = VllmEngine(EngineArgs(model="m", extra={"deterministic": True, "enforce_eager": True}))
+    assert seen == ["1"]
+    assert "deterministic" not in engine.engine_kwargs and engine.engine_kwargs["enforce_eager"] is True
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    VllmEngine(EngineArgs(model="m"))
+    assert seen == ["1", None]
+
+
+async def test_vllm_reports_its_vocabulary_and_refuses_ids_outside_it() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    info = await engine.start()
+    assert info.vocab_size == 49152
+    bad = GenerateRequest(request_id="r-bad", token_ids=[*PROMPT, 49152], max_tokens=2)
+    with pytest.raises(RequestError, match=r"0\.\.49151") as refused:
+        await collect(engine.generate(bad))
+    assert refused.value.param == "prompt" and engine._engine.calls == []
     await engine.stop()
 
 
@@ -289,7 +320,7 @@ class FakeSglangEngine:
         self.scheduler_info = {"max_total_num_tokens": 1600}
         self.tokenizer_manager = SimpleNamespace(
             server_args=SimpleNamespace(page_size=server_args["page_size"], max_running_requests=8),
-            model_config=SimpleNamespace(context_len=2048),
+            model_config=SimpleNamespace(context_len=2048, vocab_size=49152),
             abort_request=lambda rid, abort_all=False: self.aborted.append(rid),
         )
 
@@ -314,6 +345,16 @@ def test_sglang_server_args_force_token_ids_disjoint_streams_page_size_and_kv_ev
     assert (args["model_path"], args["page_size"], args["tp_size"]) == ("org/m", 32, 2)
     assert args["skip_tokenizer_init"] is True and args["stream_output"] is True
     assert json.loads(args["kv_events_config"])["endpoint"].startswith("tcp://127.0.0.1:")
+
+
+async def test_sglang_deterministic_asks_for_its_deterministic_inference_and_reports_the_vocabulary() -> None:
+    engine = SglangEngine(EngineArgs(model="m", extra={"deterministic": "true"}), engine_cls=FakeSglangEngine)
+    assert engine.server_args["enable_deterministic_inference"] is True
+    assert "deterministic" not in engine.server_args
+    plain = SglangEngine(EngineArgs(model="m"), engine_cls=FakeSglangEngine)
+    assert "enable_deterministic_inference" not in plain.server_args
+    assert (await engine.start()).vocab_size == 49152
+    await engine.stop()
 
 
 async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> None:
@@ -459,3 +500,10 @@ def test_a_missing_library_raises_engine_not_installed_naming_the_extra(name: st
     factory = load_engine(name)  # the plugin module itself imports without its library
     with pytest.raises(EngineNotInstalled, match=rf"pip install 'dynamo-cli\[{name}\]'"):
         factory(EngineArgs(model="m"))
+
+
+def test_trtllm_keeps_our_deterministic_key_out_of_the_llm_arguments() -> None:
+    args = EngineArgs(model="m", extra={"deterministic": True, "max_batch_size": 4})
+    engine = TrtllmEngine(args, library=FAKE_TRTLLM)
+    kwargs = engine.llm_kwargs()
+    assert "deterministic" not in kwargs and kwargs["max_batch_size"] == 4

@@ -5,7 +5,8 @@ on the built-in SmolLM2 GGUF exported to an HF directory (or `DYN_TEST_VLLM_MODE
 when their library imports and `DYN_TEST_<ENGINE>_MODEL` names a local model directory. Engine options
 as JSON in `DYN_TEST_<ENGINE>_EXTRA`. A missing library skips with its install command. One engine instance serves a
 module's tests, and the timeout is generous, because vLLM takes minutes to start on a CPU. Every engine refuses
-what `dynamo_cli.engine.check_request` refuses (empty prompt, max_tokens < 1, a request id in flight) and serves on.
+what `dynamo_cli.engine.check_request` refuses (empty prompt, max_tokens < 1, a request id in flight, a token id
+outside the vocabulary or outside int32) and serves on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.engine import (
+    MAX_TOKEN_ID,
+    Engine,
+    EngineArgs,
+    EngineInfo,
+    GenerateChunk,
+    GenerateRequest,
+    load_engine,
+)
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
@@ -53,7 +62,8 @@ class EngineCase:
 
 def _mocker_args(tmp: Path) -> EngineArgs:
     (tmp / "mock-model").mkdir(exist_ok=True)
-    return EngineArgs(model=str(tmp / "mock-model"), block_size=BLOCK_SIZE, extra={"speedup_ratio": 1e6})
+    extra = {"speedup_ratio": 1e6, "vocab_size": 32000}
+    return EngineArgs(model=str(tmp / "mock-model"), block_size=BLOCK_SIZE, extra=extra)
 
 
 def _llamacpp_args(tmp: Path) -> EngineArgs:
@@ -271,16 +281,62 @@ async def test_a_request_no_engine_can_serve_is_refused_and_the_engine_keeps_ser
 
 async def test_a_request_id_already_in_flight_is_refused_and_the_first_request_goes_on(running: Running) -> None:
     first = make_request(prompt_of(42), max_tokens=500, ignore_eos=True)
+    duplicate = msgspec.structs.replace(make_request(prompt_of(43), max_tokens=4), request_id=first.request_id)
+    refused = await refused_beside(running, first, duplicate)
+    assert refused.param == "request_id"
+    await assert_still_serves(running)
+
+
+async def refused_beside(running: Running, first: GenerateRequest, refused: GenerateRequest) -> RequestError:
+    """`refused` is refused while `first` streams, and `first` streams on after it."""
     stream = running.engine.generate(first)
     try:
         async with asyncio.timeout(60):
             assert (await anext(stream)).finish_reason is None  # type: ignore[call-overload]
-        duplicate = msgspec.structs.replace(make_request(prompt_of(43), max_tokens=4), request_id=first.request_id)
-        with pytest.raises(RequestError) as refused:
-            await collect(running.engine, duplicate)
-        assert refused.value.param == "request_id"
+        with pytest.raises(RequestError) as refusal:
+            await collect(running.engine, refused)
         async with asyncio.timeout(60):
             assert (await anext(stream)).token_ids  # type: ignore[call-overload]
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
+    return refusal.value
+
+
+def first_id_outside(info: EngineInfo) -> int:
+    return info.vocab_size if info.vocab_size > 0 else MAX_TOKEN_ID + 1
+
+
+@pytest.mark.parametrize("where", ["prompt", "stop_token_ids"])
+@pytest.mark.parametrize("kind", ["vocab-size", "negative"])
+async def test_a_token_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serving(
+    running: Running, where: str, kind: str
+) -> None:
+    bad = first_id_outside(running.info) if kind == "vocab-size" else -1
+    prompt = prompt_of(44, length=BLOCK_SIZE + 3)
+    if where == "prompt":
+        request = make_request([*prompt[:5], bad, *prompt[5:]], max_tokens=4)
+    else:
+        request = make_request(prompt, max_tokens=4, stop_token_ids=[5, bad])
+    with pytest.raises(RequestError) as refused:
+        await collect(running.engine, request)
+    assert refused.value.param == where
+    assert f"0..{first_id_outside(running.info) - 1}" in str(refused.value)
+    await assert_still_serves(running)
+
+
+async def test_the_engine_reports_its_vocabulary_size(running: Running) -> None:
+    if running.case.name in ("mocker", "llamacpp", "vllm"):
+        assert running.info.vocab_size > 5100  # above every id prompt_of() makes
+    assert running.info.vocab_size >= 0
+
+
+@pytest.mark.parametrize("huge", [2**31, 2**32, 2**63], ids=["2^31", "2^32", "2^63"])
+@pytest.mark.parametrize("length", [1, 2 * BLOCK_SIZE], ids=["alone", "in-full-blocks"])
+async def test_a_huge_token_id_is_refused_and_never_breaks_the_step_loop(
+    running: Running, huge: int, length: int
+) -> None:
+    beside = make_request(prompt_of(45), max_tokens=200, ignore_eos=True)
+    prompt = [*prompt_of(46, length=length - 1), huge]
+    refused = await refused_beside(running, beside, make_request(prompt, max_tokens=BLOCK_SIZE + 2, ignore_eos=True))
+    assert refused.param == "prompt"
     await assert_still_serves(running)

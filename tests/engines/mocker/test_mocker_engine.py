@@ -231,3 +231,24 @@ async def test_without_prefix_caching_no_kv_events_are_published(model_dir: str)
     await engine.stop()
     assert chunks[0].num_cached_tokens == 0
     assert [batch async for batch in engine.kv_events()] == []
+
+
+async def test_a_request_that_breaks_a_pass_fails_alone_and_the_engine_serves_on(model_dir: str) -> None:
+    from dynamo_cli.errors import RequestFailed
+
+    engine = MockerEngine(EngineArgs(model=model_dir, block_size=16))  # real time: ~6 ms a pass
+    await engine.start()
+    try:
+        bad = engine.generate(request("bad", num_prompt=1, max_tokens=100))
+        beside = asyncio.ensure_future(collect(engine, request("beside", max_tokens=40)))
+        assert (await anext(bad)).token_ids  # type: ignore[call-overload]
+        # As if check_request had let it through: hashing its first full block will raise.
+        engine._streams["bad"].request.token_ids[0] = 2**40
+        with pytest.raises(RequestFailed, match="'bad'"):
+            async for _ in bad:  # type: ignore[attr-defined]
+                pass
+        chunks = await beside
+        assert len(tokens_of(chunks)) == 40 and chunks[-1].finish_reason == "length"
+        assert engine.state.value == "running"
+    finally:
+        await engine.stop()

@@ -172,3 +172,15 @@ def test_replaying_the_kv_events_rebuilds_exactly_the_cached_blocks_under_heavy_
     assert all(r.num_output_tokens == r.max_tokens for r in requests)
     assert scheduler.kv.num_active_blocks == 0
     assert seen == set(scheduler.kv.cached_lru_order())
+
+
+def test_a_request_whose_data_breaks_the_pass_fails_alone_and_the_others_go_on() -> None:
+    scheduler = make_scheduler()
+    bad = add(scheduler, "bad", [2**40], max_tokens=8)  # hashed only once its first block fills
+    good = add(scheduler, "good", [1, 2, 3], max_tokens=8)
+    failed: list[tuple[MockRequest, str]] = []
+    for _ in range(8):
+        failed += scheduler.step().failed
+    assert [(request.request_id, "error" in reason) for request, reason in failed] == [("bad", True)]
+    assert bad not in scheduler.running and good.num_output_tokens == 8
+    assert not scheduler.has_work and scheduler.kv.num_active_blocks == 0
