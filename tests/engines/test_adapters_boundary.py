@@ -166,7 +166,10 @@ async def test_vllm_gguf_model_is_exported_before_vllm_sees_its_path(
 
 
 def test_vllm_deterministic_sets_batch_invariance_before_vllm_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    # setenv first, so monkeypatch records the variable's original state (absent) and restores it: the
+    # engine sets it directly, and a leaked "1" would turn on vLLM's GPU-only kernels in later tests.
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "unset")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     seen: list[str | None] = []
 
     def load_library() -> VllmLibrary:  # stands for importing vLLM: it reads the variable then
