@@ -8,7 +8,7 @@ and frees its KV blocks (Dynamo's `kill`).
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable, Container
+from collections.abc import AsyncIterator, Callable, Container, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, NewType, Protocol, runtime_checkable
@@ -192,8 +192,8 @@ def check_request(
     num_prompt = len(request.token_ids)
     if num_prompt == 0:
         raise RequestError("the prompt has no tokens; send at least one", param="prompt")
-    _check_token_ids(request.token_ids, "prompt", vocab_size)
-    _check_token_ids(request.stop_token_ids, "stop_token_ids", vocab_size)
+    check_token_ids(request.token_ids, "prompt", vocab_size)
+    check_token_ids(request.stop_token_ids, "stop_token_ids", vocab_size)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     if num_prompt + request.max_tokens > context_length:
@@ -202,7 +202,9 @@ def check_request(
         raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
 
 
-def _check_token_ids(token_ids: list[int], param: str, vocab_size: int) -> None:
+def check_token_ids(token_ids: Sequence[int], param: str, vocab_size: int) -> None:
+    """Every id is a token of the vocabulary (0..vocab_size-1; 0..MAX_TOKEN_ID when the size is 0),
+    else RequestError naming `param` (C-speed min/max: this runs for every request)."""
     if not token_ids:
         return
     highest = vocab_size - 1 if vocab_size > 0 else MAX_TOKEN_ID

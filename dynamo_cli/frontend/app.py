@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
+from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
 from dynamo_cli.frontend.metrics import FrontendMetrics
@@ -297,14 +298,6 @@ def _client_request_id(header: bytes | None) -> str | None:
         raise RequestError(f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters",
                            param="x-request-id")  # fmt: skip
     return header.decode("ascii")
-
-
-def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:
-    """Every id names a token of the model's vocabulary (400 naming `field` and the range otherwise)."""
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None) if vocab_size > 0 else None
-    if bad is not None:
-        raise RequestError(f"token id {bad} in {field} is outside this model's vocabulary (0..{vocab_size - 1})",
-                           param=field, code="invalid_value")  # fmt: skip
 
 
 def _internal(exc: Exception, doing: str) -> DynError:
