@@ -112,6 +112,7 @@ def main() -> None:
     print_table(result)
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
