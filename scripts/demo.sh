@@ -13,5 +13,5 @@ for _ in $(seq 1 600); do
 done
 grep "dyn serve ready" "$log"
 curl -sS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type: application/json' \
-  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 48, "temperature": 0}'
+  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "What color is the sky on a clear day?"}], "max_tokens": 48, "temperature": 0}'
 echo
