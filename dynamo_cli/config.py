@@ -12,6 +12,8 @@ from dynamo_cli.model_card import ModelCard
 DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_MODEL = "smollm2"
 DEFAULT_ENGINE = "mocker"
+CLUSTER_SECRET_ENV = "DYN_CLUSTER_SECRET"
+"""The cluster secret as hex: read by every command, set by `dyn serve` for the processes it starts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,9 @@ class PlanesConfig:
     """`embedded` (ZMQ advertised via discovery) or `nats://HOST:PORT`."""
     lease_ttl: float = 10.0
     """Seconds before a dead process's keys vanish."""
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    """The request plane's shared secret (`--cluster-secret-file`, DYN_CLUSTER_SECRET; `dyn serve` makes
+    one); every connection authenticates with it. None = unauthenticated, allowed on loopback only."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ DynError
 ├── NoWorkers              503: no instance serves the model
 ├── TransportError         request-plane failures
 │   ├── WorkerDisconnected the worker went away mid-stream (migratable)
+│   │   └── AuthenticationFailed  the peer failed the request plane's handshake (no shared secret)
 │   ├── StreamTimeout      no frame within the idle timeout (migratable)
 │   └── RemoteError        the worker raised while serving (not migratable)
 │   (defined beside their only raiser:)
@@ -178,6 +179,21 @@ class WorkerDisconnected(TransportError):
     """The worker's connection closed while a stream was open."""
 
     is_migratable = True
+
+
+class AuthenticationFailed(WorkerDisconnected):
+    """A request-plane server did not prove it holds the cluster secret (or refused our proof).
+
+    Migratable: another instance may be a genuine member of the deployment.
+    """
+
+    def __init__(self, address: str, reason: str) -> None:
+        self.address = address
+        self.reason = reason
+        super().__init__(
+            f"request plane at {address} failed authentication: {reason}; give every process of the"
+            " deployment the same cluster secret (--cluster-secret-file PATH or DYN_CLUSTER_SECRET)"
+        )
 
 
 class StreamTimeout(TransportError):

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from dynamo_cli.config import ServeConfig, WorkerConfig
+from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
@@ -75,7 +75,8 @@ async def serve_all(config: ServeConfig) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
-    pool = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), {PARENT_ENV: str(os.getpid())})
+    pool = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), {PARENT_ENV: str(os.getpid()),
+                       **_secret_env(planes.cluster_secret)})  # fmt: skip
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         try:
             await _serve(config, discovery, bus, pool, stop)
@@ -116,6 +117,12 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
             await service.run(sock, stop, on_ready)
         finally:
             await pool.stop(config.worker.graceful_shutdown_s)
+
+
+def _secret_env(secret: bytes | None) -> dict[str, str]:
+    """The cluster secret for the processes this one starts: in their environment, never on a command
+    line (which `ps` shows to every user)."""
+    return {CLUSTER_SECRET_ENV: secret.hex()} if secret is not None else {}
 
 
 def _shared_discovery(url: str, discovery: object) -> str:

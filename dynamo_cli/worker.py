@@ -47,7 +47,7 @@ class Worker:
         self.discovery = discovery
         self.bus = bus
         self.name = EndpointName(config.namespace, config.component, config.endpoint)
-        self.server = RequestServer(config.host, config.port)
+        self.server = RequestServer(config.host, config.port, secret=config.planes.cluster_secret)
         self._request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
         self._chunk_encoder = msgspec.msgpack.Encoder()
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from dynamo_cli.config import DEFAULT_ENGINE, DEFAULT_MODEL, DEFAULT_NAMESPACE, KvRouterConfig, PlanesConfig
+from dynamo_cli.config import (
+    CLUSTER_SECRET_ENV,
+    DEFAULT_ENGINE,
+    DEFAULT_MODEL,
+    DEFAULT_NAMESPACE,
+    KvRouterConfig,
+    PlanesConfig,
+)
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.runtime.handshake import MIN_SECRET_BYTES, new_secret
 
 _LIBRARY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama_cpp"}
 
@@ -81,10 +91,10 @@ def parse_role(value: str) -> Role:
         raise ConfigError(f"--role '{value}' is invalid; use one of: prefill, decode, both") from None
 
 
-def planes(discovery: str, events: str, lease_ttl: float) -> PlanesConfig:
+def planes(discovery: str, events: str, lease_ttl: float, secret: bytes | None = None) -> PlanesConfig:
     if lease_ttl <= 0:
         raise ConfigError(f"--lease-ttl must be positive, got {lease_ttl}")
-    return PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl)
+    return PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl, cluster_secret=secret)
 
 
 def engine_extra(engine_args: list[str] | None, extra_json: str | None, **named: Any) -> dict[str, Any]:
@@ -156,3 +166,51 @@ def kv_router(
     """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
     return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
                           use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl)  # fmt: skip
+
+
+##### The cluster secret (request-plane authentication) #####
+
+ClusterSecretFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--cluster-secret-file",
+        envvar="DYN_CLUSTER_SECRET_FILE",
+        help="File (mode 600) holding the request plane's shared secret in hex, the same on every node"
+        " (make one: openssl rand -hex 32). Default: DYN_CLUSTER_SECRET.",
+    ),
+]
+
+
+def cluster_secret(path: Path | None, *, make: bool = False) -> bytes | None:
+    """The cluster secret: `--cluster-secret-file`, else DYN_CLUSTER_SECRET (hex), else a new random one
+    if `make` (`dyn serve`: one per deployment), else None (the request plane then stays on loopback)."""
+    if path is not None:
+        return _parse_secret(_read_private(path), f"--cluster-secret-file {path}")
+    text = os.environ.get(CLUSTER_SECRET_ENV, "").strip()
+    if text:
+        return _parse_secret(text, CLUSTER_SECRET_ENV)
+    return new_secret() if make else None
+
+
+def _read_private(path: Path) -> str:
+    """The file's text; ConfigError if it is unreadable or other users may read it (as ssh does with keys)."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"--cluster-secret-file {path} cannot be read: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ConfigError(f"--cluster-secret-file {path} is open to other users (mode {mode & 0o777:o});"
+                          f" run: chmod 600 {path}")  # fmt: skip
+    return text
+
+
+def _parse_secret(text: str, source: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ConfigError(f"the cluster secret from {source} is not hex; make one with: openssl rand -hex 32") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the cluster secret from {source} has {len(secret)} bytes, fewer than"
+                          f" {MIN_SECRET_BYTES}; make one with: openssl rand -hex 32")  # fmt: skip
+    return secret

@@ -9,6 +9,7 @@ import typer
 from dynamo_cli.cli import options as o
 from dynamo_cli.router.service import RouterServiceConfig, serve_router
 from dynamo_cli.runtime.supervisor import die_with_parent, run
+from dynamo_cli.runtime.transport import check_exposure
 
 
 def command(
@@ -39,12 +40,15 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
+    cluster_secret_file: o.ClusterSecretFile = None,
 ) -> None:
     """Run one KV router replica: routes `{ns}/router/generate` to the backends, sharing load with peers."""
     die_with_parent()
+    secret = o.cluster_secret(cluster_secret_file)
+    check_exposure(host, secret)
     weight, temperature = kv_overlap_score_weight, router_temperature
     kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl)
     config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
                                  kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
-                                 planes=o.planes(discovery, events, lease_ttl))  # fmt: skip
+                                 planes=o.planes(discovery, events, lease_ttl, secret))  # fmt: skip
     run(serve_router(config, lambda line: typer.echo(line)))

@@ -76,6 +76,7 @@ def command(
         typer.Option("--max-restarts", envvar="DYN_MAX_RESTARTS",
                      help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never)."),
     ] = 5,
+    cluster_secret_file: o.ClusterSecretFile = None,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
@@ -86,7 +87,8 @@ def command(
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if migration_limit < 0:
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
-    planes = o.planes(discovery, events, lease_ttl)
+    # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
+    planes = o.planes(discovery, events, lease_ttl, o.cluster_secret(cluster_secret_file, make=True))
     extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
                            num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                            deterministic=deterministic or None)  # fmt: skip

@@ -9,6 +9,7 @@ import typer
 from dynamo_cli.cli import options as o
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.runtime.supervisor import die_with_parent, run
+from dynamo_cli.runtime.transport import check_exposure
 from dynamo_cli.worker import serve_worker
 
 
@@ -38,9 +39,12 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
+    cluster_secret_file: o.ClusterSecretFile = None,
 ) -> None:
     """Run one worker: an engine that registers itself and serves `generate` until SIGTERM."""
     die_with_parent()
+    secret = o.cluster_secret(cluster_secret_file)
+    check_exposure(host, secret)  # before the engine loads: a refusal is immediate
     parsed_role = o.parse_role(role)
     extra = o.engine_extra(
         engine_arg,
@@ -55,6 +59,6 @@ def command(
         component=component or ("backend" if parsed_role.value == "both" else parsed_role.value),
         endpoint=endpoint, role=parsed_role, host=host, port=port, block_size=block_size,
         context_length=context_length, graceful_shutdown_s=graceful_shutdown,
-        planes=o.planes(discovery, events, lease_ttl), extra=extra,
+        planes=o.planes(discovery, events, lease_ttl, secret), extra=extra,
     )  # fmt: skip
     run(serve_worker(config))

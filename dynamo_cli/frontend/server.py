@@ -70,7 +70,8 @@ class FrontendService:
         self.metrics = FrontendMetrics()
         busy = BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
         accept = (lambda name: name.component == ROUTER_COMPONENT) if config.router == "remote" else None
-        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept)
+        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept,
+                                      secret=config.planes.cluster_secret)  # fmt: skip
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
         self._tasks = ServiceTasks()

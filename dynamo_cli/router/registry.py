@@ -94,7 +94,7 @@ class Registry(Generic[EntryT]):
     def __init__(
         self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
         busy: BusyThresholds | None = None,
-        accept: Callable[[EndpointName], bool] | None = None,
+        accept: Callable[[EndpointName], bool] | None = None, secret: bytes | None = None,
     ) -> None:  # fmt: skip
         self.busy = busy or BusyThresholds()
         self._policy_factory = policy_factory
@@ -103,7 +103,8 @@ class Registry(Generic[EntryT]):
         self._watch = InstanceWatch(discovery, f"{namespace}/", ModelCard,
                                     accept or (lambda name: name.component != ROUTER_COMPONENT))  # fmt: skip
         self._watch.on_join, self._watch.on_leave = self._add, self._remove
-        self._connections = Connections()
+        self._connections = Connections(secret)
+        """One request-plane connection per worker address, authenticated with the cluster `secret`."""
         self.changed = self._watch.changed
         """Set after every discovery event."""
         self.on_join: Callable[[EntryT, Worker], None] | None = None

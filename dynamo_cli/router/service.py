@@ -81,9 +81,11 @@ class RouterService:
     def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
+        secret = config.planes.cluster_secret
         self.registry = ModelRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
-                                      accept=lambda name: name.component == config.component)  # fmt: skip
-        self.server = RequestServer(config.host, config.port)
+                                      accept=lambda name: name.component == config.component,
+                                      secret=secret)  # fmt: skip
+        self.server = RequestServer(config.host, config.port, secret=secret)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.model: str | None = None
         """The model this router serves: the first backend card's (set at registration)."""

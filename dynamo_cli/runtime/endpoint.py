@@ -106,9 +106,9 @@ class Endpoint:
         await self.discovery.delete(self.name.instance_key(self.instance_id))
         await self.discovery.delete(self.name.card_key(self.instance_id))
 
-    def client(self, card_type: type[CardT]) -> Client[CardT]:
-        """A client of this endpoint's instances, their cards decoded as `card_type`."""
-        return Client(self.discovery, self.name, card_type)
+    def client(self, card_type: type[CardT], secret: bytes | None = None) -> Client[CardT]:
+        """A client of this endpoint's instances, their cards decoded as `card_type`; `secret`: the cluster's."""
+        return Client(self.discovery, self.name, card_type, secret)
 
 
 ##### Watching #####
@@ -175,7 +175,9 @@ class Connections:
     with WorkerDisconnected, which callers may retry elsewhere. This object owns the closing tasks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret
+        """The cluster secret each connection authenticates with (None: none, loopback only)."""
         self._clients: dict[str, RequestClient] = {}
         self._retiring: set[asyncio.Task[None]] = set()
 
@@ -183,7 +185,7 @@ class Connections:
         """The connection to `address`, created (lazily connecting) if new."""
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = RequestClient(address)
+            client = self._clients[address] = RequestClient(address, secret=self._secret)
         return client
 
     def retire(self, address: str) -> None:
@@ -233,10 +235,13 @@ class Client(Generic[CardT]):
     """The endpoint called."""
     card_type: type[CardT]
     """How the instances' cards decode."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The cluster secret the connections authenticate with (None: none, loopback only)."""
     watch: InstanceWatch[CardT] = field(init=False)
-    connections: Connections = field(init=False, default_factory=Connections)
+    connections: Connections = field(init=False)
 
     def __post_init__(self) -> None:
+        self.connections = Connections(self.secret)
         self.watch = InstanceWatch(self.discovery, f"{self.name.path}/", self.card_type,
                                    accept=lambda name: name == self.name)  # fmt: skip
         self.watch.on_leave = self._left

@@ -5,6 +5,11 @@
 (one syscall per loop iteration, not per frame). Overflow policy: a server stream waits while the
 socket's write buffer is over its high-water mark; a client stream that buffers more than
 `STREAM_BUFFER` items pauses reading on the whole connection until its consumer catches up.
+
+Authentication is per connection (handshake.py): given the cluster secret, a server serves no frame
+before the caller proved it holds the secret, and a client sends no request before the server proved
+it too. After that the frame path is the same as without a secret. Without a secret a server listens
+on loopback only (`check_exposure`).
 """
 
 from __future__ import annotations
@@ -14,13 +19,31 @@ import contextlib
 import itertools
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import cast
 
 import msgspec
 
-from dynamo_cli.errors import DynError, RemoteError, RequestError, StreamTimeout, TransportError, WorkerDisconnected
+from dynamo_cli.errors import (
+    AuthenticationFailed,
+    ConfigError,
+    DynError,
+    RemoteError,
+    RequestError,
+    StreamTimeout,
+    TransportError,
+    WorkerDisconnected,
+)
+from dynamo_cli.runtime.handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    MAGIC,
+    ClientHandshake,
+    HandshakeError,
+    ServerHandshake,
+    is_loopback,
+)
 from dynamo_cli.runtime.wire import Cancel, Data, End, Fail, Frame, FrameCodec, FrameError, Open
 
 logger = logging.getLogger(__name__)
@@ -31,6 +54,20 @@ Handler = Callable[[msgspec.Raw], AsyncIterator[bytes]]
 CONNECT_TIMEOUT_S = 3.0
 STREAM_IDLE_TIMEOUT_S = 600.0
 STREAM_BUFFER = 1024
+MAX_HANDSHAKING = 256
+"""Connections allowed to be authenticating at once; more are closed at once (a flood costs little)."""
+REFUSAL_LOG_INTERVAL_S = 10.0
+"""At most one warning per this many seconds about refused connections (a flood does not flood the log)."""
+
+
+def check_exposure(host: str, secret: bytes | None) -> None:
+    """ConfigError if a request plane on `host` would be reachable from the network without a secret."""
+    if secret is None and not is_loopback(host):
+        raise ConfigError(
+            f"--host {host or '(all interfaces)'} exposes the request plane to the network, but no cluster secret"
+            " is set; pass --cluster-secret-file PATH or DYN_CLUSTER_SECRET (the same on every node), or listen"
+            " on 127.0.0.1"
+        )
 
 
 class _Writer:
@@ -79,6 +116,9 @@ class _ServerConnection(asyncio.Protocol):
         self._codec = FrameCodec()
         self._writer = _Writer(self._loop)
         self._streams: dict[int, asyncio.Task[None]] = {}
+        self._handshake: ServerHandshake | None = None
+        """Set until the peer proved it holds the secret; no frame is read meanwhile."""
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._writer.transport = transport  # type: ignore[assignment]
@@ -86,8 +126,51 @@ class _ServerConnection(asyncio.Protocol):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server._connections.add(self)
+        if self._server._secret is not None:
+            self._challenge(transport, self._server._secret)  # type: ignore[arg-type]
+
+    def _challenge(self, transport: asyncio.Transport, secret: bytes) -> None:
+        self._handshake = ServerHandshake(secret)
+        self._server._num_handshaking += 1
+        self._deadline = self._loop.call_later(HANDSHAKE_TIMEOUT_S, self._refuse, "no valid answer in time")
+        if self._server._num_handshaking > MAX_HANDSHAKING:
+            self._refuse(f"over {MAX_HANDSHAKING} connections authenticating at once")
+        else:
+            transport.write(self._handshake.hello())
+
+    def _authenticate(self, handshake: ServerHandshake, data: bytes) -> bytes:
+        """Feed the handshake; once the peer is proven, the bytes after it (frames), else b""."""
+        transport = self._writer.transport
+        if transport is None or transport.is_closing():
+            return b""
+        try:
+            reply, rest = handshake.feed(data)
+        except HandshakeError as exc:
+            self._refuse(str(exc))
+            return b""
+        if handshake.done:
+            self._end_handshake()
+            transport.write(reply)
+        return rest
+
+    def _end_handshake(self) -> None:
+        if self._handshake is not None and self._deadline is not None:
+            self._handshake = None
+            self._server._num_handshaking -= 1
+            self._deadline.cancel()
+
+    def _refuse(self, reason: str) -> None:
+        """Close an unauthenticated connection at once; nothing was served on it."""
+        transport = self._writer.transport
+        if transport is not None and not transport.is_closing():
+            self._server._note_refusal(transport.get_extra_info("peername"), reason)
+            transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._handshake is not None:
+            data = self._authenticate(self._handshake, data)
+            if not data:
+                return
         try:
             frames = self._codec.feed(data)
         except FrameError as exc:
@@ -140,6 +223,7 @@ class _ServerConnection(asyncio.Protocol):
         self._writer.resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._end_handshake()
         self._writer.transport = None
         self._writer.resume()
         for task in self._streams.values():
@@ -152,11 +236,18 @@ class _ServerConnection(asyncio.Protocol):
 
 
 class RequestServer:
-    """Serves endpoints over TCP; `drain()` waits for in-flight streams, `close()` cancels them."""
+    """Serves endpoints over TCP; `drain()` waits for in-flight streams, `close()` cancels them.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    With `secret`, every connection must pass the handshake first; without, `host` must be loopback.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None) -> None:
         self._host = host
         self._port = port
+        self._secret = secret
+        self._num_handshaking = 0
+        self._num_refused = 0
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self._handlers: dict[str, Handler] = {}
         self._connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
@@ -177,13 +268,30 @@ class RequestServer:
         self._handlers[name] = handler
 
     async def start(self) -> str:
-        """Listen; return the address `host:port` callers should dial."""
+        """Listen; return the address `host:port` callers should dial. ConfigError if exposed without a secret."""
+        check_exposure(self._host, self._secret)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ServerConnection(self), self._host, self._port)
         port = self._server.sockets[0].getsockname()[1]
         host = self._host if self._host not in ("0.0.0.0", "::", "") else socket.gethostname()
         self._address = f"{host}:{port}"
+        if self._secret is None:
+            logger.warning("request plane %s: no cluster secret, so any process on this host may use it; pass"
+                           " --cluster-secret-file PATH or DYN_CLUSTER_SECRET", self._address)  # fmt: skip
         return self._address
+
+    @property
+    def num_refused(self) -> int:
+        """Connections closed for failing the handshake (or for arriving in a flood of them)."""
+        return self._num_refused
+
+    def _note_refusal(self, peer: object, reason: str) -> None:
+        self._num_refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged_at = now
+            logger.warning("request plane %s: refused a connection from %s: %s (%d refused so far)",
+                           self._address, peer, reason, self._num_refused)  # fmt: skip
 
     @property
     def num_inflight(self) -> int:
@@ -290,20 +398,54 @@ class ResponseStream:
 
 
 class _ClientConnection(asyncio.Protocol):
-    def __init__(self, client: RequestClient) -> None:
+    def __init__(self, client: RequestClient, handshake: ClientHandshake | None) -> None:
         self._client = client
         self._codec = FrameCodec()
+        self._handshake = handshake
+        """Set until the server proved it holds the secret; nothing is sent meanwhile."""
+        self._transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[None] = client._loop.create_future()
+        """Done once the server is proven (at once without a secret); AuthenticationFailed if it is not."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._handshake is None:
+            self.ready.set_result(None)
+
+    def _authenticate(self, handshake: ClientHandshake, data: bytes) -> bytes:
+        """Feed the handshake (answering the hello); once the server is proven, the bytes after it."""
+        assert self._transport is not None
+        try:
+            reply, rest = handshake.feed(data)
+        except HandshakeError as exc:
+            self._fail_handshake(str(exc))
+            return b""
+        if reply:
+            self._transport.write(reply)
+        if handshake.done:
+            self._handshake = None
+            self.ready.set_result(None)
+        return rest
+
+    def _fail_handshake(self, reason: str) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(AuthenticationFailed(self._client.address, reason))
+        if self._transport is not None:
+            self._transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._handshake is not None:
+            data = self._authenticate(self._handshake, data)
+            if not data:
+                return
         try:
             frames = self._codec.feed(data)
         except FrameError as exc:
-            self._client._lost(WorkerDisconnected(f"bad frame from {self._client.address}: {exc}"))
+            hint = "; it asks for a cluster secret, and this process has none" if MAGIC in data[:32] else ""
+            self._client._lost(WorkerDisconnected(f"bad frame from {self._client.address}: {exc}{hint}"))
             return
         streams = self._client._streams
         for frame in frames:
@@ -326,6 +468,9 @@ class _ClientConnection(asyncio.Protocol):
         self._client._writer.resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._handshake is not None:  # never authenticated: no stream of the client's was on it
+            self._fail_handshake("it closed the connection during the handshake (it holds another secret?)")
+            return
         self._client._lost(WorkerDisconnected(f"connection to {self._client.address} lost: {exc or 'closed'}"))
 
 
@@ -336,11 +481,18 @@ def _remote_error(frame: Fail) -> TransportError:
 
 
 class RequestClient:
-    """One connection to one `RequestServer`, opened lazily, reopened after a loss."""
+    """One connection to one `RequestServer`, opened lazily, reopened after a loss.
 
-    def __init__(self, address: str, *, idle_timeout: float = STREAM_IDLE_TIMEOUT_S) -> None:
+    With `secret`, each connection first runs the handshake: a server that cannot prove it holds the
+    secret gets no request (AuthenticationFailed, which callers may retry elsewhere).
+    """
+
+    def __init__(
+        self, address: str, *, idle_timeout: float = STREAM_IDLE_TIMEOUT_S, secret: bytes | None = None
+    ) -> None:
         self.address = address
         self.idle_timeout = idle_timeout
+        self._secret = secret
         self._loop = asyncio.get_running_loop()
         self._writer = _Writer(self._loop)
         self._streams: dict[int, ResponseStream] = {}
@@ -368,13 +520,30 @@ class RequestClient:
             if self._writer.transport is not None and not self._writer.transport.is_closing():
                 return
             host, _, port = self.address.rpartition(":")
+            handshake = ClientHandshake(self._secret) if self._secret is not None else None
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                    transport, _ = await self._loop.create_connection(lambda: _ClientConnection(self), host, int(port))
+                    transport, protocol = await self._loop.create_connection(
+                        lambda: _ClientConnection(self, handshake), host, int(port)
+                    )
             except (OSError, TimeoutError) as exc:
                 raise WorkerDisconnected(f"cannot connect to {self.address}: {exc or 'timed out'}") from exc
+            await self._authenticated(transport, protocol)
             self._writer = _Writer(self._loop)
             self._writer.transport = transport
+
+    async def _authenticated(self, transport: asyncio.Transport, protocol: _ClientConnection) -> None:
+        """Wait for the handshake; on any failure the connection is closed having carried nothing."""
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await protocol.ready
+        except TimeoutError:
+            transport.abort()
+            reason = f"no handshake within {HANDSHAKE_TIMEOUT_S:.0f} s (it may run without a cluster secret)"
+            raise AuthenticationFailed(self.address, reason) from None
+        except BaseException:
+            transport.abort()
+            raise
 
     def _cancel(self, stream: ResponseStream) -> None:
         if self._streams.pop(stream.sid, None) is not None:

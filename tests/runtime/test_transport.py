@@ -1,4 +1,4 @@
-"""The TCP request plane: multiplexing, cancellation, failures, bad peers."""
+"""The TCP request plane: multiplexing, cancellation, failures, bad peers (authentication: test_transport_auth)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ class Endpoints:
         raise RequestError("max_tokens is too large", param="max_tokens")
 
 
-@pytest.fixture
-async def served():  # type: ignore[no-untyped-def]
+@pytest.fixture(params=[None, bytes(range(32))], ids=["open", "authenticated"])
+async def served(request):  # type: ignore[no-untyped-def]
+    """Every test runs both without a cluster secret (loopback) and with one on both sides."""
     endpoints = Endpoints()
-    server = RequestServer()
+    server = RequestServer(secret=request.param)
     for name in ("count", "forever", "bad"):
         server.add_endpoint(name, getattr(endpoints, name))
     address = await server.start()
-    client = RequestClient(address)
+    client = RequestClient(address, secret=request.param)
     yield endpoints, server, client
     await client.close()
     await server.close()
