@@ -146,11 +146,12 @@ def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | N
 def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[no-untyped-def]
 
     def factory(
-        *flags: str, discovery: str | None = None, events: str = "embedded", timeout: float = 90.0
-    ) -> DynProcess:
+        *flags: str, discovery: str | None = None, events: str = "embedded", timeout: float = 90.0,
+        env: dict[str, str] | None = None,
+    ) -> DynProcess:  # fmt: skip
         disc = discovery or f"file://{tmp_path}/discovery"
         args = ["serve", "--port", "0", "--discovery", disc, "--events", events, *flags]
-        handle = start_dyn(args, timeout=timeout)
+        handle = start_dyn(args, timeout=timeout, env=env)
         handle.discovery, handle.events = disc, events
         started.append(handle)
         return handle

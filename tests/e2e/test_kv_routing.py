@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 import httpx
@@ -35,11 +36,12 @@ def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(dyn_ser
 
 
 def test_a_router_that_starts_late_knows_what_the_workers_cached(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
-    d: DynProcess = dyn_serve(*FLAGS, discovery=planes[0], events=planes[1])
+    shared = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}  # the late frontend joins this deployment
+    d: DynProcess = dyn_serve(*FLAGS, discovery=planes[0], events=planes[1], env=shared)
     with httpx.Client(base_url=d.url, timeout=30) as http:
         holder, _ = ask(http, "warm the cache")
     late = start_dyn(["serve", "--workers", "0", "--router", "kv", "--port", "0",
-                      "--discovery", d.discovery, "--events", d.events], timeout=60)  # fmt: skip
+                      "--discovery", d.discovery, "--events", d.events], timeout=60, env=shared)  # fmt: skip
     try:
         with httpx.Client(base_url=late.url, timeout=30) as http:
             for _ in range(50):  # the late frontend discovers the workers within a poll or two

@@ -61,8 +61,9 @@ def fetch(ns: str, url: str, body: str | None = None) -> subprocess.CompletedPro
     return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, url, *([body] if body else []))
 
 
-def in_ns(ns: str, *argv: str, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def in_ns(ns: str, *argv: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def test_a_frontend_and_a_worker_in_separate_namespaces_find_each_other(namespaces, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -80,14 +81,15 @@ def test_a_frontend_and_a_worker_in_separate_namespaces_find_each_other(namespac
     ]  # fmt: skip
     planes = ["--discovery", f"etcd://{A_ADDR}:2379", "--events", f"nats://{A_ADDR}:4222"]
     dyn = [sys.executable, "-m", "dynamo_cli.cli.main"]
+    cluster = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}  # one secret for the nodes of this deployment
     worker = in_ns(b, *dyn, "worker", "--engine", "mocker", "--host", B_ADDR, "--speedup-ratio", "50", *planes,
-                   log=tmp_path / "worker.log")  # fmt: skip
+                   log=tmp_path / "worker.log", env=cluster)  # fmt: skip
     frontend: DynProcess | None = None
     try:
         assert wait_until(lambda: "dyn worker ready" in (tmp_path / "worker.log").read_text(), timeout=60), \
             (tmp_path / "worker.log").read_text()  # fmt: skip
         frontend = start_dyn(["serve", "--workers", "0", "--host", A_ADDR, "--port", "0", *planes],
-                             netns=a)  # fmt: skip
+                             netns=a, env=cluster)  # fmt: skip
         url = frontend.url
         assert wait_until(lambda: "smollm2" in fetch(a, f"{url}/v1/models").stdout, timeout=15)
         body = json.dumps({"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})

@@ -27,6 +27,9 @@ BLOCK = 64
 PREFIX = [1000 + i for i in range(8 * BLOCK)]
 """A long shared prompt prefix: 8 full blocks."""
 CALL_TIMEOUT_S = 15.0
+SECRET = bytes(range(32))
+"""The deployment's cluster secret, given so that these tests can call the routers' request plane."""
+ENV = {"DYN_CLUSTER_SECRET": SECRET.hex()}
 
 
 def instances(d: DynProcess) -> list[dict[str, Any]]:
@@ -55,13 +58,13 @@ def ready(d: DynProcess) -> DynProcess:
 @pytest.fixture(scope="module")
 def deployment(dyn_serve_module, planes_module) -> DynProcess:  # type: ignore[no-untyped-def]
     discovery, events = planes_module
-    return ready(dyn_serve_module(*FLAGS, discovery=discovery, events=events))
+    return ready(dyn_serve_module(*FLAGS, discovery=discovery, events=events, env=ENV))
 
 
 @pytest.fixture
 def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-def]
     discovery, events = planes
-    return ready(dyn_serve(*FLAGS, discovery=discovery, events=events))
+    return ready(dyn_serve(*FLAGS, discovery=discovery, events=events, env=ENV))
 
 
 def request(request_id: str, token_ids: list[int], max_tokens: int, pin: int | None = None) -> bytes:
@@ -75,7 +78,7 @@ async def generate(
     address: str, request_id: str, token_ids: list[int], max_tokens: int = 2, pin: int | None = None
 ) -> list[GenerateChunk]:
     """Every chunk of one request routed by the router at `address` (to worker `pin` if given)."""
-    client = RequestClient(address)
+    client = RequestClient(address, secret=SECRET)
     try:
         async with asyncio.timeout(CALL_TIMEOUT_S):
             stream = await client.open_stream("generate", request(request_id, token_ids, max_tokens, pin))
@@ -86,7 +89,7 @@ async def generate(
 
 async def best_worker(address: str, token_ids: list[int]) -> dict[str, Any]:
     """The router's `best_worker_id` answer (msgpack)."""
-    client = RequestClient(address)
+    client = RequestClient(address, secret=SECRET)
     try:
         async with asyncio.timeout(CALL_TIMEOUT_S):
             stream = await client.open_stream("best_worker_id", msgspec.msgpack.encode({"token_ids": token_ids}))
@@ -174,7 +177,7 @@ async def test_a_shared_prefix_goes_to_the_worker_that_caches_it(deployment: Dyn
 
 async def test_two_replicas_agree_on_the_in_flight_load(deployment: DynProcess) -> None:
     replica_a, replica_b = (row["address"] for row in of(deployment, "router"))
-    client = RequestClient(replica_a)
+    client = RequestClient(replica_a, secret=SECRET)
     streams: list[ResponseStream] = []
     try:
         for n in range(3):
