@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -26,12 +28,15 @@ from tests.conftest import start_dyn  # noqa: E402
 from tests.planes import find_etcd, find_nats_server, start_etcd, start_nats  # noqa: E402
 
 BODY = {"model": "smollm2", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+CLUSTER = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}
+"""One request-plane secret for the frontend and the workers that join it."""
 
 
 def one_join(url: str, planes: list[str]) -> float:
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--speedup-ratio", "100"]
     argv += planes
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, **CLUSTER})  # fmt: skip
     try:
         assert worker.stdout is not None
         for line in worker.stdout:
@@ -61,7 +66,7 @@ def run(kind: str, rounds: int, root: Path) -> dict[str, object]:
         etcd, nats = start_etcd(etcd_bin, root), start_nats(nats_bin, root)
         servers = [etcd, nats]
         planes = ["--discovery", etcd.url, "--events", nats.url]
-    frontend = start_dyn(["serve", "--workers", "0", "--port", "0", *planes])
+    frontend = start_dyn(["serve", "--workers", "0", "--port", "0", *planes], env=CLUSTER)
     try:
         joins = [one_join(frontend.url, planes) for _ in range(rounds)]
     finally:

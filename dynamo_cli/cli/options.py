@@ -176,7 +176,8 @@ ClusterSecretFile = Annotated[
         "--cluster-secret-file",
         envvar="DYN_CLUSTER_SECRET_FILE",
         help="File (mode 600) holding the request plane's shared secret in hex, the same on every node"
-        " (make one: openssl rand -hex 32). Default: DYN_CLUSTER_SECRET.",
+        " (make one: openssl rand -hex 32). Default: DYN_CLUSTER_SECRET; without either, `dyn serve` makes one"
+        " and `dyn worker`/`dyn router` listen on loopback only.",
     ),
 ]
 
