@@ -85,3 +85,14 @@ def test_dyn_ls_shows_the_discovery_url_with_the_password_hidden(auth_planes: tu
     done = _dyn("ls", "--discovery", discovery)
     assert done.returncode == 0, done.stderr
     assert ETCD_USER[1] not in done.stdout and f"{ETCD_USER[0]}:***@" in done.stdout
+
+
+def test_dyn_serve_without_nats_credentials_stops_at_start_with_one_line(auth_planes: tuple[str, str]) -> None:
+    discovery, events = auth_planes
+    plain = "nats://" + events.rpartition("@")[2]
+    done = _dyn("serve", "--engine", "mocker", "--workers", "1", "--port", "0", "--discovery", discovery,
+                "--events", plain)  # fmt: skip
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: nats at {plain}: authentication failed: check the user/password/token in --events "
+                     "(the server requires them)"], done.stderr  # fmt: skip

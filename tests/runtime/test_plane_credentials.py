@@ -4,6 +4,8 @@ with one line naming the plane and the URL (its secret hidden), and a client wit
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +14,10 @@ import aetcd
 import pytest
 
 import tests.planes
-from dynamo_cli.errors import PlaneAuthFailed, PlaneUnavailable
+from dynamo_cli.errors import ConfigError, PlaneAuthFailed, PlaneUnavailable
 from dynamo_cli.runtime.etcd import EtcdDiscovery
-from dynamo_cli.runtime.nats import NatsEventBus
+from dynamo_cli.runtime.nats import NatsEventBus, connect_options
+from dynamo_cli.runtime.urls import parse_nats_target
 from tests.planes import EtcdProcess, NatsProcess, with_credentials
 
 etcd_process = tests.planes.etcd_process
@@ -236,3 +239,21 @@ async def test_etcd_over_tls_with_a_password_verifies_the_server_against_the_giv
         await plain.close()
     finally:
         server.stop()
+
+
+@pytest.mark.etcd
+async def test_an_etcd_user_without_access_to_dyns_keys_is_refused_at_start(etcd_process: EtcdProcess) -> None:
+    etcd_process.enable_auth("root", "root-pw")
+    etcdctl = [tests.planes.find_etcdctl() or "etcdctl", f"--endpoints=127.0.0.1:{etcd_process.client_port}",
+               "--user=root:root-pw"]  # fmt: skip
+    subprocess.run([*etcdctl, "user", "add", "stranger", "--new-user-password=pw"], check=True, capture_output=True)
+    discovery = EtcdDiscovery(with_credentials(etcd_process.url, "stranger:pw"), ttl=3)
+    with pytest.raises(PlaneAuthFailed, match=r"etcd at etcd://stranger:\*\*\*@.*permission denied"):
+        await discovery.start()
+    await discovery.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nkeys") is not None, reason="nkeys is installed")
+def test_a_creds_file_without_nkeys_installed_names_the_package() -> None:
+    with pytest.raises(ConfigError, match="needs the nkeys package; pip install nkeys"):
+        connect_options(parse_nats_target("nats://h?creds=/etc/dyn/user.creds"))
