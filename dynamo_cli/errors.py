@@ -78,14 +78,14 @@ class PlaneAuthFailed(PlaneUnavailable):
     """etcd or NATS answered but refused the credentials in the URL (or their absence)."""
 
     def __init__(self, plane: str, url: str, flag: str, cause: str) -> None:
-        self.url = url
-        """The URL with its secrets hidden."""
-        DynError.__init__(
-            self,
-            f"{plane} at {url}: authentication failed: check the user/password/token in {flag} ({cause})",
-        )
         self.plane = plane
         self.address = url
+        """The URL with its secrets hidden (`etcd://dyn:***@host:2379`)."""
+        self.flag = flag
+        # Not PlaneUnavailable's "unreachable at" message: the server answered, and said no.
+        DynError.__init__(
+            self, f"{plane} at {url}: authentication failed: check the user/password/token in {flag} ({cause})"
+        )
 
 
 class RequestError(DynError):
