@@ -5,6 +5,7 @@ DynError
 ├── EngineNotInstalled     an engine plugin whose library is missing (names the pip command)
 ├── UnknownEngine          --engine NAME not in the registry (lists the known ones)
 ├── PlaneUnavailable       etcd / NATS / embedded root unreachable at start
+│   └── PlaneAuthFailed    etcd / NATS refused our credentials (or we gave none and it wants some)
 ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
 │   ├── ModelNotFound      404
 │   ├── ContextOverflow    400, says the numbers
@@ -72,6 +73,20 @@ class PlaneUnavailable(DynError):
         self.plane = plane
         self.address = address
         super().__init__(f"{plane} unreachable at {address}: {cause}")
+
+
+class PlaneAuthFailed(PlaneUnavailable):
+    """etcd or NATS answered but refused the credentials in the URL (or their absence)."""
+
+    def __init__(self, plane: str, url: str, flag: str, cause: str) -> None:
+        self.plane = plane
+        self.address = url
+        """The URL with its secrets hidden (`etcd://dyn:***@host:2379`)."""
+        self.flag = flag
+        # Not PlaneUnavailable's "unreachable at" message: the server answered, and said no.
+        DynError.__init__(
+            self, f"{plane} at {url}: authentication failed: check the user/password/token in {flag} ({cause})"
+        )
 
 
 class RequestError(DynError):

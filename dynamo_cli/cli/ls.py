@@ -16,6 +16,7 @@ from dynamo_cli.runtime.discovery import open_discovery
 from dynamo_cli.runtime.endpoint import InstanceRecord
 from dynamo_cli.runtime.names import parse_instance_key
 from dynamo_cli.runtime.supervisor import run
+from dynamo_cli.runtime.urls import redact_url
 
 
 async def _snapshot(url: str, timeout: float) -> tuple[dict[str, bytes], dict[str, bytes]]:
@@ -47,7 +48,7 @@ def command(
     if as_json:
         typer.echo(msgspec.json.encode(rows).decode())
         return
-    table = Table(title=f"dyn: {len(rows)} instance(s) on {discovery}")
+    table = Table(title=f"dyn: {len(rows)} instance(s) on {redact_url(discovery)}")
     for column in ("instance", "model", "engine", "role", "address", "host", "pid"):
         table.add_column(column, overflow="fold")
     for row in rows:

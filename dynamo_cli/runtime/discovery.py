@@ -80,8 +80,9 @@ class HostLocal(Protocol):
 
 
 def open_discovery(url: str, *, ttl: float = DEFAULT_TTL_S) -> Discovery:
-    """Build the backend a `--discovery` URL names: `embedded[:///dir]`, `file:///dir` or `etcd://h:p[,h:p]`."""
-    if url.startswith("etcd://"):
+    """Build the backend a `--discovery` URL names: `embedded[:///dir]`, `file:///dir` or
+    `etcd[s]://[user:password@]h:p[,h:p][?ca=…]` (runtime/urls.py)."""
+    if url.startswith(("etcd://", "etcds://")):
         from dynamo_cli.runtime.etcd import EtcdDiscovery
 
         return EtcdDiscovery(url, ttl=ttl)

@@ -3,6 +3,8 @@
 The client is `aetcd` (asyncio gRPC). It was chosen over `etcd3aio`, which did as well on put/get,
 leases and watches, because `etcd3aio` puts its generated protobuf tree on `sys.path` at import,
 shadowing any installed `google.api` and adding a top-level `etcd` package to every process.
+Credentials and TLS come from the URL (urls.py); etcd_client.py logs in, dials TLS and sorts a
+refusal (PlaneAuthFailed at start) from an outage (PlaneUnavailable).
 
     start() ──► lease granted ──► keepalive every ttl/3 ──► close(): revoke (keys vanish at once)
                      ▲                   │ etcd forgot the lease (restarted empty, or we were cut off)
@@ -20,12 +22,13 @@ from typing import Any
 
 import aetcd
 
-from dynamo_cli.errors import ConfigError, PlaneUnavailable
+from dynamo_cli.errors import PlaneAuthFailed, PlaneUnavailable
 from dynamo_cli.runtime.discovery import DEFAULT_TTL_S, WatchEvent, WatchKind
+from dynamo_cli.runtime.etcd_client import is_auth_failure, is_stale_token, new_client
+from dynamo_cli.runtime.urls import parse_etcd_target
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 2379
 START_TIMEOUT_S = 3.0
 """How long start() waits for etcd before raising PlaneUnavailable."""
 CALL_TIMEOUT_S = 3.0
@@ -49,19 +52,8 @@ class _State(enum.Enum):
 
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
-    """`etcd://h1:p1,h2:p2` → [(h1, p1), (h2, p2)]; the port defaults to 2379."""
-    rest = url.removeprefix("etcd://").rstrip("/")
-    endpoints = []
-    for part in filter(None, rest.split(",")):
-        host, _, port = part.rpartition(":") if ":" in part else (part, "", str(DEFAULT_PORT))
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"--discovery '{url}': '{part}' is not HOST:PORT; use etcd://HOST:PORT[,HOST:PORT]"
-            )
-        endpoints.append((host, int(port)))
-    if not endpoints:
-        raise ConfigError(f"--discovery '{url}' names no etcd endpoint; use etcd://HOST:PORT")
-    return endpoints
+    """`etcd://h1:p1,h2:p2` → [(h1, p1), (h2, p2)]; the port defaults to 2379 (urls.py has the rest)."""
+    return list(parse_etcd_target(url).endpoints)
 
 
 def diff_snapshots(old: Mapping[str, bytes], new: Mapping[str, bytes]) -> list[WatchEvent]:
@@ -79,8 +71,8 @@ class EtcdDiscovery:
     """`Discovery` on an etcd cluster: one lease per process, kept alive, re-granted if etcd loses it."""
 
     def __init__(self, url: str, *, ttl: float = DEFAULT_TTL_S) -> None:
-        self._url = url
-        self._endpoints = parse_etcd_url(url)
+        self._target = parse_etcd_target(url)
+        self._endpoints = self._target.endpoints
         self._ttl = max(1, round(ttl))  # etcd leases are whole seconds
         self._state = _State.IDLE
         self._client: aetcd.Client | None = None
@@ -106,12 +98,17 @@ class EtcdDiscovery:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 host, port, options = await self._grpc_target()
-                self._client = aetcd.Client(host, port, timeout=int(CALL_TIMEOUT_S), options=options)
+                self._client = new_client(self._target, host, port, timeout=int(CALL_TIMEOUT_S), options=options)
+                # A read under dyn's keys first: an etcd with auth on refuses it without a valid login,
+                # whereas it grants leases to anyone.
+                await self._client.get(b"v1/instances/")
                 lease = await self._client.lease(self._ttl)
         except _UNREACHABLE as exc:
             if self._client is not None:
                 await self._client.close()
             self._client = None
+            if is_auth_failure(exc):
+                raise PlaneAuthFailed("etcd", self._target.redacted, "--discovery", _describe(exc)) from None
             raise PlaneUnavailable("etcd", self.address, _describe(exc)) from None
         self._lease_id = int(lease.id)
         self._state = _State.RUNNING
@@ -132,6 +129,7 @@ class EtcdDiscovery:
                 await client.put(key.encode(), value, lease=self._lease_id)
         except aetcd.ClientError as exc:
             if "lease not found" not in str(exc):
+                await self._log_in_again_if_forgotten(exc)
                 raise PlaneUnavailable("etcd", self.address, _describe(exc)) from None
             # etcd lost the lease before the keepalive noticed: re-grant now (it re-puts this key too).
             await self._call(self._regrant_lease(found_by="a put"))
@@ -233,9 +231,20 @@ class EtcdDiscovery:
             is_connected = True
 
     async def _refresh_lease(self) -> int:
-        async with asyncio.timeout(CALL_TIMEOUT_S):
-            reply = await self._running_client().refresh_lease(self._lease_id)
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                reply = await self._running_client().refresh_lease(self._lease_id)
+        except aetcd.ClientError as exc:
+            await self._log_in_again_if_forgotten(exc)
+            raise
         return int(reply.TTL) if reply is not None else 0
+
+    async def _log_in_again_if_forgotten(self, exc: BaseException) -> None:
+        # etcd keeps login tokens in memory: after a restart it answers "invalid auth token". Closing
+        # the client makes its next call reconnect and log in again (watch streams re-list meanwhile).
+        if is_stale_token(exc) and self._client is not None:
+            logger.info("etcd at %s forgot our login (it restarted?); logging in again", self.address)
+            await self._client.close()
 
     async def _regrant_lease(self, *, found_by: str) -> None:
         client = self._running_client()
@@ -282,6 +291,7 @@ class EtcdDiscovery:
             async with asyncio.timeout(CALL_TIMEOUT_S):
                 return await awaitable
         except _UNREACHABLE as exc:
+            await self._log_in_again_if_forgotten(exc)
             raise PlaneUnavailable("etcd", self.address, _describe(exc)) from None
 
     async def _sleep_unless_closed(self, seconds: float) -> None:

@@ -4,13 +4,18 @@ Core subjects (`namespace.{ns}.component.{c}.kv-metrics`, ...) are at most once,
 bus. KV events also land in a JetStream stream (`ensure_stream`), so a router that starts late or
 restarts reads them again from a sequence number (`subscribe_replay`) instead of missing them.
 The client reconnects forever; what a subscriber cannot keep up with is dropped and counted.
+Credentials (user/password, token, creds file) and TLS come from the URL (urls.py); a server that
+refuses them fails start() with PlaneAuthFailed. NOTE: nats-py upgrades to TLS only when the server
+asks for it, so with TLS requested a server that did not is refused after the fact (`_check_tls`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.util
 import logging
+import ssl
 from typing import Any
 
 import nats
@@ -20,8 +25,9 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from dynamo_cli.errors import ConfigError, PlaneUnavailable
+from dynamo_cli.errors import ConfigError, PlaneAuthFailed, PlaneUnavailable
 from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE
+from dynamo_cli.runtime.urls import NatsTarget, TlsFiles, parse_nats_target
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +54,38 @@ class _State(enum.Enum):
 
 
 def parse_nats_url(url: str) -> list[str]:
-    """`nats://h1:p1,h2:p2` → ["nats://h1:p1", "nats://h2:p2"] (`tls://` kept as given)."""
-    scheme, sep, rest = url.partition("://")
-    servers = [f"{scheme}://{part}" for part in filter(None, rest.rstrip("/").split(","))]
-    if not sep or not servers:
-        raise ConfigError(f"--events '{url}' names no NATS server; use nats://HOST:PORT")
-    return servers
+    """`nats://h1:p1,h2:p2` → ["nats://h1:p1", "nats://h2:p2"] (`tls://` kept; urls.py has the rest)."""
+    return list(parse_nats_target(url).servers)
+
+
+def connect_options(target: NatsTarget) -> dict[str, Any]:
+    """nats-py `connect()` keywords for the target's credentials and TLS; ConfigError for bad files."""
+    options: dict[str, Any] = {}
+    if target.user is not None:
+        options.update(user=target.user, password=target.password)
+    if target.token is not None:
+        options["token"] = target.token
+    if target.creds is not None:
+        if importlib.util.find_spec("nkeys") is None:
+            raise ConfigError(f"--events '{target.redacted}': ?creds= needs the nkeys package; pip install nkeys")
+        options["user_credentials"] = target.creds
+    if target.tls is not None:
+        options["tls"] = ssl_context(target.tls)
+    return options
+
+
+def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """A client context verifying the server against `tls.ca` (else the system CAs), with our cert if given."""
+    try:
+        context = ssl.create_default_context(cafile=tls.ca)
+        if tls.cert is not None:
+            context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"--events: cannot load the TLS files (ca={tls.ca}, cert={tls.cert}, key={tls.key}): {exc}; "
+            "fix the ?ca=, ?cert=, ?key= paths"
+        ) from None
+    return context
 
 
 class NatsSubscription:
@@ -132,13 +164,14 @@ class NatsEventBus:
     """`EventBus` on NATS, plus JetStream replay for KV events (`ensure_stream`, `subscribe_replay`)."""
 
     def __init__(self, url: str, *, queue_size: int = SUBSCRIBER_QUEUE) -> None:
-        self._url = url
-        self._servers = parse_nats_url(url)
+        self._target = parse_nats_target(url)
+        self._servers = list(self._target.servers)
         self._queue_size = queue_size
         self._state = _State.IDLE
         self._client = Client()
         self._subscriptions: list[NatsSubscription] = []
         self._last_error: Exception | None = None
+        self._is_refused = False  # the server answered "Authorization Violation" at least once
         self.num_publish_dropped = 0
         """Messages publish() could not hand to the client (its buffer was full while disconnected)."""
 
@@ -151,10 +184,12 @@ class NatsEventBus:
         """Connect; PlaneUnavailable names the address when no server answers (in 1-3 s)."""
         if self._state is not _State.IDLE:
             return
+        options = connect_options(self._target)
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await self._client.connect(
                     self._servers,
+                    **options,
                     connect_timeout=START_TIMEOUT_S,  # type: ignore[arg-type]  # nats-py takes float
                     reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
                     max_reconnect_attempts=START_ATTEMPTS,
@@ -164,8 +199,12 @@ class NatsEventBus:
                 )
             # A few tries at start so a wrong address fails fast; once connected, retry forever.
             self._client.options["max_reconnect_attempts"] = -1
+            self._check_tls()
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             await self._client.close()
+            if self._is_refused or _is_auth_failure(exc):
+                cause = "the server refused them" if self._has_credentials() else "the server requires them"
+                raise PlaneAuthFailed("nats", self._target.redacted, "--events", cause) from None
             cause = _describe(exc)
             if self._last_error is not None:
                 cause += f" (last error: {_describe(self._last_error)})"
@@ -263,6 +302,15 @@ class NatsEventBus:
 
     ##### Internals #####
 
+    def _has_credentials(self) -> bool:
+        return any(x is not None for x in (self._target.user, self._target.token, self._target.creds))
+
+    def _check_tls(self) -> None:
+        # nats-py leaves the connection plain unless the server's INFO asks for TLS.
+        server_info: dict[str, Any] = getattr(self._client, "_server_info", {}) or {}
+        if self._target.tls is not None and not server_info.get("tls_required"):
+            raise nats.errors.Error("TLS was requested (tls:// or ?ca=) but the server does not speak TLS")
+
     async def _flush(self) -> None:
         try:
             await self._client.flush(timeout=CALL_TIMEOUT_S)  # type: ignore[arg-type]
@@ -271,6 +319,7 @@ class NatsEventBus:
 
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = exc
+        self._is_refused = self._is_refused or _is_auth_failure(exc)
         logger.debug("nats at %s: %s", self.address, _describe(exc))
 
     async def _on_disconnected(self) -> None:
@@ -279,6 +328,12 @@ class NatsEventBus:
 
     async def _on_reconnected(self) -> None:
         logger.info("nats at %s: reconnected", self.address)
+
+
+def _is_auth_failure(exc: BaseException | None) -> bool:
+    if isinstance(exc, nats.errors.AuthorizationError):
+        return True
+    return exc is not None and "authorization violation" in str(exc).lower()
 
 
 def _describe(exc: BaseException) -> str:
