@@ -31,15 +31,15 @@ class WorkerFailed(DynError):
     """A worker subprocess exited before registering."""
 
 
-def worker_argv(config: WorkerConfig, discovery: str) -> list[str]:
-    """The `dyn worker` command line equivalent to `config`."""
+def worker_argv(config: WorkerConfig) -> list[str]:
+    """The `dyn worker` command line equivalent to `config`; the planes' URLs, which may carry
+    credentials, travel in the environment (`planes_env`), not on the command line `ps` shows."""
     import json
 
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker",
             "--engine", config.engine, "--model", config.model, "--role", config.role.value,
             "--namespace", config.namespace, "--component", config.component, "--endpoint", config.endpoint,
-            "--host", config.host, "--discovery", discovery, "--events", config.planes.events,
-            "--lease-ttl", str(config.planes.lease_ttl),
+            "--host", config.host, "--lease-ttl", str(config.planes.lease_ttl),
             "--graceful-shutdown", str(config.graceful_shutdown_s)]  # fmt: skip
     for flag, value in (("--served-model-name", config.served_model_name), ("--block-size", config.block_size),
                         ("--context-length", config.context_length)):  # fmt: skip
@@ -90,14 +90,15 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     sock = bind_socket(config.frontend.host, config.frontend.port)
     url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
-    argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
+    pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
+    argv = worker_argv(config.worker)
     for _ in range(config.num_workers):
         await pool.spawn(argv)  # the caller stops them
     expected = config.num_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
 
-        router_cmd = router_argv(config, _shared_discovery(planes.discovery, discovery))
+        router_cmd = router_argv(config)
         for _ in range(config.num_routers):
             await pool.spawn(router_cmd)
         expected = config.num_routers
@@ -117,6 +118,11 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
             await service.run(sock, stop, on_ready)
         finally:
             await pool.stop(config.worker.graceful_shutdown_s)
+
+
+def planes_env(discovery: str, events: str) -> dict[str, str]:
+    """The planes' URLs for the processes this one starts (`--discovery` / `--events` read them)."""
+    return {"DYN_DISCOVERY": discovery, "DYN_EVENTS": events}
 
 
 def _secret_env(secret: bytes | None) -> dict[str, str]:

@@ -69,7 +69,8 @@ class ProcessPool:
                  on_restart: Callable[[int, int | None], None] | None = None) -> None:  # fmt: skip
         self.policy = policy
         self.slots: list[Slot] = []
-        self._env = env
+        self.env = dict(env)
+        """Added to the environment of every process the pool starts (restarts included)."""
         self.on_restart = on_restart
         """Called as (slot index, exit code) each time a slot's process is started again."""
         self._stopping = False
@@ -137,7 +138,7 @@ class ProcessPool:
         return True
 
     async def _start(self, argv: list[str]) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(*argv, env={**os.environ, **self._env},
+        return await asyncio.create_subprocess_exec(*argv, env={**os.environ, **self.env},
                                                     stdin=asyncio.subprocess.DEVNULL)  # fmt: skip
 
     async def stop(self, grace: float) -> None:

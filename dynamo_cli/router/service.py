@@ -274,12 +274,13 @@ async def serve_router(config: RouterServiceConfig, announce: Callable[[str], No
         await RouterService(config, discovery, bus).run(stop, announce)
 
 
-def router_argv(config: ServeConfig, discovery: str) -> list[str]:
-    """The `dyn router` command line a `dyn serve --router remote --routers N` spawns."""
+def router_argv(config: ServeConfig) -> list[str]:
+    """The `dyn router` command line a `dyn serve --router remote --routers N` spawns (its planes' URLs
+    come in the environment, as for workers)."""
     frontend, kv = config.frontend, config.frontend.kv_router
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "router", "--namespace", frontend.namespace,
-            "--component", config.worker.component, "--host", config.worker.host, "--discovery", discovery,
-            "--events", frontend.planes.events, "--lease-ttl", str(frontend.planes.lease_ttl),
+            "--component", config.worker.component, "--host", config.worker.host,
+            "--lease-ttl", str(frontend.planes.lease_ttl),
             "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
             "--kv-overlap-score-weight", str(kv.overlap_score_weight), "--router-temperature", str(kv.temperature),
             "--router-ttl", str(kv.approx_ttl_s), "--kv-events" if kv.use_kv_events else "--no-kv-events",

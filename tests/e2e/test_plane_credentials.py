@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ETCD_USER, NATS_USER, DynProcess, open_planes_for_test
+from tests.conftest import ETCD_USER, NATS_USER, DynProcess, descendants, open_planes_for_test
 from tests.planes import with_credentials
 
 pytestmark = [pytest.mark.etcd, pytest.mark.nats]
@@ -40,6 +40,9 @@ def test_dyn_serve_with_credentials_for_both_planes_answers_a_request(dyn_serve,
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 5
     assert all(ETCD_USER[1] not in line and NATS_USER[1] not in line for line in d.lines)
+    for pid in descendants(d.proc.pid):  # the URLs reach the workers by environment, not by `ps`
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert ETCD_USER[1] not in cmdline and NATS_USER[1] not in cmdline
 
 
 @pytest.mark.parametrize(
