@@ -87,7 +87,7 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
                  stop: asyncio.Event) -> None:  # fmt: skip
     planes = config.frontend.planes
     sock = bind_socket(config.frontend.host, config.frontend.port)
-    url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
+    url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
     argv = worker_argv(config.worker, _shared_discovery(planes.discovery, discovery))
     for _ in range(config.num_workers):
