@@ -72,13 +72,18 @@ def check_tls(tls: TlsConfig) -> None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     flag, files = "--tls-cert-file/--tls-key-file", f"{tls.cert_file} / {tls.key_file}"
     try:
-        context.load_cert_chain(tls.cert_file, tls.key_file)
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=_no_password)
         if tls.ca_file is not None:
             flag, files = "--tls-ca-file", tls.ca_file
             context.load_verify_locations(tls.ca_file)
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(f"{flag} ({files}) cannot be loaded: {exc}; pass PEM files (a certificate "
                           "chain, its matching private key and a CA bundle)") from None  # fmt: skip
+
+
+def _no_password() -> bytes:
+    # OpenSSL would otherwise prompt on the terminal (and the server would prompt again)
+    raise ConfigError("--tls-key-file is encrypted; pass an unencrypted PEM key (`openssl pkey -in KEY -out KEY2`)")
 
 
 class FrontendService:

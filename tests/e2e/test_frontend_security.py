@@ -213,3 +213,17 @@ def test_bad_tls_or_key_settings_fail_at_start_with_one_line(flags: tuple[str, .
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stdout + done.stderr
+
+
+def test_an_encrypted_tls_key_fails_at_start_instead_of_prompting(pki, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    key = serialization.load_pem_private_key(Path(pki["server"][1]).read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "serve", *MOCKER, "--port", "0", "--discovery",
+         f"file://{tmp_path}/discovery", "--tls-cert-file", pki["server"][0], "--tls-key-file", str(encrypted)],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--tls-key-file is encrypted" in done.stderr
