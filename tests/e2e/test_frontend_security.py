@@ -227,3 +227,17 @@ def test_an_encrypted_tls_key_fails_at_start_instead_of_prompting(pki, tmp_path:
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--tls-key-file is encrypted" in done.stderr
+
+
+def test_dyn_bench_runs_against_a_keyed_frontend_with_its_key(serve) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from dynamo_cli.cli.bench import app
+
+    d = serve("--api-key", KEYS[0])
+    fast = ["--url", d.url, "-n", "3", "--isl", "8", "--osl", "4", "--no-progress", "--tokenizer", "none"]
+    result = CliRunner().invoke(app, [*fast, "--api-key", KEYS[0]])
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    refused = CliRunner().invoke(app, [*fast, "--model", "smollm2"])
+    assert refused.exit_code != 0 and "401" in str(refused.exception)
