@@ -86,6 +86,7 @@ class Frontend:
             admission = gate.admit(scope["headers"], time.monotonic())
         except RequestError as exc:
             logger.debug("refused %s %s from %s: %s", scope["method"], scope["path"], scope.get("client"), exc)
+            self.metrics.refused.labels(exc.code).inc()
             return await _send_error(send, exc)
         try:
             await self._route(scope, receive, send)
@@ -394,7 +395,6 @@ async def _send_error(send: Send, exc: DynError) -> None:
     body = error_body(str(exc), _error_type(exc), param, code)
     retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
     headers = [*_JSON, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else _JSON
-    if status == 401:
-        headers = [*_JSON, (b"www-authenticate", b"Bearer")]
+    headers = [*_JSON, (b"www-authenticate", b"Bearer")] if status == 401 else headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -74,7 +74,9 @@ def test_api_keys_keep_out_callers_without_the_right_key(serve) -> None:  # type
         assert http.get("/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
         assert http.get("/health").status_code == 200
         assert http.get("/live").status_code == 200
-        assert http.get("/metrics").status_code == 200  # open without --metrics-require-key
+        metrics = http.get("/metrics")  # open without --metrics-require-key
+        assert metrics.status_code == 200
+        assert 'dynamo_frontend_auth_refused_total{code="invalid_api_key"} 5.0' in metrics.text
     for key in KEYS:
         assert chat(openai.OpenAI(base_url=f"{d.url}/v1", api_key=key, max_retries=0, timeout=30)) == "length"
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):
