@@ -88,7 +88,7 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
                  stop: asyncio.Event) -> None:  # fmt: skip
     planes = config.frontend.planes
     sock = bind_socket(config.frontend.host, config.frontend.port)
-    url = f"http://{config.frontend.host}:{sock.getsockname()[1]}"
+    url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
     pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
     argv = worker_argv(config.worker)

@@ -31,7 +31,7 @@ from tests.planes import (  # noqa: F401  (fixtures)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-READY = re.compile(r"dyn serve ready: (http://\S+)")
+READY = re.compile(r"dyn serve ready: (https?://\S+)")
 
 VLLM_TEST_EXTRA = {"enforce_eager": True, "max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 30}
 """vLLM in tests (a CPU here): no graph capture (minutes of startup saved), 1 GiB of KV cache, not a share of RAM."""

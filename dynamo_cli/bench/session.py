@@ -69,6 +69,8 @@ class BenchConfig:
     request_timeout: float = 600.0
     sweep: tuple[str, tuple[float, ...]] | None = None
     """(parameter, values): run once per value of concurrency or request_rate."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as `Authorization: Bearer KEY` (a frontend started with `--api-key`); never reported."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,9 @@ async def run_bench(
     loads = _loads(config)
     is_open = config.workload.trace is not None or any(c.request_rate is not None for _, c in loads)
     most = max(c.concurrency or (_UNBOUNDED_CONNECTIONS if is_open else 1) for _, c in loads)
-    async with HttpClient(config.url, max_connections=most, request_timeout=config.request_timeout) as client:
+    auth = {"authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with HttpClient(config.url, max_connections=most, request_timeout=config.request_timeout,
+                          headers=auth) as client:  # fmt: skip
         model = await resolve_model(client, config.model)
         builder = RequestBuilder(model, config.endpoint, config.ignore_eos)
         await probe(client, builder)

@@ -35,6 +35,9 @@ def bench(
     endpoint: Annotated[
         str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")
     ] = "chat",
+    api_key: Annotated[
+        str | None, _Opt("--api-key", envvar="DYN_BENCH_API_KEY", help="Key of a frontend started with --api-key.")
+    ] = None,
     tokenizer: Annotated[
         str | None,
         _Opt(envvar="DYN_BENCH_TOKENIZER", help="Tokenizer alias or path; default: the model name."),
@@ -100,7 +103,7 @@ def bench(
                               trace, trace_time_scale, trace_block_size, prompts_file, seed)  # fmt: skip
     config = BenchConfig(url=url, load=load, workload=workload, model=model, endpoint=endpoint,  # type: ignore[arg-type]
                          tokenizer=tokenizer, ignore_eos=ignore_eos, slo=parse_slo(slo or []),
-                         request_timeout=timeout, sweep=parse_sweep(sweep))  # fmt: skip
+                         request_timeout=timeout, sweep=parse_sweep(sweep), api_key=api_key)  # fmt: skip
     result = _run(config, progress)
     _print(result, config)
     _write(result, json_path, csv_path, jsonl_path, plot)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
 from dynamo_cli.cli import options as o
-from dynamo_cli.config import FrontendConfig, ServeConfig, WorkerConfig
+from dynamo_cli.config import AuthConfig, FrontendConfig, ServeConfig, TlsConfig, WorkerConfig, read_api_keys
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.launcher import serve_all
@@ -69,6 +70,34 @@ def command(
             help="Busy threshold: KV usage fraction (1.0: off).",
         ),
     ] = 1.0,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option("--api-key", help="Accepted API key (repeatable); else DYN_API_KEYS (comma-separated)."),
+    ] = None,
+    api_key_file: Annotated[
+        str | None, typer.Option("--api-key-file", envvar="DYN_API_KEY_FILE", help="File of API keys, one a line.")
+    ] = None,
+    api_key_rps: Annotated[
+        float, typer.Option("--api-key-rps", envvar="DYN_API_KEY_RPS", help="Requests/s per key (0: no limit).")
+    ] = 0.0,
+    api_key_max_inflight: Annotated[
+        int,
+        typer.Option("--api-key-max-inflight", envvar="DYN_API_KEY_MAX_INFLIGHT",
+                     help="Requests in flight per key (0: no limit)."),
+    ] = 0,
+    metrics_require_key: Annotated[
+        bool, typer.Option("--metrics-require-key", envvar="DYN_METRICS_REQUIRE_KEY", help="/metrics needs a key.")
+    ] = False,
+    tls_cert_file: Annotated[
+        str | None, typer.Option("--tls-cert-file", envvar="DYN_TLS_CERT_FILE", help="PEM certificate: serve HTTPS.")
+    ] = None,
+    tls_key_file: Annotated[
+        str | None, typer.Option("--tls-key-file", envvar="DYN_TLS_KEY_FILE", help="PEM private key of the cert.")
+    ] = None,
+    tls_ca_file: Annotated[
+        str | None,
+        typer.Option("--tls-ca-file", envvar="DYN_TLS_CA_FILE", help="PEM CA: require client certificates (mTLS)."),
+    ] = None,
     body_limit_mb: Annotated[float, typer.Option("--body-limit-mb", envvar="DYN_HTTP_BODY_LIMIT_MB")] = 45.0,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
     max_restarts: Annotated[
@@ -101,7 +130,10 @@ def command(
                                                     kv_events, hot_spot_guard, router_ttl),
                               max_body_bytes=int(body_limit_mb * 1024 * 1024),
                               max_inflight_per_worker=max_inflight_per_worker,
-                              active_blocks_threshold=active_blocks_threshold)  # fmt: skip
+                              active_blocks_threshold=active_blocks_threshold,
+                              auth=AuthConfig(read_api_keys(api_key or [], api_key_file, os.environ),
+                                              api_key_rps, api_key_max_inflight, metrics_require_key),
+                              tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file))  # fmt: skip
     run(
         serve_all(
             ServeConfig(

@@ -2,7 +2,8 @@
 
 `POST /v1/chat/completions` and `/v1/completions` are handled as raw ASGI (no Request object, no
 per-request task group): they are the hot path. `/v1/models`, `/health`, `/live` and `/metrics` are
-ordinary Starlette routes.
+ordinary Starlette routes. With API keys configured, every path but the probes (and `/metrics`
+unless `--metrics-require-key`) passes `auth.Gate` first, before any body is read.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
@@ -62,6 +64,7 @@ class Frontend:
         self.standby: Callable[[str], float | None] | None = None
         """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
+        self._gate = Gate(config.auth) if config.auth.api_keys else None
         self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote")
         self._rest = Starlette(
             routes=[
@@ -74,6 +77,23 @@ class Frontend:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._gate is not None and scope["type"] == "http" and not self._gate.is_open(scope["path"]):
+            return await self._guarded(scope, receive, send, self._gate)
+        await self._route(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, gate: Gate) -> None:
+        try:
+            admission = gate.admit(scope["headers"], time.monotonic())
+        except RequestError as exc:
+            logger.debug("refused %s %s from %s: %s", scope["method"], scope["path"], scope.get("client"), exc)
+            self.metrics.refused.labels(exc.code).inc()
+            return await _send_error(send, exc)
+        try:
+            await self._route(scope, receive, send)
+        finally:
+            admission.release()
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
             if path == "/v1/chat/completions":
@@ -375,5 +395,6 @@ async def _send_error(send: Send, exc: DynError) -> None:
     body = error_body(str(exc), _error_type(exc), param, code)
     retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
     headers = [*_JSON, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else _JSON
+    headers = [*_JSON, (b"www-authenticate", b"Bearer")] if status == 401 else headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -3,7 +3,9 @@
 Discovery: every key is a file under `{root}/kv/` naming its lease; a lease is a file under
 `{root}/leases/` that its process touches every TTL/3. A lease is dead when its file is stale (older
 than the TTL), missing, or its process is gone (checked by pid, so a SIGKILLed worker disappears at
-the next poll rather than after the TTL). Watchers poll the directory and diff snapshots.
+the next poll rather than after the TTL). Watchers poll the directory and diff snapshots. The
+directory is private to the user (0700, checked at start: `secure_root`), since whoever can write
+it can register a worker.
 
 Events: each process binds a ZMQ PUB socket on loopback and advertises it in discovery under
 `v1/event_channels/{lease:x}`; subscribers watch that prefix and connect to every publisher.
@@ -29,6 +31,7 @@ import zmq.asyncio
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.runtime.discovery import DEFAULT_TTL_S, Discovery, WatchEvent, WatchKind
 from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE, subject_matches
+from dynamo_cli.runtime.private_dir import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +42,42 @@ _HOST = socket.gethostname()
 
 
 def embedded_root(url: str) -> Path:
-    """Directory behind `embedded`, `embedded:///DIR` or `file:///DIR` (default: DYN_HOME or /tmp/dyn-UID)."""
+    """Directory behind `embedded`, `embedded:///DIR` or `file:///DIR` (default: `default_base()/embedded`)."""
     for scheme in ("file://", "embedded://"):
         if url.startswith(scheme) and len(url) > len(scheme):
             return Path(url[len(scheme) :]).expanduser()
-    base = os.environ.get("DYN_HOME") or f"/tmp/dyn-{os.getuid()}"
-    return Path(base) / "embedded"
+    return default_base()[0] / "embedded"
+
+
+def default_base() -> tuple[Path, bool]:
+    """The per-user directory of `embedded`, and whether dyn chose it (then it must be 0700 and ours).
+
+    `DYN_HOME` if set (the operator's choice); else `$XDG_RUNTIME_DIR/dyn` when that runtime directory
+    is this user's (`su`/`sudo` may leave another user's one in the environment); else `/tmp/dyn-UID`.
+    """
+    home = os.environ.get("DYN_HOME")
+    if home:
+        return Path(home), False
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    with contextlib.suppress(OSError):
+        if runtime and os.path.isabs(runtime) and os.stat(runtime).st_uid == os.getuid():
+            return Path(runtime) / "dyn", True
+    return Path(f"/tmp/dyn-{os.getuid()}"), True
+
+
+def secure_root(root: Path) -> None:
+    """Create `root` and its `kv/` and `leases/` private to this user, or refuse one a stranger could write.
+
+    The default root (`default_base()/embedded`) and its base are held to 0700 and this user's
+    ownership; an explicit `file:///DIR` to "nobody else may write" (see private_dir.py).
+    """
+    base, chosen = default_base()
+    is_default = root == base / "embedded"
+    if is_default:
+        ensure_private_dir(base, strict=chosen)
+    ensure_private_dir(root, strict=is_default)
+    for sub in ("kv", "leases"):
+        ensure_private_dir(root / sub, strict=is_default)
 
 
 class _LeaseRecord(msgspec.Struct, frozen=True):
@@ -95,9 +128,8 @@ class FileDiscovery:
     ##### Lifecycle #####
 
     async def start(self) -> None:
+        secure_root(self._root)
         try:
-            (self._root / "kv").mkdir(parents=True, exist_ok=True)
-            (self._root / "leases").mkdir(parents=True, exist_ok=True)
             self._touch_lease()
         except OSError as exc:
             raise PlaneUnavailable("embedded discovery", str(self._root), str(exc)) from exc
