@@ -11,7 +11,8 @@ Two levels of strictness:
   (a deliberate shared-group setup). The operator chose it; dyn only refuses what a stranger could
   have written into.
 
-A directory dyn creates is always created 0700.
+A directory dyn creates is always created 0700. One left by an older dyn with mode 0755 (this
+user's, no write bit for anyone else, so nothing in it can be a stranger's) is tightened to 0700.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def ensure_private_dir(path: Path, *, strict: bool) -> None:
     except OSError as exc:
         raise ConfigError(f"discovery directory {path} cannot be created or read: {exc.strerror}; "
                           "fix the path or its parent's permissions") from None  # fmt: skip
+    if strict and _is_own_readable_only(st, os.getuid()):
+        os.chmod(path, 0o700)  # e.g. 0755 from an older dyn: readable by others, never writable by them
+        st = os.lstat(path)
     problem = refusal(st, os.getuid(), strict=strict)
     if problem is not None:
         what, fix = problem
@@ -38,6 +42,11 @@ def ensure_private_dir(path: Path, *, strict: bool) -> None:
             f"discovery directory {path} {what}: another local user could register a fake worker there and "
             f"receive prompts; {fix.format(path=path)}"
         )
+
+
+def _is_own_readable_only(st: os.stat_result, uid: int) -> bool:
+    mode = stat.S_IMODE(st.st_mode)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and mode & 0o077 != 0 and mode & 0o022 == 0
 
 
 def refusal(st: os.stat_result, uid: int, *, strict: bool) -> tuple[str, str] | None:

@@ -60,7 +60,15 @@ def test_without_a_runtime_dir_of_ours_the_default_is_tmp_dyn_uid(monkeypatch: p
     assert default_base() == (Path(f"/tmp/dyn-{os.getuid()}"), True)
 
 
-@pytest.mark.parametrize("loose", [0o777, 0o755, 0o770], ids=["0777", "0755", "0770"])
+def test_an_own_0755_default_directory_from_an_older_dyn_is_tightened_to_0700(runtime_dir: Path) -> None:
+    base = runtime_dir / "dyn"
+    base.mkdir()
+    os.chmod(base, 0o755)  # nobody else could write there, so nothing in it can be a stranger's
+    start(embedded_root("embedded"))
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("loose", [0o777, 0o775, 0o770], ids=["0777", "0775", "0770"])
 def test_a_pre_created_loose_default_directory_is_refused_with_the_fix(runtime_dir: Path, loose: int) -> None:
     base = runtime_dir / "dyn"
     base.mkdir()
