@@ -47,8 +47,10 @@ MIN_SECRET_BYTES = 16
 """Shortest secret accepted (128 bits)."""
 SECRET_BYTES = 32
 """Size of the secret `dyn serve` makes (256 bits)."""
-HANDSHAKE_TIMEOUT_S = 3.0
-"""How long either side waits for the whole handshake before closing the connection."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long either side waits for the whole handshake before closing the connection. Generous: a
+worker whose event loop is starved (engine processes spinning on a small CPU) must not look like a
+stranger; MAX_HANDSHAKING bounds what a slow peer can hold meanwhile."""
 
 HELLO_BYTES = len(MAGIC) + NONCE_BYTES
 ANSWER_BYTES = PROOF_BYTES + NONCE_BYTES
