@@ -155,7 +155,9 @@ def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[n
         *flags: str, discovery: str | None = None, events: str = "embedded", timeout: float = 90.0,
         env: dict[str, str] | None = None,
     ) -> DynProcess:  # fmt: skip
-        disc = discovery or f"file://{tmp_path}/discovery"
+        # One discovery directory per deployment: two deployments of a module-scoped factory must not see
+        # each other's workers (a frontend would route to the other's, which hold another cluster secret).
+        disc = discovery or f"file://{tmp_path}/discovery-{len(started)}"
         args = ["serve", "--port", "0", "--discovery", disc, "--events", events, *flags]
         handle = start_dyn(args, timeout=timeout, env=env)
         handle.discovery, handle.events = disc, events
