@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_cli.runtime.endpoint import InstanceRecord
 from tests.planes import (  # noqa: F401  (fixtures)
     etcd_process,
     etcd_server,
@@ -95,16 +96,15 @@ class DynProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def worker_pids(self) -> list[int]:
-        """Pids of this deployment's registered workers, read from discovery (in-process: fast to poll)."""
+    def instance_records(self) -> list[InstanceRecord]:
+        """This deployment's registered instances, read from discovery (in-process: fast to poll)."""
         import asyncio
 
         import msgspec
 
         from dynamo_cli.runtime.discovery import open_discovery
-        from dynamo_cli.runtime.endpoint import InstanceRecord
 
-        async def read() -> list[int]:
+        async def read() -> list[InstanceRecord]:
             discovery = open_discovery(self.discovery)
             await discovery.start()
             try:
@@ -112,10 +112,13 @@ class DynProcess:
                     found = await discovery.get_prefix("v1/instances/")
             finally:
                 await discovery.close()
-            records = [msgspec.json.decode(v, type=InstanceRecord) for v in found.values()]
-            return [r.pid for r in records if r.component != "router"]
+            return [msgspec.json.decode(v, type=InstanceRecord) for v in found.values()]
 
         return asyncio.run(read())
+
+    def worker_pids(self) -> list[int]:
+        """Pids of this deployment's registered workers."""
+        return [r.pid for r in self.instance_records() if r.component != "router"]
 
 
 def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event, box: dict[str, str]) -> None:

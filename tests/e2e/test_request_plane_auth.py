@@ -19,8 +19,6 @@ import pytest
 from dynamo_cli.engine import GenerateChunk, GenerateRequest
 from dynamo_cli.errors import AuthenticationFailed
 from dynamo_cli.kv.events import KvDump
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.endpoint import InstanceRecord
 from dynamo_cli.runtime.handshake import HELLO_BYTES, MAGIC
 from dynamo_cli.runtime.transport import RequestClient
 from dynamo_cli.runtime.wire import FrameCodec, Open
@@ -35,18 +33,7 @@ BODY = {
 
 
 def worker_address(d: DynProcess) -> str:
-    async def read() -> str:
-        discovery = open_discovery(d.discovery)
-        await discovery.start()
-        try:
-            async with asyncio.timeout(10):
-                found = await discovery.get_prefix("v1/instances/")
-        finally:
-            await discovery.close()
-        records = [msgspec.json.decode(v, type=InstanceRecord) for v in found.values()]
-        return next(r.address for r in records if r.component == "backend")
-
-    return asyncio.run(read())
+    return next(r.address for r in d.instance_records() if r.component == "backend")
 
 
 async def raw_open(address: str, endpoint: str) -> bytes:
