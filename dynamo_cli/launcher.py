@@ -114,10 +114,7 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
             print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})",
                   flush=True)  # fmt: skip
 
-        try:
-            await service.run(sock, stop, on_ready)
-        finally:
-            await pool.stop(config.worker.graceful_shutdown_s)
+        await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out
 
 
 def planes_env(discovery: str, events: str) -> dict[str, str]:

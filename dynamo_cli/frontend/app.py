@@ -139,8 +139,11 @@ class Frontend:
             max_tokens = request.max_completion_tokens or request.max_tokens
         else:
             prompt = request.prompt
-            prompt_ids = list(prompt) if isinstance(prompt, list) and prompt and type(prompt[0]) is int else (
-                tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0]))  # fmt: skip
+            if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+                prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
+                check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
+            else:
+                prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
             max_tokens = request.max_tokens if request.max_tokens is not None else 16
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -153,7 +156,6 @@ class Frontend:
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
         )
-        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"

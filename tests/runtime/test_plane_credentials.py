@@ -35,15 +35,20 @@ def etcd_auth(etcd_process: EtcdProcess) -> str:
     return etcd_process.enable_auth("root", "root-pw")
 
 
-@pytest.mark.etcd
-async def test_etcd_with_the_right_password_registers_and_reads_back(etcd_auth: str) -> None:
-    discovery = EtcdDiscovery(etcd_auth, ttl=3)
+
+async def _registers_and_reads_back(url: str) -> None:
+    """A process with these credentials puts its instance key and reads it back."""
+    discovery = EtcdDiscovery(url, ttl=3)
     await discovery.start()
     try:
         await discovery.put(KEY, b"worker")
         assert await discovery.get_prefix("v1/instances/") == {KEY: b"worker"}
     finally:
         await discovery.close()
+
+@pytest.mark.etcd
+async def test_etcd_with_the_right_password_registers_and_reads_back(etcd_auth: str) -> None:
+    await _registers_and_reads_back(etcd_auth)
 
 
 @pytest.mark.etcd
@@ -225,13 +230,7 @@ async def test_etcd_over_tls_with_a_password_verifies_the_server_against_the_giv
     server = tests.planes.start_etcd(binary, tmp_path, tls_files=(ca, cert, key))
     try:
         server.enable_auth("root", "root-pw")
-        discovery = EtcdDiscovery(f"etcds://root:root-pw@127.0.0.1:{server.client_port}?ca={ca}", ttl=3)
-        await discovery.start()
-        try:
-            await discovery.put(KEY, b"worker")
-            assert await discovery.get_prefix("v1/instances/") == {KEY: b"worker"}
-        finally:
-            await discovery.close()
+        await _registers_and_reads_back(f"etcds://root:root-pw@127.0.0.1:{server.client_port}?ca={ca}")
         # Plain gRPC to a TLS port gets no answer it understands: unreachable, in one line, within the deadline.
         plain = EtcdDiscovery(f"etcd://root:root-pw@127.0.0.1:{server.client_port}", ttl=3)
         with pytest.raises(PlaneUnavailable, match=f"127.0.0.1:{server.client_port}"):
