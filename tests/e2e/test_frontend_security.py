@@ -86,8 +86,11 @@ def test_api_keys_keep_out_callers_without_the_right_key(serve) -> None:  # type
 def test_keys_from_env_and_file_with_keyed_metrics_and_per_key_limits(serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     key_file = tmp_path / "keys"
     key_file.write_text("# metrics scraper\nsk-file-key\n")
+    # --speedup-ratio 1 (the last one given wins): the open stream below must still be generating on
+    # the server when the next request comes, not finished into the socket buffers already.
     d = serve("--api-key-file", str(key_file), "--metrics-require-key", "--api-key-rps", "1",
-              "--api-key-max-inflight", "1", env={"DYN_API_KEYS": "sk-env-a,sk-env-b"})  # fmt: skip
+              "--api-key-max-inflight", "1", "--speedup-ratio", "1",
+              env={"DYN_API_KEYS": "sk-env-a,sk-env-b"})  # fmt: skip
     with httpx.Client(base_url=d.url, timeout=30) as http:
         assert_unauthorized(http.get("/metrics"))
         assert http.get("/metrics", headers={"authorization": "Bearer sk-file-key"}).status_code == 200
