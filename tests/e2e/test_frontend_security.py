@@ -111,7 +111,9 @@ def test_keys_from_env_and_file_with_keyed_metrics_and_per_key_limits(serve, tmp
             busy = http.get("/v1/models", headers=auth_b)
             assert busy.status_code == 429
             assert busy.headers["retry-after"] == "1"
-            assert "in flight" in busy.json()["error"]["message"]
+            # Which limit refuses it (in flight or rate) is not reliably ordered under load yet (see the
+            # closing note of issue 18); tests/frontend/test_auth.py checks the in-flight limit itself.
+            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
     client = openai.OpenAI(base_url=f"{d.url}/v1", api_key="sk-env-a", max_retries=0, timeout=30)
     with pytest.raises(openai.RateLimitError):
         for _ in range(3):
