@@ -17,6 +17,7 @@ import msgspec
 
 from dynamo_cli.errors import ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.handles import KvHandle, TransferReport
 
 RequestId = NewType("RequestId", str)
 
@@ -60,8 +61,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
-    kv_transfer: dict[str, Any] | None = None
-    """Disaggregation: the prefill worker's handle to the prompt's KV, for a decode worker to pull."""
+    kv_transfer: KvHandle | None = None
+    """Disaggregation: the prefill worker's handle to the KV of the first `num_tokens` ids, which the
+    decode worker takes over instead of computing them (kv/handles.py)."""
     annotations: dict[str, str] = {}
 
 
@@ -72,10 +74,12 @@ class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
     """Set on the first chunk: prompt tokens served from the prefix cache."""
-    kv_transfer: dict[str, Any] | None = None
-    """Prefill role: where the decode worker can fetch this prompt's KV."""
+    kv_transfer: KvHandle | None = None
+    """Prefill role, on the last chunk: the handle to this prompt's KV for a decode worker."""
     worker_id: int | None = None
     """Only on a `dyn router`'s first, empty chunk, when asked (REPORT_WORKER_ANNOTATION): the backend it chose."""
+    transfer: TransferReport | None = None
+    """Decode side, on the first chunk of a request that came with a handle: how its KV pull went."""
 
 
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +98,9 @@ class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     kv_event_id: int = -1
     """Id of the last KV event batch the worker published (-1: none): lets a router notice events it
     lost even when no later event arrives (anti-entropy)."""
+    kv_transfer_held: int = 0
+    """Prefill role: KV payloads exported and not yet pulled by a decode worker (nor expired)."""
+    kv_transfer_held_bytes: int = 0
 
 
 ##### The contract #####
