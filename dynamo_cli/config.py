@@ -64,6 +64,42 @@ class KvRouterConfig:
         return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
 
 
+DISAGG_POLICIES = ("adaptive", "always", "isl", "load", "isl-or-load")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """When a request's prompt is prefilled on a prefill worker rather than on its decode worker
+    (`--disagg-policy` ...; router/disagg.py has the rules). Applies to a model that has prefill workers."""
+
+    policy: str = "adaptive"
+    """`adaptive` (default: weighs both pools' queued prefill work), `always`, `isl` (Dynamo's
+    isl_bounding), `load` (prefill_load) or `isl-or-load` (isl_or_load)."""
+    max_local_prefill_length: int = 512
+    """Uncached prompt tokens on the decode worker (effective ISL) at or below which it prefills locally."""
+    max_prefill_queue: int = 4
+    """`load`, `isl-or-load`: a prefill worker with this many prefills queued is saturated; all saturated
+    → prefill locally."""
+    decode_busy_threshold: float = 0.9
+    """Circuit breaker: a decode worker whose KV is this full never prefills a long prompt locally."""
+    enforce: bool = False
+    """`--enforce-disagg`: no prefill worker → 503 naming the pool, never an aggregated fallback."""
+    prefill_router_mode: str | None = None
+    """Routing of the prefill hop (`kv`, `round-robin`, `random`); None = the frontend's `--router`."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in DISAGG_POLICIES:
+            raise ConfigError(f"--disagg-policy '{self.policy}' is unknown; use one of: {', '.join(DISAGG_POLICIES)}")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue < 1:
+            raise ConfigError(f"--max-local-prefill-length ({self.max_local_prefill_length}) must be >= 0 and "
+                              f"--max-prefill-queue ({self.max_prefill_queue}) >= 1")  # fmt: skip
+        if not 0 < self.decode_busy_threshold <= 1:
+            raise ConfigError(f"--decode-busy-threshold ({self.decode_busy_threshold}) must be in (0, 1]")
+        if self.prefill_router_mode not in (None, "kv", "round-robin", "random"):
+            raise ConfigError(f"--prefill-router-mode '{self.prefill_router_mode}' is unknown; "
+                              "use kv, round-robin or random")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class PlanesConfig:
     """Where the discovery and event planes are."""
@@ -195,6 +231,7 @@ class FrontendConfig:
     """A worker whose published KV usage is above this fraction is busy; 1.0 = off."""
     kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -218,3 +255,5 @@ class ServeConfig:
     """How long to wait for every worker to register before giving up."""
     max_restarts: int = 5
     """Restarts of one worker slot allowed within 5 minutes after it exits unexpectedly (0: never)."""
+    num_prefill_workers: int = 0
+    """`--disagg`: prefill-role workers started beside the `num_workers` (then decode-role) workers."""

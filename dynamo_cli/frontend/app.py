@@ -65,7 +65,8 @@ class Frontend:
         """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
         self._gate = Gate(config.auth) if config.auth.api_keys else None
-        self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote")
+        self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote",
+                                   disagg=config.disagg)  # fmt: skip
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
@@ -267,7 +268,7 @@ class Frontend:
     ##### REST #####
 
     async def list_models(self, request: Request) -> Response:
-        # servable(): a model only prefill workers serve is left out until disaggregation lands
+        # servable(): a model only prefill workers serve has nothing to decode on, so it is not listed
         data = [
             {"id": e.name, "object": "model", "created": 0, "owned_by": "dyn",
              "max_model_len": e.card.context_length, "num_workers": len(e.workers) + len(e.prefill_workers)}
@@ -349,6 +350,10 @@ def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-dyn-router-instance-id", f"{d.worker.instance_id:x}".encode()))
     if d.plan.is_explained and d.decision is not None:
         headers.append((b"x-dyn-route", msgspec.json.encode(_hex_ids(d.decision.explanation))))
+    if d.plan.is_explained and d.prefill is not None:
+        headers.append((b"x-dyn-prefill-route", msgspec.json.encode(_hex_ids(d.prefill))))
+    if d.prefill is not None and "prefill_worker_id" in d.prefill:
+        headers.append((b"x-dyn-prefill-instance-id", f"{d.prefill['prefill_worker_id']:x}".encode()))
     return headers
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from dynamo_cli.config import DisaggConfig
 from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
 from dynamo_cli.errors import (
     ContextOverflow,
@@ -31,7 +32,10 @@ from dynamo_cli.errors import (
 )
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
+from dynamo_cli.kv.handles import KvHandle
+from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
+from dynamo_cli.router.disagg import decide, inputs_for
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -98,6 +102,8 @@ class DispatchRules:
     is_remote: bool
     """The workers are `dyn router` replicas: a pin travels to them as an annotation, and they name
     the backend that serves."""
+    disagg: DisaggConfig = DisaggConfig()
+    """When a model with prefill workers has its prompt prefilled remotely."""
 
 
 class Dispatch:
@@ -126,6 +132,14 @@ class Dispatch:
         """A first batch read by `start` (a router's report), relayed first."""
         self._is_held = False
         self._is_prefilled = False
+        self.prefill: dict[str, object] | None = None
+        """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
+        self._hop: prefill.PrefillHop | None = None
+        self._handle: KvHandle | None = None
+        """The prefill's KV handle until the decode request carries it."""
+        self._prefill_worker: Worker | None = None
+        self._local_prefill_tokens = 0
+        """Tokens the held worker prefills itself, counted in its queue until its first token."""
 
     ##### Public API #####
 
@@ -135,6 +149,8 @@ class Dispatch:
         try:
             self._check_pin()
             self._choose()
+            if not self.rules.is_remote:
+                await self._prefill_stage()
             while self.rules.is_remote and self.served_by is None:
                 try:
                     await self._await_report()
@@ -147,7 +163,9 @@ class Dispatch:
     async def tokens(self) -> AsyncGenerator[list[int], None]:
         """Token ids as the workers send them, across migrations; ends with `finish_reason` set."""
         try:
-            while not self.is_aborted:
+            if self.output_ids and not self.is_aborted:
+                yield list(self.output_ids)  # the remote prefill's first token
+            while not self.is_aborted and self.finish_reason is None:
                 try:
                     stream = self._stream or await self._open()
                     async for token_ids in self._relay(stream):
@@ -157,12 +175,17 @@ class Dispatch:
                     self._migrate(exc)
         finally:
             self._release()
+            if self._handle is not None and self._prefill_worker is not None:
+                handle, self._handle = self._handle, None  # never sent to a decode worker: free it now
+                await prefill.release(self._prefill_worker, handle)
 
     def abort(self) -> None:
         """The client left: cancel the worker's stream (freeing its KV) and end `tokens()`."""
         self.is_aborted = True
         if self._stream is not None:
             self._stream.cancel()
+        if self._hop is not None:
+            self._hop.cancel()
 
     def close(self) -> None:
         """Let go of the worker, whatever happened (idempotent): load never leaks."""
@@ -194,8 +217,12 @@ class Dispatch:
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""
         assert self.worker is not None and self._is_held, "open only a chosen worker"
-        worker = self.worker
-        self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(self._request()))
+        worker, request = self.worker, self._request()
+        self._handle = None  # the decode worker pulls it now (or, if it dies first, the prefill side expires it)
+        if not self._is_prefilled:
+            self._local_prefill_tokens = len(request.token_ids)
+            worker.pending_prefill_tokens += self._local_prefill_tokens
+        self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
         return self._stream
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[list[int], None]:
@@ -206,6 +233,7 @@ class Dispatch:
             if token_ids:
                 if not self._is_prefilled:
                     self._is_prefilled = True
+                    self._unqueue_local_prefill()
                     self.entry.policy.on_first_token(self.plan.request_id)
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
@@ -229,6 +257,67 @@ class Dispatch:
         logger.warning("request %s: worker %x failed (%s); migrating (%d/%d)", self.plan.request_id,
                        worker.instance_id, exc, self.num_migrations, self.rules.migration_limit)  # fmt: skip
         return self._choose()
+
+    async def _prefill_stage(self) -> None:
+        """Disaggregation, between choosing the decode worker and opening it: prefill remotely or locally
+        (router/disagg.py), and if remotely run the prefill hop now; its first token is the stream's first.
+
+        The hop is not tied to the client (Dynamo's rule: a prefill cut off mid-transfer leaks KV); a
+        client gone by then has the handle released in `tokens()`. No prefill worker left, or all busy:
+        the decode worker prefills (503 with `--enforce-disagg`)."""
+        entry, config, worker = self.entry, self.rules.disagg, self.worker
+        assert worker is not None
+        pool = [w for w in entry.prefill_workers.values() if w.instance_id not in self._excluded]
+        if not pool and not config.enforce:
+            return
+        if not pool:
+            raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
+        overlap = self.decision.overlap_blocks if self.decision is not None else 0
+        inputs = inputs_for(worker, pool, len(self.plan.prompt_ids), overlap)
+        choice = decide(config, inputs)
+        if config.enforce and not choice.is_remote:
+            choice = type(choice)(True, "remote")
+        self.prefill = choice.explain(inputs, config.policy)
+        if choice.is_remote:
+            await self._run_prefill(choice.outcome)
+        else:
+            self.metrics.disagg.labels(entry.name, choice.outcome).inc()
+
+    async def _run_prefill(self, outcome: str) -> None:
+        hop = self._hop = prefill.PrefillHop(self.entry, self._request(), self.rules.busy,
+                                             attempts=self.rules.migration_limit + 1)  # fmt: skip
+        try:
+            result = await hop.run()
+        except (NoWorkers, Overloaded, TransportError) as exc:
+            if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
+                raise RequestError(str(exc), code=exc.code) from None
+            if self.rules.disagg.enforce:
+                raise
+            logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
+                           self.plan.request_id, exc)  # fmt: skip
+            self._excluded.update(hop.failed)
+            outcome = "local_fallback"
+        else:
+            self._take_prefill(result)
+        finally:
+            self._hop = None
+            self.metrics.disagg.labels(self.entry.name, outcome).inc()
+            if self.prefill is not None:
+                self.prefill["outcome"] = outcome
+
+    def _take_prefill(self, result: prefill.PrefillResult) -> None:
+        """The prefill's first token is the stream's; the decode worker gets its handle and no prefill."""
+        assert self.prefill is not None
+        self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
+        self._handle = result.handle
+        self.prefill.update(prefill_worker_id=result.worker_id, prefill_route=result.explanation)
+        self.output_ids = [result.first_token]
+        self.first_token_at = time.perf_counter()
+        self.cached_tokens = result.cached_tokens
+        self.finish_reason = result.finish_reason
+        if not self._is_prefilled:
+            self._is_prefilled = True
+            self.entry.policy.on_first_token(self.plan.request_id)
 
     ##### Internals #####
 
@@ -264,6 +353,8 @@ class Dispatch:
                 self.cached_tokens = chunk.num_cached_tokens
             if chunk.finish_reason is not None:
                 self.finish_reason = chunk.finish_reason
+            if chunk.transfer is not None:
+                self.metrics.observe_transfer(self.entry.name, chunk.transfer)
         return token_ids
 
     def _release(self) -> None:
@@ -271,10 +362,16 @@ class Dispatch:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.cancel()  # the consumer left (client gone, stop string) or the stream failed: abort it
+        self._unqueue_local_prefill()
         if self._is_held and self.worker is not None:
             self._is_held = False
             self.worker.num_inflight -= 1
             self.entry.policy.on_finish(self.plan.request_id)
+
+    def _unqueue_local_prefill(self) -> None:
+        if self._local_prefill_tokens and self.worker is not None:
+            self.worker.pending_prefill_tokens -= self._local_prefill_tokens
+        self._local_prefill_tokens = 0
 
     def _request(self) -> GenerateRequest:
         s, produced = self.plan.sampling, len(self.output_ids)
@@ -294,5 +391,6 @@ class Dispatch:
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             min_tokens=max(0, s.min_tokens - produced),
+            kv_transfer=self._handle,
             annotations=annotations,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dynamo_cli.kv.handles import TransferReport
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
@@ -32,6 +34,20 @@ class FrontendMetrics:
         self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)
         self.kv_repairs = Counter("dynamo_router_kv_gap_repairs", "KV event gaps repaired", ["kind"], registry=r)
         self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
+        self.disagg = Counter(f"{prefix}_disagg_decisions", "Where prompts were prefilled, by outcome of the "
+                              "local-or-remote rule", ["model", "outcome"], registry=r)  # fmt: skip
+        labels = ["model", "backend"]
+        self.transfer_seconds = Histogram(f"{prefix}_kv_transfer_seconds", "KV pulls by decode workers", labels,
+                                          buckets=_LATENCY, registry=r)  # fmt: skip
+        self.transfer_bytes = Counter(f"{prefix}_kv_transfer_bytes", "KV bytes pulled", labels, registry=r)
+        self.transfer_gbps = Gauge(f"{prefix}_kv_transfer_gbps", "Last KV pull's GB/s", labels, registry=r)
+
+    def observe_transfer(self, model: str, report: TransferReport) -> None:
+        """One decode worker's KV pull: time, bytes and rate by backend (`local`: it failed and prefilled)."""
+        self.transfer_seconds.labels(model, report.backend).observe(report.seconds)
+        self.transfer_bytes.labels(model, report.backend).inc(report.nbytes)
+        if report.seconds > 0:
+            self.transfer_gbps.labels(model, report.backend).set(report.nbytes / report.seconds / 1e9)
 
     def count_repair(self, kind: str) -> None:
         self.kv_repairs.labels(kind).inc()

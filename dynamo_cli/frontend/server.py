@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 ROUTER_MODES = ("round-robin", "random", "kv", "remote")
 
 
-def policy_factory(config: FrontendConfig) -> Callable[[ModelCard], RoutingPolicy]:
-    """Build one routing policy per model (and per role pool) for `--router`."""
-    mode = config.router
+def policy_factory(config: FrontendConfig, mode: str | None = None) -> Callable[[ModelCard], RoutingPolicy]:
+    """Build one routing policy per model (and per role pool) for `--router` (or `mode`)."""
+    mode = mode or config.router
     if mode in ("round-robin", "remote"):  # remote: spread over `dyn router` replicas, which pick workers
         return lambda card: RoundRobinPolicy()
     if mode == "random":
@@ -95,8 +95,10 @@ class FrontendService:
         self.metrics = FrontendMetrics()
         busy = BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
         accept = (lambda name: name.component == ROUTER_COMPONENT) if config.router == "remote" else None
+        prefill_mode = config.disagg.prefill_router_mode
         self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept,
-                                      secret=config.planes.cluster_secret)  # fmt: skip
+                                      secret=config.planes.cluster_secret,
+                                      prefill_policy_factory=policy_factory(config, prefill_mode))  # fmt: skip
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
         self._tasks = ServiceTasks()
@@ -111,7 +113,7 @@ class FrontendService:
                 self._tasks.spawn(loop)
             load = await self._bus.subscribe(component_subject(ns, "*", "kv-metrics"))
             self._tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
-            if self.config.router == "kv":
+            if "kv" in (self.config.router, self.config.disagg.prefill_router_mode):
                 kv = await subscribe_kv_events(self._bus, ns, kv_events_subject(ns))
                 self._tasks.spawn(pump(kv, self.registry.apply_kv_events, KvEventBatch))
                 self._tasks.spawn(repair_loop(self.registry, self.metrics.count_repair))

@@ -52,7 +52,7 @@ class _Handle(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """The token the prefill worker sampled after the prompt."""
 
 
-class LlamaCppKv(_Handle, tag="llamacpp"):
+class LlamaCppKv(_Handle, tag="llamacpp", frozen=True):
     """llama.cpp's sequence state (`llama_state_seq_get_data`) of the prompt."""
 
     payload: bytes = b""
@@ -61,7 +61,7 @@ class LlamaCppKv(_Handle, tag="llamacpp"):
     """Where to pull `payload` from, on the request plane."""
 
 
-class MockerKv(_Handle, tag="mocker"):
+class MockerKv(_Handle, tag="mocker", frozen=True):
     """The mocker moves no real KV: `nbytes` is what a transfer would move, timed as nbytes ÷ bandwidth."""
 
     nbytes: int
@@ -70,13 +70,13 @@ class MockerKv(_Handle, tag="mocker"):
     """An empty payload is still pulled, so the prefill side holds the request until a decode takes it."""
 
 
-class VllmKv(_Handle, tag="vllm"):
+class VllmKv(_Handle, tag="vllm", frozen=True):
     """vLLM's `kv_transfer_params` from its KV connector (NixlConnector: engine id, block ids, host, port)."""
 
     params: dict[str, Any]
 
 
-class SglangKv(_Handle, tag="sglang"):
+class SglangKv(_Handle, tag="sglang", frozen=True):
     """SGLang's bootstrap rendezvous: the decode engine meets the prefill engine at host:port, room."""
 
     bootstrap_host: str
@@ -84,7 +84,7 @@ class SglangKv(_Handle, tag="sglang"):
     bootstrap_room: int
 
 
-class TrtllmKv(_Handle, tag="trtllm"):
+class TrtllmKv(_Handle, tag="trtllm", frozen=True):
     """TRT-LLM's `disaggregated_params.opaque_state`."""
 
     opaque_state: bytes

@@ -5,8 +5,9 @@ Built on the runtime's instance watch (`v1/instances/{ns}/` + `v1/mdc/{ns}/`, ca
 address; a worker that leaves discovery has its connection closed once idle, which fails its open
 streams over to migration. The frontend and `dyn router` both route with it.
 
-NOTE: until disaggregation lands, only aggregated and decode workers serve a model: a model whose
-only workers are prefill workers is known (`models`) but not servable (`get`, `servable`).
+NOTE: aggregated and decode workers serve a model; prefill workers only add a prefill stage to it
+(router/disagg.py). A model whose only workers are prefill workers is known (`models`) but not
+servable (`get`, `servable`): nothing could decode it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Worker:
     """Streams this frontend has open on the worker."""
     load: LoadMetrics | None = None
     """The worker's last published load."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens this router sent the worker that it has not prefilled yet (disaggregation's queue view)."""
 
     def busy_reason(self, limits: BusyThresholds) -> str | None:
         """Why the worker is busy, or None."""
@@ -95,9 +98,12 @@ class Registry(Generic[EntryT]):
         self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
         busy: BusyThresholds | None = None,
         accept: Callable[[EndpointName], bool] | None = None, secret: bytes | None = None,
+        prefill_policy_factory: PolicyFactory | None = None,
     ) -> None:  # fmt: skip
         self.busy = busy or BusyThresholds()
         self._policy_factory = policy_factory
+        self._prefill_policy_factory = prefill_policy_factory or policy_factory
+        """Routing of the prefill pool (`--prefill-router-mode`); by default the same as the decode pool's."""
         self.models: dict[str, EntryT] = {}
         self._placed: dict[int, EntryT] = {}
         self._watch = InstanceWatch(discovery, f"{namespace}/", ModelCard,
@@ -191,4 +197,4 @@ class ModelRegistry(Registry[ModelEntry]):
     """The registry of `dyn router`: plain entries (it sees token ids only, no tokenizer)."""
 
     def _new_entry(self, card: ModelCard) -> ModelEntry:
-        return ModelEntry(card.display_name, card, self._policy_factory(card), self._policy_factory(card))
+        return ModelEntry(card.display_name, card, self._policy_factory(card), self._prefill_policy_factory(card))

@@ -1,0 +1,115 @@
+"""Disaggregation's two decisions and its prefill hop, shared by the frontend and `dyn router`.
+
+Dynamo's current wiring (reference/dynamo.md §5.1): whoever routes the request orchestrates it. It
+chooses the decode worker first, then decides whether the prompt is prefilled there (locally) or on a
+prefill worker (remotely), and if remotely runs the prompt on a KV-aware choice of prefill worker with
+max_tokens 1. The prefill's first token is streamed to the client at once and its KV handle goes with
+the decode request, whose prompt is then the prompt plus that token.
+
+The local-or-remote rule (`decide`) is conditional disaggregation, after Dynamo's DEP #11514 and its
+policies: `isl` (isl_bounding: remote iff the prompt's uncached tokens on the chosen decode worker, its
+*effective ISL*, exceed `max_local_prefill_length`), `load` (prefill_load: remote unless every prefill
+worker is saturated), `isl-or-load` (remote iff both say remote), `always`, and the default `adaptive`.
+`adaptive` is `isl-or-load` measured in queued prefill tokens instead of a fixed queue length: a long
+prompt goes remote unless the prefill worker's queue (tokens) exceeds what prefilling locally costs the
+decode worker — its own queued prefill tokens plus the prompt, once for the request itself and once
+more for each stream it would stall. So an idle prefill pool always takes long prompts, a decode worker
+with many streams is protected, and when the prefill pool falls behind, short-queue decode workers
+absorb prompts until it catches up. Every policy shares the circuit breaker: a decode worker whose KV
+is over `decode_busy_threshold` never prefills a long prompt locally while a prefill worker is live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo_cli.config import DisaggConfig
+from dynamo_cli.router.registry import Worker
+
+OUTCOMES = ("remote", "local_short", "local_prefill_busy", "local_cheaper", "local_no_prefill_worker",
+            "remote_decode_busy", "local_fallback")  # fmt: skip
+"""Every outcome `decide` (and the prefill hop's fallback) can report: the `/metrics` label values."""
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggInputs:
+    """What the local-or-remote decision looks at, for one request and its chosen decode worker."""
+
+    effective_isl: int
+    """Prompt tokens the decode worker would compute (prompt minus its cached prefix)."""
+    decode_pending_tokens: int
+    """Prefill tokens already queued on the decode worker."""
+    decode_running: int
+    """Streams the decode worker is running (each stalls while it prefills)."""
+    decode_kv_usage: float
+    """The decode worker's active / total KV blocks (0 when unknown)."""
+    prefill_pending_tokens: int | None
+    """Prefill tokens queued on the least-queued prefill worker; None = no live prefill worker."""
+    prefill_queue: int
+    """Prefills queued on that worker (requests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggChoice:
+    """Local or remote, and why (one of OUTCOMES)."""
+
+    is_remote: bool
+    outcome: str
+
+    def explain(self, inputs: DisaggInputs, policy: str) -> dict[str, Any]:
+        return {"prefill": "remote" if self.is_remote else "local", "outcome": self.outcome, "policy": policy,
+                "effective_isl": inputs.effective_isl, "decode_pending_tokens": inputs.decode_pending_tokens,
+                "decode_running": inputs.decode_running, "decode_kv_usage": round(inputs.decode_kv_usage, 3),
+                "prefill_pending_tokens": inputs.prefill_pending_tokens,
+                "prefill_queue": inputs.prefill_queue}  # fmt: skip
+
+
+def decide(config: DisaggConfig, inputs: DisaggInputs) -> DisaggChoice:
+    """Prefill this request on a prefill worker (remote) or on its decode worker (local)?"""
+    if inputs.prefill_pending_tokens is None:
+        return DisaggChoice(False, "local_no_prefill_worker")
+    if config.policy == "always":
+        return DisaggChoice(True, "remote")
+    is_long = inputs.effective_isl > config.max_local_prefill_length
+    if is_long and inputs.decode_kv_usage >= config.decode_busy_threshold:
+        return DisaggChoice(True, "remote_decode_busy")  # the circuit breaker, whatever the policy
+    if config.policy in ("isl", "isl-or-load", "adaptive") and not is_long:
+        return DisaggChoice(False, "local_short")
+    if config.policy in ("load", "isl-or-load") and inputs.prefill_queue >= config.max_prefill_queue:
+        return DisaggChoice(False, "local_prefill_busy")
+    if config.policy == "adaptive":
+        local_cost = inputs.decode_pending_tokens + inputs.effective_isl * (1 + inputs.decode_running)
+        if inputs.prefill_pending_tokens > local_cost:
+            return DisaggChoice(False, "local_cheaper")
+    return DisaggChoice(True, "remote")
+
+
+def inputs_for(decode: Worker, prefill_pool: list[Worker], prompt_tokens: int, overlap_blocks: int) -> DisaggInputs:
+    """The decision's inputs from this router's view of the workers: their published load plus what this
+    router has queued on them since (`Worker.pending_prefill_tokens`, which the load lags behind)."""
+    load = decode.load
+    usage = load.active_blocks / load.total_blocks if load is not None and load.total_blocks else 0.0
+    effective = max(0, prompt_tokens - overlap_blocks * decode.card.kv_cache_block_size)
+    best = min(prefill_pool, key=queued_tokens, default=None)
+    return DisaggInputs(
+        effective_isl=effective,
+        decode_pending_tokens=queued_tokens(decode),
+        decode_running=max(decode.num_inflight - 1, load.num_running if load is not None else 0),
+        decode_kv_usage=usage,
+        prefill_pending_tokens=queued_tokens(best) if best is not None else None,
+        prefill_queue=queued_requests(best) if best is not None else 0,
+    )
+
+
+def queued_tokens(worker: Worker) -> int:
+    """Prefill tokens waiting on `worker`: its published queue or this router's own, whichever is larger."""
+    published = worker.load.active_prefill_tokens if worker.load is not None else 0
+    return max(published, worker.pending_prefill_tokens)
+
+
+def queued_requests(worker: Worker) -> int:
+    """Prefills waiting or running on `worker`, as published or as this router counts them."""
+    load = worker.load
+    published = load.num_running + load.num_waiting if load is not None else 0
+    return max(published, worker.num_inflight)

@@ -1,0 +1,138 @@
+"""The prefill hop of a disaggregated request: run the prompt on a prefill worker with max_tokens 1 and
+bring back its first token and KV handle (router/disagg.py decides whether to run it at all).
+
+The prefill worker is chosen among the live, not busy prefill workers by the model's prefill policy
+(`--prefill-router-mode`: KV-aware by overlap and load, round-robin or random) and held for the hop's
+length, so its queue is known to the next decision before its published load says so. A prefill
+worker that fails (dies, disconnects) is excluded and another one tried; when none is left the caller
+prefills locally on the decode worker. Cancelling the hop (the client left) cancels the stream, which
+aborts the prefill and frees its KV. A handle that is never used (the client left after the prefill, or
+the first token ended the request) is released on the prefill worker (`kv_release`); the worker's own
+expiry frees it anyway if that message is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from dynamo_cli.engine import GenerateChunk, GenerateRequest
+from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
+from dynamo_cli.kv.handles import PULLED_KINDS, KvHandle
+from dynamo_cli.router.base import RouteRequest
+from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker
+from dynamo_cli.runtime.transport import ResponseStream
+
+logger = logging.getLogger(__name__)
+
+RELEASE_ENDPOINT = "kv_release"
+"""A prefill worker's endpoint freeing a held KV payload (body: msgpack transfer id)."""
+RELEASE_TIMEOUT_S = 2.0
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What the prefill worker returned."""
+
+    first_token: int
+    finish_reason: str | None
+    """Set when the first token already ends the request (EOS, a stop token, max_tokens 1)."""
+    handle: KvHandle | None
+    cached_tokens: int | None
+    worker_id: int
+    explanation: dict[str, Any] = field(default_factory=dict)
+
+
+class PrefillHop:
+    """One request's prefill on the prefill pool: `await run()`, `cancel()` from anywhere."""
+
+    def __init__(self, entry: ModelEntry, request: GenerateRequest, busy: BusyThresholds, attempts: int) -> None:
+        self.entry = entry
+        self.request = msgspec.structs.replace(request, max_tokens=1, min_tokens=0, kv_transfer=None)
+        self.busy = busy
+        self.attempts = max(1, attempts)
+        self.failed: list[int] = []
+        """Prefill workers that failed this request (excluded from the next choice)."""
+        self._stream: ResponseStream | None = None
+        self._is_cancelled = False
+
+    async def run(self) -> PrefillResult:
+        """The prefill's result; NoWorkers when no prefill worker is left to try, Overloaded when all are busy."""
+        while True:
+            worker, explanation = self._choose()
+            try:
+                return await self._run_on(worker, explanation)
+            except TransportError as exc:
+                if not exc.is_migratable or self._is_cancelled or len(self.failed) + 1 >= self.attempts:
+                    raise
+                self.failed.append(worker.instance_id)
+                logger.warning("request %s: prefill worker %x failed (%s); trying another",
+                               self.request.request_id, worker.instance_id, exc)  # fmt: skip
+
+    def cancel(self) -> None:
+        """The client left: abort the prefill (the worker frees its KV)."""
+        self._is_cancelled = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def _choose(self) -> tuple[Worker, dict[str, Any]]:
+        pool = self.entry.prefill_workers
+        candidates = [w for w in pool if w not in self.failed]
+        if not candidates:
+            raise NoWorkers(f"the prefill pool of model '{self.entry.name}'")
+        idle = [w for w in candidates if pool[w].busy_reason(self.busy) is None]
+        if not idle:
+            raise Overloaded(f"all {len(candidates)} prefill workers of '{self.entry.name}' are busy")
+        decision = self.entry.prefill_policy.select(RouteRequest(self.request.request_id, self.request.token_ids), idle)
+        return pool[decision.worker_id], {"overlap_blocks": decision.overlap_blocks, **decision.explanation}
+
+    async def _run_on(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:
+        policy, prompt_tokens = self.entry.prefill_policy, len(self.request.token_ids)
+        worker.num_inflight += 1
+        worker.pending_prefill_tokens += prompt_tokens
+        try:
+            self._stream = stream = await worker.client.open_stream(worker.record.endpoint, _encode(self.request))
+            chunks = [_decode_chunk(raw) async for batch in _batches(stream) for raw in batch]
+            return _result(chunks, worker.instance_id, explanation)
+        finally:
+            self._stream = None
+            worker.num_inflight -= 1
+            worker.pending_prefill_tokens -= prompt_tokens
+            policy.on_finish(self.request.request_id)
+
+
+async def _batches(stream: ResponseStream) -> AsyncIterator[list[msgspec.Raw]]:
+    while batch := await stream.next_batch():
+        yield batch
+
+
+def _result(chunks: list[GenerateChunk], worker_id: int, explanation: dict[str, Any]) -> PrefillResult:
+    tokens = [t for c in chunks for t in c.token_ids]
+    if not tokens:
+        raise TransportError(f"prefill worker {worker_id:x} returned no token")
+    handle = next((c.kv_transfer for c in chunks if c.kv_transfer is not None), None)
+    cached = next((c.num_cached_tokens for c in chunks if c.num_cached_tokens is not None), None)
+    finish = chunks[-1].finish_reason
+    # A prefill worker ends its one-token stream with "length" when it exported KV: the request goes on.
+    is_done = finish is not None and (finish != "length" or handle is None)
+    return PrefillResult(tokens[0], finish if is_done else None, handle, cached, worker_id, explanation)
+
+
+async def release(worker: Worker, handle: KvHandle) -> None:
+    """Free an unused handle's payload on its prefill worker now (best effort; its expiry is the backstop)."""
+    if not isinstance(handle, PULLED_KINDS) or handle.blob is None:
+        return
+    with contextlib.suppress(TransportError, TimeoutError):
+        async with asyncio.timeout(RELEASE_TIMEOUT_S):
+            stream = await worker.client.open_stream(RELEASE_ENDPOINT, _encode(handle.blob.transfer_id))
+            while await stream.next_batch():
+                pass
