@@ -138,6 +138,12 @@ class WorkerConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Engine-specific options (speedup_ratio, num_gpu_blocks, n_ctx...)."""
+    kv_transfer: str = "auto"
+    """How decode workers pull prefilled KV: `tcp`, `nixl`, or `auto` (NIXL when it imports, else TCP)."""
+    kv_transfer_port: int = 0
+    """Port of a prefill worker's KV transfer server (0: any free port), on `host`."""
+    kv_transfer_ttl_s: float = 30.0
+    """Seconds a prefill worker keeps KV no decode worker pulled (the client left, the decode died)."""
 
 
 @dataclass(frozen=True, slots=True)

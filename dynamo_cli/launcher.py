@@ -14,8 +14,10 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 
 from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
+from dynamo_cli.engine import Role
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
@@ -40,7 +42,8 @@ def worker_argv(config: WorkerConfig) -> list[str]:
             "--engine", config.engine, "--model", config.model, "--role", config.role.value,
             "--namespace", config.namespace, "--component", config.component, "--endpoint", config.endpoint,
             "--host", config.host, "--lease-ttl", str(config.planes.lease_ttl),
-            "--graceful-shutdown", str(config.graceful_shutdown_s)]  # fmt: skip
+            "--graceful-shutdown", str(config.graceful_shutdown_s), "--kv-transfer", config.kv_transfer,
+            "--kv-transfer-ttl", str(config.kv_transfer_ttl_s)]  # fmt: skip
     for flag, value in (("--served-model-name", config.served_model_name), ("--block-size", config.block_size),
                         ("--context-length", config.context_length)):  # fmt: skip
         if value is not None:
@@ -94,7 +97,10 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     argv = worker_argv(config.worker)
     for _ in range(config.num_workers):
         await pool.spawn(argv)  # the caller stops them
-    expected = config.num_workers
+    prefill_argv = worker_argv(replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value))
+    for _ in range(config.num_prefill_workers):
+        await pool.spawn(prefill_argv)
+    expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
 
@@ -111,10 +117,16 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
             await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
-            print(f"dyn serve ready: {url} ({config.num_workers} workers, router {config.frontend.router})",
-                  flush=True)  # fmt: skip
+            print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
         await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out
+
+
+def _workers_text(config: ServeConfig) -> str:
+    if not config.num_prefill_workers:
+        return f"{config.num_workers} workers"
+    policy = config.frontend.disagg.policy
+    return f"{config.num_prefill_workers} prefill + {config.num_workers} decode workers, disagg {policy}"
 
 
 def planes_env(discovery: str, events: str) -> dict[str, str]:

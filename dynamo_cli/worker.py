@@ -9,19 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, SpawnsProcesses, load_engine
-from dynamo_cli.errors import RequestError
+from dynamo_cli.engine import (
+    Engine,
+    EngineArgs,
+    GenerateChunk,
+    GenerateRequest,
+    Role,
+    SpawnsProcesses,
+    load_engine,
+)
+from dynamo_cli.errors import DynError, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
+from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
+from dynamo_cli.runtime.kv_transfer import KvTransferClient, KvTransferServer
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
@@ -53,21 +64,33 @@ class Worker:
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
         self._blocks: set[int] = set()
         self._last_event_id = -1
+        self.kv = KvMover(config)
 
     @property
     def instance_id(self) -> int:
         return self.discovery.lease_id
 
     async def generate(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """The `generate` endpoint: decode, run, encode; closing aborts the engine request."""
+        """The `generate` endpoint: decode, run, encode; closing aborts the engine request. A request with a
+        KV handle has its payload pulled first; a prefill's exported payload is held for its decode worker."""
         try:
             request = self._request_decoder.decode(body)
         except msgspec.ValidationError as exc:
             raise RequestError(f"malformed generate request: {exc}") from exc
         encode = self._chunk_encoder.encode
+        request, report = await self.kv.take(request)
         chunk: GenerateChunk
         async for chunk in self.engine.generate(request):
+            if chunk.kv_transfer is not None:
+                chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
+            if report is not None:
+                chunk, report = msgspec.structs.replace(chunk, transfer=report), None
             yield encode(chunk)
+
+    async def kv_release(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
+        transfer_id = msgspec.msgpack.decode(body, type=str)
+        yield msgspec.msgpack.encode(self.kv.server is not None and self.kv.server.release(transfer_id))
 
     async def start_engine(self) -> ModelCard:
         """Start the engine; the card it will be served with."""
@@ -119,8 +142,10 @@ class Worker:
         last, last_at = None, 0.0
         loop = asyncio.get_running_loop()
         while True:
+            held, held_bytes = self.kv.server.held() if self.kv.server is not None else (0, 0)
             metrics = msgspec.structs.replace(
-                self.engine.load_metrics(), worker_id=self.instance_id, kv_event_id=self._last_event_id
+                self.engine.load_metrics(), worker_id=self.instance_id, kv_event_id=self._last_event_id,
+                kv_transfer_held=held, kv_transfer_held_bytes=held_bytes,
             )
             if metrics != last or loop.time() - last_at >= LOAD_HEARTBEAT_S:
                 await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
@@ -147,7 +172,9 @@ async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
     config = worker.config
     worker.server.add_endpoint("kv_events_since", worker.kv_events_since)
     worker.server.add_endpoint("kv_dump", worker.kv_dump)
+    worker.server.add_endpoint("kv_release", worker.kv_release)
     address = await worker.server.start()
+    await worker.kv.start()
     endpoint = Endpoint(worker.name, worker.discovery)
     try:
         async with ServiceTasks() as tasks:
@@ -162,7 +189,63 @@ async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
                 await tasks.wait_stop(stop)
     finally:
         await worker.server.close()
+        await worker.kv.close()
         await worker.engine.stop()
+
+
+class KvMover:
+    """The worker's side of disaggregation's KV transfer: a prefill worker holds each exported payload on
+    its KV transfer server until a decode worker pulls it; a decode worker pulls before its engine runs.
+    A failed pull is not the request's failure: the engine then prefills the prompt itself."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        secret, backend = config.planes.cluster_secret, config.kv_transfer
+        self.server = (KvTransferServer(config.host, config.kv_transfer_port, secret=secret,
+                                        ttl_s=config.kv_transfer_ttl_s, use_nixl=backend != "tcp")
+                       if config.role is Role.PREFILL else None)  # fmt: skip
+        self.client = KvTransferClient(secret=secret) if config.role is not Role.PREFILL else None
+        self.address = ""
+
+    async def start(self) -> None:
+        if self.server is not None:
+            self.address = await self.server.start()
+
+    async def close(self) -> None:
+        for part in (self.server, self.client):
+            if part is not None:
+                await part.close()
+
+    def hold(self, handle: KvHandle) -> KvHandle:
+        """Prefill: keep the handle's payload here; the handle then names where to pull it from."""
+        if self.server is None or not isinstance(handle, PULLED_KINDS):
+            return handle
+        offer = self.server.offer(handle.payload)
+        blob = BlobRef(address=self.address, transfer_id=offer.transfer_id, nbytes=offer.nbytes, nixl=offer.nixl)
+        return msgspec.structs.replace(handle, payload=b"", blob=blob)
+
+    async def take(self, request: GenerateRequest) -> tuple[GenerateRequest, TransferReport | None]:
+        """Decode: the request with its handle's payload pulled in, and how the pull went; a request whose
+        pull failed goes on without its handle (the engine prefills locally)."""
+        handle = request.kv_transfer
+        if handle is None:
+            return request, None
+        problem = check_handle(handle, len(request.token_ids))
+        if problem is not None or self.client is None:
+            raise RequestError(problem or "a prefill worker takes no kv_transfer", param="kv_transfer")
+        if not isinstance(handle, PULLED_KINDS):
+            return request, None  # the engine's library moves this KV itself
+        assert handle.blob is not None
+        blob, started = handle.blob, time.perf_counter()
+        try:
+            pulled = await self.client.pull(blob.address, blob.transfer_id, blob.nbytes, blob.nixl)
+        except DynError as exc:
+            logger.warning("request %s: KV pull from %s failed (%s); prefilling locally",
+                           request.request_id, blob.address, exc)  # fmt: skip
+            report = TransferReport(nbytes=0, seconds=time.perf_counter() - started, backend="local")
+            return msgspec.structs.replace(request, kv_transfer=None), report
+        taken = msgspec.structs.replace(handle, payload=bytes(pulled.payload), blob=None)
+        report = TransferReport(nbytes=blob.nbytes, seconds=pulled.seconds, backend=pulled.backend)
+        return msgspec.structs.replace(request, kv_transfer=taken), report
 
 
 def _engine_args(config: WorkerConfig) -> EngineArgs:

@@ -116,9 +116,13 @@ class DynProcess:
 
         return asyncio.run(read())
 
-    def worker_pids(self) -> list[int]:
-        """Pids of this deployment's registered workers."""
-        return [r.pid for r in self.instance_records() if r.component != "router"]
+    def worker_pids(self, role: str | None = None) -> list[int]:
+        """Pids of this deployment's registered workers (of `role` only: both, prefill, decode)."""
+        return [r.pid for r in self.instance_records() if r.component != "router" and role in (None, r.role)]
+
+    def serving_pids(self) -> list[int]:
+        """Pids of the workers that serve requests (aggregated or decode; not prefill, not routers)."""
+        return [r.pid for r in self.instance_records() if r.component != "router" and r.role != "prefill"]
 
 
 def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event, box: dict[str, str]) -> None:

@@ -15,6 +15,8 @@ from dynamo_cli.config import (
     DEFAULT_ENGINE,
     DEFAULT_MODEL,
     DEFAULT_NAMESPACE,
+    DISAGG_POLICIES,
+    DisaggConfig,
     KvRouterConfig,
     PlanesConfig,
 )
@@ -166,6 +168,49 @@ def kv_router(
     """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
     return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
                           use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl)  # fmt: skip
+
+
+##### Disaggregation (shared by `dyn serve` and `dyn router`) #####
+
+_D = DisaggConfig()
+DisaggPolicy = Annotated[
+    str,
+    typer.Option("--disagg-policy", envvar="DYN_DISAGG_POLICY",
+                 help="When a prompt is prefilled on a prefill worker: " + " | ".join(DISAGG_POLICIES)),
+]  # fmt: skip
+MaxLocalPrefill = Annotated[
+    int,
+    typer.Option("--max-local-prefill-length", envvar="DYN_MAX_LOCAL_PREFILL_LENGTH",
+                 help="Uncached prompt tokens a decode worker prefills itself."),
+]  # fmt: skip
+MaxPrefillQueue = Annotated[
+    int,
+    typer.Option("--max-prefill-queue", envvar="DYN_MAX_PREFILL_QUEUE",
+                 help="Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated."),
+]  # fmt: skip
+DecodeBusy = Annotated[
+    float,
+    typer.Option("--decode-busy-threshold", envvar="DYN_DECODE_BUSY_THRESHOLD",
+                 help="KV usage of a decode worker above which long prompts always go to a prefill worker."),
+]  # fmt: skip
+EnforceDisagg = Annotated[
+    bool,
+    typer.Option("--enforce-disagg", envvar="DYN_ENFORCE_DISAGG",
+                 help="Never prefill on a decode worker: no prefill worker → 503."),
+]  # fmt: skip
+PrefillRouterMode = Annotated[
+    str | None,
+    typer.Option("--prefill-router-mode", envvar="DYN_PREFILL_ROUTER_MODE",
+                 help="kv | round-robin | random for the prefill hop (default: --router's)."),
+]  # fmt: skip
+
+
+def disagg(policy: str, max_local: int, max_queue: int, decode_busy: float, enforce: bool,
+           prefill_mode: str | None) -> DisaggConfig:  # fmt: skip
+    """Disaggregation's settings from its flags, checked now."""
+    return DisaggConfig(policy=policy, max_local_prefill_length=max_local, max_prefill_queue=max_queue,
+                        decode_busy_threshold=decode_busy, enforce=enforce,
+                        prefill_router_mode=prefill_mode)  # fmt: skip
 
 
 ##### The cluster secret (request-plane authentication) #####

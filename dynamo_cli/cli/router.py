@@ -41,6 +41,15 @@ def command(
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
     cluster_secret_file: o.ClusterSecretFile = None,
+    prefill_component: Annotated[
+        str, typer.Option("--prefill-component", envvar="DYN_ROUTER_PREFILL_COMPONENT",
+                          help="Component of the prefill workers (disaggregation).")
+    ] = "prefill",
+    disagg_policy: o.DisaggPolicy = o._D.policy,
+    max_local_prefill_length: o.MaxLocalPrefill = o._D.max_local_prefill_length,
+    max_prefill_queue: o.MaxPrefillQueue = o._D.max_prefill_queue,
+    decode_busy_threshold: o.DecodeBusy = o._D.decode_busy_threshold,
+    enforce_disagg: o.EnforceDisagg = False,
 ) -> None:
     """Run one KV router replica: routes `{ns}/router/generate` to the backends, sharing load with peers."""
     die_with_parent()
@@ -50,5 +59,8 @@ def command(
     kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl)
     config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
                                  kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
-                                 planes=o.planes(discovery, events, lease_ttl, secret))  # fmt: skip
+                                 planes=o.planes(discovery, events, lease_ttl, secret),
+                                 prefill_component=prefill_component,
+                                 disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
+                                                 decode_busy_threshold, enforce_disagg, None))  # fmt: skip
     run(serve_router(config, lambda line: typer.echo(line)))

