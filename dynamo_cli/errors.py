@@ -240,7 +240,8 @@ class TransferFailed(DynError):
         self.transfer_id = transfer_id
         self.reason = reason
         super().__init__(
-            f"KV pull of {transfer_id[:8]}… from {address} failed: {reason}; the prompt is prefilled locally"
+            f"KV pull of {transfer_id[:8]}… from {address} failed: {reason};"
+            " the decode worker prefills the prompt itself instead"
         )
 
 
