@@ -141,7 +141,7 @@ class KvTransferServer:
         if self._use_nixl:
             self._nixl = await NixlSource.create()
             if self._nixl is None:
-                logger.warning("KV transfer: NIXL does not import here; serving over TCP only")
+                logger.warning("KV transfer: NIXL is not usable here; serving over TCP only")
         self._server = await asyncio.start_server(self._accept, self._host, self._port)
         port = self._server.sockets[0].getsockname()[1]
         host = self._host if self._host not in ("0.0.0.0", "::", "") else socket.gethostname()

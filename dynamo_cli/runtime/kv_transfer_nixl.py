@@ -81,19 +81,29 @@ class NixlSource:
 
     @classmethod
     async def create(cls) -> NixlSource | None:
-        """A source with a fresh agent (made off the event loop), or None when NIXL does not import."""
+        """A source with a fresh agent (made off the event loop), or None when NIXL does not import or start."""
         agent_class = load_agent_class()
         if agent_class is None:
             return None
-        return cls(await asyncio.to_thread(_new_agent, agent_class))
+        try:
+            return cls(await asyncio.to_thread(_new_agent, agent_class))
+        except Exception as exc:  # a UCX that finds no usable transport, say
+            logger.warning("KV transfer: NIXL agent could not start (%s); serving over TCP only", exc)
+            return None
 
-    def register(self, transfer_id: str, payload: bytes | bytearray | memoryview) -> bytes:
-        """Register `payload` (non-empty; the caller keeps it alive) and return its encoded NixlOffer."""
+    def register(self, transfer_id: str, payload: bytes | bytearray | memoryview) -> bytes | None:
+        """Register `payload` (non-empty; the caller keeps it alive) and return its encoded NixlOffer; None
+        if NIXL refused (the payload is then offered over TCP only)."""
         view = memoryview(payload)
         address = _address(view)
-        region = self._agent.register_memory([(address, view.nbytes, 0, "")], "DRAM")
-        self._regions[transfer_id] = region
-        metadata = self._agent.get_partial_agent_metadata(region, True, ["UCX"])
+        try:
+            region = self._agent.register_memory([(address, view.nbytes, 0, "")], "DRAM")
+            self._regions[transfer_id] = region
+            metadata = self._agent.get_partial_agent_metadata(region, True, ["UCX"])
+        except Exception as exc:  # NIXL's binding errors derive from Exception only
+            logger.warning("KV transfer: NIXL did not register %d bytes (%s); offering them over TCP", view.nbytes, exc)
+            self.deregister(transfer_id)
+            return None
         offer = NixlOffer(agent=self._agent.name, metadata=metadata, address=address, nbytes=view.nbytes)
         return msgspec.msgpack.encode(offer)
 
@@ -136,7 +146,15 @@ class NixlSink:
         offer = _DECODER.decode(encoded_offer)
         if offer.nbytes != nbytes:
             raise ValueError(f"the NIXL offer describes {offer.nbytes} bytes, not {nbytes}")
-        agent = await self._ensure_agent()
+        try:
+            return await self._read(await self._ensure_agent(), offer)
+        except (ValueError, RuntimeError):
+            raise
+        except Exception as exc:  # NIXL's binding errors derive from Exception only
+            raise RuntimeError(f"NIXL failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _read(self, agent: Any, offer: NixlOffer) -> bytearray:
+        nbytes = offer.nbytes
         remote = agent.add_remote_agent(offer.metadata)
         buffer = bytearray(nbytes)
         address = _address(memoryview(buffer))

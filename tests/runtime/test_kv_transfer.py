@@ -128,6 +128,31 @@ async def test_a_server_without_a_secret_refuses_to_listen_beyond_loopback() -> 
         await KvTransferServer("0.0.0.0", secret=None).start()
 
 
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl does not import (pip install 'dynamo-cli[nixl]')")
+async def test_a_nixl_read_that_fails_is_a_clean_transfer_failure_and_frees_the_payload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import msgspec
+
+    from dynamo_cli.runtime.kv_transfer_nixl import NixlOffer
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    server, address = await started("nixl")
+    client = KvTransferClient(secret=SECRET, timeout_s=10.0)
+    try:
+        offer = server.offer(b"k" * 4096)
+        assert offer.nixl is not None
+        real = msgspec.msgpack.decode(offer.nixl, type=NixlOffer)
+        forged = msgspec.msgpack.encode(msgspec.structs.replace(real, metadata=b"not nixl metadata"))
+        with pytest.raises(TransferFailed, match="NIXL failed"):
+            await client.pull(address, offer.transfer_id, offer.nbytes, forged)
+        assert await until_freed(server) == (0, 0) and server.stats.num_failed == 1
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def test_an_unpulled_payload_expires_after_its_ttl(backend: str) -> None:
     server, address = await started(backend, ttl_s=0.2)
     try:
