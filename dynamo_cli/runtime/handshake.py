@@ -27,7 +27,8 @@ frames into an authenticated connection. Where the network between hosts is not 
 request plane over a private network, a VPN (WireGuard) or TLS — the path to that is wrapping these
 connections in TLS (`ssl=` on the same asyncio calls), which this module would then sit inside.
 
-Pure protocol: no sockets, no clock. `transport.py` drives it on both sides and owns the timeout.
+Pure protocol: no sockets, no clock. `transport.py` drives it from its protocol callbacks; stream and
+socket users (the KV transfer plane) call `drive()` with their own receive and send, inside their timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import hmac
 import ipaddress
 import secrets
 import struct
+from collections.abc import Awaitable, Callable
 
 MAGIC = b"dyn-auth-1"
 """Starts the server's hello: names the protocol and its version."""
@@ -184,3 +186,26 @@ class ClientHandshake:
             raise HandshakeError("the server could not prove it holds this deployment's cluster secret")
         self.done = True
         return reply, self._reader.rest()
+
+
+async def drive(
+    handshake: ServerHandshake | ClientHandshake,
+    receive: Callable[[], Awaitable[bytes]],
+    send: Callable[[bytes], Awaitable[None]],
+) -> bytes:
+    """Run `handshake` to the end over `receive`/`send`; the bytes received past it.
+
+    HandshakeError if the peer answers wrongly or closes first. The caller owns the timeout (wrap this in
+    `asyncio.timeout(HANDSHAKE_TIMEOUT_S)`) and closes the connection on any error.
+    """
+    if isinstance(handshake, ServerHandshake):
+        await send(handshake.hello())
+    rest = b""
+    while not handshake.done:
+        data = await receive()
+        if not data:
+            raise HandshakeError("the peer closed the connection during the handshake")
+        reply, rest = handshake.feed(data)
+        if reply:
+            await send(reply)
+    return rest

@@ -60,11 +60,12 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 """At most one warning per this many seconds about refused connections (a flood does not flood the log)."""
 
 
-def check_exposure(host: str, secret: bytes | None) -> None:
-    """ConfigError if a request plane on `host` would be reachable from the network without a secret."""
+def check_exposure(host: str, secret: bytes | None, plane: str = "request plane") -> None:
+    """ConfigError if a `plane` (request plane, KV transfer plane) on `host` would be reachable from the
+    network without a secret."""
     if secret is None and not is_loopback(host):
         raise ConfigError(
-            f"--host {host or '(all interfaces)'} exposes the request plane to the network, but no cluster secret"
+            f"--host {host or '(all interfaces)'} exposes the {plane} to the network, but no cluster secret"
             " is set; pass --cluster-secret-file PATH or DYN_CLUSTER_SECRET (the same on every node), or listen"
             " on 127.0.0.1"
         )
