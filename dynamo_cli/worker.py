@@ -25,7 +25,7 @@ from dynamo_cli.engine import (
     SpawnsProcesses,
     load_engine,
 )
-from dynamo_cli.errors import DynError, RequestError
+from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
 from dynamo_cli.model_card import ModelCard
@@ -33,6 +33,7 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
 from dynamo_cli.runtime.kv_transfer import KvTransferClient, KvTransferServer
+from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
@@ -203,10 +204,15 @@ class KvMover:
         self.server = (KvTransferServer(config.host, config.kv_transfer_port, secret=secret,
                                         ttl_s=config.kv_transfer_ttl_s, use_nixl=backend != "tcp")
                        if config.role is Role.PREFILL else None)  # fmt: skip
-        self.client = KvTransferClient(secret=secret) if config.role is not Role.PREFILL else None
+        self.client = (KvTransferClient(secret=secret, use_nixl=backend != "tcp")
+                       if config.role is not Role.PREFILL else None)  # fmt: skip
         self.address = ""
+        self._backend = backend
 
     async def start(self) -> None:
+        if self._backend == "nixl" and load_agent_class() is None:
+            raise ConfigError("--kv-transfer nixl: NIXL does not import here; pip install 'dynamo-cli[nixl]' "
+                              "(or use --kv-transfer tcp)")  # fmt: skip
         if self.server is not None:
             self.address = await self.server.start()
 
