@@ -13,17 +13,23 @@ dot product for one, so a prompt prefilled in a chunk differs from the same toke
 (as after a migration). So that mode turns flash attention off, gives every sequence id its own KV
 stream (kv_unified off) of `context_length` cells (default 4096; ConfigError past half the machine's
 memory), and feeds prompts one token per step: prefill runs at decode speed.
+
+Disaggregation: a prefill-role engine exports the prompt's sequence state after the prompt step and
+returns it as `LlamaCppKv(num_tokens=len(prompt), first_token, payload)` on its one chunk. Any other role
+takes a request of prompt + [first_token] with that handle: it checks the state against its own layout
+(`kv_state`), imports it, does not stream first_token again (the frontend did) and starts by decoding
+it. The imported prompt is neither computed nor cached prefill here (num_prefill_tokens_computed and
+_cached do not grow) and the first chunk reports num_cached_tokens 0: the prefill worker's own chunk
+reported the prompt's cache hits. Both sides need the same deterministic setting (the V layout differs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
@@ -36,8 +42,10 @@ from dynamo_cli.engine import (
     Role,
     check_request,
 )
-from dynamo_cli.errors import RequestFailed
+from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.handles import LlamaCppKv
+from engines.llamacpp import kv_state
 from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions
@@ -45,7 +53,6 @@ from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
-KV_TRANSFER_KIND = "llamacpp-seq-state"
 _EVENT_QUEUE_SIZE = 4096
 
 
@@ -123,11 +130,8 @@ class LlamaCppEngine:
         self._in_flight.add(request.request_id)
         finished = False
         try:
-            if seq.kv_state is not None:
-                finished = self._emit_imported_first_token(seq)
-            if not finished:
-                self._scheduler_or_raise().add(seq)
-                self._wake.set()
+            self._scheduler_or_raise().add(seq)
+            self._wake.set()
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -159,8 +163,8 @@ class LlamaCppEngine:
             num_waiting=len(scheduler.waiting),
             active_blocks=scheduler.num_active_blocks(),
             total_blocks=self._n_ctx // self.options.block_size,
-            active_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.waiting)
-            + sum(max(0, s.num_prompt_tokens - s.num_computed) for s in scheduler.running),
+            active_prefill_tokens=sum(s.num_prefill_left for s in scheduler.waiting)
+            + sum(s.num_prefill_left for s in scheduler.running),
             num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
             num_prefill_tokens_cached=scheduler.num_prefill_tokens_cached,
         )
@@ -190,21 +194,36 @@ class LlamaCppEngine:
             raise RuntimeError("the llamacpp engine is not running; call start() first")
         check_request(request, info.context_length, self._in_flight, info.vocab_size)
         seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=len(request.token_ids))
-        transfer = request.kv_transfer
-        if self.options.role is Role.DECODE and transfer and transfer.get("kind") == KV_TRANSFER_KIND:
-            seq.kv_state = base64.b64decode(transfer["state"])
-            seq.tokens.append(int(transfer["first_token"]))
+        if request.kv_transfer is not None:
+            seq.kv_state = self._checked_state(request, runner)
+            seq.num_imported = request.kv_transfer.num_tokens
         seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
         return seq
 
-    def _emit_imported_first_token(self, seq: Sequence) -> bool:
-        """Decode role: the prefill worker sampled the first token; stream it before decoding on."""
-        token = seq.tokens[-1]
-        reason = self._finish_reason(seq, token)
-        self._push(seq, GenerateChunk(token_ids=[token], finish_reason=reason, num_cached_tokens=0))
-        if reason is not None:
-            self._free_sampler(seq)
-        return reason is not None
+    def _checked_state(self, request: GenerateRequest, runner: Runner) -> kv_state.CheckedState:
+        """A decode request's imported KV (disaggregation): token_ids = prompt + [first_token], the handle
+        covers the prompt. Its state is checked field by field before any of it reaches llama.cpp; a bad
+        one fails this request alone (RequestError: the handle; RequestFailed: the state's bytes)."""
+        handle = request.kv_transfer
+        num_ids = len(request.token_ids)
+        if self.options.role is Role.PREFILL:
+            raise RequestError("a prefill-role worker takes no kv_transfer; send it to a decode worker", "kv_transfer")
+        if not isinstance(handle, LlamaCppKv):
+            kind = type(handle).__name__
+            raise RequestError(f"kv_transfer is a {kind}; the llamacpp engine imports LlamaCppKv only", "kv_transfer")
+        if handle.num_tokens != num_ids - 1 or handle.first_token != request.token_ids[-1]:
+            raise RequestError(
+                f"kv_transfer covers {handle.num_tokens} tokens (first token {handle.first_token}) of a "
+                f"{num_ids}-token request; send prompt + [first_token] with num_tokens = len(prompt)",
+                "kv_transfer",
+            )
+        if not handle.payload or runner.state_layout is None:
+            why = "carries no payload" if not handle.payload else "cannot be checked for this model"
+            raise RequestError(f"kv_transfer {why}; send the request without it to prefill here", "kv_transfer")
+        try:
+            return kv_state.check(handle.payload, runner.state_layout, handle.num_tokens, runner.n_ctx_seq)
+        except kv_state.StateFormatError as exc:
+            raise RequestFailed(request.request_id, f"kv_transfer: {exc}") from None
 
     def _scheduler_or_raise(self) -> Scheduler:
         if self._scheduler is None:
@@ -269,7 +288,7 @@ class LlamaCppEngine:
     def _process_one(self, scheduler: Scheduler, part: Scheduled, result: StepResult) -> None:
         seq = part.seq
         if seq.seq_id in result.failed_imports:
-            self._finish(scheduler, seq, FinishReason.ERROR.value)
+            self._fail(scheduler, seq, "llama.cpp could not import its kv_transfer state (no room for its cells)")
             return
         rejected = result.rejected.get(seq.seq_id)
         if rejected is not None:
@@ -289,7 +308,9 @@ class LlamaCppEngine:
             token_ids=[token],
             finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens if is_first else None,
-            kv_transfer=self._transfer(seq, state, token) if state is not None else None,
+            kv_transfer=LlamaCppKv(num_tokens=seq.num_prompt_tokens, first_token=token, payload=state)
+            if state is not None
+            else None,
         )
         self._push(seq, chunk)
         if reason is not None:
@@ -312,14 +333,6 @@ class LlamaCppEngine:
         if not request.ignore_eos and self._runner is not None and self._runner.is_eog(token):
             return FinishReason.STOP.value
         return None
-
-    def _transfer(self, seq: Sequence, state: bytes, token: int) -> dict[str, Any]:
-        return {
-            "kind": KV_TRANSFER_KIND,
-            "state": base64.b64encode(state).decode("ascii"),
-            "num_tokens": seq.num_prompt_tokens,
-            "first_token": token,
-        }
 
     def _finish(self, scheduler: Scheduler, seq: Sequence, reason: str | None) -> None:
         if reason is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.llamacpp.kv_state import CheckedState
+
 
 @dataclass(slots=True)
 class MemoryOp:
@@ -17,7 +19,8 @@ class MemoryOp:
     src_seq_id: int = -1
     start: int = -1
     end: int = -1
-    state: bytes = b""
+    state: CheckedState | None = None
+    """For `import`: a sequence state already checked against this engine's layout."""
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from typing import Any
 import llama_cpp
 
 from dynamo_cli.errors import ConfigError, DynError
+from engines.llamacpp.kv_state import CheckedState, StateLayout, rebased
 from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class Runner:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(options.n_batch, 0, 1)
         self._closed = False
+        self.state_layout = self._learn_state_layout()
+        """How this context's sequence states look (None: imports are refused)."""
 
     def _sized_context(self, options: RunnerOptions) -> int:
         """n_ctx for llama.cpp: as given, or context_per_seq cells for every sequence id (checked
@@ -259,13 +262,39 @@ class Runner:
         written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
         return bytes(buffer)[:written]
 
-    def _import(self, seq_id: int, state: bytes) -> bool:
+    def _import(self, seq_id: int, state: CheckedState | None) -> bool:
+        """Load a checked state into `seq_id`, its stream header rewritten for this context."""
+        if state is None or self.state_layout is None:
+            return False
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), seq_id)
-        if read == 0:
-            logger.warning("KV state import into seq %d failed (%d bytes)", seq_id, len(state))
-        return bool(read)
+        parts = rebased(state, self.state_layout.n_stream)
+        size = sum(len(part) for part in parts)
+        buffer = (ctypes.c_uint8 * size)()
+        view, offset = memoryview(buffer).cast("B"), 0
+        for part in parts:
+            view[offset : offset + len(part)] = part
+            offset += len(part)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, buffer, size, seq_id)
+        if read != size:
+            logger.warning("KV state import into seq %d failed (%d of %d bytes read)", seq_id, read, size)
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        return bool(read == size)
+
+    def _learn_state_layout(self) -> StateLayout | None:
+        """Decode one token into sequence 0, export it and read the layout of its state (then free it):
+        the reference every imported state is checked against. None: a layout kv_state cannot read."""
+        batch = self._batch
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.seq_id[0][0], batch.logits[0] = 0, 0, 1, 0, False
+        batch.n_tokens = 1
+        try:
+            if llama_cpp.llama_decode(self._ctx, batch) != 0:
+                return None
+            return StateLayout.learn(self._export(0))
+        except ValueError as exc:
+            logger.warning("llama.cpp's sequence state is in a layout dyn cannot check (%s): no KV import", exc)
+            return None
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
 
     def close(self) -> None:
         """Free the batch, context and model. Idempotent."""

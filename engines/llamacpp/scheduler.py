@@ -21,6 +21,7 @@ from typing import Any
 from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, StoredBlock
 from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, sequence_hashes
+from engines.llamacpp.kv_state import CheckedState
 from engines.llamacpp.plan import MemoryOp, StepPlan
 
 
@@ -41,12 +42,20 @@ class Sequence:
     hashes: list[int] = field(default_factory=list)
     """Sequence hashes of the full blocks among the computed tokens."""
     sampler: Any = None
-    kv_state: bytes | None = None
-    """Decode role: the prefill worker's state for the prompt, imported at admission."""
+    kv_state: CheckedState | None = None
+    """Disaggregation: the prefill worker's state for the first `num_imported` tokens, imported at admission."""
+    num_imported: int = 0
+    """Tokens whose KV came from a prefill worker (the prompt; the last token, the first the prefill
+    sampled, is decoded here): neither computed nor cached prefill. 0 again after a preemption."""
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def num_prefill_left(self) -> int:
+        """Prompt tokens still to compute here (none for an imported prompt)."""
+        return 0 if self.num_imported else max(0, self.num_prompt_tokens - self.num_computed)
 
 
 @dataclass(slots=True)
@@ -132,12 +141,13 @@ class Scheduler:
         seq = part.seq
         start = seq.num_computed
         seq.num_computed += part.num_tokens
-        self.num_prefill_tokens_computed += max(0, min(seq.num_computed, seq.num_prompt_tokens) - start)
+        if not seq.num_imported:  # an imported prompt's last token is a decode step, not prefill
+            self.num_prefill_tokens_computed += max(0, min(seq.num_computed, seq.num_prompt_tokens) - start)
         self._store_blocks(seq)
 
     def mark_imported(self, seq: Sequence) -> None:
-        """Decode role: the prompt's KV comes with the state import (applied before this step's decode)."""
-        seq.num_computed = seq.num_prompt_tokens
+        """The first `num_imported` tokens' KV comes with the state import (applied before this step's decode)."""
+        seq.num_computed = seq.num_imported
         self._store_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -271,7 +281,7 @@ class Scheduler:
         self.pending_ops.append(MemoryOp("rm", seq.seq_id, start=-1, end=-1))
         self.free_seq_ids.append(seq.seq_id)
         self._release(seq.hashes)
-        seq.seq_id, seq.num_computed, seq.hashes = -1, 0, []
+        seq.seq_id, seq.num_computed, seq.hashes, seq.num_imported = -1, 0, [], 0
         self.waiting.appendleft(seq)
 
     ##### Block hashes and events #####

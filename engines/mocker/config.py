@@ -94,11 +94,11 @@ class MockerConfig:
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
         )
 
-    def transfer_delay_s(self, num_tokens: int) -> float:
-        """Simulated time to pull `num_tokens` tokens of KV from a prefill worker."""
+    def transfer_delay_s(self, nbytes: int) -> float:
+        """Simulated time to pull `nbytes` of KV from a prefill worker (Dynamo: bytes ÷ GB/s)."""
         if self.kv_transfer_bandwidth == 0:
             return 0.0
-        return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_bandwidth * 1e9)
+        return nbytes / (self.kv_transfer_bandwidth * 1e9)
 
 
 def _positive_int(key: str, value: Any) -> int:

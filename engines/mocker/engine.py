@@ -13,7 +13,6 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from dynamo_cli.engine import (
     EngineArgs,
@@ -27,6 +26,7 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.handles import MockerKv
 from dynamo_cli.kv.hashing import blocks_needed
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from engines.mocker.config import MockerConfig
@@ -233,15 +233,32 @@ class MockerEngine:
             raise DynError(f"the mocker engine is {self.state.value}; call start() before generate()")
         self._check_request(request)
         max_tokens = 1 if self.config.role is Role.PREFILL else request.max_tokens
-        is_prefilled = request.kv_transfer is not None and self.config.role is not Role.PREFILL
         return MockRequest(
             request.request_id,
             request.token_ids,
             max_tokens,
             self.config.block_size,
             seed=request.seed,
-            is_prefilled=is_prefilled,
+            is_prefilled=self._check_handle(request),
         )
+
+    def _check_handle(self, request: GenerateRequest) -> bool:
+        """Whether the request's prompt was prefilled elsewhere: a MockerKv over prompt + [first_token]."""
+        handle = request.kv_transfer
+        if handle is None:
+            return False
+        if self.config.role is Role.PREFILL:
+            raise RequestError("a prefill-role worker takes no kv_transfer; send it to a decode worker", "kv_transfer")
+        if not isinstance(handle, MockerKv):
+            kind = type(handle).__name__
+            raise RequestError(f"kv_transfer is a {kind}; the mocker takes MockerKv only", "kv_transfer")
+        if handle.num_tokens != len(request.token_ids) - 1:
+            raise RequestError(
+                f"kv_transfer covers {handle.num_tokens} tokens of a {len(request.token_ids)}-token request; "
+                "send prompt + [first_token] with num_tokens = len(prompt)",
+                "kv_transfer",
+            )
+        return True
 
     def _check_request(self, request: GenerateRequest) -> None:
         check_request(request, self.config.context_length, self._streams, self._vocab_size())
@@ -255,10 +272,12 @@ class MockerEngine:
             )
 
     async def _simulate_transfer(self, request: GenerateRequest) -> None:
-        if request.kv_transfer is None or self.config.role is Role.PREFILL:
+        """A prefilled request waits the modelled KV pull (nbytes ÷ bandwidth) before it is queued;
+        its blocks are allocated, not computed, when it is scheduled. Closing the stream here ends it."""
+        handle = request.kv_transfer
+        if not isinstance(handle, MockerKv) or self.config.role is Role.PREFILL:
             return
-        num_tokens = int(request.kv_transfer.get("num_tokens", len(request.token_ids)))
-        delay = self.config.transfer_delay_s(num_tokens)
+        delay = self.config.transfer_delay_s(handle.nbytes)
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -283,15 +302,15 @@ class MockerEngine:
                 return
             is_first = False
 
-    def _kv_handle(self, request: MockRequest) -> dict[str, Any] | None:
+    def _kv_handle(self, request: MockRequest) -> MockerKv | None:
         if self.config.role is not Role.PREFILL:
             return None
-        return {
-            "mock": True,
-            "request_id": request.request_id,
-            "num_tokens": request.prompt_len,
-            "block_size": self.config.block_size,
-        }
+        num_tokens = request.prompt_len
+        return MockerKv(
+            num_tokens=num_tokens,
+            first_token=request.token_ids[num_tokens],
+            nbytes=num_tokens * self.config.kv_bytes_per_token,
+        )
 
     def _end_all(self, reason: FinishReason) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -316,4 +335,3 @@ class MockerEngine:
             vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
             extra={"engine": "mocker", "speedup_ratio": config.speedup_ratio, "role": config.role.value},
         )
-

@@ -164,7 +164,7 @@ class Scheduler:
 
     def num_prompt_tokens_left(self) -> int:
         """Prompt tokens still to compute over every queued request (the router's prefill load)."""
-        queued = [*self.running, *self.waiting]
+        queued = [r for r in (*self.running, *self.waiting) if not r.is_prefilled]
         return sum(max(0, r.prompt_len - r.num_computed_tokens) for r in queued)
 
     def step(self) -> PassResult:

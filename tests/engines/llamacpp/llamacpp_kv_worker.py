@@ -1,44 +1,67 @@
 """A separate process for the KV transfer test: one request through a llamacpp engine of a given role.
 
-Reads `{"role", "token_ids", "max_tokens", "kv_transfer"}` as JSON on stdin; writes
-`{"token_ids", "finish_reason", "kv_transfer"}` as JSON on stdout.
+Reads a msgpack `Job` on stdin; writes a msgpack `Outcome` on stdout (the handle's payload is raw bytes,
+so JSON will not do). Both sides run in deterministic mode, as the token-for-token comparison needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, installed or not
 
 from dynamo_cli.engine import EngineArgs, GenerateRequest, Role  # noqa: E402
+from dynamo_cli.kv.handles import LlamaCppKv  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
 
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """One request for the worker process."""
+
+    role: str
+    token_ids: list[int]
+    max_tokens: int
+    kv_transfer: LlamaCppKv | None = None
+
+
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What the request streamed, and the decode engine's prefill counter after it."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    kv_transfer: LlamaCppKv | None
+    num_prefill_tokens_computed: int
+
+
 async def main() -> None:
-    job = json.load(sys.stdin)
-    engine = LlamaCppEngine(EngineArgs(model="smollm2", role=Role(job["role"]), extra={"n_ctx": 2048}))
+    job = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Job)
+    extra = {"deterministic": True, "max_num_seqs": 2, "max_cached_seqs": 1, "n_threads": 1}
+    engine = LlamaCppEngine(EngineArgs(model="smollm2", role=Role(job.role), context_length=512, extra=extra))
     await engine.start()
     request = GenerateRequest(
         request_id="transfer",
-        token_ids=job["token_ids"],
-        max_tokens=job["max_tokens"],
+        token_ids=job.token_ids,
+        max_tokens=job.max_tokens,
         temperature=0.0,
         ignore_eos=True,
-        kv_transfer=job.get("kv_transfer"),
+        kv_transfer=job.kv_transfer,
     )
     tokens, last = [], None
     async for chunk in engine.generate(request):
         tokens += chunk.token_ids
         last = chunk
+    computed = engine.load_metrics().num_prefill_tokens_computed
     await engine.stop()
     assert last is not None
-    json.dump(
-        {"token_ids": tokens, "finish_reason": last.finish_reason, "kv_transfer": last.kv_transfer},
-        sys.stdout,
-    )
+    handle = last.kv_transfer
+    assert handle is None or isinstance(handle, LlamaCppKv)
+    outcome = Outcome(token_ids=tokens, finish_reason=last.finish_reason, kv_transfer=handle,
+                      num_prefill_tokens_computed=computed)  # fmt: skip
+    sys.stdout.buffer.write(msgspec.msgpack.encode(outcome))
 
 
 if __name__ == "__main__":

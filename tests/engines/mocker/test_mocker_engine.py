@@ -11,6 +11,8 @@ import pytest
 from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
 from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
+from dynamo_cli.kv.handles import LlamaCppKv, MockerKv
+from engines.mocker.config import MockerConfig
 from engines.mocker.engine import MockerEngine
 from engines.mocker.timing import decode_ms, prefill_ms
 
@@ -164,26 +166,80 @@ async def test_pass_times_follow_the_timing_model(model_dir: str) -> None:
 
 
 async def test_a_prefill_worker_returns_one_token_and_a_kv_handle(model_dir: str) -> None:
-    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.PREFILL, extra=dict(FAST)))
+    extra = {**FAST, "kv_bytes_per_token": 1000}
+    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.PREFILL, extra=extra))
     await engine.start()
     chunks = await collect(engine, request("a", num_prompt=300, max_tokens=50))
     await engine.stop()
-    assert len(tokens_of(chunks)) == 1
-    assert chunks[-1].kv_transfer is not None and chunks[-1].kv_transfer["mock"] is True
-    assert chunks[-1].kv_transfer["num_tokens"] == 300
+    assert tokens_of(chunks) == [chunks[-1].token_ids[0]] and chunks[-1].finish_reason == "length"
+    handle = chunks[-1].kv_transfer
+    assert handle == MockerKv(num_tokens=300, first_token=tokens_of(chunks)[0], nbytes=300_000)
+    assert handle.payload == b"" and engine.load_metrics().num_prefill_tokens_computed == 300
 
 
-async def test_a_decode_worker_waits_out_the_simulated_kv_transfer(model_dir: str) -> None:
-    extra = {**FAST, "kv_bytes_per_token": 1_000_000, "kv_transfer_bandwidth": 1.0}  # 1 ms per token
+def decode_request(request_id: str, num_prompt: int, max_tokens: int, nbytes: int) -> GenerateRequest:
+    """What a decode worker gets: prompt + [first_token], the handle covering the prompt."""
+    handle = MockerKv(num_tokens=num_prompt, first_token=1500, nbytes=nbytes)
+    return request(request_id, num_prompt=num_prompt + 1, max_tokens=max_tokens, kv_transfer=handle)
+
+
+async def test_a_decode_worker_waits_out_the_transfer_computes_no_prefill_and_streams_only_new_tokens(
+    model_dir: str,
+) -> None:
+    extra = {**FAST, "kv_transfer_bandwidth": 1.0}  # 1 GB/s: 0.1 s for 100 MB
     engine = MockerEngine(EngineArgs(model=model_dir, role=Role.DECODE, extra=extra))
     await engine.start()
     start = time.perf_counter()
-    chunks = await collect(engine, request("a", num_prompt=50, max_tokens=3, kv_transfer={"mock": True}))
+    chunks = await collect(engine, decode_request("a", num_prompt=50, max_tokens=3, nbytes=100_000_000))
     elapsed = time.perf_counter() - start
+    local = await collect(engine, request("b", num_prompt=50, max_tokens=3))  # no handle: prefilled here
+    metrics = engine.load_metrics()
     await engine.stop()
-    assert len(tokens_of(chunks)) == 3
-    assert 0.05 <= elapsed < 0.5
-    assert engine.load_metrics().num_prefill_tokens_computed == 0
+    assert len(tokens_of(chunks)) == 3 and chunks[0].num_cached_tokens == 0
+    assert 0.1 <= elapsed < 0.6
+    assert len(tokens_of(local)) == 3
+    assert metrics.num_prefill_tokens_computed == 50  # request b's prompt alone
+    assert MockerConfig.from_args(EngineArgs(model=model_dir)).kv_transfer_bandwidth == 64.0  # Dynamo's default
+
+
+async def test_closing_a_decode_stream_during_the_transfer_holds_no_blocks(model_dir: str) -> None:
+    extra = {**FAST, "kv_transfer_bandwidth": 1.0}
+    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.DECODE, extra=extra))
+    await engine.start()
+    try:
+        stream = engine.generate(decode_request("a", num_prompt=500, max_tokens=5, nbytes=10**9))  # 1 s
+        pending = asyncio.ensure_future(anext(stream))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await stream.aclose()  # type: ignore[attr-defined]
+        metrics = engine.load_metrics()
+        assert (metrics.num_running, metrics.num_waiting, metrics.active_blocks) == (0, 0, 0)
+        assert len(tokens_of(await collect(engine, request("b", max_tokens=2)))) == 2
+        assert engine.load_metrics().active_blocks == 0
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("role", "handle", "words"),
+    [
+        pytest.param(Role.DECODE, LlamaCppKv(num_tokens=50, first_token=1, payload=b"x"), "LlamaCppKv", id="kind"),
+        pytest.param(Role.DECODE, MockerKv(num_tokens=20, first_token=1, nbytes=0), "covers 20", id="num-tokens"),
+        pytest.param(Role.PREFILL, MockerKv(num_tokens=50, first_token=1, nbytes=0), "prefill-role", id="prefill"),
+    ],
+)
+async def test_a_wrong_handle_is_refused_naming_kv_transfer(
+    model_dir: str, role: Role, handle: Any, words: str
+) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, role=role, extra=dict(FAST)))
+    await engine.start()
+    try:
+        with pytest.raises(RequestError, match=words) as caught:
+            await collect(engine, request("a", num_prompt=51, max_tokens=3, kv_transfer=handle))
+        assert caught.value.param == "kv_transfer"
+    finally:
+        await engine.stop()
 
 
 @pytest.mark.parametrize(
