@@ -126,7 +126,7 @@ class Frontend:
             else:
                 status = await self._complete(generation, send, is_chat)
         finally:
-            generation.dispatch.close()  # idempotent: load never leaks
+            await generation.dispatch.aclose()  # idempotent: load and prefilled KV never leak
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
             self._observe(generation)

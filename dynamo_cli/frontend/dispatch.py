@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.config import DisaggConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
+from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, Role
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -136,7 +136,8 @@ class Dispatch:
         """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
         self._hop: prefill.PrefillHop | None = None
         self._handle: KvHandle | None = None
-        """The prefill's KV handle until the decode request carries it."""
+        """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
+        on to the next); still set at the end, it is released on the prefill worker."""
         self._prefill_worker: Worker | None = None
         self._local_prefill_tokens = 0
         """Tokens the held worker prefills itself, counted in its queue until its first token."""
@@ -175,9 +176,6 @@ class Dispatch:
                     self._migrate(exc)
         finally:
             self._release()
-            if self._handle is not None and self._prefill_worker is not None:
-                handle, self._handle = self._handle, None  # never sent to a decode worker: free it now
-                await prefill.release(self._prefill_worker, handle)
 
     def abort(self) -> None:
         """The client left: cancel the worker's stream (freeing its KV) and end `tokens()`."""
@@ -190,6 +188,13 @@ class Dispatch:
     def close(self) -> None:
         """Let go of the worker, whatever happened (idempotent): load never leaks."""
         self._release()
+
+    async def aclose(self) -> None:
+        """`close()`, and free on its prefill worker a prefilled KV no decode worker was sent (the client left)."""
+        self._release()
+        if self._handle is not None and self._prefill_worker is not None:
+            handle, self._handle = self._handle, None
+            await prefill.release(self._prefill_worker, handle)
 
     ##### Hops #####
 
@@ -218,7 +223,6 @@ class Dispatch:
         """Hop 2: send the request (what is left of it) to the held worker."""
         assert self.worker is not None and self._is_held, "open only a chosen worker"
         worker, request = self.worker, self._request()
-        self._handle = None  # the decode worker pulls it now (or, if it dies first, the prefill side expires it)
         if not self._is_prefilled:
             self._local_prefill_tokens = len(request.token_ids)
             worker.pending_prefill_tokens += self._local_prefill_tokens
@@ -231,6 +235,7 @@ class Dispatch:
         while batch:
             token_ids = self._absorb(batch)
             if token_ids:
+                self._handle = None  # the decode worker has pulled the KV: nothing left to release
                 if not self._is_prefilled:
                     self._is_prefilled = True
                     self._unqueue_local_prefill()
@@ -268,10 +273,10 @@ class Dispatch:
         entry, config, worker = self.entry, self.rules.disagg, self.worker
         assert worker is not None
         pool = [w for w in entry.prefill_workers.values() if w.instance_id not in self._excluded]
-        if not pool and not config.enforce:
-            return
-        if not pool:
+        if not pool and config.enforce:
             raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
+        if not pool and worker.card.role != Role.DECODE.value:
+            return  # an aggregated model: no prefill stage to decide (a decode worker's model has lost its pool)
         overlap = self.decision.overlap_blocks if self.decision is not None else 0
         inputs = inputs_for(worker, pool, len(self.plan.prompt_ids), overlap)
         choice = decide(config, inputs)

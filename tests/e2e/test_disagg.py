@@ -147,7 +147,7 @@ async def test_a_hundred_clients_that_leave_mid_request_leave_no_kv_held(dyn_ser
 
     loads: dict[int, LoadMetrics] = {}
     for _ in range(20):  # the frontend releases unused handles at once; the workers' loads follow
-        loads = await _loads(d, ("backend", "prefill"), 0.6)
+        loads = await _loads(d, ("backend", "prefill"), 1.2)
         if drained(loads):
             break
     assert drained(loads), loads
@@ -173,7 +173,8 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(dyn_serve) -> None
     # with no prefill worker left, the decode worker prefills (until the pool is back)
     assert wait_until(lambda: not d.worker_pids("prefill"), timeout=6)
     r = httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=60, headers={"x-dyn-explain-route": "1"})
-    assert r.status_code == 200 and json.loads(r.headers["x-dyn-prefill-route"]) is not None
+    assert r.status_code == 200
+    assert json.loads(r.headers["x-dyn-prefill-route"])["outcome"] == "local_no_prefill_worker"
 
 
 def test_enforce_disagg_without_a_prefill_worker_is_a_503_naming_the_pool(dyn_serve) -> None:  # type: ignore[no-untyped-def]
