@@ -288,6 +288,7 @@ class LlamaCppEngine:
     def _process_one(self, scheduler: Scheduler, part: Scheduled, result: StepResult) -> None:
         seq = part.seq
         if seq.seq_id in result.failed_imports:
+            scheduler.forget_import(seq)
             self._fail(scheduler, seq, "llama.cpp could not import its kv_transfer state (no room for its cells)")
             return
         rejected = result.rejected.get(seq.seq_id)

@@ -185,8 +185,9 @@ class Runner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the memory ops, decode the batch, sample, export: one engine step."""
         result = StepResult(failed_imports=self._apply_memory_ops(plan.memory_ops))
-        if plan.tokens:
-            self._decode_isolating(plan, list(dict.fromkeys(plan.seq_ids)), result)
+        seq_ids = [s for s in dict.fromkeys(plan.seq_ids) if s not in result.failed_imports]
+        if seq_ids:
+            self._decode_isolating(plan, seq_ids, result)
         result.exported = {s: self._export(s) for s in plan.exports if s not in result.rejected}
         return result
 

@@ -150,6 +150,11 @@ class Scheduler:
         seq.num_computed = seq.num_imported
         self._store_blocks(seq)
 
+    def forget_import(self, seq: Sequence) -> None:
+        """llama.cpp refused `seq`'s state import: its blocks were never there, so none is kept or shared."""
+        self._release(seq.hashes)
+        seq.hashes = []
+
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out of the running set now; keep its full blocks as a cached prefix if new."""
         if seq in self.running:

