@@ -9,6 +9,7 @@ when the stream is closed, and KV events re-hashed with our hashes (vLLM's wire 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -23,9 +24,10 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
+from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.hf_export import export_path
 from engines.sglang.engine import SglangEngine
@@ -39,7 +41,8 @@ TOKENS = list(range(64))
 
 
 def request(max_tokens: int = 4, **kwargs: Any) -> GenerateRequest:
-    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", token_ids=PROMPT, max_tokens=max_tokens, **kwargs)
+    kwargs.setdefault("token_ids", PROMPT)
+    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", max_tokens=max_tokens, **kwargs)
 
 
 async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
@@ -67,6 +70,8 @@ class FakeAsyncEngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool | None = None
     kv_events_config: Any = None
+    kv_transfer_config: Any = None
+    dtype: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
 
@@ -88,9 +93,30 @@ class FakeSamplingParams:
         self.kwargs = kwargs
 
 
-def vllm_output(token_ids: list[int], finish_reason: str | None, num_cached: int = 0) -> SimpleNamespace:
+def vllm_output(
+    token_ids: list[int], finish_reason: str | None, num_cached: int = 0, kv_transfer_params: Any = None
+) -> SimpleNamespace:
     completion = SimpleNamespace(token_ids=token_ids, finish_reason=finish_reason)
-    return SimpleNamespace(outputs=[completion], finished=finish_reason is not None, num_cached_tokens=num_cached)
+    return SimpleNamespace(
+        outputs=[completion],
+        finished=finish_reason is not None,
+        num_cached_tokens=num_cached,
+        kv_transfer_params=kv_transfer_params,
+    )
+
+
+NIXL_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "engine-p",
+    "remote_request_id": "r-p",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "remote_num_tokens": 40,
+}
+"""What vLLM 0.32's NixlConnector returns from a prefill request (request_finished), abridged."""
 
 
 class FakeAsyncLLM:
@@ -116,9 +142,12 @@ class FakeAsyncLLM:
     async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str) -> AsyncIterator[Any]:
         self.calls.append((prompt, sampling_params, request_id))
         max_tokens = sampling_params.kwargs["max_tokens"]
+        connector = (sampling_params.kwargs.get("extra_args") or {}).get("kv_transfer_params") or {}
         for i in range(max_tokens):
             await asyncio.sleep(0)
-            yield vllm_output([TOKENS[i]], "length" if i == max_tokens - 1 else None, num_cached=16)
+            is_last = i == max_tokens - 1
+            params = NIXL_PARAMS if is_last and connector.get("do_remote_decode") else None
+            yield vllm_output([TOKENS[i]], "length" if is_last else None, num_cached=16, kv_transfer_params=params)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -127,8 +156,18 @@ class FakeAsyncLLM:
         self.is_shut_down = True
 
 
+@dataclass
+class FakeKVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_buffer_device: str = "cuda"
+
+
 DELTA = object()
-FAKE_VLLM = VllmLibrary(FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, dict, DELTA, FakeKVEventsConfig)
+FAKE_VLLM = VllmLibrary(
+    FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, dict, DELTA, FakeKVEventsConfig, False, FakeKVTransferConfig
+)
+FAKE_VLLM_CPU = dataclasses.replace(FAKE_VLLM, is_cpu=True)
 
 
 def test_vllm_engine_args_pass_extra_through_with_prefix_caching_and_zmq_kv_events() -> None:
@@ -245,6 +284,127 @@ async def test_vllm_closing_the_stream_aborts_the_vllm_request() -> None:
     assert engine.load_metrics().num_running == 0
     await engine.stop()
     assert fake.is_shut_down
+
+
+async def test_vllm_prefill_role_asks_the_nixl_connector_to_keep_the_blocks_and_returns_its_params(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        monkeypatch.setenv(variable, "unset")  # restored after the test: the engine sets them for vLLM
+    args = EngineArgs(model="m", role=Role.PREFILL, extra={"nixl_side_channel_port": 5601})
+    engine = VllmEngine(args, library=FAKE_VLLM_CPU)
+    assert engine.engine_kwargs["kv_transfer_config"] == FakeKVTransferConfig("NixlConnector", "kv_both", "cpu")
+    await engine.start()
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    chunks = await collect(engine.generate(request(max_tokens=50, min_tokens=3, temperature=0.0)))
+    assert [c.token_ids for c in chunks] == [[0]] and chunks[-1].finish_reason == "length"
+    assert chunks[-1].kv_transfer == VllmKv(num_tokens=len(PROMPT), first_token=0, params=NIXL_PARAMS)
+    prompt, params, _ = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": PROMPT}
+    assert (params.kwargs["max_tokens"], params.kwargs["min_tokens"]) == (1, 1)
+    assert params.kwargs["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    await engine.stop()
+
+
+def test_vllm_roles_use_the_users_kv_connector_and_both_has_none() -> None:
+    assert VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM).engine_kwargs["kv_transfer_config"] is None
+    own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE, extra={"kv_transfer_config": own}), library=FAKE_VLLM)
+    assert engine.engine_kwargs["kv_transfer_config"] == FakeKVTransferConfig("LMCacheConnectorV1", "kv_both")
+
+
+def decode_request(first_token: int, max_tokens: int = 3, last: int | None = None, **handle: Any) -> GenerateRequest:
+    """prompt + [first_token] with a VllmKv covering the prompt; `last` puts another token at the end."""
+    fields: dict[str, Any] = {"num_tokens": len(PROMPT), "first_token": first_token, "params": NIXL_PARAMS}
+    fields.update(handle)
+    kv = VllmKv(**fields)
+    last = first_token if last is None else last
+    return request(max_tokens=max_tokens, token_ids=[*PROMPT, last], kv_transfer=kv)
+
+
+async def test_vllm_decode_sends_the_prompt_with_the_params_and_drops_the_first_token_it_samples_again() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=0, max_tokens=3)
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[], [1], [2], [3]] and chunks[-1].finish_reason == "length"
+    prompt, params, request_id = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": PROMPT} and request_id == req.request_id
+    assert params.kwargs["max_tokens"] == 4  # the first token again, then the 3 asked for
+    assert params.kwargs["extra_args"]["kv_transfer_params"] == NIXL_PARAMS
+    assert engine.load_metrics().num_prefill_tokens_computed == 0
+    await engine.stop()
+
+
+async def test_vllm_decode_that_samples_another_first_token_aborts_it_and_prefills_the_first_token_here() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=7, max_tokens=2)
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1]]
+    fake = engine._engine
+    assert fake.aborted == [req.request_id]
+    prompt, params, request_id = fake.calls[1]
+    assert prompt == {"prompt_token_ids": [*PROMPT, 7]} and request_id == f"{req.request_id}-local"
+    assert "extra_args" not in params.kwargs and params.kwargs["max_tokens"] == 2
+    await engine.stop()
+
+
+async def test_vllm_closing_a_decode_stream_aborts_the_vllm_request() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=0, max_tokens=50)
+    await first_then_close(engine.generate(req))
+    assert engine._engine.aborted == [req.request_id] and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        pytest.param(
+            GenerateRequest(
+                request_id="r-kind",
+                token_ids=[*PROMPT, 0],
+                max_tokens=2,
+                kv_transfer=TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"x"),
+            ),
+            "TrtllmKv",
+            id="wrong-kind",
+        ),
+        pytest.param(
+            decode_request(0, params={**NIXL_PARAMS, "pad": "x" * MAX_PARAMS_BYTES}), "too large", id="oversized"
+        ),
+        pytest.param(decode_request(0, num_tokens=len(PROMPT) + 1), "covers", id="num-tokens-past-the-prompt"),
+        pytest.param(decode_request(0, num_tokens=5), "whole prompt", id="num-tokens-short"),
+        pytest.param(decode_request(0, last=3), "first token", id="first-token-not-last"),
+        pytest.param(decode_request(0, params={**NIXL_PARAMS, "remote_port": "80"}), "NIXL", id="port-not-int"),
+        pytest.param(decode_request(0, params={"remote_host": "h"}), "NIXL", id="missing-fields"),
+        pytest.param(
+            decode_request(0, params={**NIXL_PARAMS, "remote_block_ids": [list(range(41))]}), "more KV", id="blocks"
+        ),
+    ],
+)
+async def test_vllm_decode_refuses_a_bad_handle_naming_kv_transfer_before_vllm_sees_it(
+    bad: GenerateRequest, match: str
+) -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(bad))
+    assert refused.value.param == "kv_transfer" and engine._engine.calls == []
+    await engine.stop()
+
+
+async def test_vllm_decode_passes_no_private_connector_flags_from_the_network() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    sneaky = {**NIXL_PARAMS, "_remote_blocks_processed": True, "do_remote_decode": True, "do_remote_prefill": False}
+    await collect(engine.generate(decode_request(0, params=sneaky)))
+    sent = engine._engine.calls[0][1].kwargs["extra_args"]["kv_transfer_params"]
+    assert "_remote_blocks_processed" not in sent and (sent["do_remote_prefill"], sent["do_remote_decode"]) == (True, False)
+    await engine.stop()
 
 
 def vllm_batch(*events: list[Any]) -> bytes:
