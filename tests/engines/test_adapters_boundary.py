@@ -31,7 +31,7 @@ from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.hf_export import export_path
 from engines.sglang.engine import SglangEngine
-from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary
+from engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
 from engines.vllm import engine as vllm_engine_module
 from engines.vllm.engine import VllmEngine, VllmLibrary
 from engines.vllm.kv_events import KvEventRehasher
@@ -403,7 +403,10 @@ async def test_vllm_decode_passes_no_private_connector_flags_from_the_network() 
     sneaky = {**NIXL_PARAMS, "_remote_blocks_processed": True, "do_remote_decode": True, "do_remote_prefill": False}
     await collect(engine.generate(decode_request(0, params=sneaky)))
     sent = engine._engine.calls[0][1].kwargs["extra_args"]["kv_transfer_params"]
-    assert "_remote_blocks_processed" not in sent and (sent["do_remote_prefill"], sent["do_remote_decode"]) == (True, False)
+    assert "_remote_blocks_processed" not in sent and (sent["do_remote_prefill"], sent["do_remote_decode"]) == (
+        True,
+        False,
+    )
     await engine.stop()
 
 
@@ -550,6 +553,85 @@ async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> 
     assert fake.is_shut_down
 
 
+def room(first_token: int = -1, num_tokens: int = len(PROMPT), **fields: Any) -> SglangKv:
+    """The handle a frontend makes up front for SGLang: the prefill's bootstrap server, a random room."""
+    address: dict[str, Any] = {"bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 2**62 + 7}
+    address.update(fields)
+    return SglangKv(num_tokens=num_tokens, first_token=first_token, **address)
+
+
+async def test_sglang_prefill_role_publishes_its_bootstrap_and_runs_the_room_without_emitting_the_token() -> None:
+    args = EngineArgs(model="m", block_size=16, role=Role.PREFILL, extra={"bootstrap_host": "10.0.0.5"})
+    engine = SglangEngine(args, engine_cls=FakeSglangEngine)
+    server_args = engine.server_args
+    assert (server_args["disaggregation_mode"], server_args["disaggregation_transfer_backend"]) == ("prefill", "nixl")
+    port = server_args["disaggregation_bootstrap_port"]
+    assert isinstance(port, int) and port > 0 and "bootstrap_host" not in server_args
+    info = await engine.start()
+    assert info.extra["bootstrap"] == f"10.0.0.5:{port}"
+    handle = room(bootstrap_port=port)
+    chunks = await collect(engine.generate(request(max_tokens=20, kv_transfer=handle)))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([], "length")]
+    assert chunks[-1].kv_transfer == handle
+    call = engine._engine.calls[0]
+    assert (call["input_ids"], call["sampling_params"]["max_new_tokens"]) == (PROMPT, 1)
+    assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == ("10.0.0.5", port, 2**62 + 7)
+    await engine.stop()
+
+
+async def test_sglang_decode_role_meets_the_room_and_emits_every_token_from_the_first() -> None:
+    engine = SglangEngine(EngineArgs(model="m", block_size=16, role=Role.DECODE), engine_cls=FakeSglangEngine)
+    assert engine.server_args["disaggregation_mode"] == "decode"
+    assert "disaggregation_bootstrap_port" not in engine.server_args
+    info = await engine.start()
+    assert "bootstrap" not in info.extra
+    req = request(max_tokens=3, kv_transfer=room())
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+    call = engine._engine.calls[0]
+    assert call["input_ids"] == PROMPT and call["sampling_params"]["max_new_tokens"] == 3
+    assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == ("10.0.0.5", 8998, 2**62 + 7)
+    assert engine.load_metrics().num_prefill_tokens_computed == 0
+    long = request(max_tokens=50, kv_transfer=room())
+    await first_then_close(engine.generate(long))
+    assert engine._engine.aborted == [long.request_id] and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+async def test_sglang_both_role_serves_a_request_with_a_handle_itself() -> None:
+    engine = SglangEngine(EngineArgs(model="m"), engine_cls=FakeSglangEngine)
+    assert "disaggregation_mode" not in engine.server_args
+    await engine.start()
+    await collect(engine.generate(request(max_tokens=2, kv_transfer=room())))
+    assert "bootstrap_room" not in engine._engine.calls[0]
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("role", "handle", "match"),
+    [
+        pytest.param(Role.DECODE, None, "cannot decode without a prefill", id="decode-without-handle"),
+        pytest.param(Role.PREFILL, None, "cannot prefill without a bootstrap room", id="prefill-without-handle"),
+        pytest.param(Role.DECODE, VllmKv(num_tokens=len(PROMPT), first_token=-1, params={}), "VllmKv", id="wrong-kind"),
+        pytest.param(Role.DECODE, room(first_token=5), "emits it", id="first-token-named"),
+        pytest.param(Role.DECODE, room(num_tokens=len(PROMPT) - 1), "not all", id="num-tokens-short"),
+        pytest.param(Role.DECODE, room(bootstrap_room=-1), "bootstrap_room", id="room-negative"),
+        pytest.param(Role.DECODE, room(bootstrap_room=2**63), "bootstrap_room", id="room-past-int64"),
+        pytest.param(Role.PREFILL, room(bootstrap_port=0), "host:port", id="port-zero"),
+        pytest.param(Role.DECODE, room(bootstrap_host=""), "host:port", id="host-empty"),
+    ],
+)
+async def test_sglang_roles_refuse_a_missing_or_bad_handle_naming_kv_transfer(
+    role: Role, handle: SglangKv | None, match: str
+) -> None:
+    engine = SglangEngine(EngineArgs(model="m", role=role), engine_cls=FakeSglangEngine)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(request(max_tokens=3, kv_transfer=handle)))
+    assert refused.value.param == "kv_transfer" and engine._engine.calls == []
+    await engine.stop()
+
+
 ##### A fake of TensorRT-LLM #####
 
 
@@ -560,18 +642,51 @@ class FakeKvCacheConfig:
     tokens_per_block: int = 32
 
 
-class FakeResult:
-    """Stands for tensorrt_llm's streaming RequestOutput: async-iterable, `abort()`."""
+@dataclass
+class FakeDisaggregatedParams:
+    """Stands for tensorrt_llm.disaggregated_params.DisaggregatedParams."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
+    request_type: str | None = None
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    opaque_state: bytes | None = None
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+
+
+@dataclass
+class FakeCacheTransceiverConfig:
+    backend: str
+
+
+CONTEXT_PARAMS = FakeDisaggregatedParams(
+    request_type="context_only", first_gen_tokens=[TOKENS[0]], ctx_request_id=77, opaque_state=b"trt-state"
+)
+"""What a context_only request's output carries (the prefill engine's id for it, the transceiver's state)."""
+
+
+class FakeResult:
+    """Stands for tensorrt_llm's streaming RequestOutput: async-iterable, `abort()`; a context_only
+    request's output carries disaggregated_params, a generation_only one answers with first_gen_tokens first."""
+
+    def __init__(self, tokens: list[int], disaggregated: FakeDisaggregatedParams | None = None) -> None:
+        self.tokens = tokens
+        self.disaggregated = disaggregated
         self.is_aborted = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
-        for i in range(self.max_tokens):
+        is_context = self.disaggregated is not None and self.disaggregated.request_type == "context_only"
+        for i, token in enumerate(self.tokens):
             await asyncio.sleep(0)
-            reason = "length" if i == self.max_tokens - 1 else None
-            completion = SimpleNamespace(token_ids_diff=[TOKENS[i]], finish_reason=reason)
+            reason = "length" if i == len(self.tokens) - 1 else None
+            params = CONTEXT_PARAMS if is_context and reason else None
+            completion = SimpleNamespace(
+                token_ids_diff=[token],
+                token_ids=self.tokens[: i + 1],
+                finish_reason=reason,
+                disaggregated_params=params,
+            )
             yield SimpleNamespace(outputs=[completion], finished=reason is not None)
 
     def abort(self) -> None:
@@ -586,7 +701,9 @@ class FakeLLM:
     kv_cache_config: FakeKvCacheConfig
     max_seq_len: int | None = None
     max_batch_size: int = 8
+    cache_transceiver_config: FakeCacheTransceiverConfig | None = None
     results: list[tuple[list[int], Any, FakeResult]] = field(default_factory=list)
+    disaggregated: list[FakeDisaggregatedParams | None] = field(default_factory=list)
     kv_events: list[dict[str, Any]] = field(default_factory=list)
     is_shut_down: bool = False
 
@@ -594,10 +711,21 @@ class FakeLLM:
     def args(self) -> Any:
         return SimpleNamespace(max_seq_len=self.max_seq_len or 2048, max_batch_size=self.max_batch_size)
 
-    def generate_async(self, token_ids: list[int], sampling_params: Any, streaming: bool) -> FakeResult:
+    def generate_async(
+        self,
+        token_ids: list[int],
+        sampling_params: Any,
+        streaming: bool,
+        disaggregated_params: FakeDisaggregatedParams | None = None,
+    ) -> FakeResult:
         assert streaming
-        result = FakeResult(sampling_params.kwargs["max_tokens"])
+        max_tokens = sampling_params.kwargs["max_tokens"]
+        tokens = TOKENS[:max_tokens]
+        if disaggregated_params is not None and disaggregated_params.request_type == "generation_only":
+            tokens = [*(disaggregated_params.first_gen_tokens or []), *TOKENS[1:max_tokens]]
+        result = FakeResult(tokens, disaggregated_params)
         self.results.append((token_ids, sampling_params, result))
+        self.disaggregated.append(disaggregated_params)
         return result
 
     async def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
@@ -610,7 +738,9 @@ class FakeLLM:
         self.is_shut_down = True
 
 
-FAKE_TRTLLM = TrtllmLibrary(FakeLLM, FakeSamplingParams, FakeKvCacheConfig)
+FAKE_TRTLLM = TrtllmLibrary(
+    FakeLLM, FakeSamplingParams, FakeKvCacheConfig, FakeDisaggregatedParams, FakeCacheTransceiverConfig
+)
 
 
 async def test_trtllm_streams_diffs_maps_sampling_aborts_on_close_and_re_hashes_kv_events() -> None:
@@ -644,6 +774,75 @@ async def test_trtllm_streams_diffs_maps_sampling_aborts_on_close_and_re_hashes_
     assert [b.block_hash for b in batch.events[0].blocks] == sequence_hashes(TOKENS[:32], 16)
     await engine.stop()
     assert fake.is_shut_down
+
+
+async def trtllm_prefill() -> TrtllmKv:
+    """A handle from a prefill-role engine over the fake (context_only, one token)."""
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.PREFILL), library=FAKE_TRTLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=20)))
+    await engine.stop()
+    handle = chunks[-1].kv_transfer
+    assert isinstance(handle, TrtllmKv)
+    return handle
+
+
+async def test_trtllm_prefill_role_runs_context_only_and_packs_what_the_generation_side_needs() -> None:
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.PREFILL), library=FAKE_TRTLLM)
+    assert engine.llm_kwargs()["cache_transceiver_config"] == FakeCacheTransceiverConfig("DEFAULT")
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=20)))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([0], "length")]
+    handle = chunks[-1].kv_transfer
+    assert isinstance(handle, TrtllmKv) and (handle.num_tokens, handle.first_token) == (len(PROMPT), 0)
+    state = msgspec.msgpack.decode(handle.opaque_state, type=ContextState)
+    assert (state.ctx_request_id, state.opaque_state) == (77, b"trt-state")
+    token_ids, params, _ = engine._llm.results[0]
+    assert token_ids == PROMPT and params.kwargs["max_tokens"] == 1
+    assert engine._llm.disaggregated == [FakeDisaggregatedParams(request_type="context_only")]
+    await engine.stop()
+    assert "cache_transceiver_config" not in TrtllmEngine(EngineArgs(model="m"), library=FAKE_TRTLLM).llm_kwargs()
+
+
+async def test_trtllm_decode_runs_generation_only_and_does_not_emit_the_first_token_again() -> None:
+    handle = await trtllm_prefill()
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_TRTLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=3, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert [c.token_ids for c in chunks] == [[1], [2], [3]] and chunks[-1].finish_reason == "length"
+    fake = engine._llm
+    token_ids, params, _ = fake.results[0]
+    assert token_ids == PROMPT and params.kwargs["max_tokens"] == 4  # TRT-LLM counts the first token
+    assert fake.disaggregated[0] == FakeDisaggregatedParams(
+        request_type="generation_only", first_gen_tokens=[0], ctx_request_id=77, opaque_state=b"trt-state"
+    )
+    await first_then_close(engine.generate(request(max_tokens=50, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert fake.results[1][2].is_aborted and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("handle", "match"),
+    [
+        pytest.param(VllmKv(num_tokens=len(PROMPT), first_token=0, params={}), "VllmKv", id="wrong-kind"),
+        pytest.param(
+            TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"\xc1"), "context state", id="garbage"
+        ),
+        pytest.param(
+            TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"x" * (MAX_PARAMS_BYTES + 1)),
+            "too large",
+            id="oversized",
+        ),
+        pytest.param(TrtllmKv(num_tokens=0, first_token=0, opaque_state=b""), "covers 0", id="num-tokens-zero"),
+    ],
+)
+async def test_trtllm_decode_refuses_a_bad_handle_naming_kv_transfer(handle: Any, match: str) -> None:
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_TRTLLM)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(request(max_tokens=3, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert refused.value.param == "kv_transfer" and engine._llm.results == []
+    await engine.stop()
 
 
 ##### Without the library #####
