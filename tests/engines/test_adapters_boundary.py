@@ -307,6 +307,13 @@ async def test_vllm_prefill_role_asks_the_nixl_connector_to_keep_the_blocks_and_
     await engine.stop()
 
 
+def test_vllm_roles_without_nixl_are_a_config_error_naming_the_extra() -> None:
+    no_nixl = dataclasses.replace(FAKE_VLLM, has_nixl=False)
+    with pytest.raises(ConfigError, match=r"pip install 'dynamo-cli\[nixl\]'"):
+        VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=no_nixl)
+    assert VllmEngine(EngineArgs(model="m"), library=no_nixl).engine_kwargs["kv_transfer_config"] is None
+
+
 def test_vllm_roles_use_the_users_kv_connector_and_both_has_none() -> None:
     assert VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM).engine_kwargs["kv_transfer_config"] is None
     own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
@@ -344,7 +351,7 @@ async def test_vllm_decode_that_samples_another_first_token_aborts_it_and_prefil
     chunks = await collect(engine.generate(req))
     assert [c.token_ids for c in chunks] == [[0], [1]]
     fake = engine._engine
-    assert fake.aborted == [req.request_id]
+    assert fake.aborted == [req.request_id] and engine.num_first_token_mismatches == 1
     prompt, params, request_id = fake.calls[1]
     assert prompt == {"prompt_token_ids": [*PROMPT, 7]} and request_id == f"{req.request_id}-local"
     assert "extra_args" not in params.kwargs and params.kwargs["max_tokens"] == 2
