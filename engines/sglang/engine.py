@@ -157,7 +157,7 @@ class SglangEngine:
                     chunk.token_ids = []  # the decode engine emits this token
                     chunk.kv_transfer = handle if is_finished else None
                 if chunk.token_ids or is_finished:
-                    if is_first and handle is None:
+                    if is_first and self.role is not Role.DECODE:  # a decode computes none of the prompt
                         self._book.count_prefill(request, chunk.num_cached_tokens or 0)
                     yield chunk
                     is_first = False

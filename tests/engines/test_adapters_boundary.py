@@ -358,6 +358,16 @@ async def test_vllm_decode_that_samples_another_first_token_aborts_it_and_prefil
     await engine.stop()
 
 
+async def test_vllm_both_role_prefills_a_request_with_a_handle_itself_as_after_a_failed_pull() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(decode_request(first_token=0, max_tokens=2)))
+    assert [c.token_ids for c in chunks] == [[0], [1]]
+    prompt, params, _ = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": [*PROMPT, 0]} and "extra_args" not in params.kwargs
+    await engine.stop()
+
+
 async def test_vllm_closing_a_decode_stream_aborts_the_vllm_request() -> None:
     engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
     await engine.start()
@@ -583,6 +593,7 @@ async def test_sglang_prefill_role_publishes_its_bootstrap_and_runs_the_room_wit
     call = engine._engine.calls[0]
     assert (call["input_ids"], call["sampling_params"]["max_new_tokens"]) == (PROMPT, 1)
     assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == ("10.0.0.5", port, 2**62 + 7)
+    assert engine.load_metrics().num_prefill_tokens_computed == len(PROMPT) - 32  # the fake's cached_tokens
     await engine.stop()
 
 
