@@ -1,9 +1,11 @@
-"""What the adapters over engine libraries (vllm, sglang, trtllm) share: role check, model path, request book."""
+"""What the adapters over engine libraries (vllm, sglang, trtllm) share: handle checks, model path, request book."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
@@ -11,18 +13,45 @@ from dynamo_cli.engine import (
     EngineInfo,
     GenerateRequest,
     LoadMetrics,
-    Role,
     check_request,
     is_deterministic,
 )
-from dynamo_cli.errors import ConfigError, DynError
+from dynamo_cli.errors import DynError, RequestError
+from dynamo_cli.kv.handles import KvHandle, check_handle
+
+H = TypeVar("H", bound=KvHandle)
 
 
-def require_role_both(engine: str, role: Role, why: str = "") -> None:
-    """The library adapters serve aggregated requests only; say so for --role prefill|decode."""
-    if role is not Role.BOTH:
-        reason = f"; {why}" if why else ""
-        raise ConfigError(f"the {engine} engine serves --role both only, got {role.value}{reason}")
+def checked_handle(engine: str, request: GenerateRequest, kind: type[H]) -> H | None:
+    """The request's KV handle, if any, once it is known to be this library's and to fit the decode
+    convention (token_ids = prompt + [first_token], num_tokens = len(prompt)); else RequestError."""
+    handle = request.kv_transfer
+    if handle is None:
+        return None
+    if not isinstance(handle, kind):
+        raise RequestError(
+            f"kv_transfer is a {type(handle).__name__} handle; the {engine} engine imports only {kind.__name__}",
+            param="kv_transfer",
+        )
+    num_request_tokens = len(request.token_ids)
+    problem = check_handle(handle, num_request_tokens)
+    if problem is None and handle.num_tokens != num_request_tokens - 1:
+        num_prompt = num_request_tokens - 1
+        problem = f"kv_transfer covers {handle.num_tokens} tokens; {engine} needs the whole prompt ({num_prompt})"
+    if problem is None and request.token_ids[-1] != handle.first_token:
+        problem = f"kv_transfer's first token {handle.first_token} is not the request's last token"
+    if problem is not None:
+        raise RequestError(problem, param="kv_transfer")
+    return handle
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a library that wants a port number rather than binding port 0
+    (vLLM's NIXL side channel, SGLang's bootstrap server); another process may take it first (rare)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def split_deterministic(args: EngineArgs) -> tuple[EngineArgs, bool]:

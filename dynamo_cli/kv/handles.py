@@ -77,7 +77,14 @@ class VllmKv(_Handle, tag="vllm", frozen=True):
 
 
 class SglangKv(_Handle, tag="sglang", frozen=True):
-    """SGLang's bootstrap rendezvous: the decode engine meets the prefill engine at host:port, room."""
+    """SGLang's bootstrap rendezvous: the decode engine meets the prefill engine at host:port, room.
+
+    Unlike the other kinds it is made BEFORE the prefill, by the frontend: the chosen prefill engine's
+    bootstrap host and port (its `EngineInfo.extra["bootstrap"]`), a random room in 0..2**63-1,
+    `num_tokens` = len(prompt) and `first_token` -1 ("unknown: the decode side emits it"). The frontend
+    sends the bare prompt (no first token appended) with this handle to the prefill and the decode engine
+    CONCURRENTLY; the prefill stream carries no tokens and ends with the handle, the decode stream carries
+    every output token, the first included (engines/sglang/engine.py)."""
 
     bootstrap_host: str
     bootstrap_port: int

@@ -6,6 +6,18 @@ The adapter forces `skip_tokenizer_init` (token ids only) and `stream_output` (e
 carries only the new tokens, as Dynamo's SGLang worker does), sets `page_size` to our block size, and
 asks SGLang's ZMQ publisher (`kv_events_config`) for KV events, re-hashed by `engines.vllm.kv_events`
 (SGLang's events are vLLM's wire format).
+
+Disaggregation is SGLang's own: `--role prefill|decode` set `disaggregation_mode`, the transfer backend
+(`nixl` unless `disaggregation_transfer_backend` says otherwise) and, for a prefill engine, a free
+`disaggregation_bootstrap_port`, published as `EngineInfo.extra["bootstrap"]` ("host:port"; the host is
+`bootstrap_host` from the options, else the host of `dist_init_addr`, else 127.0.0.1). Unlike vLLM and
+TRT-LLM, the two halves run CONCURRENTLY: the frontend creates an `SglangKv` up front (this prefill
+engine's bootstrap host and port, a random `bootstrap_room`, `num_tokens` = len(prompt), `first_token` -1
+meaning "the decode side emits it") and sends the same bare prompt with it to both engines at once; they
+meet in the prefill engine's bootstrap server. The prefill stream carries no tokens (its one token travels
+with the KV) and ends with the handle; the decode stream carries every output token, the first included.
+An SGLang decode engine cannot prefill, so a decode request without a handle is refused; a `--role both`
+engine ignores a handle and serves the prompt itself.
 """
 
 from __future__ import annotations
@@ -14,13 +26,15 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics, Role
 from dynamo_cli.errors import EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
-from engines.adapter import RequestBook, local_or_hub, require_role_both, split_deterministic
+from dynamo_cli.kv.handles import SglangKv
+from engines.adapter import RequestBook, free_port, local_or_hub, split_deterministic
 from engines.vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
@@ -29,6 +43,10 @@ DEFAULT_BLOCK_SIZE = 16
 KV_EVENTS_TOPIC = "kv-events"
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
 """SGLang's `finish_reason.type` mapped to ours; "abort" and anything else mean cancelled."""
+MAX_ROOM = 2**63 - 1
+"""SGLang's bootstrap rooms are non-negative int64s."""
+UNKNOWN_FIRST_TOKEN = -1
+"""`SglangKv.first_token` when the decode engine emits the first token (always, with SGLang)."""
 
 
 def load_engine_class() -> Any:
@@ -48,7 +66,9 @@ class SglangEngine:
 
     def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
         self.engine_cls = engine_cls or load_engine_class()
-        require_role_both("sglang", args.role, "disaggregation needs SGLang's bootstrap server, not wired yet")
+        self.role = args.role
+        self.bootstrap_host = str(args.extra.get("bootstrap_host") or "")
+        args = replace(args, extra={key: value for key, value in args.extra.items() if key != "bootstrap_host"})
         self.args, self.deterministic = split_deterministic(args)
         self._relay: ZmqKvRelay | None = None
         self.server_args = self._server_args()
@@ -70,7 +90,21 @@ class SglangEngine:
             server_args["enable_deterministic_inference"] = True  # SGLang's batch-invariant ops
         server_args.update(skip_tokenizer_init=True, stream_output=True)
         server_args["kv_events_config"] = self._kv_events_config(server_args)
+        if self.role is not Role.BOTH:
+            server_args["disaggregation_mode"] = self.role.value
+            server_args.setdefault("disaggregation_transfer_backend", "nixl")
+        if self.role is Role.PREFILL:
+            server_args.setdefault("disaggregation_bootstrap_port", free_port())
+            dist_host = str(server_args.get("dist_init_addr") or "").rpartition(":")[0].strip("[]")
+            self.bootstrap_host = self.bootstrap_host or dist_host or "127.0.0.1"
         return server_args
+
+    @property
+    def bootstrap(self) -> tuple[str, int] | None:
+        """A prefill engine's bootstrap server (host, port), where decode engines fetch its KV."""
+        if self.role is not Role.PREFILL:
+            return None
+        return self.bootstrap_host, int(self.server_args["disaggregation_bootstrap_port"])
 
     def _kv_events_config(self, server_args: dict[str, Any]) -> str | None:
         # SGLang's publisher is vLLM's: it binds `tcp://*:port` and connects to `tcp://host:port`.
@@ -100,21 +134,30 @@ class SglangEngine:
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream SGLang's outputs; closing or cancelling the iterator aborts the SGLang request."""
+        """Stream SGLang's outputs; closing or cancelling the iterator aborts the SGLang request.
+        With a handle, prefill and decode roles meet at its bootstrap room (see the module)."""
         engine = self._admit(request)
+        handle = self._checked_handle(request)
         rid = request.request_id
         self._book.in_flight.add(rid)
         is_finished = False
         try:
             stream = await engine.async_generate(
-                input_ids=list(request.token_ids), sampling_params=self.sampling_params(request), stream=True, rid=rid
+                input_ids=list(request.token_ids),
+                sampling_params=self.sampling_params(request),
+                stream=True,
+                rid=rid,
+                **self._bootstrap_kwargs(handle),
             )
             is_first = True
             async for output in stream:
                 chunk = self._chunk(request, output, is_first)
                 is_finished = chunk.finish_reason is not None
+                if self.role is Role.PREFILL and handle is not None:
+                    chunk.token_ids = []  # the decode engine emits this token
+                    chunk.kv_transfer = handle if is_finished else None
                 if chunk.token_ids or is_finished:
-                    if is_first:
+                    if is_first and self.role is not Role.DECODE:  # a decode computes none of the prompt
                         self._book.count_prefill(request, chunk.num_cached_tokens or 0)
                     yield chunk
                     is_first = False
@@ -152,6 +195,48 @@ class SglangEngine:
         if self._relay is not None:
             await self._relay.close()
 
+    ##### Disaggregation #####
+
+    def _checked_handle(self, request: GenerateRequest) -> SglangKv | None:
+        """The request's bootstrap handle for a prefill or decode role (required there), else None."""
+        if self.role is Role.BOTH:
+            return None  # aggregated: the prompt is served here whatever came with it
+        handle = request.kv_transfer
+        if handle is None:
+            doing = "prefill without a bootstrap room" if self.role is Role.PREFILL else "decode without a prefill"
+            raise RequestError(
+                f"the sglang {self.role.value} role cannot {doing}: SGLang's prefill and decode engines meet at a "
+                "bootstrap room; send the request with an SglangKv handle, or to a --role both worker",
+                param="kv_transfer",
+            )
+        if not isinstance(handle, SglangKv):
+            raise RequestError(
+                f"kv_transfer is a {type(handle).__name__} handle; the sglang engine takes only SglangKv",
+                param="kv_transfer",
+            )
+        problem = _sglang_problem(handle, len(request.token_ids))
+        if problem is not None:
+            raise RequestError(problem, param="kv_transfer")
+        if self.bootstrap is not None:  # a prefill engine serves the room at its own bootstrap server
+            host, port = self.bootstrap
+            handle = SglangKv(
+                num_tokens=handle.num_tokens,
+                first_token=UNKNOWN_FIRST_TOKEN,
+                bootstrap_host=host,
+                bootstrap_port=port,
+                bootstrap_room=handle.bootstrap_room,
+            )
+        return handle
+
+    def _bootstrap_kwargs(self, handle: SglangKv | None) -> dict[str, Any]:
+        if handle is None:
+            return {}
+        return {
+            "bootstrap_host": handle.bootstrap_host,
+            "bootstrap_port": handle.bootstrap_port,
+            "bootstrap_room": handle.bootstrap_room,
+        }
+
     ##### Mapping to and from SGLang #####
 
     def sampling_params(self, request: GenerateRequest) -> dict[str, Any]:
@@ -163,7 +248,7 @@ class SglangEngine:
                 param="min_tokens",
             )
         params: dict[str, Any] = {
-            "max_new_tokens": request.max_tokens,
+            "max_new_tokens": 1 if self.role is Role.PREFILL else request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "top_k": request.top_k if request.top_k > 0 else -1,
@@ -208,10 +293,30 @@ class SglangEngine:
             max_num_seqs=int(getattr(server_args, "max_running_requests", None) or 256),
             max_num_batched_tokens=int(getattr(server_args, "chunked_prefill_size", None) or 8192),
             vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or 0),
-            extra={"engine": "sglang"},
+            extra=self._info_extra(),
         )
+
+    def _info_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"engine": "sglang"}
+        if self.bootstrap is not None:
+            host, port = self.bootstrap
+            extra["bootstrap"] = f"{host}:{port}"
+        return extra
 
     async def _no_events(self) -> AsyncIterator[KvEventBatch]:
         await self._stopped.wait()
         return
         yield  # an async generator that ends at stop()
+
+
+def _sglang_problem(handle: SglangKv, num_request_tokens: int) -> str | None:
+    """What is wrong with a bootstrap handle for a bare-prompt request (None: nothing)."""
+    if handle.first_token != UNKNOWN_FIRST_TOKEN:
+        return "kv_transfer names a first token; SGLang's decode engine emits it: send -1 and the bare prompt"
+    if handle.num_tokens != num_request_tokens:
+        return f"kv_transfer covers {handle.num_tokens} tokens of a {num_request_tokens}-token prompt, not all"
+    if not 0 <= handle.bootstrap_room <= MAX_ROOM:
+        return f"kv_transfer bootstrap_room {handle.bootstrap_room} is outside 0..2**63-1"
+    if not 0 < handle.bootstrap_port < 65536 or not 0 < len(handle.bootstrap_host) <= 255:
+        return f"kv_transfer bootstrap address {handle.bootstrap_host!r}:{handle.bootstrap_port} is not a host:port"
+    return None

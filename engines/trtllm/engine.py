@@ -4,6 +4,16 @@
 passes straight through (`tensor_parallel_size`, `max_batch_size`, `max_num_tokens`, `max_seq_len`,
 `backend`, ...). KV block reuse and the KV event buffer are switched on in `KvCacheConfig`; the events,
 read with `LLM.get_kv_cache_events_async`, are re-hashed from their token ids with our block hashes.
+
+Disaggregation is TensorRT-LLM's own (`DisaggregatedParams`, its cache transceiver; `--role prefill|decode`
+turn on `cache_transceiver_config` backend DEFAULT unless given). Prefill: the prompt as a `context_only`
+request, one token; TRT-LLM's `disaggregated_params` come back on the output, and everything its
+generation side needs (ctx_request_id, opaque_state, draft tokens, dp rank, info endpoint) travels, packed
+with msgpack, as the `TrtllmKv.opaque_state`: opaque to everyone but this adapter. Decode (prompt +
+[first_token], the frontend has streamed the token): the prompt as a `generation_only` request with
+`first_gen_tokens` [first_token]; TRT-LLM's generation side answers with that token first (the
+context's first-token response), counted in its max_tokens, so the adapter asks for one more token and
+drops it. A `--role both` engine treats a handle as a failed pull: it prefills prompt + [first_token].
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from dynamo_cli.engine import (
     EngineArgs,
     EngineInfo,
@@ -24,11 +36,13 @@ from dynamo_cli.engine import (
     GenerateChunk,
     GenerateRequest,
     LoadMetrics,
+    Role,
     check_request,
 )
-from dynamo_cli.errors import DynError, EngineNotInstalled
+from dynamo_cli.errors import DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
-from engines.adapter import local_or_hub, require_role_both, split_deterministic
+from dynamo_cli.kv.handles import TrtllmKv
+from engines.adapter import checked_handle, local_or_hub, split_deterministic
 from engines.vllm.kv_events import KvEventRehasher
 
 logger = logging.getLogger(__name__)
@@ -40,6 +54,18 @@ _QUEUE_SIZE = 4096
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
 
 
+class ContextState(msgspec.Struct, frozen=True, kw_only=True):
+    """TensorRT-LLM's context-phase `DisaggregatedParams` that its generation side needs: `TrtllmKv.opaque_state`."""
+
+    ctx_request_id: int
+    """The context request's id in the prefill engine; the generation request names it."""
+    opaque_state: bytes | None = None
+    """TensorRT-LLM's own opaque state (cache transceiver endpoints and layout)."""
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class TrtllmLibrary:
     """The TensorRT-LLM names this adapter uses; tests pass a fake of them to `TrtllmEngine`."""
@@ -48,16 +74,26 @@ class TrtllmLibrary:
     """`tensorrt_llm.LLM`: `generate_async(..., streaming=True)`, `get_kv_cache_events_async`, `shutdown`."""
     sampling_params_cls: Any
     kv_cache_config_cls: Any
+    disaggregated_params_cls: Any = None
+    """`DisaggregatedParams(request_type=..., first_gen_tokens=..., ctx_request_id=..., opaque_state=...)`."""
+    cache_transceiver_config_cls: Any = None
+    """`CacheTransceiverConfig(backend=...)`, the KV sender/receiver of a prefill or decode role; None on
+    versions without it (they configure the transceiver from the environment)."""
 
 
 def load_library() -> TrtllmLibrary:
     """Import TensorRT-LLM, or raise EngineNotInstalled naming `pip install 'dynamo-cli[trtllm]'`."""
     try:
         from tensorrt_llm import LLM, SamplingParams
+        from tensorrt_llm.disaggregated_params import DisaggregatedParams
         from tensorrt_llm.llmapi import KvCacheConfig
     except ImportError as exc:
         raise EngineNotInstalled("trtllm", "tensorrt_llm", exc) from exc
-    return TrtllmLibrary(LLM, SamplingParams, KvCacheConfig)
+    try:
+        from tensorrt_llm.llmapi import CacheTransceiverConfig
+    except ImportError:  # before 0.20
+        CacheTransceiverConfig = None
+    return TrtllmLibrary(LLM, SamplingParams, KvCacheConfig, DisaggregatedParams, CacheTransceiverConfig)
 
 
 def trtllm_event_as_vllm(event: dict[str, Any], block_size: int) -> list[Any] | None:
@@ -82,7 +118,7 @@ class TrtllmEngine:
 
     def __init__(self, args: EngineArgs, *, library: TrtllmLibrary | None = None) -> None:
         self.lib = library or load_library()
-        require_role_both("trtllm", args.role)
+        self.role = args.role
         self.args, deterministic = split_deterministic(args)
         if deterministic:
             logger.warning("trtllm: deterministic=true has no TensorRT-LLM switch here; batching may change output")
@@ -107,6 +143,8 @@ class TrtllmEngine:
         }
         if self.args.context_length:
             kwargs["max_seq_len"] = self.args.context_length
+        if self.role is not Role.BOTH and self.lib.cache_transceiver_config_cls is not None:
+            kwargs["cache_transceiver_config"] = self.lib.cache_transceiver_config_cls(backend="DEFAULT")
         kwargs.update(self.args.extra)
         return kwargs
 
@@ -122,18 +160,26 @@ class TrtllmEngine:
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream TensorRT-LLM's outputs; closing or cancelling the iterator aborts the request."""
+        """Stream TensorRT-LLM's outputs; closing or cancelling the iterator aborts the request.
+        Prefill role: context only, the handle on the last chunk. Decode role: see the module."""
         llm = self._admit(request)
-        result = llm.generate_async(
-            list(request.token_ids), sampling_params=self.sampling_params(request), streaming=True
-        )
+        handle = checked_handle("trtllm", request, TrtllmKv) if self.role is Role.DECODE else None
+        token_ids, params, disaggregated = self._request(request, handle)
+        result = llm.generate_async(token_ids, sampling_params=params, streaming=True, **disaggregated)
         self._in_flight[request.request_id] = result
         is_finished = False
+        echo = [handle.first_token] if handle is not None else None
         try:
             is_first = True
             async for output in result:
                 chunk = self._chunk(output, is_first)
                 is_finished = chunk.finish_reason is not None
+                if echo is not None and chunk.token_ids:
+                    if chunk.token_ids[:1] == echo:
+                        del chunk.token_ids[0]  # the generation side's first response is the context's token
+                    echo = None
+                if self.role is Role.PREFILL and chunk.finish_reason == FinishReason.LENGTH.value:
+                    chunk.kv_transfer = self._handle(request, output)
                 if chunk.token_ids or is_finished:
                     yield chunk
                     is_first = False
@@ -173,6 +219,49 @@ class TrtllmEngine:
             await asyncio.to_thread(llm.shutdown)
         with contextlib.suppress(asyncio.QueueFull):
             self._events.put_nowait(None)
+
+    ##### Disaggregation #####
+
+    def _request(self, request: GenerateRequest, handle: TrtllmKv | None) -> tuple[list[int], Any, dict[str, Any]]:
+        """Prompt ids, sampling params and `disaggregated_params` for this role and request."""
+        if self.role is Role.PREFILL:
+            one = msgspec.structs.replace(request, max_tokens=1, min_tokens=min(request.min_tokens, 1))
+            params = self.lib.disaggregated_params_cls(request_type="context_only")
+            return list(request.token_ids), self.sampling_params(one), {"disaggregated_params": params}
+        if handle is None:
+            return list(request.token_ids), self.sampling_params(request), {}
+        state = _context_state(handle)
+        params = self.lib.disaggregated_params_cls(
+            request_type="generation_only",
+            first_gen_tokens=[handle.first_token],
+            ctx_request_id=state.ctx_request_id,
+            opaque_state=state.opaque_state,
+            draft_tokens=state.draft_tokens,
+            ctx_dp_rank=state.ctx_dp_rank,
+            ctx_info_endpoint=state.ctx_info_endpoint,
+        )
+        more = msgspec.structs.replace(
+            request, max_tokens=request.max_tokens + 1, min_tokens=request.min_tokens + 1 if request.min_tokens else 0
+        )
+        prompt = list(request.token_ids[: handle.num_tokens])
+        return prompt, self.sampling_params(more), {"disaggregated_params": params}
+
+    def _handle(self, request: GenerateRequest, output: Any) -> TrtllmKv | None:
+        completion = output.outputs[0]
+        params = getattr(completion, "disaggregated_params", None)
+        first = list(getattr(params, "first_gen_tokens", None) or completion.token_ids[-1:])
+        if params is None or params.ctx_request_id is None or not first:
+            logger.warning("trtllm: %s: the context request returned no disaggregated_params", request.request_id)
+            return None
+        state = ContextState(
+            ctx_request_id=int(params.ctx_request_id),
+            opaque_state=params.opaque_state,
+            draft_tokens=params.draft_tokens,
+            ctx_dp_rank=getattr(params, "ctx_dp_rank", None),
+            ctx_info_endpoint=getattr(params, "ctx_info_endpoint", None),
+        )
+        packed = msgspec.msgpack.encode(state)
+        return TrtllmKv(num_tokens=len(request.token_ids), first_token=int(first[0]), opaque_state=packed)
 
     ##### Mapping to and from TensorRT-LLM #####
 
@@ -244,3 +333,12 @@ class TrtllmEngine:
             max_num_batched_tokens=int(getattr(llm_args, "max_num_tokens", None) or 8192),
             extra={"engine": "trtllm"},
         )
+
+
+def _context_state(handle: TrtllmKv) -> ContextState:
+    """The generation side's params out of a handle, or RequestError naming kv_transfer."""
+    try:
+        return msgspec.msgpack.decode(handle.opaque_state, type=ContextState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        problem = f"kv_transfer opaque_state is not a TensorRT-LLM context state: {exc}"
+        raise RequestError(problem, param="kv_transfer") from exc

