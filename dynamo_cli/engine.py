@@ -141,6 +141,9 @@ class EngineArgs:
     context_length: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Engine-specific options (`--speedup-ratio`, `--num-gpu-blocks` …), already parsed."""
+    host: str = "127.0.0.1"
+    """The worker's advertised address (`--host`): where an engine's own KV transfer listens for peers
+    (vLLM's NIXL side channel, SGLang's bootstrap server) unless its options say otherwise."""
 
 
 DETERMINISTIC = "deterministic"

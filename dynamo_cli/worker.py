@@ -263,5 +263,6 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         block_size=config.block_size,
         context_length=config.context_length,
         extra=dict(config.extra),
+        host=config.host,
     )
 

@@ -10,7 +10,7 @@ asks SGLang's ZMQ publisher (`kv_events_config`) for KV events, re-hashed by `en
 Disaggregation is SGLang's own: `--role prefill|decode` set `disaggregation_mode`, the transfer backend
 (`nixl` unless `disaggregation_transfer_backend` says otherwise) and, for a prefill engine, a free
 `disaggregation_bootstrap_port`, published as `EngineInfo.extra["bootstrap"]` ("host:port"; the host is
-`bootstrap_host` from the options, else the host of `dist_init_addr`, else 127.0.0.1). Unlike vLLM and
+`bootstrap_host` from the options, else the host of `dist_init_addr`, else the worker's `--host`). Unlike vLLM and
 TRT-LLM, the two halves run CONCURRENTLY: the frontend creates an `SglangKv` up front (this prefill
 engine's bootstrap host and port, a random `bootstrap_room`, `num_tokens` = len(prompt), `first_token` -1
 meaning "the decode side emits it") and sends the same bare prompt with it to both engines at once; they
@@ -68,6 +68,7 @@ class SglangEngine:
         self.engine_cls = engine_cls or load_engine_class()
         self.role = args.role
         self.bootstrap_host = str(args.extra.get("bootstrap_host") or "")
+        self.advertise_host = args.host
         args = replace(args, extra={key: value for key, value in args.extra.items() if key != "bootstrap_host"})
         self.args, self.deterministic = split_deterministic(args)
         self._relay: ZmqKvRelay | None = None
@@ -96,7 +97,7 @@ class SglangEngine:
         if self.role is Role.PREFILL:
             server_args.setdefault("disaggregation_bootstrap_port", free_port())
             dist_host = str(server_args.get("dist_init_addr") or "").rpartition(":")[0].strip("[]")
-            self.bootstrap_host = self.bootstrap_host or dist_host or "127.0.0.1"
+            self.bootstrap_host = self.bootstrap_host or dist_host or self.advertise_host
         return server_args
 
     @property

@@ -141,6 +141,7 @@ class VllmEngine:
         self.lib = library or load_library()
         self.role = args.role
         self.side_channel = {key: args.extra[key] for key in SIDE_CHANNEL_KEYS if key in args.extra}
+        self.advertise_host = args.host
         self.args = dataclasses.replace(
             args, extra={key: value for key, value in args.extra.items() if key not in SIDE_CHANNEL_KEYS}
         )
@@ -199,7 +200,7 @@ class VllmEngine:
     def _set_side_channel(self) -> None:
         # NOTE: vLLM's engine core reads these from the environment when it starts (nothing else is
         # read by it); every prefill/decode engine gets its own port unless told one.
-        host = str(self.side_channel.get("nixl_side_channel_host") or "127.0.0.1")
+        host = str(self.side_channel.get("nixl_side_channel_host") or self.advertise_host)
         port = int(self.side_channel.get("nixl_side_channel_port") or free_port())
         os.environ[SIDE_CHANNEL_ENV[0]], os.environ[SIDE_CHANNEL_ENV[1]] = host, str(port)
 
