@@ -12,6 +12,7 @@ place it hears `on_first_token`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -32,10 +33,11 @@ from dynamo_cli.errors import (
 )
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
-from dynamo_cli.kv.handles import KvHandle
+from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import decide, inputs_for
+from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,8 @@ class Dispatch:
         """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
         on to the next); still set at the end, it is released on the prefill worker."""
         self._prefill_worker: Worker | None = None
+        self._rendezvous: asyncio.Task[None] | None = None
+        """NOTE: SGLang's prefill stream, drained beside the decode; owned here, cancelled in `aclose`."""
         self._local_prefill_tokens = 0
         """Tokens the held worker prefills itself, counted in its queue until its first token."""
 
@@ -192,6 +196,8 @@ class Dispatch:
     async def aclose(self) -> None:
         """`close()`, and free on its prefill worker a prefilled KV no decode worker was sent (the client left)."""
         self._release()
+        if self._rendezvous is not None:
+            await cancel_and_wait(self._rendezvous)
         if self._handle is not None and self._prefill_worker is not None:
             handle, self._handle = self._handle, None
             await prefill.release(self._prefill_worker, handle)
@@ -303,6 +309,9 @@ class Dispatch:
             self._excluded.update(hop.failed)
             outcome = "local_fallback"
         else:
+            if hop.rendezvous is not None:  # SGLang: the prefill runs on while the decode meets it
+                self._rendezvous = asyncio.get_running_loop().create_task(
+                    prefill.drain(hop.rendezvous, self.plan.request_id))
             self._take_prefill(result)
         finally:
             self._hop = None
@@ -316,6 +325,8 @@ class Dispatch:
         self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
         self._handle = result.handle
         self.prefill.update(prefill_worker_id=result.worker_id, prefill_route=result.explanation)
+        if result.first_token == UNKNOWN_FIRST_TOKEN:
+            return  # a rendezvous: the decode stream brings every token
         self.output_ids = [result.first_token]
         self.first_token_at = time.perf_counter()
         self.cached_tokens = result.cached_tokens

@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 
 MAX_PARAMS_BYTES = 64 * 1024
+UNKNOWN_FIRST_TOKEN = -1
+"""`first_token` of a handle made before its prefill ran (SGLang's rendezvous): the decode side emits it."""
 """Largest library-defined handle (vLLM params, TRT-LLM opaque state) a worker accepts."""
 
 
@@ -105,7 +107,9 @@ PULLED_KINDS = (LlamaCppKv, MockerKv)
 def check_handle(handle: KvHandle, num_request_tokens: int) -> str | None:
     """What is wrong with a handle arriving at a decode worker (None: nothing): `num_tokens` must leave
     the first token inside the request, library params must stay small, a pulled kind must have a blob."""
-    if not 1 <= handle.num_tokens < num_request_tokens:
+    is_rendezvous = isinstance(handle, SglangKv) and handle.first_token == UNKNOWN_FIRST_TOKEN
+    last = num_request_tokens if is_rendezvous else num_request_tokens - 1  # the bare prompt, or + first_token
+    if not 1 <= handle.num_tokens <= last:
         return f"kv_transfer covers {handle.num_tokens} tokens of a {num_request_tokens}-token request"
     if isinstance(handle, PULLED_KINDS):
         if handle.payload:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ import msgspec
 
 from dynamo_cli.engine import GenerateChunk, GenerateRequest
 from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
-from dynamo_cli.kv.handles import PULLED_KINDS, KvHandle
+from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker
 from dynamo_cli.runtime.transport import ResponseStream
@@ -44,6 +45,7 @@ class PrefillResult:
     """What the prefill worker returned."""
 
     first_token: int
+    """UNKNOWN_FIRST_TOKEN for a rendezvous (SGLang): the decode stream brings every token."""
     finish_reason: str | None
     """Set when the first token already ends the request (EOS, a stop token, max_tokens 1)."""
     handle: KvHandle | None
@@ -64,12 +66,20 @@ class PrefillHop:
         """Prefill workers that failed this request (excluded from the next choice)."""
         self._stream: ResponseStream | None = None
         self._is_cancelled = False
+        self.rendezvous: ResponseStream | None = None
+        """SGLang: the prefill stream still running beside the decode (see `run`)."""
 
     async def run(self) -> PrefillResult:
-        """The prefill's result; NoWorkers when no prefill worker is left to try, Overloaded when all are busy."""
+        """The prefill's result; NoWorkers when no prefill worker is left to try, Overloaded when all are busy.
+
+        A prefill worker with a bootstrap server (SGLang) cannot finish before its decode engine meets it:
+        the result then comes at once, with the rendezvous handle and no first token, and `rendezvous`
+        holds the running prefill stream, which the caller drains (`drain`) while the decode runs."""
         while True:
             worker, explanation = self._choose()
             try:
+                if worker.card.bootstrap is not None:
+                    return await self._start_rendezvous(worker, explanation)
                 return await self._run_on(worker, explanation)
             except TransportError as exc:
                 if not exc.is_migratable or self._is_cancelled or len(self.failed) + 1 >= self.attempts:
@@ -108,6 +118,27 @@ class PrefillHop:
             worker.num_inflight -= 1
             worker.pending_prefill_tokens -= prompt_tokens
             policy.on_finish(self.request.request_id)
+
+
+    async def _start_rendezvous(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:
+        host, _, port = (worker.card.bootstrap or "").rpartition(":")
+        handle = SglangKv(num_tokens=len(self.request.token_ids), first_token=UNKNOWN_FIRST_TOKEN,
+                          bootstrap_host=host, bootstrap_port=int(port),
+                          bootstrap_room=secrets.randbits(63))  # fmt: skip
+        request = msgspec.structs.replace(self.request, kv_transfer=handle)
+        self.rendezvous = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+        return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, explanation)
+
+
+async def drain(stream: ResponseStream, request_id: str) -> None:
+    """Read a rendezvous prefill stream to its end; its failure is logged (the decode side reports its own)."""
+    try:
+        async for _ in _batches(stream):
+            pass
+    except TransportError as exc:
+        logger.warning("request %s: the rendezvous prefill failed: %s", request_id, exc)
+    finally:
+        stream.cancel()  # a no-op once ended; aborts the prefill when the caller gives up first
 
 
 async def _batches(stream: ResponseStream) -> AsyncIterator[list[msgspec.Raw]]:

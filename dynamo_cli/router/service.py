@@ -39,8 +39,8 @@ from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, pump
 from dynamo_cli.runtime.names import EndpointName, component_subject
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
-from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, stop_on_signals
+from dynamo_cli.runtime.transport import RequestServer, ResponseStream
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,21 @@ class RouterService:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RequestError(f"malformed generate request: {exc}") from exc
         entry = self._entry()
+        rendezvous: asyncio.Task[None] | None = None
+        """NOTE: SGLang's prefill stream, drained beside the decode; owned here, cancelled on the way out."""
+        try:
+            async for raw in self._route_and_relay(entry, request, body):
+                if isinstance(raw, ResponseStream):
+                    rendezvous = asyncio.get_running_loop().create_task(prefill.drain(raw, request.request_id))
+                    continue
+                yield raw
+        finally:
+            if rendezvous is not None:
+                await cancel_and_wait(rendezvous)
+
+    async def _route_and_relay(
+        self, entry: ModelEntry, request: GenerateRequest, body: msgspec.Raw
+    ) -> AsyncIterator[bytes | ResponseStream]:
         excluded: set[int] = set()
         is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
         while True:
@@ -121,7 +136,9 @@ class RouterService:
                 yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
             is_relayed = False
             if not excluded:
-                first, body = await self._prefill_stage(entry, worker, request, decision, body)
+                first, body, rendezvous = await self._prefill_stage(entry, worker, request, decision, body)
+                if rendezvous is not None:
+                    yield rendezvous
                 if first is not None:
                     is_relayed = True
                     yield msgspec.msgpack.encode(first)
@@ -168,17 +185,17 @@ class RouterService:
 
     async def _prefill_stage(
         self, entry: ModelEntry, worker: Worker, request: GenerateRequest, decision: RouteDecision, body: msgspec.Raw
-    ) -> tuple[GenerateChunk | None, msgspec.Raw]:
+    ) -> tuple[GenerateChunk | None, msgspec.Raw, ResponseStream | None]:
         """Disaggregation, as the frontend does it (frontend/dispatch.py): prefill remotely or not; if so the
         prefill's first token is the stream's first chunk and the decode request carries its KV handle."""
         config, pool = self.config.disagg, list(entry.prefill_workers.values())
         if not pool:
             if config.enforce:
                 raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
-            return None, body
+            return None, body, None
         choice = decide(config, inputs_for(worker, pool, len(request.token_ids), decision.overlap_blocks))
         if not (choice.is_remote or config.enforce):
-            return None, body
+            return None, body, None
         hop = prefill.PrefillHop(entry, request, BusyThresholds(), attempts=MAX_REROUTES)
         try:
             result = await hop.run()
@@ -187,9 +204,12 @@ class RouterService:
                 raise
             logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
                            request.request_id, exc)  # fmt: skip
-            return None, body
+            return None, body, None
         finally:
             hop.cancel()  # a no-op once it ended; aborts the prefill if this stream was closed meanwhile
+        if hop.rendezvous is not None:  # SGLang: the decode meets the running prefill; it brings every token
+            rendezvous = msgspec.structs.replace(request, kv_transfer=result.handle)
+            return None, msgspec.Raw(msgspec.msgpack.encode(rendezvous)), hop.rendezvous
         first = GenerateChunk(token_ids=[result.first_token], finish_reason=result.finish_reason,
                               num_cached_tokens=result.cached_tokens)  # fmt: skip
         entry.policy.on_first_token(request.request_id)
@@ -197,12 +217,12 @@ class RouterService:
         if result.finish_reason is not None or result.handle is None:
             if result.handle is not None and result.worker_id in entry.prefill_workers:
                 await prefill.release(entry.prefill_workers[result.worker_id], result.handle)
-            return first, body
+            return first, body, None
         decode = msgspec.structs.replace(
             request, token_ids=[*request.token_ids, result.first_token], max_tokens=request.max_tokens - 1,
             min_tokens=max(0, request.min_tokens - 1), kv_transfer=result.handle,
         )  # fmt: skip
-        return first, msgspec.Raw(msgspec.msgpack.encode(decode))
+        return first, msgspec.Raw(msgspec.msgpack.encode(decode)), None
 
     def _done(self, entry: ModelEntry, worker: Worker, request_id: str) -> None:
         """The request ended at its prefill: free what `_route` counted on the decode worker."""

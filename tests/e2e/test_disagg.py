@@ -191,3 +191,24 @@ def test_bad_disagg_flags_exit_2_with_one_line(tmp_path) -> None:  # type: ignor
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         assert out.returncode == 2, (flags, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_dyn_router_replicas_run_the_prefill_stage_too(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*MOCKER, "--disagg", "--router", "remote", "--routers", "1", "--disagg-policy", "always")
+    import openai
+
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=60)
+    for stream in (False, True):
+        if stream:
+            chunks = list(c.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=6, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+            usage = chunks[-1].usage
+        else:
+            usage = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": LONG}],
+                                              max_tokens=6, extra_body={"ignore_eos": True}).usage  # fmt: skip
+        assert usage is not None and usage.completion_tokens == 6
+    page = httpx.get(f"{d.url}/metrics", timeout=10).text
+    # the decode workers' pulls reach the frontend's /metrics through the router
+    assert metric(page, "dynamo_frontend_kv_transfer_seconds_count", backend="tcp") + metric(
+        page, "dynamo_frontend_kv_transfer_seconds_count", backend="nixl") >= 2
