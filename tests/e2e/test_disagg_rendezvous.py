@@ -9,6 +9,7 @@ running or held on either worker, whether the client reads to the end or leaves 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -108,18 +109,19 @@ def test_a_finished_rendezvous_leaves_no_load_on_the_prefill_routers_books(rende
 
 
 async def test_clients_that_leave_mid_stream_leave_nothing_running_on_either_worker(rendezvous: DynProcess) -> None:
-    async def leave_after(http: httpx.AsyncClient, seconds: float) -> None:
-        try:
-            async with asyncio.timeout(seconds):
-                body = chat(LONG, stream=True, max_tokens=300)
-                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                    async for _ in r.aiter_lines():
-                        pass
-        except TimeoutError:
-            pass  # the client hung up: during the prefill, the meeting or the decode
+    c = openai.AsyncOpenAI(base_url=f"{rendezvous.url}/v1", api_key="none", max_retries=0, timeout=60)
 
-    async with httpx.AsyncClient(base_url=rendezvous.url, timeout=60) as http:
-        await asyncio.gather(*(leave_after(http, 0.003 + 0.02 * i) for i in range(12)))
+    async def hang_up_after(seconds: float) -> None:  # during the prefill, the meeting or the decode
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                stream = await c.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=300, stream=True,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+                async for _ in stream:
+                    pass
+
+    await asyncio.gather(*(hang_up_after(0.003 + 0.02 * i) for i in range(12)))
+    await c.close()
     loads = await asyncio.to_thread(settled_loads, rendezvous)
     assert sorted(loads) == ["decode", "prefill"]
     for metrics in loads.values():

@@ -3,7 +3,6 @@ a decode that emits every token, the first included, and computes none of the pr
 
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,13 +16,6 @@ from engines.mocker.handoff import prefill_s
 from engines.mocker.timing import TimingModel
 
 RENDEZVOUS = {"speedup_ratio": 1e6, "kv_transfer_mode": "rendezvous"}
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    path = tmp_path / "mock-model"
-    path.mkdir()
-    return str(path)
 
 
 @pytest.fixture
