@@ -12,7 +12,6 @@ place it hears `on_first_token`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -37,7 +36,6 @@ from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import decide, inputs_for
-from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -141,8 +139,8 @@ class Dispatch:
         """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
         on to the next); still set at the end, it is released on the prefill worker."""
         self._prefill_worker: Worker | None = None
-        self._rendezvous: asyncio.Task[None] | None = None
-        """NOTE: SGLang's prefill stream, drained beside the decode; owned here, cancelled in `aclose`."""
+        self._rendezvous: prefill.Rendezvous | None = None
+        """NOTE: SGLang's prefill, drained beside the decode; owned here, closed in `close`/`aclose`."""
         self._local_prefill_tokens = 0
         """Tokens the held worker prefills itself, counted in its queue until its first token."""
 
@@ -192,12 +190,14 @@ class Dispatch:
     def close(self) -> None:
         """Let go of the worker, whatever happened (idempotent): load never leaks."""
         self._release()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
 
     async def aclose(self) -> None:
         """`close()`, and free on its prefill worker a prefilled KV no decode worker was sent (the client left)."""
         self._release()
         if self._rendezvous is not None:
-            await cancel_and_wait(self._rendezvous)
+            await self._rendezvous.aclose()
         if self._handle is not None and self._prefill_worker is not None:
             handle, self._handle = self._handle, None
             await prefill.release(self._prefill_worker, handle)
@@ -310,8 +310,8 @@ class Dispatch:
             outcome = "local_fallback"
         else:
             if hop.rendezvous is not None:  # SGLang: the prefill runs on while the decode meets it
-                self._rendezvous = asyncio.get_running_loop().create_task(
-                    prefill.drain(hop.rendezvous, self.plan.request_id))
+                self._rendezvous = hop.rendezvous
+                self._rendezvous.start()
             self._take_prefill(result)
         finally:
             self._hop = None

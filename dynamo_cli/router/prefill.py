@@ -8,7 +8,8 @@ worker that fails (dies, disconnects) is excluded and another one tried; when no
 prefills locally on the decode worker. Cancelling the hop (the client left) cancels the stream, which
 aborts the prefill and frees its KV. A handle that is never used (the client left after the prefill, or
 the first token ended the request) is released on the prefill worker (`kv_release`); the worker's own
-expiry frees it anyway if that message is lost.
+expiry frees it anyway if that message is lost. A rendezvous (SGLang) holds its prefill worker the same
+way, from the choice until its prefill stream, drained beside the decode, ends (`Rendezvous`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import msgspec
 from dynamo_cli.engine import GenerateChunk, GenerateRequest
 from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
-from dynamo_cli.router.base import RouteRequest
+from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker
+from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -66,15 +68,16 @@ class PrefillHop:
         """Prefill workers that failed this request (excluded from the next choice)."""
         self._stream: ResponseStream | None = None
         self._is_cancelled = False
-        self.rendezvous: ResponseStream | None = None
-        """SGLang: the prefill stream still running beside the decode (see `run`)."""
+        self.rendezvous: Rendezvous | None = None
+        """SGLang: the prefill still running beside the decode (see `run`); the caller owns it."""
 
     async def run(self) -> PrefillResult:
         """The prefill's result; NoWorkers when no prefill worker is left to try, Overloaded when all are busy.
 
         A prefill worker with a bootstrap server (SGLang) cannot finish before its decode engine meets it:
         the result then comes at once, with the rendezvous handle and no first token, and `rendezvous`
-        holds the running prefill stream, which the caller drains (`drain`) while the decode runs."""
+        holds the running prefill, which the caller drains (`Rendezvous.start`) while the decode runs and
+        closes (`Rendezvous.aclose`) when the request ends."""
         while True:
             worker, explanation = self._choose()
             try:
@@ -126,19 +129,67 @@ class PrefillHop:
                           bootstrap_host=host, bootstrap_port=int(port),
                           bootstrap_room=secrets.randbits(63))  # fmt: skip
         request = msgspec.structs.replace(self.request, kv_transfer=handle)
-        self.rendezvous = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+        held = Rendezvous(worker, self.entry.prefill_policy, self.request.request_id, len(self.request.token_ids))
+        try:
+            held.stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+        except BaseException:
+            held.close()
+            raise
+        self.rendezvous = held
         return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, explanation)
 
 
-async def drain(stream: ResponseStream, request_id: str) -> None:
-    """Read a rendezvous prefill stream to its end; its failure is logged (the decode side reports its own)."""
-    try:
-        async for _ in _batches(stream):
-            pass
-    except TransportError as exc:
-        logger.warning("request %s: the rendezvous prefill failed: %s", request_id, exc)
-    finally:
-        stream.cancel()  # a no-op once ended; aborts the prefill when the caller gives up first
+class Rendezvous:
+    """SGLang: one request's prefill stream, running beside its decode until it ends (no token comes).
+
+    From its creation it holds the prefill worker as `PrefillHop` holds one for a pulled prefill: in
+    flight, its prompt tokens queued, counted by the prefill policy; `close` (idempotent, also at the end
+    of the drain) lets go of all three and aborts the prefill if it still runs (the decode ended first or
+    the client left). The owner calls `start` once and `aclose` always."""
+
+    def __init__(self, worker: Worker, policy: RoutingPolicy, request_id: str, num_tokens: int) -> None:
+        self.worker = worker
+        self.policy = policy
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.stream: ResponseStream | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._is_held = True
+        worker.num_inflight += 1
+        worker.pending_prefill_tokens += num_tokens
+
+    def start(self) -> None:
+        """Drain the prefill stream in a task this object owns."""
+        if self._task is None and self._is_held:
+            self._task = asyncio.get_running_loop().create_task(self._drain(), name=f"rendezvous-{self.request_id}")
+
+    def close(self) -> None:
+        """Abort the prefill if it still runs and free the prefill worker (idempotent, synchronous)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.stream is not None:
+            self.stream.cancel()  # a no-op once the stream ended
+        if self._is_held:
+            self._is_held = False
+            self.worker.num_inflight -= 1
+            self.worker.pending_prefill_tokens -= self.num_tokens
+            self.policy.on_finish(self.request_id)
+
+    async def aclose(self) -> None:
+        """`close()`, and wait for the drain task to end."""
+        self.close()
+        await cancel_and_wait(self._task)
+
+    async def _drain(self) -> None:
+        # Its failure is logged only: the decode side reports its own.
+        try:
+            if self.stream is not None:
+                async for _ in _batches(self.stream):
+                    pass
+        except TransportError as exc:
+            logger.warning("request %s: the rendezvous prefill failed: %s", self.request_id, exc)
+        finally:
+            self.close()
 
 
 async def _batches(stream: ResponseStream) -> AsyncIterator[list[msgspec.Raw]]:

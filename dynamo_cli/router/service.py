@@ -39,8 +39,8 @@ from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, pump
 from dynamo_cli.runtime.names import EndpointName, component_subject
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, stop_on_signals
-from dynamo_cli.runtime.transport import RequestServer, ResponseStream
+from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
+from dynamo_cli.runtime.transport import RequestServer
 
 logger = logging.getLogger(__name__)
 
@@ -113,21 +113,22 @@ class RouterService:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RequestError(f"malformed generate request: {exc}") from exc
         entry = self._entry()
-        rendezvous: asyncio.Task[None] | None = None
-        """NOTE: SGLang's prefill stream, drained beside the decode; owned here, cancelled on the way out."""
+        rendezvous: prefill.Rendezvous | None = None
+        """NOTE: SGLang's prefill, drained beside the decode; owned here, closed on the way out."""
         try:
             async for raw in self._route_and_relay(entry, request, body):
-                if isinstance(raw, ResponseStream):
-                    rendezvous = asyncio.get_running_loop().create_task(prefill.drain(raw, request.request_id))
+                if isinstance(raw, prefill.Rendezvous):
+                    rendezvous = raw
+                    rendezvous.start()
                     continue
                 yield raw
         finally:
             if rendezvous is not None:
-                await cancel_and_wait(rendezvous)
+                await rendezvous.aclose()
 
     async def _route_and_relay(
         self, entry: ModelEntry, request: GenerateRequest, body: msgspec.Raw
-    ) -> AsyncIterator[bytes | ResponseStream]:
+    ) -> AsyncIterator[bytes | prefill.Rendezvous]:
         excluded: set[int] = set()
         is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
         while True:
@@ -185,7 +186,7 @@ class RouterService:
 
     async def _prefill_stage(
         self, entry: ModelEntry, worker: Worker, request: GenerateRequest, decision: RouteDecision, body: msgspec.Raw
-    ) -> tuple[GenerateChunk | None, msgspec.Raw, ResponseStream | None]:
+    ) -> tuple[GenerateChunk | None, msgspec.Raw, prefill.Rendezvous | None]:
         """Disaggregation, as the frontend does it (frontend/dispatch.py): prefill remotely or not; if so the
         prefill's first token is the stream's first chunk and the decode request carries its KV handle."""
         config, pool = self.config.disagg, list(entry.prefill_workers.values())

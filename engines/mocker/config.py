@@ -15,6 +15,8 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
 """Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
+KV_TRANSFER_MODES = ("pull", "rendezvous")
+"""How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
 
 _KNOWN_KEYS = (
     "speedup_ratio",
@@ -26,6 +28,7 @@ _KNOWN_KEYS = (
     "kv_bytes_per_token",
     "kv_transfer_bandwidth",
     "vocab_size",
+    "kv_transfer_mode",
 )
 
 
@@ -59,6 +62,11 @@ class MockerConfig:
     """GB/s of the simulated KV transfer; 0 disables the delay."""
     vocab_size: int = 0
     """Token ids accepted (0..vocab_size-1); 0: the model's (GGUF or config.json), unknown if it has none."""
+    kv_transfer_mode: str = "pull"
+    """"pull": a prefill returns its first token and a MockerKv the decode worker pulls (llama.cpp, vLLM);
+    "rendezvous": the frontend makes an SglangKv up front and both halves run at once (SGLang)."""
+    host: str = "127.0.0.1"
+    """The worker's advertised host: the host of the bootstrap address a rendezvous prefill publishes."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> MockerConfig:
@@ -92,6 +100,8 @@ class MockerConfig:
                 "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
             ),
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
+            kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
+            host=args.host,
         )
 
     def transfer_delay_s(self, nbytes: int) -> float:
@@ -123,6 +133,12 @@ def _non_negative_float(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"mocker option {key} must be a number >= 0 (0 disables it), got {value!r}")
     return float(value)
+
+
+def _one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"mocker option {key} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
 
 
 def _boolean(key: str, value: Any) -> bool:

@@ -26,11 +26,12 @@ from dynamo_cli.engine import (
 )
 from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
-from dynamo_cli.kv.handles import MockerKv
+from dynamo_cli.kv.handles import KvHandle, SglangKv
 from dynamo_cli.kv.hashing import blocks_needed
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from engines.mocker.config import MockerConfig
 from engines.mocker.events import EventRing
+from engines.mocker.handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from engines.mocker.kv_manager import KvManager
 from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 from engines.mocker.timing import TimingModel
@@ -53,10 +54,12 @@ class EngineState(enum.Enum):
 class _Stream:
     """Tokens of one request waiting for its consumer; several pile into one chunk if it lags."""
 
-    __slots__ = ("request", "token_ids", "finish_reason", "error", "waiter")
+    __slots__ = ("request", "rendezvous", "token_ids", "finish_reason", "error", "waiter")
 
-    def __init__(self, request: MockRequest) -> None:
+    def __init__(self, request: MockRequest, rendezvous: SglangKv | None) -> None:
         self.request = request
+        self.rendezvous = rendezvous
+        """A rendezvous prefill: its token travels with the KV, the stream ends with this handle alone."""
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: DynError | None = None
@@ -87,6 +90,7 @@ class MockerEngine:
         self.config = config = MockerConfig.from_args(args)
         self.state = EngineState.CREATED
         self._kv = KvManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self._timing = TimingModel(config.speedup_ratio, config.decode_speedup_ratio)
         self._scheduler = Scheduler(
             self._kv,
             SchedulerConfig(
@@ -94,7 +98,7 @@ class MockerEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 is_prefill_only=config.role is Role.PREFILL,
             ),
-            TimingModel(config.speedup_ratio, config.decode_speedup_ratio),
+            self._timing,
         )
         self._streams: dict[str, _Stream] = {}
         self._events = EventRing()
@@ -116,12 +120,14 @@ class MockerEngine:
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream exactly `max_tokens` random tokens; closing or cancelling the iterator aborts it."""
-        mock = self._admit(request)
-        stream = _Stream(mock)
+        """Stream exactly `max_tokens` random tokens (a prefill: see handoff.py); closing or cancelling the
+        iterator aborts it."""
+        mock, handoff = self._admit(request)
+        stream = _Stream(mock, handoff.rendezvous)
         self._streams[request.request_id] = stream
         try:
-            await self._simulate_transfer(request)
+            if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
+                await asyncio.sleep(handoff.wait_s)
             if stream.finish_reason is None:  # stop() may have come during the transfer
                 self._scheduler.add(mock)
                 self._wakeup.set()
@@ -216,7 +222,8 @@ class MockerEngine:
             stream = streams.get(request.request_id)
             if stream is None or stream.request is not request:
                 continue  # aborted during the pass
-            stream.token_ids.append(request.token_ids[-1])
+            if stream.rendezvous is None:
+                stream.token_ids.append(request.token_ids[-1])
             if request.num_output_tokens >= request.max_tokens:
                 stream.finish_reason = FinishReason.LENGTH.value
             stream.wake()
@@ -228,38 +235,21 @@ class MockerEngine:
 
     ##### Requests #####
 
-    def _admit(self, request: GenerateRequest) -> MockRequest:
+    def _admit(self, request: GenerateRequest) -> tuple[MockRequest, Handoff]:
         if self.state is not EngineState.RUNNING:
             raise DynError(f"the mocker engine is {self.state.value}; call start() before generate()")
         self._check_request(request)
+        handoff = read_handle(self.config, self._timing, request)
         max_tokens = 1 if self.config.role is Role.PREFILL else request.max_tokens
-        return MockRequest(
+        mock = MockRequest(
             request.request_id,
             request.token_ids,
             max_tokens,
             self.config.block_size,
             seed=request.seed,
-            is_prefilled=self._check_handle(request),
+            is_prefilled=handoff.is_prefilled,
         )
-
-    def _check_handle(self, request: GenerateRequest) -> bool:
-        """Whether the request's prompt was prefilled elsewhere: a MockerKv over prompt + [first_token]."""
-        handle = request.kv_transfer
-        if handle is None:
-            return False
-        if self.config.role is Role.PREFILL:
-            raise RequestError("a prefill-role worker takes no kv_transfer; send it to a decode worker", "kv_transfer")
-        if not isinstance(handle, MockerKv):
-            kind = type(handle).__name__
-            raise RequestError(f"kv_transfer is a {kind}; the mocker takes MockerKv only", "kv_transfer")
-        if handle.num_tokens != len(request.token_ids) - 1 or handle.first_token != request.token_ids[-1]:
-            raise RequestError(
-                f"kv_transfer covers {handle.num_tokens} tokens (first token {handle.first_token}) of a "
-                f"{len(request.token_ids)}-token request; "
-                "send prompt + [first_token] with num_tokens = len(prompt)",
-                "kv_transfer",
-            )
-        return True
+        return mock, handoff
 
     def _check_request(self, request: GenerateRequest) -> None:
         check_request(request, self.config.context_length, self._streams, self._vocab_size())
@@ -271,16 +261,6 @@ class MockerEngine:
                 f"but the engine has {self.config.num_gpu_blocks}; lower max_tokens or shorten the prompt",
                 param="max_tokens",
             )
-
-    async def _simulate_transfer(self, request: GenerateRequest) -> None:
-        """A prefilled request waits the modelled KV pull (nbytes ÷ bandwidth) before it is queued;
-        its blocks are allocated, not computed, when it is scheduled. Closing the stream here ends it."""
-        handle = request.kv_transfer
-        if not isinstance(handle, MockerKv) or self.config.role is Role.PREFILL:
-            return
-        delay = self.config.transfer_delay_s(handle.nbytes)
-        if delay > 0:
-            await asyncio.sleep(delay)
 
     async def _chunks(self, stream: _Stream) -> AsyncIterator[GenerateChunk]:
         loop = asyncio.get_running_loop()
@@ -297,21 +277,18 @@ class MockerEngine:
                 token_ids=token_ids,
                 finish_reason=finish_reason,
                 num_cached_tokens=stream.request.num_cached_tokens if is_first else None,
-                kv_transfer=self._kv_handle(stream.request) if finish_reason == "length" else None,
+                kv_transfer=self._kv_handle(stream) if finish_reason == "length" else None,
             )
             if finish_reason is not None:
                 return
             is_first = False
 
-    def _kv_handle(self, request: MockRequest) -> MockerKv | None:
+    def _kv_handle(self, stream: _Stream) -> KvHandle | None:
+        if stream.rendezvous is not None:
+            return stream.rendezvous
         if self.config.role is not Role.PREFILL:
             return None
-        num_tokens = request.prompt_len
-        return MockerKv(
-            num_tokens=num_tokens,
-            first_token=request.token_ids[num_tokens],
-            nbytes=num_tokens * self.config.kv_bytes_per_token,
-        )
+        return pulled_handle(self.config, stream.request)
 
     def _end_all(self, reason: FinishReason) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -334,5 +311,14 @@ class MockerEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
-            extra={"engine": "mocker", "speedup_ratio": config.speedup_ratio, "role": config.role.value},
+            extra=self._info_extra(),
         )
+
+    def _info_extra(self) -> dict[str, object]:
+        config = self.config
+        extra: dict[str, object] = {"engine": "mocker", "speedup_ratio": config.speedup_ratio}
+        extra["role"] = config.role.value
+        bootstrap = bootstrap_address(config)
+        if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
+            extra["bootstrap"] = bootstrap
+        return extra

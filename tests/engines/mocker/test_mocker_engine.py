@@ -20,13 +20,6 @@ FAST = {"speedup_ratio": 1e6}
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    path = tmp_path / "mock-model"
-    path.mkdir()
-    return str(path)
-
-
-@pytest.fixture
 async def engine(model_dir: str) -> AsyncIterator[MockerEngine]:
     engine = MockerEngine(EngineArgs(model=model_dir, extra=dict(FAST)))
     await engine.start()
