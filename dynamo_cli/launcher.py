@@ -20,6 +20,7 @@ from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
+from dynamo_cli.router.registry import ROUTER_COMPONENT
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
@@ -73,6 +74,24 @@ async def _wait_ready(
             pass
 
 
+async def _wait_backends(discovery: Discovery, config: ServeConfig, procs: list[asyncio.subprocess.Process]) -> None:
+    """Behind `dyn router`s: wait until every worker (decode and prefill) is in discovery."""
+    wanted, deadline = config.num_workers + config.num_prefill_workers, time.monotonic() + config.ready_timeout_s
+    prefix = f"v1/instances/{config.frontend.namespace}/"
+    while True:
+        async with asyncio.timeout(10):
+            found = await discovery.get_prefix(prefix)
+        if sum(1 for key in found if f"/{ROUTER_COMPONENT}/" not in key) >= wanted:
+            return
+        dead = [p for p in procs if p.returncode is not None]
+        if dead:
+            raise WorkerFailed(f"worker pid {dead[0].pid} exited with code {dead[0].returncode} before registering")
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"the {wanted} workers behind the routers did not register within "
+                               f"{config.ready_timeout_s:.0f} s")  # fmt: skip
+        await asyncio.sleep(0.2)
+
+
 async def serve_all(config: ServeConfig) -> None:
     """Run frontend + workers until SIGINT/SIGTERM."""
     stop = asyncio.Event()
@@ -115,6 +134,8 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
 
         async def on_ready() -> None:
             await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
+            if config.num_routers:  # the frontend sees only the routers: count the workers behind them
+                await _wait_backends(discovery, config, pool.procs)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
