@@ -53,6 +53,9 @@ running stream), `ITL` the per-request mean. All latencies in ms.
     python benchmarks/disagg.py --parts llamacpp --llama-seconds 2 --repeats 1 --warmup 1 \
         --transfer-requests 2 --transfer-tokens 300 --llama-isl 100
 
+benchmarks/disagg_model.py gives what the mocker's timing model alone predicts for parts 1 and 2 (the
+same scheduler, simulated time, no processes), to set the measured figures against.
+
 Defaults take about an hour (mocker ~5 min, mixed ~35, llamacpp ~15). `os.getloadavg()` is printed at
 the start and the end: timings are only valid on an otherwise quiet machine.
 """
