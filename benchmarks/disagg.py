@@ -11,9 +11,8 @@ Parts (`--parts mocker,mixed,llamacpp`):
 1. mocker: `--engine mocker --speedup-ratio 1`, ISL 3,000, OSL 150, closed loop at concurrency 16.
    Sides: `agg` (`--workers 2`), `disagg` (`--disagg --prefill-workers 1 --decode-workers 1`, default
    policy `adaptive`) and `always` (the same with `--disagg-policy always`). Reports req/s, output tok/s,
-   TTFT p50/p99, ITL p50/p99 (ITL = per request (e2e - TTFT) / (tokens - 1)), chunk-gap p99 (every gap
-   between tokens) and the ratios disagg/agg. Issue's bar (Dynamo's own mocker): +25 % req/s, ~3x lower
-   TTFT p50, 2-5x lower ITL p99.
+   TTFT p50/p99, ITL p50/p99, gap p99 and the ratios to agg. Issue's bar (Dynamo's own mocker): +25 %
+   req/s, ~3x lower TTFT p50, 2-5x lower ITL p99.
 2. mixed: half ISL 100, half ISL 3,000 (a --prompts-file, shuffled, the same file for every side of a
    round), OSL 150, open loop (Poisson) at each rate of a sweep. Sides: `agg`, `always` and one per
    conditional policy (`adaptive`, `isl`, `load`, `isl-or-load`), all 1P+1D. Rates: `--rates`, or
@@ -38,9 +37,8 @@ Parts (`--parts mocker,mixed,llamacpp`):
    `--max-local-prefill-length 16`: dyn bench's 1-token probe stays local (its pull would land in the
    counters) and every measured prompt goes remote; at ISL 1,500 that is the default policy exactly.
 
-The `remote` column is the share of the run's prompts prefilled remotely, dyn bench's probe and warm-up
-requests included. `gap p99` is the p99 of every gap between two tokens (the stall a prefill puts on a
-running stream), `ITL` the per-request mean. All latencies in ms.
+`remote`: the share of a run's prompts prefilled remotely (dyn bench's probe and warm-up included). ITL:
+per request (e2e - TTFT) / (tokens - 1); gap p99: p99 of every gap between two tokens. Latencies in ms.
 
     python benchmarks/disagg.py [--parts mocker,mixed,llamacpp] [--repeats 2] [--seconds 40]
         [--mixed-seconds 30] [--rates 16,24,32,40 | --rate-fractions 0.6,0.8,1,1.2] [--policies adaptive,isl]
@@ -348,21 +346,9 @@ def capacity(args: argparse.Namespace, always: Side, tmp: Path, prompts: Prompts
     prefill worker saturates."""
     n = int(args.capacity_concurrency * 2 + args.mixed_seconds * 60 * args.speedup_ratio)  # ~2x what it sends
     path = prompts.mixed("capacity", min(n, 6_000), seed=10_000)
-    result = bench(
-        always,
-        tmp,
-        "capacity",
-        [
-            "--prompts-file",
-            str(path),
-            "--osl",
-            "150",
-            "--concurrency",
-            str(args.capacity_concurrency),
-            "--duration",
-            str(args.mixed_seconds),
-        ],
-    )
+    flags = ["--prompts-file", str(path), "--osl", "150", "--concurrency", str(args.capacity_concurrency),
+             "--duration", str(args.mixed_seconds)]  # fmt: skip
+    result = bench(always, tmp, "capacity", flags)
     return figure(result["summary"], "request_throughput")
 
 
@@ -533,18 +519,17 @@ def report_transfer(args: argparse.Namespace, transfers: dict[str, list[dict[str
         mean_ms = [p.get("mean_ms", float("nan")) for p in per_round]
         share = median([m / f for m, f in zip(mean_ms, prefill, strict=True)])
         local = sum(r["transfer"].get("local", {}).get("count", 0) for r in transfers[side.name])
-        out[side.name] = {
+        pulls = sum(p.get("count", 0) for p in per_round)
+        row = out[side.name] = {
+            "pulls": pulls,
+            "mib": median([p.get("mib", float("nan")) for p in per_round]),
             "transfer_mean_ms": median(mean_ms),
             "share_of_prefill": share,
             "local_fallbacks": local,
-            "mib": median([p.get("mib", float("nan")) for p in per_round]),
             "ttft_p50_ms": median([figure(r["summary"], "ttft.p50") for r in transfers[side.name]]),
         }
-        pulls = sum(p.get("count", 0) for p in per_round)
-        out[side.name]["pulls"] = pulls
-        rows.append([side.name, f"{pulls:g}/{args.transfer_requests * args.repeats}", out[side.name]["mib"],
-                     out[side.name]["transfer_mean_ms"], median(prefill), f"{share:.1%}", share <= 0.10,
-                     local])  # fmt: skip
+        rows.append([side.name, f"{pulls:g}/{args.transfer_requests * args.repeats}", row["mib"],
+                     row["transfer_mean_ms"], median(prefill), f"{share:.1%}", share <= 0.10, local])  # fmt: skip
     if len(sides) < 3:
         rows.append(["nixl", "", "", "NIXL does not import here", "", "", "", ""])
     table(f"KV transfer of a {args.transfer_tokens}-token state ({args.transfer_requests} prompts x {args.repeats} "
