@@ -80,6 +80,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's dynamo_cli, as `dyn` runs it
+from dynamo_cli.bench.report import write_json  # noqa: E402
 
 MODEL = "smollm2"
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
@@ -542,17 +543,6 @@ def report_transfer(args: argparse.Namespace, transfers: dict[str, list[dict[str
 # ----------------------------------------------------------------------------------------------- main
 
 
-def no_nan(value: Any) -> Any:
-    """NaN -> None, recursively, so the JSON is valid for strict readers."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: no_nan(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [no_nan(v) for v in value]
-    return value
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="mocker,mixed,llamacpp")
@@ -592,7 +582,7 @@ def main() -> None:
     document["loadavg_end"] = os.getloadavg()
     print(f"\nloadavg at end: {os.getloadavg()}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(no_nan(document), indent=2, default=str))
+    write_json(args.json, document)  # msgspec: NaN -> null, so strict readers take it
     print(f"wrote {args.json}")
 
 
