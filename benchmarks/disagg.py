@@ -16,7 +16,7 @@ Parts (`--parts mocker,mixed,llamacpp`):
 2. mixed: half ISL 100, half ISL 3,000 (a --prompts-file, shuffled, the same file for every side of a
    round), OSL 150, open loop (Poisson) at each rate of a sweep. Sides: `agg`, `always` and one per
    conditional policy (`adaptive`, `isl`, `load`, `isl-or-load`), all 1P+1D. Rates: `--rates`, or
-   fractions (`--rate-fractions`, default 0.6 .. 1.2) of the capacity measured first: the req/s of `always`
+   fractions (`--rate-fractions`, default 0.8 .. 1.3) of the capacity measured first: the req/s of `always`
    closed loop at concurrency `--capacity-concurrency` (64), i.e. the rate at which its one prefill worker
    saturates. (The mocker's decode step does not grow with batch size, so below that rate every side
    meets any sensible SLO and goodput ties at the offered rate; the sides part above it.) Goodput =
@@ -41,7 +41,7 @@ Parts (`--parts mocker,mixed,llamacpp`):
 per request (e2e - TTFT) / (tokens - 1); gap p99: p99 of every gap between two tokens. Latencies in ms.
 
     python benchmarks/disagg.py [--parts mocker,mixed,llamacpp] [--repeats 2] [--seconds 40]
-        [--mixed-seconds 30] [--rates 16,24,32,40 | --rate-fractions 0.6,0.8,1,1.2] [--policies adaptive,isl]
+        [--mixed-seconds 30] [--rates 24,32,36,40 | --rate-fractions 0.8,1,1.15,1.3] [--policies adaptive,isl]
         [--slo 'ttft=1000 itl=25'] [--llama-seconds 90] [--transfer-requests 4]
         [--json benchmarks/out/disagg.json]
     # smoke (each ~1 min on a quiet machine; results meaningless):
@@ -553,7 +553,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--router", default="kv", help="--router of every deployment (kv | round-robin)")
     p.add_argument("--mixed-seconds", type=float, default=30.0, help="measured seconds per mixed run")
     p.add_argument("--rates", default="", help="mixed: req/s values (default: fractions of measured capacity)")
-    p.add_argument("--rate-fractions", default="0.6,0.8,1.0,1.2")
+    p.add_argument("--rate-fractions", default="0.8,1.0,1.15,1.3")
     p.add_argument("--capacity-concurrency", type=int, default=64)
     p.add_argument("--policies", default=",".join(POLICIES), help="mixed: conditional policies to compare")
     p.add_argument("--slo", default="ttft=1000 itl=25", help="mixed goodput SLO, ms at speedup 1")
