@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dynamo_cli.router.disagg import STALL_WEIGHT  # noqa: E402
 from engines.mocker.kv_manager import KvManager  # noqa: E402
 from engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig  # noqa: E402
 from engines.mocker.timing import TimingModel  # noqa: E402
@@ -81,7 +82,7 @@ class Cluster:
         if isl <= MAX_LOCAL_PREFILL:
             return False
         prefill, decode = (e.scheduler for e in self.engines)
-        local_cost = decode.num_prompt_tokens_left() + isl * (1 + len(decode.running))
+        local_cost = decode.num_prompt_tokens_left() + isl * (1 + STALL_WEIGHT * len(decode.running))
         return self.mode == "isl" or prefill.num_prompt_tokens_left() <= local_cost
 
     def kick(self, engine: Engine, now: float) -> None:

@@ -12,11 +12,12 @@ policies: `isl` (isl_bounding: remote iff the prompt's uncached tokens on the ch
 worker is saturated), `isl-or-load` (remote iff both say remote), `always`, and the default `adaptive`.
 `adaptive` is `isl-or-load` measured in queued prefill tokens instead of a fixed queue length: a long
 prompt goes remote unless the prefill worker's queue (tokens) exceeds what prefilling locally costs the
-decode worker — its own queued prefill tokens plus the prompt, once for the request itself and once
-more for each stream it would stall. So an idle prefill pool always takes long prompts, a decode worker
-with many streams is protected, and when the prefill pool falls behind, short-queue decode workers
-absorb prompts until it catches up. Every policy shares the circuit breaker: a decode worker whose KV
-is over `decode_busy_threshold` never prefills a long prompt locally while a prefill worker is live.
+decode worker — its own queued prefill tokens plus the prompt, once for the request itself and
+STALL_WEIGHT times more for each stream it would stall. So an idle prefill pool always takes long
+prompts, a decode worker with streams running is protected, and when the prefill pool falls behind,
+idle decode workers absorb prompts until it catches up. Every policy shares the circuit breaker: a
+decode worker whose KV is over `decode_busy_threshold` never prefills a long prompt locally while a
+prefill worker is live.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from typing import Any
 
 from dynamo_cli.config import DisaggConfig
 from dynamo_cli.router.registry import Worker
+
+STALL_WEIGHT = 8
+"""`adaptive`: what one stream stalled by a local prefill costs, in prompts' worth of queueing. A stalled
+stream misses a tight ITL target at once while a queued prompt only spends some of a looser TTFT budget;
+in the mocker's model (benchmarks/disagg_model.py, mixed traffic past saturation) a weight of 1 let long
+prompts onto busy decode workers and broke ITL for every stream there (goodput 10.6 vs 19.6 req/s at
+40 req/s), while 4 and 8 did not, 8 holding best at 48 req/s."""
 
 OUTCOMES = ("remote", "local_short", "local_prefill_busy", "local_cheaper", "local_no_prefill_worker",
             "remote_decode_busy", "local_fallback")  # fmt: skip
@@ -79,7 +87,7 @@ def decide(config: DisaggConfig, inputs: DisaggInputs) -> DisaggChoice:
     if config.policy in ("load", "isl-or-load") and inputs.prefill_queue >= config.max_prefill_queue:
         return DisaggChoice(False, "local_prefill_busy")
     if config.policy == "adaptive":
-        local_cost = inputs.decode_pending_tokens + inputs.effective_isl * (1 + inputs.decode_running)
+        local_cost = inputs.decode_pending_tokens + inputs.effective_isl * (1 + STALL_WEIGHT * inputs.decode_running)
         if inputs.prefill_pending_tokens > local_cost:
             return DisaggChoice(False, "local_cheaper")
     return DisaggChoice(True, "remote")

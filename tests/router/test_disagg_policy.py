@@ -6,7 +6,7 @@ import pytest
 
 from dynamo_cli.config import DisaggConfig
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.router.disagg import OUTCOMES, DisaggInputs, decide
+from dynamo_cli.router.disagg import OUTCOMES, STALL_WEIGHT, DisaggInputs, decide
 
 
 def inputs(**changes: object) -> DisaggInputs:
@@ -52,13 +52,15 @@ def test_the_circuit_breaker_keeps_long_prompts_off_a_full_decode_worker() -> No
 
 
 def test_adaptive_weighs_the_prefill_queue_against_what_local_prefill_costs_the_decode_worker() -> None:
-    # Local cost = decode queue + prompt x (1 + streams stalled) = 0 + 3000 x 5 = 15,000 tokens.
-    assert outcome("adaptive", prefill_pending_tokens=15_000) == "remote"
-    assert outcome("adaptive", prefill_pending_tokens=15_001) == "local_cheaper"
-    # An idle decode worker is cheap to use; a busier one pushes the same prompt to the prefill pool.
+    # Local cost = decode queue + prompt x (1 + STALL_WEIGHT x streams stalled) = 3000 x (1 + 8 x 4) = 99,000.
+    assert STALL_WEIGHT == 8
+    assert outcome("adaptive", prefill_pending_tokens=99_000) == "remote"
+    assert outcome("adaptive", prefill_pending_tokens=99_001) == "local_cheaper"
+    # An idle decode worker is cheap to use; one stream running already pushes the prompt to the prefill pool.
     assert outcome("adaptive", prefill_pending_tokens=6_000, decode_running=0) == "local_cheaper"
     assert outcome("adaptive", prefill_pending_tokens=6_000, decode_running=1) == "remote"
-    assert outcome("adaptive", prefill_pending_tokens=6_000, decode_running=0, decode_pending_tokens=3_001) == "remote"
+    busy_queue = {"decode_running": 0, "decode_pending_tokens": 3_001}
+    assert outcome("adaptive", prefill_pending_tokens=6_000, **busy_queue) == "remote"
 
 
 def test_bad_settings_are_config_errors_naming_the_flag() -> None:
