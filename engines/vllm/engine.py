@@ -191,8 +191,9 @@ class VllmEngine:
             return config
         if not self.lib.has_nixl:
             raise ConfigError(
-                f"--role {self.role.value} on the vllm engine moves KV with vLLM's NixlConnector, which needs NIXL: "
-                "pip install 'dynamo-cli[nixl]' (or give your own kv_transfer_config)"
+                f"--role {self.role.value} on the vllm engine moves KV with vLLM's NixlConnector, which imports the "
+                "`nixl` package: pip install 'nixl>=1.5.1,<1.6' (the [nixl] extra's nixl-cu12 serves dyn's own KV "
+                "transfer only), or give your own kv_transfer_config"
             )
         device = {"kv_buffer_device": "cpu"} if self.lib.is_cpu else {}  # host buffers: NIXL reads them over UCX
         return self.lib.kv_transfer_config_cls(kv_connector="NixlConnector", kv_role="kv_both", **device)

@@ -309,7 +309,7 @@ async def test_vllm_prefill_role_asks_the_nixl_connector_to_keep_the_blocks_and_
 
 def test_vllm_roles_without_nixl_are_a_config_error_naming_the_extra() -> None:
     no_nixl = dataclasses.replace(FAKE_VLLM, has_nixl=False)
-    with pytest.raises(ConfigError, match=r"pip install 'dynamo-cli\[nixl\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'nixl>=1.5.1,<1.6'"):
         VllmEngine(EngineArgs(model="m", role=Role.DECODE), library=no_nixl)
     assert VllmEngine(EngineArgs(model="m"), library=no_nixl).engine_kwargs["kv_transfer_config"] is None
 

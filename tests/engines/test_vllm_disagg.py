@@ -20,7 +20,7 @@ from tests.conftest import VLLM_TEST_EXTRA
 
 _MISSING = [module for module in ("vllm", "nixl") if importlib.util.find_spec(module) is None]
 pytestmark = [
-    pytest.mark.skipif(bool(_MISSING), reason=f"needs {_MISSING}: pip install 'dynamo-cli[vllm,nixl]'"),
+    pytest.mark.skipif(bool(_MISSING), reason=f"needs {_MISSING}: pip install 'dynamo-cli[vllm]' 'nixl>=1.5.1,<1.6'"),
     pytest.mark.timeout(600),
 ]
 
