@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.config import DisaggConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, Role
+from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -35,7 +35,7 @@ from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
-from dynamo_cli.router.disagg import decide, inputs_for
+from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,6 @@ class Dispatch:
         self._is_prefilled = False
         self.prefill: dict[str, object] | None = None
         """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
-        self._hop: prefill.PrefillHop | None = None
         self._handle: KvHandle | None = None
         """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
         on to the next); still set at the end, it is released on the prefill worker."""
@@ -184,8 +183,6 @@ class Dispatch:
         self.is_aborted = True
         if self._stream is not None:
             self._stream.cancel()
-        if self._hop is not None:
-            self._hop.cancel()
 
     def close(self) -> None:
         """Let go of the worker, whatever happened (idempotent): load never leaks."""
@@ -274,20 +271,16 @@ class Dispatch:
         (router/disagg.py), and if remotely run the prefill hop now; its first token is the stream's first.
 
         The hop is not tied to the client (Dynamo's rule: a prefill cut off mid-transfer leaks KV); a
-        client gone by then has the handle released in `tokens()`. No prefill worker left, or all busy:
+        client gone by then has the handle released in `aclose()`. No prefill worker left, or all busy:
         the decode worker prefills (503 with `--enforce-disagg`)."""
         entry, config, worker = self.entry, self.rules.disagg, self.worker
         assert worker is not None
         pool = [w for w in entry.prefill_workers.values() if w.instance_id not in self._excluded]
-        if not pool and config.enforce:
-            raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
-        if not pool and worker.card.role != Role.DECODE.value:
-            return  # an aggregated model: no prefill stage to decide (a decode worker's model has lost its pool)
         overlap = self.decision.overlap_blocks if self.decision is not None else 0
-        inputs = inputs_for(worker, pool, len(self.plan.prompt_ids), overlap)
-        choice = decide(config, inputs)
-        if config.enforce and not choice.is_remote:
-            choice = type(choice)(True, "remote")
+        chosen = prefill_choice(config, entry.name, worker, pool, len(self.plan.prompt_ids), overlap)
+        if chosen is None:
+            return
+        choice, inputs = chosen
         self.prefill = choice.explain(inputs, config.policy)
         if choice.is_remote:
             await self._run_prefill(choice.outcome)
@@ -295,14 +288,13 @@ class Dispatch:
             self.metrics.disagg.labels(entry.name, choice.outcome).inc()
 
     async def _run_prefill(self, outcome: str) -> None:
-        hop = self._hop = prefill.PrefillHop(self.entry, self._request(), self.rules.busy,
-                                             attempts=self.rules.migration_limit + 1)  # fmt: skip
+        hop = prefill.PrefillHop(self.entry, self._request(), self.rules.busy, attempts=self.rules.migration_limit + 1)
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
             if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
                 raise RequestError(str(exc), code=exc.code) from None
-            if self.rules.disagg.enforce:
+            if not falls_back(self.rules.disagg, exc):
                 raise
             logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
                            self.plan.request_id, exc)  # fmt: skip
@@ -314,7 +306,6 @@ class Dispatch:
                 self._rendezvous.start()
             self._take_prefill(result)
         finally:
-            self._hop = None
             self.metrics.disagg.labels(self.entry.name, outcome).inc()
             if self.prefill is not None:
                 self.prefill["outcome"] = outcome

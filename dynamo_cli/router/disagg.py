@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo_cli.config import DisaggConfig
+from dynamo_cli.engine import Role
+from dynamo_cli.errors import NoWorkers, Overloaded, RemoteError, TransportError
 from dynamo_cli.router.registry import Worker
 
 STALL_WEIGHT = 8
@@ -91,6 +93,31 @@ def decide(config: DisaggConfig, inputs: DisaggInputs) -> DisaggChoice:
         if inputs.prefill_pending_tokens > local_cost:
             return DisaggChoice(False, "local_cheaper")
     return DisaggChoice(True, "remote")
+
+
+def prefill_choice(
+    config: DisaggConfig, model: str, decode: Worker, pool: list[Worker], prompt_tokens: int, overlap_blocks: int
+) -> tuple[DisaggChoice, DisaggInputs] | None:
+    """Where a request routed to `decode` has its prompt prefilled (`pool`: the live prefill workers), or None
+    for an aggregated model, which has no prefill stage. `--enforce-disagg` makes every choice remote, and
+    raises NoWorkers naming the pool when it is empty."""
+    if not pool and config.enforce:
+        raise NoWorkers(f"the prefill pool of model '{model}' (--enforce-disagg)")
+    if not pool and decode.card.role != Role.DECODE.value:
+        return None  # aggregated; a decode worker whose model lost its pool is decided (local_no_prefill_worker)
+    inputs = inputs_for(decode, pool, prompt_tokens, overlap_blocks)
+    choice = decide(config, inputs)
+    if config.enforce and not choice.is_remote:
+        choice = DisaggChoice(True, "remote")
+    return choice, inputs
+
+
+def falls_back(config: DisaggConfig, exc: Exception) -> bool:
+    """Whether a failed remote prefill is prefilled on the decode worker instead: yes, unless
+    `--enforce-disagg`, or unless the prefill worker refused the request itself (a 4xx: the client's error)."""
+    if not isinstance(exc, NoWorkers | Overloaded | TransportError) or config.enforce:
+        return False
+    return not (isinstance(exc, RemoteError) and 400 <= exc.status < 500)
 
 
 def inputs_for(decode: Worker, prefill_pool: list[Worker], prompt_tokens: int, overlap_blocks: int) -> DisaggInputs:

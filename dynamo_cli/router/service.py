@@ -29,7 +29,7 @@ from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import ExpiresStale, RouteDecision, RouteRequest
-from dynamo_cli.router.disagg import decide, inputs_for
+from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.kv_repair import repair_loop
 from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
@@ -190,18 +190,14 @@ class RouterService:
         """Disaggregation, as the frontend does it (frontend/dispatch.py): prefill remotely or not; if so the
         prefill's first token is the stream's first chunk and the decode request carries its KV handle."""
         config, pool = self.config.disagg, list(entry.prefill_workers.values())
-        if not pool:
-            if config.enforce:
-                raise NoWorkers(f"the prefill pool of model '{entry.name}' (--enforce-disagg)")
-            return None, body, None
-        choice = decide(config, inputs_for(worker, pool, len(request.token_ids), decision.overlap_blocks))
-        if not (choice.is_remote or config.enforce):
+        chosen = prefill_choice(config, entry.name, worker, pool, len(request.token_ids), decision.overlap_blocks)
+        if chosen is None or not chosen[0].is_remote:
             return None, body, None
         hop = prefill.PrefillHop(entry, request, BusyThresholds(), attempts=MAX_REROUTES)
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
-            if config.enforce or (isinstance(exc, TransportError) and not exc.is_migratable):
+            if not falls_back(config, exc):
                 raise
             logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
                            request.request_id, exc)  # fmt: skip
