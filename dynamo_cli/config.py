@@ -64,6 +64,8 @@ class KvRouterConfig:
         return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
 
 
+KV_TRANSFERS = ("auto", "tcp", "nixl")
+"""`--kv-transfer`: NIXL when it imports, else TCP; or either one."""
 DISAGG_POLICIES = ("adaptive", "always", "isl", "load", "isl-or-load")
 
 
@@ -144,6 +146,12 @@ class WorkerConfig:
     """Port of a prefill worker's KV transfer server (0: any free port), on `host`."""
     kv_transfer_ttl_s: float = 30.0
     """Seconds a prefill worker keeps KV no decode worker pulled (the client left, the decode died)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:
+            raise ConfigError(f"--kv-transfer '{self.kv_transfer}' / --kv-transfer-ttl {self.kv_transfer_ttl_s} "
+                              f"is invalid; use one of {', '.join(KV_TRANSFERS)} and a positive number of "
+                              "seconds")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dynamo_cli.config import (
     DEFAULT_MODEL,
     DEFAULT_NAMESPACE,
     DISAGG_POLICIES,
+    KV_TRANSFERS,
     DisaggConfig,
     KvRouterConfig,
     PlanesConfig,
@@ -198,6 +199,9 @@ EnforceDisagg = Annotated[
     typer.Option("--enforce-disagg", envvar="DYN_ENFORCE_DISAGG",
                  help="Never prefill on a decode worker: no prefill worker → 503."),
 ]  # fmt: skip
+KvTransfer = Annotated[
+    str, typer.Option("--kv-transfer", envvar="DYN_KV_TRANSFER", help="How KV is pulled: " + " | ".join(KV_TRANSFERS))
+]
 PrefillRouterMode = Annotated[
     str | None,
     typer.Option("--prefill-router-mode", envvar="DYN_PREFILL_ROUTER_MODE",

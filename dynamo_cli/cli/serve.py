@@ -46,9 +46,7 @@ def command(
     decode_busy_threshold: o.DecodeBusy = o._D.decode_busy_threshold,
     enforce_disagg: o.EnforceDisagg = False,
     prefill_router_mode: o.PrefillRouterMode = None,
-    kv_transfer: Annotated[
-        str, typer.Option("--kv-transfer", envvar="DYN_KV_TRANSFER", help="With --disagg: auto | tcp | nixl.")
-    ] = "auto",
+    kv_transfer: o.KvTransfer = "auto",
     kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
     router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
     kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
@@ -134,8 +132,6 @@ def command(
     if disagg and (prefill_workers < 1 or (decode_workers is not None and decode_workers < 1)):
         raise ConfigError(f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got "
                           f"{prefill_workers} and {decode_workers}")  # fmt: skip
-    if kv_transfer not in ("auto", "tcp", "nixl"):
-        raise ConfigError(f"--kv-transfer '{kv_transfer}' is unknown; use auto, tcp or nixl")
     num_decode = (decode_workers if decode_workers is not None else workers) if disagg else workers
     if routers < 0 or (routers and router != "remote"):
         raise ConfigError(f"--routers {routers} needs --router remote and a count >= 0")

@@ -8,7 +8,6 @@ import typer
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.errors import ConfigError
 from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.runtime.transport import check_exposure
 from dynamo_cli.worker import serve_worker
@@ -41,9 +40,7 @@ def command(
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
     cluster_secret_file: o.ClusterSecretFile = None,
-    kv_transfer: Annotated[
-        str, typer.Option("--kv-transfer", envvar="DYN_KV_TRANSFER", help="auto | tcp | nixl: how KV is pulled.")
-    ] = "auto",
+    kv_transfer: o.KvTransfer = "auto",
     kv_transfer_port: Annotated[
         int, typer.Option("--kv-transfer-port", envvar="DYN_KV_TRANSFER_PORT", help="Prefill role (0: any).")
     ] = 0,
@@ -58,9 +55,6 @@ def command(
     secret = o.cluster_secret(cluster_secret_file)
     check_exposure(host, secret)  # before the engine loads: a refusal is immediate
     parsed_role = o.parse_role(role)
-    if kv_transfer not in ("auto", "tcp", "nixl") or kv_transfer_ttl <= 0:
-        raise ConfigError(f"--kv-transfer '{kv_transfer}' / --kv-transfer-ttl {kv_transfer_ttl} is invalid; "
-                          "use auto, tcp or nixl and a positive number of seconds")  # fmt: skip
     extra = o.engine_extra(
         engine_arg,
         extra_engine_args,
