@@ -30,6 +30,20 @@ class Role(enum.Enum):
     DECODE = "decode"  # imports prefilled KV and decodes
 
 
+class Feature(enum.Enum):
+    """A request feature an engine honours; its card lists them and the frontend refuses, with a 400
+    naming the field and the engine, a request that asks for one the serving engine does not have
+    (issue 17's rule: nothing accepted is ignored)."""
+
+    LOGPROBS = "logprobs"  # per-token logprobs of the chosen token and `top_logprobs` alternatives
+    PENALTIES = "penalties"  # presence_penalty, frequency_penalty, repetition_penalty
+    LOGIT_BIAS = "logit_bias"
+    MIN_P = "min_p"
+    GUIDED_JSON = "guided_json"  # constrained decoding to JSON / a JSON schema (response_format, tools)
+    GUIDED_GRAMMAR = "guided_grammar"  # constrained decoding to an engine grammar (regex / GBNF)
+    EMBEDDINGS = "embeddings"  # the engine serves `embed` (/v1/embeddings)
+
+
 class FinishReason(enum.Enum):
     """Why a stream ended."""
 
@@ -126,6 +140,8 @@ class EngineInfo:
     vocab_size: int = 0
     """Token ids the model knows (0..vocab_size-1); 0: unknown, ids are then only bounded by MAX_TOKEN_ID."""
     extra: dict[str, Any] = field(default_factory=dict)
+    features: frozenset[Feature] = frozenset()
+    """Request features this engine honours (published in the card; the frontend checks against it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []
     vocab_size: int = 0
     """Token ids the model knows (0..vocab_size-1); 0: unknown."""
+    features: list[str] = []
+    """`Feature` values the engine honours (engine.py); what is not listed is refused at the frontend."""
     bootstrap: str | None = None
     """A prefill engine whose KV moves by rendezvous (SGLang): its bootstrap server's host:port, where
     the decode engine meets it while both run (router/prefill.py)."""
@@ -41,5 +43,6 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             max_num_batched_tokens=info.max_num_batched_tokens,
             eos_token_ids=list(info.eos_token_ids),
             vocab_size=info.vocab_size,
+            features=sorted(f.value for f in info.features),
             bootstrap=info.extra.get("bootstrap") if role is Role.PREFILL else None,
         )
