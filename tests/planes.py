@@ -89,13 +89,26 @@ def make_tls_files(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path
             .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
             .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "root")]))
+              .issuer_name(ca_name).public_key(client_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now - datetime.timedelta(minutes=1))
+              .not_valid_after(now + datetime.timedelta(days=1)).sign(ca_key, hashes.SHA256()))  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     paths = directory / "ca.pem", directory / "server.pem", directory / "server-key.pem"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    for (cert_path, key_path), (certificate, private) in zip(
+        (paths[1:], client_tls_files(directory)), ((cert, key), (client, client_key)), strict=True
+    ):
+        cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))  # fmt: skip
     return paths
+
+
+def client_tls_files(directory: Path) -> tuple[Path, Path]:
+    """The client certificate (CN `root`) and key that `make_tls_files(directory)` also wrote, for mutual TLS."""
+    return directory / "client.pem", directory / "client-key.pem"
 
 
 def free_port() -> int:
@@ -167,6 +180,8 @@ class EtcdProcess(_Server):
     peer_port: int = 0
     tls_files: tuple[Path, Path, Path] | None = None
     """(ca, cert, key) of `make_tls_files`: clients then speak TLS (https) to it."""
+    client_cert_auth: bool = False
+    """With `tls_files`: clients must show a certificate the CA signed (mutual TLS)."""
 
     @property
     def url(self) -> str:
@@ -177,6 +192,8 @@ class EtcdProcess(_Server):
         scheme = "https" if self.tls_files else "http"
         client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         tls = ["--cert-file", str(self.tls_files[1]), "--key-file", str(self.tls_files[2])] if self.tls_files else []
+        if self.tls_files and self.client_cert_auth:
+            tls += ["--client-cert-auth", "--trusted-ca-file", str(self.tls_files[0])]
         self._spawn([
             self.binary, *tls, "--name", "dyn-test", "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -221,6 +238,8 @@ class EtcdProcess(_Server):
     def _is_healthy(self) -> bool:
         scheme = "https" if self.tls_files else "http"
         context = ssl.create_default_context(cafile=str(self.tls_files[0])) if self.tls_files else None
+        if self.tls_files and context is not None and self.client_cert_auth:
+            context.load_cert_chain(*client_tls_files(self.tls_files[0].parent))
         try:
             url = f"{scheme}://127.0.0.1:{self.client_port}/health"
             with urllib.request.urlopen(url, timeout=0.5, context=context) as reply:
@@ -265,12 +284,14 @@ class NatsProcess(_Server):
         self.start()
 
 
-def start_etcd(binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None) -> EtcdProcess:
-    """An etcd on free ports (TLS for clients with `tls_files`); picks new ports when a race lost one
-    (etcd cannot bind port 0)."""
+def start_etcd(binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None, *,
+               client_cert_auth: bool = False) -> EtcdProcess:  # fmt: skip
+    """An etcd on free ports (TLS for clients with `tls_files`, mutual with `client_cert_auth`); picks
+    new ports when a race lost one (etcd cannot bind port 0)."""
     for attempt in range(START_ATTEMPTS):
         server = EtcdProcess(binary, root / f"etcd-data-{attempt}", root / f"etcd-{attempt}.log",
-                             client_port=free_port(), peer_port=free_port(), tls_files=tls_files)  # fmt: skip
+                             client_port=free_port(), peer_port=free_port(), tls_files=tls_files,
+                             client_cert_auth=client_cert_auth)  # fmt: skip
         try:
             server.start()
             return server

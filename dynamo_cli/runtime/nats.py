@@ -5,8 +5,11 @@ bus. KV events also land in a JetStream stream (`ensure_stream`), so a router th
 restarts reads them again from a sequence number (`subscribe_replay`) instead of missing them.
 The client reconnects forever; what a subscriber cannot keep up with is dropped and counted.
 Credentials (user/password, token, creds file) and TLS come from the URL (urls.py); a server that
-refuses them fails start() with PlaneAuthFailed. NOTE: nats-py upgrades to TLS only when the server
-asks for it, so with TLS requested a server that did not is refused after the fact (`_check_tls`).
+refuses them fails start() with PlaneAuthFailed. NOTE: nats-py upgrades to TLS only when the server's
+first line (INFO, in clear) asks for it, and sends CONNECT (with the credentials) right after. With
+TLS requested, `_TlsOrNothing` refuses an INFO that does not ask for TLS before CONNECT is written, so
+a fake server (or a man in the middle) downgrading the connection learns no password, token or JWT.
+`?tls-first=1` goes further: TLS from the first byte, for servers set to `handshake_first`.
 """
 
 from __future__ import annotations
@@ -67,10 +70,13 @@ def connect_options(target: NatsTarget) -> dict[str, Any]:
         options["token"] = target.token
     if target.creds is not None:
         if importlib.util.find_spec("nkeys") is None:
-            raise ConfigError(f"--events '{target.redacted}': ?creds= needs the nkeys package; pip install nkeys")
+            raise ConfigError(
+                f"--events '{target.redacted}': ?creds= needs the nkeys package; pip install 'dynamo-cli[nats-creds]'"
+            )
         options["user_credentials"] = target.creds
     if target.tls is not None:
         options["tls"] = ssl_context(target.tls)
+        options["tls_handshake_first"] = target.tls_first
     return options
 
 
@@ -160,6 +166,21 @@ class NatsSubscription:
                 )
 
 
+class _TlsOrNothing(Client):
+    """A client that, asked for TLS, never speaks in clear: an INFO without `tls_required` is refused
+    before CONNECT (and its credentials) is sent. Hooks nats-py's `_process_info`, which every
+    connection attempt calls between reading INFO and upgrading to TLS (nats-py is pinned below 3)."""
+
+    def __init__(self, *, require_tls: bool) -> None:
+        super().__init__()
+        self._require_tls = require_tls
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if self._require_tls and initial_connection and not info.get("tls_required"):
+            raise nats.errors.Error("TLS was requested (tls:// or ?ca=) but the server does not speak TLS")
+        await super()._process_info(info, initial_connection)
+
+
 class NatsEventBus:
     """`EventBus` on NATS, plus JetStream replay for KV events (`ensure_stream`, `subscribe_replay`)."""
 
@@ -168,7 +189,7 @@ class NatsEventBus:
         self._servers = list(self._target.servers)
         self._queue_size = queue_size
         self._state = _State.IDLE
-        self._client = Client()
+        self._client: Client = _TlsOrNothing(require_tls=self._target.tls is not None)
         self._subscriptions: list[NatsSubscription] = []
         self._last_error: Exception | None = None
         self._is_refused = False  # the server answered "Authorization Violation" at least once
@@ -199,7 +220,6 @@ class NatsEventBus:
                 )
             # A few tries at start so a wrong address fails fast; once connected, retry forever.
             self._client.options["max_reconnect_attempts"] = -1
-            self._check_tls()
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             await self._client.close()
             if self._is_refused or _is_auth_failure(exc):
@@ -304,12 +324,6 @@ class NatsEventBus:
 
     def _has_credentials(self) -> bool:
         return any(x is not None for x in (self._target.user, self._target.token, self._target.creds))
-
-    def _check_tls(self) -> None:
-        # nats-py leaves the connection plain unless the server's INFO asks for TLS.
-        server_info: dict[str, Any] = getattr(self._client, "_server_info", {}) or {}
-        if self._target.tls is not None and not server_info.get("tls_required"):
-            raise nats.errors.Error("TLS was requested (tls:// or ?ca=) but the server does not speak TLS")
 
     async def _flush(self) -> None:
         try:

@@ -5,8 +5,9 @@
 
 QUERY keys: `ca` (CA bundle that signed the server's certificate; TLS on), `cert` + `key` (this
 client's certificate, for mutual TLS), `password-file` (the password, read from a file: keeps it out of
-process lists and shell history), and for NATS also `token-file` and `creds` (a `.creds` file of an
-NATS account, JWT + nkey seed). User and password may be percent-encoded (`%40` for `@`).
+process lists and shell history), and for NATS also `token-file`, `creds` (a `.creds` file of an
+NATS account, JWT + nkey seed) and `tls-first=1` (TLS before the server says anything, for servers
+configured with `tls { handshake_first: true }`). User and password may be percent-encoded (`%40` for `@`).
 
 Secrets are kept out of `repr` and of `redacted`, the form every message and log line uses.
 """
@@ -23,7 +24,7 @@ ETCD_PORT = 2379
 NATS_PORT = 4222
 _TLS_KEYS = ("ca", "cert", "key")
 _ETCD_KEYS = (*_TLS_KEYS, "password-file")
-_NATS_KEYS = (*_TLS_KEYS, "password-file", "token-file", "creds")
+_NATS_KEYS = (*_TLS_KEYS, "password-file", "token-file", "creds", "tls-first")
 _HIDDEN = "***"
 
 
@@ -76,6 +77,8 @@ class NatsTarget:
     """Path of a `.creds` file (JWT + nkey seed)."""
     tls: TlsFiles | None = None
     """TLS settings; None: plain TCP (unless the server demands TLS)."""
+    tls_first: bool = False
+    """Start TLS before reading the server's INFO (`?tls-first=1`; the server must be set up for it)."""
     redacted: str = ""
     """The URL with the password or token hidden, for messages."""
 
@@ -120,12 +123,13 @@ def parse_nats_target(url: str) -> NatsTarget:
         raise ConfigError(
             f"--events '{_redact(url)}' gives more than one of user/password, token and creds; keep one"
         )
-    tls = _tls(options, url, "--events", is_on=scheme == "tls")
+    tls_first = _flag(options, "tls-first", url)
+    tls = _tls(options, url, "--events", is_on=scheme == "tls" or tls_first)
     servers = tuple(
         "{}://{}:{}".format(scheme, *_host_port(part, NATS_PORT, url, "--events")) for part in hosts
     )
     return NatsTarget(servers=servers, user=user or None, password=password, token=token, creds=creds,
-                      tls=tls, redacted=_redact(url))  # fmt: skip
+                      tls=tls, tls_first=tls_first, redacted=_redact(url))  # fmt: skip
 
 
 def redact_url(url: str) -> str:
@@ -159,6 +163,13 @@ def _query(query: str, url: str, flag: str, known: tuple[str, ...]) -> dict[str,
             raise ConfigError(f"{flag} '{_redact(url)}': option '{key}' needs a value ({key}=PATH)")
         options[key] = value
     return options
+
+
+def _flag(options: dict[str, str], key: str, url: str) -> bool:
+    value = options.pop(key, "0").lower()
+    if value not in ("0", "1", "true", "false"):
+        raise ConfigError(f"--events '{_redact(url)}': option '{key}' takes 1 or 0, not '{value}'")
+    return value in ("1", "true")
 
 
 def _userinfo(userinfo: str) -> tuple[str, str | None]:

@@ -254,5 +254,5 @@ async def test_an_etcd_user_without_access_to_dyns_keys_is_refused_at_start(etcd
 
 @pytest.mark.skipif(importlib.util.find_spec("nkeys") is not None, reason="nkeys is installed")
 def test_a_creds_file_without_nkeys_installed_names_the_package() -> None:
-    with pytest.raises(ConfigError, match="needs the nkeys package; pip install nkeys"):
+    with pytest.raises(ConfigError, match=r"needs the nkeys package; pip install .dynamo-cli\[nats-creds\]"):
         connect_options(parse_nats_target("nats://h?creds=/etc/dyn/user.creds"))
