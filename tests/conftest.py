@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,6 +34,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 READY = re.compile(r"dyn serve ready: (https?://\S+)")
+
+API_KEY = "sk-dyn-test-" + secrets.token_hex(8)
+"""Every `dyn serve` a test starts requires this key (through DYN_API_KEYS) unless the test passes its own
+keys; clients take it from `DynProcess.api_key` / `.auth`. So the whole end-to-end suite runs keyed."""
 
 VLLM_TEST_EXTRA = {"enforce_eager": True, "max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 30}
 """vLLM in tests (a CPU here): no graph capture (minutes of startup saved), 1 GiB of KV cache, not a share of RAM."""
@@ -85,6 +90,18 @@ class DynProcess:
     discovery: str = ""
     events: str = "embedded"
     lines: list[str] = field(default_factory=list)
+    key: str | None = None
+    """The API key the deployment requires (None: the test set its own keys, or none)."""
+
+    @property
+    def api_key(self) -> str:
+        """For `openai.OpenAI(api_key=…)`: the deployment's key, or a placeholder when it needs none."""
+        return self.key or "none"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """Headers for raw HTTP clients: the deployment's key as a bearer token."""
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
     def stop(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
@@ -140,12 +157,15 @@ def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | N
               netns: str | None = None) -> DynProcess:  # fmt: skip
     """Start `dyn serve ...` (inside network namespace `netns` if given) and wait for its ready line."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
+    env = {**os.environ, **(env or {})}
+    key = None
+    if args[:1] == ["serve"] and not any(a.startswith("--api-key") for a in args) and "DYN_API_KEYS" not in env:
+        key = env["DYN_API_KEYS"] = API_KEY
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "dynamo_cli.cli.main", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-        start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )  # fmt: skip
-    handle = DynProcess(proc)
+    handle = DynProcess(proc, key=key)
     ready, box = threading.Event(), {}
     threading.Thread(target=_pump, args=(proc, handle.lines, ready, box), daemon=True).start()
     ready.wait(timeout)

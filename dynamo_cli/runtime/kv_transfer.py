@@ -46,6 +46,8 @@ REQUEST_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
 """How long a server waits for the handshake and the request together."""
 STALL_TIMEOUT_S = 30.0
 """How long a server waits for one chunk to drain, or for a NIXL reader's ack."""
+NIXL_PROGRESS_S = 0.0005
+"""While a NIXL read of a payload is in flight, the source drives its agent this often (no progress thread)."""
 DEFAULT_MAX_BYTES = 8 << 30
 """Default byte budget of payloads held at once."""
 MODE_STREAM, MODE_NIXL = 0, 1
@@ -249,7 +251,7 @@ class KvTransferServer:
         try:
             writer.write(_HEADER.pack(STATUS_OK, memoryview(held.payload).nbytes))
             if mode == MODE_NIXL and self._nixl is not None:
-                await self._await_ack(reader)
+                await self._await_ack(reader, self._nixl)
             else:
                 await self._send(writer, memoryview(held.payload))
             counter = "num_pulled"
@@ -284,9 +286,17 @@ class KvTransferServer:
         self._counts["bytes_served"] += view.nbytes
 
     @staticmethod
-    async def _await_ack(reader: asyncio.StreamReader) -> None:
-        async with asyncio.timeout(STALL_TIMEOUT_S):
-            await reader.readexactly(1)
+    async def _await_ack(reader: asyncio.StreamReader, nixl: NixlSource) -> None:
+        """Progress the source's agent until the puller's ack byte comes (its READ is then complete)."""
+        ack = asyncio.ensure_future(reader.readexactly(1))
+        try:
+            async with asyncio.timeout(STALL_TIMEOUT_S):
+                while not ack.done():
+                    nixl.progress()
+                    await asyncio.wait((ack,), timeout=NIXL_PROGRESS_S)
+            ack.result()
+        finally:
+            ack.cancel()
 
     def _refuse(self, writer: asyncio.StreamWriter, reason: str) -> None:
         self._counts["num_refused"] += 1

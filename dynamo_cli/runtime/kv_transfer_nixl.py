@@ -63,7 +63,11 @@ def load_agent_class() -> Any | None:
 
 def _new_agent(agent_class: Any) -> Any:
     name = f"dyn-kv-{secrets.token_hex(6)}"
-    config = importlib.import_module(agent_class.__module__).nixl_agent_config(backends=["UCX"])
+    # No progress thread: NIXL's polls without pause (pthrDelay 0), a fifth of a core per idle agent on
+    # this CPU. The puller progresses its own reads (check_xfer_state); the source progresses only while
+    # a read of its memory is in flight (NixlSource.progress, between the claim and the ack).
+    config = importlib.import_module(agent_class.__module__).nixl_agent_config(enable_prog_thread=False,
+                                                                               backends=["UCX"])
     return agent_class(name, config)
 
 
@@ -106,6 +110,10 @@ class NixlSource:
             return None
         offer = NixlOffer(agent=self._agent.name, metadata=metadata, address=address, nbytes=view.nbytes)
         return msgspec.msgpack.encode(offer)
+
+    def progress(self) -> None:
+        """Drive the agent's UCX workers once (serves a peer's READ in flight over TCP transports)."""
+        self._agent.get_new_notifs()
 
     def deregister(self, transfer_id: str) -> None:
         """Forget a payload's region (before the server drops the payload). Idempotent."""

@@ -56,7 +56,7 @@ def test_ls_shows_the_roles(disagg: DynProcess) -> None:
 
 
 def test_a_long_prompt_is_prefilled_remotely_and_explained(disagg: DynProcess) -> None:
-    with httpx.Client(base_url=disagg.url, timeout=60) as http:
+    with httpx.Client(base_url=disagg.url, headers=disagg.auth, timeout=60) as http:
         r = http.post("/v1/chat/completions", json=chat(LONG), headers={"x-dyn-explain-route": "1"})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -72,7 +72,7 @@ def test_a_long_prompt_is_prefilled_remotely_and_explained(disagg: DynProcess) -
 
 
 def test_a_short_prompt_is_prefilled_on_its_decode_worker(disagg: DynProcess) -> None:
-    with httpx.Client(base_url=disagg.url, timeout=60) as http:
+    with httpx.Client(base_url=disagg.url, headers=disagg.auth, timeout=60) as http:
         r = http.post("/v1/chat/completions", json=chat("hi"), headers={"x-dyn-explain-route": "1"})
         assert r.status_code == 200, r.text
         route = json.loads(r.headers["x-dyn-prefill-route"])
@@ -85,7 +85,7 @@ def test_a_short_prompt_is_prefilled_on_its_decode_worker(disagg: DynProcess) ->
 def test_streaming_a_remotely_prefilled_request_counts_every_token(disagg: DynProcess) -> None:
     import openai
 
-    c = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key=disagg.api_key, max_retries=0, timeout=60)
     chunks = list(c.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=12, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -137,7 +137,7 @@ async def test_a_hundred_clients_that_leave_mid_request_leave_no_kv_held(dyn_ser
         except TimeoutError:
             pass  # the client hung up: during the prefill, the transfer or the decode
 
-    async with httpx.AsyncClient(base_url=d.url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=d.url, headers=d.auth, timeout=60) as http:
         for start in range(0, 100, 20):
             await asyncio.gather(*(leave_after(http, 0.01 * (i % 20) + 0.005) for i in range(start, start + 20)))
 
@@ -160,7 +160,7 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(dyn_serve) -> None
     results: list[httpx.Response] = []
 
     def ask() -> None:
-        results.append(httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=120))
+        results.append(httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=120, headers=d.auth))
 
     thread = threading.Thread(target=ask)
     thread.start()
@@ -172,14 +172,15 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(dyn_serve) -> None
     assert r.json()["usage"]["completion_tokens"] == 8
     # with no prefill worker left, the decode worker prefills (until the pool is back)
     assert wait_until(lambda: not d.worker_pids("prefill"), timeout=6)
-    r = httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=60, headers={"x-dyn-explain-route": "1"})
+    r = httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=60,
+                   headers={**d.auth, "x-dyn-explain-route": "1"})
     assert r.status_code == 200
     assert json.loads(r.headers["x-dyn-prefill-route"])["outcome"] == "local_no_prefill_worker"
 
 
 def test_enforce_disagg_without_a_prefill_worker_is_a_503_naming_the_pool(dyn_serve) -> None:  # type: ignore[no-untyped-def]
     d = dyn_serve(*MOCKER, "--enforce-disagg")
-    r = httpx.post(f"{d.url}/v1/chat/completions", json=chat("hi"), timeout=30)
+    r = httpx.post(f"{d.url}/v1/chat/completions", json=chat("hi"), timeout=30, headers=d.auth)
     assert r.status_code == 503, r.text
     assert "prefill pool" in r.json()["error"]["message"]
 
@@ -197,7 +198,7 @@ def test_dyn_router_replicas_run_the_prefill_stage_too(dyn_serve) -> None:  # ty
     d = dyn_serve(*MOCKER, "--disagg", "--router", "remote", "--routers", "1", "--disagg-policy", "always")
     import openai
 
-    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=60)
     for stream in (False, True):
         if stream:
             chunks = list(c.chat.completions.create(

@@ -42,7 +42,7 @@ def prompts() -> list[list[int]]:
 
 def answers(d: DynProcess, prompt_ids: list[list[int]]) -> list[str]:
     def one(ids: list[int]) -> str:
-        r = httpx.post(f"{d.url}/v1/completions", timeout=300, json={
+        r = httpx.post(f"{d.url}/v1/completions", timeout=300, headers=d.auth, json={
             "model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True})  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 24

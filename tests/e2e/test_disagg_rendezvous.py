@@ -42,7 +42,7 @@ def with_prefill_pool(d: DynProcess) -> DynProcess:
 
 
 def client(d: DynProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=60)
 
 
 def ask(c: openai.OpenAI, max_tokens: int, *, stream: bool) -> tuple[int, str | None]:
@@ -100,7 +100,7 @@ def test_streaming_and_not_every_token_comes_from_the_decode_stream(rendezvous: 
 def test_a_finished_rendezvous_leaves_no_load_on_the_prefill_routers_books(rendezvous: DynProcess) -> None:
     """The prefill policy counted the rendezvous when it chose the prefill worker; it must hear the end."""
     headers = {"x-dyn-explain-route": "1"}
-    with httpx.Client(base_url=rendezvous.url, timeout=60) as http:
+    with httpx.Client(base_url=rendezvous.url, headers=rendezvous.auth, timeout=60) as http:
         for _ in range(2):
             r = http.post("/v1/chat/completions", json=chat(LONG), headers=headers)
             assert r.status_code == 200, r.text
@@ -109,7 +109,7 @@ def test_a_finished_rendezvous_leaves_no_load_on_the_prefill_routers_books(rende
 
 
 async def test_clients_that_leave_mid_stream_leave_nothing_running_on_either_worker(rendezvous: DynProcess) -> None:
-    c = openai.AsyncOpenAI(base_url=f"{rendezvous.url}/v1", api_key="none", max_retries=0, timeout=60)
+    c = openai.AsyncOpenAI(base_url=f"{rendezvous.url}/v1", api_key=rendezvous.api_key, max_retries=0, timeout=60)
 
     async def hang_up_after(seconds: float) -> None:  # during the prefill, the meeting or the decode
         with contextlib.suppress(TimeoutError):

@@ -47,7 +47,7 @@ def read_stream(response: httpx.Response, on_content=None) -> dict:  # type: ign
 
 def test_a_worker_killed_mid_stream_is_survived_by_migration(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     d = dyn_serve(*SLOW, "--workers", "2", discovery=planes[0], events=planes[1])
-    with httpx.Client(base_url=d.url, timeout=60) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400}) as r:
             victim = pid_of(d, r.headers["x-worker-instance-id"])
 
@@ -65,7 +65,7 @@ def test_a_worker_killed_mid_stream_is_survived_by_migration(dyn_serve, planes) 
 
 def test_migration_limit_zero_turns_the_death_into_an_error_event(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     d = dyn_serve(*SLOW, "--workers", "2", "--migration-limit", "0", discovery=planes[0], events=planes[1])
-    with httpx.Client(base_url=d.url, timeout=60) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400}) as r:
             victim = pid_of(d, r.headers["x-worker-instance-id"])
             result = read_stream(r, lambda n: n == 10 and os.kill(victim, signal.SIGKILL))
@@ -74,7 +74,7 @@ def test_migration_limit_zero_turns_the_death_into_an_error_event(dyn_serve, pla
 
 def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     d = dyn_serve(*SLOW, "--workers", "2", discovery=planes[0], events=planes[1])
-    with httpx.Client(base_url=d.url, timeout=60) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 300}) as r:
             draining = r.headers["x-worker-instance-id"]
             os.kill(pid_of(d, draining), signal.SIGTERM)
@@ -93,7 +93,7 @@ def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve, pl
 
 def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", discovery=planes[0], events=planes[1])
-    with httpx.Client(base_url=d.url, timeout=60) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200}) as r:
             assert r.status_code == 200
             start = time.perf_counter()

@@ -87,7 +87,8 @@ def _workers(url: str) -> int:
 @given(case=bodies())
 def test_generated_bodies_get_openai_shaped_answers(deployment: DynProcess, case: tuple[str, dict[str, Any]]) -> None:
     path, body = case
-    response = httpx.post(deployment.url + path, content=encode(body), headers={"content-type": "application/json"},
+    response = httpx.post(deployment.url + path, content=encode(body),
+                          headers={**deployment.auth, "content-type": "application/json"},
                           timeout=30)  # fmt: skip
     check_answer(response, stream=body.get("stream") is True)
 
@@ -105,7 +106,7 @@ def test_generated_bodies_get_openai_shaped_answers(deployment: DynProcess, case
 @pytest.mark.parametrize("stream", [False, True])
 def test_malformed_bodies_are_400s(deployment: DynProcess, raw: bytes, stream: bool) -> None:
     raw = raw.replace(b'"prompt": "x"', b'"prompt": "x", "stream": true') if stream else raw
-    response = httpx.post(f"{deployment.url}/v1/completions", content=raw, timeout=30)
+    response = httpx.post(f"{deployment.url}/v1/completions", content=raw, timeout=30, headers=deployment.auth)
     assert response.status_code == 400 and response.json()["error"]["type"], response.text[:300]
 
 
@@ -115,12 +116,13 @@ def test_poison_requests_amid_streams_harm_no_one(deployment: DynProcess) -> Non
 
     def stream() -> str:
         body = {"model": "smollm2", "prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
-        return httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60).text
+        return httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60, headers=deployment.auth).text
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(stream) for _ in range(4)]
         for extra in poison:
-            response = httpx.post(f"{deployment.url}/v1/completions", json={"model": "smollm2", **extra}, timeout=30)
+            response = httpx.post(f"{deployment.url}/v1/completions", json={"model": "smollm2", **extra}, timeout=30,
+                                  headers=deployment.auth)
             assert response.status_code == 400, response.text[:300]
             assert response.json()["error"]["param"], response.text[:300]
         for future in streams:
@@ -133,7 +135,8 @@ def test_client_chosen_request_ids_never_collide(deployment: DynProcess) -> None
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
 
     def stream() -> httpx.Response:
-        return httpx.post(f"{deployment.url}/v1/completions", json=body, headers={"x-request-id": "same"}, timeout=60)
+        return httpx.post(f"{deployment.url}/v1/completions", json=body,
+                          headers={**deployment.auth, "x-request-id": "same"}, timeout=60)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda _: stream(), range(2)))
@@ -145,6 +148,7 @@ def test_client_chosen_request_ids_never_collide(deployment: DynProcess) -> None
 
 def test_a_non_utf8_request_id_header_is_not_a_500(deployment: DynProcess) -> None:
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 4}
-    response = httpx.post(f"{deployment.url}/v1/completions", json=body, headers=[("x-request-id", b"\xff\xfe")],
+    response = httpx.post(f"{deployment.url}/v1/completions", json=body,
+                          headers=[*deployment.auth.items(), ("x-request-id", b"\xff\xfe")],
                           timeout=30)  # fmt: skip
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-request-id", response.text[:300]

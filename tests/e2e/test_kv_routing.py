@@ -24,7 +24,7 @@ def ask(http: httpx.Client, question: str) -> tuple[str, dict]:  # type: ignore[
 
 def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     d: DynProcess = dyn_serve(*FLAGS, discovery=planes[0], events=planes[1])
-    with httpx.Client(base_url=d.url, timeout=30) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=30) as http:
         first, _ = ask(http, "question zero")
         time.sleep(1.0)  # the first request's KV events, or the anti-entropy repair if ZMQ lost them
         for i in range(1, 6):
@@ -38,12 +38,12 @@ def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(dyn_ser
 def test_a_router_that_starts_late_knows_what_the_workers_cached(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
     shared = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}  # the late frontend joins this deployment
     d: DynProcess = dyn_serve(*FLAGS, discovery=planes[0], events=planes[1], env=shared)
-    with httpx.Client(base_url=d.url, timeout=30) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=30) as http:
         holder, _ = ask(http, "warm the cache")
     late = start_dyn(["serve", "--workers", "0", "--router", "kv", "--port", "0",
                       "--discovery", d.discovery, "--events", d.events], timeout=60, env=shared)  # fmt: skip
     try:
-        with httpx.Client(base_url=late.url, timeout=30) as http:
+        with httpx.Client(base_url=late.url, headers=late.auth, timeout=30) as http:
             for _ in range(50):  # the late frontend discovers the workers within a poll or two
                 if http.get("/health").status_code == 200 and len(http.get("/health").json()["instances"]) == 2:
                     break

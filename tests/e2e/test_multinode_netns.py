@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DynProcess, start_dyn, wait_until
+from tests.conftest import API_KEY, DynProcess, start_dyn, wait_until
 from tests.planes import find_etcd, find_nats_server
 
 A_ADDR, B_ADDR = "10.251.0.1", "10.251.0.2"
@@ -56,10 +56,11 @@ def namespaces() -> Iterator[tuple[str, str]]:
 def fetch(ns: str, url: str, body: str | None = None) -> subprocess.CompletedProcess[str]:
     """An HTTP request made from inside namespace `ns`."""
     code = (
-        "import sys, urllib.request as u; d = sys.argv[2].encode() if len(sys.argv) > 2 else None; "
-        "print(u.urlopen(u.Request(sys.argv[1], d, {'content-type': 'application/json'}), timeout=20).read().decode())"
+        "import sys, urllib.request as u; d = sys.argv[3].encode() if len(sys.argv) > 3 else None; "
+        "h = {'content-type': 'application/json', 'authorization': 'Bearer ' + sys.argv[2]}; "
+        "print(u.urlopen(u.Request(sys.argv[1], d, h), timeout=20).read().decode())"
     )
-    return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, url, *([body] if body else []))
+    return sh("ip", "netns", "exec", ns, sys.executable, "-c", code, url, API_KEY, *([body] if body else []))
 
 
 def in_ns(ns: str, *argv: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -35,7 +35,7 @@ def _dyn(*args: str) -> subprocess.CompletedProcess[str]:
 def test_dyn_serve_with_credentials_for_both_planes_answers_a_request(dyn_serve, auth_planes) -> None:  # type: ignore[no-untyped-def]
     discovery, events = auth_planes
     d: DynProcess = dyn_serve("--engine", "mocker", "--workers", "1", discovery=discovery, events=events)
-    reply = httpx.post(f"{d.url}/v1/chat/completions", timeout=30, json={
+    reply = httpx.post(f"{d.url}/v1/chat/completions", timeout=30, headers=d.auth, json={
         "model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 5

@@ -34,7 +34,7 @@ def test_serving_continues_while_etcd_restarts_and_workers_re_register(
     nats_server: str,  # type: ignore[no-untyped-def]
 ) -> None:
     d: DynProcess = dyn_serve(*FLAGS, discovery=etcd_process.url, events=nats_server)
-    with httpx.Client(base_url=d.url, timeout=30) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=30) as http:
         assert ok(http)
         etcd_process.stop()
         assert all(ok(http) for _ in range(5))  # known instances keep serving without etcd
@@ -61,7 +61,7 @@ def test_serving_continues_while_nats_restarts_and_kv_events_resume(
     nats_process: NatsProcess,  # type: ignore[no-untyped-def]
 ) -> None:
     d: DynProcess = dyn_serve(*FLAGS, "--router", "kv", discovery=etcd_server, events=nats_process.url)
-    with httpx.Client(base_url=d.url, timeout=30) as http:
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=30) as http:
         assert holder_overlap(http, "Before the outage. " * 80) >= 5
         nats_process.stop()
         assert all(ok(http) for _ in range(5))  # requests flow on the request plane, not NATS

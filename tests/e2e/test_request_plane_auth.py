@@ -79,7 +79,7 @@ def test_a_guessed_secret_is_refused_and_the_deployment_keeps_serving(deployment
     with pytest.raises(AuthenticationFailed):
         asyncio.run(call(worker_address(deployment), bytes(32), "generate"))
     body = {"model": "smollm2", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
-    reply = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=30)
+    reply = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=30, headers=deployment.auth)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
 
 

@@ -116,7 +116,7 @@ def overlaps(reply: dict[str, Any]) -> dict[int, int]:
 
 
 def test_serve_with_two_router_replicas_answers_the_openai_client(deployment: DynProcess) -> None:
-    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0, timeout=30)
+    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=deployment.api_key, max_retries=0, timeout=30)
     routers = {f"{instance_id(row):x}" for row in of(deployment, "router")}
     backends = {f"{instance_id(row):x}" for row in of(deployment, "backend")}
     seen = set()
@@ -137,7 +137,7 @@ async def cached_blocks(address: str) -> int:
 
 
 def test_a_repeated_long_prompt_hits_the_cache_through_either_replica(deployment: DynProcess) -> None:
-    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0, timeout=30)
+    c = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=deployment.api_key, max_retries=0, timeout=30)
     routers = [row["address"] for row in of(deployment, "router")]
     for topic in ("rivers", "mountains", "deserts"):
         messages = [{"role": "user", "content": f"{topic}: " + "tell me everything you know " * 60}]
@@ -240,7 +240,7 @@ def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_se
     leaving, staying = of(d, "router")
     os.kill(leaving["pid"], signal.SIGTERM)
     assert wait_until(lambda: [row["instance"] for row in of(d, "router")] == [staying["instance"]], timeout=5)
-    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=30)
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=30)
     for _ in range(3):
         raw = c.chat.completions.with_raw_response.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)  # fmt: skip
@@ -254,7 +254,7 @@ def test_a_pin_through_the_routers_reaches_that_backend_and_the_response_names_i
 ) -> None:
     routers = {f"{instance_id(row):x}" for row in of(deployment, "router")}
     body = {"model": "smollm2", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "stream": stream}
-    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+    with httpx.Client(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
         for row in of(deployment, "backend"):
             pin = f"{instance_id(row):x}"
             for _ in range(2):  # once through each replica (the frontend alternates)
@@ -267,7 +267,7 @@ def test_a_pin_through_the_routers_reaches_that_backend_and_the_response_names_i
 def test_a_pin_naming_no_backend_gets_a_400_through_the_routers(deployment: DynProcess, stream: bool) -> None:
     backends = [f"{instance_id(row):x}" for row in of(deployment, "backend")]
     body = {"model": "smollm2", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "stream": stream}
-    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+    with httpx.Client(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
         r = http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "abc"})
     assert r.status_code == 400
     error = r.json()["error"]

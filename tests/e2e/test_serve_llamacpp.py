@@ -22,7 +22,7 @@ def served(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
 
 
 def client(d: DynProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=120)
 
 
 def test_the_default_deployment_answers_with_real_text_and_correct_usage(served: DynProcess) -> None:

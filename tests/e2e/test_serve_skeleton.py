@@ -85,7 +85,7 @@ def own_deployment(request, dyn_serve, tmp_path) -> Iterator[DynProcess]:  # typ
 
 
 def client(d: DynProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=30)
 
 
 def test_chat_and_completions_answer_streaming_and_not(deployment: DynProcess) -> None:
@@ -118,7 +118,7 @@ def test_streamed_usage_counts_equal_the_tokens_streamed(deployment: DynProcess)
 
 def test_requests_spread_over_both_workers(deployment: DynProcess) -> None:
     seen = set()
-    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+    with httpx.Client(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
         for _ in range(6):
             r = http.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 2,
                                                          "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
@@ -131,7 +131,7 @@ def test_a_pinned_request_goes_to_its_worker_and_an_unknown_pin_gets_a_400_namin
     deployment: DynProcess,
 ) -> None:
     body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "stream": False}
-    with httpx.Client(base_url=deployment.url, timeout=30) as http:
+    with httpx.Client(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
         known = {http.post("/v1/chat/completions", json=body).headers["x-worker-instance-id"] for _ in range(4)}
         assert len(known) == 2
         for pin in sorted(known):
@@ -166,7 +166,8 @@ def test_a_pinned_request_goes_to_its_worker_and_an_unknown_pin_gets_a_400_namin
 def test_bad_requests_get_a_4xx_naming_the_problem(
     deployment: DynProcess, body: bytes, status: int, needle: str
 ) -> None:
-    r = httpx.post(f"{deployment.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    r = httpx.post(f"{deployment.url}/v1/chat/completions", content=body,
+                   headers={**deployment.auth, "content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"]
@@ -219,7 +220,7 @@ async def test_a_client_that_disconnects_frees_the_worker_within_a_second(deploy
             "messages": [{"role": "user", "content": "long story"}]}  # fmt: skip
     async with _load_watch(deployment) as latest:
         assert await _until(lambda: len(latest) == 2, timeout=10), latest  # both workers heard from
-        async with httpx.AsyncClient(base_url=deployment.url, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 lines = r.aiter_lines()  # held: a dropped line iterator is finalized, which closes the response
                 async for line in lines:

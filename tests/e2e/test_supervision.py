@@ -9,15 +9,15 @@ import time
 
 import httpx
 
-from tests.conftest import descendants, wait_until
+from tests.conftest import DynProcess, descendants, wait_until
 
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
         "stream": True, "ignore_eos": True}  # fmt: skip
 
 
-def _stream(url: str) -> str:
+def _stream(d: DynProcess) -> str:
     try:
-        return httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60).text
+        return httpx.post(f"{d.url}/v1/chat/completions", json=CHAT, timeout=60, headers=d.auth).text
     except httpx.HTTPError as exc:  # a transport error is a lost request: the test counts it
         return f"transport error: {exc!r}"
 
@@ -26,7 +26,7 @@ def test_a_killed_single_worker_under_64_streams_is_restarted_and_serve_serves_a
     d = dyn_serve("--engine", "mocker", "--workers", "1", "--speedup-ratio", "2", "--lease-ttl", "2")
     (worker,) = descendants(d.proc.pid)
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        streams = [pool.submit(_stream, d.url) for _ in range(64)]
+        streams = [pool.submit(_stream, d) for _ in range(64)]
         time.sleep(1.0)
         os.kill(worker, signal.SIGKILL)
         texts = [f.result() for f in streams]
@@ -39,7 +39,7 @@ def test_a_killed_single_worker_under_64_streams_is_restarted_and_serve_serves_a
     answers: list[httpx.Response] = []
 
     def served() -> bool:
-        answers.append(httpx.post(f"{d.url}/v1/chat/completions", json=body, timeout=30))
+        answers.append(httpx.post(f"{d.url}/v1/chat/completions", json=body, timeout=30, headers=d.auth))
         return answers[-1].status_code == 200
 
     assert wait_until(served, timeout=30, interval=0.2), answers[-1].text
@@ -62,5 +62,5 @@ def test_a_worker_that_keeps_dying_is_given_up_after_its_budget(dyn_serve) -> No
             assert wait_until(lambda: httpx.get(f"{d.url}/health", timeout=5).status_code == 200, timeout=20)
     time.sleep(3.0)  # longer than the backoff: nothing is started again
     assert descendants(d.proc.pid) == set() and d.proc.poll() is None
-    reply = httpx.post(f"{d.url}/v1/chat/completions", json={**CHAT, "stream": False}, timeout=10)
+    reply = httpx.post(f"{d.url}/v1/chat/completions", json={**CHAT, "stream": False}, timeout=10, headers=d.auth)
     assert reply.status_code == 404  # nobody is coming back: the model is gone, as without supervision
