@@ -52,7 +52,7 @@ def test_it_implements_the_routing_policy_protocol() -> None:
 
 
 def test_the_worked_example_chooses_the_second_worker() -> None:
-    kv = policy()
+    kv = policy(cost="dynamo")  # Dynamo's formula, no longer the default (router/time_cost.py)
     tokens = prompt(0, blocks=0)[:64]  # 4 blocks
     hashes = sequence_hashes(tokens, BLOCK)
     kv.indexer.store_blocks(2, hashes[:3])
@@ -201,7 +201,7 @@ def test_stale_requests_can_be_expired() -> None:
 
 
 def test_each_candidates_formula_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    kv = policy()
+    kv = policy(cost="dynamo")
     with caplog.at_level(logging.DEBUG, logger="dynamo_cli.router.kv"):
         kv.select(RouteRequest("r7", prompt(1)), [4, 5])
 
