@@ -162,6 +162,8 @@ def start_serve(
         argv += ["--kv-overlap-score-weight", str(knobs["w"]), "--router-temperature", str(knobs["t"])]
         if not knobs["guard"]:
             argv.append("--no-hot-spot-guard")
+        if knobs["cost"]:
+            argv += ["--router-cost", knobs["cost"]]
     log = log_path.open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)  # a file: a full pipe never blocks it
     deadline = time.monotonic() + 90
@@ -177,17 +179,20 @@ def start_serve(
 
 
 def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `round-robin`, `random` -> router and kv knobs."""
+    """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `kv:cost=dynamo`, `round-robin`, `random` -> router and kv
+    knobs (`cost=` unset: the router's default cost)."""
     router, *parts = mode.split(":")
     knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
-                             "guard": args.hot_spot_guard}  # fmt: skip
+                             "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None)}  # fmt: skip
     for part in parts:
         if part == "noguard":
             knobs["guard"] = False
         elif part.startswith(("w=", "t=")):
             knobs[part[0]] = float(part[2:])
+        elif part.startswith("cost="):
+            knobs["cost"] = part[5:]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, noguard)")
+            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard)")
     return router, knobs
 
 
@@ -290,48 +295,32 @@ def load_summary(samples: list[tuple[float, LoadMetrics]], a: float, b: float) -
 
 async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args: argparse.Namespace,
                    seed: int, serve_pid: int) -> dict[str, Any]:  # fmt: skip
+    """One deployment's window: open-loop arrivals at `args.rate`, or closed loop with `args.clients`."""
     samples: list[tuple[float, LoadMetrics]] = []
     ready = asyncio.Event()
     watcher = asyncio.get_running_loop().create_task(watch_load(discovery_url, samples, ready))
     await asyncio.wait_for(ready.wait(), 10)
     is_kv = mode.split(":")[0] == "kv"
     headers = {"x-dyn-explain-route": "1"} if is_kv else None
-    rng = random.Random(seed)  # same request sequence (prefixes, suffixes, gaps) for every mode
     records: list[KvRecord] = []
     tasks: set[asyncio.Task[Any]] = set()
     client = KvClient(url, max_connections=4096, idle_timeout=120, request_timeout=300, headers=headers)
-    before: dict[str, float] = {}
-
-    async def one(body: dict[str, Any], record: KvRecord) -> None:
-        await client.stream("/v1/completions", body, record)
-
     start = time.perf_counter()
     measure_at = start + args.warmup
     end_at = measure_at + args.seconds
-    next_at = start
-    scraped = False
-    while True:
-        next_at += rng.expovariate(args.rate) if args.arrival == "poisson" else 1.0 / args.rate
-        prefix = rng.randrange(len(work.prefixes))
-        body = make_body(work, prefix, rng)
-        if next_at >= end_at:
-            break
-        now = time.perf_counter()
-        if not scraped and next_at >= measure_at:
-            if is_kv:
-                before = await scrape_router(url)
-            cpu_before = cpu_snapshot(serve_pid)
-            scraped = True
-            now = time.perf_counter()
-        if next_at > now:
-            await asyncio.sleep(next_at - now)
-        record = KvRecord(prefix=prefix, measured=next_at >= measure_at, scheduled=next_at,
-                          input_tokens=len(body["prompt"]))  # fmt: skip
-        records.append(record)
-        task = asyncio.get_running_loop().create_task(one(body, record))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    marks: dict[str, Any] = {}
+
+    async def mark() -> None:  # at the window's start: the router's counters and everyone's CPU so far
+        await asyncio.sleep(max(0.0, measure_at - time.perf_counter()))
+        marks["before"] = await scrape_router(url) if is_kv else {}
+        marks["cpu"] = cpu_snapshot(serve_pid)
+
+    marker = asyncio.get_running_loop().create_task(mark())
+    loop = closed_loop if getattr(args, "clients", 0) else open_loop
+    await loop(client, work, args, seed, records, tasks, measure_at, end_at)
+    await marker
     window_end = time.perf_counter()
+    cpu_before = marks["cpu"]
     cpu = {k: (v - cpu_before[k]) / (window_end - measure_at) for k, v in cpu_snapshot(serve_pid).items()}
     after = await scrape_router(url) if is_kv else {}
     load = load_summary(samples, measure_at, window_end)
@@ -343,9 +332,55 @@ async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
-    row = summarize(mode, records, work, measure_at, window_end, before, after, load, args)
+    row = summarize(mode, records, work, measure_at, window_end, marks["before"], after, load, args)
     row.update({f"cpu_{k}": v for k, v in cpu.items()})  # cores used (1.0 = one core busy)
     return row
+
+
+async def open_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int, records: list[KvRecord],
+                    tasks: set[asyncio.Task[Any]], measure_at: float, end_at: float) -> None:  # fmt: skip
+    """Poisson (or constant) arrivals at `args.rate` until `end_at`; the same sequence for every mode."""
+    rng = random.Random(seed)
+    next_at = time.perf_counter()
+    while True:
+        next_at += rng.expovariate(args.rate) if args.arrival == "poisson" else 1.0 / args.rate
+        prefix = rng.randrange(len(work.prefixes))
+        body = make_body(work, prefix, rng)
+        if next_at >= end_at:
+            break
+        now = time.perf_counter()
+        if next_at > now:
+            await asyncio.sleep(next_at - now)
+        record = KvRecord(prefix=prefix, measured=next_at >= measure_at, scheduled=next_at,
+                          input_tokens=len(body["prompt"]))  # fmt: skip
+        records.append(record)
+        task = asyncio.get_running_loop().create_task(client.stream("/v1/completions", body, record))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
+
+
+async def closed_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int,
+                      records: list[KvRecord], tasks: set[asyncio.Task[Any]], measure_at: float,
+                      end_at: float) -> None:  # fmt: skip
+    """`args.clients` clients, each sending its next request when the last one ends, until `end_at`.
+    Client i draws its prompts from its own seeded rng, so every mode gets the same per-client sequence."""
+
+    async def client_loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        while (now := time.perf_counter()) < end_at:
+            prefix = rng.randrange(len(work.prefixes))
+            body = make_body(work, prefix, rng)
+            record = KvRecord(prefix=prefix, measured=now >= measure_at, scheduled=now,
+                              input_tokens=len(body["prompt"]))  # fmt: skip
+            records.append(record)
+            await client.stream("/v1/completions", body, record)
+
+    for i in range(args.clients):
+        task = asyncio.get_running_loop().create_task(client_loop(i))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
 
 
 async def run_capacity(url: str, work: Workload, args: argparse.Namespace, seed: int) -> dict[str, Any]:
