@@ -15,7 +15,7 @@ the cost of sending the request to w is
 
     cost = t_prefill + t_evict + t_memory                                              [seconds]
     t_prefill = (Q + U) / R,  U = max(0, isl - o * bs)
-    t_evict   = max(0, (n - o) - (C - K)) * bs / R
+    t_evict   = max(0, (n - o) - max(0, C - K)) * bs / R
     t_memory  = max(0, A + k + (n - a) + 1 - C) * L / (A + k)
 
 1. **t_prefill**: passes serve prefills first come, so the first token comes once w has computed the
@@ -116,7 +116,8 @@ def time_terms(
     prefill_s = (queued_prefill + uncached) / rate
     known = capacity > 0
     new_blocks = np.maximum(0, num_blocks - overlap)
-    evicted = np.maximum(0, new_blocks - (capacity - cached)) * known
+    free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
+    evicted = np.maximum(0, new_blocks - free) * known
     evict_s = evicted * (block_size / rate)
     held = active_blocks + in_flight
     overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known

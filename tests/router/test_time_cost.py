@@ -70,6 +70,13 @@ def test_without_pressure_a_copy_is_free_and_load_breaks_the_tie() -> None:
     assert (selection.worker_id, selection.reason, selection.margin) == (2, Reason.TIE_LOAD, 0.0)
 
 
+def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
+    # approximate mode never sees evictions: 900 blocks guessed on a 512-block worker; 32 new -> 32 evicted
+    _, (costs,) = choose(CandidateLoad(1, cached_blocks=900, capacity_blocks=512))
+
+    assert costs["evict_s"] == pytest.approx(32 * 64 / 20_000)
+
+
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
 
