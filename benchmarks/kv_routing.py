@@ -12,8 +12,10 @@ Regimes:
   (b) cache pressure: P and `--num-gpu-blocks` such that the P prompts fit in the 4 workers' caches
       together but not in any one (default P = 40 x 31 blocks = 1,240 blocks vs 512 per worker).
 
-Regime b runs kv twice by default: with Dynamo's default overlap weight (w = 1) and with w = 4
-(`--modes-b kv,kv:w=4,round-robin,random`; a mode `kv:w=W:t=T:noguard` sets the kv knobs). Before
+`kv` is the router's default cost (`time`, router/time_cost.py); `kv:w=W` is Dynamo's formula with
+weight W (`kv:cost=dynamo` with the default w = 1). Regime b runs Dynamo's formula twice by default:
+with its default overlap weight (w = 1) and with w = 4 (`--modes-b kv,kv:w=1,kv:w=4,round-robin,random`;
+a mode `kv:w=W:t=T:noguard:cost=C` sets the kv knobs). Before
 regime b, one worker alone is driven closed-loop (c = 32) to measure its saturated throughput on the
 same workload; 4x that is the cache-blind capacity the offered rate is compared with.
 
@@ -27,10 +29,12 @@ full blocks that lie inside the system prompt) that hit. For kv mode also the ro
 request (the mocker then runs passes back to back, as a GPU would), plus mean KV usage and queue length.
 
     python benchmarks/kv_routing.py [--regimes a,b] [--rate 30] [--seconds 50] [--warmup 10]
-        [--modes-a kv,round-robin,random] [--modes-b kv,kv:w=4,round-robin,random]
+        [--modes-a kv,kv:w=1,round-robin,random] [--modes-b kv,kv:w=1,kv:w=4,round-robin,random]
+        [--clients N]   # closed loop with N clients instead of --rate (benchmarks/kv_routing_matrix.py
+                        # runs issue 15's whole cache x load matrix)
         [--json benchmarks/out/kv_routing.json]
 
-Defaults take about 10 minutes (7 deployments of ~75 s plus a 30 s probe). Traffic is 127.0.0.1 only.
+Defaults take about 12 minutes (9 deployments of ~75 s plus a 30 s probe). Traffic is 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -189,6 +193,8 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
             knobs["guard"] = False
         elif part.startswith(("w=", "t=")):
             knobs[part[0]] = float(part[2:])
+            if part[0] == "w":
+                knobs["cost"] = knobs["cost"] or "dynamo"  # w is the weight of Dynamo's formula
         elif part.startswith("cost="):
             knobs["cost"] = part[5:]
         else:
@@ -518,9 +524,11 @@ def regime_settings(name: str, args: argparse.Namespace) -> tuple[int, int | Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regimes", default="a,b")
-    p.add_argument("--modes-a", default="kv,round-robin,random",
-                   help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard")
-    p.add_argument("--modes-b", default="kv,kv:w=4,round-robin,random", help="router modes of regime b")
+    p.add_argument("--modes-a", default="kv,kv:w=1,round-robin,random",
+                   help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard, kv:cost=dynamo")
+    p.add_argument("--modes-b", default="kv,kv:w=1,kv:w=4,round-robin,random", help="router modes of regime b")
+    p.add_argument("--clients", type=int, default=0, help="closed loop with this many clients (0: open loop)")
+    p.add_argument("--router-cost", default=None, help="cost of the kv modes without cost= (default: the router's)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--seconds", type=float, default=50.0, help="measured window per mode")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of the same traffic before the window")
