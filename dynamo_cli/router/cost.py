@@ -205,8 +205,11 @@ class Selection:
         logits = self.table.logits
         rows: Sequence[int] = range(len(logits))
         if len(logits) > EXPLAIN_LIMIT:
-            best = set(np.argpartition(logits, EXPLAIN_LIMIT - 1)[: EXPLAIN_LIMIT - 1].tolist())
-            rows = sorted(best | {self.index})
+            best = set(np.argpartition(logits, EXPLAIN_LIMIT - 1)[:EXPLAIN_LIMIT].tolist())
+            if self.index not in best:  # sampled or pinned: the chosen one replaces the costliest listed
+                best.remove(max(best, key=lambda i: float(logits[i])))
+                best.add(self.index)
+            rows = sorted(best)
         return {
             "worker_id": self.worker_id,
             "reason": self.reason.value,

@@ -244,3 +244,16 @@ def test_an_event_id_reported_twice_but_never_received_queues_a_gap_for_repair()
     policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=3))
     gaps = policy.take_gaps()
     assert [(g.worker_id, g.first_missing, g.last_missing) for g in gaps] == [(7, 0, 3)]
+
+
+def test_first_tokens_and_ends_of_streams_teach_the_time_cost_its_speeds() -> None:
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
+    kv.select(RouteRequest("r1", prompt(1)), [1, 2])
+    clock.now += 0.5
+    kv.on_first_token("r1")
+    clock.now += 1.5
+    kv.on_finish("r1")
+    kv.on_finish("r1")  # a second report of the same end is not a second observation
+
+    assert kv.speed.speed.lifetime_s == 2.0
