@@ -486,12 +486,14 @@ def explain_summary(ok: list[KvRecord], work: Workload, block_size: int) -> dict
     prefix_blocks = work.cacheable_tokens // block_size
     missed = 0
     miss_reasons: Counter[str] = Counter()
+    speeds: list[float] = []  # the time cost's prefill speed (tokens/s) as each explanation shows it
     for r in ok:
         if not r.route:
             continue
         route = json.loads(r.route)
         reasons[route["reason"]] += 1
         cands = route["candidates"]
+        speeds += [c["prefill_blocks"] * block_size / c["prefill_s"] for c in cands[:1] if c.get("prefill_s")]
         chosen = next(c for c in cands if c["worker_id"] == route["worker_id"])
         best = max(c["overlap_blocks"] for c in cands)
         if route.get("margin") is not None:
@@ -509,7 +511,8 @@ def explain_summary(ok: list[KvRecord], work: Workload, block_size: int) -> dict
             miss_reasons[kind] += 1
     return {"reasons": dict(reasons), "decisions_best_cache_lost": lost,
             "margin_p50": pct(margins, 50), "requests_missing_prefix": missed,
-            "miss_reasons": dict(miss_reasons), "lost_examples": lost_examples}  # fmt: skip
+            "miss_reasons": dict(miss_reasons), "lost_examples": lost_examples,
+            "prefill_tps_first_last": [round(speeds[0]), round(speeds[-1])] if speeds else None}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- main

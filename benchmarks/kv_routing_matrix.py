@@ -163,14 +163,16 @@ def print_table(results: dict[str, Any]) -> None:
     for cache, reg in results["caches"].items():
         for cell in reg["cells"]:
             rr = cell["runs"].get("round-robin")
-            for mode, ratio in cell["rr_over"].items():
-                row = cell["runs"][mode]
+            for mode, row in cell["runs"].items():
+                if mode == "round-robin":
+                    continue
+                ratio = cell["rr_over"].get(mode, dict.fromkeys(RATIO_KEYS, float("nan")))
                 offered = "closed" if cell["load"] == "closed" else f"{row['rate']:.1f}"
-                ok = all(r >= 1 for r in ratio.values())
+                ok = "-" if rr is None else "yes" if all(r >= 1 for r in ratio.values()) else "NO"
                 print(f"| {cache} | {cell['load']} | {offered} | {mode} | {_ms(row)} | {_ms(rr) if rr else '-'} | "
                       + " | ".join(f"{ratio[k]:.2f}" for k in RATIO_KEYS)
                       + f" | {row['hit_rate']:.1%} | {rr['hit_rate'] if rr else float('nan'):.1%} | "
-                      f"{row.get('router_reachable_blocks_rate', float('nan')):.1%} | {'yes' if ok else 'NO'} |")
+                      f"{row.get('router_reachable_blocks_rate', float('nan')):.1%} | {ok} |")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,8 @@ class KvRoutingPolicy:
         self.counters = RouterCounters()
         self.speed = SpeedEstimator(config.prefill_tokens_per_s)
         """Prefill speed and time in flight, learned from first tokens and ends of streams (time cost)."""
+        self._speed_probes: dict[str, int] = {}
+        """Requests in flight routed to a worker with no prefill queued -> their uncached tokens."""
         self._capacity: dict[int, int] = {}
         """Worker -> KV blocks it published (`LoadMetrics.total_blocks`); else the card's."""
         self._gaps: list[Gap] = []
@@ -104,6 +106,10 @@ class KvRoutingPolicy:
         chosen = selection.chosen
         prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
+        if selection.table.candidates.active_prefill_tokens[selection.index]:
+            self._speed_probes.pop(request.request_id, None)
+        else:  # nothing queued before it: its time to first token measures its own prefill
+            self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
             self.approx.record(chosen.worker_id, hashes, now)
         self._count(selection, len(hashes))
@@ -124,13 +130,14 @@ class KvRoutingPolicy:
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done: its prompt tokens leave the worker's prefill load."""
-        active, started = self.sequences.describe(request_id), self.sequences.started(request_id)
-        if self.sequences.mark_prefill_completed(request_id) and active is not None and started is not None:
-            self.speed.observe_first_token(active[2], self._clock() - started)
+        uncached, started = self._speed_probes.pop(request_id, None), self.sequences.started(request_id)
+        if self.sequences.mark_prefill_completed(request_id) and uncached is not None and started is not None:
+            self.speed.observe_first_token(uncached, self._clock() - started)
 
     def on_finish(self, request_id: str) -> None:
         """The request left its worker: free its blocks (idempotent)."""
         started = self.sequences.started(request_id)
+        self._speed_probes.pop(request_id, None)
         if self.sequences.free(request_id) and started is not None:
             self.speed.observe_lifetime(self._clock() - started)
 
@@ -138,7 +145,8 @@ class KvRoutingPolicy:
         """The worker left discovery: drop its cached blocks and in-flight load."""
         self.indexer.remove_worker(worker_id)
         self.approx.remove_worker(worker_id)
-        self.sequences.remove_worker(worker_id)
+        for request_id in self.sequences.remove_worker(worker_id):
+            self._speed_probes.pop(request_id, None)
         self._capacity.pop(worker_id, None)
         self._reported_event_id.pop(worker_id, None)
         self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
@@ -186,7 +194,10 @@ class KvRoutingPolicy:
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
-        return self.sequences.expire(self._clock(), max_age)
+        expired = self.sequences.expire(self._clock(), max_age)
+        for request_id in expired:
+            self._speed_probes.pop(request_id, None)
+        return expired
 
     ##### Internals #####
 
