@@ -14,6 +14,7 @@ from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.indexer import Gap
 from dynamo_cli.router.kv import KvRoutingPolicy, explanation_summary
+from dynamo_cli.router.time_cost import SpeedEstimator
 
 BLOCK = 16
 SYSTEM = list(range(1, 129))  # an 8-block system prompt
@@ -257,3 +258,27 @@ def test_first_tokens_and_ends_of_streams_teach_the_time_cost_its_speeds() -> No
     kv.on_finish("r1")  # a second report of the same end is not a second observation
 
     assert kv.speed.speed.lifetime_s == 2.0
+
+
+class RecordingSpeed(SpeedEstimator):
+    """Keeps the first-token observations it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+
+    def observe_first_token(self, uncached_tokens: int, ttft_s: float) -> None:
+        self.seen.append((uncached_tokens, ttft_s))
+
+
+def test_only_requests_with_no_prefill_queued_ahead_teach_the_prefill_speed() -> None:
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
+    kv.speed = recorder = RecordingSpeed()
+    kv.select(RouteRequest("alone", prompt(1)), [1])  # 10 blocks, nothing cached, nothing queued
+    kv.select(RouteRequest("behind", prompt(2)), [1])  # queued behind the first one's 160 tokens
+    clock.now += 0.25
+    kv.on_first_token("alone")
+    kv.on_first_token("behind")
+
+    assert recorder.seen == [(160, 0.25)]
