@@ -4,6 +4,13 @@ NOTE: one decision is: hash the prompt's full blocks, ask the indexer (or, in ap
 router's own past decisions) how much of the prefix each candidate caches, read each candidate's
 in-flight load, choose by cost (cost.py), then count the request's load on the chosen worker at once.
 Every path that routes, the pinned one included, goes through that last step, so load is never lost.
+
+At scale (benchmarks/indexer.py, 128 workers x 100k blocks): the prefix query already walks the
+prompt's hashes once over a hash -> worker-bitmask map (indexer.py), and the load totals are kept
+incrementally (sequences.py). A profile put ~60 % of a decision in building two Python objects per
+candidate and explaining all of them, and ~20 % in per-block `struct.pack` when hashing. So the
+candidates are numpy columns costed in a few vector operations (cost.py), only the 16 cheapest are
+explained, and the prompt is packed once (kv/hashing.py). p50 went from 343 to 153 us at 128 workers.
 """
 
 from __future__ import annotations
