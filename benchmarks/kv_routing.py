@@ -12,8 +12,10 @@ Regimes:
   (b) cache pressure: P and `--num-gpu-blocks` such that the P prompts fit in the 4 workers' caches
       together but not in any one (default P = 40 x 31 blocks = 1,240 blocks vs 512 per worker).
 
-Regime b runs kv twice by default: with Dynamo's default overlap weight (w = 1) and with w = 4
-(`--modes-b kv,kv:w=4,round-robin,random`; a mode `kv:w=W:t=T:noguard` sets the kv knobs). Before
+`kv` is the router's default cost (`time`, router/time_cost.py); `kv:w=W` is Dynamo's formula with
+weight W (`kv:cost=dynamo` with the default w = 1). Regime b runs Dynamo's formula twice by default:
+with its default overlap weight (w = 1) and with w = 4 (`--modes-b kv,kv:w=1,kv:w=4,round-robin,random`;
+a mode `kv:w=W:t=T:noguard:cost=C` sets the kv knobs). Before
 regime b, one worker alone is driven closed-loop (c = 32) to measure its saturated throughput on the
 same workload; 4x that is the cache-blind capacity the offered rate is compared with.
 
@@ -27,10 +29,12 @@ full blocks that lie inside the system prompt) that hit. For kv mode also the ro
 request (the mocker then runs passes back to back, as a GPU would), plus mean KV usage and queue length.
 
     python benchmarks/kv_routing.py [--regimes a,b] [--rate 30] [--seconds 50] [--warmup 10]
-        [--modes-a kv,round-robin,random] [--modes-b kv,kv:w=4,round-robin,random]
+        [--modes-a kv,kv:w=1,round-robin,random] [--modes-b kv,kv:w=1,kv:w=4,round-robin,random]
+        [--clients N]   # closed loop with N clients instead of --rate (benchmarks/kv_routing_matrix.py
+                        # runs issue 15's whole cache x load matrix)
         [--json benchmarks/out/kv_routing.json]
 
-Defaults take about 10 minutes (7 deployments of ~75 s plus a 30 s probe). Traffic is 127.0.0.1 only.
+Defaults take about 12 minutes (9 deployments of ~75 s plus a 30 s probe). Traffic is 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -162,6 +166,8 @@ def start_serve(
         argv += ["--kv-overlap-score-weight", str(knobs["w"]), "--router-temperature", str(knobs["t"])]
         if not knobs["guard"]:
             argv.append("--no-hot-spot-guard")
+        if knobs["cost"]:
+            argv += ["--router-cost", knobs["cost"]]
     log = log_path.open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)  # a file: a full pipe never blocks it
     deadline = time.monotonic() + 90
@@ -177,17 +183,22 @@ def start_serve(
 
 
 def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `round-robin`, `random` -> router and kv knobs."""
+    """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `kv:cost=dynamo`, `round-robin`, `random` -> router and kv
+    knobs (`cost=` unset: the router's default cost)."""
     router, *parts = mode.split(":")
     knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
-                             "guard": args.hot_spot_guard}  # fmt: skip
+                             "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None)}  # fmt: skip
     for part in parts:
         if part == "noguard":
             knobs["guard"] = False
         elif part.startswith(("w=", "t=")):
             knobs[part[0]] = float(part[2:])
+            if part[0] == "w":
+                knobs["cost"] = knobs["cost"] or "dynamo"  # w is the weight of Dynamo's formula
+        elif part.startswith("cost="):
+            knobs["cost"] = part[5:]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, noguard)")
+            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard)")
     return router, knobs
 
 
@@ -290,48 +301,32 @@ def load_summary(samples: list[tuple[float, LoadMetrics]], a: float, b: float) -
 
 async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args: argparse.Namespace,
                    seed: int, serve_pid: int) -> dict[str, Any]:  # fmt: skip
+    """One deployment's window: open-loop arrivals at `args.rate`, or closed loop with `args.clients`."""
     samples: list[tuple[float, LoadMetrics]] = []
     ready = asyncio.Event()
     watcher = asyncio.get_running_loop().create_task(watch_load(discovery_url, samples, ready))
     await asyncio.wait_for(ready.wait(), 10)
     is_kv = mode.split(":")[0] == "kv"
     headers = {"x-dyn-explain-route": "1"} if is_kv else None
-    rng = random.Random(seed)  # same request sequence (prefixes, suffixes, gaps) for every mode
     records: list[KvRecord] = []
     tasks: set[asyncio.Task[Any]] = set()
     client = KvClient(url, max_connections=4096, idle_timeout=120, request_timeout=300, headers=headers)
-    before: dict[str, float] = {}
-
-    async def one(body: dict[str, Any], record: KvRecord) -> None:
-        await client.stream("/v1/completions", body, record)
-
     start = time.perf_counter()
     measure_at = start + args.warmup
     end_at = measure_at + args.seconds
-    next_at = start
-    scraped = False
-    while True:
-        next_at += rng.expovariate(args.rate) if args.arrival == "poisson" else 1.0 / args.rate
-        prefix = rng.randrange(len(work.prefixes))
-        body = make_body(work, prefix, rng)
-        if next_at >= end_at:
-            break
-        now = time.perf_counter()
-        if not scraped and next_at >= measure_at:
-            if is_kv:
-                before = await scrape_router(url)
-            cpu_before = cpu_snapshot(serve_pid)
-            scraped = True
-            now = time.perf_counter()
-        if next_at > now:
-            await asyncio.sleep(next_at - now)
-        record = KvRecord(prefix=prefix, measured=next_at >= measure_at, scheduled=next_at,
-                          input_tokens=len(body["prompt"]))  # fmt: skip
-        records.append(record)
-        task = asyncio.get_running_loop().create_task(one(body, record))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    marks: dict[str, Any] = {}
+
+    async def mark() -> None:  # at the window's start: the router's counters and everyone's CPU so far
+        await asyncio.sleep(max(0.0, measure_at - time.perf_counter()))
+        marks["before"] = await scrape_router(url) if is_kv else {}
+        marks["cpu"] = cpu_snapshot(serve_pid)
+
+    marker = asyncio.get_running_loop().create_task(mark())
+    loop = closed_loop if getattr(args, "clients", 0) else open_loop
+    await loop(client, work, args, seed, records, tasks, measure_at, end_at)
+    await marker
     window_end = time.perf_counter()
+    cpu_before = marks["cpu"]
     cpu = {k: (v - cpu_before[k]) / (window_end - measure_at) for k, v in cpu_snapshot(serve_pid).items()}
     after = await scrape_router(url) if is_kv else {}
     load = load_summary(samples, measure_at, window_end)
@@ -343,9 +338,55 @@ async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
-    row = summarize(mode, records, work, measure_at, window_end, before, after, load, args)
+    row = summarize(mode, records, work, measure_at, window_end, marks["before"], after, load, args)
     row.update({f"cpu_{k}": v for k, v in cpu.items()})  # cores used (1.0 = one core busy)
     return row
+
+
+async def open_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int, records: list[KvRecord],
+                    tasks: set[asyncio.Task[Any]], measure_at: float, end_at: float) -> None:  # fmt: skip
+    """Poisson (or constant) arrivals at `args.rate` until `end_at`; the same sequence for every mode."""
+    rng = random.Random(seed)
+    next_at = time.perf_counter()
+    while True:
+        next_at += rng.expovariate(args.rate) if args.arrival == "poisson" else 1.0 / args.rate
+        prefix = rng.randrange(len(work.prefixes))
+        body = make_body(work, prefix, rng)
+        if next_at >= end_at:
+            break
+        now = time.perf_counter()
+        if next_at > now:
+            await asyncio.sleep(next_at - now)
+        record = KvRecord(prefix=prefix, measured=next_at >= measure_at, scheduled=next_at,
+                          input_tokens=len(body["prompt"]))  # fmt: skip
+        records.append(record)
+        task = asyncio.get_running_loop().create_task(client.stream("/v1/completions", body, record))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
+
+
+async def closed_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int,
+                      records: list[KvRecord], tasks: set[asyncio.Task[Any]], measure_at: float,
+                      end_at: float) -> None:  # fmt: skip
+    """`args.clients` clients, each sending its next request when the last one ends, until `end_at`.
+    Client i draws its prompts from its own seeded rng, so every mode gets the same per-client sequence."""
+
+    async def client_loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        while (now := time.perf_counter()) < end_at:
+            prefix = rng.randrange(len(work.prefixes))
+            body = make_body(work, prefix, rng)
+            record = KvRecord(prefix=prefix, measured=now >= measure_at, scheduled=now,
+                              input_tokens=len(body["prompt"]))  # fmt: skip
+            records.append(record)
+            await client.stream("/v1/completions", body, record)
+
+    for i in range(args.clients):
+        task = asyncio.get_running_loop().create_task(client_loop(i))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
 
 
 async def run_capacity(url: str, work: Workload, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -445,12 +486,14 @@ def explain_summary(ok: list[KvRecord], work: Workload, block_size: int) -> dict
     prefix_blocks = work.cacheable_tokens // block_size
     missed = 0
     miss_reasons: Counter[str] = Counter()
+    speeds: list[float] = []  # the time cost's prefill speed (tokens/s) as each explanation shows it
     for r in ok:
         if not r.route:
             continue
         route = json.loads(r.route)
         reasons[route["reason"]] += 1
         cands = route["candidates"]
+        speeds += [c["prefill_blocks"] * block_size / c["prefill_s"] for c in cands[:1] if c.get("prefill_s")]
         chosen = next(c for c in cands if c["worker_id"] == route["worker_id"])
         best = max(c["overlap_blocks"] for c in cands)
         if route.get("margin") is not None:
@@ -468,7 +511,8 @@ def explain_summary(ok: list[KvRecord], work: Workload, block_size: int) -> dict
             miss_reasons[kind] += 1
     return {"reasons": dict(reasons), "decisions_best_cache_lost": lost,
             "margin_p50": pct(margins, 50), "requests_missing_prefix": missed,
-            "miss_reasons": dict(miss_reasons), "lost_examples": lost_examples}  # fmt: skip
+            "miss_reasons": dict(miss_reasons), "lost_examples": lost_examples,
+            "prefill_tps_first_last": [round(speeds[0]), round(speeds[-1])] if speeds else None}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -483,9 +527,11 @@ def regime_settings(name: str, args: argparse.Namespace) -> tuple[int, int | Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regimes", default="a,b")
-    p.add_argument("--modes-a", default="kv,round-robin,random",
-                   help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard")
-    p.add_argument("--modes-b", default="kv,kv:w=4,round-robin,random", help="router modes of regime b")
+    p.add_argument("--modes-a", default="kv,kv:w=1,round-robin,random",
+                   help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard, kv:cost=dynamo")
+    p.add_argument("--modes-b", default="kv,kv:w=1,kv:w=4,round-robin,random", help="router modes of regime b")
+    p.add_argument("--clients", type=int, default=0, help="closed loop with this many clients (0: open loop)")
+    p.add_argument("--router-cost", default=None, help="cost of the kv modes without cost= (default: the router's)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--seconds", type=float, default=50.0, help="measured window per mode")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of the same traffic before the window")

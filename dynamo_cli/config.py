@@ -18,6 +18,10 @@ CLUSTER_SECRET_ENV = "DYN_CLUSTER_SECRET"
 """The cluster secret as hex: read by every command, set by `dyn serve` for the processes it starts."""
 
 
+ROUTER_COSTS = ("time", "dynamo")
+"""`--router-cost`: the KV router's cost function."""
+
+
 @dataclass(frozen=True, slots=True)
 class KvRouterConfig:
     """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...).
@@ -28,8 +32,15 @@ class KvRouterConfig:
 
     block_size: int | None = None
     """Tokens per KV block; must equal the workers' block size. None = the one on the workers' card."""
+    cost: str = "time"
+    """`time`: seconds of prefill, evictions and KV queueing (router/time_cost.py); `dynamo`: Dynamo's
+    `w * prefill_blocks + decode_blocks`."""
     overlap_score_weight: float = 1.0
-    """w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    """`dynamo` cost: w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    prefill_tokens_per_s: float | None = None
+    """`time` cost: a worker's prefill speed; None = learned from the first tokens the router sees."""
+    total_kv_blocks: int | None = None
+    """`time` cost: a worker's KV capacity until it publishes its own; None = the card's."""
     temperature: float = 0.0
     """0 = argmin; > 0 = softmax sampling over normalised logits."""
     use_kv_events: bool = True
@@ -48,7 +59,10 @@ class KvRouterConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
+            (self.cost in ROUTER_COSTS, "cost", self.cost, "use one of: " + ", ".join(ROUTER_COSTS)),
             (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
+            (self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0, "prefill_tokens_per_s",
+             self.prefill_tokens_per_s, "use a positive speed or leave it unset to learn it"),
             (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
             (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
             (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
@@ -60,8 +74,10 @@ class KvRouterConfig:
                 raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
 
     def for_card(self, card: ModelCard) -> KvRouterConfig:
-        """This config with the card's block size, unless a block size was set."""
-        return self if self.block_size is not None else replace(self, block_size=card.kv_cache_block_size)
+        """This config with the card's block size and KV capacity, unless they were set."""
+        block_size = self.block_size if self.block_size is not None else card.kv_cache_block_size
+        total = self.total_kv_blocks if self.total_kv_blocks is not None else card.total_kv_blocks
+        return replace(self, block_size=block_size, total_kv_blocks=total)
 
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")

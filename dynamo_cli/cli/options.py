@@ -163,12 +163,26 @@ RouterTtl = Annotated[
 ]
 
 
+RouterCost = Annotated[
+    str,
+    typer.Option("--router-cost", envvar="DYN_ROUTER_COST",
+                 help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode)."),
+]  # fmt: skip
+RouterPrefillTps = Annotated[
+    float | None,
+    typer.Option("--router-prefill-tps", envvar="DYN_ROUTER_PREFILL_TPS",
+                 help="KV router, time cost: a worker's prefill tokens/s (default: learned from first tokens)."),
+]  # fmt: skip
+
+
 def kv_router(
-    block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float
-) -> KvRouterConfig:
+    block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float,
+    cost: str = KV_ROUTER.cost, prefill_tps: float | None = KV_ROUTER.prefill_tokens_per_s,
+) -> KvRouterConfig:  # fmt: skip
     """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
     return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
-                          use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl)  # fmt: skip
+                          use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl,
+                          cost=cost, prefill_tokens_per_s=prefill_tps)  # fmt: skip
 
 
 ##### Disaggregation (shared by `dyn serve` and `dyn router`) #####

@@ -29,6 +29,8 @@ def command(
         int, typer.Option("--port", envvar="DYN_ROUTER_PORT", help="Request-plane port (0: any).")
     ] = 0,
     block_size: o.BlockSize = None,
+    router_cost: o.RouterCost = o.KV_ROUTER.cost,
+    router_prefill_tps: o.RouterPrefillTps = o.KV_ROUTER.prefill_tokens_per_s,
     kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
     router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
     kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
@@ -56,7 +58,8 @@ def command(
     secret = o.cluster_secret(cluster_secret_file)
     check_exposure(host, secret)
     weight, temperature = kv_overlap_score_weight, router_temperature
-    kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl)
+    kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl, router_cost,
+                            router_prefill_tps)  # fmt: skip
     config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
                                  kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
                                  planes=o.planes(discovery, events, lease_ttl, secret),

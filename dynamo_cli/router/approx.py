@@ -65,6 +65,10 @@ class ApproxIndexer:
         """Blocks presumed cached on `worker_id` (as of the last expiry)."""
         return self._index.num_blocks(worker_id)
 
+    def block_counts(self, workers: Sequence[int]) -> list[int]:
+        """`num_blocks` of each of `workers`."""
+        return self._index.block_counts(workers)
+
     def expire(self, now: float) -> int:
         """Drop entries whose time is up at `now` (an entry expiring exactly at `now` is gone)."""
         removed = self._pop_while(lambda expires: expires <= now)

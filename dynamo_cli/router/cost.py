@@ -1,15 +1,21 @@
 """Worker selection: the KV router's cost per candidate and the choice among them, pure and seeded.
 
-`logit = w * prefill_blocks + decode_blocks`, lower wins (Dynamo >= 0.4, reference dynamo.md 4.5):
+Two costs, lower wins (`--router-cost`):
 
-- `prefill_blocks = (active_prefill_tokens + max(0, isl - overlap * block_size)) / block_size`, a
-  fraction: the prompt tokens this worker would still compute, behind the prefills already queued there.
-- `decode_blocks = active_blocks + (num_blocks - active_overlap_blocks)`: the worker's unique active KV
-  blocks once this request's blocks join them (blocks already active for another request count once).
+- `time` (default): seconds of prefill wait, evictions and KV queueing (time_cost.py has the derivation).
+- `dynamo`: `logit = w * prefill_blocks + decode_blocks` (Dynamo >= 0.4, reference dynamo.md 4.5), with
+  `prefill_blocks = (active_prefill_tokens + max(0, isl - overlap * block_size)) / block_size`, the prompt
+  tokens this worker would still compute behind the prefills queued there, and `decode_blocks =
+  active_blocks + (num_blocks - active_overlap_blocks)`, its unique active KV blocks once this request's
+  join them.
 
-Temperature 0 takes the argmin, ties going to the worker with the smaller cache, then at random;
-temperature T > 0 samples `softmax(-(logit / (max - min)) / T)`. A hot-spot guard overrides both when
-the candidates' active blocks are badly imbalanced: it picks by load alone, ignoring the cache.
+Temperature 0 takes the argmin; ties go (time) to the worker with fewer active blocks, then (both) to the
+smaller cache, then at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) / T)`. A hot-spot
+guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
+
+NOTE: the candidates are columns (`Candidates`, one numpy array per quantity), so a decision over 128
+workers is a dozen vectorised operations instead of 128 Python objects per term; per-candidate objects
+(`CandidateCost`) are built only for the explanation, and only for the `EXPLAIN_LIMIT` best candidates.
 """
 
 from __future__ import annotations
@@ -18,21 +24,31 @@ import enum
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from dynamo_cli.router.time_cost import Speed, SpeedEstimator, time_terms
+
 TIE_TOLERANCE = 1e-9
-"""Logits closer than this are a tie."""
+"""Costs closer than this are a tie (blocks for `dynamo`, seconds for `time`)."""
+EXPLAIN_LIMIT = 16
+"""Candidates listed in an explanation at most (the lowest-cost ones, the chosen among them)."""
+COSTS = ("time", "dynamo")
+DEFAULT_SPEED = SpeedEstimator().speed
 
 
 @dataclass(frozen=True, slots=True)
 class CostConfig:
-    """The knobs of worker selection."""
+    """The knobs of worker selection (the product's defaults are in `KvRouterConfig`)."""
 
     block_size: int
     """Tokens per KV block."""
+    cost: str = "dynamo"
+    """`time` or `dynamo` (the reference formula, this pure function's default)."""
     overlap_score_weight: float = 1.0
-    """w: weight of prefill work against decode load (0 = pure load balancing)."""
+    """`dynamo`'s w: weight of prefill work against decode load (0 = pure load balancing)."""
     temperature: float = 0.0
     """0 = deterministic argmin; > 0 = softmax sampling over normalised logits."""
     hot_spot_guard: bool = True
@@ -45,7 +61,7 @@ class CostConfig:
 
 @dataclass(frozen=True, slots=True)
 class CandidateLoad:
-    """What the router knows about one candidate for one request."""
+    """What the router knows about one candidate for one request (one row of `Candidates`)."""
 
     worker_id: int
     overlap_blocks: int = 0
@@ -58,6 +74,36 @@ class CandidateLoad:
     """Blocks of the request's prefix already active on the worker (shared with an in-flight prompt)."""
     cached_blocks: int = 0
     """All blocks the worker caches: the tie-breaker, smaller wins."""
+    num_requests: int = 0
+    """Requests in flight on the worker."""
+    capacity_blocks: int = 0
+    """The worker's KV capacity in blocks (0 = unknown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Every candidate of one decision as columns: entry i of each array is `worker_ids[i]`'s."""
+
+    worker_ids: Sequence[int]
+    overlap_blocks: np.ndarray
+    active_prefill_tokens: np.ndarray
+    active_blocks: np.ndarray
+    active_overlap_blocks: np.ndarray
+    cached_blocks: np.ndarray
+    num_requests: np.ndarray
+    capacity_blocks: np.ndarray
+
+    @classmethod
+    def of(cls, worker_ids: Sequence[int], *columns: Sequence[int]) -> Candidates:
+        """From one list per field, in field order after `worker_ids`."""
+        return cls(worker_ids, *(np.array(column, dtype=np.int64) for column in columns))
+
+    @classmethod
+    def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
+        """From one `CandidateLoad` per candidate."""
+        names = ("overlap_blocks", "active_prefill_tokens", "active_blocks", "active_overlap_blocks",
+                 "cached_blocks", "num_requests", "capacity_blocks")  # fmt: skip
+        return cls.of([load.worker_id for load in loads], *([getattr(x, n) for x in loads] for n in names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +117,12 @@ class CandidateCost:
     logit: float
     active_blocks: int
     cached_blocks: int
+    times: dict[str, float] = field(default_factory=dict)
+    """`time` cost only: prefill_s, evict_s, memory_s (their sum is the logit)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view."""
-        return {
+        view = {
             "worker_id": self.worker_id,
             "overlap_blocks": self.overlap_blocks,
             "prefill_blocks": self.prefill_blocks,
@@ -83,6 +131,36 @@ class CandidateCost:
             "active_blocks": self.active_blocks,
             "cached_blocks": self.cached_blocks,
         }
+        return {**view, **self.times}
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    """The candidates of one decision and their costs, as columns."""
+
+    candidates: Candidates
+    prefill_blocks: np.ndarray
+    decode_blocks: np.ndarray
+    logits: np.ndarray
+    times: dict[str, np.ndarray]
+
+    def row(self, index: int) -> CandidateCost:
+        """Candidate `index`'s terms."""
+        return self.rows([index])[0]
+
+    def rows(self, indices: Sequence[int]) -> list[CandidateCost]:
+        """The terms of the candidates at `indices` (each column converted once, not per row)."""
+        c, at = self.candidates, np.asarray(indices, dtype=np.intp)
+        columns = (c.overlap_blocks, self.prefill_blocks, self.decode_blocks, self.logits, c.active_blocks,
+                   c.cached_blocks)  # fmt: skip
+        overlap, prefill, decode, logit, active, cached = (column[at].tolist() for column in columns)
+        times = [dict(zip(self.times, row, strict=True))
+                 for row in zip(*(t[at].tolist() for t in self.times.values()), strict=True)]  # fmt: skip
+        return [
+            CandidateCost(c.worker_ids[i], overlap[n], prefill[n], decode[n], logit[n], active[n], cached[n],
+                          times[n] if times else {})  # fmt: skip
+            for n, i in enumerate(indices)
+        ]
 
 
 class Reason(enum.Enum):
@@ -90,6 +168,7 @@ class Reason(enum.Enum):
 
     ONLY = "only"  # a single candidate
     ARGMIN = "argmin"  # lowest logit, alone
+    TIE_LOAD = "tie-less-load"  # lowest cost shared (time); the fewest active blocks broke the tie
     TIE_CACHE = "tie-smaller-cache"  # lowest logit shared; the smallest cache broke the tie
     TIE_RANDOM = "tie-random"  # lowest logit and cache size shared; chosen at random
     SOFTMAX = "softmax"  # sampled with temperature > 0
@@ -103,85 +182,113 @@ class Selection:
 
     worker_id: int
     reason: Reason
-    candidates: tuple[CandidateCost, ...]
+    table: CostTable
+    index: int
+    """The chosen candidate's row."""
     margin: float | None
     """The runner-up's ranking score minus the chosen one's (None with a single candidate)."""
     ranked_by: str = "logit"
     """"logit", or "load" (active_prefill_tokens / block_size + active_blocks) under the hot-spot guard."""
 
     @property
+    def candidates(self) -> tuple[CandidateCost, ...]:
+        """Every candidate's terms, in the order given."""
+        return tuple(self.table.rows(range(len(self.table.candidates.worker_ids))))
+
+    @property
     def chosen(self) -> CandidateCost:
         """The chosen candidate's terms."""
-        return next(c for c in self.candidates if c.worker_id == self.worker_id)
+        return self.table.row(self.index)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready view for the `x-dyn-explain-route` response and logs."""
+        """A JSON-ready view for the `x-dyn-explain-route` response and logs (up to EXPLAIN_LIMIT rows)."""
+        logits = self.table.logits
+        rows: Sequence[int] = range(len(logits))
+        if len(logits) > EXPLAIN_LIMIT:
+            best = set(np.argpartition(logits, EXPLAIN_LIMIT - 1)[:EXPLAIN_LIMIT].tolist())
+            if self.index not in best:  # sampled or pinned: the chosen one replaces the costliest listed
+                best.remove(max(best, key=lambda i: float(logits[i])))
+                best.add(self.index)
+            rows = sorted(best)
         return {
             "worker_id": self.worker_id,
             "reason": self.reason.value,
             "ranked_by": self.ranked_by,
             "margin": self.margin,
-            "candidates": [c.to_dict() for c in self.candidates],
+            "num_candidates": len(logits),
+            "candidates": [row.to_dict() for row in self.table.rows(rows)],
         }
+
+
+def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed) -> CostTable:
+    """Every candidate's cost terms for a request of `isl` tokens and `num_blocks` full blocks."""
+    bs = config.block_size
+    uncached = np.maximum(0, isl - c.overlap_blocks * bs)
+    prefill_blocks = (c.active_prefill_tokens + uncached) / bs
+    decode_blocks = c.active_blocks + np.maximum(0, num_blocks - c.active_overlap_blocks)
+    if config.cost == "dynamo":
+        return CostTable(c, prefill_blocks, decode_blocks, config.overlap_score_weight * prefill_blocks
+                         + decode_blocks, {})  # fmt: skip
+    terms = time_terms(
+        isl=isl, num_blocks=num_blocks, block_size=bs, overlap=c.overlap_blocks,
+        queued_prefill=c.active_prefill_tokens, active_blocks=c.active_blocks,
+        active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
+        capacity=c.capacity_blocks, speed=speed,
+    )  # fmt: skip
+    times = {"prefill_s": terms.prefill_s, "evict_s": terms.evict_s, "memory_s": terms.memory_s}
+    return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
 
 
 def candidate_cost(load: CandidateLoad, isl: int, num_blocks: int, config: CostConfig) -> CandidateCost:
     """The cost terms of one candidate for a request of `isl` tokens and `num_blocks` full blocks."""
-    uncached_tokens = max(0, isl - load.overlap_blocks * config.block_size)
-    prefill_blocks = (load.active_prefill_tokens + uncached_tokens) / config.block_size
-    new_blocks = max(0, num_blocks - load.active_overlap_blocks)
-    decode_blocks = load.active_blocks + new_blocks
-    return CandidateCost(
-        worker_id=load.worker_id,
-        overlap_blocks=load.overlap_blocks,
-        prefill_blocks=prefill_blocks,
-        decode_blocks=decode_blocks,
-        logit=config.overlap_score_weight * prefill_blocks + decode_blocks,
-        active_blocks=load.active_blocks,
-        cached_blocks=load.cached_blocks,
-    )
+    return cost_table(Candidates.from_loads([load]), isl, num_blocks, config, DEFAULT_SPEED).row(0)
 
 
-def is_hot_spot(active_blocks: Sequence[int], config: CostConfig) -> bool:
+def is_hot_spot(active_blocks: Sequence[int] | np.ndarray, config: CostConfig) -> bool:
     """True when max - min active blocks reaches both the absolute and the relative threshold."""
     if not config.hot_spot_guard or len(active_blocks) < 2:
         return False
-    high, low = max(active_blocks), min(active_blocks)
+    high, low = int(np.max(active_blocks)), int(np.min(active_blocks))
     spread = high - low
     return spread >= config.hot_spot_min_blocks and spread >= config.hot_spot_ratio * high
 
 
-def select_worker(
-    loads: Sequence[CandidateLoad],
-    isl: int,
-    num_blocks: int,
-    config: CostConfig,
-    rng: random.Random,
+def select(
+    c: Candidates, isl: int, num_blocks: int, config: CostConfig, rng: random.Random, speed: Speed = DEFAULT_SPEED
 ) -> Selection:
-    """Choose among `loads` (never empty) for a request of `isl` tokens and `num_blocks` full blocks."""
-    costs = tuple(candidate_cost(load, isl, num_blocks, config) for load in loads)
-    if len(costs) == 1:
-        return Selection(costs[0].worker_id, Reason.ONLY, costs, None)
-    if is_hot_spot([c.active_blocks for c in costs], config):
-        scores = [c.active_blocks + _prefill_load(load, config) for c, load in zip(costs, loads, strict=True)]
-        index, _ = _argmin(scores, costs, rng)
-        return Selection(costs[index].worker_id, Reason.HOT_SPOT, costs, _margin(scores, index), "load")
-    logits = [c.logit for c in costs]
+    """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks."""
+    table = cost_table(c, isl, num_blocks, config, speed)
+    if len(c.worker_ids) == 1:
+        return Selection(c.worker_ids[0], Reason.ONLY, table, 0, None)
+    if is_hot_spot(c.active_blocks, config):
+        scores = c.active_blocks + c.active_prefill_tokens / config.block_size
+        index, _ = _argmin(scores, [c.cached_blocks], rng)
+        return Selection(c.worker_ids[index], Reason.HOT_SPOT, table, index, _margin(scores, index), "load")
+    logits = table.logits
     if config.temperature > 0:
-        index, reason = softmax_sample(logits, config.temperature, rng), Reason.SOFTMAX
+        index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
     else:
-        index, reason = _argmin(logits, costs, rng)
-    return Selection(costs[index].worker_id, reason, costs, _margin(logits, index))
+        ties = [c.active_blocks, c.cached_blocks] if config.cost == "time" else [c.cached_blocks]
+        index, reason = _argmin(logits, ties, rng)
+    return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
+
+
+def select_worker(
+    loads: Sequence[CandidateLoad], isl: int, num_blocks: int, config: CostConfig, rng: random.Random
+) -> Selection:
+    """`select` over one `CandidateLoad` per candidate."""
+    return select(Candidates.from_loads(loads), isl, num_blocks, config, rng)
 
 
 def explain_pinned(
-    worker_id: int, loads: Sequence[CandidateLoad], isl: int, num_blocks: int, config: CostConfig
-) -> Selection:
+    worker_id: int, loads: Sequence[CandidateLoad] | Candidates, isl: int, num_blocks: int, config: CostConfig,
+    speed: Speed = DEFAULT_SPEED,
+) -> Selection:  # fmt: skip
     """The explanation of a pinned request: the candidates' costs, the caller's worker chosen."""
-    costs = tuple(candidate_cost(load, isl, num_blocks, config) for load in loads)
-    logits = [c.logit for c in costs]
-    index = next(i for i, c in enumerate(costs) if c.worker_id == worker_id)
-    return Selection(worker_id, Reason.PINNED, costs, _margin(logits, index))
+    c = loads if isinstance(loads, Candidates) else Candidates.from_loads(loads)
+    table = cost_table(c, isl, num_blocks, config, speed)
+    index = list(c.worker_ids).index(worker_id)
+    return Selection(worker_id, Reason.PINNED, table, index, _margin(table.logits, index))
 
 
 def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -202,26 +309,25 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
     return len(weights) - 1
 
 
-def _prefill_load(load: CandidateLoad, config: CostConfig) -> float:
-    return load.active_prefill_tokens / config.block_size
+_TIE_REASONS = {1: (Reason.TIE_CACHE,), 2: (Reason.TIE_LOAD, Reason.TIE_CACHE)}
 
 
-def _argmin(
-    scores: Sequence[float], costs: Sequence[CandidateCost], rng: random.Random
-) -> tuple[int, Reason]:
-    best = min(scores)
-    tied = [i for i, s in enumerate(scores) if s - best <= TIE_TOLERANCE]
+def _argmin(scores: np.ndarray, tie_breaks: list[np.ndarray], rng: random.Random) -> tuple[int, Reason]:
+    """The lowest score; ties broken by each of `tie_breaks` in turn (smaller wins), then at random."""
+    tied = np.flatnonzero(scores - scores.min() <= TIE_TOLERANCE)
     if len(tied) == 1:
-        return tied[0], Reason.ARGMIN
-    smallest = min(costs[i].cached_blocks for i in tied)
-    fewest = [i for i in tied if costs[i].cached_blocks == smallest]
-    if len(fewest) == 1:
-        return fewest[0], Reason.TIE_CACHE
-    return rng.choice(fewest), Reason.TIE_RANDOM
+        return int(tied[0]), Reason.ARGMIN
+    for key, reason in zip(tie_breaks, _TIE_REASONS[len(tie_breaks)], strict=True):
+        values = key[tied]
+        tied = tied[values == values.min()]
+        if len(tied) == 1:
+            return int(tied[0]), reason
+    return rng.choice(tied.tolist()), Reason.TIE_RANDOM
 
 
-def _margin(scores: Sequence[float], index: int) -> float | None:
-    others = [s for i, s in enumerate(scores) if i != index]
-    if not others:
+def _margin(scores: np.ndarray, index: int) -> float | None:
+    if len(scores) < 2:
         return None
-    return min(others) - scores[index]
+    others = scores.copy()
+    others[index] = np.inf
+    return float(others.min() - scores[index])

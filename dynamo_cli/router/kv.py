@@ -4,6 +4,13 @@ NOTE: one decision is: hash the prompt's full blocks, ask the indexer (or, in ap
 router's own past decisions) how much of the prefix each candidate caches, read each candidate's
 in-flight load, choose by cost (cost.py), then count the request's load on the chosen worker at once.
 Every path that routes, the pinned one included, goes through that last step, so load is never lost.
+
+At scale (benchmarks/indexer.py, 128 workers x 100k blocks): the prefix query already walks the
+prompt's hashes once over a hash -> worker-bitmask map (indexer.py), and the load totals are kept
+incrementally (sequences.py). A profile put ~60 % of a decision in building two Python objects per
+candidate and explaining all of them, and ~20 % in per-block `struct.pack` when hashing. So the
+candidates are numpy columns costed in a few vector operations (cost.py), only the 16 cheapest are
+explained, and the prompt is packed once (kv/hashing.py). p50 went from 343 to 153 us at 128 workers.
 """
 
 from __future__ import annotations
@@ -22,16 +29,10 @@ from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
-from dynamo_cli.router.cost import (
-    CandidateLoad,
-    CostConfig,
-    Reason,
-    Selection,
-    explain_pinned,
-    select_worker,
-)
+from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Selection, explain_pinned, select
 from dynamo_cli.router.indexer import Gap, KvIndexer
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
+from dynamo_cli.router.time_cost import SpeedEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def cost_config(config: KvRouterConfig) -> CostConfig:
     assert config.block_size is not None, "KvRouterConfig.block_size unresolved; call for_card(card)"
     return CostConfig(
         block_size=config.block_size,
+        cost=config.cost,
         overlap_score_weight=config.overlap_score_weight,
         temperature=config.temperature,
         hot_spot_guard=config.hot_spot_guard,
@@ -93,6 +95,12 @@ class KvRoutingPolicy:
         self.approx = ApproxIndexer(approx_config(self.config))
         self.sequences = ActiveSequences()
         self.counters = RouterCounters()
+        self.speed = SpeedEstimator(config.prefill_tokens_per_s)
+        """Prefill speed and time in flight, learned from first tokens and ends of streams (time cost)."""
+        self._speed_probes: dict[str, int] = {}
+        """Requests in flight routed to a worker with no prefill queued -> their uncached tokens."""
+        self._capacity: dict[int, int] = {}
+        """Worker -> KV blocks it published (`LoadMetrics.total_blocks`); else the card's."""
         self._gaps: list[Gap] = []
         self._reported_event_id: dict[int, int] = {}
 
@@ -105,6 +113,10 @@ class KvRoutingPolicy:
         chosen = selection.chosen
         prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
+        if selection.table.candidates.active_prefill_tokens[selection.index]:
+            self._speed_probes.pop(request.request_id, None)
+        else:  # nothing queued before it: its time to first token measures its own prefill
+            self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
             self.approx.record(chosen.worker_id, hashes, now)
         self._count(selection, len(hashes))
@@ -125,17 +137,24 @@ class KvRoutingPolicy:
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done: its prompt tokens leave the worker's prefill load."""
-        self.sequences.mark_prefill_completed(request_id)
+        uncached, started = self._speed_probes.pop(request_id, None), self.sequences.started(request_id)
+        if self.sequences.mark_prefill_completed(request_id) and uncached is not None and started is not None:
+            self.speed.observe_first_token(uncached, self._clock() - started)
 
     def on_finish(self, request_id: str) -> None:
         """The request left its worker: free its blocks (idempotent)."""
-        self.sequences.free(request_id)
+        started = self.sequences.started(request_id)
+        self._speed_probes.pop(request_id, None)
+        if self.sequences.free(request_id) and started is not None:
+            self.speed.observe_lifetime(self._clock() - started)
 
     def remove_worker(self, worker_id: int) -> None:
         """The worker left discovery: drop its cached blocks and in-flight load."""
         self.indexer.remove_worker(worker_id)
         self.approx.remove_worker(worker_id)
-        self.sequences.remove_worker(worker_id)
+        for request_id in self.sequences.remove_worker(worker_id):
+            self._speed_probes.pop(request_id, None)
+        self._capacity.pop(worker_id, None)
         self._reported_event_id.pop(worker_id, None)
         self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
 
@@ -150,7 +169,10 @@ class KvRoutingPolicy:
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
-        KV event id is compared with the index, so events lost with nothing after them are noticed."""
+        KV event id is compared with the index, so events lost with nothing after them are noticed.
+        Its KV capacity is the time cost's C."""
+        if metrics.total_blocks > 0:
+            self._capacity[metrics.worker_id] = metrics.total_blocks
         if not self.config.use_kv_events:
             return
         # The previous report, not this one: events and load travel on separate subscriptions and may
@@ -179,7 +201,10 @@ class KvRoutingPolicy:
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
-        return self.sequences.expire(self._clock(), max_age)
+        expired = self.sequences.expire(self._clock(), max_age)
+        for request_id in expired:
+            self._speed_probes.pop(request_id, None)
+        return expired
 
     ##### Internals #####
 
@@ -187,36 +212,40 @@ class KvRoutingPolicy:
         hashes = sequence_hashes(request.token_ids, self._cost.block_size)
         isl = len(request.token_ids)
         now = self._clock()
-        loads = self._candidate_loads(hashes, workers, now)
+        candidates = self._candidates(hashes, workers, now)
+        speed = self.speed.speed
         if request.pinned_worker is not None and request.pinned_worker in workers:
-            return hashes, explain_pinned(request.pinned_worker, loads, isl, len(hashes), self._cost), now
-        return hashes, select_worker(loads, isl, len(hashes), self._cost, self._rng), now
+            pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)
+            return hashes, pinned, now
+        return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed), now
 
-    def _candidate_loads(self, hashes: list[int], workers: Sequence[int], now: float) -> list[CandidateLoad]:
+    def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
+        # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
         if self.config.use_kv_events:
-            overlaps, cached = self.indexer.find_matches(hashes), self.indexer.num_blocks
+            overlaps, cached = self.indexer.find_matches(hashes), self.indexer.block_counts(workers)
         else:
-            overlaps, cached = self.approx.find_matches(hashes, now), self.approx.num_blocks
+            overlaps, cached = self.approx.find_matches(hashes, now), self.approx.block_counts(workers)
         active_overlaps = self.sequences.active_overlaps(hashes)
-        sequences = self.sequences
-        return [
-            CandidateLoad(
-                worker_id=worker,
-                overlap_blocks=overlaps.get(worker, 0),
-                active_prefill_tokens=sequences.active_prefill_tokens(worker),
-                active_blocks=sequences.active_blocks(worker),
-                active_overlap_blocks=active_overlaps.get(worker, 0),
-                cached_blocks=cached(worker),
-            )
-            for worker in workers
-        ]
+        prefill, active, in_flight = self.sequences.totals(workers)
+        capacity, default = self._capacity.get, self.config.total_kv_blocks or 0
+        return Candidates.of(
+            workers,
+            [overlaps.get(w, 0) for w in workers] if overlaps else [0] * len(workers),
+            prefill,
+            active,
+            [active_overlaps.get(w, 0) for w in workers] if active_overlaps else [0] * len(workers),
+            cached,
+            in_flight,
+            [capacity(w, default) for w in workers],
+        )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
         counters = self.counters
         counters.num_decisions += 1
         counters.num_request_blocks += num_blocks
-        counters.num_hit_blocks += selection.chosen.overlap_blocks
-        counters.num_reachable_hit_blocks += max(c.overlap_blocks for c in selection.candidates)
+        overlaps = selection.table.candidates.overlap_blocks
+        counters.num_hit_blocks += int(overlaps[selection.index])
+        counters.num_reachable_hit_blocks += int(overlaps.max())
         if selection.reason is Reason.HOT_SPOT:
             counters.num_hot_spot_decisions += 1
         elif selection.reason is Reason.PINNED:
@@ -227,6 +256,11 @@ class KvRoutingPolicy:
             return
         w = self.config.overlap_score_weight
         for c in selection.candidates:
+            if c.times:
+                logger.debug("route %s: formula for worker %d: %.6f s = %.6f prefill + %.6f evict + %.6f memory "
+                             "(overlap %d blocks)", request_id, c.worker_id, c.logit, c.times["prefill_s"],
+                             c.times["evict_s"], c.times["memory_s"], c.overlap_blocks)  # fmt: skip
+                continue
             logger.debug(
                 "route %s: formula for worker %d: %.3f = %.2f * %.3f prefill + %d decode (overlap %d blocks)",
                 request_id,

@@ -6,6 +6,8 @@ tokens to its worker's prefill load when routed and removes them at its first to
 (sequence hashes) stay active until it finishes, fails or its client disconnects. Blocks are refcounted
 per worker, so requests sharing a prefix on one worker count its blocks once. Every removal is
 idempotent: the frontend may report the end of a stream more than once (finish, then disconnect).
+Per-worker totals (prefill tokens, unique active blocks, requests) are kept up to date by each add and
+free, so a decision reads them in O(1) per candidate instead of recounting the requests in flight.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class ActiveSequences:
         self._refs: dict[int, dict[int, int]] = {}
         """worker -> sequence hash -> number of in-flight requests using that block."""
         self._prefill: dict[int, int] = {}
+        self._count: dict[int, int] = {}
+        """worker -> requests in flight there (kept with every add and free, never recounted)."""
         self._masks: dict[int, int] = {}
         """sequence hash -> bits of the workers where it is active (for active-overlap queries)."""
         self._slots = WorkerSlots()
@@ -51,6 +55,15 @@ class ActiveSequences:
         """Prompt tokens routed to `worker_id` whose first token has not come back."""
         return self._prefill.get(worker_id, 0)
 
+    def totals(self, workers: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Per worker of `workers`: prefill tokens in flight, unique active blocks, requests in flight."""
+        prefill, refs, count, empty = self._prefill.get, self._refs.get, self._count.get, dict[int, int]()
+        return (
+            [prefill(w, 0) for w in workers],
+            [len(refs(w, empty)) for w in workers],
+            [count(w, 0) for w in workers],
+        )
+
     def active_overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
         """Worker -> contiguous prefix blocks of `hashes` already active there (0s omitted)."""
         return match_prefix(self._masks, hashes, self._slots.worker_at, self._refs)
@@ -59,7 +72,12 @@ class ActiveSequences:
         """Requests in flight, on one worker or in all."""
         if worker_id is None:
             return len(self._requests)
-        return sum(1 for active in self._requests.values() if active.worker_id == worker_id)
+        return self._count.get(worker_id, 0)
+
+    def started(self, request_id: str) -> float | None:
+        """When a request in flight was routed (the `now` it was added with)."""
+        active = self._requests.get(request_id)
+        return active.started if active is not None else None
 
     def worker_of(self, request_id: str) -> int | None:
         """The worker a request in flight was routed to."""
@@ -89,6 +107,7 @@ class ActiveSequences:
         unique = tuple(dict.fromkeys(hashes))
         self._requests[request_id] = _Active(worker_id, unique, max(0, prefill_tokens), now)
         self._prefill[worker_id] = self._prefill.get(worker_id, 0) + max(0, prefill_tokens)
+        self._count[worker_id] = self._count.get(worker_id, 0) + 1
         refs = self._refs.setdefault(worker_id, {})
         bit = self._slots.bit(worker_id)
         masks = self._masks
@@ -116,6 +135,7 @@ class ActiveSequences:
         worker = active.worker_id
         if active.prefill_tokens:
             self._prefill[worker] -= active.prefill_tokens
+        self._count[worker] -= 1
         refs = self._refs[worker]
         keep = ~self._slots.bit(worker)
         for h in active.hashes:
@@ -138,6 +158,7 @@ class ActiveSequences:
             self.free(request_id)
         self._refs.pop(worker_id, None)
         self._prefill.pop(worker_id, None)
+        self._count.pop(worker_id, None)
         self._slots.release(worker_id)
         return gone
 

@@ -360,9 +360,11 @@ def router_argv(config: ServeConfig) -> list[str]:
             "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
             "--kv-overlap-score-weight", str(kv.overlap_score_weight), "--router-temperature", str(kv.temperature),
             "--router-ttl", str(kv.approx_ttl_s), "--kv-events" if kv.use_kv_events else "--no-kv-events",
-            "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard"]  # fmt: skip
+            "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard", "--router-cost", kv.cost]  # fmt: skip
     if kv.block_size is not None:
         argv += ["--block-size", str(kv.block_size)]
+    if kv.prefill_tokens_per_s is not None:
+        argv += ["--router-prefill-tps", str(kv.prefill_tokens_per_s)]
     d = frontend.disagg
     argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
              "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),

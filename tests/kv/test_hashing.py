@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 
-from dynamo_cli.kv.hashing import HASH_SEED, block_hash, block_hashes, chain_hash, sequence_hashes
+from dynamo_cli.kv.hashing import HASH_SEED, block_hash, block_hashes, chain_hash, hash_blocks, sequence_hashes
 
 # Computed once with xxhash.xxh3_64_intdigest(..., seed=1337) directly, not through dynamo_cli.
 LOCAL_1_TO_4 = 14643705804678351452  # le_u32 of [1, 2, 3, 4]
@@ -65,3 +65,17 @@ def test_the_same_block_after_different_prefixes_gets_different_sequence_hashes(
     other = sequence_hashes([5, 6, 7, 8, 9, 10, 11, 12], 4)
     assert block_hashes([1, 2, 3, 4, 9, 10, 11, 12], 4)[1] == block_hashes([5, 6, 7, 8, 9, 10, 11, 12], 4)[1]
     assert one[1] != other[1]
+
+
+def test_hash_blocks_from_a_start_block_and_up_to_a_length_match_block_by_block_hashing() -> None:
+    tokens = list(range(1, 23))  # 5 full blocks of 4, then 2 tokens
+    expected, parent = [], None
+    for i in range(5):
+        local = block_hash(tokens[4 * i : 4 * i + 4])
+        parent = chain_hash(parent, local)
+        expected.append((parent, local))
+
+    assert list(hash_blocks(tokens, 4)) == expected
+    assert list(hash_blocks(tokens, 4, start=2, parent=expected[1][0])) == expected[2:]
+    assert list(hash_blocks(tokens, 4, start=1, parent=expected[0][0], num_tokens=13)) == expected[1:3]
+    assert list(hash_blocks(tokens, 4, start=5, parent=expected[4][0])) == []

@@ -219,3 +219,22 @@ def test_a_pinned_explanation_keeps_every_candidate_and_the_margin() -> None:
     assert selection.worker_id == 1
     assert selection.reason is Reason.PINNED
     assert selection.margin == 10.0 - 18.0
+
+
+def test_an_explanation_of_many_candidates_lists_the_cheapest_sixteen_and_the_chosen() -> None:
+    loads = [CandidateLoad(w, active_blocks=w) for w in range(40)]  # logit = 2 (prefill) + w active + 2 new
+    selection = select_worker(loads, isl=32, num_blocks=2, config=CONFIG, rng=random.Random(0))
+
+    explanation = selection.to_dict()
+    assert explanation["num_candidates"] == 40
+    assert [c["worker_id"] for c in explanation["candidates"]] == list(range(16))
+    assert explanation["worker_id"] == 0
+    assert len(selection.candidates) == 40
+
+
+def test_a_pinned_worker_outside_the_cheapest_sixteen_is_still_explained() -> None:
+    loads = [CandidateLoad(w, active_blocks=w) for w in range(40)]
+    selection = explain_pinned(39, loads, isl=32, num_blocks=2, config=CONFIG)
+
+    listed = [c["worker_id"] for c in selection.to_dict()["candidates"]]
+    assert listed == [*range(15), 39]

@@ -14,6 +14,7 @@ from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.indexer import Gap
 from dynamo_cli.router.kv import KvRoutingPolicy, explanation_summary
+from dynamo_cli.router.time_cost import SpeedEstimator
 
 BLOCK = 16
 SYSTEM = list(range(1, 129))  # an 8-block system prompt
@@ -52,7 +53,7 @@ def test_it_implements_the_routing_policy_protocol() -> None:
 
 
 def test_the_worked_example_chooses_the_second_worker() -> None:
-    kv = policy()
+    kv = policy(cost="dynamo")  # Dynamo's formula, no longer the default (router/time_cost.py)
     tokens = prompt(0, blocks=0)[:64]  # 4 blocks
     hashes = sequence_hashes(tokens, BLOCK)
     kv.indexer.store_blocks(2, hashes[:3])
@@ -201,7 +202,7 @@ def test_stale_requests_can_be_expired() -> None:
 
 
 def test_each_candidates_formula_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    kv = policy()
+    kv = policy(cost="dynamo")
     with caplog.at_level(logging.DEBUG, logger="dynamo_cli.router.kv"):
         kv.select(RouteRequest("r7", prompt(1)), [4, 5])
 
@@ -244,3 +245,40 @@ def test_an_event_id_reported_twice_but_never_received_queues_a_gap_for_repair()
     policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=3))
     gaps = policy.take_gaps()
     assert [(g.worker_id, g.first_missing, g.last_missing) for g in gaps] == [(7, 0, 3)]
+
+
+def test_first_tokens_and_ends_of_streams_teach_the_time_cost_its_speeds() -> None:
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
+    kv.select(RouteRequest("r1", prompt(1)), [1, 2])
+    clock.now += 0.5
+    kv.on_first_token("r1")
+    clock.now += 1.5
+    kv.on_finish("r1")
+    kv.on_finish("r1")  # a second report of the same end is not a second observation
+
+    assert kv.speed.speed.lifetime_s == 2.0
+
+
+class RecordingSpeed(SpeedEstimator):
+    """Keeps the first-token observations it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+
+    def observe_first_token(self, uncached_tokens: int, ttft_s: float) -> None:
+        self.seen.append((uncached_tokens, ttft_s))
+
+
+def test_only_requests_with_no_prefill_queued_ahead_teach_the_prefill_speed() -> None:
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
+    kv.speed = recorder = RecordingSpeed()
+    kv.select(RouteRequest("alone", prompt(1)), [1])  # 10 blocks, nothing cached, nothing queued
+    kv.select(RouteRequest("behind", prompt(2)), [1])  # queued behind the first one's 160 tokens
+    clock.now += 0.25
+    kv.on_first_token("alone")
+    kv.on_first_token("behind")
+
+    assert recorder.seen == [(160, 0.25)]

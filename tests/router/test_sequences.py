@@ -105,3 +105,60 @@ def test_requests_older_than_the_stale_age_expire() -> None:
     assert sequences.expire(now=300.0) == []  # exactly 300 s old is not yet stale
     assert sequences.expire(now=300.5) == ["old"]
     assert (sequences.active_blocks(1), sequences.active_prefill_tokens(1)) == (1, 16)
+
+
+##### The per-worker totals are incremental: they must equal a recount from the requests in flight #####
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 7), st.integers(0, 2),
+                  st.lists(st.integers(0, 9), max_size=6), st.integers(0, 300)),  # fmt: skip
+        st.tuples(st.just("first"), st.integers(0, 7)),
+        st.tuples(st.just("free"), st.integers(0, 7)),
+        st.tuples(st.just("remove"), st.integers(0, 2)),
+    ),
+    max_size=60,
+)
+
+
+def recount(sequences: ActiveSequences, ids: range, worker: int) -> tuple[int, int, int]:
+    """Prefill tokens, unique active blocks and requests of `worker`, from scratch."""
+    mine = [d for d in map(sequences.describe, (f"r{i}" for i in ids)) if d is not None and d[0] == worker]
+    return sum(d[2] for d in mine), len({h for d in mine for h in d[1]}), len(mine)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS)
+def test_incremental_totals_equal_a_recount_after_any_history(ops: list[tuple]) -> None:  # type: ignore[type-arg]
+    sequences, ids, workers = ActiveSequences(), range(8), [0, 1, 2]
+    for op in ops:
+        if op[0] == "add":
+            _, n, worker, hashes, prefill = op
+            sequences.add_request(f"r{n}", worker, hashes, prefill)
+        elif op[0] == "first":
+            sequences.mark_prefill_completed(f"r{op[1]}")
+        elif op[0] == "free":
+            sequences.free(f"r{op[1]}")
+        else:
+            sequences.remove_worker(op[1])
+        expected = [recount(sequences, ids, w) for w in workers]
+        assert list(zip(*sequences.totals(workers), strict=True)) == expected
+        assert [(sequences.active_prefill_tokens(w), sequences.active_blocks(w), sequences.num_requests(w))
+                for w in workers] == expected  # fmt: skip
+        assert sequences.active_overlaps(QUERY) == recount_overlaps(sequences, ids)
+
+
+QUERY = [0, 1, 2, 3, 4, 5]
+
+
+def recount_overlaps(sequences: ActiveSequences, ids: range) -> dict[int, int]:
+    """Worker -> contiguous blocks of QUERY active there, from scratch (0s omitted)."""
+    active: dict[int, set[int]] = {}
+    for d in map(sequences.describe, (f"r{i}" for i in ids)):
+        if d is not None:
+            active.setdefault(d[0], set()).update(d[1])
+    depths = {w: next((i for i, h in enumerate(QUERY) if h not in held), len(QUERY)) for w, held in active.items()}
+    return {w: depth for w, depth in depths.items() if depth}

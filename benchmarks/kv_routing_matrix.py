@@ -1,0 +1,179 @@
+"""Issue 15's regime matrix in one command: the KV router against round-robin in every cell, TTFT ratios.
+
+Cells = cache regime x load:
+  caches  default  20 system prompts, the mocker's default KV (16,384 blocks of 64 tokens per worker)
+          p20      20 prompts, 512 blocks per worker (cache pressure: 620 prompt blocks > 512)
+          p40      40 prompts, 512 blocks per worker (1,240 prompt blocks over 2,048 in all)
+  loads   closed   8 clients per worker (32 for 4 workers), each sending its next request at the end of
+                   its last one
+          0.7 ...  open loop (Poisson) at that fraction of round-robin's capacity, where capacity is 4x
+                   what one worker sustains closed-loop at `--probe-concurrency` 32 on the same workload
+                   (probed once per cache regime, or given with `--capacity CACHE=REQ_S`)
+
+Prompts are ~2,000-token system prompts plus a unique ~100-token suffix, `max_tokens` 50, 4 mocker workers
+at speedup 1, as in benchmarks/kv_routing.py, whose deployment, load generation and summaries this uses.
+In each cell the modes run one after the other (kv, then round-robin; the order flips on each repeat),
+each on its own fresh deployment with the same request sequence. The table gives per cell TTFT
+p50/p90/p99 of each side, round-robin / kv for each (>= 1: kv at least as good), hit rates and the
+router's reachable hit rate.
+
+    python benchmarks/kv_routing_matrix.py                        # 9 cells x 2 modes, ~20 min
+    python benchmarks/kv_routing_matrix.py --caches p40 --loads closed --seconds 20 --warmup 5   # one cell
+    python benchmarks/kv_routing_matrix.py --modes kv,kv:cost=dynamo,round-robin --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import kv_routing as kr  # benchmarks/ is the script's directory, so on sys.path
+
+CACHES = {"default": (20, None), "p20": (20, 512), "p40": (40, 512)}
+"""Cache regime -> (system prompts, KV blocks per worker; None = the mocker's default)."""
+RATIO_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--caches", default="default,p20,p40", help="of: " + ", ".join(CACHES))
+    p.add_argument("--loads", default="closed,0.7,0.95", help="closed and/or fractions of rr capacity")
+    p.add_argument("--modes", default="kv,round-robin", help="kv knobs as in kv_routing.py: kv:cost=dynamo ...")
+    p.add_argument("--repeats", type=int, default=1, help="runs per cell, alternating the modes' order")
+    p.add_argument("--clients-per-worker", type=int, default=8)
+    p.add_argument("--capacity", action="append", default=[], help="CACHE=REQ_S: skip that regime's probe")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=40.0, help="measured window per run")
+    p.add_argument("--warmup", type=float, default=10.0)
+    p.add_argument("--drain", type=float, default=60.0)
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--suffix-tokens", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=50)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--probe-concurrency", type=int, default=32)
+    p.add_argument("--probe-seconds", type=float, default=20.0)
+    p.add_argument("--probe-warmup", type=float, default=5.0)
+    p.add_argument("--json", default="benchmarks/out/kv_routing_matrix.json")
+    args = p.parse_args(argv)
+    # knobs kv_routing.py's deployment and summaries read
+    args.kv_overlap_score_weight, args.router_temperature, args.hot_spot_guard = 1.0, 0.0, True
+    args.router_cost, args.arrival, args.records, args.rate, args.clients = None, "poisson", False, 0.0, 0
+    return args
+
+
+def probe_capacity(work: kr.Workload, blocks: int | None, args: argparse.Namespace) -> dict[str, Any]:
+    """Round-robin's capacity: one worker's closed-loop throughput at --probe-concurrency, x workers."""
+    import uvloop
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url, _ = kr.start_serve(tmp, "round-robin", args, blocks, Path(tmp) / "serve.log", workers=1)
+        try:
+            time.sleep(1.0)
+            probe = uvloop.run(kr.run_capacity(url, work, args, args.seed + 1))
+        finally:
+            kr.stop_serve(proc)
+    kr.scale(probe, args.speedup)
+    probe["rr_capacity_req_per_s"] = probe["req_per_s"] * args.workers
+    return probe
+
+
+def run_one(mode: str, work: kr.Workload, blocks: int | None, load: str, capacity: float | None,
+            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """One deployment of `mode` under `load` (closed, or a fraction of `capacity`)."""
+    import uvloop
+
+    closed = load == "closed"
+    rate = 0.0 if closed else float(load) * (capacity or 0.0) * args.speedup
+    clients = args.clients_per_worker * args.workers if closed else 0
+    rargs = argparse.Namespace(**{**vars(args), "rate": rate, "clients": clients})
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url, argv = kr.start_serve(tmp, mode, args, blocks, Path(tmp) / "serve.log")
+        try:
+            time.sleep(1.0)  # let the frontend see every worker's KV stream
+            row = uvloop.run(kr.run_mode(url, f"file://{tmp}/d", mode, work, rargs, args.seed, proc.pid))
+        finally:
+            kr.stop_serve(proc)
+    row["serve_argv"] = " ".join(argv[2:]).replace(tmp, "TMP")
+    row["clients"], row["rate"] = clients, rate / args.speedup
+    kr.scale(row, args.speedup)
+    return row
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """For each mode but round-robin: round-robin's TTFT percentile / the mode's (>= 1: no worse)."""
+    rr = runs.get("round-robin")
+    if rr is None:
+        return {}
+    return {mode: {key: rr[key] / row[key] if row[key] else float("nan") for key in RATIO_KEYS}
+            for mode, row in runs.items() if mode != "round-robin"}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    given = {cache: float(rate) for cache, _, rate in (c.partition("=") for c in args.capacity)}
+    modes = args.modes.split(",")
+    results: dict[str, Any] = {"args": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "caches": {}}  # fmt: skip
+    for cache in args.caches.split(","):
+        num_prefixes, blocks = CACHES[cache]
+        work = kr.build_workload(num_prefixes, args.prefix_tokens, args.suffix_tokens, args.max_tokens,
+                                 args.block_size, args.seed)  # fmt: skip
+        loads = args.loads.split(",")
+        probe = None
+        capacity = given.get(cache)
+        if capacity is None and any(load != "closed" for load in loads):
+            probe = probe_capacity(work, blocks, args)
+            capacity = probe["rr_capacity_req_per_s"]
+            print(f"{cache}: round-robin capacity {capacity:.1f} req/s ({json.dumps(probe)})", flush=True)
+        cells = []
+        for load in loads:
+            for repeat in range(args.repeats):
+                order = modes if repeat % 2 == 0 else modes[::-1]
+                runs = {mode: run_one(mode, work, blocks, load, capacity, args) for mode in order}
+                cell = {"load": load, "repeat": repeat, "runs": runs, "rr_over": compare(runs)}
+                cells.append(cell)
+                print(json.dumps({"cache": cache, "load": load, "repeat": repeat, "rr_over": cell["rr_over"]}),
+                      flush=True)  # fmt: skip
+        results["caches"][cache] = {"num_prefixes": num_prefixes, "num_gpu_blocks": blocks or 16384,
+                                    "rr_capacity_req_per_s": capacity, "probe": probe, "cells": cells}  # fmt: skip
+    results["loadavg_end"] = os.getloadavg()
+    print_table(results)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {args.json}")
+
+
+def _ms(row: dict[str, Any]) -> str:
+    return "/".join(f"{row[key]:.0f}" for key in RATIO_KEYS)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """One line per cell and kv-like mode: both sides' TTFT p50/p90/p99 (ms), the ratios, hit rates."""
+    print(f"\nload average {results['loadavg_start']} at start, {results['loadavg_end']} at end")
+    print("| cache | load | req/s offered | mode | TTFT p50/p90/p99 ms | rr TTFT p50/p90/p99 ms | "
+          "rr/kv p50 | rr/kv p90 | rr/kv p99 | hit | rr hit | reachable blk | no worse |")
+    print("|" + "---|" * 13)
+    for cache, reg in results["caches"].items():
+        for cell in reg["cells"]:
+            rr = cell["runs"].get("round-robin")
+            for mode, row in cell["runs"].items():
+                if mode == "round-robin":
+                    continue
+                ratio = cell["rr_over"].get(mode, dict.fromkeys(RATIO_KEYS, float("nan")))
+                offered = "closed" if cell["load"] == "closed" else f"{row['rate']:.1f}"
+                ok = "-" if rr is None else "yes" if all(r >= 1 for r in ratio.values()) else "NO"
+                print(f"| {cache} | {cell['load']} | {offered} | {mode} | {_ms(row)} | {_ms(rr) if rr else '-'} | "
+                      + " | ".join(f"{ratio[k]:.2f}" for k in RATIO_KEYS)
+                      + f" | {row['hit_rate']:.1%} | {rr['hit_rate'] if rr else float('nan'):.1%} | "
+                      f"{row.get('router_reachable_blocks_rate', float('nan')):.1%} | {ok} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The default KV routing cost: the time a choice costs, in seconds, so a cache hit and load trade evenly.
+
+NOTE: Dynamo's `w * prefill_blocks + decode_blocks` adds prompt blocks to compute and KV blocks held,
+two quantities whose exchange rate (w) depends on prompt length, cache size and load; with w = 1 the
+holder of a 31-block prompt loses to a worker with one request fewer in flight (benchmarks/RESULTS.md).
+Here every term is a time, so no weight is needed. For a request of `isl` tokens, `n` full blocks,
+block size `bs`, and a candidate worker w with
+
+    o  cached prefix blocks (indexer)          Q  prompt tokens queued for prefill there (in flight)
+    a  prefix blocks already active there      A  unique active KV blocks of its requests in flight
+    k  requests in flight there                K  cached blocks (indexer)       C  KV capacity, blocks
+    R  prefill speed, tokens/s                 L  mean time a request stays in flight, s
+
+the cost of sending the request to w is
+
+    cost = t_prefill + t_evict + t_memory                                              [seconds]
+    t_prefill = (Q + U) / R,  U = max(0, isl - o * bs)
+    t_evict   = max(0, (n - o) - max(0, C - K)) * bs / R
+    t_memory  = max(0, A + k + (n - a) + 1 - C) * L / (A + k)
+
+1. **t_prefill**: passes serve prefills first come, so the first token comes once w has computed the
+   tokens queued before it and the request's own uncached ones. A hit of o blocks saves o * bs / R; a
+   queue Q costs Q / R: the same unit, so the holder of a prompt keeps it until its queue is longer than
+   the prompt, whatever the prompt's length.
+2. **t_evict** (a second copy under cache pressure): the n - o new blocks go into the C - K free blocks;
+   past those, the engine evicts as many least-recently-used blocks. Under pressure those belong to other
+   prompts whose traffic this worker holds, so a later request recomputes them: bs / R each. Without
+   pressure (K + n - o <= C) the term is 0, so a copy is free when the cache has room.
+3. **t_memory** (queueing for KV): the request needs (n - a) blocks not active there, plus about one
+   partial or output block per request (the `+ k` and `+ 1`). Past the capacity C the engine cannot
+   admit it until enough blocks are freed; requests leave at k / L per second, each freeing (A + k) / k
+   blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
+   the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
+
+Ties (within 1 ns) go to the worker with fewer active blocks, then the smaller cache, then at random.
+R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
+prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
+with nothing queued for prefill (others' TTFT includes a queue that grows with their length: fitted
+over every request, the mocker's speed came out at 15 k tokens/s, over these 38-40 k, against ~59 k
+from its timing model at these lengths), `PRIOR_PREFILL_TPS` until the prompts seen differ enough in
+length to fit it. L is the exponentially weighted mean time in
+flight. C is each worker's published `total_blocks`, else the card's `total_kv_blocks` (0: unknown,
+then t_evict and t_memory are 0).
+
+**Prediction for the issue's cache-pressure regime** (40 prompts of 2,000 tokens + 100 unique, bs 64,
+C = 512, 4 workers): isl = 2,100, n = 32, a hit has o = 31 (U = 116), a miss o = 0 (U = 2,100). Caches
+are full (K ~ C), so a miss also evicts 32 - (C - K) ~ 31 blocks: a copy costs 2 * 1,984 = 3,968 tokens
+of time against the holder, i.e. the holder loses only with two more full prompts queued, or when
+it would run out of KV (each worker holds ~10 prompts = 310 blocks; with ~12 requests in flight,
+A + k ~ 350 < 512). So requests stay with their prompt's holder: predicted hit rate ~ the reachable
+one (block ceiling 31/32 = 96.9 %, token ceiling 1,984/2,100 = 94.5 %), >= 90 % of reachable, as
+Dynamo's formula reached only with w = 4 (92.3 %, RESULTS.md). TTFT: near round-robin's capacity its
+workers run out of KV and queue (p50 ratio rr/kv ~ 7 measured with w = 4 at 94 %); below ~80 % the
+ratio is bounded by the mocker's pass floor (a hit still waits ~1.5 passes): ~1.4-1.7. In the default
+cache (C = 16,384) neither t_evict nor t_memory ever fires and every worker holds every prompt after
+warm-up, so the cost is (Q + 116) / R: the least queued prefill wins, ties the fewest active blocks.
+Predicted hit rate = round-robin's, TTFT ratio ~ 1.0, and no bunching (Dynamo's ties go to the
+smaller cache, which sends bursts to one worker).
+
+**Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
+benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
+(token ceiling 94.5 %; Dynamo's w = 1 had 63-67 %), 1 of 487 decisions left the best cache, TTFT
+round-robin / kv = 1.49 (p50), 1.40 (p90), 1.16 (p99), within the predicted pass-floor band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PRIOR_PREFILL_TPS = 20_000.0
+"""Prefill tokens/s per worker before any is observed (an 8B model on one H100-class GPU, roughly)."""
+PRIOR_LIFETIME_S = 2.0
+"""Seconds a request stays in flight before any has finished."""
+MIN_FIT_SPREAD_TOKENS = 256.0
+"""Observed uncached prompt lengths must differ by this (standard deviation) to fit the prefill speed."""
+HALF_LIFE_REQUESTS = 512
+"""Observations after which an old one weighs half."""
+
+
+@dataclass(frozen=True, slots=True)
+class Speed:
+    """What turns tokens and blocks into seconds."""
+
+    prefill_tokens_per_s: float
+    """R: prompt tokens one worker computes per second."""
+    lifetime_s: float
+    """L: mean seconds a request stays in flight (route to end of stream)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimeTerms:
+    """The three terms of the time cost, one entry per candidate, seconds."""
+
+    prefill_s: np.ndarray
+    evict_s: np.ndarray
+    memory_s: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        """The cost: lower wins."""
+        total: np.ndarray = self.prefill_s + self.evict_s + self.memory_s
+        return total
+
+
+def time_terms(
+    *,
+    isl: int,
+    num_blocks: int,
+    block_size: int,
+    overlap: np.ndarray,
+    queued_prefill: np.ndarray,
+    active_blocks: np.ndarray,
+    active_overlap: np.ndarray,
+    in_flight: np.ndarray,
+    cached: np.ndarray,
+    capacity: np.ndarray,
+    speed: Speed,
+) -> TimeTerms:
+    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown."""
+    rate = speed.prefill_tokens_per_s
+    uncached = np.maximum(0, isl - overlap * block_size)
+    prefill_s = (queued_prefill + uncached) / rate
+    known = capacity > 0
+    new_blocks = np.maximum(0, num_blocks - overlap)
+    free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
+    evicted = np.maximum(0, new_blocks - free) * known
+    evict_s = evicted * (block_size / rate)
+    held = active_blocks + in_flight
+    overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
+    memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
+    return TimeTerms(prefill_s, evict_s, memory_s)
+
+
+class SpeedEstimator:
+    """Learns R and L from what the router sees: first tokens and ends of streams."""
+
+    def __init__(self, prefill_tokens_per_s: float | None = None, half_life: int = HALF_LIFE_REQUESTS) -> None:
+        self._fixed = prefill_tokens_per_s
+        self._decay = 0.5 ** (1 / half_life)
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy of (uncached tokens, time to first token)
+        self._lifetime = PRIOR_LIFETIME_S
+        self._lifetimes_seen = 0
+        self.speed = Speed(prefill_tokens_per_s or PRIOR_PREFILL_TPS, PRIOR_LIFETIME_S)
+        """The current estimate."""
+
+    def observe_first_token(self, uncached_tokens: int, ttft_s: float) -> None:
+        """A request with `uncached_tokens` to compute got its first token `ttft_s` after routing."""
+        d, x, y = self._decay, float(uncached_tokens), ttft_s
+        s = self._sums
+        for i, value in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = s[i] * d + value
+        if self._fixed is None:
+            self.speed = Speed(self._fit() or self.speed.prefill_tokens_per_s, self._lifetime)
+
+    def observe_lifetime(self, seconds: float) -> None:
+        """A request left its worker `seconds` after it was routed."""
+        self._lifetimes_seen += 1
+        weight = max(1 - self._decay, 1 / self._lifetimes_seen)
+        self._lifetime += weight * (seconds - self._lifetime)
+        self.speed = Speed(self.speed.prefill_tokens_per_s, self._lifetime)
+
+    def _fit(self) -> float | None:
+        w, x, y, xx, xy = self._sums
+        if w < 8:
+            return None
+        var_x = xx / w - (x / w) ** 2
+        if var_x < MIN_FIT_SPREAD_TOKENS**2:
+            return None
+        slope = (xy / w - (x / w) * (y / w)) / var_x  # seconds per uncached token
+        if slope <= 0:
+            return None
+        return min(1e8, max(100.0, 1 / slope))
