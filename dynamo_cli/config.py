@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -241,6 +242,25 @@ def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[s
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+class QueuePolicy(enum.Enum):
+    """How queued requests are ordered (after their priority)."""
+
+    FCFS = "fcfs"
+    SJF = "sjf"
+    DEADLINE = "deadline"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """`--router-queue-size`, `--router-queue-timeout`, `--router-queue-policy`."""
+
+    max_size: int = 256
+    """Requests that may wait per model; 0 = no queue (every worker busy is an immediate 503)."""
+    max_wait_s: float = 30.0
+    """The longest a request waits for a worker before its 503."""
+    policy: QueuePolicy = QueuePolicy.FCFS
+
+
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
     """The OpenAI HTTP frontend."""
@@ -262,6 +282,8 @@ class FrontendConfig:
     kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """The wait queue for requests that find every worker busy (router/queue.py)."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)

@@ -166,9 +166,12 @@ class Overloaded(DynError):
 
     status = 503
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
         self.reason = reason
-        super().__init__(f"overloaded: {reason}; retry later")
+        self.retry_after = retry_after
+        """Seconds the client should wait before trying again (`Retry-After`); None if unknown."""
+        hint = f"retry in {max(1, math.ceil(retry_after))} s" if retry_after is not None else "retry later"
+        super().__init__(f"overloaded: {reason}; {hint}")
 
 
 class KvTransferFull(Overloaded):

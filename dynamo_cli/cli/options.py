@@ -20,6 +20,8 @@ from dynamo_cli.config import (
     DisaggConfig,
     KvRouterConfig,
     PlanesConfig,
+    QueueConfig,
+    QueuePolicy,
 )
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
@@ -229,6 +231,38 @@ def disagg(policy: str, max_local: int, max_queue: int, decode_busy: float, enfo
     return DisaggConfig(policy=policy, max_local_prefill_length=max_local, max_prefill_queue=max_queue,
                         decode_busy_threshold=decode_busy, enforce=enforce,
                         prefill_router_mode=prefill_mode)  # fmt: skip
+
+
+##### The wait queue (every worker busy) #####
+
+_Q = QueueConfig()
+QueueSize = Annotated[
+    int,
+    typer.Option("--router-queue-size", envvar="DYN_ROUTER_QUEUE_SIZE",
+                 help="Requests that may wait per model when every worker is busy (0: 503 at once)."),
+]  # fmt: skip
+QueueTimeout = Annotated[
+    float,
+    typer.Option("--router-queue-timeout", envvar="DYN_ROUTER_QUEUE_TIMEOUT",
+                 help="Seconds a request waits for a worker before its 503."),
+]  # fmt: skip
+QueuePolicyOption = Annotated[
+    str,
+    typer.Option("--router-queue-policy", envvar="DYN_ROUTER_QUEUE_POLICY",
+                 help="Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline."),
+]  # fmt: skip
+
+
+def queue(size: int, timeout: float, policy: str) -> QueueConfig:
+    """The wait queue's settings from its flags, checked now."""
+    if size < 0 or not timeout > 0:
+        raise ConfigError(f"--router-queue-size must be >= 0 ({size}) and --router-queue-timeout > 0 ({timeout})")
+    try:
+        order = QueuePolicy(policy)
+    except ValueError:
+        choices = " | ".join(p.value for p in QueuePolicy)
+        raise ConfigError(f"--router-queue-policy '{policy}' is not one of {choices}") from None
+    return QueueConfig(max_size=size, max_wait_s=timeout, policy=order)
 
 
 ##### The cluster secret (request-plane authentication) #####

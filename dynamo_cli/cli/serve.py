@@ -46,6 +46,9 @@ def command(
     decode_busy_threshold: o.DecodeBusy = o._D.decode_busy_threshold,
     enforce_disagg: o.EnforceDisagg = False,
     prefill_router_mode: o.PrefillRouterMode = None,
+    router_queue_size: o.QueueSize = o._Q.max_size,
+    router_queue_timeout: o.QueueTimeout = o._Q.max_wait_s,
+    router_queue_policy: o.QueuePolicyOption = o._Q.policy.value,
     kv_transfer: o.KvTransfer = "auto",
     router_cost: o.RouterCost = o.KV_ROUTER.cost,
     router_prefill_tps: o.RouterPrefillTps = o.KV_ROUTER.prefill_tokens_per_s,
@@ -160,6 +163,7 @@ def command(
                               disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
                                               decode_busy_threshold, enforce_disagg, prefill_router_mode),
                               active_blocks_threshold=active_blocks_threshold,
+                              queue=o.queue(router_queue_size, router_queue_timeout, router_queue_policy),
                               auth=AuthConfig(read_api_keys(api_key or [], api_key_file, os.environ),
                                               api_key_rps, api_key_max_inflight, metrics_require_key),
                               tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file))  # fmt: skip

@@ -66,7 +66,7 @@ class Frontend:
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
         self._gate = Gate(config.auth) if config.auth.api_keys else None
         self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote",
-                                   disagg=config.disagg)  # fmt: skip
+                                   disagg=config.disagg, queue=config.queue)  # fmt: skip
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
@@ -164,8 +164,12 @@ class Frontend:
         request_id = prefix + uuid.uuid4().hex
         client_id = _client_request_id(headers.get(b"x-request-id"))
         pinned, explain = _pinned(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
+        priority = _int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
+        deadline_ms = _int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
+        deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None
         plan = plan_request(entry, request_id, prompt_ids, sampling, pinned_worker=pinned,
-                            is_explained=explain in (b"1", b"true", b"yes"), client_request_id=client_id)  # fmt: skip
+                            is_explained=explain in (b"1", b"true", b"yes"), client_request_id=client_id,
+                            priority=priority or 0, deadline=deadline)  # fmt: skip
         dispatch = Dispatch(entry, plan, self.rules, self.metrics)
         await dispatch.start()
         return Generation(dispatch, tokenizer)
@@ -293,6 +297,7 @@ class Frontend:
     async def prometheus(self, request: Request) -> Response:
         for name, entry in self.registry.models.items():
             self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
+            self.metrics.queued.labels(name).set(len(entry.queue))
             counters = getattr(entry.policy, "counters", None)
             if counters is not None:
                 self.metrics.export_router(name, counters.to_dict())
@@ -328,6 +333,19 @@ def _internal(exc: Exception, doing: str) -> DynError:
     error_id = uuid.uuid4().hex[:12]
     logger.error("internal error %s while %s", error_id, doing, exc_info=exc)
     return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
+
+
+def _int_header(header: bytes | None, name: str, low: int, high: int) -> int | None:
+    """An integer header within [low, high], or None when absent; else a 400 naming the header."""
+    if not header:
+        return None
+    try:
+        value = int(header)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise RequestError(f"header {name} must be an integer in {low}..{high}", param=name)
+    return value
 
 
 def _pinned(header: bytes | None) -> int | None:

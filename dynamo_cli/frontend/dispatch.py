@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from dynamo_cli.config import DisaggConfig
+from dynamo_cli.config import DisaggConfig, QueueConfig
 from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
 from dynamo_cli.errors import (
     ContextOverflow,
@@ -36,6 +36,7 @@ from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
+from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,14 @@ class RequestPlan:
     """The caller asked to see the routing decision (header `x-dyn-explain-route`)."""
     client_request_id: str | None = None
     """The caller's `x-request-id`, echoed back; `request_id` is always the frontend's own."""
+    queued: QueuedRequest = QueuedRequest()
+    """Its place in the wait queue when every worker is busy: priority and deadline (headers), job size."""
 
 
 def plan_request(
     entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: Sampling,
     *, pinned_worker: int | None = None, is_explained: bool = False, client_request_id: str | None = None,
+    priority: int = 0, deadline: float | None = None,
 ) -> RequestPlan:  # fmt: skip
     """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context."""
     context = entry.card.context_length
@@ -88,7 +92,9 @@ def plan_request(
     wanted = sampling.max_tokens if sampling.max_tokens is not None else room
     if room < 1 or wanted > room:
         raise ContextOverflow(len(prompt_ids), wanted, context)
-    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id)
+    queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
+    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id,
+                       queued)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,8 @@ class DispatchRules:
     the backend that serves."""
     disagg: DisaggConfig = DisaggConfig()
     """When a model with prefill workers has its prompt prefilled remotely."""
+    queue: QueueConfig = QueueConfig()
+    """How long, in what order and how many requests wait when every worker is busy."""
 
 
 class Dispatch:
@@ -150,7 +158,7 @@ class Dispatch:
         the worker; behind a router, open the stream and wait for the router's report of the backend."""
         try:
             self._check_pin()
-            self._choose()
+            await self._choose_or_wait()
             if not self.rules.is_remote:
                 await self._prefill_stage()
             while self.rules.is_remote and self.served_by is None:
@@ -221,6 +229,20 @@ class Dispatch:
         if not self.rules.is_remote and self.served_by is None:
             self.served_by = worker.instance_id
         return worker
+
+    async def _choose_or_wait(self) -> Worker:
+        """Hop 1, at the start: every worker busy, wait in the model's queue for one (503 when the queue is
+        full or the wait too long; at once with `--router-queue-size 0`)."""
+        try:
+            return self._choose()
+        except Overloaded:
+            if not self.rules.queue.max_size:
+                raise
+        queued_at = time.perf_counter()
+        try:
+            return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
+        finally:
+            self.metrics.queue_wait.labels(self.entry.name).observe(time.perf_counter() - queued_at)
 
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""
@@ -374,6 +396,7 @@ class Dispatch:
             self._is_held = False
             self.worker.num_inflight -= 1
             self.entry.policy.on_finish(self.plan.request_id)
+            self.entry.queue.notify()
 
     def _unqueue_local_prefill(self) -> None:
         if self._local_prefill_tokens and self.worker is not None:

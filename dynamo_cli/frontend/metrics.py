@@ -32,6 +32,9 @@ class FrontendMetrics:
         self.worker_restarts = Counter(f"{prefix}_worker_restarts", "Workers restarted by dyn serve", registry=r)
         self.refused = Counter(f"{prefix}_auth_refused", "Refused by API key or per-key limit", ["code"], registry=r)
         self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)
+        self.queued = Gauge(f"{prefix}_queued_requests", "Requests waiting for a free worker", ["model"], registry=r)
+        self.queue_wait = Histogram(f"{prefix}_queue_wait_seconds", "Time queued for a free worker (the queued "
+                                    "only)", ["model"], buckets=_LATENCY, registry=r)  # fmt: skip
         self.kv_repairs = Counter("dynamo_router_kv_gap_repairs", "KV event gaps repaired", ["kind"], registry=r)
         self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
         self.disagg = Counter(f"{prefix}_disagg_decisions", "Where prompts were prefilled, by outcome of the "

@@ -22,6 +22,7 @@ from dynamo_cli.errors import ModelNotFound
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RoutingPolicy
+from dynamo_cli.router.queue import WaitQueue
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Connections, Instance, InstanceRecord, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
@@ -83,6 +84,8 @@ class ModelEntry:
     workers: dict[int, Worker] = field(default_factory=dict)
     """Aggregated and decode workers."""
     prefill_workers: dict[int, Worker] = field(default_factory=dict)
+    queue: WaitQueue = field(default_factory=WaitQueue)
+    """Requests waiting for one of `workers` to stop being busy (router/queue.py)."""
 
     def pool(self, role: Role) -> dict[int, Worker]:
         return self.prefill_workers if role is Role.PREFILL else self.workers
@@ -154,6 +157,7 @@ class Registry(Generic[EntryT]):
             if worker is not None:
                 worker.load = metrics
             entry.policy.apply_load(metrics)
+            entry.queue.notify()
 
     ##### Discovery #####
 
@@ -169,6 +173,7 @@ class Registry(Generic[EntryT]):
         client = self._connections.get(record.address)
         worker = entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
         self._placed[instance_id] = entry
+        entry.queue.notify()
         if self.on_join is not None:
             self.on_join(entry, worker)
         logger.info("worker %x joined model %s at %s (%s)", instance_id, card.display_name, record.address, card.role)
@@ -180,6 +185,7 @@ class Registry(Generic[EntryT]):
             entry.prefill_workers.pop(instance_id, None)
         entry.policy.remove_worker(instance_id)
         entry.prefill_policy.remove_worker(instance_id)
+        entry.queue.notify()  # waiters for a model with no worker left get their 503 now
         address = instance.record.address
         if not any(w.record.address == address for w in self._all_workers()):
             self._connections.retire(address)

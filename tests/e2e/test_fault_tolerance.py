@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -92,7 +93,8 @@ def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve, pl
 
 
 def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", discovery=planes[0], events=planes[1])
+    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "0",
+                  discovery=planes[0], events=planes[1])  # fmt: skip
     with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200}) as r:
             assert r.status_code == 200
@@ -103,3 +105,32 @@ def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, pla
         assert reply.status_code == 503 and "busy" in reply.json()["error"]["message"]
         assert elapsed < 0.1
         assert http.post("/v1/chat/completions", json={**CHAT, "stream": False, "max_tokens": 2}).status_code == 200
+
+
+def test_every_worker_busy_queues_then_serves_in_priority_order_and_a_full_queue_gets_a_503(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "2")
+    unary = {**CHAT, "stream": False, "max_tokens": 2}
+    finished: list[str] = []
+
+    def ask(name: str, priority: int) -> httpx.Response:
+        reply = httpx.post(f"{d.url}/v1/chat/completions", json=unary, timeout=60,
+                           headers={**d.auth, "x-dyn-priority": str(priority)})  # fmt: skip
+        finished.append(name)
+        return reply
+
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400}) as r:
+            assert r.status_code == 200
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                low = pool.submit(ask, "low", 0)
+                time.sleep(0.3)  # low queues first
+                high = pool.submit(ask, "high", 5)
+                time.sleep(0.3)
+                full = http.post("/v1/chat/completions", json=unary, timeout=10)
+                assert full.status_code == 503 and full.headers["retry-after"] == "1"
+                assert "the wait queue is full (2 requests)" in full.json()["error"]["message"]
+                assert read_stream(r)["usage"]["completion_tokens"] == 400
+                assert low.result().status_code == 200 and high.result().status_code == 200
+    assert finished == ["high", "low"]  # one worker slot: the higher priority went first
+    bad = httpx.post(f"{d.url}/v1/chat/completions", json=unary, timeout=10, headers={**d.auth, "x-dyn-priority": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-dyn-priority"
