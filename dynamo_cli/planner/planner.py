@@ -101,7 +101,7 @@ class Planner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Plan until `stop` is set; a tick that cannot read any frontend is skipped and logged."""
-        self._last = await self.source.snapshot()
+        await self.baseline()
         next_plan = time.monotonic() + self.config.interval_s
         while not stop.is_set():
             now = time.monotonic()
@@ -119,6 +119,10 @@ class Planner:
                     await self.check_burst()
             except PlaneUnavailable as exc:
                 logger.warning("planner step skipped: %s", exc)
+
+    async def baseline(self) -> None:
+        """Read the counters the first interval is measured from."""
+        self._last = await self.source.snapshot()
 
     async def plan_once(self) -> Step:
         """The throughput step: observe → forecast → correct → size → apply."""
