@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -109,28 +109,33 @@ def _report(step: Step) -> None:
           f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}", flush=True)  # fmt: skip
 
 
+def _opt(flag: str, help: str) -> Any:
+    """A `dyn plan run` option with its DYN_PLANNER_* environment twin."""
+    return typer.Option(flag, envvar="DYN_PLANNER_" + flag.strip("-").upper().replace("-", "_"), help=help)
+
+
 @app.command("run")
 def run_command(
-    profile: Annotated[Path, typer.Option("--profile", help="Profile JSON from `dyn plan profile`.")],
-    ttft: Annotated[float, typer.Option("--ttft", help="TTFT target (ms).")],
-    itl: Annotated[float, typer.Option("--itl", help="ITL target (ms).")],
-    frontend: Annotated[list[str], typer.Option("--frontend", help="Frontend URL to watch (repeatable).")],
-    mode: Annotated[str, typer.Option("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
-    interval: Annotated[float, typer.Option("--interval", help="Throughput step period (s).")] = 60.0,
-    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
-    min_workers: Annotated[int, typer.Option("--min-workers", help="Per pool.")] = 1,
-    max_workers: Annotated[int, typer.Option("--max-workers", help="Per pool.")] = 8,
-    gpu_budget: Annotated[int, typer.Option("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
-    predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
-    connector: Annotated[str, typer.Option("--connector", help="local (dyn worker processes) | virtual.")] = "local",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print decisions.")] = False,
-    duration: Annotated[float, typer.Option("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
-    ack_timeout: Annotated[float, typer.Option("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
+    profile: Annotated[Path, _opt("--profile", help="Profile JSON from `dyn plan profile`.")],
+    ttft: Annotated[float, _opt("--ttft", help="TTFT target (ms).")],
+    itl: Annotated[float, _opt("--itl", help="ITL target (ms).")],
+    frontend: Annotated[list[str], _opt("--frontend", help="Frontend URL to watch (repeatable).")],
+    mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
+    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = 60.0,
+    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
+    min_workers: Annotated[int, _opt("--min-workers", help="Per pool.")] = 1,
+    max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
+    gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
+    predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
+    connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
+    dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
+    duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
+    ack_timeout: Annotated[float, _opt("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
     engine: o.Engine = "mocker",
     model: o.Model = o.DEFAULTS["model"],
     speedup_ratio: o.SpeedupRatio = None,
     engine_arg: o.EngineArg = None,
-    graceful_shutdown: Annotated[float, typer.Option("--graceful-shutdown", help="local: drain time (s).")] = 5.0,
+    graceful_shutdown: Annotated[float, _opt("--graceful-shutdown", help="local: drain time (s).")] = 5.0,
     namespace: o.Namespace = o.DEFAULTS["namespace"],
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",

@@ -13,6 +13,7 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
 from dynamo_cli.planner.observe import FrontendScraper, count_workers
 from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
+from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.runtime.discovery import Discovery, open_discovery
 from dynamo_cli.runtime.supervisor import stop_on_signals
@@ -70,6 +71,8 @@ def check_run(run: PlanRun) -> None:
     if bounds.min_workers < 0 or bounds.max_workers < max(bounds.min_workers, 1):
         raise ConfigError(f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
                           f"{bounds.min_workers} and {bounds.max_workers}")  # fmt: skip
+    if config.predictor not in PREDICTORS:
+        raise ConfigError(f"--predictor '{config.predictor}' is not known; use one of {', '.join(PREDICTORS)}")
     if run.connector not in CONNECTORS:
         raise ConfigError(f"--connector '{run.connector}' is invalid; use one of {', '.join(CONNECTORS)}")
     if not run.frontends:
