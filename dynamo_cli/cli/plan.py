@@ -23,7 +23,7 @@ from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
 from dynamo_cli.planner.replicas import Bounds, Targets
-from dynamo_cli.planner.service import PlanRun, serve_planner
+from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
 from dynamo_cli.runtime.supervisor import PARENT_ENV
 from dynamo_cli.runtime.supervisor import run as run_loop
 
@@ -159,3 +159,40 @@ def run_command(
                    ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip
     run_loop(serve_planner(plan, load_profile(profile), _report))
     sys.stdout.flush()
+
+
+@app.command("simulate")
+def simulate_command(
+    profile: Annotated[Path, typer.Option("--profile", help="Profile JSON from `dyn plan profile`.")],
+    ttft: Annotated[float, typer.Option("--ttft", help="TTFT target (ms).")],
+    itl: Annotated[float, typer.Option("--itl", help="ITL target (ms).")],
+    trace: Annotated[Path | None, typer.Option("--trace", help="Mooncake JSONL trace.")] = None,
+    rate_curve: Annotated[
+        str | None, typer.Option("--rate-curve", help="Synthetic Poisson load T:RATE,...,T_END:0 (s, req/s).")
+    ] = None,
+    isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
+    osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
+    static: Annotated[str, typer.Option("--static", help="Static pool sizes to compare.")] = "1,4",
+    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = 60.0,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = 5.0,
+    min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
+    max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
+    predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
+    startup: Annotated[float, typer.Option("--startup", help="Seconds a new worker takes to serve.")] = 30.0,
+) -> None:
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
+    from dynamo_cli.planner.simulate import load_trace, run_simulation
+    from dynamo_cli.planner.simulate import rate_curve as make_curve
+
+    if (trace is None) == (rate_curve is None):
+        raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
+    requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
+                           interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
+    check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
+    results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
+                             startup)  # fmt: skip
+    print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
+    for result in results:
+        print(f"{result.policy:>10}: SLO attainment {result.attainment:6.1%}, worker-seconds "
+              f"{result.worker_seconds:10.0f}, most workers {result.max_workers}")  # fmt: skip
