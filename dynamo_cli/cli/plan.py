@@ -119,7 +119,9 @@ def run_command(
     profile: Annotated[Path, _opt("--profile", help="Profile JSON from `dyn plan profile`.")],
     ttft: Annotated[float, _opt("--ttft", help="TTFT target (ms).")],
     itl: Annotated[float, _opt("--itl", help="ITL target (ms).")],
-    frontend: Annotated[list[str], _opt("--frontend", help="Frontend URL to watch (repeatable).")],
+    frontend: Annotated[
+        list[str] | None, _opt("--frontend", help="Frontend URL to watch (repeatable; default: those in discovery).")
+    ] = None,
     mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
     interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = 60.0,
     load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
@@ -153,7 +155,7 @@ def run_command(
            **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
-    plan = PlanRun(planner=config, frontends=tuple(frontend), namespace=namespace, discovery=discovery,
+    plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
                    lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
                    prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
                    ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip

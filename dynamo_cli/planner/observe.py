@@ -3,7 +3,9 @@
 Frontends are read over HTTP (`GET /metrics`), so the planner needs no code of theirs: Dynamo's
 `dynamo_frontend_*` histograms give requests completed and mean TTFT, ITL, ISL, OSL and duration as
 increase(sum) / increase(count) between two scrapes, summed over every model and frontend.
-Workers are counted from their instance records under `v1/instances/{namespace}/`.
+Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
+frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
+`--frontend` finds every frontend of its namespace there, at every scrape.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -28,6 +31,32 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "inp
               "output_sequence_tokens", "request_duration_seconds")  # fmt: skip
 SCRAPE_TIMEOUT_S = 5.0
 ROUTER_COMPONENT = "router"  # `dyn router` replicas register beside workers; they are not workers
+
+
+class FrontendRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A frontend's discovery record: where its HTTP API (and /metrics) is."""
+
+    url: str
+
+
+def frontend_key(namespace: str, instance_id: int) -> str:
+    return f"v1/frontends/{namespace}/{instance_id:x}"
+
+
+async def discovered_frontends(discovery: Discovery, namespace: str) -> list[str]:
+    """URLs of the frontends registered in `namespace`."""
+    async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+        found = await discovery.get_prefix(f"v1/frontends/{namespace}/")
+    urls = []
+    for raw in found.values():
+        try:
+            urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return sorted(urls)
+
+
+UrlSource = Callable[[], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +111,10 @@ def observation_between(before: Snapshot, now: Snapshot) -> Observation:
 class FrontendScraper:
     """Reads every frontend's /metrics; a frontend that does not answer is logged and left out."""
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient) -> None:
-        self.urls = [url.rstrip("/") for url in urls]
+    def __init__(self, urls: list[str] | UrlSource, client: httpx.AsyncClient) -> None:
+        self.urls = [url.rstrip("/") for url in urls] if isinstance(urls, list) else []
+        self.find = None if isinstance(urls, list) else urls
+        """Where to find the frontends before each scrape (discovery), unless fixed URLs were given."""
         self.client = client
 
     async def _one(self, url: str) -> str | None:
@@ -96,9 +127,12 @@ class FrontendScraper:
             return None
 
     async def snapshot(self) -> Snapshot:
+        if self.find is not None:
+            self.urls = [url.rstrip("/") for url in await self.find()]
         texts = await asyncio.gather(*(self._one(url) for url in self.urls))
         if all(text is None for text in texts):
-            raise PlaneUnavailable("frontend /metrics", ", ".join(self.urls), "no frontend answered; check --frontend")
+            raise PlaneUnavailable("frontend /metrics", ", ".join(self.urls) or "discovery",
+                                   "no frontend answered; start `dyn serve` or pass --frontend URL")  # fmt: skip
         sums: dict[str, float] = {}
         inflight = 0.0
         for text in texts:

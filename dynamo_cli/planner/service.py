@@ -11,7 +11,7 @@ import httpx
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
-from dynamo_cli.planner.observe import FrontendScraper, count_workers
+from dynamo_cli.planner.observe import FrontendScraper, count_workers, discovered_frontends
 from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile
@@ -30,7 +30,7 @@ class PlanRun:
     planner: PlannerConfig
     """Targets, bounds, cadence, predictor."""
     frontends: tuple[str, ...]
-    """Frontend base URLs whose /metrics are read."""
+    """Frontend base URLs whose /metrics are read (empty: those registered in discovery)."""
     namespace: str
     """The deployment's namespace (worker counts, virtual decision keys)."""
     discovery: str
@@ -75,8 +75,6 @@ def check_run(run: PlanRun) -> None:
         raise ConfigError(f"--predictor '{config.predictor}' is not known; use one of {', '.join(PREDICTORS)}")
     if run.connector not in CONNECTORS:
         raise ConfigError(f"--connector '{run.connector}' is invalid; use one of {', '.join(CONNECTORS)}")
-    if not run.frontends:
-        raise ConfigError("no frontend to watch; pass --frontend URL (the `dyn serve` address)")
 
 
 def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
@@ -98,7 +96,8 @@ async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None 
     connector = _connector(run, discovery)
     try:
         async with httpx.AsyncClient() as client:
-            planner = Planner(run.planner, profile, FrontendScraper(list(run.frontends), client), connector,
+            urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
+            planner = Planner(run.planner, profile, FrontendScraper(urls, client), connector,
                               lambda: count_workers(discovery, run.namespace), report)  # fmt: skip
             async with asyncio.TaskGroup() as group:
                 if run.duration_s > 0:

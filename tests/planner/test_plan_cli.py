@@ -1,5 +1,5 @@
 """`dyn plan` end to end: flag errors are one red line; a profile of the mocker; a dry-run planner on a
-mocker deployment asks for more workers under a load step and fewer after it."""
+mocker deployment (its frontend found in discovery) asks for more workers under a load step and fewer after it."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_a_dry_run_planner_scales_up_under_a_load_step_and_back_down(dyn_serve, 
     planner = subprocess.Popen(
         [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "run", "--profile", str(profile_file), "--ttft", "1000",
          "--itl", "50", "--mode", "agg", "--interval", "1", "--load-interval", "0", "--max-workers", "16",
-         "--frontend", frontend.url, "--discovery", frontend.discovery, "--dry-run"],
+         "--discovery", frontend.discovery, "--dry-run"],  # no --frontend: found in discovery
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines: list[str] = []
