@@ -3,6 +3,7 @@ mocker deployment (its frontend found in discovery) asks for more workers under 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, load_profile, save_profile
-from tests.conftest import DynProcess
+from tests.conftest import DynProcess, wait_until
 
 # Slow prefill on purpose: ~30-token prompts take ~120 ms, ~250 tokens/s per worker, so a few requests a
 # second need more than one worker; decode is cheap and never the bottleneck here.
@@ -79,13 +80,16 @@ def test_profiling_the_mocker_writes_a_profile_that_rises_with_isl_and_usage(tmp
     assert low.kv_usage < high.kv_usage and low.itl_ms >= 5.0  # never faster than the model's 5.74 ms floor
 
 
-def _load(url: str, seconds: float, stop: threading.Event) -> None:
-    """Closed-loop load of short completions from 8 threads for `seconds`."""
+def _load(url: str, seconds: float, stop: threading.Event, failures: list[int] | None = None) -> None:
+    """Closed-loop load of short completions from 8 threads for `seconds`; failed statuses go to `failures`."""
     def client() -> None:
         deadline = time.monotonic() + seconds
         with httpx.Client(timeout=30) as http:
             while time.monotonic() < deadline and not stop.is_set():
-                http.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": "hello " * 20, "max_tokens": 4})
+                body = {"model": "smollm2", "prompt": "hello " * 20, "max_tokens": 4}
+                status = http.post(f"{url}/v1/completions", json=body).status_code
+                if status != 200 and failures is not None:
+                    failures.append(status)
 
     threads = [threading.Thread(target=client) for _ in range(8)]
     for thread in threads:
@@ -131,3 +135,31 @@ def test_a_dry_run_planner_scales_up_under_a_load_step_and_back_down(dyn_serve, 
     assert counts[0] == 1, lines  # idle: the minimum
     assert max(counts[before:during + 1]) >= 2, lines  # the step: more workers within the loaded intervals
     assert counts[-1] == 1, lines  # idle again: back to the minimum
+
+
+def test_a_local_planner_starts_workers_for_a_load_step_and_drains_them_after(dyn_serve, profile_file: Path) -> None:  # type: ignore[no-untyped-def]
+    secret = {"DYN_CLUSTER_SECRET": "ab" * 32}
+    frontend: DynProcess = dyn_serve("--engine", "mocker", "--workers", "0", env=secret)
+    planner = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "run", "--profile", str(profile_file), "--ttft", "1000",
+         "--itl", "50", "--mode", "agg", "--interval", "1", "--load-interval", "0", "--max-workers", "3",
+         "--discovery", frontend.discovery, "--connector", "local", "--engine", "mocker", "--speedup-ratio", "50"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **secret},
+    )  # fmt: skip
+    sizes: list[int] = []
+    try:
+        assert wait_until(lambda: len(frontend.serving_pids()) == 1, 60), "the planner did not start the minimum"
+        failures: list[int] = []
+        loader = threading.Thread(target=_load, args=(frontend.url, 8.0, threading.Event(), failures))
+        loader.start()
+        while loader.is_alive():
+            sizes.append(len(frontend.serving_pids()))
+            time.sleep(0.3)
+        assert wait_until(lambda: len(frontend.serving_pids()) == 1, 30), "the planner did not scale back down"
+    finally:
+        planner.terminate()
+        _, err = planner.communicate(timeout=60)
+    assert planner.returncode == 0, err
+    assert max(sizes) >= 2, sizes
+    assert failures == []  # no request failed while workers came and went
+    assert wait_until(lambda: frontend.serving_pids() == [], 30)  # the planner's workers went with it
