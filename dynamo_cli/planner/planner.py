@@ -100,7 +100,7 @@ class Planner:
         self.steps: list[Step] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Plan until `stop` is set; a tick that cannot read any frontend is skipped and logged."""
+        """Plan until `stop` is set; a tick that cannot read any frontend or discovery is skipped and logged."""
         await self.baseline()
         next_plan = time.monotonic() + self.config.interval_s
         while not stop.is_set():
@@ -117,8 +117,8 @@ class Planner:
                     await self.plan_once()
                 else:
                     await self.check_burst()
-            except PlaneUnavailable as exc:
-                logger.warning("planner step skipped: %s", exc)
+            except (PlaneUnavailable, TimeoutError) as exc:  # a frontend or discovery did not answer in time
+                logger.warning("planner step skipped: %s", exc or type(exc).__name__)
 
     async def baseline(self) -> None:
         """Read the counters the first interval is measured from."""
