@@ -16,10 +16,13 @@ import sys
 import time
 from dataclasses import replace
 
+import msgspec
+
 from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
+from dynamo_cli.planner.observe import FrontendRecord, frontend_key
 from dynamo_cli.router.registry import ROUTER_COMPONENT
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
@@ -138,6 +141,9 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
                 await _wait_backends(discovery, config, pool.procs)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
+            # leased: a planner finds this frontend's /metrics here, and loses it when this process goes
+            await discovery.put(frontend_key(config.frontend.namespace, discovery.lease_id),
+                                msgspec.json.encode(FrontendRecord(url=url)))  # fmt: skip
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
         await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out

@@ -13,6 +13,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     worker                      one engine behind the request plane (the contract, kv, runtime)
     engines/                    plugins: only the contract, kv, model, errors and config
     bench                       an HTTP load generator (errors, model for token counts)
+    planner                     SLA planner: reads frontends' /metrics over HTTP and discovery, drives an
+                                engine through the contract to profile it (the contract, runtime)
     supervise                   restarts `dyn serve`'s child processes (nothing of dyn)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _CONTRACT = {"errors", "config", "engine", "kv", "model_card"}
 _EVERYTHING = {
     "dynamo_cli", "errors", "config", "engine", "kv", "model", "model_card", "runtime", "router", "frontend",
-    "worker", "launcher", "bench", "supervise",
+    "worker", "launcher", "bench", "supervise", "planner",
 }  # fmt: skip
 
 ALLOWED: dict[str, set[str]] = {
@@ -44,6 +46,10 @@ ALLOWED: dict[str, set[str]] = {
     "worker": _CONTRACT | {"runtime"},
     "engines": {"errors", "config", "engine", "kv", "model"},
     "bench": {"errors", "model"},
+    # The planner sees frontends only through their HTTP /metrics and workers only through discovery
+    # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
+    # nor frontend; the processes it starts are command lines the CLI builds for it.
+    "planner": _CONTRACT | {"runtime"},
     "supervise": set(),  # child-process restarts for `dyn serve`: asyncio only
     "dynamo_cli": {"errors", "engine", "kv"},  # the package's curated __all__
     "launcher": _EVERYTHING,

@@ -1,0 +1,200 @@
+"""`dyn plan`: profile an engine (`dyn plan profile`) and scale a deployment to SLO targets (`dyn plan run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from dynamo_cli.cli import options as o
+from dynamo_cli.config import CLUSTER_SECRET_ENV, WorkerConfig
+from dynamo_cli.engine import EngineArgs, Role, load_engine
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.launcher import planes_env, worker_argv
+from dynamo_cli.planner.planner import PlannerConfig, Step
+from dynamo_cli.planner.predictors import PREDICTORS
+from dynamo_cli.planner.profile import Profile, load_profile, save_profile
+from dynamo_cli.planner.profiler import Sweep, profile_engine
+from dynamo_cli.planner.replicas import Bounds, Targets
+from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
+from dynamo_cli.runtime.supervisor import PARENT_ENV
+from dynamo_cli.runtime.supervisor import run as run_loop
+
+app = typer.Typer(help="SLA planner: profile an engine, then scale prefill and decode workers to TTFT/ITL targets.",
+                  no_args_is_help=True)  # fmt: skip
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} '{text}' must be comma-separated integers") from None
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{flag} '{text}' must list positive integers")
+    return values
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} '{text}' must be comma-separated numbers") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise ConfigError(f"{flag} '{text}' must list fractions in (0, 1]")
+    return values
+
+
+async def _profile(args: EngineArgs, engine_name: str, speedup: float, sweep: Sweep) -> Profile:
+    engine = load_engine(engine_name)(args)
+    info = await engine.start()
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      console=Console(stderr=True), transient=False) as bar:  # fmt: skip
+            task = bar.add_task("profiling", total=None)
+
+            def step(what: str, done: int, total: int) -> None:
+                bar.update(task, description=what, completed=done, total=total)
+
+            return await profile_engine(engine, info, engine_name=engine_name, model=args.model,
+                                        speedup_ratio=speedup, sweep=sweep, progress=step)  # fmt: skip
+    finally:
+        await engine.stop()
+
+
+@app.command("profile")
+def profile_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write.")],
+    engine: o.Engine = "mocker",
+    model: o.Model = o.DEFAULTS["model"],
+    speedup_ratio: Annotated[
+        float | None, typer.Option("--speedup-ratio", help="mocker: run this much faster; times are multiplied "
+                                   "back (default 10 for the mocker, else 1).")
+    ] = None,
+    num_gpu_blocks: o.NumGpuBlocks = None,
+    max_num_seqs: o.MaxNumSeqs = None,
+    context_length: o.ContextLength = None,
+    engine_arg: o.EngineArg = None,
+    isls: Annotated[str, typer.Option("--isls", help="Prefill sweep: prompt lengths.")] = "128,512,1024,2048,4096,8192",
+    contexts: Annotated[str, typer.Option("--contexts", help="Decode sweep: context lengths.")] = "512,2048,8192",
+    usages: Annotated[str, typer.Option("--usages", help="Decode sweep: KV usage fractions.")] = "0.05,0.25,0.5,0.9",
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the profile (PNG; needs matplotlib).")] = None,
+) -> None:
+    """Sweep one engine in this process (prefill TTFT vs ISL, decode ITL vs KV usage and context) into a profile."""
+    speedup = speedup_ratio if speedup_ratio is not None else (10.0 if engine == "mocker" else 1.0)
+    sweep = Sweep(isls=_ints(isls, "--isls"), contexts=_ints(contexts, "--contexts"),
+                  usages=_floats(usages, "--usages"))  # fmt: skip
+    extra = o.engine_extra(engine_arg, None, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                           speedup_ratio=speedup if engine == "mocker" else None)  # fmt: skip
+    args = EngineArgs(model=model, context_length=context_length, extra=extra)
+    profile = asyncio.run(_profile(args, engine, speedup, sweep))
+    save_profile(profile, out)
+    if plot is not None:
+        from dynamo_cli.planner.plot import plot_profile
+
+        plot_profile(profile, plot)
+    print(f"profile written: {out} ({len(profile.prefill)} prefill, {len(profile.decode)} decode samples)")
+
+
+def _report(step: Step) -> None:
+    state = {True: "applied", False: "NOT acknowledged", None: "not applied"}[step.applied]
+    decision = step.decision
+    print(f"decision {step.decision_id} ({step.kind}): prefill {step.current[0]}→{decision.num_prefill}, "
+          f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}", flush=True)  # fmt: skip
+
+
+def _opt(flag: str, help: str) -> Any:
+    """A `dyn plan run` option with its DYN_PLANNER_* environment twin."""
+    return typer.Option(flag, envvar="DYN_PLANNER_" + flag.strip("-").upper().replace("-", "_"), help=help)
+
+
+@app.command("run")
+def run_command(
+    profile: Annotated[Path, _opt("--profile", help="Profile JSON from `dyn plan profile`.")],
+    ttft: Annotated[float, _opt("--ttft", help="TTFT target (ms).")],
+    itl: Annotated[float, _opt("--itl", help="ITL target (ms).")],
+    frontend: Annotated[
+        list[str] | None, _opt("--frontend", help="Frontend URL to watch (repeatable; default: those in discovery).")
+    ] = None,
+    mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
+    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = 60.0,
+    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
+    min_workers: Annotated[int, _opt("--min-workers", help="Per pool.")] = 1,
+    max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
+    gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
+    predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
+    connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
+    dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
+    duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
+    ack_timeout: Annotated[float, _opt("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
+    engine: o.Engine = "mocker",
+    model: o.Model = o.DEFAULTS["model"],
+    speedup_ratio: o.SpeedupRatio = None,
+    engine_arg: o.EngineArg = None,
+    graceful_shutdown: Annotated[float, _opt("--graceful-shutdown", help="local: drain time (s).")] = 5.0,
+    namespace: o.Namespace = o.DEFAULTS["namespace"],
+    discovery: o.Discovery = "embedded",
+    events: o.Events = "embedded",
+    lease_ttl: o.LeaseTtl = 10.0,
+    cluster_secret_file: o.ClusterSecretFile = None,
+) -> None:
+    """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
+    secret = o.cluster_secret(cluster_secret_file)
+    worker = WorkerConfig(engine=engine, model=model, namespace=namespace, role=Role.BOTH if mode == "agg" else
+                          Role.DECODE, graceful_shutdown_s=graceful_shutdown,
+                          planes=o.planes(discovery, events, lease_ttl, secret),
+                          extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio))  # fmt: skip
+    prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
+    env = {**planes_env(discovery, events), PARENT_ENV: str(os.getpid()),
+           **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
+                           interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
+    plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
+                   lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
+                   prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
+                   ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip
+    run_loop(serve_planner(plan, load_profile(profile), _report))
+    sys.stdout.flush()
+
+
+@app.command("simulate")
+def simulate_command(
+    profile: Annotated[Path, typer.Option("--profile", help="Profile JSON from `dyn plan profile`.")],
+    ttft: Annotated[float, typer.Option("--ttft", help="TTFT target (ms).")],
+    itl: Annotated[float, typer.Option("--itl", help="ITL target (ms).")],
+    trace: Annotated[Path | None, typer.Option("--trace", help="Mooncake JSONL trace.")] = None,
+    rate_curve: Annotated[
+        str | None, typer.Option("--rate-curve", help="Synthetic Poisson load T:RATE,...,T_END:0 (s, req/s).")
+    ] = None,
+    isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
+    osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
+    static: Annotated[str, typer.Option("--static", help="Static pool sizes to compare.")] = "1,4",
+    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = 60.0,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = 5.0,
+    min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
+    max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
+    predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
+    startup: Annotated[float, typer.Option("--startup", help="Seconds a new worker takes to serve.")] = 30.0,
+) -> None:
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
+    from dynamo_cli.planner.simulate import load_trace, run_simulation
+    from dynamo_cli.planner.simulate import rate_curve as make_curve
+
+    if (trace is None) == (rate_curve is None):
+        raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
+    requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
+                           interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
+    check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
+    results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
+                             startup)  # fmt: skip
+    print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
+    for result in results:
+        print(f"{result.policy:>10}: SLO attainment {result.attainment:6.1%}, worker-seconds "
+              f"{result.worker_seconds:10.0f}, most workers {result.max_workers}")  # fmt: skip

@@ -1,0 +1,169 @@
+"""What the planner sees: the frontends' Prometheus counters over an interval, and the workers in discovery.
+
+Frontends are read over HTTP (`GET /metrics`), so the planner needs no code of theirs: Dynamo's
+`dynamo_frontend_*` histograms give requests completed and mean TTFT, ITL, ISL, OSL and duration as
+increase(sum) / increase(count) between two scrapes, summed over every model and frontend.
+Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
+frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
+`--frontend` finds every frontend of its namespace there, at every scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynamo_cli.errors import PlaneUnavailable
+from dynamo_cli.planner.replicas import Observation
+from dynamo_cli.runtime.discovery import Discovery
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "dynamo_frontend_"
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "input_sequence_tokens",
+              "output_sequence_tokens", "request_duration_seconds")  # fmt: skip
+SCRAPE_TIMEOUT_S = 5.0
+ROUTER_COMPONENT = "router"  # `dyn router` replicas register beside workers; they are not workers
+
+
+class FrontendRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A frontend's discovery record: where its HTTP API (and /metrics) is."""
+
+    url: str
+
+
+def frontend_key(namespace: str, instance_id: int) -> str:
+    return f"v1/frontends/{namespace}/{instance_id:x}"
+
+
+async def discovered_frontends(discovery: Discovery, namespace: str) -> list[str]:
+    """URLs of the frontends registered in `namespace`."""
+    async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+        found = await discovery.get_prefix(f"v1/frontends/{namespace}/")
+    urls = []
+    for raw in found.values():
+        try:
+            urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return sorted(urls)
+
+
+UrlSource = Callable[[], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Cumulative frontend counters at one moment."""
+
+    at: float
+    """Monotonic time of the scrape."""
+    sums: dict[str, float]
+    """Histogram name (without prefix) → cumulative sum (and `name:count` → cumulative count)."""
+    inflight: float
+    """Requests in flight now, over every frontend."""
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], float]:
+    """(histogram sums and counts, requests in flight) from one frontend's /metrics text."""
+    sums: dict[str, float] = {}
+    inflight = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix(PREFIX)
+            if name == "inflight_requests":
+                inflight += sample.value
+            for histogram in HISTOGRAMS:
+                if name == f"{histogram}_sum":
+                    sums[histogram] = sums.get(histogram, 0.0) + sample.value
+                elif name == f"{histogram}_count":
+                    sums[f"{histogram}:count"] = sums.get(f"{histogram}:count", 0.0) + sample.value
+    return sums, inflight
+
+
+def _mean(now: Snapshot, before: Snapshot, name: str) -> tuple[float, float]:
+    count = now.sums.get(f"{name}:count", 0.0) - before.sums.get(f"{name}:count", 0.0)
+    total = now.sums.get(name, 0.0) - before.sums.get(name, 0.0)
+    return (total / count if count > 0 else 0.0), count
+
+
+def observation_between(before: Snapshot, now: Snapshot) -> Observation:
+    """The interval's traffic: completed requests and mean latencies (a restarted frontend's reset counters
+    read as no traffic rather than negative traffic)."""
+    duration, num_requests = _mean(now, before, "request_duration_seconds")
+    ttft, _ = _mean(now, before, "time_to_first_token_seconds")
+    itl, _ = _mean(now, before, "inter_token_latency_seconds")
+    isl, _ = _mean(now, before, "input_sequence_tokens")
+    osl, _ = _mean(now, before, "output_sequence_tokens")
+    if num_requests < 0:
+        num_requests = duration = ttft = itl = isl = osl = 0.0
+    return Observation(interval_s=max(now.at - before.at, 1e-3), num_requests=num_requests, isl=isl, osl=osl,
+                       ttft_ms=ttft * 1000, itl_ms=itl * 1000, request_duration_s=duration)  # fmt: skip
+
+
+class FrontendScraper:
+    """Reads every frontend's /metrics; a frontend that does not answer is logged and left out."""
+
+    def __init__(self, urls: list[str] | UrlSource, client: httpx.AsyncClient) -> None:
+        self.urls = [url.rstrip("/") for url in urls] if isinstance(urls, list) else []
+        self.find = None if isinstance(urls, list) else urls
+        """Where to find the frontends before each scrape (discovery), unless fixed URLs were given."""
+        self.client = client
+
+    async def _one(self, url: str) -> str | None:
+        try:
+            response = await self.client.get(f"{url}/metrics", timeout=SCRAPE_TIMEOUT_S)
+            response.raise_for_status()
+            return response.text
+        except httpx.HTTPError as exc:
+            logger.warning("frontend %s/metrics unreadable: %s", url, exc)
+            return None
+
+    async def snapshot(self) -> Snapshot:
+        if self.find is not None:
+            self.urls = [url.rstrip("/") for url in await self.find()]
+        texts = await asyncio.gather(*(self._one(url) for url in self.urls))
+        if all(text is None for text in texts):
+            raise PlaneUnavailable("frontend /metrics", ", ".join(self.urls) or "discovery",
+                                   "no frontend answered; start `dyn serve` or pass --frontend URL")  # fmt: skip
+        sums: dict[str, float] = {}
+        inflight = 0.0
+        for text in texts:
+            if text is None:
+                continue
+            one, busy = parse_metrics(text)
+            inflight += busy
+            for key, value in one.items():
+                sums[key] = sums.get(key, 0.0) + value
+        return Snapshot(at=time.monotonic(), sums=sums, inflight=inflight)
+
+
+class _Record(msgspec.Struct, kw_only=True):
+    component: str = ""
+    role: str = ""
+
+
+async def count_workers(discovery: Discovery, namespace: str) -> tuple[int, int]:
+    """(prefill, decode-or-aggregated) workers registered in `namespace`."""
+    async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+        found = await discovery.get_prefix(f"v1/instances/{namespace}/")
+    prefill = decode = 0
+    for raw in found.values():
+        try:
+            record = msgspec.json.decode(raw, type=_Record)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if record.component == ROUTER_COMPONENT:
+            continue
+        if record.role == "prefill":
+            prefill += 1
+        else:
+            decode += 1
+    return prefill, decode

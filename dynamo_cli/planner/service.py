@@ -1,0 +1,118 @@
+"""`dyn plan run` assembled: discovery, the frontend scraper, a connector and the planner loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
+from dynamo_cli.planner.observe import FrontendScraper, count_workers, discovered_frontends
+from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
+from dynamo_cli.planner.predictors import PREDICTORS
+from dynamo_cli.planner.profile import Profile
+from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.supervisor import stop_on_signals
+
+logger = logging.getLogger(__name__)
+
+CONNECTORS = ("local", "virtual")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRun:
+    """Everything `dyn plan run` needs besides the profile."""
+
+    planner: PlannerConfig
+    """Targets, bounds, cadence, predictor."""
+    frontends: tuple[str, ...]
+    """Frontend base URLs whose /metrics are read (empty: those registered in discovery)."""
+    namespace: str
+    """The deployment's namespace (worker counts, virtual decision keys)."""
+    discovery: str
+    """The deployment's `--discovery` URL."""
+    lease_ttl: float = 10.0
+    """This process's discovery lease."""
+    connector: str = "local"
+    """local | virtual (ignored with dry_run)."""
+    dry_run: bool = False
+    """Only report decisions."""
+    decode_argv: list[str] = field(default_factory=list)
+    """local: the decode (agg: the one) pool's `dyn worker` command line."""
+    prefill_argv: list[str] = field(default_factory=list)
+    """local, disagg: the prefill pool's command line."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """local: added to each worker's environment (planes, cluster secret)."""
+    grace_s: float = 5.0
+    """local: the workers' graceful-shutdown period."""
+    ack_timeout_s: float = 1800.0
+    """virtual: longest wait for the orchestrator's ack."""
+    ack_poll_s: float = 1.0
+    """virtual: ack polling period."""
+    duration_s: float = 0.0
+    """Stop after this long (0: until SIGINT/SIGTERM)."""
+
+
+def check_run(run: PlanRun) -> None:
+    """ConfigError for flags that do not fit together."""
+    config, targets = run.planner, run.planner.targets
+    if targets.ttft_ms <= 0 or targets.itl_ms <= 0:
+        raise ConfigError(f"--ttft and --itl must be positive, got {targets.ttft_ms} and {targets.itl_ms}")
+    if config.mode not in ("agg", "disagg"):
+        raise ConfigError(f"--mode '{config.mode}' is invalid; use agg or disagg")
+    if config.interval_s <= 0 or config.load_interval_s < 0:
+        raise ConfigError(f"--interval must be > 0 and --load-interval >= 0, got {config.interval_s} and "
+                          f"{config.load_interval_s}")  # fmt: skip
+    bounds = config.bounds
+    if bounds.min_workers < 0 or bounds.max_workers < max(bounds.min_workers, 1):
+        raise ConfigError(f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
+                          f"{bounds.min_workers} and {bounds.max_workers}")  # fmt: skip
+    if config.predictor not in PREDICTORS:
+        raise ConfigError(f"--predictor '{config.predictor}' is not known; use one of {', '.join(PREDICTORS)}")
+    if run.connector not in CONNECTORS:
+        raise ConfigError(f"--connector '{run.connector}' is invalid; use one of {', '.join(CONNECTORS)}")
+
+
+def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
+    if run.dry_run:
+        return None
+    if run.connector == "virtual":
+        return VirtualConnector(discovery, run.namespace, ack_timeout_s=run.ack_timeout_s, poll_s=run.ack_poll_s)
+    prefill = run.prefill_argv if run.planner.mode == "disagg" else None
+    return LocalConnector(run.decode_argv, prefill, run.worker_env, grace_s=run.grace_s)
+
+
+async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None = None) -> Planner:
+    """Plan until SIGINT/SIGTERM (or `duration_s`); a local connector's workers are drained on the way out."""
+    check_run(run)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    discovery = open_discovery(run.discovery, ttl=run.lease_ttl)
+    await discovery.start()
+    connector = _connector(run, discovery)
+    try:
+        async with httpx.AsyncClient() as client:
+            urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
+            planner = Planner(run.planner, profile, FrontendScraper(urls, client), connector,
+                              lambda: count_workers(discovery, run.namespace), report)  # fmt: skip
+            async with asyncio.TaskGroup() as group:
+                if run.duration_s > 0:
+                    group.create_task(_stop_after(stop, run.duration_s))
+                await planner.run(stop)
+                stop.set()
+            return planner
+    finally:
+        if connector is not None:
+            await connector.close()
+        await discovery.close()
+
+
+async def _stop_after(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
+    stop.set()

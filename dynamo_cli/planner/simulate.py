@@ -1,0 +1,345 @@
+"""`dyn plan simulate`: a trace through N simulated workers in virtual time, static or planner-driven.
+
+NOTE: each worker is the mocker's scheduler reduced to its events: a pass prefills up to 8192 prompt tokens
+(the mocker's prefill time) while every running request decodes one token (its decode time at the current
+KV usage); stretches of pure decode are jumped over to the next finish, so the cost is a few events per
+request, not one per pass. Requests are routed round-robin to the live workers (dyn serve's default), a
+worker is advanced only when it receives a request or at a planner tick, and a worker the planner removes
+stops receiving requests and counts its worker-seconds until its last stream ends. The planner is the real
+one (`Planner.plan_once` and `check_burst`) fed with the frontend counters the simulated requests produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.planner.connectors import ScaleTarget
+from dynamo_cli.planner.observe import Snapshot
+from dynamo_cli.planner.planner import Planner, PlannerConfig
+from dynamo_cli.planner.profile import Profile
+
+PREFILL = (4.209989e-07, 1.518344e-02, 1.650142e01)  # Dynamo's mocker polynomial (engines/mocker/timing.py)
+DECODE = (-25.74, 54.01, 5.74)
+TOKEN_BUDGET = 8192
+MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of a trace."""
+
+    arrival_s: float
+    """Arrival time from the start of the trace."""
+    isl: int
+    """Prompt tokens."""
+    osl: int
+    """Output tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """One policy's outcome on a trace."""
+
+    policy: str
+    """`static N` or `planner`."""
+    num_requests: int
+    """Requests finished."""
+    attainment: float
+    """Fraction meeting both the TTFT and the ITL target."""
+    worker_seconds: float
+    """Sum over workers of the time each was up."""
+    max_workers: int
+    """Most workers up at once."""
+
+
+def prefill_ms(tokens: int) -> float:
+    a, b, c = PREFILL
+    return max(0.0, a * tokens * tokens + b * tokens + c)
+
+
+def decode_ms(usage: float) -> float:
+    a, b, c = DECODE
+    return max(1.0, a * usage * usage + b * usage + c)
+
+
+class _Trace(msgspec.Struct):
+    timestamp: float = 0.0
+    input_length: int = 0
+    output_length: int = 0
+
+
+def load_trace(path: str | Path) -> list[SimRequest]:
+    """A Mooncake JSONL trace (timestamp in ms, input_length, output_length), as `dyn bench --trace` reads."""
+    try:
+        entries = [msgspec.json.decode(line, type=_Trace) for line in Path(path).read_bytes().splitlines() if line]
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"trace '{path}' cannot be read: {exc}") from exc
+    origin = min((e.timestamp for e in entries), default=0.0)
+    return sorted((SimRequest((e.timestamp - origin) / 1000, max(e.input_length, 1), max(e.output_length, 1))
+                   for e in entries), key=lambda r: r.arrival_s)  # fmt: skip
+
+
+def rate_curve(spec: str, isl: int, osl: int, seed: int = 0) -> list[SimRequest]:
+    """Poisson arrivals from `T:RATE,T:RATE,...,T_END:0` (seconds: requests/s from T until the next T)."""
+    try:
+        points = [(float(t), float(r)) for t, r in (part.split(":") for part in spec.split(","))]
+    except ValueError:
+        raise ConfigError(f"--rate-curve '{spec}' must look like 0:1,300:6,600:1,900:0") from None
+    rng, requests = random.Random(seed), []
+    for (start, rate), (end, _) in zip(points, points[1:], strict=False):
+        t = start
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= end:
+                break
+            requests.append(SimRequest(t, isl, osl))
+    return requests
+
+
+@dataclass(slots=True)
+class _Running:
+    finish_pass: int
+    request: SimRequest
+    first_token_s: float
+
+
+@dataclass(slots=True)
+class SimWorker:
+    """One worker's scheduler state in virtual time."""
+
+    kv_tokens: int
+    started_s: float
+    now: float = 0.0
+    passes: int = 0
+    stopped_s: float | None = None
+    waiting: deque[list[object]] = field(default_factory=deque)
+    running: list[tuple[int, int, _Running]] = field(default_factory=list)
+    active_kv: int = 0
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.now = self.started_s
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def advance(self, until: float, stats: Stats) -> None:
+        """Run passes until `until` (or until idle)."""
+        while self.now < until and self.busy():
+            if self.waiting and len(self.running) < MAX_NUM_SEQS:
+                self._prefill_pass(stats)
+            elif self.running:
+                self._decode_until(until, stats)
+            else:
+                break
+        if until != math.inf:
+            self.now = max(self.now, until)
+
+    def _prefill_pass(self, stats: Stats) -> None:
+        budget, admitted = TOKEN_BUDGET, list[object]()
+        while self.waiting and budget > 0 and len(self.running) + len(admitted) < MAX_NUM_SEQS:
+            entry = self.waiting[0]
+            left = int(entry[1])  # type: ignore[call-overload]
+            take = min(left, budget)
+            budget -= take
+            entry[1] = left - take
+            if left - take == 0:
+                admitted.append(self.waiting.popleft()[0])
+        usage = self.active_kv / self.kv_tokens
+        self.now += (prefill_ms(TOKEN_BUDGET - budget) + (decode_ms(usage) if self.running else 0.0)) / 1000
+        self.passes += 1
+        for request in admitted:
+            assert isinstance(request, SimRequest)
+            self._seq += 1
+            run = _Running(self.passes + request.osl - 1, request, self.now)
+            heapq.heappush(self.running, (run.finish_pass, self._seq, run))
+            self.active_kv += request.isl + request.osl // 2
+        self._finish(stats)
+
+    def _decode_until(self, until: float, stats: Stats) -> None:
+        step = decode_ms(self.active_kv / self.kv_tokens) / 1000
+        to_finish = self.running[0][0] - self.passes
+        fits = to_finish if until == math.inf else max(1, math.ceil((until - self.now) / step))
+        n = max(1, min(to_finish, fits))
+        self.now += n * step
+        self.passes += n
+        self._finish(stats)
+
+    def _finish(self, stats: Stats) -> None:
+        while self.running and self.running[0][0] <= self.passes:
+            _, _, run = heapq.heappop(self.running)
+            self.active_kv -= run.request.isl + run.request.osl // 2
+            stats.record(run.request, run.first_token_s, self.now)
+
+
+@dataclass(slots=True)
+class Stats:
+    """Cumulative frontend-like counters and SLO attainment of finished requests."""
+
+    ttft_ms: float
+    itl_ms: float
+    sums: dict[str, float] = field(default_factory=dict)
+    arrived: int = 0
+    finished: int = 0
+    met: int = 0
+
+    def record(self, request: SimRequest, first_token_s: float, end_s: float) -> None:
+        ttft = first_token_s - request.arrival_s
+        itl = (end_s - first_token_s) / (request.osl - 1) if request.osl > 1 else 0.0
+        self.finished += 1
+        self.met += ttft * 1000 <= self.ttft_ms and itl * 1000 <= self.itl_ms
+        decoded = request.osl - 1
+        for name, value, count in (("time_to_first_token_seconds", ttft, 1), ("input_sequence_tokens", request.isl, 1),
+                                   ("output_sequence_tokens", request.osl, 1),
+                                   ("request_duration_seconds", end_s - request.arrival_s, 1),
+                                   ("inter_token_latency_seconds", itl * decoded, decoded)):  # fmt: skip
+            self.sums[name] = self.sums.get(name, 0.0) + value
+            self.sums[f"{name}:count"] = self.sums.get(f"{name}:count", 0.0) + count
+
+
+@dataclass(slots=True)
+class SimCluster:
+    """Workers up, starting and draining; round-robin routing over the live ones."""
+
+    kv_tokens: int
+    stats: Stats
+    startup_s: float = 0.0
+    live: list[SimWorker] = field(default_factory=list)
+    starting: list[SimWorker] = field(default_factory=list)
+    draining: list[SimWorker] = field(default_factory=list)
+    done: list[tuple[float, float]] = field(default_factory=list)
+    """(allocated, stopped) of every worker gone."""
+    allocated: dict[int, float] = field(default_factory=dict)
+    peak: int = 0
+    _next: int = 0
+
+    def size(self) -> int:
+        return len(self.live) + len(self.starting)
+
+    def scale(self, wanted: int, now: float) -> None:
+        wanted = max(wanted, 1)
+        while self.size() < wanted:
+            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s)
+            self.allocated[id(worker)] = now
+            self.starting.append(worker)
+        while self.size() > wanted:  # the newest go first; one still starting is simply released
+            if self.starting:
+                worker = self.starting.pop()
+                self.done.append((self.allocated.pop(id(worker)), now))
+            else:
+                self.draining.append(self.live.pop())
+        self.peak = max(self.peak, self.size() + len(self.draining))
+
+    def route(self, request: SimRequest) -> None:
+        self._promote(request.arrival_s)
+        pool = self.live or self.starting
+        worker = pool[self._next % len(pool)]
+        self._next += 1
+        worker.advance(request.arrival_s, self.stats)
+        worker.waiting.append([request, request.isl])
+        self.stats.arrived += 1
+
+    def tick(self, now: float) -> None:
+        """Advance every worker to `now`; retire drained ones."""
+        self._promote(now)
+        for worker in [*self.live, *self.draining]:
+            worker.advance(now, self.stats)
+        for worker in [w for w in self.draining if not w.busy()]:
+            self.draining.remove(worker)
+            self.done.append((self.allocated.pop(id(worker)), worker.now))
+
+    def finish(self, end: float) -> float:
+        """Run every stream to its end; total worker-seconds, each live worker counted up to `end`."""
+        for worker in [*self.live, *self.draining]:
+            worker.advance(math.inf, self.stats)
+        spans = list(self.done)
+        spans += [(self.allocated[id(w)], max(end, w.now)) for w in [*self.live, *self.starting, *self.draining]]
+        return sum(stop - start for start, stop in spans)
+
+    def _promote(self, now: float) -> None:
+        for worker in [w for w in self.starting if w.started_s <= now]:
+            self.starting.remove(worker)
+            worker.now = max(worker.now, worker.started_s)
+            self.live.append(worker)
+
+
+class _Source:
+    def __init__(self, cluster: SimCluster) -> None:
+        self.cluster, self.now = cluster, 0.0
+
+    async def snapshot(self) -> Snapshot:
+        stats = self.cluster.stats
+        return Snapshot(at=self.now, sums=dict(stats.sums), inflight=float(stats.arrived - stats.finished))
+
+
+class _Connector:
+    def __init__(self, cluster: SimCluster, source: _Source) -> None:
+        self.cluster, self.source = cluster, source
+
+    async def next_decision_id(self) -> int:
+        return 1
+
+    async def apply(self, target: ScaleTarget) -> bool:
+        self.cluster.scale(target.num_decode, self.source.now)
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float, *,
+                   static_workers: int = 0, planner: PlannerConfig | None = None,
+                   startup_s: float = 30.0) -> SimResult:  # fmt: skip
+    """Replay `requests` on `static_workers` workers, or on as many as `planner` asks for (agg mode)."""
+    stats = Stats(ttft_ms=ttft_ms, itl_ms=itl_ms)
+    cluster = SimCluster(profile.max_kv_tokens, stats, startup_s=0.0)
+    cluster.scale(static_workers or (planner.bounds.min_workers if planner else 1), 0.0)
+    cluster._promote(0.0)
+    cluster.startup_s = startup_s
+    source = _Source(cluster)
+    brain = None
+    if planner is not None:
+        async def count() -> tuple[int, int]:
+            return (0, cluster.size())
+
+        brain = Planner(planner, profile, source, _Connector(cluster, source), count)
+        await brain.baseline()
+    next_plan = planner.interval_s if planner else math.inf
+    load = planner.load_interval_s if planner and planner.load_interval_s > 0 else math.inf
+    next_load = load
+    for request in requests:
+        while brain is not None and min(next_plan, next_load) <= request.arrival_s:
+            source.now = min(next_plan, next_load)
+            cluster.tick(source.now)
+            if next_plan <= next_load:
+                next_plan += planner.interval_s  # type: ignore[union-attr]
+                await brain.plan_once()
+            else:
+                next_load += load
+                await brain.check_burst()
+        cluster.route(request)
+    end = requests[-1].arrival_s if requests else 0.0
+    worker_seconds = cluster.finish(end)
+    policy = "planner" if planner else f"static {static_workers}"
+    return SimResult(policy=policy, num_requests=stats.finished, attainment=stats.met / max(stats.finished, 1),
+                     worker_seconds=worker_seconds, max_workers=cluster.peak)  # fmt: skip
+
+
+def run_simulation(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float,
+                   statics: list[int], planner: PlannerConfig, startup_s: float) -> list[SimResult]:  # fmt: skip
+    """Every static size, then the planner, on the same requests."""
+    async def all_policies() -> list[SimResult]:
+        results = [await simulate(requests, profile, ttft_ms, itl_ms, static_workers=n) for n in statics]
+        results.append(await simulate(requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s))
+        return results
+
+    return asyncio.run(all_policies())

@@ -1,0 +1,160 @@
+"""Replica arithmetic against worked examples computed by hand from Dynamo's classic planner formulas.
+
+The profile used throughout (easy numbers):
+    prefill: ISL 1000 → 100 ms, ISL 2000 → 200 ms: 10,000 prompt tok/s per GPU at any ISL in between.
+    decode, max_kv_tokens 100,000: ITL = 10 + 40·usage ms at context 1000, 20 + 40·usage ms at context 3000,
+    so at context 2100 (ISL 2000 + OSL 200/2), 0.55 of the way: ITL = 15.5 + 40·usage ms.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.planner.profile import (
+    DecodeSample,
+    PrefillSample,
+    Profile,
+    best_decode_throughput,
+    decode_itl_ms,
+    load_profile,
+    prefill_ttft_ms,
+    save_profile,
+)
+from dynamo_cli.planner.replicas import (
+    NO_CORRECTION,
+    Bounds,
+    Corrections,
+    Forecast,
+    Observation,
+    Targets,
+    correction_factors,
+    plan_replicas,
+    prefill_utilization,
+)
+
+PROFILE = Profile(
+    engine="test", model="m", max_kv_tokens=100_000, max_num_seqs=1000,
+    prefill=[PrefillSample(isl=1000, ttft_ms=100.0), PrefillSample(isl=2000, ttft_ms=200.0)],
+    decode=[DecodeSample(kv_usage=0.0, context_length=1000, itl_ms=10.0),
+            DecodeSample(kv_usage=1.0, context_length=1000, itl_ms=50.0),
+            DecodeSample(kv_usage=0.0, context_length=3000, itl_ms=20.0),
+            DecodeSample(kv_usage=1.0, context_length=3000, itl_ms=60.0)],
+)  # fmt: skip
+TARGETS = Targets(ttft_ms=1000.0, itl_ms=30.0)
+WIDE = Bounds(min_workers=1, max_workers=100)
+
+
+def corr(prefill: float = 1.0, decode: float = 1.0) -> Corrections:
+    return Corrections(prefill=prefill, decode=decode, why="test")
+
+
+def test_interpolation_is_linear_inside_and_clamped_outside_the_profile() -> None:
+    assert prefill_ttft_ms(PROFILE, 1500) == pytest.approx(150.0)
+    assert prefill_ttft_ms(PROFILE, 100) == 100.0 and prefill_ttft_ms(PROFILE, 9000) == 200.0
+    assert decode_itl_ms(PROFILE, 0.5, 2100) == pytest.approx(15.5 + 20.0)
+    assert decode_itl_ms(PROFILE, 2.0, 500) == 50.0
+
+
+def test_the_best_decode_point_is_the_highest_usage_meeting_the_itl() -> None:
+    # 15.5 + 40u <= 30 → u <= 0.3625; on the 0.01 grid u = 0.36, ITL 29.9 ms,
+    # concurrency 0.36 × 100000 / 2100 = 17.142857, throughput 17.142857 / 0.0299 = 573.34 tok/s.
+    point = best_decode_throughput(PROFILE, 30.0, 2100)
+    assert point.kv_usage == pytest.approx(0.36) and point.meets_itl
+    assert point.itl_ms == pytest.approx(29.9)
+    assert point.throughput_per_gpu == pytest.approx(573.34, abs=0.01)
+
+
+def test_prefill_utilization_is_the_md1_load_that_meets_the_ttft() -> None:
+    # S = 200, T = 1000: k = 4, ρ = 8/9; a target under S cannot be met by scaling: ρ = 1.
+    assert prefill_utilization(200.0, 1000.0) == pytest.approx(8 / 9)
+    assert prefill_utilization(200.0, 150.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("num_requests", "p_corr", "expected"),
+    [
+        # 60 req × 2000 / 60 s = 2000 tok/s over 10000 × 8/9 = 8888.9 → 0.225 → 1
+        pytest.param(60, 1.0, 1, id="light load needs one prefill worker"),
+        # 600 req: 20000 tok/s / 8888.9 = 2.25 → 3
+        pytest.param(600, 1.0, 3, id="ten times the load needs three"),
+        # p_corr 0.5 halves the demand: 10000 / 8888.9 = 1.125 → 2
+        pytest.param(600, 0.5, 2, id="a faster-than-profiled prefill lowers the count"),
+        # min(1, 2.0) = 1: a slow prefill never raises the demand (Dynamo's rule)
+        pytest.param(600, 2.0, 3, id="a slower-than-profiled prefill does not raise it"),
+    ],
+)
+def test_prefill_replicas(num_requests: int, p_corr: float, expected: int) -> None:
+    forecast = Forecast(num_requests=num_requests, isl=2000, osl=200)
+    decision = plan_replicas(PROFILE, forecast, 60.0, corr(prefill=p_corr), TARGETS, WIDE)
+    assert decision.num_prefill == expected
+    assert f"prefill {expected} (ceil {expected})" in decision.why
+
+
+@pytest.mark.parametrize(
+    ("d_corr", "expected"),
+    [
+        # 600 × 200 / 60 = 2000 tok/s over 573.34 tok/s → 3.488 → 4
+        pytest.param(1.0, 4, id="as profiled"),
+        # ITL 30/1.5 = 20 ms: u = 0.11, ITL 19.9, conc 5.238, 263.2 tok/s → 7.598 → 8
+        pytest.param(1.5, 8, id="a slower-than-profiled decode asks for more workers"),
+    ],
+)
+def test_decode_replicas(d_corr: float, expected: int) -> None:
+    forecast = Forecast(num_requests=600, isl=2000, osl=200)
+    assert plan_replicas(PROFILE, forecast, 60.0, corr(decode=d_corr), TARGETS, WIDE).num_decode == expected
+
+
+def test_counts_are_clamped_to_min_and_max_workers() -> None:
+    light = plan_replicas(PROFILE, Forecast(num_requests=60, isl=2000, osl=200), 60.0, NO_CORRECTION,
+                          TARGETS, Bounds(min_workers=2, max_workers=6))  # fmt: skip
+    heavy = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, corr(decode=1.5),
+                          TARGETS, Bounds(min_workers=2, max_workers=6))  # fmt: skip
+    assert (light.num_prefill, light.num_decode) == (2, 2)  # raw 1 and 1
+    assert (heavy.num_prefill, heavy.num_decode) == (3, 6)  # raw 3 and 8
+
+
+def test_the_gpu_budget_scales_prefill_and_gives_decode_the_rest() -> None:
+    # raw 3 + 4 = 7 GPUs over a budget of 5: scale 5/7; prefill round(3 × 0.714) = 2, decode 5 − 2 = 3
+    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
+                             TARGETS, Bounds(min_workers=1, max_workers=100, gpu_budget=5))  # fmt: skip
+    assert (decision.num_prefill, decision.num_decode) == (2, 3)
+    assert "5 GPUs" in decision.why
+
+
+def test_agg_mode_sizes_one_pool_for_both_phases() -> None:
+    # prefill 2.25 + decode 3.488 = 5.738 → 6 workers, no prefill pool
+    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
+                             TARGETS, WIDE, mode="agg")  # fmt: skip
+    assert (decision.num_prefill, decision.num_decode) == (0, 6)
+
+
+def test_an_unreachable_ttft_target_is_said_in_the_decision() -> None:
+    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
+                             Targets(ttft_ms=150.0, itl_ms=30.0), WIDE)  # fmt: skip
+    assert decision.num_prefill == 2  # ρ = 1: 20000 / 10000
+    assert "unreachable" in decision.why
+
+
+def test_correction_factors_compare_observed_latency_with_the_profile() -> None:
+    # TTFT 300 vs 200 ms at ISL 2000: 1.5. Concurrency 600/4 × 6 s/60 s = 15 req of 2100 tok:
+    # usage 0.315, profile ITL 15.5 + 12.6 = 28.1 ms; observed 31 → 31/28.1 = 1.1032
+    observed = Observation(interval_s=60.0, num_requests=600, isl=2000, osl=200, ttft_ms=300.0, itl_ms=31.0,
+                           request_duration_s=6.0)  # fmt: skip
+    factors = correction_factors(PROFILE, observed, num_decode_workers=4)
+    assert factors.prefill == pytest.approx(1.5)
+    assert factors.decode == pytest.approx(31 / 28.1)
+
+
+def test_no_traffic_means_no_correction() -> None:
+    idle = Observation(interval_s=60.0, num_requests=0, isl=0, osl=0, ttft_ms=0, itl_ms=0, request_duration_s=0)
+    assert correction_factors(PROFILE, idle, 1) == NO_CORRECTION
+
+
+def test_a_profile_round_trips_through_its_json_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "p.json"
+    save_profile(PROFILE, path)
+    assert load_profile(path) == PROFILE
+    (tmp_path / "bad.json").write_text('{"version": 1}')
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_profile(tmp_path / "bad.json")

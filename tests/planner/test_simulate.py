@@ -1,0 +1,93 @@
+"""`dyn plan simulate`: the virtual-time worker against hand-computed pass times, and policies compared."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynamo_cli.planner.planner import PlannerConfig
+from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, save_profile
+from dynamo_cli.planner.replicas import Bounds, Targets
+from dynamo_cli.planner.simulate import (
+    SimRequest,
+    SimWorker,
+    Stats,
+    decode_ms,
+    load_trace,
+    prefill_ms,
+    rate_curve,
+    simulate,
+)
+
+KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
+MOCKER = Profile(
+    engine="mocker", model="m", max_kv_tokens=KV,
+    prefill=[PrefillSample(isl=i, ttft_ms=prefill_ms(i) + decode_ms(0)) for i in (128, 1024, 2048, 4096, 8192)],
+    decode=[DecodeSample(kv_usage=u, context_length=c, itl_ms=decode_ms(u)) for c in (512, 8192)
+            for u in (0.0, 0.5, 1.0)],
+)  # fmt: skip
+
+
+def test_one_request_takes_the_mockers_pass_times() -> None:
+    # prefill 2000 tokens: 4.209989e-7·2000² + 0.01518344·2000 + 16.50142 = 48.5523 ms (nothing decoding yet);
+    # then 2 decode passes at usage (2000 + 3//2)/262144 = 0.0076332: 5.74 + 54.01u − 25.74u² = 6.1508 ms each
+    stats = Stats(ttft_ms=100.0, itl_ms=10.0)
+    worker = SimWorker(KV, started_s=0.0)
+    worker.waiting.append([SimRequest(0.0, 2000, 3), 2000])
+    worker.advance(1.0, stats)
+    assert stats.finished == 1 and stats.met == 1
+    assert stats.sums["time_to_first_token_seconds"] * 1000 == pytest.approx(48.5523, abs=1e-3)
+    assert stats.sums["inter_token_latency_seconds"] * 1000 == pytest.approx(2 * 6.1508, abs=1e-3)
+    assert stats.sums["request_duration_seconds"] * 1000 == pytest.approx(48.5523 + 2 * 6.1508, abs=1e-3)
+
+
+def test_a_rate_curve_is_poisson_within_its_segments() -> None:
+    requests = rate_curve("0:10,100:0", 2000, 150)
+    assert 900 < len(requests) < 1100 and all(0 < r.arrival_s < 100 for r in requests)
+
+
+def test_a_mooncake_trace_is_read_relative_to_its_first_entry(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 5000, "input_length": 10, "output_length": 2}\n'
+                    '{"timestamp": 7500, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n')  # fmt: skip
+    assert load_trace(path) == [SimRequest(0.0, 10, 2), SimRequest(2.5, 20, 4)]
+
+
+def test_the_planner_follows_a_load_step_with_fewer_worker_seconds_than_the_peak_pool() -> None:
+    requests = rate_curve("0:2,120:30,240:2,360:0", 2000, 150)
+    config = PlannerConfig(targets=Targets(500.0, 50.0), bounds=Bounds(1, 32), mode="agg", interval_s=10.0)
+
+    async def both() -> tuple[object, object, object]:
+        small = await simulate(requests, MOCKER, 500.0, 50.0, static_workers=1)
+        peak = await simulate(requests, MOCKER, 500.0, 50.0, static_workers=8)
+        planned = await simulate(requests, MOCKER, 500.0, 50.0, planner=config, startup_s=5.0)
+        return small, peak, planned
+
+    small, peak, planned = asyncio.run(both())
+    assert small.attainment < 0.5 < peak.attainment  # type: ignore[attr-defined]
+    assert planned.max_workers > 1  # type: ignore[attr-defined]
+    assert planned.worker_seconds < 0.65 * peak.worker_seconds  # type: ignore[attr-defined]
+    assert planned.attainment > small.attainment  # type: ignore[attr-defined]
+
+
+def test_simulate_needs_exactly_one_source_of_load(tmp_path: Path) -> None:
+    save_profile(MOCKER, tmp_path / "p.json")
+    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile",
+                             str(tmp_path / "p.json"), "--ttft", "500", "--itl", "50"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode != 0 and "exactly one of --trace" in result.stderr
+
+
+def test_simulate_prints_each_policy(tmp_path: Path) -> None:
+    save_profile(MOCKER, tmp_path / "p.json")
+    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile",
+                             str(tmp_path / "p.json"), "--ttft", "500", "--itl", "50", "--rate-curve", "0:5,60:0",
+                             "--static", "1,2", "--interval", "10"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
+    assert policies == ["static 1", "static 2", "planner"]
