@@ -26,7 +26,7 @@ from dynamo_cli.planner.connectors import (
 )
 from dynamo_cli.planner.observe import count_workers
 from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from tests.conftest import DynProcess
+from tests.conftest import API_KEY, DynProcess
 
 
 @pytest.fixture(
@@ -77,7 +77,8 @@ def _stream(url: str, box: dict[str, object]) -> None:
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 300, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     chunks = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60, headers=auth) as response:
         box["status"] = response.status_code
         for line in response.iter_lines():
             if line.startswith("data: {"):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, load_profile, save_profile
-from tests.conftest import DynProcess, wait_until
+from tests.conftest import API_KEY, DynProcess, wait_until
 
 # Slow prefill on purpose: ~30-token prompts take ~120 ms, ~250 tokens/s per worker, so a few requests a
 # second need more than one worker; decode is cheap and never the bottleneck here.
@@ -84,7 +84,7 @@ def _load(url: str, seconds: float, stop: threading.Event, failures: list[int] |
     """Closed-loop load of short completions from 8 threads for `seconds`; failed statuses go to `failures`."""
     def client() -> None:
         deadline = time.monotonic() + seconds
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             while time.monotonic() < deadline and not stop.is_set():
                 body = {"model": "smollm2", "prompt": "hello " * 20, "max_tokens": 4}
                 status = http.post(f"{url}/v1/completions", json=body).status_code
