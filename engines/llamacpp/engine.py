@@ -35,6 +35,7 @@ from dynamo_cli.engine import (
     DETERMINISTIC,
     EngineArgs,
     EngineInfo,
+    Feature,
     FinishReason,
     GenerateChunk,
     GenerateRequest,
@@ -46,6 +47,7 @@ from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
 from engines.llamacpp import kv_state
+from engines.llamacpp.grammar import GrammarDeadEnd, GuidedSampler, gbnf_for
 from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions
@@ -117,6 +119,7 @@ class LlamaCppEngine:
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
             extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
+            features=frozenset({Feature.GUIDED_JSON}),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
@@ -197,7 +200,15 @@ class LlamaCppEngine:
         if request.kv_transfer is not None:
             seq.kv_state = self._checked_state(request, runner)
             seq.num_imported = request.kv_transfer.num_tokens
-        seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
+        guided = request.guided
+        grammar = gbnf_for(guided) if guided is not None else None
+        seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed, grammar)
+        if isinstance(seq.sampler, GuidedSampler) and guided is not None and guided.num_accepted > 0:
+            try:
+                seq.sampler.replay(request.token_ids[-guided.num_accepted :])
+            except GrammarDeadEnd as exc:
+                Runner.free_sampler(seq.sampler)
+                raise RequestError(str(exc), param="response_format") from None
         return seq
 
     def _checked_state(self, request: GenerateRequest, runner: Runner) -> kv_state.CheckedState:
