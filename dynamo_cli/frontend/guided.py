@@ -89,7 +89,8 @@ def _check_tools(tools: tuple[Tool, ...]) -> None:
     for i, tool in enumerate(tools):
         name = tool.function.name
         if name in seen:
-            raise RequestError(f"two tools are named '{name}'; names must be unique", param=f"tools[{i}].function.name")
+            param = f"tools[{i}].function.name"
+            raise RequestError(f"{param}: two tools are named '{name}'; names must be unique", param=param)
         seen.add(name)
         if tool.function.parameters is not None:
             check_schema(tool.function.parameters, f"tools[{i}].function.parameters")

@@ -86,7 +86,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
 
 
-_PATH = re.compile(r"\$\.?([\w.\[\]]*)")
+_PATH = re.compile(r" - at `\$\.?([\w.\[\]]*)")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = bytes(3 if c in b"[{" else 1 if c in b"]}" else 0 for c in range(256))
 
