@@ -70,6 +70,8 @@ class Guided(msgspec.Struct, frozen=True, kw_only=True):
     """`json_object` or `json_schema`."""
     schema: str = ""
     """The JSON schema, as JSON text (empty for `json_object`)."""
+    param: str = "response_format"
+    """The request field the constraint comes from (`response_format`, `tool_choice`): errors name it."""
     num_accepted: int = 0
     """Output tokens already generated (the tail of `token_ids`, after a migration or a remote prefill):
     the engine replays them through its grammar before sampling."""

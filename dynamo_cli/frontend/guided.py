@@ -60,10 +60,11 @@ def plan_tools(request: ChatCompletionRequest, features: Collection[str], engine
         raise RequestError("response_format and tool_choice required/named both constrain the output; send one",
                            param="response_format")  # fmt: skip
     if mode == "required":
-        guided = Guided(kind="json_schema", schema=json.dumps(_required_schema(tools, request.parallel_tool_calls)))
+        schema = _required_schema(tools, request.parallel_tool_calls)
+        guided = Guided(kind="json_schema", schema=json.dumps(schema), param="tool_choice")
     elif mode == "named":
         tool = next(t for t in tools if t.function.name == named)
-        guided = Guided(kind="json_schema", schema=json.dumps(_parameters(tool)))
+        guided = Guided(kind="json_schema", schema=json.dumps(_parameters(tool)), param="tool_choice")
     if guided is not None and Feature.GUIDED_JSON.value not in features:
         field = "response_format" if mode not in ("required", "named") else "tool_choice"
         raise RequestError(f"{field} needs guided decoding (guided_json), which engine '{engine}' serving model "

@@ -16,6 +16,8 @@ fails that request alone.
 from __future__ import annotations
 
 import ctypes
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp
@@ -26,6 +28,10 @@ from dynamo_cli.engine import Guided
 from dynamo_cli.errors import RequestError
 
 ANY_OBJECT = '{"type": "object"}'
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+"""The Python converter's string character admits raw control characters, which JSON forbids (llama.cpp's
+C++ converter excludes them): a newline inside a string would make the output unparseable."""
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
@@ -33,21 +39,64 @@ assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 def gbnf_for(guided: Guided) -> str:
     """The GBNF grammar (root rule `root`) that `guided` asks for."""
+    param = guided.param
     if guided.kind == "json_object":
         schema = ANY_OBJECT
     elif guided.kind == "json_schema":
         schema = guided.schema
     else:
-        raise RequestError(f"guided decoding kind '{guided.kind}' is not one of json_object, json_schema",
-                           param="response_format")  # fmt: skip
+        raise RequestError(f"{param}: guided decoding kind '{guided.kind}' is not json_object or json_schema", param)
+    _refuse_unenforced(schema, param)
     try:
-        return str(json_schema_to_gbnf(schema))
+        gbnf = str(json_schema_to_gbnf(schema))
     except RecursionError:
-        raise RequestError("the JSON schema nests too deeply for llama.cpp's grammar",
-                           param="response_format") from None  # fmt: skip
+        raise RequestError(f"{param}: the JSON schema nests too deeply for llama.cpp's grammar", param) from None
     except Exception as exc:  # noqa: BLE001 - the converter asserts (AssertionError), or trips on odd input
-        raise RequestError(f"llama.cpp cannot turn the JSON schema into a grammar: {exc}",
-                           param="response_format") from None  # fmt: skip
+        raise RequestError(f"{param}: llama.cpp cannot turn the JSON schema into a grammar: {exc}", param) from None
+    return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR, 1)
+
+
+UNENFORCED = frozenset({
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
+    "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "propertyNames",
+    "dependentRequired", "dependentSchemas", "dependencies", "if", "then", "else", "not", "unevaluatedProperties",
+    "unevaluatedItems",
+})  # fmt: skip
+"""Keywords the converter would silently drop: a schema using one is refused rather than half enforced."""
+_SHAPING = frozenset({"properties", "items", "prefixItems", "enum", "const", "pattern", "minLength", "maxLength",
+                      "minItems", "maxItems", "required", "additionalProperties"})  # fmt: skip
+"""Keywords the converter ignores beside a union (`anyOf`, `oneOf`, a list of types) or beside `pattern`."""
+
+
+def _refuse_unenforced(schema_text: str, param: str) -> None:
+    """RequestError naming `param` and the first keyword of the schema llama.cpp's grammar would not enforce."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        raise RequestError(f"{param}: the JSON schema is not JSON", param) from None
+    for path, keyword in _unenforced(schema, "#"):
+        raise RequestError(f"{param}: llama.cpp's grammar cannot enforce '{keyword}' (at {path}) of the JSON "
+                           "schema; remove it, or serve with an engine that can (vllm)", param)  # fmt: skip
+
+
+def _unenforced(schema: Any, path: str) -> Iterator[tuple[str, str]]:
+    if not isinstance(schema, dict):
+        return
+    for keyword in schema:
+        if keyword in UNENFORCED:
+            yield path, keyword
+    union = "anyOf" in schema or "oneOf" in schema or isinstance(schema.get("type"), list)
+    if union or "pattern" in schema:
+        beside = sorted(k for k in _SHAPING & schema.keys() if k != "pattern")
+        if beside:
+            yield path, f"{beside[0]} beside {'a union' if union else 'pattern'}"
+    for keyword in ("properties", "$defs", "definitions"):
+        for name, sub in (schema.get(keyword) or {}).items():
+            yield from _unenforced(sub, f"{path}/{keyword}/{name}")
+    for keyword in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties"):
+        sub = schema.get(keyword)
+        for i, item in enumerate(sub if isinstance(sub, list) else [sub]):
+            yield from _unenforced(item, f"{path}/{keyword}" + (f"/{i}" if isinstance(sub, list) else ""))
 
 
 class GrammarDeadEnd(Exception):
@@ -57,10 +106,10 @@ class GrammarDeadEnd(Exception):
 class GuidedSampler:
     """A sampler chain behind a grammar: one request's constrained sampling."""
 
-    def __init__(self, vocab: Any, n_vocab: int, grammar: str, chain: Any) -> None:
+    def __init__(self, vocab: Any, n_vocab: int, grammar: str, chain: Any, param: str = "response_format") -> None:
         self.grammar = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
         if not self.grammar:
-            raise RequestError("llama.cpp refused the grammar made from the JSON schema", param="response_format")
+            raise RequestError(f"{param}: llama.cpp refused the grammar made from the JSON schema", param)
         self.chain = chain
         self._data = np.empty(n_vocab, dtype=_TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)

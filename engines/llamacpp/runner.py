@@ -163,15 +163,16 @@ class Runner:
     ##### Samplers #####
 
     def new_sampler(
-        self, temperature: float, top_p: float, top_k: int, seed: int | None, grammar: str | None = None
-    ) -> Any:
+        self, temperature: float, top_p: float, top_k: int, seed: int | None, grammar: str | None = None,
+        param: str = "response_format",
+    ) -> Any:  # fmt: skip
         """A sampler for one request: greedy at temperature 0, else top-k, top-p, temperature; behind
         `grammar` when given (a GuidedSampler; a grammar llama.cpp refuses is the request's RequestError)."""
         chain = self._new_chain(temperature, top_p, top_k, seed)
         if grammar is None:
             return chain
         try:
-            return GuidedSampler(self._vocab, self.n_vocab, grammar, chain)
+            return GuidedSampler(self._vocab, self.n_vocab, grammar, chain, param)
         except RequestError:
             llama_cpp.llama_sampler_free(chain)
             raise

@@ -427,9 +427,10 @@ class VllmEngine:
         guided, cls = request.guided, self.lib.structured_outputs_cls
         assert guided is not None
         if cls is None:
-            raise RequestError("this vLLM has no structured outputs; leave response_format out", "response_format")
+            raise RequestError(f"{guided.param}: this vLLM has no structured outputs; leave it out", guided.param)
         if guided.num_accepted > (1 if request.kv_transfer is not None else 0):
-            raise RequestError("vllm cannot resume guided decoding over output generated elsewhere", "response_format")
+            raise RequestError(f"{guided.param}: vllm cannot resume guided decoding over output made elsewhere",
+                               guided.param)  # fmt: skip
         if guided.kind == "json_object":
             return cls(json_object=True)
         return cls(json=msgspec.json.decode(guided.schema))
