@@ -49,6 +49,10 @@ def plan_tools(request: ChatCompletionRequest, features: Collection[str], engine
     """Check the request's tool and format fields and decide what they ask for (RequestError: a 400)."""
     tools = tuple(request.tools or ())
     _check_tools(tools)
+    for i, message in enumerate(request.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            param = f"messages[{i}].tool_call_id"
+            raise RequestError(f"{param}: a tool message names the call it answers", param=param)
     choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
     mode, named = (choice, "") if isinstance(choice, str) else ("named", choice.function.name)
     if mode in ("required", "named") and not tools:

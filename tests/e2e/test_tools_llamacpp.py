@@ -114,6 +114,28 @@ def test_a_named_call_streams_its_arguments_as_they_are_generated(served: DynPro
     jsonschema.validate(json.loads("".join(pieces)), ZONE)
 
 
+def test_auto_mode_streams_what_it_answers_whole(served: DynProcess) -> None:
+    """Whatever the model chooses in auto mode (a call in the fallback's JSON format, or text), the jailed
+    stream the client assembles says the same as the whole response."""
+    c = client(served)
+    messages: list[Any] = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny and 24 degrees Celsius."},
+        {"role": "user", "content": "And in Oslo?"},
+    ]  # fmt: skip
+    ask: dict[str, Any] = {"model": "smollm2", "messages": messages, "tools": TOOLS, "max_tokens": 48, "temperature": 0}
+    whole = c.chat.completions.create(**ask).choices[0]
+    with c.chat.completions.stream(**ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason
+    assert (streamed.message.content or "") == (whole.message.content or "")
+    calls = [(x.function.name, x.function.arguments) for x in whole.message.tool_calls or []]
+    assert [(x.function.name, x.function.arguments) for x in streamed.message.tool_calls or []] == calls
+    assert (whole.finish_reason == "tool_calls") == bool(calls)
+
+
 def test_response_format_json_schema_always_validates_at_temperature_0_7(served: DynProcess) -> None:
     c = client(served)
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}

@@ -50,6 +50,7 @@ def test_tool_choice_defaults_to_auto_with_tools_and_none_without() -> None:
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "24 C"}]}, "messages[0].tool_call_id"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": "low"}}}},
          "response_format.json_schema.schema"),
