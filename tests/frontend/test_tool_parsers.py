@@ -84,6 +84,23 @@ def test_content_before_a_marker_streams_before_the_call_and_a_partial_marker_is
     assert plain.push("a <to") == "a " and plain.push("y>") == "<toy>" and plain.finish() == ("", [])
 
 
+def test_a_hermes_call_goes_out_at_its_end_marker_and_text_after_it_flows_again() -> None:
+    jail = ToolCallJail(tool_parser("hermes"))
+    assert jail.push('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool') == ""
+    assert jail.take() == []
+    assert jail.push("_call>\nThen ") == "" and jail.take() == [TIME]  # released before the output ends
+    assert jail.push("I will summarise.") == "\nThen I will summarise."
+    assert jail.push(' <tool_call>{"name": "get_weather"') == " " and jail.take() == []
+    assert jail.finish() == ('<tool_call>{"name": "get_weather"', [])  # cut short: back as text
+    output = ChatOutput("auto", tool_parser("hermes"))
+    text = RECORDED[0][1] + "\nDone."
+    deltas = [d for ch in text for d in output.push(ch)] + output.finish()
+    kinds = [next(iter(d)) for d in deltas]
+    first_call = kinds.index("tool_calls")
+    assert "tool_calls" not in kinds[:first_call] and kinds[-1] == "content"  # text, calls, then text again
+    assert assemble(deltas)["content"] == "I will check.\n\n\nDone."
+
+
 def test_leading_markers_open_a_call_only_at_the_start() -> None:
     jail = ToolCallJail(tool_parser("json"))
     assert jail.push("The set ") == "The set " and jail.push("{1, 2}") == "{1, 2}"

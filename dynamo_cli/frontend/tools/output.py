@@ -65,6 +65,9 @@ class ChatOutput:
         elif self._jail is not None:
             free = self._jail.push(content)
             deltas += [{"content": free}] if free else []
+            calls = self._jail.take()
+            deltas += call_deltas(calls, self.num_calls)
+            self.num_calls += len(calls)
         elif self.mode == "required":
             self._guided_text.append(content)
         else:  # named: the arguments, as they come
@@ -82,8 +85,9 @@ class ChatOutput:
         calls: list[ParsedCall] = []
         if self.mode == "auto" and self._jail is not None:
             content = self._jail.push(content)
-            rest, calls = self._jail.finish()
-            content += rest
+            calls = self._jail.take()
+            rest, more = self._jail.finish()
+            content, calls = content + rest, calls + more
         elif self.mode == "required":
             calls = required_calls(content)
         elif self.mode == "named":

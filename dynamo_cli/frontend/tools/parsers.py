@@ -41,6 +41,8 @@ class ToolParser:
     """Text that opens a call wherever it appears."""
     leading: tuple[str, ...] = ("{", "[", "```")
     """Text that opens a call only as the first non-blank text of the output."""
+    end_marker = ""
+    """Text that closes one call (the stream releases it there); empty: calls run to the end of the output."""
     example = '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}'
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -79,6 +81,7 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
     leading = ()
+    end_marker = "</tool_call>"
     example = '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n</tool_call>'
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 

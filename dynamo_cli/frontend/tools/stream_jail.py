@@ -3,9 +3,11 @@ well-formed `tool_calls` (or, when it turns out not to be one, as the text it wa
 
 NOTE: content flows through until a parser's call marker appears (`<tool_call>`, `[TOOL_CALLS]`, …, or
 `{` / `[` as the first non-blank text for formats without a marker); a suffix that could be the start
-of a marker is held, never emitted early. From the marker on everything is jailed to the end of the
-output, then parsed whole: the client gets each call once, complete, as OpenAI's deltas (index, id,
-type and name first, then the arguments), and text the parser could not read comes back as content.
+of a marker is held, never emitted early. From the marker on everything is jailed: up to the call's end
+marker for a format that has one (hermes' `</tool_call>`: the call goes out then, and the text after it
+flows again), else to the end of the output, then parsed whole. The client gets each call once,
+complete, as OpenAI's deltas (index, id, type and name first, then the arguments), and text the parser
+could not read comes back as content.
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ from dynamo_cli.frontend.tools.parsers import ParsedCall, ToolParser, partial_ma
 
 
 class ToolCallJail:
-    """Feed content pieces (`push`), then `finish`; one per request."""
+    """Feed content pieces (`push`), take the calls completed so far (`take`), then `finish`; one per request."""
 
-    __slots__ = ("_held", "_jailed", "_parser", "_seen_text")
+    __slots__ = ("_held", "_jailed", "_parser", "_ready", "_seen_text")
 
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self._held = ""
         self._jailed: str | None = None
-        """From the first call marker on, everything; None while free."""
+        """From a call marker on, everything (up to the call's end marker, when the format has one); None while free."""
         self._seen_text = False
         """Non-blank text went out: a leading-only marker can no longer open a call."""
+        self._ready: list[ParsedCall] = []
+        """Calls released by their end marker, not yet taken."""
 
     def push(self, text: str) -> str:
-        """Content safe to emit now."""
+        """Content safe to emit now (before any call `take` then returns)."""
         if self._jailed is not None:
             self._jailed += text
+            self._release()
             return ""
         window, self._held = self._held + text, ""
         if not self._seen_text and self._parser.leading:
@@ -47,6 +52,7 @@ class ToolCallJail:
         if start >= 0:
             self._jailed = window[start:]
             window = window[:start]
+            self._release()
         else:
             keep = partial_marker(window, self._parser.markers)
             self._held = window[len(window) - keep :] if keep else ""
@@ -54,14 +60,37 @@ class ToolCallJail:
         self._seen_text = self._seen_text or bool(window.strip())
         return window
 
+    def take(self) -> list[ParsedCall]:
+        """The calls completed since the last take."""
+        ready, self._ready = self._ready, []
+        return ready
+
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """(content still to emit, calls) at the end of the output."""
+        """(content still to emit, calls not yet taken) at the end of the output."""
+        content = ""
+        while self._jailed is None and self._held:  # text after a released call may hold further calls
+            held = self._held
+            content += self.push("")
+            if self._held == held:
+                break
         held, self._held = self._held, ""
         if self._jailed is None:
-            return held, []
+            return content + held, self.take()
         jailed, self._jailed = self._jailed, None
-        content, calls = self._parser.parse(jailed)
-        return (content, calls) if calls else (held + jailed, [])
+        rest, calls = self._parser.parse(jailed)
+        return (content + rest, self.take() + calls) if calls else (content + jailed, self.take())
+
+    def _release(self) -> None:
+        """A jailed call complete at its end marker goes out now; the text after it is free again."""
+        end = self._parser.end_marker
+        cut = self._jailed.find(end) if end and self._jailed is not None else -1
+        if cut < 0 or self._jailed is None:
+            return
+        block, rest = self._jailed[: cut + len(end)], self._jailed[cut + len(end) :]
+        _, calls = self._parser.parse(block)
+        if calls:  # else the block stays jailed, to come back as text at the end
+            self._ready += calls
+            self._jailed, self._held, self._seen_text = None, rest, True
 
 
 def call_id() -> str:
