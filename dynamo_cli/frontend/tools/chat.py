@@ -37,6 +37,7 @@ def prepare_chat(
     messages, tools = render_inputs(request.messages, plan.tools, plan.mode, plan.named, parser, template)
     prompt = tokenizer.apply_chat_template(messages, tools=tools)
     output = None
+    reasoning = None if plan.guided is not None else reasoning  # the grammar leaves no room for <think> text
     if plan.mode != "none" or reasoning:
         output = ChatOutput(plan.mode, parser, reasoning, plan.named)
     return ChatPlan(prompt, plan.guided, output)
