@@ -73,8 +73,10 @@ def test_a_tool_call_round_trip(served: DynProcess) -> None:
     answer = final.choices[0]
     assert answer.message.tool_calls is None and (answer.message.content or "").strip()
     assert answer.finish_reason in ("stop", "length")
-    assert final.usage is not None and first.usage is not None
-    assert final.usage.prompt_tokens > first.usage.prompt_tokens - 150  # the call and its result are in the prompt
+    # the call and its result are in the prompt: it is longer than the same question without them
+    bare = c.chat.completions.create(model="smollm2", messages=messages[:1], max_tokens=1)
+    assert final.usage is not None and bare.usage is not None
+    assert final.usage.prompt_tokens >= bare.usage.prompt_tokens + 20
 
 
 def test_required_tool_calls_stream_as_deltas_the_client_assembles(served: DynProcess) -> None:

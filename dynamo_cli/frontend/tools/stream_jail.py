@@ -2,7 +2,7 @@
 well-formed `tool_calls` (or, when it turns out not to be one, as the text it was).
 
 NOTE: content flows through until a parser's call marker appears (`<tool_call>`, `[TOOL_CALLS]`, …, or
-`{` / `[` as the first non-blank text for formats without a marker); a suffix that could be the start
+`{`, `[` or a code fence as the first non-blank text for formats without a marker); a suffix that could be the start
 of a marker is held, never emitted early. From the marker on everything is jailed: up to the call's end
 marker for a format that has one (hermes' `</tool_call>`: the call goes out then, and the text after it
 flows again), else to the end of the output, then parsed whole. The client gets each call once,
