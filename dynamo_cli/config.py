@@ -287,6 +287,10 @@ class FrontendConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    tool_call_parser: str = "auto"
+    """How model text becomes `tool_calls` (frontend/tools/parsers.py); auto: per model, from its chat template."""
+    reasoning_parser: str | None = None
+    """How `<think>` text becomes `reasoning_content` (frontend/tools/reasoning.py); None: left in the content."""
 
     @property
     def scheme(self) -> str:

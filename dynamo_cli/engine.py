@@ -62,6 +62,21 @@ REPORT_WORKER_ANNOTATION = "report_worker"
 """GenerateRequest annotation ("1"): a `dyn router` first sends an empty chunk naming the backend it chose."""
 
 
+class Guided(msgspec.Struct, frozen=True, kw_only=True):
+    """Constrained decoding: the output must be JSON (`json_object`) or JSON valid against `schema`
+    (`json_schema`); engines with `Feature.GUIDED_JSON` enforce it in their sampler."""
+
+    kind: str
+    """`json_object` or `json_schema`."""
+    schema: str = ""
+    """The JSON schema, as JSON text (empty for `json_object`)."""
+    param: str = "response_format"
+    """The request field the constraint comes from (`response_format`, `tool_choice`): errors name it."""
+    num_accepted: int = 0
+    """Output tokens already generated (the tail of `token_ids`, after a migration or a remote prefill):
+    the engine replays them through its grammar before sampling."""
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A preprocessed request: the frontend has already applied the template and tokenized."""
 
@@ -79,6 +94,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Disaggregation: the prefill worker's handle to the KV of the first `num_tokens` ids, which the
     decode worker takes over instead of computing them (kv/handles.py)."""
     annotations: dict[str, str] = {}
+    guided: Guided | None = None
+    """Constrained decoding (response_format, tool_choice required/named); None: free text."""
 
 
 class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):

@@ -11,6 +11,7 @@ from dynamo_cli.cli import options as o
 from dynamo_cli.config import AuthConfig, FrontendConfig, ServeConfig, TlsConfig, WorkerConfig, read_api_keys
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import serve_all
 from dynamo_cli.runtime.supervisor import run
 
@@ -130,6 +131,16 @@ def command(
                      help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never)."),
     ] = 5,
     cluster_secret_file: o.ClusterSecretFile = None,
+    tool_call_parser: Annotated[
+        str,
+        typer.Option("--tool-call-parser", envvar="DYN_TOOL_CALL_PARSER",
+                     help="auto | hermes | llama3_json | mistral | pythonic | json: model text → tool_calls."),
+    ] = "auto",
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option("--reasoning-parser", envvar="DYN_REASONING_PARSER",
+                     help="basic | qwen3 | deepseek_r1: <think> text → reasoning_content (default: none)."),
+    ] = None,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
@@ -144,6 +155,7 @@ def command(
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if migration_limit < 0:
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
+    check_parsers(tool_call_parser, reasoning_parser)
     # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
     planes = o.planes(discovery, events, lease_ttl, o.cluster_secret(cluster_secret_file, make=True))
     extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
@@ -166,7 +178,8 @@ def command(
                               queue=o.queue(router_queue_size, router_queue_timeout, router_queue_policy),
                               auth=AuthConfig(read_api_keys(api_key or [], api_key_file, os.environ),
                                               api_key_rps, api_key_max_inflight, metrics_require_key),
-                              tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file))  # fmt: skip
+                              tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file),
+                              tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
     run(
         serve_all(
             ServeConfig(

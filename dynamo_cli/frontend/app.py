@@ -35,13 +35,13 @@ from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
-    message_text,
     parse_chat,
     parse_completion,
     stop_list,
 )
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
+from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -134,9 +134,11 @@ class Frontend:
     async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> Generation:
         entry = self._entry(request.model)
         tokenizer = await entry.tokenizer
+        chat = None
         if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
-            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+            chat = prepare_chat(request, entry.card, tokenizer, self.config.tool_call_parser,
+                                self.config.reasoning_parser)  # fmt: skip
+            prompt_ids = tokenizer.encode(chat.prompt)
             max_tokens = request.max_completion_tokens or request.max_tokens
         else:
             prompt = request.prompt
@@ -156,6 +158,7 @@ class Frontend:
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
+            guided=chat.guided if chat is not None else None,
         )
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         headers = dict(scope["headers"])
@@ -172,7 +175,9 @@ class Frontend:
                             priority=priority or 0, deadline=deadline)  # fmt: skip
         dispatch = Dispatch(entry, plan, self.rules, self.metrics)
         await dispatch.start()
-        return Generation(dispatch, tokenizer)
+        generation = Generation(dispatch, tokenizer)
+        generation.output = chat.output if chat is not None else None
+        return generation
 
     def _entry(self, model: str) -> ModelEntry:
         try:
@@ -192,13 +197,18 @@ class Frontend:
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
         status = "success"
         head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
+        out = gen.output
         try:
             async for piece in gen.text():
-                await send({"type": "http.response.body", "body": head + fmt.text(piece), "more_body": True})
-                head = b""
+                body = fmt.text(piece) if out is None else b"".join(fmt.delta(x) for x in out.push(piece))
+                if body:
+                    await send({"type": "http.response.body", "body": head + body, "more_body": True})
+                    head = b""
             if d.is_aborted:
                 status = "cancelled"
-            tail = b"" if status == "cancelled" else fmt.finish(gen.finish_reason or "length")
+            reason = gen.finish_reason or "length"
+            tail = b"" if out is None else b"".join(fmt.delta(x) for x in out.finish())
+            tail = b"" if status == "cancelled" else tail + fmt.finish(out.finish_reason(reason) if out else reason)
             if include_usage and status != "cancelled":
                 tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
         except DynError as exc:
@@ -227,9 +237,10 @@ class Frontend:
         except Exception as exc:
             await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
             return "error"
-        body = fmt.full(
-            text, gen.finish_reason or "length", len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens
-        )
+        reason, out = gen.finish_reason or "length", gen.output
+        message = out.message(text) if out is not None else None
+        reason = out.finish_reason(reason) if out is not None else reason
+        body = fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.config import DisaggConfig, QueueConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
+from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, Guided
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -60,6 +60,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    guided: Guided | None = None
+    """Constrained decoding (response_format, tool_choice required/named)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,4 +425,5 @@ class Dispatch:
             min_tokens=max(0, s.min_tokens - produced),
             kv_transfer=self._handle,
             annotations=annotations,
+            guided=msgspec.structs.replace(s.guided, num_accepted=produced) if s.guided and produced else s.guided,
         )

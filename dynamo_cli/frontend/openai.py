@@ -10,6 +10,7 @@ import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.errors import RequestError
+from dynamo_cli.frontend.tools.types import MAX_TOOLS, ResponseFormat, Tool, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 32
 MAX_JSON_DEPTH = 32
@@ -32,6 +33,10 @@ class Message(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    """Role tool: the call this message answers."""
+    tool_calls: list[ToolCall] | None = None
+    """Role assistant: the calls it made."""
 
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -68,6 +73,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's default)."""
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -76,7 +86,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
 
 
-_PATH = re.compile(r"\$\.?([\w.\[\]]*)")
+_PATH = re.compile(r" - at `\$\.?([\w.\[\]]*)")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = bytes(3 if c in b"[{" else 1 if c in b"]}" else 0 for c in range(256))
 

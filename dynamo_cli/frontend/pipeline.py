@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from dynamo_cli.frontend.dispatch import Dispatch
 from dynamo_cli.frontend.stops import StopMatcher
+from dynamo_cli.frontend.tools.output import ChatOutput
 from dynamo_cli.model.tokenizer import Tokenizer
 
 
@@ -22,6 +23,8 @@ class Generation:
         self.tokenizer = tokenizer
         self.is_stopped = False
         """A stop string ended the text."""
+        self.output: ChatOutput | None = None
+        """Chat: reads the text into reasoning, content and tool calls (tools/output.py); None: text as is."""
 
     @property
     def finish_reason(self) -> str | None:

@@ -39,6 +39,10 @@ class ChunkFormatter:
             return self._prefix + b'"delta":{"content":' + _json(piece) + b'},"finish_reason":null}]}\n\n'
         return self._prefix + b'"text":' + _json(piece) + b',"finish_reason":null}]}\n\n'
 
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A chat chunk with any delta (reasoning_content, tool_calls)."""
+        return self._prefix + b'"delta":' + _json(delta) + b',"finish_reason":null}]}\n\n'
+
     def finish(self, reason: str) -> bytes:
         body = b'"delta":{}' if self._is_chat else b'"text":""'
         return self._prefix + body + b',"finish_reason":' + _json(reason) + b"}]}\n\n"
@@ -54,10 +58,13 @@ class ChunkFormatter:
     def error(self, message: str, error_type: str, code: str | None) -> bytes:
         return b"data: " + _json({"error": {"message": message, "type": error_type, "code": code}}) + b"\n\n"
 
-    def full(self, text: str, reason: str, prompt_tokens: int, completion_tokens: int, cached: int | None) -> bytes:
-        """The non-streaming response."""
+    def full(
+        self, text: str, reason: str, prompt_tokens: int, completion_tokens: int, cached: int | None,
+        message: dict[str, Any] | None = None,
+    ) -> bytes:  # fmt: skip
+        """The non-streaming response (chat: `message` when given, else `text` as the content)."""
         if self._is_chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice: dict[str, Any] = {"index": 0, "message": message or {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = reason

@@ -53,11 +53,11 @@ class Tokenizer:
         """Text of `ids`, special tokens skipped."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render the conversation with the generation prompt appended."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """Render the conversation with the generation prompt appended (`tools` for a template that has them)."""
         if self.template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return self.template.render(messages)
+        return self.template.render(messages, tools=tools)
 
     def detokenizer(self) -> Detokenizer:
         """A fresh incremental detokenizer for one stream."""

@@ -30,11 +30,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
     EngineArgs,
     EngineInfo,
+    Feature,
     FinishReason,
     GenerateChunk,
     GenerateRequest,
@@ -46,6 +48,7 @@ from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
 from engines.llamacpp import kv_state
+from engines.llamacpp.grammar import GrammarDeadEnd, gbnf_for
 from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions
@@ -117,6 +120,7 @@ class LlamaCppEngine:
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
             extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
+            features=frozenset({Feature.GUIDED_JSON}),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
@@ -197,8 +201,25 @@ class LlamaCppEngine:
         if request.kv_transfer is not None:
             seq.kv_state = self._checked_state(request, runner)
             seq.num_imported = request.kv_transfer.num_tokens
-        seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
+        seq.sampler = self._sampler(request, runner)
         return seq
+
+    @staticmethod
+    def _sampler(request: GenerateRequest, runner: Runner) -> Any:
+        """The request's sampler; a guided one replays the output a migrated request already has."""
+        guided = request.guided
+        if guided is None:
+            return runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
+        grammar = gbnf_for(guided)
+        sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed, grammar,
+                                     guided.param)  # fmt: skip
+        if guided.num_accepted > 0:
+            try:
+                sampler.replay(request.token_ids[-guided.num_accepted :])
+            except GrammarDeadEnd as exc:
+                Runner.free_sampler(sampler)
+                raise RequestError(f"{guided.param}: {exc}", guided.param) from None
+        return sampler
 
     def _checked_state(self, request: GenerateRequest, runner: Runner) -> kv_state.CheckedState:
         """A decode request's imported KV (disaggregation): token_ids = prompt + [first_token], the handle

@@ -15,7 +15,8 @@ from typing import Any
 
 import llama_cpp
 
-from dynamo_cli.errors import ConfigError, DynError
+from dynamo_cli.errors import ConfigError, DynError, RequestError
+from engines.llamacpp.grammar import GrammarDeadEnd, GuidedSampler
 from engines.llamacpp.kv_state import CheckedState, StateLayout, rebased
 from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
 
@@ -161,8 +162,23 @@ class Runner:
 
     ##### Samplers #####
 
-    def new_sampler(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> Any:
-        """A sampler chain for one request: greedy at temperature 0, else top-k, top-p, temperature."""
+    def new_sampler(
+        self, temperature: float, top_p: float, top_k: int, seed: int | None, grammar: str | None = None,
+        param: str = "response_format",
+    ) -> Any:  # fmt: skip
+        """A sampler for one request: greedy at temperature 0, else top-k, top-p, temperature; behind
+        `grammar` when given (a GuidedSampler; a grammar llama.cpp refuses is the request's RequestError)."""
+        chain = self._new_chain(temperature, top_p, top_k, seed)
+        if grammar is None:
+            return chain
+        try:
+            return GuidedSampler(self._vocab, self.n_vocab, grammar, chain, param)
+        except RequestError:
+            llama_cpp.llama_sampler_free(chain)
+            raise
+
+    @staticmethod
+    def _new_chain(temperature: float, top_p: float, top_k: int, seed: int | None) -> Any:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         if temperature <= 0.0:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
@@ -178,7 +194,10 @@ class Runner:
 
     @staticmethod
     def free_sampler(sampler: Any) -> None:
-        llama_cpp.llama_sampler_free(sampler)
+        if isinstance(sampler, GuidedSampler):
+            sampler.free()
+        else:
+            llama_cpp.llama_sampler_free(sampler)
 
     ##### The step #####
 
@@ -200,7 +219,7 @@ class Runner:
         self._fill_batch(plan, rows)
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code == 0:
-            self._sample(plan, rows, result.sampled)
+            self._sample(plan, rows, result)
             return
         self._forget(plan, rows)
         if len(seq_ids) == 1:
@@ -222,12 +241,18 @@ class Runner:
             batch.logits[i] = row in wanted
         batch.n_tokens = len(rows)
 
-    def _sample(self, plan: StepPlan, rows: list[int], sampled: dict[int, int]) -> None:
+    def _sample(self, plan: StepPlan, rows: list[int], result: StepResult) -> None:
         index = {row: i for i, row in enumerate(rows)}
         for sampler, row in zip(plan.samplers, plan.logits_rows, strict=True):
-            if row in index:
-                token = llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row])
-                sampled[plan.seq_ids[row]] = int(token)
+            if row not in index:
+                continue
+            if not isinstance(sampler, GuidedSampler):
+                result.sampled[plan.seq_ids[row]] = int(llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row]))
+                continue
+            try:
+                result.sampled[plan.seq_ids[row]] = sampler.sample(self._ctx, index[row])
+            except GrammarDeadEnd as exc:
+                result.rejected[plan.seq_ids[row]] = str(exc)
 
     def _forget(self, plan: StepPlan, rows: list[int]) -> None:
         """After a refused decode: drop whatever llama.cpp may have kept of these rows' positions."""

@@ -24,6 +24,7 @@ engine (no connector) treats a handle as a failed pull: it prefills prompt + [fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -36,7 +37,16 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics, Role
+from dynamo_cli.engine import (
+    EngineArgs,
+    EngineInfo,
+    Feature,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    LoadMetrics,
+    Role,
+)
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import VllmKv
@@ -95,6 +105,8 @@ class VllmLibrary:
     """`KVTransferConfig`: the KV connector of a prefill or decode role."""
     has_nixl: bool = True
     """Whether the `nixl` package (vLLM's NixlConnector imports `nixl._api`) is installed."""
+    structured_outputs_cls: Any = None
+    """`StructuredOutputsParams` (vLLM's constrained decoding: `json=`, `json_object=`); None: a vLLM without it."""
 
 
 def load_library() -> VllmLibrary:
@@ -113,6 +125,10 @@ def load_library() -> VllmLibrary:
         from vllm import AsyncLLMEngine as engine_cls
     from vllm.platforms import current_platform
 
+    structured: Any = None  # vLLM before structured outputs: guided decoding is then not offered
+    with contextlib.suppress(ImportError):
+        from vllm.sampling_params import StructuredOutputsParams as structured
+
     return VllmLibrary(
         engine_cls,
         AsyncEngineArgs,
@@ -123,6 +139,7 @@ def load_library() -> VllmLibrary:
         is_cpu=bool(current_platform.is_cpu()),
         kv_transfer_config_cls=KVTransferConfig,
         has_nixl=importlib.util.find_spec("nixl") is not None,
+        structured_outputs_cls=structured,
     )
 
 
@@ -386,6 +403,8 @@ class VllmEngine:
         kwargs: dict[str, Any] = {}
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {"kv_transfer_params": kv_transfer_params}
+        if request.guided is not None:
+            kwargs["structured_outputs"] = self._structured_outputs(request)
         return self.lib.sampling_params_cls(
             n=1,
             temperature=request.temperature,
@@ -400,6 +419,21 @@ class VllmEngine:
             output_kind=self.lib.delta_output_kind,
             **kwargs,
         )
+
+    def _structured_outputs(self, request: GenerateRequest) -> Any:
+        """`Guided` as vLLM's `StructuredOutputsParams`. vLLM cannot resume a grammar over output made
+        elsewhere, so a guided request migrated mid-output is refused (a decode's first token is generated
+        again here, so a remote prefill's one token is fine)."""
+        guided, cls = request.guided, self.lib.structured_outputs_cls
+        assert guided is not None
+        if cls is None:
+            raise RequestError(f"{guided.param}: this vLLM has no structured outputs; leave it out", guided.param)
+        if guided.num_accepted > (1 if request.kv_transfer is not None else 0):
+            raise RequestError(f"{guided.param}: vllm cannot resume guided decoding over output made elsewhere",
+                               guided.param)  # fmt: skip
+        if guided.kind == "json_object":
+            return cls(json_object=True)
+        return cls(json=msgspec.json.decode(guided.schema))
 
     def prefill_params(self, request: GenerateRequest) -> Any:
         """A prefill role's request: one token (EOS allowed, as aggregated: the client sees this token),
@@ -445,6 +479,7 @@ class VllmEngine:
             eos_token_ids=eos_ids,
             vocab_size=_vocab_size(model),
             extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__, "deterministic": self.deterministic},
+            features=frozenset({Feature.GUIDED_JSON}) if self.lib.structured_outputs_cls is not None else frozenset(),
         )
 
     async def _no_events(self) -> AsyncIterator[KvEventBatch]:

@@ -887,3 +887,48 @@ def test_trtllm_keeps_our_deterministic_key_out_of_the_llm_arguments() -> None:
     engine = TrtllmEngine(args, library=FAKE_TRTLLM)
     kwargs = engine.llm_kwargs()
     assert "deterministic" not in kwargs and kwargs["max_batch_size"] == 4
+
+
+##### vLLM structured outputs (issue 17) #####
+
+
+@dataclass
+class FakeStructuredOutputs:
+    json: Any = None
+    json_object: bool | None = None
+
+
+async def test_vllm_maps_guided_json_to_structured_outputs_and_publishes_the_feature() -> None:
+    from dynamo_cli.engine import Feature, Guided
+
+    library = dataclasses.replace(FAKE_VLLM, structured_outputs_cls=FakeStructuredOutputs)
+    engine = VllmEngine(EngineArgs(model="m"), library=library)
+    assert Feature.GUIDED_JSON in (await engine.start()).features
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = engine.sampling_params(request(guided=Guided(kind="json_schema", schema=json.dumps(schema))))
+    assert params.kwargs["structured_outputs"] == FakeStructuredOutputs(json=schema)
+    params = engine.sampling_params(request(guided=Guided(kind="json_object")))
+    assert params.kwargs["structured_outputs"] == FakeStructuredOutputs(json_object=True)
+    migrated = request(guided=Guided(kind="json_object", num_accepted=3, param="tool_choice"))
+    with pytest.raises(RequestError, match="resume") as refused:
+        engine.sampling_params(migrated)  # vLLM cannot replay output made elsewhere through its grammar
+    assert refused.value.param == "tool_choice"
+    await engine.stop()
+    plain = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)  # a vLLM without structured outputs
+    assert Feature.GUIDED_JSON not in (await plain.start()).features
+    await plain.stop()
+
+
+def test_vllm_structured_outputs_params_take_our_mapping() -> None:
+    """At the library boundary: the installed vLLM builds SamplingParams from what the adapter passes."""
+    pytest.importorskip("vllm", reason="needs vLLM")
+    from dynamo_cli.engine import Guided
+    from engines.vllm.engine import load_library
+
+    library = load_library()
+    assert library.structured_outputs_cls is not None
+    engine = VllmEngine(EngineArgs(model="m"), library=library)
+    guided = Guided(kind="json_schema", schema='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    params = engine.sampling_params(request(guided=guided))
+    assert params.structured_outputs.json == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert engine.sampling_params(request(guided=Guided(kind="json_object"))).structured_outputs.json_object is True
