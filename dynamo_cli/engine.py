@@ -79,6 +79,29 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Disaggregation: the prefill worker's handle to the KV of the first `num_tokens` ids, which the
     decode worker takes over instead of computing them (kv/handles.py)."""
     annotations: dict[str, str] = {}
+    # Sampling breadth (Feature.PENALTIES, LOGIT_BIAS, MIN_P, LOGPROBS); the defaults are no-ops, so an
+    # engine without the feature serves a request that leaves them alone.
+    presence_penalty: float = 0.0
+    """OpenAI's: subtract this from the logit of every token generated at least once so far."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtract this times the token's count among the tokens generated so far."""
+    repetition_penalty: float = 1.0
+    """CTRL's (vLLM's): divide a positive logit of a token already seen by this (multiply a negative one)."""
+    logit_bias: dict[int, float] = {}
+    """Token id -> bias added to its logit (-100 bans it, +100 all but forces it)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is under min_p times the most likely token's."""
+    logprobs: int | None = None
+    """None: no logprobs; N: each token's logprob and the N most likely alternatives' (GenerateChunk.logprobs)."""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The logprob of one generated token and of the most likely alternatives at its position."""
+
+    logprob: float
+    """log P(chosen token) under the model's distribution before sampling (raw logits, log-softmax)."""
+    top: list[tuple[int, float]] = []
+    """The `GenerateRequest.logprobs` most likely (token id, logprob), most likely first."""
 
 
 class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
@@ -94,6 +117,8 @@ class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
     """Only on a `dyn router`'s first, empty chunk, when asked (REPORT_WORKER_ANNOTATION): the backend it chose."""
     transfer: TransferReport | None = None
     """Decode side, on the first chunk of a request that came with a handle: how its KV pull went."""
+    logprobs: list[TokenLogprob] | None = None
+    """With GenerateRequest.logprobs set: one per entry of token_ids."""
 
 
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -220,12 +245,34 @@ def check_request(
         raise RequestError("the prompt has no tokens; send at least one", param="prompt")
     check_token_ids(request.token_ids, "prompt", vocab_size)
     check_token_ids(request.stop_token_ids, "stop_token_ids", vocab_size)
+    check_token_ids(list(request.logit_bias), "logit_bias", vocab_size)
+    check_sampling(request)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     if num_prompt + request.max_tokens > context_length:
         raise ContextOverflow(num_prompt, request.max_tokens, context_length)
     if request.request_id in in_flight:
         raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (OpenAI's top_logprobs limit)."""
+
+
+def check_sampling(request: GenerateRequest) -> None:
+    """Sampling values inside the ranges OpenAI (and every engine) define, else RequestError naming one;
+    the frontend checks the same ranges, this guards the request plane."""
+    ranges = {
+        "presence_penalty": (request.presence_penalty, -2.0, 2.0),
+        "frequency_penalty": (request.frequency_penalty, -2.0, 2.0),
+        "repetition_penalty": (request.repetition_penalty, 1e-6, 2.0),
+        "min_p": (request.min_p, 0.0, 1.0),
+        "logprobs": (request.logprobs if request.logprobs is not None else 0, 0, MAX_LOGPROBS),
+        "logit_bias": (next((b for b in request.logit_bias.values() if not -100.0 <= b <= 100.0), 0.0), -100.0, 100.0),
+    }
+    for name, (value, low, high) in ranges.items():
+        if not low <= value <= high:  # also refuses NaN
+            raise RequestError(f"{name} must be in {low}..{high}, got {value}", param=name)
 
 
 def check_token_ids(token_ids: Sequence[int], param: str, vocab_size: int) -> None:

@@ -9,6 +9,7 @@ unless `--metrics-require-key`) passes `auth.Gate` first, before any body is rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -28,16 +29,20 @@ from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
 from dynamo_cli.frontend.auth import Gate
+from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
+from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    logit_bias,
     message_text,
     parse_chat,
     parse_completion,
+    requested_logprobs,
     stop_list,
 )
 from dynamo_cli.frontend.pipeline import Generation
@@ -110,30 +115,37 @@ class Frontend:
         try:
             body = await self._read_body(scope, receive)
             request = parse_chat(body) if is_chat else parse_completion(body)
-            generation = await self._prepare(request, scope)
+            generations = await self._prepare(request, scope)
         except ClientGone:
             return
         except DynError as exc:
             return await _send_error(send, exc)
         except Exception as exc:  # a bug, not the client's fault: a 500 in OpenAI's shape, findable in the log
             return await _send_error(send, _internal(exc, "preparing a request"))
+        generation = generations[0]
         model = generation.dispatch.entry.name
         self.metrics.inflight.labels(model).inc()
         status = "success"
         try:
-            if request.stream:
+            if len(generations) > 1 or generation.dispatch.plan.sampling.logprobs is not None:
+                status = await self._choices(generations, request, send, receive, is_chat)
+            elif request.stream:
                 status = await self._stream(generation, request, send, receive, is_chat)
             else:
                 status = await self._complete(generation, send, is_chat)
         finally:
-            await generation.dispatch.aclose()  # idempotent: load and prefilled KV never leak
+            for gen in generations:
+                await gen.dispatch.aclose()  # idempotent: load and prefilled KV never leak
+                self._observe(gen)
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
-            self._observe(generation)
 
-    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> Generation:
+    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> list[Generation]:
+        """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
         entry = self._entry(request.model)
+        check_features(request, entry.card)
         tokenizer = await entry.tokenizer
+        echo = ""
         if isinstance(request, ChatCompletionRequest):
             messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
             prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
@@ -146,29 +158,30 @@ class Frontend:
             else:
                 prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
             max_tokens = request.max_tokens if request.max_tokens is not None else 16
-        sampling = Sampling(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=max(0, request.top_k or 0),
-            seed=request.seed,
-            stop=tuple(stop_list(request.stop)),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-        )
+            if request.echo:
+                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        sampling = _sampling(request, max_tokens)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
+        check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias", tokenizer.vocab_size)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
         request_id = prefix + uuid.uuid4().hex
         client_id = _client_request_id(headers.get(b"x-request-id"))
         pinned, explain = _pinned(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
-        plan = plan_request(entry, request_id, prompt_ids, sampling, pinned_worker=pinned,
-                            is_explained=explain in (b"1", b"true", b"yes"), client_request_id=client_id)  # fmt: skip
-        dispatch = Dispatch(entry, plan, self.rules, self.metrics)
-        await dispatch.start()
-        return Generation(dispatch, tokenizer)
+        generations: list[Generation] = []
+        try:
+            for index in range(request.n):  # choice i: request id "-i", seed + i
+                plan = plan_request(entry, request_id if index == 0 else f"{request_id}-{index}", prompt_ids,
+                                    _nth_seed(sampling, index), pinned_worker=pinned, client_request_id=client_id,
+                                    is_explained=explain in (b"1", b"true", b"yes"))  # fmt: skip
+                generations.append(Generation(Dispatch(entry, plan, self.rules, self.metrics), tokenizer, echo=echo))
+                await generations[-1].dispatch.start()
+        except BaseException:
+            for gen in generations:
+                await gen.dispatch.aclose()
+            raise
+        return generations
 
     def _entry(self, model: str) -> ModelEntry:
         try:
@@ -230,6 +243,54 @@ class Frontend:
                     "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})
         return "success"
+
+    async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
+        """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
+        d = gens[0].dispatch
+        response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
+                                   wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
+        if not request.stream:
+            try:
+                body = await response.body()
+            except DynError as exc:
+                await _send_error(send, exc)
+                return "error"
+            except Exception as exc:
+                await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
+                return "error"
+            await send({"type": "http.response.start", "status": 200, "headers": [*_JSON, *_ids(gens[0])]})
+            await send({"type": "http.response.body", "body": body})
+            return "success"
+        await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *_ids(gens[0])]})
+        started: set[int] = set()
+
+        async def on_piece(index: int, piece: str | None, items: list[Any]) -> None:
+            event = response.event(index, piece, items, is_first=index not in started)
+            started.add(index)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+
+        def abort_all() -> None:
+            for gen in gens:
+                gen.dispatch.abort()
+
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, abort_all))
+        status, tail = "success", b""
+        try:
+            await fan_in(gens, on_piece)
+            if any(g.dispatch.is_aborted for g in gens):
+                status = "cancelled"
+            elif request.stream_options and request.stream_options.include_usage:
+                tail = response.usage_event()
+        except DynError as exc:
+            status, tail = "error", ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc),
+                                                                                    getattr(exc, "code", None))
+        except Exception as exc:
+            status, error = "error", _internal(exc, f"streaming request {d.plan.request_id}")
+            tail = ChunkFormatter("", "", is_chat=is_chat).error(str(error), "internal_error", "internal_error")
+        finally:
+            await cancel_and_wait(watcher)
+        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+        return status
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -311,6 +372,33 @@ class Frontend:
 
 
 MAX_REQUEST_ID = 128
+
+
+def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> Sampling:
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(0, request.top_k or 0),
+        seed=request.seed,
+        stop=tuple(stop_list(request.stop)),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=tuple(logit_bias(request.logit_bias).items()) if request.logit_bias else (),
+        min_p=request.min_p or 0.0,
+        logprobs=requested_logprobs(request),
+    )
+
+
+def _nth_seed(sampling: Sampling, index: int) -> Sampling:
+    """Choice `index`'s sampling: seed + index (kept in int64), so seeded choices differ yet repeat."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)
 
 
 def _client_request_id(header: bytes | None) -> str | None:

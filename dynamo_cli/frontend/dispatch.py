@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.config import DisaggConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest
+from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, TokenLogprob
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -59,6 +59,14 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Token id -> bias, as pairs (the plan is frozen)."""
+    min_p: float = 0.0
+    logprobs: int | None = None
+    """None: no logprobs; N: each token's logprob and N alternatives (`Dispatch.logprobs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +128,8 @@ class Dispatch:
         """The backend instance serving the request: the worker, or the one a router reports."""
         self.decision: RouteDecision | None = None
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """With `sampling.logprobs` set: one per output id, as the workers sent them."""
         self.finish_reason: str | None = None
         self.cached_tokens: int | None = None
         self.started_at = time.perf_counter()
@@ -319,6 +329,7 @@ class Dispatch:
         if result.first_token == UNKNOWN_FIRST_TOKEN:
             return  # a rendezvous: the decode stream brings every token
         self.output_ids = [result.first_token]
+        self.logprobs = list(result.logprobs)
         self.first_token_at = time.perf_counter()
         self.cached_tokens = result.cached_tokens
         self.finish_reason = result.finish_reason
@@ -356,6 +367,8 @@ class Dispatch:
             if not count:
                 continue
             token_ids += chunk.token_ids
+            if chunk.logprobs:
+                self.logprobs += chunk.logprobs
             if chunk.num_cached_tokens is not None and self.cached_tokens is None:
                 self.cached_tokens = chunk.num_cached_tokens
             if chunk.finish_reason is not None:
@@ -400,4 +413,10 @@ class Dispatch:
             min_tokens=max(0, s.min_tokens - produced),
             kv_transfer=self._handle,
             annotations=annotations,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            logit_bias=dict(s.logit_bias),
+            min_p=s.min_p,
+            logprobs=s.logprobs,
         )

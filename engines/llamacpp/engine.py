@@ -35,6 +35,7 @@ from dynamo_cli.engine import (
     DETERMINISTIC,
     EngineArgs,
     EngineInfo,
+    Feature,
     FinishReason,
     GenerateChunk,
     GenerateRequest,
@@ -116,6 +117,7 @@ class LlamaCppEngine:
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
+            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P}),
             extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
@@ -197,7 +199,7 @@ class LlamaCppEngine:
         if request.kv_transfer is not None:
             seq.kv_state = self._checked_state(request, runner)
             seq.num_imported = request.kv_transfer.num_tokens
-        seq.sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
+        seq.sampler = runner.new_sampler(request)
         return seq
 
     def _checked_state(self, request: GenerateRequest, runner: Runner) -> kv_state.CheckedState:
@@ -312,6 +314,7 @@ class LlamaCppEngine:
             kv_transfer=LlamaCppKv(num_tokens=seq.num_prompt_tokens, first_token=token, payload=state)
             if state is not None
             else None,
+            logprobs=[result.logprobs[seq.seq_id]] if seq.seq_id in result.logprobs else None,
         )
         self._push(seq, chunk)
         if reason is not None:

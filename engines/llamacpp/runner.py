@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from dynamo_cli.engine import GenerateRequest, TokenLogprob
 from dynamo_cli.errors import ConfigError, DynError
 from engines.llamacpp.kv_state import CheckedState, StateLayout, rebased
 from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
@@ -161,19 +163,35 @@ class Runner:
 
     ##### Samplers #####
 
-    def new_sampler(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> Any:
-        """A sampler chain for one request: greedy at temperature 0, else top-k, top-p, temperature."""
+    def new_sampler(self, request: GenerateRequest) -> Any:
+        """A sampler chain for one request, in llama.cpp's usual order: logit bias, penalties (over the
+        tokens this chain has sampled: the request's generated tokens), then greedy at temperature 0, else
+        top-k, top-p, min-p, temperature and a seeded draw."""
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        if temperature <= 0.0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+
+        def add(sampler: Any) -> None:
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
+
+        if request.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(request.logit_bias))(
+                *(llama_cpp.llama_logit_bias(token, bias) for token, bias in request.logit_bias.items())
+            )
+            add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(request.logit_bias), biases))
+        if request.repetition_penalty != 1.0 or request.frequency_penalty or request.presence_penalty:
+            add(llama_cpp.llama_sampler_init_penalties(self.n_vocab, max(1, request.max_tokens),
+                request.repetition_penalty, request.frequency_penalty, request.presence_penalty))  # fmt: skip
+        if request.temperature <= 0.0:
+            add(llama_cpp.llama_sampler_init_greedy())
             return chain
-        if top_k > 0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
-        dist_seed = llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(dist_seed))
+        if request.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(request.top_k))
+        if request.top_p < 1.0:
+            add(llama_cpp.llama_sampler_init_top_p(request.top_p, 1))
+        if request.min_p > 0.0:
+            add(llama_cpp.llama_sampler_init_min_p(request.min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(request.temperature))
+        seed = request.seed
+        add(llama_cpp.llama_sampler_init_dist(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF))
         return chain
 
     @staticmethod
@@ -200,7 +218,7 @@ class Runner:
         self._fill_batch(plan, rows)
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code == 0:
-            self._sample(plan, rows, result.sampled)
+            self._sample(plan, rows, result)
             return
         self._forget(plan, rows)
         if len(seq_ids) == 1:
@@ -222,12 +240,18 @@ class Runner:
             batch.logits[i] = row in wanted
         batch.n_tokens = len(rows)
 
-    def _sample(self, plan: StepPlan, rows: list[int], sampled: dict[int, int]) -> None:
+    def _sample(self, plan: StepPlan, rows: list[int], result: StepResult) -> None:
         index = {row: i for i, row in enumerate(rows)}
-        for sampler, row in zip(plan.samplers, plan.logits_rows, strict=True):
+        for sampler, row, top_n in zip(plan.samplers, plan.logits_rows, plan.logprobs, strict=True):
             if row in index:
-                token = llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row])
-                sampled[plan.seq_ids[row]] = int(token)
+                seq_id = plan.seq_ids[row]
+                if top_n is not None:  # before sampling: the chain reads the same logits, never writes them
+                    logits = llama_cpp.llama_get_logits_ith(self._ctx, index[row])
+                    result.logprobs[seq_id] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
+                token = int(llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row]))
+                result.sampled[seq_id] = token
+                if top_n is not None:
+                    result.logprobs[seq_id] = token_logprob(result.logprobs[seq_id], token, top_n)
 
     def _forget(self, plan: StepPlan, rows: list[int]) -> None:
         """After a refused decode: drop whatever llama.cpp may have kept of these rows' positions."""
@@ -305,6 +329,18 @@ class Runner:
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
+
+
+def token_logprob(logits: Any, token: int, top_n: int) -> TokenLogprob:
+    """The chosen token's logprob and the `top_n` most likely tokens', by log-softmax over raw logits."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        best = np.argpartition(-logprobs, top_n - 1)[:top_n] if top_n < logprobs.size else np.arange(logprobs.size)
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        top = [(int(t), float(logprobs[t])) for t in best]
+    return TokenLogprob(logprob=float(logprobs[token]), top=top)
 
 
 def _half_of_memory() -> int:
