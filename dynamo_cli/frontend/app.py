@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.engine import check_token_ids
-from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
@@ -45,14 +44,21 @@ from dynamo_cli.frontend.openai import (
     requested_logprobs,
     stop_list,
 )
+from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
+from dynamo_cli.frontend.replies import JSON_HEADERS as _JSON
+from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
+from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
+from dynamo_cli.frontend.replies import error_type as _error_type
+from dynamo_cli.frontend.replies import internal as _internal
+from dynamo_cli.frontend.replies import send_error as _send_error
+from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
+from dynamo_cli.frontend.responses import ResponseWriter, parse_responses, to_chat
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class ClientGone(Exception):
@@ -69,6 +75,7 @@ class Frontend:
         self.standby: Callable[[str], float | None] | None = None
         """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
+        self._openapi = msgspec.json.encode(openapi_document())
         self._gate = Gate(config.auth) if config.auth.api_keys else None
         self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote",
                                    disagg=config.disagg)  # fmt: skip
@@ -78,6 +85,7 @@ class Frontend:
                 Route("/health", self.health),
                 Route("/live", self.live),
                 Route("/metrics", self.prometheus),
+                Route("/openapi.json", self.openapi),
             ],
             exception_handlers={404: self._not_found, 405: self._not_found, Exception: self._server_error},
         )
@@ -106,6 +114,8 @@ class Frontend:
                 return await self._generate(scope, receive, send, is_chat=True)
             if path == "/v1/completions":
                 return await self._generate(scope, receive, send, is_chat=False)
+            if path == "/v1/responses":
+                return await self._responses(scope, receive, send)
         await self._rest(scope, receive, send)
 
     ##### Hot path #####
@@ -250,47 +260,60 @@ class Frontend:
         response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
                                    wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
         if not request.stream:
-            try:
-                body = await response.body()
-            except DynError as exc:
-                await _send_error(send, exc)
-                return "error"
-            except Exception as exc:
-                await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
-                return "error"
-            await send({"type": "http.response.start", "status": 200, "headers": [*_JSON, *_ids(gens[0])]})
-            await send({"type": "http.response.body", "body": body})
-            return "success"
-        await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *_ids(gens[0])]})
+            return await reply_json(send, response.body, _ids(gens[0]), d.plan.request_id)
         started: set[int] = set()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-        async def on_piece(index: int, piece: str | None, items: list[Any]) -> None:
-            event = response.event(index, piece, items, is_first=index not in started)
-            started.add(index)
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        async def produce(write: Write) -> bytes:
+            async def on_piece(index: int, piece: str | None, items: list[Any]) -> None:
+                await write(response.event(index, piece, items, is_first=index not in started))
+                started.add(index)
 
-        def abort_all() -> None:
+            await fan_in(gens, on_piece)
+            return response.usage_event() if include_usage and not d.is_aborted else b""
+
+        def abort() -> None:
             for gen in gens:
                 gen.dispatch.abort()
 
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, abort_all))
-        status, tail = "success", b""
+        def error_tail(exc: DynError) -> bytes:
+            return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), getattr(exc, "code", None))
+
+        return await stream_sse(send, receive, _ids(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/v1/responses: a chat request underneath (responses.py); its own JSON object or typed events."""
         try:
-            await fan_in(gens, on_piece)
-            if any(g.dispatch.is_aborted for g in gens):
-                status = "cancelled"
-            elif request.stream_options and request.stream_options.include_usage:
-                tail = response.usage_event()
+            request = parse_responses(await self._read_body(scope, receive))
+            generation = (await self._prepare(to_chat(request), scope))[0]
+        except ClientGone:
+            return
         except DynError as exc:
-            status, tail = "error", ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc),
-                                                                                    getattr(exc, "code", None))
+            return await _send_error(send, exc)
         except Exception as exc:
-            status, error = "error", _internal(exc, f"streaming request {d.plan.request_id}")
-            tail = ChunkFormatter("", "", is_chat=is_chat).error(str(error), "internal_error", "internal_error")
+            return await _send_error(send, _internal(exc, "preparing a request"))
+        writer, d = ResponseWriter(request, generation), generation.dispatch
+        self.metrics.inflight.labels(d.entry.name).inc()
+        status = "error"
+        try:
+            if not request.stream:
+                status = await reply_json(send, writer.body, _ids(generation), d.plan.request_id)
+                return
+
+            async def produce(write: Write) -> bytes:
+                async for event in writer.events():
+                    await write(event)
+                return b""
+
+            status = await stream_sse(send, receive, _ids(generation), produce, d.abort,
+                                      lambda exc: writer.error_event(str(exc), getattr(exc, "code", None)),
+                                      d.plan.request_id, done=b"")  # fmt: skip
         finally:
-            await cancel_and_wait(watcher)
-        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
-        return status
+            await d.aclose()
+            self._observe(generation)
+            self.metrics.inflight.labels(d.entry.name).dec()
+            stream = "stream" if request.stream else "unary"
+            self.metrics.requests.labels(d.entry.name, "responses", stream, status).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -347,6 +370,9 @@ class Frontend:
         if not healthy:
             body["message"] = "No endpoints available"
         return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"status": "live"})
@@ -411,13 +437,6 @@ def _client_request_id(header: bytes | None) -> str | None:
     return header.decode("ascii")
 
 
-def _internal(exc: Exception, doing: str) -> DynError:
-    """Log an unexpected failure with an id, and return the error the client sees (no internals)."""
-    error_id = uuid.uuid4().hex[:12]
-    logger.error("internal error %s while %s", error_id, doing, exc_info=exc)
-    return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
-
-
 def _pinned(header: bytes | None) -> int | None:
     if not header:
         return None
@@ -458,38 +477,7 @@ def _hex_ids(explanation: dict[str, Any]) -> dict[str, Any]:
     return fix(explanation)  # type: ignore[no-any-return]
 
 
-async def _watch_disconnect(receive: Receive, on_disconnect: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    on_disconnect()
-
-
 def _too_large(size: int, limit: int) -> RequestError:
     error = RequestError(f"request body of {size} bytes exceeds the {limit}-byte limit", code="payload_too_large")
     error.status = 413
     return error
-
-
-def _error_type(exc: DynError) -> str:
-    if isinstance(exc, RequestError):
-        return exc.error_type
-    if isinstance(exc, NoWorkers | Overloaded):
-        return "service_unavailable"
-    return "internal_error"
-
-
-async def _send_error(send: Send, exc: DynError) -> None:
-    if isinstance(exc, RequestError):
-        status, param, code = exc.status, exc.param, exc.code
-    elif isinstance(exc, NoWorkers | Overloaded):
-        status, param, code = 503, None, "service_unavailable"
-    elif isinstance(exc, TransportError):
-        status, param, code = getattr(exc, "status", 502), None, getattr(exc, "code", "worker_error")
-    else:
-        status, param, code = 500, None, "internal_error"
-    body = error_body(str(exc), _error_type(exc), param, code)
-    retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
-    headers = [*_JSON, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else _JSON
-    headers = [*_JSON, (b"www-authenticate", b"Bearer")] if status == 401 else headers
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -121,25 +121,29 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     check_depth(body)
     try:
         return decoder.decode(body)
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
-                           code="invalid_json") from None  # fmt: skip
-    except RecursionError:
-        raise RequestError("the request body is nested too deeply", code="invalid_json") from None
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        unknown = _UNKNOWN.search(text)
-        if unknown:
-            name = unknown.group(1)
-            raise RequestError(f"'{name}' is not a parameter this server accepts; remove it",
-                               param=name, code="unsupported_parameter") from None  # fmt: skip
-        match = _PATH.search(text)
-        param = match.group(1) if match and match.group(1) else None
-        detail = text.split(" - at ")[0]
-        where = f"'{param}'" if param else "the request body"
-        raise RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value") from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise decode_error(exc) from None
+
+
+def decode_error(exc: Exception) -> RequestError:
+    """The 400 for a body msgspec could not decode into its request type, naming the field when it can."""
+    if isinstance(exc, UnicodeDecodeError):
+        return RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+                            code="invalid_json")  # fmt: skip
+    if isinstance(exc, RecursionError):
+        return RequestError("the request body is nested too deeply", code="invalid_json")
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return RequestError(f"the request body is not valid JSON: {text}", code="invalid_json")
+    unknown, match = _UNKNOWN.search(text), _PATH.search(text)
+    if unknown:
+        name = f"{match.group(1)}.{unknown.group(1)}" if match and match.group(1) else unknown.group(1)
+        return RequestError(f"'{name}' is not a parameter this server accepts; remove it", param=name,
+                            code="unsupported_parameter")  # fmt: skip
+    param = match.group(1) if match and match.group(1) else None
+    detail = text.split(" - at ")[0]
+    where = f"'{param}'" if param else "the request body"
+    return RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value")
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
