@@ -121,6 +121,23 @@ class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
     """With GenerateRequest.logprobs set: one per entry of token_ids."""
 
 
+EMBED_ENDPOINT = "embed"
+"""The worker endpoint serving `EmbedRequest`s (engines that implement `Embeds`)."""
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Inputs to embed, already tokenized by the frontend (one list of ids per input)."""
+
+    request_id: str
+    inputs: list[list[int]]
+
+
+class EmbedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """One unit-length vector per input, in order."""
+
+    embeddings: list[list[float]]
+
+
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's load after a step; routers use it for busy detection, planners for scaling."""
 
@@ -218,6 +235,15 @@ class Engine(Protocol):
 
     async def stop(self) -> None:
         """Abort everything and release the model. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    """An engine that also serves embeddings; its card then lists Feature.EMBEDDINGS."""
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        """The inputs' embeddings; RequestError for an input the engine cannot take."""
         ...
 
 

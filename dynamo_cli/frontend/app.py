@@ -30,6 +30,7 @@ from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
+from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
@@ -116,6 +117,8 @@ class Frontend:
                 return await self._generate(scope, receive, send, is_chat=False)
             if path == "/v1/responses":
                 return await self._responses(scope, receive, send)
+            if path == "/v1/embeddings":
+                return await self._embeddings(scope, receive, send)
         await self._rest(scope, receive, send)
 
     ##### Hot path #####
@@ -314,6 +317,18 @@ class Frontend:
             self.metrics.inflight.labels(d.entry.name).dec()
             stream = "stream" if request.stream else "unary"
             self.metrics.requests.labels(d.entry.name, "responses", stream, status).inc()
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""
+        try:
+            request = parse_embeddings(await self._read_body(scope, receive))
+            entry = self._entry(request.model)
+        except ClientGone:
+            return
+        except DynError as exc:
+            return await _send_error(send, exc)
+        status = await reply_json(send, lambda: embed(entry, request), [], "embeddings")
+        self.metrics.requests.labels(entry.name, "embeddings", "unary", status).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes

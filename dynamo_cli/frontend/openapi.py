@@ -3,11 +3,12 @@ same msgspec types that validate the requests, so the document cannot drift from
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import msgspec
 
-from dynamo_cli import __version__
+from dynamo_cli.frontend.embeddings import EmbeddingRequest
 from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
 from dynamo_cli.frontend.responses import ResponsesRequest
 
@@ -17,6 +18,7 @@ POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "/v1/chat/completions": ("Chat completion (stream: SSE of chat.completion.chunk)", ChatCompletionRequest),
     "/v1/completions": ("Text completion (stream: SSE of text_completion)", CompletionRequest),
     "/v1/responses": ("Responses, stateless, translated onto chat (stream: typed SSE events)", ResponsesRequest),
+    "/v1/embeddings": ("Embeddings (models whose engine serves them)", EmbeddingRequest),
 }
 """Path -> (summary, the msgspec type its body is decoded into)."""
 
@@ -62,7 +64,7 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "dyn: OpenAI-compatible API", "version": __version__},
+        "info": {"title": "dyn: OpenAI-compatible API", "version": _version()},
         "paths": paths,
         "components": {"schemas": components},
     }
@@ -71,3 +73,10 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
 def _error_response(description: str) -> dict[str, Any]:
     schema = {"$ref": _REF.format(name="Error")}
     return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _version() -> str:
+    try:
+        return version("dynamo-cli")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "0"

@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
+    EmbedRequest,
+    EmbedResponse,
     EngineArgs,
     EngineInfo,
     Feature,
@@ -42,11 +44,13 @@ from dynamo_cli.engine import (
     LoadMetrics,
     Role,
     check_request,
+    check_token_ids,
 )
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
 from engines.llamacpp import kv_state
+from engines.llamacpp.embedder import Embedder
 from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions
@@ -78,6 +82,8 @@ class LlamaCppEngine:
         self._stopped = False
         self._n_ctx = self.options.n_ctx
         """KV cells of the context as llama.cpp sized it (set in start())."""
+        self._embedder: Embedder | None = None
+        """With option embeddings=true: the embedding context (set in start())."""
 
     ##### Engine protocol #####
 
@@ -96,6 +102,8 @@ class LlamaCppEngine:
         )
         loop = asyncio.get_running_loop()
         self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
+        if opts.embeddings:
+            self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
         self._scheduler = Scheduler(
@@ -117,7 +125,8 @@ class LlamaCppEngine:
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
-            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P}),
+            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P}
+                               | ({Feature.EMBEDDINGS} if opts.embeddings else set())),  # fmt: skip
             extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
@@ -149,6 +158,18 @@ class LlamaCppEngine:
             if not finished:
                 self._aborted.append(seq)
                 self._wake.set()
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        """Embeddings in the step thread, between steps (option embeddings=true)."""
+        embedder, info = self._embedder, self._info
+        if embedder is None or info is None:
+            raise RequestError("this llamacpp worker serves no embeddings; start it with --engine-arg embeddings=true",
+                               param="model")  # fmt: skip
+        for ids in request.inputs:
+            check_token_ids(ids, "input", info.vocab_size)
+        loop = asyncio.get_running_loop()
+        vectors = [await loop.run_in_executor(self._executor, embedder.embed, ids) for ids in request.inputs]
+        return EmbedResponse(embeddings=vectors)
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """Stored/removed block events of every step, in event-id order."""
@@ -183,6 +204,8 @@ class LlamaCppEngine:
             stream.put_nowait(GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value))
         runner = self._runner
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if self._embedder is not None:
+            self._embedder.close()
         if runner is not None:
             runner.close()
         if self._num_events_dropped:

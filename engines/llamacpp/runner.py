@@ -154,6 +154,12 @@ class Runner:
     def n_vocab(self) -> int:
         return int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
+    def embedder(self, n_ctx: int) -> Any:
+        """A second context over this model, in embedding mode (engines.llamacpp.embedder)."""
+        from engines.llamacpp.embedder import Embedder  # the embedder imports this module's error
+
+        return Embedder(self._model, n_ctx, self.options.n_threads)
+
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = {llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)}
         return tuple(sorted(i for i in ids if i >= 0))

@@ -21,7 +21,7 @@ REPEAT = [{"role": "user", "content": "Write the letter a ten times."}]
 
 @pytest.fixture(scope="module")
 def served(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
-    return dyn_serve_module()
+    return dyn_serve_module("--engine-arg", "embeddings=true")
 
 
 def client(d: DynProcess) -> openai.OpenAI:
@@ -115,3 +115,23 @@ def test_out_of_vocabulary_logit_bias_is_a_400_naming_it(served: DynProcess) -> 
     with pytest.raises(openai.BadRequestError) as info:
         greedy(served, logit_bias={"999999": 5})
     assert info.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
+def test_embeddings_of_equal_texts_are_equal_and_of_different_texts_not(served: DynProcess) -> None:
+    texts = ["The cat sat on the mat.", "The cat sat on the mat.", "Quarterly revenue rose by four percent."]
+    reply = client(served).embeddings.create(model="smollm2", input=texts)
+    a, b, c = (item.embedding for item in reply.data)
+    assert [item.index for item in reply.data] == [0, 1, 2] and len(a) > 100
+    assert a == b and a != c
+    assert math.isclose(sum(x * x for x in a), 1.0, rel_tol=1e-4)  # unit length, as OpenAI's
+    assert reply.usage.prompt_tokens > 10
+    ids = _token_ids(texts[0])  # token ids in, and base64 out (the client's default asks for base64)
+    by_ids = client(served).embeddings.create(model="smollm2", input=ids)
+    assert by_ids.data[0].embedding == pytest.approx(a, abs=1e-5)
+
+
+def _token_ids(text: str) -> list[int]:
+    from dynamo_cli.model.paths import resolve_model_path
+    from dynamo_cli.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path("smollm2")).encode(text)
