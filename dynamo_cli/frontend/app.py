@@ -56,6 +56,7 @@ from dynamo_cli.frontend.replies import send_error as _send_error
 from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
 from dynamo_cli.frontend.responses import ResponseWriter, parse_responses, to_chat
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
+from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -158,21 +159,7 @@ class Frontend:
         entry = self._entry(request.model)
         check_features(request, entry.card)
         tokenizer = await entry.tokenizer
-        echo = ""
-        if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
-            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-            max_tokens = request.max_completion_tokens or request.max_tokens
-        else:
-            prompt = request.prompt
-            if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-                prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
-                check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
-            else:
-                prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
-            max_tokens = request.max_tokens if request.max_tokens is not None else 16
-            if request.echo:
-                echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        prompt_ids, max_tokens, echo = _prompt(request, tokenizer)
         sampling = _sampling(request, max_tokens)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias", tokenizer.vocab_size)
@@ -413,6 +400,24 @@ class Frontend:
 
 
 MAX_REQUEST_ID = 128
+
+
+def _prompt(
+    request: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer
+) -> tuple[list[int], int | None, str]:
+    """The prompt's token ids, the max_tokens asked (None: as many as fit) and the text to echo."""
+    if isinstance(request, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        return tokenizer.encode(tokenizer.apply_chat_template(messages)), max_tokens, ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
+        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
+    else:
+        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+    echo = "" if not request.echo else prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
 
 
 def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> Sampling:
