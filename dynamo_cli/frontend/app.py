@@ -54,8 +54,8 @@ from dynamo_cli.frontend.replies import error_type as _error_type
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
 from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
-from dynamo_cli.frontend.responses import ResponseWriter, parse_responses, to_chat
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
+from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
@@ -116,8 +116,8 @@ class Frontend:
                 return await self._generate(scope, receive, send, is_chat=True)
             if path == "/v1/completions":
                 return await self._generate(scope, receive, send, is_chat=False)
-            if path == "/v1/responses":
-                return await self._responses(scope, receive, send)
+            if path in TRANSLATIONS:
+                return await self._translated(scope, receive, send, TRANSLATIONS[path])
             if path == "/v1/embeddings":
                 return await self._embeddings(scope, receive, send)
         await self._rest(scope, receive, send)
@@ -271,18 +271,18 @@ class Frontend:
 
         return await stream_sse(send, receive, _ids(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE)
 
-    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """/v1/responses: a chat request underneath (responses.py); its own JSON object or typed events."""
+    async def _translated(self, scope: Scope, receive: Receive, send: Send, api: Translation) -> None:
+        """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
         try:
-            request = parse_responses(await self._read_body(scope, receive))
-            generation = (await self._prepare(to_chat(request), scope))[0]
+            request = api.parse(await self._read_body(scope, receive))
+            generation = (await self._prepare(api.to_chat(request), scope))[0]
         except ClientGone:
             return
         except DynError as exc:
             return await _send_error(send, exc)
         except Exception as exc:
             return await _send_error(send, _internal(exc, "preparing a request"))
-        writer, d = ResponseWriter(request, generation), generation.dispatch
+        writer, d = api.writer(request, generation), generation.dispatch
         self.metrics.inflight.labels(d.entry.name).inc()
         status = "error"
         try:
@@ -295,15 +295,14 @@ class Frontend:
                     await write(event)
                 return b""
 
-            status = await stream_sse(send, receive, _ids(generation), produce, d.abort,
-                                      lambda exc: writer.error_event(str(exc), getattr(exc, "code", None)),
+            status = await stream_sse(send, receive, _ids(generation), produce, d.abort, writer.error_event,
                                       d.plan.request_id, done=b"")  # fmt: skip
         finally:
             await d.aclose()
             self._observe(generation)
             self.metrics.inflight.labels(d.entry.name).dec()
             stream = "stream" if request.stream else "unary"
-            self.metrics.requests.labels(d.entry.name, "responses", stream, status).inc()
+            self.metrics.requests.labels(d.entry.name, api.name, stream, status).inc()
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""

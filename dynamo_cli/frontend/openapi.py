@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.frontend.embeddings import EmbeddingRequest
+from dynamo_cli.frontend.messages import MessagesRequest
 from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
 from dynamo_cli.frontend.responses import ResponsesRequest
 
@@ -19,6 +20,7 @@ POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "/v1/completions": ("Text completion (stream: SSE of text_completion)", CompletionRequest),
     "/v1/responses": ("Responses, stateless, translated onto chat (stream: typed SSE events)", ResponsesRequest),
     "/v1/embeddings": ("Embeddings (models whose engine serves them)", EmbeddingRequest),
+    "/v1/messages": ("Anthropic Messages, text only, translated onto chat (stream: its events)", MessagesRequest),
 }
 """Path -> (summary, the msgspec type its body is decoded into)."""
 

@@ -151,8 +151,8 @@ class ResponseWriter:
         yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
                           response=final)  # fmt: skip
 
-    def error_event(self, message: str, code: str | None) -> bytes:
-        return self._event("error", message=message, code=code, param=None)
+    def error_event(self, exc: Exception) -> bytes:
+        return self._event("error", message=str(exc), code=getattr(exc, "code", None), param=None)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._sequence += 1
