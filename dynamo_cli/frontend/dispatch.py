@@ -3,8 +3,8 @@ tokens, migrate on worker loss.
 
 NOTE: this module sees token ids only; text (detokenizing, stop strings) is pipeline.py's. So a request
 migrated to another worker mid-stream continues seamlessly: the tokens generated so far are appended to
-the prompt and `max_tokens` shrinks by as many (so penalties, which count the tokens a worker generated,
-start afresh on the next worker: a known limit). Disaggregation adds one hop before `_open`: choose a
+the prompt and `max_tokens` shrinks by as many (`num_generated` tells the next worker which of them
+penalties count). Disaggregation adds one hop before `_open`: choose a
 prefill worker, run the prompt there with max_tokens 1, and hand its KV handle to the decode hop
 (`GenerateRequest.kv_transfer`); the text side does not change. Each chosen worker is held from
 `_choose` to `_release`: that is the one place the policy hears `on_finish`, as `_relay` is the one
@@ -420,4 +420,5 @@ class Dispatch:
             logit_bias=dict(s.logit_bias),
             min_p=s.min_p,
             logprobs=s.logprobs,
+            num_generated=produced,
         )

@@ -171,8 +171,8 @@ class Runner:
 
     def new_sampler(self, request: GenerateRequest) -> Any:
         """A sampler chain for one request, in llama.cpp's usual order: logit bias, penalties (over the
-        tokens this chain has sampled: the request's generated tokens), then greedy at temperature 0, else
-        top-k, top-p, min-p, temperature and a seeded draw."""
+        request's output: the tokens this chain samples and the `num_generated` it came with), then greedy
+        at temperature 0, else top-k, top-p, min-p, temperature and a seeded draw."""
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
 
         def add(sampler: Any) -> None:
@@ -184,8 +184,12 @@ class Runner:
             )
             add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(request.logit_bias), biases))
         if request.repetition_penalty != 1.0 or request.frequency_penalty or request.presence_penalty:
-            add(llama_cpp.llama_sampler_init_penalties(self.n_vocab, max(1, request.max_tokens),
-                request.repetition_penalty, request.frequency_penalty, request.presence_penalty))  # fmt: skip
+            generated = request.token_ids[len(request.token_ids) - request.num_generated :]
+            penalties = llama_cpp.llama_sampler_init_penalties(self.n_vocab, request.max_tokens + len(generated),
+                request.repetition_penalty, request.frequency_penalty, request.presence_penalty)  # fmt: skip
+            for token in generated:  # an earlier hop's output counts too (migration, remote prefill)
+                llama_cpp.llama_sampler_accept(penalties, token)
+            add(penalties)
         if request.temperature <= 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
             return chain
