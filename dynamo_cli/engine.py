@@ -86,7 +86,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     """OpenAI's: subtract this times the token's count among the tokens generated so far."""
     repetition_penalty: float = 1.0
-    """CTRL's (vLLM's): divide a positive logit of a token already seen by this (multiply a negative one)."""
+    """CTRL's: divide a positive logit of a token already seen by this (multiply a negative one); "seen" is
+    the output for llamacpp, prompt and output for vLLM (each library's own rule)."""
     logit_bias: dict[int, float] = {}
     """Token id -> bias added to its logit (-100 bans it, +100 all but forces it)."""
     min_p: float = 0.0

@@ -47,7 +47,6 @@ from dynamo_cli.frontend.openai import (
 )
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
-from dynamo_cli.frontend.replies import JSON_HEADERS as _JSON
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
 from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
 from dynamo_cli.frontend.replies import error_type as _error_type
@@ -228,21 +227,13 @@ class Frontend:
     async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
         d = gen.dispatch
         fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
-        try:
+
+        async def body() -> bytes:
             text = "".join([piece async for piece in gen.text()])
-        except DynError as exc:
-            await _send_error(send, exc)
-            return "error"
-        except Exception as exc:
-            await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
-            return "error"
-        body = fmt.full(
-            text, gen.finish_reason or "length", len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens
-        )
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
-        return "success"
+            return fmt.full(text, gen.finish_reason or "length", len(d.plan.prompt_ids), gen.completion_tokens,
+                            d.cached_tokens)  # fmt: skip
+
+        return await reply_json(send, body, lambda: _ids(gen), d.plan.request_id)
 
     async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
@@ -250,7 +241,7 @@ class Frontend:
         response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
                                    wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
         if not request.stream:
-            return await reply_json(send, response.body, _ids(gens[0]), d.plan.request_id)
+            return await reply_json(send, response.body, lambda: _ids(gens[0]), d.plan.request_id)
         started: set[int] = set()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
@@ -287,7 +278,7 @@ class Frontend:
         status = "error"
         try:
             if not request.stream:
-                status = await reply_json(send, writer.body, _ids(generation), d.plan.request_id)
+                status = await reply_json(send, writer.body, lambda: _ids(generation), d.plan.request_id)
                 return
 
             async def produce(write: Write) -> bytes:
@@ -313,7 +304,7 @@ class Frontend:
             return
         except DynError as exc:
             return await _send_error(send, exc)
-        status = await reply_json(send, lambda: embed(entry, request), [], "embeddings")
+        status = await reply_json(send, lambda: embed(entry, request), list, "embeddings")
         self.metrics.requests.labels(entry.name, "embeddings", "unary", status).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:

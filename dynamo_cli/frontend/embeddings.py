@@ -20,7 +20,7 @@ from msgspec import Meta
 from dynamo_cli.engine import EMBED_ENDPOINT, EmbedRequest, EmbedResponse, Feature, check_token_ids
 from dynamo_cli.errors import NoWorkers, RemoteError, RequestError
 from dynamo_cli.frontend.models import ModelEntry
-from dynamo_cli.frontend.openai import INT32_MAX, check_depth, decode_error
+from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 
 MAX_INPUTS = 2048
 EMBED_TIMEOUT_S = 120.0
@@ -44,11 +44,7 @@ _decode_response = msgspec.msgpack.Decoder(EmbedResponse).decode
 
 
 def parse_embeddings(body: bytes) -> EmbeddingRequest:
-    check_depth(body)
-    try:
-        request: EmbeddingRequest = _decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise decode_error(exc) from None
+    request: EmbeddingRequest = decode_body(_decoder, body)
     raw = request.input
     inputs = [raw] if isinstance(raw, str) or all(type(x) is int for x in raw) else raw
     for item in inputs:

@@ -22,8 +22,7 @@ from dynamo_cli.frontend.openai import (
     MaxTokens,
     Message,
     TopP,
-    check_depth,
-    decode_error,
+        decode_body,
 )
 from dynamo_cli.frontend.pipeline import Generation
 
@@ -62,11 +61,7 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 def parse_messages(body: bytes) -> MessagesRequest:
-    check_depth(body)
-    try:
-        request: MessagesRequest = _decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise decode_error(exc) from None
+    request: MessagesRequest = decode_body(_decoder, body)
     if request.stop_sequences and not all(request.stop_sequences):
         raise RequestError("stop_sequences must be non-empty strings", param="stop_sequences")
     return request

@@ -117,7 +117,8 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         raise RequestError(f"the request body is nested deeper than {limit} levels", code="invalid_json")
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """`body` decoded by `decoder`, after the depth check; any failure is a RequestError naming the field."""
     check_depth(body)
     try:
         return decoder.decode(body)
@@ -148,14 +149,14 @@ def decode_error(exc: Exception) -> RequestError:
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
     """Decode and check a /v1/chat/completions body."""
-    request: ChatCompletionRequest = _decode(_chat_decoder, body)
+    request: ChatCompletionRequest = decode_body(_chat_decoder, body)
     _check_common(request)
     return request
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """Decode and check a /v1/completions body."""
-    request: CompletionRequest = _decode(_completion_decoder, body)
+    request: CompletionRequest = decode_body(_completion_decoder, body)
     _check_common(request)
     prompt = request.prompt
     if isinstance(prompt, list):

@@ -26,9 +26,12 @@ Write = Callable[[bytes], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 
-async def reply_json(send: Send, make_body: Callable[[], Awaitable[bytes]], headers: Headers, request_id: str) -> str:
-    """Compute the body, then send it with 200; an error on the way is sent as OpenAI's error instead.
-    Returns the request's status for the metrics: success or error."""
+async def reply_json(
+    send: Send, make_body: Callable[[], Awaitable[bytes]], headers: Callable[[], Headers], request_id: str
+) -> str:
+    """Compute the body, then send it with 200 and `headers()` (asked after the body: a migrated request
+    names its last worker); an error on the way is sent as OpenAI's error instead. Returns the request's
+    status for the metrics: success or error."""
     try:
         body = await make_body()
     except DynError as exc:
@@ -37,7 +40,7 @@ async def reply_json(send: Send, make_body: Callable[[], Awaitable[bytes]], head
     except Exception as exc:
         await send_error(send, internal(exc, f"request {request_id}"))
         return "error"
-    await send({"type": "http.response.start", "status": 200, "headers": [*JSON_HEADERS, *headers]})
+    await send({"type": "http.response.start", "status": 200, "headers": [*JSON_HEADERS, *headers()]})
     await send({"type": "http.response.body", "body": body})
     return "success"
 

@@ -23,8 +23,7 @@ from dynamo_cli.frontend.openai import (
     Message,
     Temperature,
     TopP,
-    check_depth,
-    decode_error,
+        decode_body,
 )
 from dynamo_cli.frontend.pipeline import Generation
 
@@ -66,11 +65,7 @@ _decoder = msgspec.json.Decoder(ResponsesRequest)
 
 def parse_responses(body: bytes) -> ResponsesRequest:
     """Decode and check a /v1/responses body."""
-    check_depth(body)
-    try:
-        request: ResponsesRequest = _decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise decode_error(exc) from None
+    request: ResponsesRequest = decode_body(_decoder, body)
     if request.store:
         raise RequestError("store: true is not supported; this server keeps no responses (send store: false)",
                            param="store", code="unsupported_parameter")  # fmt: skip
