@@ -17,6 +17,9 @@ import msgspec
 
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import (
+    EMBED_ENDPOINT,
+    EmbedRequest,
+    Embeds,
     Engine,
     EngineArgs,
     GenerateChunk,
@@ -87,6 +90,16 @@ class Worker:
             if report is not None:
                 chunk, report = msgspec.structs.replace(chunk, transfer=report), None
             yield encode(chunk)
+
+    async def embed(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: the embeddings of tokenized inputs, when the engine serves them (Feature.EMBEDDINGS)."""
+        try:
+            request = msgspec.msgpack.decode(body, type=EmbedRequest)
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"malformed embed request: {exc}") from exc
+        if not isinstance(self.engine, Embeds):
+            raise RequestError(f"the {self.config.engine} engine serves no embeddings", param="model")
+        yield msgspec.msgpack.encode(await self.engine.embed(request))
 
     async def kv_release(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
@@ -174,6 +187,7 @@ async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
     worker.server.add_endpoint("kv_events_since", worker.kv_events_since)
     worker.server.add_endpoint("kv_dump", worker.kv_dump)
     worker.server.add_endpoint("kv_release", worker.kv_release)
+    worker.server.add_endpoint(EMBED_ENDPOINT, worker.embed)
     address = await worker.server.start()
     await worker.kv.start()
     endpoint = Endpoint(worker.name, worker.discovery)

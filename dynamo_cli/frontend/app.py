@@ -9,8 +9,8 @@ unless `--metrics-require-key`) passes `auth.Gate` first, before any body is rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -25,29 +25,41 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
-from dynamo_cli.engine import check_token_ids
-from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.engine import Guided, check_token_ids
+from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.auth import Gate
+from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
+from dynamo_cli.frontend.embeddings import embed, parse_embeddings
+from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    logit_bias,
     parse_chat,
     parse_completion,
+    requested_logprobs,
     stop_list,
 )
+from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
+from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
+from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
+from dynamo_cli.frontend.replies import error_type as _error_type
+from dynamo_cli.frontend.replies import internal as _internal
+from dynamo_cli.frontend.replies import send_error as _send_error
+from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
+from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
+from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class ClientGone(Exception):
@@ -64,6 +76,7 @@ class Frontend:
         self.standby: Callable[[str], float | None] | None = None
         """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
+        self._openapi = msgspec.json.encode(openapi_document())
         self._gate = Gate(config.auth) if config.auth.api_keys else None
         self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote",
                                    disagg=config.disagg, queue=config.queue)  # fmt: skip
@@ -73,6 +86,7 @@ class Frontend:
                 Route("/health", self.health),
                 Route("/live", self.live),
                 Route("/metrics", self.prometheus),
+                Route("/openapi.json", self.openapi),
             ],
             exception_handlers={404: self._not_found, 405: self._not_found, Exception: self._server_error},
         )
@@ -101,6 +115,10 @@ class Frontend:
                 return await self._generate(scope, receive, send, is_chat=True)
             if path == "/v1/completions":
                 return await self._generate(scope, receive, send, is_chat=False)
+            if path in TRANSLATIONS:
+                return await self._translated(scope, receive, send, TRANSLATIONS[path])
+            if path == "/v1/embeddings":
+                return await self._embeddings(scope, receive, send)
         await self._rest(scope, receive, send)
 
     ##### Hot path #####
@@ -110,57 +128,49 @@ class Frontend:
         try:
             body = await self._read_body(scope, receive)
             request = parse_chat(body) if is_chat else parse_completion(body)
-            generation = await self._prepare(request, scope)
+            generations = await self._prepare(request, scope)
         except ClientGone:
             return
         except DynError as exc:
             return await _send_error(send, exc)
         except Exception as exc:  # a bug, not the client's fault: a 500 in OpenAI's shape, findable in the log
             return await _send_error(send, _internal(exc, "preparing a request"))
+        generation = generations[0]
         model = generation.dispatch.entry.name
         self.metrics.inflight.labels(model).inc()
         status = "success"
         try:
-            if request.stream:
+            if len(generations) > 1 or generation.dispatch.plan.sampling.logprobs is not None:
+                status = await self._choices(generations, request, send, receive, is_chat)
+            elif request.stream:
                 status = await self._stream(generation, request, send, receive, is_chat)
             else:
                 status = await self._complete(generation, send, is_chat)
         finally:
-            await generation.dispatch.aclose()  # idempotent: load and prefilled KV never leak
+            for gen in generations:
+                await gen.dispatch.aclose()  # idempotent: load and prefilled KV never leak
+                self._observe(gen)
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
-            self._observe(generation)
 
-    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> Generation:
+    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> list[Generation]:
+        """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
         entry = self._entry(request.model)
+        check_features(request, entry.card)
         tokenizer = await entry.tokenizer
         chat = None
         if isinstance(request, ChatCompletionRequest):
             chat = prepare_chat(request, entry.card, tokenizer, self.config.tool_call_parser,
                                 self.config.reasoning_parser)  # fmt: skip
-            prompt_ids = tokenizer.encode(chat.prompt)
-            max_tokens = request.max_completion_tokens or request.max_tokens
-        else:
-            prompt = request.prompt
-            if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-                prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
-                check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
-            else:
-                prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
-            max_tokens = request.max_tokens if request.max_tokens is not None else 16
-        sampling = Sampling(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=max(0, request.top_k or 0),
-            seed=request.seed,
-            stop=tuple(stop_list(request.stop)),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-            guided=chat.guided if chat is not None else None,
-        )
+            if chat.output is not None and (request.n > 1 or request.logprobs):
+                what = "n > 1" if request.n > 1 else "logprobs"
+                raise RequestError(f"{what} together with tools, response_format or a reasoning parser is not "
+                                   "supported yet; send them in separate requests", param="n" if request.n > 1
+                                   else "logprobs")  # fmt: skip
+        prompt_ids, max_tokens, echo = _prompt(request, tokenizer, chat.prompt if chat is not None else None)
+        sampling = _sampling(request, max_tokens, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
+        check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias", tokenizer.vocab_size)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
@@ -170,14 +180,21 @@ class Frontend:
         priority = _int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
         deadline_ms = _int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
         deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None
-        plan = plan_request(entry, request_id, prompt_ids, sampling, pinned_worker=pinned,
-                            is_explained=explain in (b"1", b"true", b"yes"), client_request_id=client_id,
-                            priority=priority or 0, deadline=deadline)  # fmt: skip
-        dispatch = Dispatch(entry, plan, self.rules, self.metrics)
-        await dispatch.start()
-        generation = Generation(dispatch, tokenizer)
-        generation.output = chat.output if chat is not None else None
-        return generation
+        generations: list[Generation] = []
+        try:
+            for index in range(request.n):  # choice i: request id "-i", seed + i
+                plan = plan_request(entry, request_id if index == 0 else f"{request_id}-{index}", prompt_ids,
+                                    _nth_seed(sampling, index), pinned_worker=pinned, client_request_id=client_id,
+                                    is_explained=explain in (b"1", b"true", b"yes"), priority=priority or 0,
+                                    deadline=deadline)  # fmt: skip
+                generations.append(Generation(Dispatch(entry, plan, self.rules, self.metrics), tokenizer, echo=echo))
+                generations[-1].output = chat.output if chat is not None else None
+                await generations[-1].dispatch.start()
+        except BaseException:
+            for gen in generations:
+                await gen.dispatch.aclose()
+            raise
+        return generations
 
     def _entry(self, model: str) -> ModelEntry:
         try:
@@ -229,22 +246,87 @@ class Frontend:
     async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
         d = gen.dispatch
         fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
-        try:
+
+        async def body() -> bytes:
             text = "".join([piece async for piece in gen.text()])
+            reason, out = gen.finish_reason or "length", gen.output
+            message = out.message(text) if out is not None else None
+            reason = out.finish_reason(reason) if out is not None else reason
+            return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
+
+        return await reply_json(send, body, lambda: _ids(gen), d.plan.request_id)
+
+    async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
+        """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
+        d = gens[0].dispatch
+        response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
+                                   wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
+        if not request.stream:
+            return await reply_json(send, response.body, lambda: _ids(gens[0]), d.plan.request_id)
+        started: set[int] = set()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        async def produce(write: Write) -> bytes:
+            async def on_piece(index: int, piece: str | None, items: list[Any]) -> None:
+                await write(response.event(index, piece, items, is_first=index not in started))
+                started.add(index)
+
+            await fan_in(gens, on_piece)
+            return response.usage_event() if include_usage and not d.is_aborted else b""
+
+        def abort() -> None:
+            for gen in gens:
+                gen.dispatch.abort()
+
+        def error_tail(exc: DynError) -> bytes:
+            return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), getattr(exc, "code", None))
+
+        return await stream_sse(send, receive, _ids(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE)
+
+    async def _translated(self, scope: Scope, receive: Receive, send: Send, api: Translation) -> None:
+        """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
+        try:
+            request = api.parse(await self._read_body(scope, receive))
+            generation = (await self._prepare(api.to_chat(request), scope))[0]
+        except ClientGone:
+            return
         except DynError as exc:
-            await _send_error(send, exc)
-            return "error"
+            return await _send_error(send, exc)
         except Exception as exc:
-            await _send_error(send, _internal(exc, f"request {d.plan.request_id}"))
-            return "error"
-        reason, out = gen.finish_reason or "length", gen.output
-        message = out.message(text) if out is not None else None
-        reason = out.finish_reason(reason) if out is not None else reason
-        body = fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_JSON, *_ids(gen)]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
-        return "success"
+            return await _send_error(send, _internal(exc, "preparing a request"))
+        writer, d = api.writer(request, generation), generation.dispatch
+        self.metrics.inflight.labels(d.entry.name).inc()
+        status = "error"
+        try:
+            if not request.stream:
+                status = await reply_json(send, writer.body, lambda: _ids(generation), d.plan.request_id)
+                return
+
+            async def produce(write: Write) -> bytes:
+                async for event in writer.events():
+                    await write(event)
+                return b""
+
+            status = await stream_sse(send, receive, _ids(generation), produce, d.abort, writer.error_event,
+                                      d.plan.request_id, done=b"")  # fmt: skip
+        finally:
+            await d.aclose()
+            self._observe(generation)
+            self.metrics.inflight.labels(d.entry.name).dec()
+            stream = "stream" if request.stream else "unary"
+            self.metrics.requests.labels(d.entry.name, api.name, stream, status).inc()
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""
+        try:
+            request = parse_embeddings(await self._read_body(scope, receive))
+            entry = self._entry(request.model)
+        except ClientGone:
+            return
+        except DynError as exc:
+            return await _send_error(send, exc)
+        status = await reply_json(send, lambda: embed(entry, request), list, "embeddings")
+        self.metrics.requests.labels(entry.name, "embeddings", "unary", status).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -302,6 +384,9 @@ class Frontend:
             body["message"] = "No endpoints available"
         return JSONResponse(body, status_code=200 if healthy else 503)
 
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
+
     async def live(self, request: Request) -> Response:
         return JSONResponse({"status": "live"})
 
@@ -329,6 +414,53 @@ class Frontend:
 MAX_REQUEST_ID = 128
 
 
+def _prompt(
+    request: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer, chat_prompt: str | None
+) -> tuple[list[int], int | None, str]:
+    """The prompt's token ids, the max_tokens asked (None: as many as fit) and the text to echo; a chat
+    request's prompt comes rendered (tools/chat.py)."""
+    if isinstance(request, ChatCompletionRequest):
+        assert chat_prompt is not None
+        return tokenizer.encode(chat_prompt), request.max_completion_tokens or request.max_tokens, ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
+        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
+    else:
+        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+    echo = "" if not request.echo else prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
+
+
+def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+              guided: Guided | None) -> Sampling:  # fmt: skip
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(0, request.top_k or 0),
+        seed=request.seed,
+        stop=tuple(stop_list(request.stop)),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=tuple(logit_bias(request.logit_bias).items()) if request.logit_bias else (),
+        min_p=request.min_p or 0.0,
+        logprobs=requested_logprobs(request),
+        guided=guided,
+    )
+
+
+def _nth_seed(sampling: Sampling, index: int) -> Sampling:
+    """Choice `index`'s sampling: seed + index (kept in int64), so seeded choices differ yet repeat."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)
+
+
 def _client_request_id(header: bytes | None) -> str | None:
     """The caller's x-request-id, when it is printable ASCII of at most MAX_REQUEST_ID bytes."""
     if not header:
@@ -337,13 +469,6 @@ def _client_request_id(header: bytes | None) -> str | None:
         raise RequestError(f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters",
                            param="x-request-id")  # fmt: skip
     return header.decode("ascii")
-
-
-def _internal(exc: Exception, doing: str) -> DynError:
-    """Log an unexpected failure with an id, and return the error the client sees (no internals)."""
-    error_id = uuid.uuid4().hex[:12]
-    logger.error("internal error %s while %s", error_id, doing, exc_info=exc)
-    return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
 
 
 def _int_header(header: bytes | None, name: str, low: int, high: int) -> int | None:
@@ -399,38 +524,7 @@ def _hex_ids(explanation: dict[str, Any]) -> dict[str, Any]:
     return fix(explanation)  # type: ignore[no-any-return]
 
 
-async def _watch_disconnect(receive: Receive, on_disconnect: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    on_disconnect()
-
-
 def _too_large(size: int, limit: int) -> RequestError:
     error = RequestError(f"request body of {size} bytes exceeds the {limit}-byte limit", code="payload_too_large")
     error.status = 413
     return error
-
-
-def _error_type(exc: DynError) -> str:
-    if isinstance(exc, RequestError):
-        return exc.error_type
-    if isinstance(exc, NoWorkers | Overloaded):
-        return "service_unavailable"
-    return "internal_error"
-
-
-async def _send_error(send: Send, exc: DynError) -> None:
-    if isinstance(exc, RequestError):
-        status, param, code = exc.status, exc.param, exc.code
-    elif isinstance(exc, NoWorkers | Overloaded):
-        status, param, code = 503, None, "service_unavailable"
-    elif isinstance(exc, TransportError):
-        status, param, code = getattr(exc, "status", 502), None, getattr(exc, "code", "worker_error")
-    else:
-        status, param, code = 500, None, "internal_error"
-    body = error_body(str(exc), _error_type(exc), param, code)
-    retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
-    headers = [*_JSON, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else _JSON
-    headers = [*_JSON, (b"www-authenticate", b"Bearer")] if status == 401 else headers
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -3,7 +3,8 @@ tokens, migrate on worker loss.
 
 NOTE: this module sees token ids only; text (detokenizing, stop strings) is pipeline.py's. So a request
 migrated to another worker mid-stream continues seamlessly: the tokens generated so far are appended to
-the prompt and `max_tokens` shrinks by as many. Disaggregation adds one hop before `_open`: choose a
+the prompt and `max_tokens` shrinks by as many (`num_generated` tells the next worker which of them
+penalties count). Disaggregation adds one hop before `_open`: choose a
 prefill worker, run the prompt there with max_tokens 1, and hand its KV handle to the decode hop
 (`GenerateRequest.kv_transfer`); the text side does not change. Each chosen worker is held from
 `_choose` to `_release`: that is the one place the policy hears `on_finish`, as `_relay` is the one
@@ -20,7 +21,14 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamo_cli.config import DisaggConfig, QueueConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, Guided
+from dynamo_cli.engine import (
+    PIN_ANNOTATION,
+    REPORT_WORKER_ANNOTATION,
+    GenerateChunk,
+    GenerateRequest,
+    Guided,
+    TokenLogprob,
+)
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -62,6 +70,14 @@ class Sampling:
     min_tokens: int = 0
     guided: Guided | None = None
     """Constrained decoding (response_format, tool_choice required/named)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Token id -> bias, as pairs (the plan is frozen)."""
+    min_p: float = 0.0
+    logprobs: int | None = None
+    """None: no logprobs; N: each token's logprob and N alternatives (`Dispatch.logprobs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +146,8 @@ class Dispatch:
         """The backend instance serving the request: the worker, or the one a router reports."""
         self.decision: RouteDecision | None = None
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """With `sampling.logprobs` set: one per output id, as the workers sent them."""
         self.finish_reason: str | None = None
         self.cached_tokens: int | None = None
         self.started_at = time.perf_counter()
@@ -343,6 +361,7 @@ class Dispatch:
         if result.first_token == UNKNOWN_FIRST_TOKEN:
             return  # a rendezvous: the decode stream brings every token
         self.output_ids = [result.first_token]
+        self.logprobs = list(result.logprobs)
         self.first_token_at = time.perf_counter()
         self.cached_tokens = result.cached_tokens
         self.finish_reason = result.finish_reason
@@ -380,6 +399,8 @@ class Dispatch:
             if not count:
                 continue
             token_ids += chunk.token_ids
+            if chunk.logprobs:
+                self.logprobs += chunk.logprobs
             if chunk.num_cached_tokens is not None and self.cached_tokens is None:
                 self.cached_tokens = chunk.num_cached_tokens
             if chunk.finish_reason is not None:
@@ -426,4 +447,11 @@ class Dispatch:
             kv_transfer=self._handle,
             annotations=annotations,
             guided=msgspec.structs.replace(s.guided, num_accepted=produced) if s.guided and produced else s.guided,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            logit_bias=dict(s.logit_bias),
+            min_p=s.min_p,
+            logprobs=s.logprobs,
+            num_generated=produced,
         )

@@ -19,7 +19,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -45,10 +45,19 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 """A token id as engines take it; the model's vocabulary bounds it further (checked once the model is known)."""
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)]
+"""OpenAI's logit_bias: token id (a decimal string, JSON keys being strings) -> bias in -100..100."""
+MAX_CHOICES = 128
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and completions."""
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by chat and completions.
+
+    NOTE: nothing accepted is ignored (issue 17). A field unknown here is a 400 naming it; a known field
+    is either honoured or, when the serving engine's card lacks its `Feature`, refused with a 400 naming
+    the field and the engine (frontend/features.py). The one exception is metadata that asks nothing of
+    generation: `user` (OpenAI's end-user id for abuse tracking) and `metadata` are accepted and unused.
+    """
 
     model: str
     max_tokens: MaxTokens | None = None
@@ -61,18 +70,26 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
+    """Choices: n requests with the same prompt (seed + i for choice i when seeded)."""
     ignore_eos: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    logit_bias: LogitBias | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     user: str | None = None
-    logprobs: Any = None
+    """Metadata (the caller's end-user id): accepted, asks nothing of generation."""
+    metadata: dict[str, str] | None = None
+    """Metadata: accepted, asks nothing of generation."""
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Alternatives per token; needs logprobs: true."""
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     """None: "auto" with tools, "none" without (OpenAI's default)."""
@@ -80,13 +97,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     response_format: ResponseFormat | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[Any]
     """A string, a list of token ids, or a one-element list of strings."""
     echo: bool = False
+    """Prepend the prompt's text to the completion."""
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    """Each token's logprob and its N most likely alternatives'."""
 
 
 _PATH = re.compile(r" - at `\$\.?([\w.\[\]]*)")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = bytes(3 if c in b"[{" else 1 if c in b"]}" else 0 for c in range(256))
 
@@ -106,36 +127,46 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         raise RequestError(f"the request body is nested deeper than {limit} levels", code="invalid_json")
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """`body` decoded by `decoder`, after the depth check; any failure is a RequestError naming the field."""
     check_depth(body)
     try:
         return decoder.decode(body)
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
-                           code="invalid_json") from None  # fmt: skip
-    except RecursionError:
-        raise RequestError("the request body is nested too deeply", code="invalid_json") from None
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH.search(text)
-        param = match.group(1) if match and match.group(1) else None
-        detail = text.split(" - at ")[0]
-        where = f"'{param}'" if param else "the request body"
-        raise RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value") from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise decode_error(exc) from None
+
+
+def decode_error(exc: Exception) -> RequestError:
+    """The 400 for a body msgspec could not decode into its request type, naming the field when it can."""
+    if isinstance(exc, UnicodeDecodeError):
+        return RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+                            code="invalid_json")  # fmt: skip
+    if isinstance(exc, RecursionError):
+        return RequestError("the request body is nested too deeply", code="invalid_json")
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return RequestError(f"the request body is not valid JSON: {text}", code="invalid_json")
+    unknown, match = _UNKNOWN.search(text), _PATH.search(text)
+    if unknown:
+        name = f"{match.group(1)}.{unknown.group(1)}" if match and match.group(1) else unknown.group(1)
+        return RequestError(f"'{name}' is not a parameter this server accepts; remove it", param=name,
+                            code="unsupported_parameter")  # fmt: skip
+    param = match.group(1) if match and match.group(1) else None
+    detail = text.split(" - at ")[0]
+    where = f"'{param}'" if param else "the request body"
+    return RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value")
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
     """Decode and check a /v1/chat/completions body."""
-    request: ChatCompletionRequest = _decode(_chat_decoder, body)
+    request: ChatCompletionRequest = decode_body(_chat_decoder, body)
     _check_common(request)
     return request
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """Decode and check a /v1/completions body."""
-    request: CompletionRequest = _decode(_completion_decoder, body)
+    request: CompletionRequest = decode_body(_completion_decoder, body)
     _check_common(request)
     prompt = request.prompt
     if isinstance(prompt, list):
@@ -155,15 +186,38 @@ def parse_completion(body: bytes) -> CompletionRequest:
 
 
 def _check_common(request: _Sampling) -> None:
-    if request.n != 1:
-        raise RequestError(f"n={request.n} is not supported; only n=1", param="n")
     stops = stop_list(request.stop)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise RequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise RequestError("stop sequences must be non-empty strings", param="stop")
-    if request.logprobs not in (None, False):
-        raise RequestError("logprobs are not supported yet", param="logprobs")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise RequestError("stream_options.continuous_usage_stats is not supported; ask for include_usage",
+                           param="stream_options.continuous_usage_stats", code="unsupported_parameter")  # fmt: skip
+    if request.logit_bias:
+        logit_bias(request.logit_bias)
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs and not request.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        raise RequestError("echo with logprobs (the prompt's logprobs) is not supported; drop one", param="echo",
+                           code="unsupported_parameter")  # fmt: skip
+
+
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's string-keyed logit_bias as token id -> bias (the vocabulary is checked once the model is known)."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+            raise RequestError(f"logit_bias key '{key[:20]}' is not a token id (0..{INT32_MAX})", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Alternatives per token the request asks for (None: no logprobs)."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from dynamo_cli.engine import TokenLogprob
 from dynamo_cli.frontend.dispatch import Dispatch
 from dynamo_cli.frontend.stops import StopMatcher
 from dynamo_cli.frontend.tools.output import ChatOutput
@@ -18,13 +19,22 @@ from dynamo_cli.model.tokenizer import Tokenizer
 class Generation:
     """Iterate `text()` for text pieces, then read `finish_reason` and the dispatch's counters."""
 
-    def __init__(self, dispatch: Dispatch, tokenizer: Tokenizer) -> None:
+    def __init__(self, dispatch: Dispatch, tokenizer: Tokenizer, *, echo: str = "") -> None:
         self.dispatch = dispatch
         self.tokenizer = tokenizer
+        self.echo = echo
+        """Text sent before the generated text (completions' `echo`: the prompt)."""
         self.is_stopped = False
         """A stop string ended the text."""
         self.output: ChatOutput | None = None
         """Chat: reads the text into reasoning, content and tool calls (tools/output.py); None: text as is."""
+        self._num_logprobs_taken = 0
+
+    def take_logprobs(self) -> list[tuple[int, TokenLogprob]]:
+        """(token id, logprobs) of the tokens received since the last call (when the request asked)."""
+        d, start = self.dispatch, self._num_logprobs_taken
+        self._num_logprobs_taken = len(d.logprobs)
+        return list(zip(d.output_ids[start:], d.logprobs[start:], strict=False))
 
     @property
     def finish_reason(self) -> str | None:
@@ -36,6 +46,8 @@ class Generation:
 
     async def text(self) -> AsyncIterator[str]:
         """Text pieces as they become final; ends with `finish_reason` set."""
+        if self.echo:
+            yield self.echo
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(list(self.dispatch.plan.sampling.stop))
         async with contextlib.aclosing(self.dispatch.tokens()) as tokens:  # a stop string aborts the worker now

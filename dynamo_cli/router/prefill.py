@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import GenerateChunk, GenerateRequest
+from dynamo_cli.engine import GenerateChunk, GenerateRequest, TokenLogprob
 from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
@@ -54,6 +54,8 @@ class PrefillResult:
     cached_tokens: int | None
     worker_id: int
     explanation: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """The first token's logprobs, when the request asked for them."""
 
 
 class PrefillHop:
@@ -206,7 +208,8 @@ def _result(chunks: list[GenerateChunk], worker_id: int, explanation: dict[str, 
     finish = chunks[-1].finish_reason
     # A prefill worker ends its one-token stream with "length" when it exported KV: the request goes on.
     is_done = finish is not None and (finish != "length" or handle is None)
-    return PrefillResult(tokens[0], finish if is_done else None, handle, cached, worker_id, explanation)
+    logprobs = [lp for c in chunks for lp in c.logprobs or ()][:1]
+    return PrefillResult(tokens[0], finish if is_done else None, handle, cached, worker_id, explanation, logprobs)
 
 
 async def release(worker: Worker, handle: KvHandle) -> None:

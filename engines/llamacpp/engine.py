@@ -34,6 +34,8 @@ from typing import Any
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
+    EmbedRequest,
+    EmbedResponse,
     EngineArgs,
     EngineInfo,
     Feature,
@@ -43,11 +45,13 @@ from dynamo_cli.engine import (
     LoadMetrics,
     Role,
     check_request,
+    check_token_ids,
 )
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
 from engines.llamacpp import kv_state
+from engines.llamacpp.embedder import Embedder
 from engines.llamacpp.grammar import GrammarDeadEnd, gbnf_for
 from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
@@ -80,6 +84,8 @@ class LlamaCppEngine:
         self._stopped = False
         self._n_ctx = self.options.n_ctx
         """KV cells of the context as llama.cpp sized it (set in start())."""
+        self._embedder: Embedder | None = None
+        """With option embeddings=true: the embedding context (set in start())."""
 
     ##### Engine protocol #####
 
@@ -98,6 +104,8 @@ class LlamaCppEngine:
         )
         loop = asyncio.get_running_loop()
         self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
+        if opts.embeddings:
+            self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
         self._scheduler = Scheduler(
@@ -119,8 +127,9 @@ class LlamaCppEngine:
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
+            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P,
+                                Feature.GUIDED_JSON} | ({Feature.EMBEDDINGS} if opts.embeddings else set())),
             extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
-            features=frozenset({Feature.GUIDED_JSON}),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
@@ -151,6 +160,18 @@ class LlamaCppEngine:
             if not finished:
                 self._aborted.append(seq)
                 self._wake.set()
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        """Embeddings in the step thread, between steps (option embeddings=true)."""
+        embedder, info = self._embedder, self._info
+        if embedder is None or info is None:
+            raise RequestError("this llamacpp worker serves no embeddings; start it with --engine-arg embeddings=true",
+                               param="model")  # fmt: skip
+        for ids in request.inputs:
+            check_token_ids(ids, "input", info.vocab_size)
+        loop = asyncio.get_running_loop()
+        vectors = [await loop.run_in_executor(self._executor, embedder.embed, ids) for ids in request.inputs]
+        return EmbedResponse(embeddings=vectors)
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """Stored/removed block events of every step, in event-id order."""
@@ -185,6 +206,8 @@ class LlamaCppEngine:
             stream.put_nowait(GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value))
         runner = self._runner
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if self._embedder is not None:
+            self._embedder.close()
         if runner is not None:
             runner.close()
         if self._num_events_dropped:
@@ -209,10 +232,8 @@ class LlamaCppEngine:
         """The request's sampler; a guided one replays the output a migrated request already has."""
         guided = request.guided
         if guided is None:
-            return runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed)
-        grammar = gbnf_for(guided)
-        sampler = runner.new_sampler(request.temperature, request.top_p, request.top_k, request.seed, grammar,
-                                     guided.param)  # fmt: skip
+            return runner.new_sampler(request)
+        sampler = runner.new_sampler(request, gbnf_for(guided), guided.param)
         if guided.num_accepted > 0:
             try:
                 sampler.replay(request.token_ids[-guided.num_accepted :])
@@ -333,6 +354,7 @@ class LlamaCppEngine:
             kv_transfer=LlamaCppKv(num_tokens=seq.num_prompt_tokens, first_token=token, payload=state)
             if state is not None
             else None,
+            logprobs=[result.logprobs[seq.seq_id]] if seq.seq_id in result.logprobs else None,
         )
         self._push(seq, chunk)
         if reason is not None:

@@ -4,7 +4,8 @@ Options (`EngineArgs.extra`): `n_ctx` (KV cache tokens shared by all sequences),
 decode step), `n_threads`, `max_num_seqs`, `max_cached_seqs` and `max_cached_tokens` (finished prefixes
 kept for reuse), `block_size`, `kv_unified` (default true: one KV cache shared by all sequences), and
 `deterministic` (see `engines.llamacpp.engine`): every sequence id then gets its own KV stream of
-`context_length` tokens (default DETERMINISTIC_CONTEXT) and n_ctx follows from that.
+`context_length` tokens (default DETERMINISTIC_CONTEXT) and n_ctx follows from that; `embeddings`
+(default false: true also serves /v1/embeddings from a second, embedding-mode context of n_batch tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class LlamaCppOptions:
     """One KV cache for all sequences (default); False: a stream of n_ctx / n_seq_max cells each."""
     deterministic: bool = False
     """Batch-invariant greedy output: flash attention off, one KV stream of context_length per sequence."""
+    embeddings: bool = False
+    """Option `embeddings=true`: also serve /v1/embeddings, from a second context of n_batch tokens."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LlamaCppOptions:
@@ -66,6 +69,7 @@ class LlamaCppOptions:
             n_batch=_positive(extra, "n_batch", 512),
             n_threads=_positive(extra, "n_threads", default_threads()),
             max_num_seqs=max_num_seqs,
+            embeddings=str(extra.get("embeddings", False)).lower() in ("1", "true", "yes"),
             **sizes,
         )
 

@@ -34,6 +34,8 @@ class StepPlan:
     logits_rows: list[int] = field(default_factory=list)
     """Batch rows whose logits are sampled, one per entry of `samplers`."""
     samplers: list[Any] = field(default_factory=list)
+    logprobs: list[int | None] = field(default_factory=list)
+    """Per entry of `samplers`: None, or the alternatives to report with the sampled token's logprob."""
     exports: list[int] = field(default_factory=list)
     """Seq ids whose KV state is read out after the decode (prefill role)."""
 
@@ -45,6 +47,8 @@ class StepResult:
 
     sampled: dict[int, int] = field(default_factory=dict)
     """Seq id → the token sampled for it."""
+    logprobs: dict[int, Any] = field(default_factory=dict)
+    """Seq id → the sampled token's TokenLogprob, for sequences whose request asked."""
     exported: dict[int, bytes] = field(default_factory=dict)
     failed_imports: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from dynamo_cli.engine import GenerateRequest, TokenLogprob
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from engines.llamacpp.grammar import GrammarDeadEnd, GuidedSampler
 from engines.llamacpp.kv_state import CheckedState, StateLayout, rebased
@@ -153,6 +155,12 @@ class Runner:
     def n_vocab(self) -> int:
         return int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
+    def embedder(self, n_ctx: int) -> Any:
+        """A second context over this model, in embedding mode (engines.llamacpp.embedder)."""
+        from engines.llamacpp.embedder import Embedder  # the embedder imports this module's error
+
+        return Embedder(self._model, n_ctx, self.options.n_threads)
+
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = {llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)}
         return tuple(sorted(i for i in ids if i >= 0))
@@ -162,13 +170,10 @@ class Runner:
 
     ##### Samplers #####
 
-    def new_sampler(
-        self, temperature: float, top_p: float, top_k: int, seed: int | None, grammar: str | None = None,
-        param: str = "response_format",
-    ) -> Any:  # fmt: skip
-        """A sampler for one request: greedy at temperature 0, else top-k, top-p, temperature; behind
-        `grammar` when given (a GuidedSampler; a grammar llama.cpp refuses is the request's RequestError)."""
-        chain = self._new_chain(temperature, top_p, top_k, seed)
+    def new_sampler(self, request: GenerateRequest, grammar: str | None = None, param: str = "response_format") -> Any:
+        """A sampler for one request (`_new_chain`); behind `grammar` when given (a GuidedSampler; a grammar
+        llama.cpp refuses is the request's RequestError)."""
+        chain = self._new_chain(request)
         if grammar is None:
             return chain
         try:
@@ -177,19 +182,39 @@ class Runner:
             llama_cpp.llama_sampler_free(chain)
             raise
 
-    @staticmethod
-    def _new_chain(temperature: float, top_p: float, top_k: int, seed: int | None) -> Any:
+    def _new_chain(self, request: GenerateRequest) -> Any:
+        """A sampler chain for one request, in llama.cpp's usual order: logit bias, penalties (over the
+        request's output: the tokens this chain samples and the `num_generated` it came with), then greedy
+        at temperature 0, else top-k, top-p, min-p, temperature and a seeded draw."""
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        if temperature <= 0.0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+
+        def add(sampler: Any) -> None:
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
+
+        if request.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(request.logit_bias))(
+                *(llama_cpp.llama_logit_bias(token, bias) for token, bias in request.logit_bias.items())
+            )
+            add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(request.logit_bias), biases))
+        if request.repetition_penalty != 1.0 or request.frequency_penalty or request.presence_penalty:
+            generated = request.token_ids[len(request.token_ids) - request.num_generated :]
+            penalties = llama_cpp.llama_sampler_init_penalties(self.n_vocab, request.max_tokens + len(generated),
+                request.repetition_penalty, request.frequency_penalty, request.presence_penalty)  # fmt: skip
+            for token in generated:  # an earlier hop's output counts too (migration, remote prefill)
+                llama_cpp.llama_sampler_accept(penalties, token)
+            add(penalties)
+        if request.temperature <= 0.0:
+            add(llama_cpp.llama_sampler_init_greedy())
             return chain
-        if top_k > 0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(top_k))
-        if top_p < 1.0:
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
-        dist_seed = llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(dist_seed))
+        if request.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(request.top_k))
+        if request.top_p < 1.0:
+            add(llama_cpp.llama_sampler_init_top_p(request.top_p, 1))
+        if request.min_p > 0.0:
+            add(llama_cpp.llama_sampler_init_min_p(request.min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(request.temperature))
+        seed = request.seed
+        add(llama_cpp.llama_sampler_init_dist(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF))
         return chain
 
     @staticmethod
@@ -243,16 +268,25 @@ class Runner:
 
     def _sample(self, plan: StepPlan, rows: list[int], result: StepResult) -> None:
         index = {row: i for i, row in enumerate(rows)}
-        for sampler, row in zip(plan.samplers, plan.logits_rows, strict=True):
+        for sampler, row, top_n in zip(plan.samplers, plan.logits_rows, plan.logprobs, strict=True):
             if row not in index:
                 continue
+            seq_id = plan.seq_ids[row]
+            if top_n is not None:  # before sampling: the chain reads the same logits, never writes them
+                logits = llama_cpp.llama_get_logits_ith(self._ctx, index[row])
+                result.logprobs[seq_id] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
             if not isinstance(sampler, GuidedSampler):
-                result.sampled[plan.seq_ids[row]] = int(llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row]))
-                continue
-            try:
-                result.sampled[plan.seq_ids[row]] = sampler.sample(self._ctx, index[row])
-            except GrammarDeadEnd as exc:
-                result.rejected[plan.seq_ids[row]] = str(exc)
+                token = int(llama_cpp.llama_sampler_sample(sampler, self._ctx, index[row]))
+            else:
+                try:
+                    token = sampler.sample(self._ctx, index[row])
+                except GrammarDeadEnd as exc:
+                    result.rejected[seq_id] = str(exc)
+                    result.logprobs.pop(seq_id, None)
+                    continue
+            result.sampled[seq_id] = token
+            if top_n is not None:
+                result.logprobs[seq_id] = token_logprob(result.logprobs[seq_id], token, top_n)
 
     def _forget(self, plan: StepPlan, rows: list[int]) -> None:
         """After a refused decode: drop whatever llama.cpp may have kept of these rows' positions."""
@@ -330,6 +364,18 @@ class Runner:
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
+
+
+def token_logprob(logits: Any, token: int, top_n: int) -> TokenLogprob:
+    """The chosen token's logprob and the `top_n` most likely tokens', by log-softmax over raw logits."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        best = np.argpartition(-logprobs, top_n - 1)[:top_n] if top_n < logprobs.size else np.arange(logprobs.size)
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        top = [(int(t), float(logprobs[t])) for t in best]
+    return TokenLogprob(logprob=float(logprobs[token]), top=top)
 
 
 def _half_of_memory() -> int:

@@ -134,6 +134,7 @@ class Scheduler:
             if part.is_sampled:
                 plan.logits_rows.append(len(plan.tokens) - 1)
                 plan.samplers.append(seq.sampler)
+                plan.logprobs.append(seq.request.logprobs)
         return plan, scheduled
 
     def commit(self, part: Scheduled) -> None:

@@ -4,6 +4,11 @@ A step loop runs scheduler passes and sleeps each pass's simulated time, so toke
 latency a real GPU worker would show (divided by the speedup ratio), KV blocks fill and evict as in a
 paged cache, and the router sees the same KV events. It lets routing, planning and disaggregation be
 measured at scale on one laptop.
+
+It has no logits. Its card lists Feature.LOGPROBS only, and those logprobs are deterministic fakes
+(`fake_logprobs`): a function of the token id, the chosen token always the most likely, so clients and
+the frontend's formatting can be tested without a model. Penalties, logit_bias and min_p it does not
+fake: its card leaves them out and the frontend refuses them.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from collections.abc import AsyncIterator
 from dynamo_cli.engine import (
     EngineArgs,
     EngineInfo,
+    Feature,
     FinishReason,
     GenerateChunk,
     GenerateRequest,
     LoadMetrics,
     Role,
+    TokenLogprob,
     check_request,
 )
 from dynamo_cli.errors import DynError, RequestError, RequestFailed
@@ -54,10 +61,12 @@ class EngineState(enum.Enum):
 class _Stream:
     """Tokens of one request waiting for its consumer; several pile into one chunk if it lags."""
 
-    __slots__ = ("request", "rendezvous", "token_ids", "finish_reason", "error", "waiter")
+    __slots__ = ("request", "rendezvous", "token_ids", "finish_reason", "error", "waiter", "logprobs")
 
-    def __init__(self, request: MockRequest, rendezvous: SglangKv | None) -> None:
+    def __init__(self, request: MockRequest, rendezvous: SglangKv | None, logprobs: int | None = None) -> None:
         self.request = request
+        self.logprobs = logprobs
+        """GenerateRequest.logprobs: None, or the alternatives each (fake) logprob comes with."""
         self.rendezvous = rendezvous
         """A rendezvous prefill: its token travels with the KV, the stream ends with this handle alone."""
         self.token_ids: list[int] = []
@@ -123,7 +132,7 @@ class MockerEngine:
         """Stream exactly `max_tokens` random tokens (a prefill: see handoff.py); closing or cancelling the
         iterator aborts it."""
         mock, handoff = self._admit(request)
-        stream = _Stream(mock, handoff.rendezvous)
+        stream = _Stream(mock, handoff.rendezvous, request.logprobs)
         self._streams[request.request_id] = stream
         try:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
@@ -278,6 +287,7 @@ class MockerEngine:
                 finish_reason=finish_reason,
                 num_cached_tokens=stream.request.num_cached_tokens if is_first else None,
                 kv_transfer=self._kv_handle(stream) if finish_reason == "length" else None,
+                logprobs=None if stream.logprobs is None else [fake_logprobs(t, stream.logprobs) for t in token_ids],
             )
             if finish_reason is not None:
                 return
@@ -312,6 +322,7 @@ class MockerEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
             extra=self._info_extra(),
+            features=frozenset({Feature.LOGPROBS}),  # fakes: see the module docstring
         )
 
     def _info_extra(self) -> dict[str, object]:
@@ -322,3 +333,11 @@ class MockerEngine:
         if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
             extra["bootstrap"] = bootstrap
         return extra
+
+
+def fake_logprobs(token: int, top_n: int) -> TokenLogprob:
+    """A made-up but consistent logprob for `token` (the mocker has no logits): -0.1 to -0.8 by token id,
+    with `top_n` alternatives, the token itself first and the others (its neighbours' ids) one nat apart."""
+    logprob = -0.1 * (1 + token % 8)
+    top = [(token + i, logprob - i) for i in range(top_n)]
+    return TokenLogprob(logprob=logprob, top=top)

@@ -46,6 +46,7 @@ from dynamo_cli.engine import (
     GenerateRequest,
     LoadMetrics,
     Role,
+    TokenLogprob,
 )
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
@@ -357,6 +358,8 @@ class VllmEngine:
                     if chunk.token_ids[0] != handle.first_token:
                         break  # aclosing aborts it; prefill locally below
                     del chunk.token_ids[0]
+                    if chunk.logprobs:
+                        del chunk.logprobs[0]
                     is_echo_pending = False
                 if chunk.token_ids or chunk.finish_reason or is_first:
                     yield chunk
@@ -400,7 +403,7 @@ class VllmEngine:
     ) -> Any:
         """Our sampling fields as vLLM `SamplingParams`: token ids only, new tokens per output; `extra`
         tokens more (a decode's first token, generated again and dropped) and the connector's params."""
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = _breadth(request)
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         if request.guided is not None:
@@ -451,8 +454,12 @@ class VllmEngine:
         if is_first:
             num_cached = int(getattr(output, "num_cached_tokens", None) or 0)
             self._book.count_prefill(request, num_cached)
+        token_ids = list(completion.token_ids)
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = _logprobs(token_ids, getattr(completion, "logprobs", None) or [], request.logprobs)
         return GenerateChunk(
-            token_ids=list(completion.token_ids), finish_reason=finish_reason, num_cached_tokens=num_cached
+            token_ids=token_ids, finish_reason=finish_reason, num_cached_tokens=num_cached, logprobs=logprobs
         )
 
     def _admit(self, request: GenerateRequest) -> Any:
@@ -479,13 +486,43 @@ class VllmEngine:
             eos_token_ids=eos_ids,
             vocab_size=_vocab_size(model),
             extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__, "deterministic": self.deterministic},
-            features=frozenset({Feature.GUIDED_JSON}) if self.lib.structured_outputs_cls is not None else frozenset(),
+            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P})
+            | (frozenset({Feature.GUIDED_JSON}) if self.lib.structured_outputs_cls is not None else frozenset()),
         )
 
     async def _no_events(self) -> AsyncIterator[KvEventBatch]:
         await self._stopped.wait()
         return
         yield  # an async generator that ends at stop()
+
+
+def _breadth(request: GenerateRequest) -> dict[str, Any]:
+    """SamplingParams for penalties, logit_bias, min_p and logprobs, where the request sets them."""
+    kwargs: dict[str, Any] = {}
+    if request.presence_penalty:
+        kwargs["presence_penalty"] = request.presence_penalty
+    if request.frequency_penalty:
+        kwargs["frequency_penalty"] = request.frequency_penalty
+    if request.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = request.repetition_penalty
+    if request.logit_bias:
+        kwargs["logit_bias"] = dict(request.logit_bias)
+    if request.min_p:
+        kwargs["min_p"] = request.min_p
+    if request.logprobs is not None:
+        kwargs["logprobs"] = request.logprobs
+    return kwargs
+
+
+def _logprobs(token_ids: list[int], positions: Sequence[Any], top_n: int) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} (the top_n most likely plus the sampled token) as ours."""
+    out = []
+    for token, alternatives in zip(token_ids, positions, strict=False):
+        ranked = sorted(alternatives.items(), key=lambda item: -float(item[1].logprob))
+        chosen = alternatives.get(token)
+        logprob = float(chosen.logprob) if chosen is not None else float("-inf")
+        out.append(TokenLogprob(logprob=logprob, top=[(int(t), float(lp.logprob)) for t, lp in ranked[:top_n]]))
+    return out
 
 
 def _vocab_size(model_config: Any) -> int:

@@ -258,6 +258,16 @@ def test_vllm_sampling_params_map_every_field_and_ask_for_deltas_without_detoken
     }
 
 
+def test_vllm_sampling_params_map_penalties_logit_bias_min_p_and_logprobs_when_set() -> None:
+    engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
+    req = request(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.3, logit_bias={7: -100.0},
+                  min_p=0.2, logprobs=3)  # fmt: skip
+    kwargs = engine.sampling_params(req).kwargs
+    assert {k: kwargs[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                   "min_p", "logprobs")} == {"presence_penalty": 0.5, "frequency_penalty": -1.0,
+            "repetition_penalty": 1.3, "logit_bias": {7: -100.0}, "min_p": 0.2, "logprobs": 3}  # fmt: skip
+
+
 async def test_vllm_streams_delta_outputs_as_chunks_and_reports_engine_info() -> None:
     engine = VllmEngine(EngineArgs(model="m", block_size=16), library=FAKE_VLLM)
     info = await engine.start()

@@ -31,6 +31,7 @@ from dynamo_cli.engine import (
     Engine,
     EngineArgs,
     EngineInfo,
+    Feature,
     GenerateChunk,
     GenerateRequest,
     load_engine,
@@ -340,3 +341,28 @@ async def test_a_huge_token_id_is_refused_and_never_breaks_the_step_loop(
     refused = await refused_beside(running, beside, make_request(prompt, max_tokens=BLOCK_SIZE + 2, ignore_eos=True))
     assert refused.param == "prompt"
     await assert_still_serves(running)
+
+
+async def test_logprobs_come_one_per_token_with_the_alternatives_asked_for(running: Running) -> None:
+    if Feature.LOGPROBS not in running.info.features:
+        pytest.skip(f"{running.case.name}'s card does not list logprobs (the frontend refuses them)")
+    chunks = await collect(running.engine, make_request(prompt_of(20), max_tokens=5, ignore_eos=True, logprobs=3))
+    entries = [lp for chunk in chunks for lp in chunk.logprobs or []]
+    assert len(entries) == len(tokens_of(chunks)) == 5
+    for token, entry in zip(tokens_of(chunks), entries, strict=True):
+        assert len(entry.top) == 3 and entry.logprob <= 0
+        assert entry.top[0][0] == token and entry.top[0][1] == pytest.approx(entry.logprob, abs=1e-4)  # greedy
+    plain = await collect(running.engine, make_request(prompt_of(20), max_tokens=2, ignore_eos=True))
+    assert all(chunk.logprobs is None for chunk in plain)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 3.0), ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("min_p", 1.5),
+     ("logprobs", 21), ("logit_bias", {5: 101.0}), ("logit_bias", {2**31 - 1: 1.0})],
+)  # fmt: skip
+async def test_a_sampling_value_out_of_range_is_refused_naming_it(running: Running, field: str, value: object) -> None:
+    with pytest.raises(RequestError) as info:
+        await collect(running.engine, make_request(prompt_of(21), max_tokens=2, **{field: value}))
+    assert info.value.param == field
+    assert tokens_of(await collect(running.engine, make_request(prompt_of(21), max_tokens=2, ignore_eos=True)))

@@ -66,11 +66,13 @@ async def warm() -> AsyncIterator[Any]:
     await engine.stop()
 
 
-async def greedy(engine: Any, prompt: list[int], max_tokens: int = NUM_TOKENS) -> tuple[list[int], int]:
+async def greedy(
+    engine: Any, prompt: list[int], max_tokens: int = NUM_TOKENS, **sampling: Any
+) -> tuple[list[int], int]:
     """The tokens of a greedy request, and how many prompt tokens came from the prefix cache."""
     request = GenerateRequest(
         request_id=f"det-{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-        ignore_eos=True,
+        ignore_eos=True, **sampling,
     )  # fmt: skip
     tokens: list[int] = []
     cached = 0
@@ -104,6 +106,18 @@ async def test_greedy_tokens_are_the_same_alone_batched_after_a_prefix_hit_migra
     assert batched[0] == alone
     assert alone[:MIGRATED_AFTER] + rest == alone
     assert cold == alone
+
+
+async def test_penalties_after_a_migration_count_the_tokens_generated_before_it(warm: Any) -> None:
+    story, penalties = chat(STORY), {"frequency_penalty": 1.5, "presence_penalty": 1.0}
+    whole, _ = await greedy(warm, story, 32, **penalties)
+    plain, _ = await greedy(warm, story, 32)
+    assert whole != plain  # the penalties change this output
+    head = whole[:16]
+    rest, _ = await greedy(warm, story + head, 16, num_generated=16, **penalties)
+    assert head + rest == whole
+    forgetful, _ = await greedy(warm, story + head, 16, **penalties)  # without num_generated: another output
+    assert head + forgetful != whole
 
 
 async def test_a_sequence_llama_decode_refuses_fails_alone_and_its_neighbours_are_untouched(warm: Any) -> None:

@@ -1,0 +1,106 @@
+"""`POST /v1/embeddings`: tokenize the inputs, send them to one of the model's workers over the request
+plane (endpoint `embed`), and return OpenAI's list of vectors (floats, or base64 of little-endian float32).
+
+NOTE: only a model whose card lists Feature.EMBEDDINGS is served (llamacpp with `embeddings=true`);
+any other is a 400 naming the model and its engine. The worker is the one with the fewest requests in
+flight from this frontend: embeddings leave no KV behind, so there is no prefix to route to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from dynamo_cli.engine import EMBED_ENDPOINT, EmbedRequest, EmbedResponse, Feature, check_token_ids
+from dynamo_cli.errors import NoWorkers, RemoteError, RequestError
+from dynamo_cli.frontend.models import ModelEntry
+from dynamo_cli.frontend.openai import INT32_MAX, decode_body
+
+MAX_INPUTS = 2048
+EMBED_TIMEOUT_S = 120.0
+"""Longest wait for a worker's embeddings."""
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's embeddings request, as far as this server honours it."""
+
+    model: str
+    input: str | Annotated[list[Any], Meta(min_length=1, max_length=MAX_INPUTS)]
+    """A text, texts, one input's token ids, or several inputs' token ids (checked in `parse_embeddings`:
+    msgspec takes one list type per union)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    """Metadata: accepted, asks nothing of the model."""
+
+
+_decoder = msgspec.json.Decoder(EmbeddingRequest)
+_encode = msgspec.msgpack.Encoder().encode
+_decode_response = msgspec.msgpack.Decoder(EmbedResponse).decode
+
+
+def parse_embeddings(body: bytes) -> EmbeddingRequest:
+    request: EmbeddingRequest = decode_body(_decoder, body)
+    raw = request.input
+    inputs = [raw] if isinstance(raw, str) or all(type(x) is int for x in raw) else raw
+    for item in inputs:
+        is_text = isinstance(item, str)
+        is_ids = isinstance(item, list) and all(type(x) is int and 0 <= x <= INT32_MAX for x in item)
+        if not (is_text or is_ids) or not item:
+            raise RequestError("input must be a non-empty string, a list of them, a list of token ids (0.."
+                               f"{INT32_MAX}) or a list of such lists", param="input")  # fmt: skip
+    return request
+
+
+async def embed(entry: ModelEntry, request: EmbeddingRequest) -> bytes:
+    """The response body for `request` on `entry`'s model."""
+    card = entry.card
+    if Feature.EMBEDDINGS.value not in card.features:
+        raise RequestError(f"model '{entry.name}' ({card.engine} engine) serves no embeddings; serve an engine "
+                           "with embeddings (llamacpp: --engine-arg embeddings=true)", param="model",
+                           code="unsupported_parameter")  # fmt: skip
+    tokenizer = await entry.tokenizer
+    raw = request.input
+    items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
+    inputs = [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in items]
+    for ids in inputs:
+        check_token_ids(ids, "input", tokenizer.vocab_size)
+    vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs))
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
+            for i, v in enumerate(vectors)]  # fmt: skip
+    tokens = sum(len(ids) for ids in inputs)
+    return msgspec.json.encode({"object": "list", "data": data, "model": entry.name,
+                                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
+
+
+async def _on_worker(entry: ModelEntry, request: EmbedRequest) -> list[list[float]]:
+    if not entry.workers:
+        raise NoWorkers(f"model '{entry.name}'")
+    worker = min(entry.workers.values(), key=lambda w: w.num_inflight)
+    worker.num_inflight += 1
+    stream = None
+    try:
+        async with asyncio.timeout(EMBED_TIMEOUT_S):
+            stream = await worker.client.open_stream(EMBED_ENDPOINT, _encode(request))
+            batch = await stream.next_batch()
+        if not batch:
+            raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")
+        return _decode_response(batch[0]).embeddings
+    except RemoteError as exc:
+        if 400 <= exc.status < 500:
+            raise RequestError(str(exc), code=exc.code) from None
+        raise
+    finally:
+        worker.num_inflight -= 1
+        if stream is not None:
+            stream.cancel()
+
+
+def _encoded(vector: list[float], encoding_format: str) -> Any:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector

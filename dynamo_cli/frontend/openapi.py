@@ -1,0 +1,84 @@
+"""`GET /openapi.json`: the OpenAPI 3.1 document of every route, its request schemas generated from the
+same msgspec types that validate the requests, so the document cannot drift from what is accepted."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import msgspec
+
+from dynamo_cli.frontend.embeddings import EmbeddingRequest
+from dynamo_cli.frontend.messages import MessagesRequest
+from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
+from dynamo_cli.frontend.responses import ResponsesRequest
+
+_REF = "#/components/schemas/{name}"
+
+POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
+    "/v1/chat/completions": ("Chat completion (stream: SSE of chat.completion.chunk)", ChatCompletionRequest),
+    "/v1/completions": ("Text completion (stream: SSE of text_completion)", CompletionRequest),
+    "/v1/responses": ("Responses, stateless, translated onto chat (stream: typed SSE events)", ResponsesRequest),
+    "/v1/embeddings": ("Embeddings (models whose engine serves them)", EmbeddingRequest),
+    "/v1/messages": ("Anthropic Messages, text only, translated onto chat (stream: its events)", MessagesRequest),
+}
+"""Path -> (summary, the msgspec type its body is decoded into)."""
+
+GET_ROUTES: dict[str, str] = {
+    "/v1/models": "The models served now (one entry per model with live workers)",
+    "/health": "200 with the serving instances, 503 when there are none",
+    "/live": "200 while the process runs",
+    "/metrics": "Prometheus metrics",
+    "/openapi.json": "This document",
+}
+
+_ERROR = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+    }, "required": ["message", "type"]}},
+    "required": ["error"],
+}  # fmt: skip
+
+
+def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | None = None) -> dict[str, Any]:
+    """The document for `post_routes` (default: this server's) and the GET routes."""
+    routes = POST_ROUTES if post_routes is None else post_routes
+    types = [kind for _, kind in routes.values()]
+    refs, components = msgspec.json.schema_components(types, ref_template=_REF)
+    components["Error"] = _ERROR
+    paths: dict[str, Any] = {}
+    for (path, (summary, _)), ref in zip(routes.items(), refs, strict=True):
+        paths[path] = {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+            "responses": {
+                "200": {"description": "The result (JSON), or with stream: true an SSE stream ending in [DONE]",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                "400": _error_response("A field is invalid, unknown, or not honoured by the serving engine"),
+                "404": _error_response("No such model"),
+                "503": _error_response("No worker can take the request now (Retry-After)"),
+            },
+        }}  # fmt: skip
+    for path, summary in GET_ROUTES.items():
+        paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "dyn: OpenAI-compatible API", "version": _version()},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    schema = {"$ref": _REF.format(name="Error")}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _version() -> str:
+    try:
+        return version("dynamo-cli")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "0"

@@ -1,0 +1,116 @@
+"""Writing replies on raw ASGI: OpenAI-shaped errors, a JSON body, an SSE stream raced against the
+client's disconnect. Shared by the routes of app.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.types import Receive, Send
+
+from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
+from dynamo_cli.frontend.openai import error_body
+from dynamo_cli.runtime.supervisor import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+Write = Callable[[bytes], Awaitable[None]]
+"""Sends one piece of a streamed body."""
+Headers = list[tuple[bytes, bytes]]
+
+
+async def reply_json(
+    send: Send, make_body: Callable[[], Awaitable[bytes]], headers: Callable[[], Headers], request_id: str
+) -> str:
+    """Compute the body, then send it with 200 and `headers()` (asked after the body: a migrated request
+    names its last worker); an error on the way is sent as OpenAI's error instead. Returns the request's
+    status for the metrics: success or error."""
+    try:
+        body = await make_body()
+    except DynError as exc:
+        await send_error(send, exc)
+        return "error"
+    except Exception as exc:
+        await send_error(send, internal(exc, f"request {request_id}"))
+        return "error"
+    await send({"type": "http.response.start", "status": 200, "headers": [*JSON_HEADERS, *headers()]})
+    await send({"type": "http.response.body", "body": body})
+    return "success"
+
+
+async def stream_sse(
+    send: Send, receive: Receive, headers: Headers, produce: Callable[[Write], Awaitable[bytes]],
+    abort: Callable[[], None], error_event: Callable[[DynError], bytes], request_id: str, *, done: bytes,
+) -> str:  # fmt: skip
+    """Start an SSE response, let `produce` write its events (returning its last ones), and end with those
+    and `done`; an error becomes `error_event(exc)` and the stream still ends cleanly. The client leaving
+    calls `abort`. Returns the status for the metrics: success, cancelled or error."""
+    await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
+    gone: list[bool] = []
+
+    def on_disconnect() -> None:
+        gone.append(True)
+        abort()
+
+    async def write(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, on_disconnect))
+    status = "success"
+    try:
+        tail = await produce(write)
+    except DynError as exc:
+        status, tail = "error", error_event(exc)
+    except Exception as exc:
+        status, tail = "error", error_event(internal(exc, f"streaming request {request_id}"))
+    finally:
+        await cancel_and_wait(watcher)
+    if gone:
+        status, tail = "cancelled", b""
+    await send({"type": "http.response.body", "body": tail + done, "more_body": False})
+    return status
+
+
+def internal(exc: Exception, doing: str) -> DynError:
+    """Log an unexpected failure with an id, and return the error the client sees (no internals)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s while %s", error_id, doing, exc_info=exc)
+    return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
+
+
+async def watch_disconnect(receive: Receive, on_disconnect: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_disconnect()
+
+
+def error_type(exc: DynError) -> str:
+    if isinstance(exc, RequestError):
+        return exc.error_type
+    if isinstance(exc, NoWorkers | Overloaded):
+        return "service_unavailable"
+    return "internal_error"
+
+
+async def send_error(send: Send, exc: DynError) -> None:
+    if isinstance(exc, RequestError):
+        status, param, code = exc.status, exc.param, exc.code
+    elif isinstance(exc, NoWorkers | Overloaded):
+        status, param, code = 503, None, "service_unavailable"
+    elif isinstance(exc, TransportError):
+        status, param, code = getattr(exc, "status", 502), None, getattr(exc, "code", "worker_error")
+    else:
+        status, param, code = 500, None, "internal_error"
+    body = error_body(str(exc), error_type(exc), param, code)
+    retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
+    headers = [*JSON_HEADERS, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else JSON_HEADERS
+    headers = [*JSON_HEADERS, (b"www-authenticate", b"Bearer")] if status == 401 else headers
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,230 @@
+"""The OpenAI surface on a mocker deployment, with the official client: two models behind one frontend,
+n choices, (fake) logprobs, /v1/responses, /openapi.json, and the rule that nothing accepted is ignored
+(a property test of bodies generated from /openapi.json: never a 5xx, and a field the mocker's card does
+not honour is a 400 naming it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import DynProcess, wait_until
+
+SECRET = "5e" * 32
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def served(dyn_serve_module, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
+    """`dyn serve` of model alpha, and a `dyn worker` of model beta joining its planes."""
+    disc = f"file://{tmp_path_factory.mktemp('disc')}"
+    env = {"DYN_CLUSTER_SECRET": SECRET}
+    d: DynProcess = dyn_serve_module("--engine", "mocker", "--served-model-name", "alpha", "--speedup-ratio", "100",
+                                     discovery=disc, env=env)  # fmt: skip
+    beta = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--served-model-name", "beta",
+         "--speedup-ratio", "100", "--discovery", disc, "--events", "embedded"],
+        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert wait_until(lambda: len(models(d)) == 2, timeout=60), models(d)
+        yield d
+    finally:
+        beta.terminate()
+        beta.wait(15)
+
+
+def models(d: DynProcess) -> list[str]:
+    return sorted(m["id"] for m in httpx.get(f"{d.url}/v1/models", timeout=10).json()["data"])
+
+
+def client(d: DynProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_one_frontend_serves_two_models_each_on_its_own_workers(served: DynProcess) -> None:
+    assert models(served) == ["alpha", "beta"]
+    records = {r.instance_id: r for r in served.instance_records() if r.component != "router"}
+    seen = {}
+    for model in ("alpha", "beta"):
+        raw = client(served).chat.completions.with_raw_response.create(model=model, messages=MESSAGES, max_tokens=3)
+        assert raw.parse().model == model
+        seen[model] = int(raw.headers["x-worker-instance-id"], 16)
+    assert seen["alpha"] != seen["beta"] and set(seen.values()) <= set(records)
+
+
+def test_n_three_returns_three_choices_unary_and_streamed(served: DynProcess) -> None:
+    reply = client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    stream = client(served).completions.create(model="alpha", prompt="x", max_tokens=4, n=3, stream=True,
+                                               stream_options={"include_usage": True})  # fmt: skip
+    texts, finished, usage = ["", "", ""], set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2} and all(texts) and usage is not None and usage.completion_tokens == 12
+
+
+def test_mocker_logprobs_are_deterministic_fakes_in_openai_shape(served: DynProcess) -> None:
+    reply = client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                                   top_logprobs=2)  # fmt: skip
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(e.logprob == e.top_logprobs[0].logprob and len(e.top_logprobs) == 2 for e in content)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1),
+     ("logit_bias", {"42": 3})],
+)  # fmt: skip
+def test_a_field_the_engine_does_not_honour_is_a_400_naming_it_and_the_engine(
+    served: DynProcess, field: str, value: object
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=2,
+                                               extra_body={field: value})  # fmt: skip
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field and "mocker" in error["message"]
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
+    # the no-op value asks nothing, so any engine takes it
+    client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=2,
+                                           extra_body={field: neutral[field]})  # fmt: skip
+
+
+def test_responses_unary_and_streamed(served: DynProcess) -> None:
+    reply = client(served).responses.create(model="alpha", input="Say hi", instructions="Be brief",
+                                            max_output_tokens=5)  # fmt: skip
+    assert reply.status == "incomplete" and reply.output_text and reply.usage is not None
+    assert reply.usage.output_tokens == 5
+    kinds, deltas = [], []
+    for event in client(served).responses.create(model="beta", input=[{"role": "user", "content": "Say hi"}],
+                                                 max_output_tokens=4, stream=True):  # fmt: skip
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "response.output_text.done" in kinds and len(deltas) >= 1
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client(served).responses.create(model="alpha", input="x", previous_response_id="resp_1")
+
+
+def test_anthropic_messages_unary_and_streamed(served: DynProcess) -> None:
+    body = {"model": "alpha", "max_tokens": 4, "system": "Be brief", "messages": [{"role": "user", "content": "Hi"}]}
+    reply = httpx.post(f"{served.url}/v1/messages", json=body, timeout=30).json()
+    assert reply["type"] == "message" and reply["role"] == "assistant" and reply["stop_reason"] == "max_tokens"
+    assert reply["content"][0]["type"] == "text" and reply["content"][0]["text"]
+    assert reply["usage"]["output_tokens"] == 4 and reply["usage"]["input_tokens"] > 0
+    with httpx.stream("POST", f"{served.url}/v1/messages", json={**body, "stream": True}, timeout=30) as stream:
+        events = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
+    assert events[:2] == ["message_start", "content_block_start"] and events[-2:] == ["message_delta", "message_stop"]
+    assert events.count("content_block_delta") >= 1
+
+
+def test_embeddings_on_an_engine_without_them_is_a_400_naming_the_model(served: DynProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(served).embeddings.create(model="alpha", input="x")
+    assert info.value.body["param"] == "model" and "mocker" in info.value.body["message"]  # type: ignore[index]
+
+
+##### Property test: bodies from /openapi.json #####
+
+
+def schema_strategy(schema: dict[str, Any], components: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
+    """Values valid for `schema` (the subset of JSON Schema msgspec emits), mostly small."""
+    if "$ref" in schema:
+        return schema_strategy(components[schema["$ref"].rsplit("/", 1)[1]], components, depth + 1)
+    if "anyOf" in schema:
+        return st.one_of([schema_strategy(s, components, depth + 1) for s in schema["anyOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
+    kind = schema.get("type")
+    if kind == "null":
+        return st.none()
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "integer":
+        return st.integers(max(schema.get("minimum", -(2**63)), -5), min(schema.get("maximum", 2**63 - 1), 8))
+    if kind == "number":
+        low, high = schema.get("minimum", schema.get("exclusiveMinimum", -10.0)), schema.get("maximum", 10.0)
+        return st.floats(low, high, exclude_min="exclusiveMinimum" in schema, allow_nan=False)
+    if kind == "string":
+        return st.text(max_size=12)
+    if kind == "array":
+        items = schema_strategy(schema.get("items", {"type": "string"}), components, depth + 1)
+        return st.lists(items, min_size=schema.get("minItems", 0), max_size=3)
+    if kind == "object" and "properties" in schema:
+        required = {k: schema_strategy(schema["properties"][k], components, depth + 1) for k in schema["required"]}
+        optional = {k: schema_strategy(v, components, depth + 1) for k, v in schema["properties"].items()
+                    if k not in schema["required"]}  # fmt: skip
+        return st.fixed_dictionaries(required, optional=optional)
+    if kind == "object":
+        values = schema_strategy(schema.get("additionalProperties", {"type": "string"}), components, depth + 1)
+        return st.dictionaries(st.text(max_size=4), values, max_size=2)
+    return st.none()
+
+
+@pytest.fixture(scope="module")
+def document(served: DynProcess) -> dict[str, Any]:
+    return httpx.get(f"{served.url}/openapi.json", timeout=10).json()  # type: ignore[no-any-return]
+
+
+def test_openapi_describes_every_route_the_server_accepts(served: DynProcess, document: dict[str, Any]) -> None:
+    paths = document["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
+            "/v1/models", "/health", "/openapi.json"} <= set(paths)  # fmt: skip
+    chat = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and "logit_bias" in chat["properties"]
+    for path, item in paths.items():  # every documented route exists: a body-less POST is a 400, not a 404
+        method = next(iter(item))
+        status = httpx.request(method.upper(), f"{served.url}{path}", timeout=10).status_code
+        assert status in (200, 400), (path, status)
+
+
+UNHONOURED = {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"}
+NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(data=st.data())
+def test_bodies_from_the_openapi_document_never_5xx_and_unhonoured_fields_are_refused(
+    served: DynProcess, document: dict[str, Any], data: st.DataObject
+) -> None:
+    components = document["components"]["schemas"]
+    path = data.draw(st.sampled_from(sorted(p for p, item in document["paths"].items() if "post" in item)))
+    schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = data.draw(schema_strategy(schema, components))
+    body["model"] = data.draw(st.sampled_from(["alpha", "beta"]))
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):  # keep each request short
+        if isinstance(body.get(key), int):
+            body[key] = min(body[key], 4)
+    reply = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+    assert reply.status_code < 500, (body, reply.text)
+    asked = {k for k in UNHONOURED if k in body and body[k] is not None and body[k] != NO_OP[k]}
+    if asked:  # never accepted; refused for that field (naming the engine) unless another field failed first
+        assert reply.status_code == 400, (body, reply.text)
+        error = reply.json()["error"]
+        if error["code"] == "unsupported_parameter" and error["param"] in UNHONOURED:
+            assert error["param"] in asked and "mocker" in error["message"], (body, reply.text)
+
+
+def test_unknown_fields_are_refused_by_name(served: DynProcess) -> None:
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "alpha", "messages": MESSAGES,
+                       "best_of": 2}, timeout=10)  # fmt: skip
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "best_of"
