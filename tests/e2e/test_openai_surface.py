@@ -44,11 +44,11 @@ def served(dyn_serve_module, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def models(d: DynProcess) -> list[str]:
-    return sorted(m["id"] for m in httpx.get(f"{d.url}/v1/models", timeout=10).json()["data"])
+    return sorted(m["id"] for m in httpx.get(f"{d.url}/v1/models", headers=d.auth, timeout=10).json()["data"])
 
 
 def client(d: DynProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=60)
 
 
 def test_one_frontend_serves_two_models_each_on_its_own_workers(served: DynProcess) -> None:
@@ -124,11 +124,12 @@ def test_responses_unary_and_streamed(served: DynProcess) -> None:
 
 def test_anthropic_messages_unary_and_streamed(served: DynProcess) -> None:
     body = {"model": "alpha", "max_tokens": 4, "system": "Be brief", "messages": [{"role": "user", "content": "Hi"}]}
-    reply = httpx.post(f"{served.url}/v1/messages", json=body, timeout=30).json()
+    reply = httpx.post(f"{served.url}/v1/messages", headers=served.auth, json=body, timeout=30).json()
     assert reply["type"] == "message" and reply["role"] == "assistant" and reply["stop_reason"] == "max_tokens"
     assert reply["content"][0]["type"] == "text" and reply["content"][0]["text"]
     assert reply["usage"]["output_tokens"] == 4 and reply["usage"]["input_tokens"] > 0
-    with httpx.stream("POST", f"{served.url}/v1/messages", json={**body, "stream": True}, timeout=30) as stream:
+    with httpx.stream("POST", f"{served.url}/v1/messages", headers=served.auth, json={**body, "stream": True},
+                      timeout=30) as stream:  # fmt: skip
         events = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
     assert events[:2] == ["message_start", "content_block_start"] and events[-2:] == ["message_delta", "message_stop"]
     assert events.count("content_block_delta") >= 1
@@ -181,7 +182,7 @@ def schema_strategy(schema: dict[str, Any], components: dict[str, Any], depth: i
 
 @pytest.fixture(scope="module")
 def document(served: DynProcess) -> dict[str, Any]:
-    return httpx.get(f"{served.url}/openapi.json", timeout=10).json()  # type: ignore[no-any-return]
+    return httpx.get(f"{served.url}/openapi.json", headers=served.auth, timeout=10).json()  # type: ignore[no-any-return]
 
 
 def test_openapi_describes_every_route_the_server_accepts(served: DynProcess, document: dict[str, Any]) -> None:
@@ -192,7 +193,7 @@ def test_openapi_describes_every_route_the_server_accepts(served: DynProcess, do
     assert chat["additionalProperties"] is False and "logit_bias" in chat["properties"]
     for path, item in paths.items():  # every documented route exists: a body-less POST is a 400, not a 404
         method = next(iter(item))
-        status = httpx.request(method.upper(), f"{served.url}{path}", timeout=10).status_code
+        status = httpx.request(method.upper(), f"{served.url}{path}", headers=served.auth, timeout=10).status_code
         assert status in (200, 400), (path, status)
 
 
@@ -214,7 +215,7 @@ def test_bodies_from_the_openapi_document_never_5xx_and_unhonoured_fields_are_re
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):  # keep each request short
         if isinstance(body.get(key), int):
             body[key] = min(body[key], 4)
-    reply = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+    reply = httpx.post(f"{served.url}{path}", headers=served.auth, json=body, timeout=30)
     assert reply.status_code < 500, (body, reply.text)
     asked = {k for k in UNHONOURED if k in body and body[k] is not None and body[k] != NO_OP[k]}
     if asked:  # never accepted; refused for that field (naming the engine) unless another field failed first
@@ -225,6 +226,7 @@ def test_bodies_from_the_openapi_document_never_5xx_and_unhonoured_fields_are_re
 
 
 def test_unknown_fields_are_refused_by_name(served: DynProcess) -> None:
-    reply = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "alpha", "messages": MESSAGES,
+    reply = httpx.post(f"{served.url}/v1/chat/completions", headers=served.auth,
+                       json={"model": "alpha", "messages": MESSAGES,
                        "best_of": 2}, timeout=10)  # fmt: skip
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "best_of"

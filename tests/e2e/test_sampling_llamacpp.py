@@ -25,7 +25,7 @@ def served(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
 
 
 def client(d: DynProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=120)
 
 
 def greedy(served: DynProcess, **extra: object) -> openai.types.chat.ChatCompletion:

@@ -16,7 +16,7 @@ MSG = '"messages": [{"role": "user", "content": "x"}]'
         pytest.param('{"model": "m", ' + MSG + ', "max_tokens": 0}', "max_tokens", id="zero-max-tokens"),
         pytest.param('{"model": "m", ' + MSG + ', "top_p": 1.5}', "top_p", id="top-p"),
         pytest.param('{"model": "m", ' + MSG + ', "n": 129}', "n", id="n-above-128"),
-        pytest.param('{"model": "m", ' + MSG + ', "tools": []}', "tools", id="unknown-field"),
+        pytest.param('{"model": "m", ' + MSG + ', "frobnicate": []}', "frobnicate", id="unknown-field"),
         pytest.param('{"model": "m", ' + MSG + ', "stop": [""]}', "stop", id="empty-stop"),
         pytest.param('{"model": "m", "messages": []}', "messages", id="no-messages"),
         pytest.param(
