@@ -105,6 +105,7 @@ class Serve:
         raise SystemExit(f"dyn serve did not start; log:\n{tail}")
 
     def stop(self) -> None:
+        """SIGTERM serve by its PID (it stops its workers); SIGKILL after 30 s, and then its workers too."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -112,12 +113,18 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        for pid in getattr(self, "children", []):  # workers left behind by a serve that was killed
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+                for pid in getattr(self, "children", []):
+                    _kill_if_ours(pid)
         self._tmp.cleanup()
+
+
+def _kill_if_ours(pid: int) -> None:
+    """SIGKILL a worker left behind by a killed serve, if that PID is still a `dyn` process of this tree."""
+    try:
+        if "dynamo_cli" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            os.kill(pid, 9)
+    except (OSError, ProcessLookupError):
+        pass
 
 
 def _children(pid: int) -> list[int]:
@@ -303,6 +310,8 @@ def main() -> None:
     sides = [s for s in args.sides.split(",") if s]
     if unknown := set(sides) - set(SIDES):
         raise SystemExit(f"--sides: unknown {sorted(unknown)} (choose from {', '.join(SIDES)})")
+    if not args.capacity and args.capacity_seconds <= CAPACITY_SKIP_S:
+        raise SystemExit(f"--capacity-seconds must be > {CAPACITY_SKIP_S:g}: the first {CAPACITY_SKIP_S:g} s are not counted")
     load_before = os.getloadavg()
     vocab = wl.load_vocab(MODEL)
     capacity = args.capacity or measure_capacity(vocab, args)
