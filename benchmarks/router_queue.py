@@ -311,7 +311,7 @@ def main() -> None:
     if unknown := set(sides) - set(SIDES):
         raise SystemExit(f"--sides: unknown {sorted(unknown)} (choose from {', '.join(SIDES)})")
     if not args.capacity and args.capacity_seconds <= CAPACITY_SKIP_S:
-        raise SystemExit(f"--capacity-seconds must be > {CAPACITY_SKIP_S:g}: the first {CAPACITY_SKIP_S:g} s are not counted")
+        raise SystemExit(f"--capacity-seconds must be > {CAPACITY_SKIP_S:g} (the ramp, not counted)")
     load_before = os.getloadavg()
     vocab = wl.load_vocab(MODEL)
     capacity = args.capacity or measure_capacity(vocab, args)
