@@ -419,7 +419,7 @@ class Dispatch:
             self._is_held = False
             self.worker.num_inflight -= 1
             self.entry.policy.on_finish(self.plan.request_id)
-            self.entry.queue.notify()
+            self.entry.queue.freed()
 
     def _unqueue_local_prefill(self) -> None:
         if self._local_prefill_tokens and self.worker is not None:

@@ -108,7 +108,8 @@ def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, pla
 
 
 def test_every_worker_busy_queues_then_serves_in_priority_order_and_a_full_queue_gets_a_503(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "2")
+    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "2",
+                  "--router-queue-timeout", "30")
     unary = {**CHAT, "stream": False, "max_tokens": 2}
     finished: list[str] = []
 

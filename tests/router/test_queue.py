@@ -125,3 +125,22 @@ async def test_the_last_worker_leaving_fails_waiters_with_no_workers_not_a_hang(
         with pytest.raises(NoWorkers):
             await asyncio.wait_for(task, 1)
     assert len(queue) == 0
+
+
+async def test_a_request_whose_expected_wait_is_too_long_is_refused_at_once() -> None:
+    """Drain rate: 4 workers freed over the last second (0.25 s each), so position p waits about p * 0.25 s."""
+    queue, slots, now = WaitQueue(), Slots(), time.monotonic()
+    assert queue.expected_wait(1, now) is None  # no rate yet: nobody is refused for it
+    queue._freed.extend([now - 1.0, now - 0.75, now - 0.5, now - 0.25])
+    assert queue.expected_wait(2, now) == pytest.approx(0.5, abs=0.01)
+    config = QueueConfig(max_wait_s=0.6)
+    tasks = await _queue_up(queue, slots, {"first": QueuedRequest(), "second": QueuedRequest()}, config)
+    started = time.monotonic()
+    with pytest.raises(Overloaded, match=r"2 requests wait ahead of this one, about 0.8 s .* more than the 0.6 s"):
+        await queue.take(slots.taker("third"), QueuedRequest(), config)
+    assert time.monotonic() - started < 0.05  # at the door, not after waiting
+    # a higher priority goes ahead of both, so its expected wait is one place's
+    urgent = asyncio.create_task(queue.take(slots.taker("urgent"), QueuedRequest(priority=1), config))
+    await asyncio.sleep(0.01)
+    await _release_one_at_a_time(queue, slots, [urgent, *tasks])
+    assert slots.order == ["urgent", "first", "second"]
