@@ -17,11 +17,11 @@ attainment within 5 points and its worker-seconds within 10 % of the real run. L
 time on a 24-hour synthetic trace (sin² from 5 % to 100 % of `--day-peak-rate`) with up to 128 workers.
 
 Trace: Poisson arrivals, ISL `--isl` (2,000), OSL `--osl` (150), rate 5 → 40 → 5 req/s as
-base + (peak − base)·sin²(π t / T) over `--minutes`. Workers are mockers with 4,096 KV blocks of 64 tokens
-(262,144 tokens, as Dynamo's mocker default of 16,384 × 16), where one holds ~7.5 req/s at TTFT 500 ms, ITL 40 ms × headroom 0.8: the peak is 6 workers' worth,
-the mean 3. The profile is `dyn plan profile --engine mocker --speedup-ratio
---profile-speedup` (2: the mocker's per-pass Python overhead, multiplied back by the ratio, stays small),
-or `--profile FILE`.
+base + (peak − base)·sin²(π t / T) over `--minutes`. Workers are mockers with 4,096 KV blocks of 64
+tokens (262,144 tokens, as Dynamo's mocker default of 16,384 × 16), where one holds ~7.5 req/s at TTFT
+500 ms, ITL 40 ms × headroom 0.8: the peak is 6 workers' worth, the mean 3. The profile is `dyn plan
+profile --engine mocker --speedup-ratio --profile-speedup` (2: the mocker's per-pass Python overhead,
+multiplied back by the ratio, stays small), or `--profile FILE`.
 
     python benchmarks/planner.py                      # the full run: ~35 min (3 × 10 min + profile + day)
     python benchmarks/planner.py --minutes 1.5 --day-hours 1    # a check that the script works (~6 min)

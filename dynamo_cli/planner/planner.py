@@ -165,10 +165,12 @@ class Planner:
         self._windows.append((arrived, window.interval_s))
         recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
         self._window_need = self._at_rate(recent)
-        sure = max(0.0, arrived - 2 * math.sqrt(arrived)) / window.interval_s  # Poisson 2σ below: noise alone
-        if not self._grows(self._at_rate(sure), current):  # rarely lifts it above the true rate
+        # Poisson 2σ below the count: noise alone rarely lifts it above the true rate, so a quiet spell never
+        # starts workers; once triggered, size for 2σ above it (a ramp keeps rising while workers start)
+        sure = max(0.0, arrived - 2 * math.sqrt(arrived)) / window.interval_s
+        if not self._grows(self._at_rate(sure), current):
             return None
-        rate = (arrived + 2 * math.sqrt(arrived)) / window.interval_s  # triggered: size for 2σ above
+        rate = (arrived + 2 * math.sqrt(arrived)) / window.interval_s
         need = self._at_rate(rate)
         wanted = (max(current[0], need.num_prefill), max(current[1], need.num_decode))
         why = (f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
@@ -191,12 +193,12 @@ class Planner:
                              self.config.bounds, self.config.mode, self.config.headroom)  # fmt: skip
 
     def _hold(self, decision: Decision) -> Decision:
-        """Scale down no lower than the latest load window still needs (an interval's mean lags a step up)."""
+        """Scale down no lower than the latest load windows need (an interval's mean lags a step up)."""
         window = self._window_need
         if window is None or not self._grows(window, (decision.num_prefill, decision.num_decode)):
             return decision
         prefill, decode = max(decision.num_prefill, window.num_prefill), max(decision.num_decode, window.num_decode)
-        why = f"{decision.why}; held at prefill {prefill}, decode {decode}: the last load window needs them"
+        why = f"{decision.why}; held at prefill {prefill}, decode {decode}: the latest load windows need them"
         return replace(decision, num_prefill=prefill, num_decode=decode, why=why)
 
     def _observe(self, observation: Observation) -> None:

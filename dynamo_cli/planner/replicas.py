@@ -43,7 +43,7 @@ from dynamo_cli.planner.profile import (
 
 _EPS = 1e-9  # ceil(3.0000000001) must be 3: demand / capacity is computed in floating point
 _FIXED_POINT_STEPS = 60
-_BISECTION_STEPS = 40
+_BISECTION_STEPS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +236,10 @@ def agg_point(profile: Profile, rate: float, isl: float, osl: float) -> AggPoint
         usage = kv_usage_of(profile, concurrency, context)
         if usage > 1.0 or concurrency > profile.max_num_seqs:
             return AggPoint(rate, share, ttft * 1000, math.inf, concurrency)
-        itl = decode_itl_ms(profile, usage, context) / (1 - share)
+        previous, itl = itl, decode_itl_ms(profile, usage, context) / (1 - share)
         concurrency = rate * (ttft + osl * itl / 1000.0)
+        if itl - previous < 1e-6:
+            break
     return AggPoint(rate, share, ttft * 1000, itl, concurrency)
 
 
