@@ -32,12 +32,14 @@ from dynamo_cli.planner.predictors import make_predictor
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.replicas import (
     NO_CORRECTION,
+    AggPoint,
     Bounds,
     Corrections,
     Decision,
     Forecast,
     Observation,
     Targets,
+    agg_capacity,
     correction_factors,
     plan_replicas,
 )
@@ -112,6 +114,8 @@ class Planner:
         """What the latest load windows needed; the throughput step does not scale below it."""
         self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
         """(arrived, seconds) of the latest load windows."""
+        self._capacity: tuple[tuple[float, float], AggPoint] | None = None
+        """The last (ISL, OSL) and the rate one agg worker holds there, uncorrected."""
         self._wanted = (0 if config.mode == "agg" else config.bounds.min_workers, config.bounds.min_workers)
         self._next_id = 0
         self.steps: list[Step] = []
@@ -189,8 +193,14 @@ class Planner:
         return decision.num_prefill > current[0] or decision.num_decode > current[1]
 
     def _size(self, forecast: Forecast, corrections: Corrections) -> Decision:
+        capacity = None
+        if self.config.mode == "agg" and corrections == NO_CORRECTION:  # every burst check: bisect once per ISL/OSL
+            key = (forecast.isl, forecast.osl)
+            if self._capacity is None or self._capacity[0] != key:
+                self._capacity = (key, agg_capacity(self.profile, *key, self.config.targets, self.config.headroom))
+            capacity = self._capacity[1]
         return plan_replicas(self.profile, forecast, self.config.interval_s, corrections, self.config.targets,
-                             self.config.bounds, self.config.mode, self.config.headroom)  # fmt: skip
+                             self.config.bounds, self.config.mode, self.config.headroom, capacity)  # fmt: skip
 
     def _hold(self, decision: Decision) -> Decision:
         """Scale down no lower than the latest load windows need (an interval's mean lags a step up)."""

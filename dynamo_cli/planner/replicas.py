@@ -254,11 +254,12 @@ def agg_capacity(profile: Profile, isl: float, osl: float, targets: Targets, hea
     return agg_point(profile, low, isl, osl)
 
 
-def agg_need(profile: Profile, forecast: Forecast, interval_s: float, targets: Targets,
-             headroom: float) -> tuple[float, str]:  # fmt: skip
-    """Fractional agg workers the forecast needs, with its one-line reason."""
+def agg_need(profile: Profile, forecast: Forecast, interval_s: float, targets: Targets, headroom: float,
+             capacity: AggPoint | None = None) -> tuple[float, str]:  # fmt: skip
+    """Fractional agg workers the forecast needs, with its one-line reason (`capacity`: agg_capacity's answer
+    for these arguments, when the caller already has it)."""
     rate = forecast.num_requests / interval_s
-    point = agg_capacity(profile, forecast.isl, forecast.osl, targets, headroom)
+    point = capacity or agg_capacity(profile, forecast.isl, forecast.osl, targets, headroom)
     if point.rate <= 0:  # the targets are out of reach: size for a worker half busy prefilling
         point = agg_point(profile, 500.0 / prefill_ttft_ms(profile, forecast.isl), forecast.isl, forecast.osl)
         reach = f" (targets × {headroom:g} unreachable at any load: sized at φ 0.5)"
@@ -303,13 +304,15 @@ def _ceil(x: float) -> int:
 
 
 def plan_replicas(profile: Profile, forecast: Forecast, interval_s: float, corrections: Corrections,
-                  targets: Targets, bounds: Bounds, mode: str = "disagg",
-                  headroom: float = 1.0) -> Decision:  # fmt: skip
-    """Worker counts for the next interval (prefill and decode pools, or one agg pool)."""
+                  targets: Targets, bounds: Bounds, mode: str = "disagg", headroom: float = 1.0,
+                  capacity: AggPoint | None = None) -> Decision:  # fmt: skip
+    """Worker counts for the next interval (prefill and decode pools, or one agg pool; `capacity`: see agg_need,
+    valid only with no correction)."""
     if mode == "agg":
         corrected = Targets(targets.ttft_ms / _within(corrections.prefill),
                             targets.itl_ms / _within(corrections.decode))  # fmt: skip
-        need, why = agg_need(profile, forecast, interval_s, corrected, headroom)
+        need, why = agg_need(profile, forecast, interval_s, corrected, headroom,
+                             capacity if corrections == NO_CORRECTION else None)  # fmt: skip
         raw_d = _ceil(need)
         num_p, num_d = fit_budget(0, clamp(raw_d, bounds), profile, bounds)
         why = (f"agg {num_d} (ceil {raw_d}) within [{bounds.min_workers}, {bounds.max_workers}]: {why}; targets / "
