@@ -23,7 +23,8 @@ a stream's decode steps wait behind every prefill its worker runs. A worker rece
 ITL = d(usage) / (1 − φ), usage from the r·(TTFT + OSL·ITL) streams resident (a fixed point, found by
 iterating from usage 0); TTFT = S + φS / (2(1 − φ)) (M/D/1). `agg_capacity` bisects for the highest r
 meeting both targets × `headroom` (per-request latencies spread around the means this predicts), and
-workers = ceil(forecast rate / r).
+workers = ceil(forecast rate / r). The correction factors compare observed TTFT and ITL with `agg_point` at
+the observed rate per worker, and divide the targets, clamped to [0.8, 1.25].
 """
 
 from __future__ import annotations
