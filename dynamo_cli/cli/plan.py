@@ -129,6 +129,7 @@ def run_command(
     max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
     gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
     predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
+    headroom: Annotated[float, _opt("--headroom", help="agg: size for this fraction of each target.")] = 0.8,
     connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
     dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
     duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
@@ -154,7 +155,8 @@ def run_command(
     env = {**planes_env(discovery, events), PARENT_ENV: str(os.getpid()),
            **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
-                           interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
+                           interval_s=interval, load_interval_s=load_interval, predictor=predictor,
+                           headroom=headroom)  # fmt: skip
     plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
                    lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
                    prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
@@ -181,6 +183,7 @@ def simulate_command(
     max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
     predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
     startup: Annotated[float, typer.Option("--startup", help="Seconds a new worker takes to serve.")] = 30.0,
+    headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
 ) -> None:
     """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
     from dynamo_cli.planner.simulate import load_trace, run_simulation
@@ -190,7 +193,8 @@ def simulate_command(
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
-                           interval_s=interval, load_interval_s=load_interval, predictor=predictor)  # fmt: skip
+                           interval_s=interval, load_interval_s=load_interval, predictor=predictor,
+                           headroom=headroom)  # fmt: skip
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
     results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
                              startup)  # fmt: skip

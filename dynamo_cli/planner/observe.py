@@ -2,7 +2,8 @@
 
 Frontends are read over HTTP (`GET /metrics`), so the planner needs no code of theirs: Dynamo's
 `dynamo_frontend_*` histograms give requests completed and mean TTFT, ITL, ISL, OSL and duration as
-increase(sum) / increase(count) between two scrapes, summed over every model and frontend.
+increase(sum) / increase(count) between two scrapes, summed over every model and frontend; requests that
+arrived are those completed plus the growth of `dynamo_frontend_inflight_requests` (queued ones included).
 Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
 frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
 `--frontend` finds every frontend of its namespace there, at every scrape.
@@ -104,8 +105,10 @@ def observation_between(before: Snapshot, now: Snapshot) -> Observation:
     osl, _ = _mean(now, before, "output_sequence_tokens")
     if num_requests < 0:
         num_requests = duration = ttft = itl = isl = osl = 0.0
+    arrived = max(0.0, num_requests + now.inflight - before.inflight)
     return Observation(interval_s=max(now.at - before.at, 1e-3), num_requests=num_requests, isl=isl, osl=osl,
-                       ttft_ms=ttft * 1000, itl_ms=itl * 1000, request_duration_s=duration)  # fmt: skip
+                       ttft_ms=ttft * 1000, itl_ms=itl * 1000, request_duration_s=duration,
+                       arrived=arrived)  # fmt: skip
 
 
 class FrontendScraper:

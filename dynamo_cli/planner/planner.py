@@ -1,11 +1,16 @@
 """The planner loop: each interval observe the frontends, forecast, size the pools, apply.
 
 NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
-runs the classic SLA planner (replicas.py) on the interval's traffic. Every `load_interval_s` in between,
-the burst check compares requests in flight with what the current decode pool can hold at the ITL
-target (the profile's concurrency per worker) and scales up at once when queues outgrow it, so a burst
-is met within one short interval rather than at the next throughput step. Bursts only scale up; the
-throughput step scales down. One scale action is in flight at a time (the loop awaits `apply`).
+runs the SLA planner (replicas.py) on the interval's traffic. Every `load_interval_s` in between, the
+burst check counts the requests that arrived in that short window (completed plus the growth of requests
+in flight, so a queue building up counts). When that count less two Poisson standard deviations (so that
+noise alone rarely triggers) needs more workers, it scales up at once, sized for the count plus two
+standard deviations (a ramp keeps rising while workers start), so a burst is met within one load window
+rather than at the next throughput step. Bursts only scale up; the throughput step scales down, never
+below what the rate over the latest few load windows needs (an interval's mean lags a step up, and
+scaling down in the middle of a burst only to scale up again costs a worker start). Demand is read from
+arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One scale
+action is in flight at a time (the loop awaits `apply`).
 """
 
 from __future__ import annotations
@@ -15,27 +20,34 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, ScaleTarget
 from dynamo_cli.planner.observe import Snapshot, observation_between
 from dynamo_cli.planner.predictors import make_predictor
-from dynamo_cli.planner.profile import Profile, best_decode_throughput
+from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.replicas import (
+    NO_CORRECTION,
+    AggPoint,
     Bounds,
+    Corrections,
     Decision,
     Forecast,
     Observation,
     Targets,
-    clamp,
+    agg_capacity,
     correction_factors,
     plan_replicas,
 )
 
 logger = logging.getLogger(__name__)
+
+RECENT_WINDOWS = 3
+"""The throughput step holds the pools the rate over this many latest load windows needs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +70,8 @@ class PlannerConfig:
     """ISL assumed before any request is seen (Dynamo's profiling default)."""
     default_osl: float = 150.0
     """OSL assumed before any request is seen."""
+    headroom: float = 0.8
+    """agg: size so the predicted mean TTFT and ITL stay within this fraction of the targets."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +109,13 @@ class Planner:
         self.counter, self.report = counter, report
         self._predictors = {name: make_predictor(config.predictor) for name in ("rate", "isl", "osl")}
         self._last: Snapshot | None = None
+        self._last_load: Snapshot | None = None
+        self._window_need: Decision | None = None
+        """What the latest load windows needed; the throughput step does not scale below it."""
+        self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
+        """(arrived, seconds) of the latest load windows."""
+        self._capacity: tuple[tuple[float, float], AggPoint] | None = None
+        """The last (ISL, OSL) and the rate one agg worker holds there, uncorrected."""
         self._wanted = (0 if config.mode == "agg" else config.bounds.min_workers, config.bounds.min_workers)
         self._next_id = 0
         self.steps: list[Step] = []
@@ -125,41 +146,73 @@ class Planner:
         self._last = await self.source.snapshot()
 
     async def plan_once(self) -> Step:
-        """The throughput step: observe → forecast → correct → size → apply."""
+        """The throughput step: observe → forecast → correct → size → hold for the last burst window → apply."""
         now = await self.source.snapshot()
         observation = observation_between(self._last or now, now)
         self._last = now
         self._observe(observation)
         forecast = self.forecast()
         current = await self._current()
-        corrections = correction_factors(self.profile, observation, current[1])
-        decision = plan_replicas(self.profile, forecast, self.config.interval_s, corrections, self.config.targets,
-                                 self.config.bounds, self.config.mode)  # fmt: skip
+        corrections = correction_factors(self.profile, observation, current[1], self.config.mode)
+        decision = self._hold(self._size(forecast, corrections))
+        self._window_need = None
+        self._windows.clear()
         return await self._take("throughput", decision, observation, current)
 
     async def check_burst(self) -> Step | None:
-        """Scale the decode pool (and prefill alike) up at once when requests in flight outgrow it."""
+        """Scale up at once when the last load window's arrivals (queue growth included) need more workers."""
         snapshot = await self.source.snapshot()
+        window = observation_between(self._last_load or self._last or snapshot, snapshot)
+        self._last_load = snapshot
         current = await self._current()
-        forecast = self.forecast()
-        point = best_decode_throughput(self.profile, self.config.targets.itl_ms, forecast.isl + forecast.osl / 2)
-        per_worker = max(point.concurrency, 1.0)
-        pool = max(current[1], 1)
-        if snapshot.inflight <= pool * per_worker:
+        arrived = window.demand()
+        self._windows.append((arrived, window.interval_s))
+        recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
+        self._window_need = self._at_rate(recent)
+        # Poisson 2σ below the count: noise alone rarely lifts it above the true rate, so a quiet spell never
+        # starts workers; once triggered, size for 2σ above it (a ramp keeps rising while workers start)
+        sure = max(0.0, arrived - 2 * math.sqrt(arrived)) / window.interval_s
+        if not self._grows(self._at_rate(sure), current):
             return None
-        wanted = clamp(math.ceil(snapshot.inflight / per_worker), self.config.bounds)
-        if wanted <= current[1]:
-            return None
-        prefill = 0 if self.config.mode == "agg" else clamp(math.ceil(max(current[0], 1) * wanted / pool),
-                                                            self.config.bounds)  # fmt: skip
-        why = (f"burst: {snapshot.inflight:.0f} in flight > {pool} workers × {per_worker:.1f} req each at ITL "
-               f"{self.config.targets.itl_ms:g} ms → decode {wanted}, prefill {prefill}")  # fmt: skip
-        decision = Decision(mode=self.config.mode, num_prefill=prefill, num_decode=wanted, forecast=forecast,
-                            corrections=correction_factors(self.profile, _IDLE, 1), why=why)  # fmt: skip
+        rate = (arrived + 2 * math.sqrt(arrived)) / window.interval_s
+        need = self._at_rate(rate)
+        wanted = (max(current[0], need.num_prefill), max(current[1], need.num_decode))
+        why = (f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
+               f"{snapshot.inflight:.0f} in flight): >= {sure:.2f} req/s at 2σ needs more than prefill "
+               f"{current[0]}, decode {current[1]}; sized for <= {rate:.2f} req/s at 2σ → prefill {wanted[0]}, "
+               f"decode {wanted[1]}: {need.why}")  # fmt: skip
+        decision = replace(need, num_prefill=wanted[0], num_decode=wanted[1], why=why)
         return await self._take("burst", decision, None, current)
 
+    def _at_rate(self, rate: float) -> Decision:
+        """The pools `rate` req/s of the forecast's ISL and OSL need, as profiled."""
+        return self._size(replace(self.forecast(), num_requests=rate * self.config.interval_s), NO_CORRECTION)
+
+    @staticmethod
+    def _grows(decision: Decision, current: tuple[int, int]) -> bool:
+        return decision.num_prefill > current[0] or decision.num_decode > current[1]
+
+    def _size(self, forecast: Forecast, corrections: Corrections) -> Decision:
+        capacity = None
+        if self.config.mode == "agg" and corrections == NO_CORRECTION:  # every burst check: bisect once per ISL/OSL
+            key = (forecast.isl, forecast.osl)
+            if self._capacity is None or self._capacity[0] != key:
+                self._capacity = (key, agg_capacity(self.profile, *key, self.config.targets, self.config.headroom))
+            capacity = self._capacity[1]
+        return plan_replicas(self.profile, forecast, self.config.interval_s, corrections, self.config.targets,
+                             self.config.bounds, self.config.mode, self.config.headroom, capacity)  # fmt: skip
+
+    def _hold(self, decision: Decision) -> Decision:
+        """Scale down no lower than the latest load windows need (an interval's mean lags a step up)."""
+        window = self._window_need
+        if window is None or not self._grows(window, (decision.num_prefill, decision.num_decode)):
+            return decision
+        prefill, decode = max(decision.num_prefill, window.num_prefill), max(decision.num_decode, window.num_decode)
+        why = f"{decision.why}; held at prefill {prefill}, decode {decode}: the latest load windows need them"
+        return replace(decision, num_prefill=prefill, num_decode=decode, why=why)
+
     def _observe(self, observation: Observation) -> None:
-        self._predictors["rate"].observe(observation.num_requests / observation.interval_s)
+        self._predictors["rate"].observe(observation.demand() / observation.interval_s)
         if observation.num_requests > 0:  # an idle interval says nothing about prompt lengths
             self._predictors["isl"].observe(observation.isl)
             self._predictors["osl"].observe(observation.osl)
@@ -196,5 +249,3 @@ class Planner:
             self.report(step)
         return step
 
-
-_IDLE = Observation(interval_s=1.0, num_requests=0, isl=0, osl=0, ttft_ms=0, itl_ms=0, request_duration_s=0)

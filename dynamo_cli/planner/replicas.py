@@ -15,8 +15,16 @@ budget.py does (prefill proportionally, the remainder to decode).
 NOTE: ρ is what dyn adds so that the TTFT target counts: the prefill utilization at which an M/D/1 queue
 of unloaded prefill time S keeps the mean TTFT S + ρS / (2(1 − ρ)) within the target T, that is
 ρ = 2k / (1 + 2k) with k = (T − S) / S (1.0 when T <= S: the target is out of reach at any load; the
-decision says so). In agg mode one pool time-shares both phases: workers = ceil(prefill fraction +
-decode fraction), each fraction being the pool size that phase alone would need.
+decision says so).
+
+NOTE (agg mode): one pool time-shares both phases, and summing the two disagg fractions undercounts:
+a stream's decode steps wait behind every prefill its worker runs. A worker receiving r req/s spends
+φ = r·S of its time prefilling (S: unloaded prefill time), so over a stream's life L = N·d + φ·L and its
+ITL = d(usage) / (1 − φ), usage from the r·(TTFT + OSL·ITL) streams resident (a fixed point, found by
+iterating from usage 0); TTFT = S + φS / (2(1 − φ)) (M/D/1). `agg_capacity` bisects for the highest r
+meeting both targets × `headroom` (per-request latencies spread around the means this predicts), and
+workers = ceil(forecast rate / r). The correction factors compare observed TTFT and ITL with `agg_point` at
+the observed rate per worker, and divide the targets, clamped to [0.8, 1.25].
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from dynamo_cli.planner.profile import (
 )
 
 _EPS = 1e-9  # ceil(3.0000000001) must be 3: demand / capacity is computed in floating point
+_FIXED_POINT_STEPS = 60
+_BISECTION_STEPS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +87,13 @@ class Observation:
     """Mean ITL (0: none observed)."""
     request_duration_s: float
     """Mean end-to-end request time."""
+    arrived: float = -1.0
+    """Requests that arrived: completed plus the growth of requests in flight (-1: not known, use
+    `num_requests`). Under overload completions lag arrivals, so demand is read from this."""
+
+    def demand(self) -> float:
+        """Requests the interval asked for."""
+        return self.arrived if self.arrived >= 0 else self.num_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +141,13 @@ class Decision:
 NO_CORRECTION = Corrections(prefill=1.0, decode=1.0, why="no traffic observed: factors 1.0")
 
 
-def correction_factors(profile: Profile, observed: Observation, num_decode_workers: int) -> Corrections:
-    """Dynamo's p_corr and d_corr; 1.0 for a phase with nothing observed."""
+def correction_factors(profile: Profile, observed: Observation, num_decode_workers: int,
+                       mode: str = "disagg") -> Corrections:  # fmt: skip
+    """Dynamo's p_corr and d_corr (agg mode: against `agg_point`); 1.0 for a phase with nothing observed."""
     if observed.num_requests <= 0:
         return NO_CORRECTION
+    if mode == "agg":
+        return agg_corrections(profile, observed, num_decode_workers)
     expected_ttft = prefill_ttft_ms(profile, observed.isl)
     prefill = observed.ttft_ms / expected_ttft if observed.ttft_ms > 0 else 1.0
     concurrency = observed.num_requests / max(num_decode_workers, 1) * observed.request_duration_s / observed.interval_s
@@ -137,6 +157,17 @@ def correction_factors(profile: Profile, observed: Observation, num_decode_worke
     why = (f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{expected_ttft:.1f} ms at ISL {observed.isl:.0f}; "
            f"d_corr {decode:.2f} = ITL {observed.itl_ms:.1f}/{expected_itl:.1f} ms at {concurrency:.1f} req × "
            f"{context:.0f} tok")  # fmt: skip
+    return Corrections(prefill=prefill, decode=decode, why=why)
+
+
+def agg_corrections(profile: Profile, observed: Observation, num_workers: int) -> Corrections:
+    """Observed TTFT and ITL over what `agg_point` predicts at the observed requests per worker."""
+    rate = observed.num_requests / observed.interval_s / max(num_workers, 1)
+    point = agg_point(profile, rate, observed.isl, observed.osl)
+    prefill = observed.ttft_ms / point.ttft_ms if observed.ttft_ms > 0 and 0 < point.ttft_ms < math.inf else 1.0
+    decode = observed.itl_ms / point.itl_ms if observed.itl_ms > 0 and 0 < point.itl_ms < math.inf else 1.0
+    why = (f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{point.ttft_ms:.1f} ms, d_corr {decode:.2f} = ITL "
+           f"{observed.itl_ms:.1f}/{point.itl_ms:.1f} ms at {rate:.2f} req/s per agg worker")  # fmt: skip
     return Corrections(prefill=prefill, decode=decode, why=why)
 
 
@@ -176,6 +207,72 @@ def decode_need(profile: Profile, forecast: Forecast, interval_s: float, d_corr:
     return need, point, why
 
 
+@dataclass(frozen=True, slots=True)
+class AggPoint:
+    """One aggregated worker at a request rate: its passes prefill new prompts and decode every stream."""
+
+    rate: float
+    """Requests/s arriving at the worker."""
+    prefill_share: float
+    """φ: the fraction of its time spent prefilling, rate × unloaded prefill time."""
+    ttft_ms: float
+    """Unloaded prefill plus the M/D/1 wait at φ (inf at φ >= 1)."""
+    itl_ms: float
+    """Decode step at the resident streams' KV usage / (1 − φ) (inf when they overflow the KV cache)."""
+    concurrency: float
+    """Streams resident: rate × (TTFT + OSL × ITL)."""
+
+
+def agg_point(profile: Profile, rate: float, isl: float, osl: float) -> AggPoint:
+    """TTFT and ITL of one agg worker receiving `rate` req/s of `isl`/`osl` (module NOTE)."""
+    unloaded = prefill_ttft_ms(profile, isl) / 1000.0
+    share = rate * unloaded
+    if share >= 1.0:
+        return AggPoint(rate, share, math.inf, math.inf, math.inf)
+    ttft = unloaded + share * unloaded / (2 * (1 - share))
+    context = isl + osl / 2
+    itl = decode_itl_ms(profile, 0.0, context) / (1 - share)
+    concurrency = rate * (ttft + osl * itl / 1000.0)
+    for _ in range(_FIXED_POINT_STEPS):  # rises monotonically to the least fixed point, or past the KV cache
+        usage = kv_usage_of(profile, concurrency, context)
+        if usage > 1.0 or concurrency > profile.max_num_seqs:
+            return AggPoint(rate, share, ttft * 1000, math.inf, concurrency)
+        previous, itl = itl, decode_itl_ms(profile, usage, context) / (1 - share)
+        concurrency = rate * (ttft + osl * itl / 1000.0)
+        if itl - previous < 1e-6:
+            break
+    return AggPoint(rate, share, ttft * 1000, itl, concurrency)
+
+
+def agg_capacity(profile: Profile, isl: float, osl: float, targets: Targets, headroom: float) -> AggPoint:
+    """The highest per-worker rate whose TTFT and ITL stay within the targets × headroom (rate 0: none does)."""
+    ttft, itl = targets.ttft_ms * headroom, targets.itl_ms * headroom
+    low, high = 0.0, 1000.0 / prefill_ttft_ms(profile, isl)
+    for _ in range(_BISECTION_STEPS):
+        middle = (low + high) / 2
+        point = agg_point(profile, middle, isl, osl)
+        low, high = (middle, high) if point.ttft_ms <= ttft and point.itl_ms <= itl else (low, middle)
+    return agg_point(profile, low, isl, osl)
+
+
+def agg_need(profile: Profile, forecast: Forecast, interval_s: float, targets: Targets, headroom: float,
+             capacity: AggPoint | None = None) -> tuple[float, str]:  # fmt: skip
+    """Fractional agg workers the forecast needs, with its one-line reason (`capacity`: agg_capacity's answer
+    for these arguments, when the caller already has it)."""
+    rate = forecast.num_requests / interval_s
+    point = capacity or agg_capacity(profile, forecast.isl, forecast.osl, targets, headroom)
+    if point.rate <= 0:  # the targets are out of reach: size for a worker half busy prefilling
+        point = agg_point(profile, 500.0 / prefill_ttft_ms(profile, forecast.isl), forecast.isl, forecast.osl)
+        reach = f" (targets × {headroom:g} unreachable at any load: sized at φ 0.5)"
+    else:
+        reach = ""
+    need = rate / point.rate
+    why = (f"agg {rate:.2f} req/s of {forecast.isl:.0f}+{forecast.osl:.0f} tok over {point.rate:.2f} req/s per "
+           f"worker (φ {point.prefill_share:.2f}, TTFT {point.ttft_ms:.0f} ms, ITL {point.itl_ms:.1f} ms, "
+           f"{point.concurrency:.0f} streams; targets × {headroom:g}) → {need:.2f}{reach}")  # fmt: skip
+    return need, why
+
+
 def clamp(count: int, bounds: Bounds) -> int:
     return max(bounds.min_workers, min(bounds.max_workers, count))
 
@@ -194,23 +291,40 @@ def fit_budget(num_prefill: int, num_decode: int, profile: Profile, bounds: Boun
     return prefill, decode
 
 
+_CORRECTION = (0.8, 1.25)
+"""Agg mode divides the targets by the correction factors clamped to this range: the profile stays the
+model, live latency only nudges it (an overloaded interval's TTFT would otherwise ask for the moon)."""
+
+
+def _within(factor: float) -> float:
+    return min(_CORRECTION[1], max(_CORRECTION[0], factor))
+
+
 def _ceil(x: float) -> int:
     return max(0, math.ceil(x - _EPS))
 
 
 def plan_replicas(profile: Profile, forecast: Forecast, interval_s: float, corrections: Corrections,
-                  targets: Targets, bounds: Bounds, mode: str = "disagg") -> Decision:  # fmt: skip
-    """Worker counts for the next interval (prefill and decode pools, or one agg pool)."""
+                  targets: Targets, bounds: Bounds, mode: str = "disagg", headroom: float = 1.0,
+                  capacity: AggPoint | None = None) -> Decision:  # fmt: skip
+    """Worker counts for the next interval (prefill and decode pools, or one agg pool; `capacity`: see agg_need,
+    valid only with no correction)."""
+    if mode == "agg":
+        corrected = Targets(targets.ttft_ms / _within(corrections.prefill),
+                            targets.itl_ms / _within(corrections.decode))  # fmt: skip
+        need, why = agg_need(profile, forecast, interval_s, corrected, headroom,
+                             capacity if corrections == NO_CORRECTION else None)  # fmt: skip
+        raw_d = _ceil(need)
+        num_p, num_d = fit_budget(0, clamp(raw_d, bounds), profile, bounds)
+        why = (f"agg {num_d} (ceil {raw_d}) within [{bounds.min_workers}, {bounds.max_workers}]: {why}; targets / "
+               f"corrections clamped to [{_CORRECTION[0]:g}, {_CORRECTION[1]:g}]")  # fmt: skip
+        return Decision(mode=mode, num_prefill=num_p, num_decode=num_d, forecast=forecast,
+                        corrections=corrections, why=why)  # fmt: skip
     p_need, p_why = prefill_need(profile, forecast, interval_s, corrections.prefill, targets.ttft_ms)
     d_need, _, d_why = decode_need(profile, forecast, interval_s, corrections.decode, targets.itl_ms)
-    if mode == "agg":
-        raw_p, raw_d = 0, _ceil(p_need + d_need)
-        num_p, num_d = fit_budget(0, clamp(raw_d, bounds), profile, bounds)
-        counts = f"agg {num_d} = ceil({p_need:.2f} + {d_need:.2f}) = {raw_d}"
-    else:
-        raw_p, raw_d = _ceil(p_need), _ceil(d_need)
-        num_p, num_d = fit_budget(clamp(raw_p, bounds), clamp(raw_d, bounds), profile, bounds)
-        counts = f"prefill {num_p} (ceil {raw_p}), decode {num_d} (ceil {raw_d})"
+    raw_p, raw_d = _ceil(p_need), _ceil(d_need)
+    num_p, num_d = fit_budget(clamp(raw_p, bounds), clamp(raw_d, bounds), profile, bounds)
+    counts = f"prefill {num_p} (ceil {raw_p}), decode {num_d} (ceil {raw_d})"
     limits = f"[{bounds.min_workers}, {bounds.max_workers}] per pool"
     if bounds.gpu_budget >= 0:
         limits += f", {bounds.gpu_budget} GPUs"

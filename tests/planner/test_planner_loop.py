@@ -67,6 +67,8 @@ def test_an_interval_is_the_difference_of_two_snapshots() -> None:
     observed = observation_between(snap(100.0, 50), snap(160.0, 650))
     assert (observed.interval_s, observed.num_requests, observed.isl, observed.osl) == (60.0, 600, 2000, 200)
     assert observed.ttft_ms == pytest.approx(200.0) and observed.itl_ms == pytest.approx(28.1)
+    # arrivals: 600 completed and in flight 5 → 25, so 620 arrived (an overloaded pool completes fewer)
+    assert observation_between(snap(100.0, 50, inflight=5), snap(160.0, 650, inflight=25)).demand() == 620
     # a frontend restarted: its counters went back; read as no traffic, not negative traffic
     assert observation_between(snap(0.0, 650), snap(60.0, 10)).num_requests == 0
 
@@ -89,18 +91,26 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
     assert (step.current, step.applied, step.decision_id) == ((1, 4), True, 7)
 
 
-async def test_a_burst_scales_up_between_throughput_steps_and_never_down() -> None:
-    # Before any traffic the forecast is ISL 3000, OSL 150: context 3075, clamped to the profile's 3000 row,
-    # ITL 20 + 40u <= 30 → u = 0.25, 0.25 × 100000 / 3075 = 8.13 requests per worker at the ITL target.
+async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_holds_it() -> None:
+    # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example).
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 10), mode="agg")
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0)
 
     async def counts() -> tuple[int, int]:
         return (0, 2)
 
-    planner = Planner(config, PROFILE, Source([snap(0.0, 0, inflight=16), snap(1.0, 0, inflight=40)]), recorder,
-                      counts)  # fmt: skip
-    assert await planner.check_burst() is None  # 16 in flight fit 2 × 8.13
-    step = await planner.check_burst()  # 40 do not: ceil(40 / 8.13) = 5
-    assert step is not None and step.kind == "burst" and "40 in flight" in step.decision.why
-    assert recorder.targets == [ScaleTarget(decision_id=7, num_prefill=0, num_decode=5)]
+    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62), snap(64.0, 62, inflight=30), snap(90.0, 92)]
+    planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
+    await planner.baseline()
+    await planner.plan_once()  # 60 req in 60 s: 1 req/s → 0.775 → 1 worker
+    # 2 arrived in 2 s: 2 − 2·√2 < 0, nothing is sure; 2 workers stay
+    assert await planner.check_burst() is None
+    # 30 arrived (0 completed, in flight 0 → 30): at least (30 − 2·√30) / 2 = 9.523 req/s → 7.38 → 8 > 2
+    # workers; sized for (30 + 2·√30) / 2 = 20.477 req/s → 15.87 → 16
+    step = await planner.check_burst()
+    assert step is not None and step.kind == "burst" and ">= 9.52 req/s" in step.decision.why
+    assert recorder.targets[-1] == ScaleTarget(decision_id=8, num_prefill=0, num_decode=16)
+    # the next throughput step: 32 arrived in 30 s → 1.07 req/s → 1 worker, but the last windows' 32 requests in
+    # 4 s = 8 req/s → 6.2 → 7 workers: held at 7
+    held = await planner.plan_once()
+    assert held.decision.num_decode == 7 and "held at prefill 0, decode 7" in held.decision.why

@@ -8,6 +8,8 @@ The profile used throughout (easy numbers):
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dynamo_cli.errors import ConfigError
@@ -28,6 +30,7 @@ from dynamo_cli.planner.replicas import (
     Forecast,
     Observation,
     Targets,
+    agg_point,
     correction_factors,
     plan_replicas,
     prefill_utilization,
@@ -122,11 +125,41 @@ def test_the_gpu_budget_scales_prefill_and_gives_decode_the_rest() -> None:
     assert "5 GPUs" in decision.why
 
 
-def test_agg_mode_sizes_one_pool_for_both_phases() -> None:
-    # prefill 2.25 + decode 3.488 = 5.738 → 6 workers, no prefill pool
+def test_an_agg_worker_decodes_slower_for_the_prefills_it_runs() -> None:
+    # 2 req/s of ISL 2000 (S = 200 ms): φ = 0.4, TTFT = 200 + 0.4·200 / (2·0.6) = 266.667 ms.
+    # ITL t (ms) = (15.5 + 40u) / 0.6 with n = 2·(0.266667 + 200·t/1000) = 0.533333 + 0.4t streams of 2100 tok,
+    # u = 0.021n = 0.0112 + 0.0084t: 0.6t = 15.948 + 0.336t → t = 15.948 / 0.264 = 60.409 ms, n = 24.697
+    # (the decode step alone at that usage would be 36.2 ms: prefill interference costs 40 % of every step).
+    point = agg_point(PROFILE, 2.0, 2000, 200)
+    assert point.prefill_share == pytest.approx(0.4)
+    assert point.ttft_ms == pytest.approx(266.667, abs=1e-3)
+    assert point.itl_ms == pytest.approx(60.409, abs=1e-3) and point.concurrency == pytest.approx(24.697, abs=1e-3)
+    assert agg_point(PROFILE, 5.0, 2000, 200).ttft_ms == math.inf  # φ = 1: prefill alone fills the worker
+
+
+def test_agg_mode_sizes_one_pool_for_the_rate_a_worker_holds_at_both_targets() -> None:
+    # The highest rate meeting ITL 30 ms (TTFT 1000 ms is slack): r = 1.2904 req/s; check by hand:
+    # φ = 0.25807, TTFT = 0.2 + 0.25807·0.2 / (2·0.74193) = 0.234784 s, n = 1.2904·(0.234784 + 200·0.030) =
+    # 8.0451, u = 0.021·8.0451 = 0.16895, ITL = (15.5 + 40·0.16895) / 0.74193 = 30.00 ms.
+    # 600 req / 60 s = 10 req/s → 10 / 1.2904 = 7.75 → 8 workers (summing the disagg fractions gave 6).
     decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
                              TARGETS, WIDE, mode="agg")  # fmt: skip
-    assert (decision.num_prefill, decision.num_decode) == (0, 6)
+    assert (decision.num_prefill, decision.num_decode) == (0, 8)
+    assert "1.29 req/s per worker" in decision.why and "→ 7.75" in decision.why
+    # headroom 0.8 sizes for ITL 24 ms: 0.9424 req/s per worker → 10.61 → 11
+    assert plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION, TARGETS,
+                         WIDE, mode="agg", headroom=0.8).num_decode == 11  # fmt: skip
+    # d_corr 2 is clamped to 1.25: sized for ITL 30 / 1.25 = 24 ms, the same 11
+    assert plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, corr(decode=2.0), TARGETS,
+                         WIDE, mode="agg").num_decode == 11  # fmt: skip
+
+
+def test_agg_corrections_compare_with_the_interference_model() -> None:
+    # 240 req / 60 s over 2 workers = 2 req/s each: agg_point says TTFT 266.667 ms, ITL 60.409 ms.
+    observed = Observation(interval_s=60.0, num_requests=240, isl=2000, osl=200, ttft_ms=400.0, itl_ms=60.409,
+                           request_duration_s=12.0)  # fmt: skip
+    factors = correction_factors(PROFILE, observed, 2, mode="agg")
+    assert factors.prefill == pytest.approx(1.5) and factors.decode == pytest.approx(1.0, abs=1e-4)
 
 
 def test_an_unreachable_ttft_target_is_said_in_the_decision() -> None:

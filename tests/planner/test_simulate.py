@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, sav
 from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.simulate import (
     SimRequest,
+    SimResult,
     SimWorker,
     Stats,
     decode_ms,
@@ -72,6 +74,23 @@ def test_the_planner_follows_a_load_step_with_fewer_worker_seconds_than_the_peak
     assert planned.max_workers > 1  # type: ignore[attr-defined]
     assert planned.worker_seconds < 0.65 * peak.worker_seconds  # type: ignore[attr-defined]
     assert planned.attainment > small.attainment  # type: ignore[attr-defined]
+
+
+def test_the_planner_meets_both_targets_on_a_5x_swing_with_under_65_percent_of_the_peak_pool() -> None:
+    # issue 14's bar, in virtual time: 5 → 40 → 5 req/s (sin²) of 2000+150 tokens over 10 minutes; one worker
+    # holds ~7.5 req/s at TTFT 500 ms / ITL 40 ms, so the peak needs 6
+    curve = ",".join(f"{t}:{5 + 35 * math.sin(math.pi * t / 600) ** 2:.1f}" for t in range(0, 600, 5)) + ",600:0"
+    requests = rate_curve(curve, 2000, 150)
+    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg", interval_s=15.0,
+                           load_interval_s=2.0)  # fmt: skip
+
+    async def both() -> tuple[SimResult, SimResult]:
+        peak = await simulate(requests, MOCKER, 500.0, 40.0, static_workers=6)
+        return peak, await simulate(requests, MOCKER, 500.0, 40.0, planner=config, startup_s=5.0)
+
+    peak, planned = asyncio.run(both())
+    assert peak.attainment > 0.99
+    assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * peak.worker_seconds, planned
 
 
 def test_simulate_needs_exactly_one_source_of_load(tmp_path: Path) -> None:
