@@ -9,9 +9,10 @@ Two costs, lower wins (`--router-cost`):
   active_blocks + (num_blocks - active_overlap_blocks)`, its unique active KV blocks once this request's
   join them.
 
-Temperature 0 takes the argmin; ties go (time) to the worker with fewer active blocks, then (both) to the
-smaller cache, then at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) / T)`. A hot-spot
-guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
+Temperature 0 takes the argmin; ties go (time) to the worker with fewer requests in flight, then fewer
+active blocks (requests sharing a prompt hold few unique blocks yet each costs a decode slot), then
+(both) to the smaller cache, then at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) /
+T)`. A hot-spot guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
 
 NOTE: the candidates are columns (`Candidates`, one numpy array per quantity), so a decision over 128
 workers is a dozen vectorised operations instead of 128 Python objects per term; per-candidate objects
@@ -168,7 +169,7 @@ class Reason(enum.Enum):
 
     ONLY = "only"  # a single candidate
     ARGMIN = "argmin"  # lowest logit, alone
-    TIE_LOAD = "tie-less-load"  # lowest cost shared (time); the fewest active blocks broke the tie
+    TIE_LOAD = "tie-less-load"  # lowest cost shared (time); fewer requests, then fewer active blocks broke it
     TIE_CACHE = "tie-smaller-cache"  # lowest logit shared; the smallest cache broke the tie
     TIE_RANDOM = "tie-random"  # lowest logit and cache size shared; chosen at random
     SOFTMAX = "softmax"  # sampled with temperature > 0
@@ -268,7 +269,7 @@ def select(
     if config.temperature > 0:
         index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
     else:
-        ties = [c.active_blocks, c.cached_blocks] if config.cost == "time" else [c.cached_blocks]
+        ties = [c.num_requests, c.active_blocks, c.cached_blocks] if config.cost == "time" else [c.cached_blocks]
         index, reason = _argmin(logits, ties, rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
 
@@ -309,7 +310,7 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
     return len(weights) - 1
 
 
-_TIE_REASONS = {1: (Reason.TIE_CACHE,), 2: (Reason.TIE_LOAD, Reason.TIE_CACHE)}
+_TIE_REASONS = {1: (Reason.TIE_CACHE,), 3: (Reason.TIE_LOAD, Reason.TIE_LOAD, Reason.TIE_CACHE)}
 
 
 def _argmin(scores: np.ndarray, tie_breaks: list[np.ndarray], rng: random.Random) -> tuple[int, Reason]:

@@ -32,7 +32,8 @@ the cost of sending the request to w is
    blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
    the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
 
-Ties (within 1 ns) go to the worker with fewer active blocks, then the smaller cache, then at random.
+Ties (within 1 ns) go to the worker with fewer requests in flight, then fewer active blocks, then the
+smaller cache, then at random.
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
 with nothing queued for prefill (others' TTFT includes a queue that grows with their length: fitted
@@ -53,7 +54,7 @@ Dynamo's formula reached only with w = 4 (92.3 %, RESULTS.md). TTFT: near round-
 workers run out of KV and queue (p50 ratio rr/kv ~ 7 measured with w = 4 at 94 %); below ~80 % the
 ratio is bounded by the mocker's pass floor (a hit still waits ~1.5 passes): ~1.4-1.7. In the default
 cache (C = 16,384) neither t_evict nor t_memory ever fires and every worker holds every prompt after
-warm-up, so the cost is (Q + 116) / R: the least queued prefill wins, ties the fewest active blocks.
+warm-up, so the cost is (Q + 116) / R: the least queued prefill wins, ties the fewest requests.
 Predicted hit rate = round-robin's, TTFT ratio ~ 1.0, and no bunching (Dynamo's ties go to the
 smaller cache, which sends bursts to one worker).
 

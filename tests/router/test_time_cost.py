@@ -70,6 +70,16 @@ def test_without_pressure_a_copy_is_free_and_load_breaks_the_tie() -> None:
     assert (selection.worker_id, selection.reason, selection.margin) == (2, Reason.TIE_LOAD, 0.0)
 
 
+def test_a_tie_goes_to_fewer_requests_before_fewer_active_blocks() -> None:
+    # 10 requests sharing one prompt hold 60 unique blocks; 6 requests of 6 prompts hold 200: each request
+    # still costs a decode slot, so the worker with 6 wins the tie
+    roomy = dict(overlap_blocks=31, cached_blocks=4000, capacity_blocks=16_384)
+    loads = [CandidateLoad(1, active_blocks=60, num_requests=10, **roomy),
+             CandidateLoad(2, active_blocks=200, num_requests=6, **roomy)]  # fmt: skip
+    selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
+    assert (selection.worker_id, selection.reason) == (2, Reason.TIE_LOAD)
+
+
 def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
     # approximate mode never sees evictions: 900 blocks guessed on a 512-block worker; 32 new -> 32 evicted
     _, (costs,) = choose(CandidateLoad(1, cached_blocks=900, capacity_blocks=512))
