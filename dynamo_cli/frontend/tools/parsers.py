@@ -160,6 +160,8 @@ class PythonicParser(ToolParser):
         for node in tree.elts:
             if not isinstance(node, ast.Call) or node.args:
                 raise ValueError("only calls with keyword arguments")
+            # literal_eval reads literals only (no names, calls or attributes: nothing runs) from the model's
+            # own output, bounded by max_tokens; anything else raises and the text is returned as content.
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
             calls.append(ParsedCall(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)))
         return calls
