@@ -6,7 +6,14 @@ computed with `dynamo_cli.kv.hashing`, so engines and routers agree on them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
+Tier = Literal["device", "host", "disk"]
+"""Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
 
 
 class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
@@ -23,12 +30,16 @@ class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
 
     parent_hash: int | None
     blocks: list[StoredBlock]
+    tier: Tier = DEVICE
+    """Where the blocks now sit (one of TIERS); a block offloaded to host is stored there and removed from device."""
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
     """Blocks evicted from the cache."""
 
     block_hashes: list[int]
+    tier: Tier = DEVICE
+    """The tier the blocks left (one of TIERS)."""
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
