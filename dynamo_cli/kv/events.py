@@ -10,9 +10,11 @@ from typing import Literal
 
 import msgspec
 
-DEVICE, HOST, DISK = "device", "host", "disk"
-TIERS = (DEVICE, HOST, DISK)
 Tier = Literal["device", "host", "disk"]
+DEVICE: Tier = "device"
+HOST: Tier = "host"
+DISK: Tier = "disk"
+TIERS: tuple[Tier, ...] = (DEVICE, HOST, DISK)
 """Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
 
 

@@ -32,8 +32,20 @@ the cost of sending the request to w is
    blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
    the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
 
-Ties (within 1 ns) go to the worker with fewer requests in flight, then fewer active blocks, then the
-smaller cache, then at random.
+4. **Roomy copies**: when a copy evicts nothing and leaves the cache at most half full, its prefill is
+   an investment, not a loss: it is paid once per worker and prompt (at most W copies of a prompt),
+   while queueing behind a busy holder is paid on every collision for as long as the prompt is hot. So
+   the tokens it computes beyond the best holder's count at ROOMY_COPY_WEIGHT = 1/4: a copy of c tokens
+   then ties (point 5) with a busy holder whenever c / (4 R) < T0, i.e. for prompts under 4 T0 R tokens
+   (3,200 for the mocker); longer ones, like a long conversation's history, stay with their holder.
+5. **Ties within one pass**: the router cannot see where in its current pass a worker is, and that moves
+   a first token by up to one pass. Costs within T0 of the lowest, T0 being a pass's fixed time (the
+   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are therefore ties, taken in
+   turn (the caller counts its decisions). Turns spread near-equal work evenly and keep arrivals in step,
+   so a pass batches several prefills; the earlier "fewer requests in flight" order sent each arrival to
+   the one idle worker, which then ran a prefill pass of its own (16.5 ms fixed in the mocker) while the
+   prompt's 1-2 holders were mid-pass.
+
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
 with nothing queued for prefill (others' TTFT includes a queue that grows with their length: fitted
@@ -54,9 +66,16 @@ Dynamo's formula reached only with w = 4 (92.3 %, RESULTS.md). TTFT: near round-
 workers run out of KV and queue (p50 ratio rr/kv ~ 7 measured with w = 4 at 94 %); below ~80 % the
 ratio is bounded by the mocker's pass floor (a hit still waits ~1.5 passes): ~1.4-1.7. In the default
 cache (C = 16,384) neither t_evict nor t_memory ever fires and every worker holds every prompt after
-warm-up, so the cost is (Q + 116) / R: the least queued prefill wins, ties the fewest requests.
-Predicted hit rate = round-robin's, TTFT ratio ~ 1.0, and no bunching (Dynamo's ties go to the
-smaller cache, which sends bursts to one worker).
+warm-up, so the cost is (Q + 116) / R: predicted hit rate = round-robin's and TTFT ratio ~ 1.0. Open
+loop measured so; closed loop did not, which points 4 and 5 fix:
+
+**Prediction for the default cache, closed loop** (20 prompts, 16,384 blocks, 32 clients; the only cell
+where points 1-3 lost to round-robin: TTFT p90 0.78, p99 0.66 measured). A virtual-time replay of the
+mocker's own scheduler (4 workers) reproduced that loss (p50/p90/p99 29.6/42.7/49.3 ms against
+round-robin's 30.0/31.0/31.4; 29 % of requests found every holder of their prompt mid-pass, 826 of 1,382
+late requests had one holder). With points 4 and 5 it predicts 30.1/31.0/31.3: level with round-robin;
+no change in the cache-pressure cells (rr / kv p50 6.0x at p20 and 8.6x at p40 near capacity), and open
+loop at 0.7 and 0.95 of capacity level (ratios 1.00).
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
@@ -73,6 +92,14 @@ import numpy as np
 PRIOR_PREFILL_TPS = 20_000.0
 """Prefill tokens/s per worker before any is observed (an 8B model on one H100-class GPU, roughly)."""
 PRIOR_LIFETIME_S = 2.0
+PRIOR_PASS_S = 0.02
+"""T0, a pass's fixed time (the TTFT of a prompt with nothing to compute), before it is observed."""
+MAX_PASS_S = 0.25
+"""The learned T0 is clamped to [0, this]: a fit over a few noisy first tokens must not make every worker a tie."""
+ROOMY_COPY_WEIGHT = 0.25
+"""In a roomy cache, the weight of the tokens a copy computes beyond the best holder's (point 4 of the docstring)."""
+ROOMY_FILL = 0.5
+"""A cache is roomy for a copy that leaves it at most this full and evicts nothing."""
 """Seconds a request stays in flight before any has finished."""
 MIN_FIT_SPREAD_TOKENS = 256.0
 """Observed uncached prompt lengths must differ by this (standard deviation) to fit the prefill speed."""
@@ -88,6 +115,9 @@ class Speed:
     """R: prompt tokens one worker computes per second."""
     lifetime_s: float
     """L: mean seconds a request stays in flight (route to end of stream)."""
+    pass_s: float = PRIOR_PASS_S
+    """T0: the fixed part of a first token's time (intercept of TTFT against uncached tokens); costs
+    closer than this are ties."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +152,12 @@ def time_terms(
     """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
-    prefill_s = (queued_prefill + uncached) / rate
     known = capacity > 0
     new_blocks = np.maximum(0, num_blocks - overlap)
     free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
+    roomy = known & (cached + new_blocks <= ROOMY_FILL * capacity)
+    copied = uncached - np.maximum(0, isl - int(overlap.max(initial=0)) * block_size)
+    prefill_s = (queued_prefill + uncached - roomy * copied * (1 - ROOMY_COPY_WEIGHT)) / rate
     evicted = np.maximum(0, new_blocks - free) * known
     evict_s = evicted * (block_size / rate)
     held = active_blocks + in_flight
@@ -143,7 +175,7 @@ class SpeedEstimator:
         self._sums = [0.0] * 5  # weight, x, y, xx, xy of (uncached tokens, time to first token)
         self._lifetime = PRIOR_LIFETIME_S
         self._lifetimes_seen = 0
-        self.speed = Speed(prefill_tokens_per_s or PRIOR_PREFILL_TPS, PRIOR_LIFETIME_S)
+        self.speed = Speed(prefill_tokens_per_s or PRIOR_PREFILL_TPS, PRIOR_LIFETIME_S, PRIOR_PASS_S)
         """The current estimate."""
 
     def observe_first_token(self, uncached_tokens: int, ttft_s: float) -> None:
@@ -152,15 +184,24 @@ class SpeedEstimator:
         s = self._sums
         for i, value in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = s[i] * d + value
+        rate = self.speed.prefill_tokens_per_s
         if self._fixed is None:
-            self.speed = Speed(self._fit() or self.speed.prefill_tokens_per_s, self._lifetime)
+            rate = self._fit() or rate
+        self.speed = Speed(rate, self._lifetime, self._pass_time(rate))
 
     def observe_lifetime(self, seconds: float) -> None:
         """A request left its worker `seconds` after it was routed."""
         self._lifetimes_seen += 1
         weight = max(1 - self._decay, 1 / self._lifetimes_seen)
         self._lifetime += weight * (seconds - self._lifetime)
-        self.speed = Speed(self.speed.prefill_tokens_per_s, self._lifetime)
+        self.speed = Speed(self.speed.prefill_tokens_per_s, self._lifetime, self.speed.pass_s)
+
+    def _pass_time(self, rate: float) -> float:
+        """T0 = mean TTFT - mean uncached tokens / R over the same observations (the fit's intercept)."""
+        w, x, y = self._sums[:3]
+        if w < 8:
+            return self.speed.pass_s
+        return min(MAX_PASS_S, max(0.0, (y - x / rate) / w))
 
     def _fit(self) -> float | None:
         w, x, y, xx, xy = self._sums
