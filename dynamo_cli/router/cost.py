@@ -119,7 +119,8 @@ class CandidateCost:
     active_blocks: int
     cached_blocks: int
     times: dict[str, float] = field(default_factory=dict)
-    """`time` cost only: prefill_s, evict_s, memory_s (their sum is the logit)."""
+    """`time` cost only: prefill_s, evict_s, memory_s (their sum is the logit), and queue_s, the part of
+    prefill_s spent behind prefills queued there."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view."""
@@ -169,7 +170,7 @@ class Reason(enum.Enum):
 
     ONLY = "only"  # a single candidate
     ARGMIN = "argmin"  # lowest logit, alone
-    TIE_TURN = "tie-in-turn"  # cost within one pass (T0) of the lowest (time); taken in turn among those
+    TIE_TURN = "tie-in-turn"  # (time) others differ from the lowest only by a queue shorter than one pass: in turn
     TIE_CACHE = "tie-smaller-cache"  # lowest logit shared; the smallest cache broke the tie
     TIE_RANDOM = "tie-random"  # lowest logit and cache size shared; chosen at random
     SOFTMAX = "softmax"  # sampled with temperature > 0
@@ -236,7 +237,8 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
         capacity=c.capacity_blocks, speed=speed,
     )  # fmt: skip
-    times = {"prefill_s": terms.prefill_s, "evict_s": terms.evict_s, "memory_s": terms.memory_s}
+    times = {"prefill_s": terms.prefill_s, "evict_s": terms.evict_s, "memory_s": terms.memory_s,
+             "queue_s": terms.queue_s}  # fmt: skip
     return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
 
 
@@ -271,7 +273,7 @@ def select(
     if config.temperature > 0:
         index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
     elif config.cost == "time":
-        index, reason = _in_turn(logits, speed.pass_s, turn)
+        index, reason = _in_turn(logits, logits - table.times["queue_s"], speed.pass_s, turn)
     else:
         index, reason = _argmin(logits, [c.cached_blocks], rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
@@ -316,9 +318,12 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
 _TIE_REASONS = {1: (Reason.TIE_CACHE,)}
 
 
-def _in_turn(scores: np.ndarray, band: float, turn: int) -> tuple[int, Reason]:
-    """The lowest score, or with others within `band` of it, the one whose turn it is (in candidate order)."""
-    tied = np.flatnonzero(scores - scores.min() <= max(band, TIE_TOLERANCE))
+def _in_turn(scores: np.ndarray, own: np.ndarray, band: float, turn: int) -> tuple[int, Reason]:
+    """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
+    same `own` cost) are taken in turn (in candidate order)."""
+    best = int(np.argmin(scores))
+    near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
+    tied = np.flatnonzero(near)
     if len(tied) == 1:
         return int(tied[0]), Reason.ARGMIN
     return int(tied[turn % len(tied)]), Reason.TIE_TURN

@@ -32,19 +32,18 @@ the cost of sending the request to w is
    blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
    the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
 
-4. **Roomy copies**: when a copy evicts nothing and leaves the cache at most half full, its prefill is
-   an investment, not a loss: it is paid once per worker and prompt (at most W copies of a prompt),
-   while queueing behind a busy holder is paid on every collision for as long as the prompt is hot. So
-   the tokens it computes beyond the best holder's count at ROOMY_COPY_WEIGHT = 1/4: a copy of c tokens
-   then ties (point 5) with a busy holder whenever c / (4 R) < T0, i.e. for prompts under 4 T0 R tokens
-   (3,200 for the mocker); longer ones, like a long conversation's history, stay with their holder.
-5. **Ties within one pass**: the router cannot see where in its current pass a worker is, and that moves
-   a first token by up to one pass. Costs within T0 of the lowest, T0 being a pass's fixed time (the
-   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are therefore ties, taken in
-   turn (the caller counts its decisions). Turns spread near-equal work evenly and keep arrivals in step,
-   so a pass batches several prefills; the earlier "fewer requests in flight" order sent each arrival to
-   the one idle worker, which then ran a prefill pass of its own (16.5 ms fixed in the mocker) while the
-   prompt's 1-2 holders were mid-pass.
+4. **Free copies** of a prompt in flight: a collision (a request finding every holder of its prompt busy)
+   needs another request of that prompt in flight, i.e. the prompt active on some worker (a > 0 there).
+   Then, if the copy evicts nothing and leaves the cache at most half full (roomy), its extra prefill is
+   paid once per worker, while collisions recur for as long as the prompt is hot, so the tokens it
+   computes beyond the best holder's are not counted: the copy costs what a hit costs. A prompt not in
+   flight (a finished conversation's history) and any copy under cache pressure pay in full.
+5. **Near-ties within one pass**: the router cannot see where in its current pass a worker is, which
+   moves a first token by up to one pass. So candidates whose cost differs from the lowest only by their
+   queue (equal own terms U / R, t_evict, t_memory), and by less than T0, a pass's fixed time (the
+   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are taken in turn (the
+   caller counts its decisions). Turns spread equal work evenly and keep arrivals in step, so passes
+   batch several prefills; a difference in own work (a hit) is never a tie, however wide T0.
 
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
@@ -70,12 +69,14 @@ warm-up, so the cost is (Q + 116) / R: predicted hit rate = round-robin's and TT
 loop measured so; closed loop did not, which points 4 and 5 fix:
 
 **Prediction for the default cache, closed loop** (20 prompts, 16,384 blocks, 32 clients; the only cell
-where points 1-3 lost to round-robin: TTFT p90 0.78, p99 0.66 measured). A virtual-time replay of the
-mocker's own scheduler (4 workers) reproduced that loss (p50/p90/p99 29.6/42.7/49.3 ms against
-round-robin's 30.0/31.0/31.4; 29 % of requests found every holder of their prompt mid-pass, 826 of 1,382
-late requests had one holder). With points 4 and 5 it predicts 30.1/31.0/31.3: level with round-robin;
-no change in the cache-pressure cells (rr / kv p50 6.0x at p20 and 8.6x at p40 near capacity), and open
-loop at 0.7 and 0.95 of capacity level (ratios 1.00).
+where points 1-3 lost to round-robin, measured TTFT p90 0.78 and p99 0.66). benchmarks/kv_routing_sim.py
+replays this router over the mocker's own scheduler in virtual time. With points 1-3 it reproduced the
+loss (rr / kv p50/p90/p99 1.02/0.75/0.63): 29 % of requests found every holder of their prompt mid-pass,
+and most prompts had one or two holders, since a copy cost 1,984 tokens against a few hundred queued.
+With 4 and 5 every prompt is copied to every worker early, as round-robin's caches are, and the cell
+is level: 1.00/1.00/1.00, hit rate 94.5 % on both. Its other predictions (2 seeds, 30 s measured): default
+cache open loop at 0.7 and 0.95 of capacity 1.00-1.01; cache pressure hit 94.1-94.5 %, rr / kv
+1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20).
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
@@ -96,8 +97,6 @@ PRIOR_PASS_S = 0.02
 """T0, a pass's fixed time (the TTFT of a prompt with nothing to compute), before it is observed."""
 MAX_PASS_S = 0.25
 """The learned T0 is clamped to [0, this]: a fit over a few noisy first tokens must not make every worker a tie."""
-ROOMY_COPY_WEIGHT = 0.25
-"""In a roomy cache, the weight of the tokens a copy computes beyond the best holder's (point 4 of the docstring)."""
 ROOMY_FILL = 0.5
 """A cache is roomy for a copy that leaves it at most this full and evicts nothing."""
 """Seconds a request stays in flight before any has finished."""
@@ -127,6 +126,9 @@ class TimeTerms:
     prefill_s: np.ndarray
     evict_s: np.ndarray
     memory_s: np.ndarray
+    queue_s: np.ndarray
+    """The part of prefill_s spent behind the prefills already queued there (Q / R): the only part that
+    near-ties (point 5) may disregard."""
 
     @property
     def total(self) -> np.ndarray:
@@ -155,15 +157,17 @@ def time_terms(
     known = capacity > 0
     new_blocks = np.maximum(0, num_blocks - overlap)
     free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
-    roomy = known & (cached + new_blocks <= ROOMY_FILL * capacity)
     copied = uncached - np.maximum(0, isl - int(overlap.max(initial=0)) * block_size)
-    prefill_s = (queued_prefill + uncached - roomy * copied * (1 - ROOMY_COPY_WEIGHT)) / rate
+    if active_overlap.max(initial=0) > 0:  # the prompt is in flight somewhere: a copy is free if roomy
+        uncached = uncached - copied * (known & (cached + new_blocks <= ROOMY_FILL * capacity))
+    queue_s = queued_prefill / rate
+    prefill_s = queue_s + uncached / rate
     evicted = np.maximum(0, new_blocks - free) * known
     evict_s = evicted * (block_size / rate)
     held = active_blocks + in_flight
     overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
     memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
-    return TimeTerms(prefill_s, evict_s, memory_s)
+    return TimeTerms(prefill_s, evict_s, memory_s, queue_s)
 
 
 class SpeedEstimator:

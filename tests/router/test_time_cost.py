@@ -36,14 +36,18 @@ def test_the_holder_costs_its_suffix_and_one_evicted_block() -> None:
     # held 310 + 1 needed + 1 <= 512 -> no KV wait
     _, (costs, _) = choose(holder(), COLD)
 
-    assert costs == pytest.approx({"prefill_s": 0.0058, "evict_s": 0.0032, "memory_s": 0.0, "cost": 0.009})
+    assert costs == pytest.approx(
+        {"prefill_s": 0.0058, "evict_s": 0.0032, "memory_s": 0.0, "queue_s": 0.0, "cost": 0.009}
+    )
 
 
 def test_a_cold_worker_pays_the_prompt_twice_under_cache_pressure() -> None:
     # U = 2100 -> 0.105 s; 32 new blocks, none free -> 32*64/20000 = 0.1024 s; 206 + 32 + 1 <= 512 -> 0
     chosen, (_, cold) = choose(holder(), COLD)
 
-    assert cold == pytest.approx({"prefill_s": 0.105, "evict_s": 0.1024, "memory_s": 0.0, "cost": 0.2074})
+    assert cold == pytest.approx(
+        {"prefill_s": 0.105, "evict_s": 0.1024, "memory_s": 0.0, "queue_s": 0.0, "cost": 0.2074}
+    )
     assert chosen == 1
 
 
@@ -91,21 +95,34 @@ def test_costs_within_one_pass_are_ties_and_costs_beyond_are_not() -> None:
     assert [pick(500, turn) for turn in (0, 1)] == [(2, Reason.ARGMIN)] * 2
 
 
-def test_in_a_roomy_cache_a_copy_counts_a_quarter_of_its_extra_prompt() -> None:
-    # the holder's U = 116; a non-holder's 2,100, 1,984 beyond the holder's: counted at 1/4 -> 496 + 116 tokens
-    loads = [CandidateLoad(1, overlap_blocks=31, **ROOMY), CandidateLoad(2, **ROOMY)]
-    selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
+def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_is_not() -> None:
+    # a non-holder's U = 2,100, of which 1,984 beyond the holder's 116: free while the prompt is active
+    # on some worker (a collision can happen), counted in full when it is not (a finished conversation)
+    def cold_prefill(active_overlap: int) -> float:
+        loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
+                 CandidateLoad(2, **ROOMY)]  # fmt: skip
+        selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
+        return selection.candidates[1].times["prefill_s"]
 
-    assert [c.times["prefill_s"] for c in selection.candidates] == pytest.approx([116 / 20_000, 612 / 20_000])
+    assert (cold_prefill(31), cold_prefill(0)) == pytest.approx((116 / 20_000, 2100 / 20_000))
 
 
 def test_a_copy_that_would_fill_the_cache_past_half_costs_its_whole_prompt() -> None:
     # 8,170 cached + 32 new > 8,192 = half of 16,384: not roomy, the copy's 2,100 tokens count in full
-    loads = [CandidateLoad(1, overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
+    loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
              CandidateLoad(2, cached_blocks=8170, capacity_blocks=16_384)]  # fmt: skip
     selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
 
     assert selection.candidates[1].times["prefill_s"] == pytest.approx(2100 / 20_000)
+
+
+def test_a_hit_is_never_a_near_tie_however_wide_the_band() -> None:
+    # a 200 ms band holds both (holder 0.0058 s, cold 0.105 s) but they differ in their own work: argmin
+    wide = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.2)
+    loads = [CandidateLoad(1, overlap_blocks=31, **ROOMY), CandidateLoad(2, **ROOMY)]
+    picks = [select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), wide, turn) for turn in (0, 1)]
+
+    assert [(p.worker_id, p.reason) for p in picks] == [(1, Reason.ARGMIN)] * 2
 
 
 def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
@@ -118,7 +135,8 @@ def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
 
-    assert costs == pytest.approx({"prefill_s": 0.15, "evict_s": 0.0, "memory_s": 0.0, "cost": 0.15})
+    expected = {"prefill_s": 0.15, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000, "cost": 0.15}
+    assert costs == pytest.approx(expected)
 
 
 def test_the_prefill_speed_is_learned_from_time_to_first_token() -> None:
