@@ -14,8 +14,9 @@ messages, encoded and applied as `dyn router` does). One simulated timeline:
 3. **Unsynced**: the same two replicas without the sync (each sees only its own load): the control.
 
 Reported: decision agreement with the reference (% of requests routed to the same worker; also over
-the decisions the reference did not take by a random tie-break, which each policy's own rng draws), hit blocks
-/ request blocks of each world, and load-accounting drift: at every arrival, each replica's per-worker
+the decisions the reference did not take by an arbitrary tie-break: at random, or in turn, which each
+policy draws or counts itself), hit blocks / request blocks of each world, and load-accounting drift:
+at every arrival, each replica's per-worker
 in-flight totals (requests, active blocks, prefill tokens) against the truth of its world (every request
 of both replicas, applied at once): mean signed difference (systematic drift) and mean absolute one.
 After the last request ends every view must be back to 0 (no leaked load).
@@ -140,7 +141,7 @@ def reference(args: argparse.Namespace, requests: list[tuple[float, list[int]]])
         decision = router.select(RouteRequest(rid, tokens), list(caches))
         worker = decision.worker_id
         decisions.append(worker)
-        random_ties.append(decision.explanation["reason"] == "tie-random")
+        random_ties.append(decision.explanation["reason"] in ("tie-random", "tie-in-turn"))  # arbitrary among equals
         hashes = sequence_hashes(tokens, args.block_size)
         batch = caches[worker].admit(hashes)
         if batch is not None:
