@@ -9,7 +9,6 @@ unless `--metrics-require-key`) passes `auth.Gate` first, before any body is rea
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -25,27 +24,26 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
-from dynamo_cli.engine import Guided, check_token_ids
+from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
-from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, Sampling, plan_request
+from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, plan_request
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
+from dynamo_cli.frontend.headers import client_request_id, id_headers, int_header, pinned_header, too_large
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
-    logit_bias,
     parse_chat,
     parse_completion,
-    requested_logprobs,
-    stop_list,
 )
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
+from dynamo_cli.frontend.prompts import nth_seed, prompt_of, sampling_of
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
 from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
 from dynamo_cli.frontend.replies import error_type as _error_type
@@ -55,7 +53,6 @@ from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
-from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -167,24 +164,24 @@ class Frontend:
                 raise RequestError(f"{what} together with tools, response_format or a reasoning parser is not "
                                    "supported yet; send them in separate requests", param="n" if request.n > 1
                                    else "logprobs")  # fmt: skip
-        prompt_ids, max_tokens, echo = _prompt(request, tokenizer, chat.prompt if chat is not None else None)
-        sampling = _sampling(request, max_tokens, chat.guided if chat is not None else None)
+        prompt_ids, max_tokens, echo = prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
+        sampling = sampling_of(request, max_tokens, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias", tokenizer.vocab_size)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
         request_id = prefix + uuid.uuid4().hex
-        client_id = _client_request_id(headers.get(b"x-request-id"))
-        pinned, explain = _pinned(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
-        priority = _int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
-        deadline_ms = _int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
+        client_id = client_request_id(headers.get(b"x-request-id"))
+        pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
+        priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
+        deadline_ms = int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
         deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
                 plan = plan_request(entry, request_id if index == 0 else f"{request_id}-{index}", prompt_ids,
-                                    _nth_seed(sampling, index), pinned_worker=pinned, client_request_id=client_id,
+                                    nth_seed(sampling, index), pinned_worker=pinned, client_request_id=client_id,
                                     is_explained=explain in (b"1", b"true", b"yes"), priority=priority or 0,
                                     deadline=deadline)  # fmt: skip
                 generations.append(Generation(Dispatch(entry, plan, self.rules, self.metrics), tokenizer, echo=echo))
@@ -210,7 +207,7 @@ class Frontend:
         fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE, *_ids(gen)]})  # fmt: skip
+                    "headers": [*_SSE, *id_headers(gen)]})  # fmt: skip
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
         status = "success"
         head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
@@ -254,7 +251,7 @@ class Frontend:
             reason = out.finish_reason(reason) if out is not None else reason
             return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
 
-        return await reply_json(send, body, lambda: _ids(gen), d.plan.request_id)
+        return await reply_json(send, body, lambda: id_headers(gen), d.plan.request_id)
 
     async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
@@ -262,7 +259,7 @@ class Frontend:
         response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
                                    wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
         if not request.stream:
-            return await reply_json(send, response.body, lambda: _ids(gens[0]), d.plan.request_id)
+            return await reply_json(send, response.body, lambda: id_headers(gens[0]), d.plan.request_id)
         started: set[int] = set()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
@@ -281,7 +278,8 @@ class Frontend:
         def error_tail(exc: DynError) -> bytes:
             return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), getattr(exc, "code", None))
 
-        return await stream_sse(send, receive, _ids(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE)
+        return await stream_sse(send, receive, id_headers(gens[0]), produce, abort, error_tail, d.plan.request_id,
+                                done=DONE)
 
     async def _translated(self, scope: Scope, receive: Receive, send: Send, api: Translation) -> None:
         """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
@@ -299,7 +297,7 @@ class Frontend:
         status = "error"
         try:
             if not request.stream:
-                status = await reply_json(send, writer.body, lambda: _ids(generation), d.plan.request_id)
+                status = await reply_json(send, writer.body, lambda: id_headers(generation), d.plan.request_id)
                 return
 
             async def produce(write: Write) -> bytes:
@@ -307,7 +305,7 @@ class Frontend:
                     await write(event)
                 return b""
 
-            status = await stream_sse(send, receive, _ids(generation), produce, d.abort, writer.error_event,
+            status = await stream_sse(send, receive, id_headers(generation), produce, d.abort, writer.error_event,
                                       d.plan.request_id, done=b"")  # fmt: skip
         finally:
             await d.aclose()
@@ -332,7 +330,7 @@ class Frontend:
         limit = self.config.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _too_large(int(value), limit)
+                raise too_large(int(value), limit)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -342,7 +340,7 @@ class Frontend:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _too_large(size, limit)
+                raise too_large(size, limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -409,122 +407,3 @@ class Frontend:
         message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
         return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
                         status_code=status, media_type="application/json")  # fmt: skip
-
-
-MAX_REQUEST_ID = 128
-
-
-def _prompt(
-    request: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer, chat_prompt: str | None
-) -> tuple[list[int], int | None, str]:
-    """The prompt's token ids, the max_tokens asked (None: as many as fit) and the text to echo; a chat
-    request's prompt comes rendered (tools/chat.py)."""
-    if isinstance(request, ChatCompletionRequest):
-        assert chat_prompt is not None
-        return tokenizer.encode(chat_prompt), request.max_completion_tokens or request.max_tokens, ""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-        prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
-        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
-    else:
-        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
-    echo = "" if not request.echo else prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-    return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
-
-
-def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-              guided: Guided | None) -> Sampling:  # fmt: skip
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=max(0, request.top_k or 0),
-        seed=request.seed,
-        stop=tuple(stop_list(request.stop)),
-        stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        logit_bias=tuple(logit_bias(request.logit_bias).items()) if request.logit_bias else (),
-        min_p=request.min_p or 0.0,
-        logprobs=requested_logprobs(request),
-        guided=guided,
-    )
-
-
-def _nth_seed(sampling: Sampling, index: int) -> Sampling:
-    """Choice `index`'s sampling: seed + index (kept in int64), so seeded choices differ yet repeat."""
-    if index == 0 or sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)
-
-
-def _client_request_id(header: bytes | None) -> str | None:
-    """The caller's x-request-id, when it is printable ASCII of at most MAX_REQUEST_ID bytes."""
-    if not header:
-        return None
-    if len(header) > MAX_REQUEST_ID or not all(0x20 < byte < 0x7F for byte in header):
-        raise RequestError(f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters",
-                           param="x-request-id")  # fmt: skip
-    return header.decode("ascii")
-
-
-def _int_header(header: bytes | None, name: str, low: int, high: int) -> int | None:
-    """An integer header within [low, high], or None when absent; else a 400 naming the header."""
-    if not header:
-        return None
-    try:
-        value = int(header)
-    except ValueError:
-        value = None
-    if value is None or not low <= value <= high:
-        raise RequestError(f"header {name} must be an integer in {low}..{high}", param=name)
-    return value
-
-
-def _pinned(header: bytes | None) -> int | None:
-    if not header:
-        return None
-    try:
-        return int(header, 16)
-    except ValueError:
-        raise RequestError(
-            f"x-worker-instance-id '{header.decode(errors='replace')}' is not a hex instance id"
-        ) from None
-
-
-def _ids(gen: Generation) -> list[tuple[bytes, bytes]]:
-    """x-request-id, the backend that serves and, behind `dyn router`s, the router that routed."""
-    d = gen.dispatch
-    headers = [(b"x-request-id", (d.plan.client_request_id or d.plan.request_id).encode()),
-               (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode())]  # fmt: skip
-    if d.rules.is_remote and d.worker is not None:
-        headers.append((b"x-dyn-router-instance-id", f"{d.worker.instance_id:x}".encode()))
-    if d.plan.is_explained and d.decision is not None:
-        headers.append((b"x-dyn-route", msgspec.json.encode(_hex_ids(d.decision.explanation))))
-    if d.plan.is_explained and d.prefill is not None:
-        headers.append((b"x-dyn-prefill-route", msgspec.json.encode(_hex_ids(d.prefill))))
-    if d.prefill is not None and "prefill_worker_id" in d.prefill:
-        headers.append((b"x-dyn-prefill-instance-id", f"{d.prefill['prefill_worker_id']:x}".encode()))
-    return headers
-
-
-def _hex_ids(explanation: dict[str, Any]) -> dict[str, Any]:
-    """Worker ids as the hex strings every other place shows."""
-
-    def fix(value: Any, key: str = "") -> Any:
-        if isinstance(value, dict):
-            return {k: fix(v, k) for k, v in value.items()}
-        if isinstance(value, list):
-            return [fix(v, key) for v in value]
-        return f"{value:x}" if key.endswith("worker_id") and isinstance(value, int) else value
-
-    return fix(explanation)  # type: ignore[no-any-return]
-
-
-def _too_large(size: int, limit: int) -> RequestError:
-    error = RequestError(f"request body of {size} bytes exceeds the {limit}-byte limit", code="payload_too_large")
-    error.status = 413
-    return error
