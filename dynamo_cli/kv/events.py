@@ -6,11 +6,13 @@ computed with `dynamo_cli.kv.hashing`, so engines and routers agree on them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
-DEVICE, HOST, DISK = "device", "host", "disk"
+DEVICE: Final = "device"
+HOST: Final = "host"
+DISK: Final = "disk"
 TIERS = (DEVICE, HOST, DISK)
 Tier = Literal["device", "host", "disk"]
 """Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
@@ -64,3 +66,8 @@ class KvDump(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: int
     last_event_id: int
     block_hashes: list[int]
+    """Blocks on the device tier (the engine's own cache)."""
+    host_hashes: list[int] = []
+    """Blocks in host memory (a block may sit on several tiers)."""
+    disk_hashes: list[int] = []
+    """Blocks on local disk."""

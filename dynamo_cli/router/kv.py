@@ -30,9 +30,10 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Selection, explain_pinned, select
-from dynamo_cli.router.indexer import Gap, KvIndexer
+from dynamo_cli.router.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
-from dynamo_cli.router.time_cost import SpeedEstimator
+from dynamo_cli.router.tiers import TierCosts, tier_costs
+from dynamo_cli.router.time_cost import PRIOR_PREFILL_TPS, SpeedEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,17 @@ def cost_config(config: KvRouterConfig) -> CostConfig:
         hot_spot_guard=config.hot_spot_guard,
         hot_spot_min_blocks=config.hot_spot_min_blocks,
         hot_spot_ratio=config.hot_spot_ratio,
+        tiers=config_tier_costs(config),
     )
+
+
+def config_tier_costs(config: KvRouterConfig) -> TierCosts:
+    """What host and disk hits cost under a resolved config (router/tiers.py)."""
+    assert config.block_size is not None
+    return tier_costs(block_size=config.block_size, bytes_per_block=config.kv_bytes_per_block or 0,
+                      host_gbs=config.host_bandwidth_gbs, disk_gbs=config.disk_bandwidth_gbs,
+                      prefill_tps=config.prefill_tokens_per_s or PRIOR_PREFILL_TPS,
+                      weights=dict(config.tier_weights))  # fmt: skip
 
 
 def approx_config(config: KvRouterConfig) -> ApproxConfig:
@@ -195,9 +206,13 @@ class KvRoutingPolicy:
         self._gaps = []
         return list(merged.values())
 
-    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
-        """Replace a worker's cached blocks by its dump taken after event `last_event_id`."""
-        self.indexer.load_dump(worker_id, hashes, last_event_id)
+    def load_dump(
+        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        disk: Iterable[int] = (),
+    ) -> None:  # fmt: skip
+        """Replace a worker's cached blocks (device `hashes`, `host`, `disk`) by its dump taken after event
+        `last_event_id`."""
+        self.indexer.load_dump(worker_id, hashes, last_event_id, host, disk)
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
@@ -221,8 +236,10 @@ class KvRoutingPolicy:
 
     def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
+        tiers = None
         if self.config.use_kv_events:
             overlaps, cached = self.indexer.find_matches(hashes), self.indexer.block_counts(workers)
+            tiers = self.indexer.tier_hits(hashes, overlaps) if overlaps else None
         else:
             overlaps, cached = self.approx.find_matches(hashes, now), self.approx.block_counts(workers)
         active_overlaps = self.sequences.active_overlaps(hashes)
@@ -237,6 +254,7 @@ class KvRoutingPolicy:
             cached,
             in_flight,
             [capacity(w, default) for w in workers],
+            *(_tier_columns(tiers, workers) if tiers else ()),
         )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
@@ -278,6 +296,13 @@ class KvRoutingPolicy:
             selection.reason.value,
             selection.margin,
         )
+
+
+def _tier_columns(tiers: dict[int, TierHits], workers: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The host and disk hit columns (0 for workers whose prefix is all on device)."""
+    none = TierHits(0, 0, 0)
+    hits = [tiers.get(w, none) for w in workers]
+    return [h.host for h in hits], [h.disk for h in hits]
 
 
 def kv_policy_factory(config: KvRouterConfig) -> Callable[[ModelCard], KvRoutingPolicy]:
