@@ -365,6 +365,10 @@ def router_argv(config: ServeConfig) -> list[str]:
         argv += ["--block-size", str(kv.block_size)]
     if kv.prefill_tokens_per_s is not None:
         argv += ["--router-prefill-tps", str(kv.prefill_tokens_per_s)]
+    argv += ["--router-host-bandwidth-gbs", str(kv.host_bandwidth_gbs),
+             "--router-disk-bandwidth-gbs", str(kv.disk_bandwidth_gbs)]  # fmt: skip
+    if kv.tier_weights:
+        argv += ["--router-tier-weights", ",".join(f"{tier}={weight}" for tier, weight in kv.tier_weights)]
     d = frontend.disagg
     argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
              "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),
