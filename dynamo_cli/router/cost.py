@@ -107,13 +107,17 @@ class Candidates:
     capacity_blocks: np.ndarray
     host_blocks: np.ndarray
     disk_blocks: np.ndarray
+    tiered: bool = False
+    """False: every hit is on device (host and disk are zeros), so the cost skips the tier terms."""
 
     @classmethod
     def of(cls, worker_ids: Sequence[int], *columns: Sequence[int]) -> Candidates:
         """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
         arrays = [np.array(column, dtype=np.int64) for column in columns]
+        tiered = len(arrays) == len(_COLUMNS)
         arrays += [np.zeros(len(worker_ids), dtype=np.int64)] * (len(_COLUMNS) - len(arrays))
-        return cls(worker_ids, *arrays)
+        overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = arrays
+        return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered)
 
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
@@ -174,11 +178,14 @@ class CostTable:
         overlap, prefill, decode, logit, active, cached = (column[at].tolist() for column in columns)
         times = [dict(zip(self.times, row, strict=True))
                  for row in zip(*(t[at].tolist() for t in self.times.values()), strict=True)]  # fmt: skip
-        host, disk = c.host_blocks[at].tolist(), c.disk_blocks[at].tolist()
+        if c.tiered:
+            host, disk = c.host_blocks[at].tolist(), c.disk_blocks[at].tolist()
+            hits = [{"device": o - h - d, "host": h, "disk": d} for o, h, d in zip(overlap, host, disk, strict=True)]
+        else:
+            hits = [{"device": o, "host": 0, "disk": 0} for o in overlap]
         return [
             CandidateCost(c.worker_ids[i], overlap[n], prefill[n], decode[n], logit[n], active[n], cached[n],
-                          times[n] if times else {},
-                          {"device": overlap[n] - host[n] - disk[n], "host": host[n], "disk": disk[n]})  # fmt: skip
+                          times[n] if times else {}, hits[n])  # fmt: skip
             for n, i in enumerate(indices)
         ]
 
@@ -245,8 +252,10 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
     bs, tiers = config.block_size, config.tiers
     decode_blocks = c.active_blocks + np.maximum(0, num_blocks - c.active_overlap_blocks)
     if config.cost == "dynamo":
-        lower = c.host_blocks * (1 - tiers.host_weight) + c.disk_blocks * (1 - tiers.disk_weight)
-        uncached = np.maximum(0, isl - (c.overlap_blocks - lower) * bs)
+        overlap = c.overlap_blocks
+        if c.tiered:
+            overlap = overlap - c.host_blocks * (1 - tiers.host_weight) - c.disk_blocks * (1 - tiers.disk_weight)
+        uncached = np.maximum(0, isl - overlap * bs)
         prefill_blocks = (c.active_prefill_tokens + uncached) / bs
         return CostTable(c, prefill_blocks, decode_blocks, config.overlap_score_weight * prefill_blocks
                          + decode_blocks, {})  # fmt: skip
@@ -255,7 +264,8 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         isl=isl, num_blocks=num_blocks, block_size=bs, overlap=c.overlap_blocks,
         queued_prefill=c.active_prefill_tokens, active_blocks=c.active_blocks,
         active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
-        capacity=c.capacity_blocks, speed=speed, host=c.host_blocks, disk=c.disk_blocks, tiers=tiers,
+        capacity=c.capacity_blocks, speed=speed, tiers=tiers,
+        **({"host": c.host_blocks, "disk": c.disk_blocks} if c.tiered else {}),
     )  # fmt: skip
     times = {"prefill_s": terms.prefill_s, "onboard_s": terms.onboard_s, "evict_s": terms.evict_s,
              "memory_s": terms.memory_s}  # fmt: skip

@@ -126,19 +126,23 @@ def time_terms(
     cached: np.ndarray,
     capacity: np.ndarray,
     speed: Speed,
-    host: np.ndarray | int = 0,
-    disk: np.ndarray | int = 0,
+    host: np.ndarray | None = None,
+    disk: np.ndarray | None = None,
     tiers: TierCosts = AS_DEVICE,
 ) -> TimeTerms:
     """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown. `host` and
-    `disk`: how many of the `overlap` blocks sit on those tiers (the rest on device)."""
+    `disk`: how many of the `overlap` blocks sit on those tiers (None: all on device)."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
     prefill_s = (queued_prefill + uncached) / rate
-    onboard_s = np.zeros_like(prefill_s) + (host * tiers.host_block_s + np.greater(host, 0) * tiers.host_latency_s
-                 + disk * tiers.disk_block_s + np.greater(disk, 0) * tiers.disk_latency_s)  # fmt: skip
+    if host is None or disk is None:
+        onboard_s, on_device = np.zeros_like(prefill_s), overlap
+    else:
+        onboard_s = (host * tiers.host_block_s + (host > 0) * tiers.host_latency_s
+                     + disk * tiers.disk_block_s + (disk > 0) * tiers.disk_latency_s)  # fmt: skip
+        on_device = overlap - host - disk
     known = capacity > 0
-    new_blocks = np.maximum(0, num_blocks - (overlap - host - disk))
+    new_blocks = np.maximum(0, num_blocks - on_device)
     free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
     evicted = np.maximum(0, new_blocks - free) * known
     evict_s = evicted * (block_size / rate)
