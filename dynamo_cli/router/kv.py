@@ -75,7 +75,11 @@ class RouterCounters:
     num_request_blocks: int = 0
     """Full prompt blocks of every routed request (the hit-rate denominator)."""
     num_hit_blocks: int = 0
-    """Cached prefix blocks on the chosen workers (achieved hits)."""
+    """Cached prefix blocks on the chosen workers (achieved hits), on any tier."""
+    num_host_hit_blocks: int = 0
+    """Of those, blocks onboarded from host memory."""
+    num_disk_hit_blocks: int = 0
+    """Of those, blocks onboarded from disk."""
     num_reachable_hit_blocks: int = 0
     """Best cached prefix among the candidates of each decision (reachable hits)."""
     num_hot_spot_decisions: int = 0
@@ -124,8 +128,9 @@ class KvRoutingPolicy:
         chosen = selection.chosen
         prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
-        if selection.table.candidates.active_prefill_tokens[selection.index]:
-            self._speed_probes.pop(request.request_id, None)
+        c, at = selection.table.candidates, selection.index
+        if c.active_prefill_tokens[at] or c.host_blocks[at] or c.disk_blocks[at]:
+            self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
@@ -263,6 +268,9 @@ class KvRoutingPolicy:
         counters.num_request_blocks += num_blocks
         overlaps = selection.table.candidates.overlap_blocks
         counters.num_hit_blocks += int(overlaps[selection.index])
+        if selection.table.candidates.tiered:
+            counters.num_host_hit_blocks += int(selection.table.candidates.host_blocks[selection.index])
+            counters.num_disk_hit_blocks += int(selection.table.candidates.disk_blocks[selection.index])
         counters.num_reachable_hit_blocks += int(overlaps.max())
         if selection.reason is Reason.HOT_SPOT:
             counters.num_hot_spot_decisions += 1

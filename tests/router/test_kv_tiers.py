@@ -165,6 +165,7 @@ def test_the_explanation_shows_each_candidates_hits_per_tier() -> None:
     assert rows[2]["hits"] == {"device": 0, "host": 0, "disk": 8}
     assert rows[3]["hits"] == {"device": 0, "host": 0, "disk": 0}
     assert 0 < rows[1]["onboard_s"] < rows[2]["onboard_s"] and decision.worker_id == 1
+    assert (kv.counters.num_hit_blocks, kv.counters.num_host_hit_blocks, kv.counters.num_disk_hit_blocks) == (8, 4, 0)
 
 
 def test_a_restarted_worker_announcing_its_disk_tier_is_routable_at_once() -> None:
