@@ -6,16 +6,16 @@ computed with `dynamo_cli.kv.hashing`, so engines and routers agree on them.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Literal
 
 import msgspec
 
-DEVICE: Final = "device"
-HOST: Final = "host"
-DISK: Final = "disk"
-TIERS = (DEVICE, HOST, DISK)
 Tier = Literal["device", "host", "disk"]
 """Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
+DEVICE: Tier = "device"
+HOST: Tier = "host"
+DISK: Tier = "disk"
+TIERS = (DEVICE, HOST, DISK)
 
 
 class StoredBlock(msgspec.Struct, frozen=True, array_like=True):

@@ -71,8 +71,8 @@ def tier_costs(
     """The tier costs of a model with `bytes_per_block` of KV per `block_size` tokens (see the docstring)."""
     host_s, disk_s = bytes_per_block / (host_gbs * 1e9), bytes_per_block / (disk_gbs * 1e9)
     recompute_s = block_size / prefill_tps
-    derived = {HOST: _saved(host_s, recompute_s), DISK: _saved(disk_s, recompute_s)}
-    chosen = {**derived, **(weights or {})}
+    chosen: dict[str, float] = {HOST: _saved(host_s, recompute_s), DISK: _saved(disk_s, recompute_s)}
+    chosen.update(weights or {})
     return TierCosts(host_s, disk_s, HOST_LATENCY_S, DISK_LATENCY_S, chosen[HOST], chosen[DISK])
 
 

@@ -8,7 +8,7 @@ block size `bs`, and a candidate worker w with
 
     o  cached prefix blocks (indexer)          Q  prompt tokens queued for prefill there (in flight)
     a  prefix blocks already active there      A  unique active KV blocks of its requests in flight
-    k  requests in flight there                K  cached blocks (indexer)       C  KV capacity, blocks
+    k  requests in flight there                K  blocks cached on device       C  KV capacity, blocks
     R  prefill speed, tokens/s                 L  mean time a request stays in flight, s
 
 the cost of sending the request to w is
