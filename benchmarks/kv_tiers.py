@@ -21,9 +21,10 @@ is started per configuration (`--configs`):
 
 Measured per configuration, over turns >= 2 (turn 1 has nothing to reuse): TTFT p50/p90 (and per turn),
 prompt tokens computed (the worker's `LoadMetrics.num_prefill_tokens_computed`, read on the event plane;
-also 1 - cached/prompt from `usage.prompt_tokens_details.cached_tokens`), and onboarded blocks, bytes and
-GB/s from the frontend's /metrics (`kvbm_onboard_{blocks,bytes,seconds}_{h2d,d2d}`, Dynamo's KVBM names;
-n/a when the worker publishes none). Ratios are against the first configuration.
+also 1 - cached/prompt from `usage.prompt_tokens_details.cached_tokens`), the router's view of the hits
+(`dynamo_router_counter` num_hit_blocks, of which num_host_ / num_disk_hit_blocks), and onboarded blocks,
+bytes and GB/s from the frontend's /metrics (`kvbm_onboard_{blocks,bytes,seconds}_{h2d,d2d}`, Dynamo's
+KVBM names; n/a when the worker publishes none). Ratios are against the first configuration.
 
     python benchmarks/kv_tiers.py --engine mocker                          # ~4 min
     python benchmarks/kv_tiers.py --engine llamacpp --configs none,host    # the issue's bar: host tier
@@ -184,11 +185,14 @@ async def run_config(url: str, discovery_url: str, firsts: list[int], messages: 
     await asyncio.sleep(1.0)  # the last load report
     computed = computed_tokens(samples) - before
     kvbm = await scrape_kvbm(url)
+    router = await kr.scrape_router(url)
     client.close()
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
-    return summarize(records, computed, kvbm, elapsed)
+    row = summarize(records, computed, kvbm, elapsed)
+    row["router_hit_blocks"] = {k: router.get(f"num_{k}hit_blocks") for k in ("", "host_", "disk_")}
+    return row
 
 
 def computed_tokens(samples: list[tuple[float, LoadMetrics]]) -> int:
@@ -242,8 +246,8 @@ def fmt(value: Any, spec: str = ".0f") -> str:
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     base = next(iter(results.values()))
-    print(f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'computed':>9} {'x fewer':>7} "
-          f"{'cached %':>8} {'onb h2d':>8} {'onb d2d':>8} {'onb GB':>7} {'GB/s':>6} {'fail':>4}")  # fmt: skip
+    print(f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'computed':>9} {'x fewer':>7} {'cached %':>8} "
+          f"{'onb h2d':>8} {'onb d2d':>8} {'onb GB':>7} {'GB/s':>6} {'router h/d':>11} {'fail':>4}")  # fmt: skip
     for name, row in results.items():
         speedup = base["ttft_p50_ms"] / row["ttft_p50_ms"] if row["ttft_p50_ms"] else None
         fewer = (base["prompt_tokens_computed"] / row["prompt_tokens_computed"]
@@ -251,13 +255,16 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         prompt = row["prompt_tokens_turn2plus"]
         cached = 100 * row["cached_tokens_turn2plus"] / prompt if prompt else None
         gb = row["onboard_bytes"] / 1e9 if row["onboard_bytes"] is not None else None
+        hits = row.get("router_hit_blocks", {})
+        seen = f"{fmt(hits.get('host_'))}/{fmt(hits.get('disk_'))}"
         print(f"{name:<16} {fmt(row['ttft_p50_ms']):>7}ms {fmt(row['ttft_p90_ms']):>7}ms {fmt(speedup, '.2f'):>6} "
               f"{fmt(row['prompt_tokens_computed']):>9} {fmt(fewer, '.2f'):>7} {fmt(cached, '.1f'):>8} "
               f"{fmt(row['onboard_blocks']['h2d']):>8} {fmt(row['onboard_blocks']['d2d']):>8} {fmt(gb, '.3f'):>7} "
-              f"{fmt(row['onboard_gb_per_s'], '.2f'):>6} {row['failed']:>4}")  # fmt: skip
+              f"{fmt(row['onboard_gb_per_s'], '.2f'):>6} {seen:>11} {row['failed']:>4}")  # fmt: skip
     print(
         "TTFT and tokens over turns >= 2; 'x' columns are against the first configuration; computed = the "
-        "worker's num_prefill_tokens_computed over the whole run."
+        "worker's num_prefill_tokens_computed over the whole run; router h/d = blocks the router routed to as host / "
+        "disk hits."
     )
 
 
