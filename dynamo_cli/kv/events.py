@@ -11,11 +11,11 @@ from typing import Literal
 import msgspec
 
 Tier = Literal["device", "host", "disk"]
-"""Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
 DEVICE: Tier = "device"
 HOST: Tier = "host"
 DISK: Tier = "disk"
-TIERS = (DEVICE, HOST, DISK)
+TIERS: tuple[Tier, ...] = (DEVICE, HOST, DISK)
+"""Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
 
 
 class StoredBlock(msgspec.Struct, frozen=True, array_like=True):

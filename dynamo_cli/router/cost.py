@@ -10,9 +10,9 @@ Two costs, lower wins (`--router-cost`):
   active_blocks + (num_blocks - active_overlap_blocks)`, its unique active KV blocks once this request's
   join them. A hit on host or disk counts as `w_t` of a device hit in `overlap` (tiers.py).
 
-Temperature 0 takes the argmin; ties go (time) to the worker with fewer requests in flight, then fewer
-active blocks (requests sharing a prompt hold few unique blocks yet each costs a decode slot), then
-(both) to the smaller cache, then at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) /
+Temperature 0 takes the argmin. With `time`, costs within one pass's fixed time (T0, learned) of the
+lowest are ties, taken in turn (time_cost.py, point 5); with `dynamo`, ties go to the smaller cache, then
+at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) /
 T)`. A hot-spot guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
 
 NOTE: the candidates are columns (`Candidates`, one numpy array per quantity), so a decision over 128
@@ -137,7 +137,8 @@ class CandidateCost:
     active_blocks: int
     cached_blocks: int
     times: dict[str, float] = field(default_factory=dict)
-    """`time` cost only: prefill_s, onboard_s, evict_s, memory_s (their sum is the logit)."""
+    """`time` cost only: prefill_s, onboard_s, evict_s, memory_s (their sum is the logit), and queue_s, the
+    part of prefill_s spent behind prefills queued there."""
     hits: dict[str, int] = field(default_factory=dict)
     """The cached prefix per tier: device, host, disk (the fastest tier holding each block)."""
 
@@ -195,7 +196,7 @@ class Reason(enum.Enum):
 
     ONLY = "only"  # a single candidate
     ARGMIN = "argmin"  # lowest logit, alone
-    TIE_LOAD = "tie-less-load"  # lowest cost shared (time); fewer requests, then fewer active blocks broke it
+    TIE_TURN = "tie-in-turn"  # (time) others differ from the lowest only by a queue shorter than one pass: in turn
     TIE_CACHE = "tie-smaller-cache"  # lowest logit shared; the smallest cache broke the tie
     TIE_RANDOM = "tie-random"  # lowest logit and cache size shared; chosen at random
     SOFTMAX = "softmax"  # sampled with temperature > 0
@@ -268,7 +269,7 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         **({"host": c.host_blocks, "disk": c.disk_blocks} if c.tiered else {}),
     )  # fmt: skip
     times = {"prefill_s": terms.prefill_s, "onboard_s": terms.onboard_s, "evict_s": terms.evict_s,
-             "memory_s": terms.memory_s}  # fmt: skip
+             "memory_s": terms.memory_s, "queue_s": terms.queue_s}  # fmt: skip
     return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
 
 
@@ -287,9 +288,11 @@ def is_hot_spot(active_blocks: Sequence[int] | np.ndarray, config: CostConfig) -
 
 
 def select(
-    c: Candidates, isl: int, num_blocks: int, config: CostConfig, rng: random.Random, speed: Speed = DEFAULT_SPEED
-) -> Selection:
-    """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks."""
+    c: Candidates, isl: int, num_blocks: int, config: CostConfig, rng: random.Random, speed: Speed = DEFAULT_SPEED,
+    turn: int = 0,
+) -> Selection:  # fmt: skip
+    """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks;
+    `turn` counts the caller's decisions (time cost: near-ties are taken in turn)."""
     table = cost_table(c, isl, num_blocks, config, speed)
     if len(c.worker_ids) == 1:
         return Selection(c.worker_ids[0], Reason.ONLY, table, 0, None)
@@ -300,9 +303,10 @@ def select(
     logits = table.logits
     if config.temperature > 0:
         index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
+    elif config.cost == "time":
+        index, reason = _in_turn(logits, logits - table.times["queue_s"], speed.pass_s, turn)
     else:
-        ties = [c.num_requests, c.active_blocks, c.cached_blocks] if config.cost == "time" else [c.cached_blocks]
-        index, reason = _argmin(logits, ties, rng)
+        index, reason = _argmin(logits, [c.cached_blocks], rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
 
 
@@ -342,7 +346,18 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
     return len(weights) - 1
 
 
-_TIE_REASONS = {1: (Reason.TIE_CACHE,), 3: (Reason.TIE_LOAD, Reason.TIE_LOAD, Reason.TIE_CACHE)}
+_TIE_REASONS = {1: (Reason.TIE_CACHE,)}
+
+
+def _in_turn(scores: np.ndarray, own: np.ndarray, band: float, turn: int) -> tuple[int, Reason]:
+    """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
+    same `own` cost) are taken in turn (in candidate order)."""
+    best = int(np.argmin(scores))
+    near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
+    tied = np.flatnonzero(near)
+    if len(tied) == 1:
+        return int(tied[0]), Reason.ARGMIN
+    return int(tied[turn % len(tied)]), Reason.TIE_TURN
 
 
 def _argmin(scores: np.ndarray, tie_breaks: list[np.ndarray], rng: random.Random) -> tuple[int, Reason]:

@@ -118,6 +118,8 @@ class KvRoutingPolicy:
         """Worker -> KV blocks it published (`LoadMetrics.total_blocks`); else the card's."""
         self._gaps: list[Gap] = []
         self._reported_event_id: dict[int, int] = {}
+        self._turn = 0
+        """Decisions taken: near-ties (time cost) are taken in turn."""
 
     ##### RoutingPolicy #####
 
@@ -237,7 +239,8 @@ class KvRoutingPolicy:
         if request.pinned_worker is not None and request.pinned_worker in workers:
             pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)
             return hashes, pinned, now
-        return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed), now
+        self._turn += 1
+        return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed, self._turn), now
 
     def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.

@@ -36,8 +36,19 @@ the cost of sending the request to w is
    blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
    the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
 
-Ties (within 1 ns) go to the worker with fewer requests in flight, then fewer active blocks, then the
-smaller cache, then at random.
+4. **Free copies** of a prompt in flight: a collision (a request finding every holder of its prompt busy)
+   needs another request of that prompt in flight, i.e. the prompt active on some worker (a > 0 there).
+   Then, if the copy evicts nothing and leaves the cache at most half full (roomy), its extra prefill is
+   paid once per worker, while collisions recur for as long as the prompt is hot, so the tokens it
+   computes beyond the best holder's are not counted: the copy costs what a hit costs. A prompt not in
+   flight (a finished conversation's history) and any copy under cache pressure pay in full.
+5. **Near-ties within one pass**: the router cannot see where in its current pass a worker is, which
+   moves a first token by up to one pass. So candidates whose cost differs from the lowest only by their
+   queue (equal own terms U / R, t_evict, t_memory), and by less than T0, a pass's fixed time (the
+   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are taken in turn (the
+   caller counts its decisions). Turns spread equal work evenly and keep arrivals in step, so passes
+   batch several prefills; a difference in own work (a hit) is never a tie, however wide T0.
+
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
 with nothing queued for prefill (others' TTFT includes a queue that grows with their length: fitted
@@ -58,9 +69,18 @@ Dynamo's formula reached only with w = 4 (92.3 %, RESULTS.md). TTFT: near round-
 workers run out of KV and queue (p50 ratio rr/kv ~ 7 measured with w = 4 at 94 %); below ~80 % the
 ratio is bounded by the mocker's pass floor (a hit still waits ~1.5 passes): ~1.4-1.7. In the default
 cache (C = 16,384) neither t_evict nor t_memory ever fires and every worker holds every prompt after
-warm-up, so the cost is (Q + 116) / R: the least queued prefill wins, ties the fewest requests.
-Predicted hit rate = round-robin's, TTFT ratio ~ 1.0, and no bunching (Dynamo's ties go to the
-smaller cache, which sends bursts to one worker).
+warm-up, so the cost is (Q + 116) / R: predicted hit rate = round-robin's and TTFT ratio ~ 1.0. Open
+loop measured so; closed loop did not, which points 4 and 5 fix:
+
+**Prediction for the default cache, closed loop** (20 prompts, 16,384 blocks, 32 clients; the only cell
+where points 1-3 lost to round-robin, measured TTFT p90 0.78 and p99 0.66). benchmarks/kv_routing_sim.py
+replays this router over the mocker's own scheduler in virtual time. With points 1-3 it reproduced the
+loss (rr / kv p50/p90/p99 1.02/0.75/0.63): 29 % of requests found every holder of their prompt mid-pass,
+and most prompts had one or two holders, since a copy cost 1,984 tokens against a few hundred queued.
+With 4 and 5 every prompt is copied to every worker early, as round-robin's caches are, and the cell
+is level: 1.00/1.00/1.00, hit rate 94.5 % on both. Its other predictions (2 seeds, 30 s measured): default
+cache open loop at 0.7 and 0.95 of capacity 1.00-1.01; cache pressure hit 94.1-94.5 %, rr / kv
+1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20).
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
@@ -79,6 +99,12 @@ from dynamo_cli.router.tiers import AS_DEVICE, TierCosts
 PRIOR_PREFILL_TPS = 20_000.0
 """Prefill tokens/s per worker before any is observed (an 8B model on one H100-class GPU, roughly)."""
 PRIOR_LIFETIME_S = 2.0
+PRIOR_PASS_S = 0.02
+"""T0, a pass's fixed time (the TTFT of a prompt with nothing to compute), before it is observed."""
+MAX_PASS_S = 0.25
+"""The learned T0 is clamped to [0, this]: a fit over a few noisy first tokens must not make every worker a tie."""
+ROOMY_FILL = 0.5
+"""A cache is roomy for a copy that leaves it at most this full and evicts nothing."""
 """Seconds a request stays in flight before any has finished."""
 MIN_FIT_SPREAD_TOKENS = 256.0
 """Observed uncached prompt lengths must differ by this (standard deviation) to fit the prefill speed."""
@@ -94,6 +120,9 @@ class Speed:
     """R: prompt tokens one worker computes per second."""
     lifetime_s: float
     """L: mean seconds a request stays in flight (route to end of stream)."""
+    pass_s: float = PRIOR_PASS_S
+    """T0: the fixed part of a first token's time (intercept of TTFT against uncached tokens); costs
+    closer than this are ties."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +132,9 @@ class TimeTerms:
     prefill_s: np.ndarray
     evict_s: np.ndarray
     memory_s: np.ndarray
+    queue_s: np.ndarray
+    """The part of prefill_s spent behind the prefills already queued there (Q / R): the only part that
+    near-ties (point 5) may disregard."""
     onboard_s: np.ndarray
     """Copying the prefix's host and disk blocks back into the engine's cache."""
 
@@ -134,9 +166,8 @@ def time_terms(
     `disk`: how many of the `overlap` blocks sit on those tiers (None: all on device)."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
-    prefill_s = (queued_prefill + uncached) / rate
     if host is None or disk is None:
-        onboard_s, on_device = np.zeros_like(prefill_s), overlap
+        onboard_s, on_device = np.zeros(len(overlap)), overlap
     else:
         onboard_s = (host * tiers.host_block_s + (host > 0) * tiers.host_latency_s
                      + disk * tiers.disk_block_s + (disk > 0) * tiers.disk_latency_s)  # fmt: skip
@@ -144,12 +175,17 @@ def time_terms(
     known = capacity > 0
     new_blocks = np.maximum(0, num_blocks - on_device)
     free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
+    copied = uncached - np.maximum(0, isl - int(overlap.max(initial=0)) * block_size)
+    if active_overlap.max(initial=0) > 0:  # the prompt is in flight somewhere: a copy is free if roomy
+        uncached = uncached - copied * (known & (cached + new_blocks <= ROOMY_FILL * capacity))
+    queue_s = queued_prefill / rate
+    prefill_s = queue_s + uncached / rate
     evicted = np.maximum(0, new_blocks - free) * known
     evict_s = evicted * (block_size / rate)
     held = active_blocks + in_flight
     overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
     memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
-    return TimeTerms(prefill_s, evict_s, memory_s, onboard_s)
+    return TimeTerms(prefill_s, evict_s, memory_s, queue_s, onboard_s)
 
 
 class SpeedEstimator:
@@ -161,7 +197,7 @@ class SpeedEstimator:
         self._sums = [0.0] * 5  # weight, x, y, xx, xy of (uncached tokens, time to first token)
         self._lifetime = PRIOR_LIFETIME_S
         self._lifetimes_seen = 0
-        self.speed = Speed(prefill_tokens_per_s or PRIOR_PREFILL_TPS, PRIOR_LIFETIME_S)
+        self.speed = Speed(prefill_tokens_per_s or PRIOR_PREFILL_TPS, PRIOR_LIFETIME_S, PRIOR_PASS_S)
         """The current estimate."""
 
     def observe_first_token(self, uncached_tokens: int, ttft_s: float) -> None:
@@ -170,15 +206,24 @@ class SpeedEstimator:
         s = self._sums
         for i, value in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = s[i] * d + value
+        rate = self.speed.prefill_tokens_per_s
         if self._fixed is None:
-            self.speed = Speed(self._fit() or self.speed.prefill_tokens_per_s, self._lifetime)
+            rate = self._fit() or rate
+        self.speed = Speed(rate, self._lifetime, self._pass_time(rate))
 
     def observe_lifetime(self, seconds: float) -> None:
         """A request left its worker `seconds` after it was routed."""
         self._lifetimes_seen += 1
         weight = max(1 - self._decay, 1 / self._lifetimes_seen)
         self._lifetime += weight * (seconds - self._lifetime)
-        self.speed = Speed(self.speed.prefill_tokens_per_s, self._lifetime)
+        self.speed = Speed(self.speed.prefill_tokens_per_s, self._lifetime, self.speed.pass_s)
+
+    def _pass_time(self, rate: float) -> float:
+        """T0 = mean TTFT - mean uncached tokens / R over the same observations (the fit's intercept)."""
+        w, x, y = self._sums[:3]
+        if w < 8:
+            return self.speed.pass_s
+        return min(MAX_PASS_S, max(0.0, (y - x / rate) / w))
 
     def _fit(self) -> float | None:
         w, x, y, xx, xy = self._sums

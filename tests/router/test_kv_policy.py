@@ -43,6 +43,9 @@ class Clock:
 
 
 def policy(**overrides: object) -> KvRoutingPolicy:
+    # A CPU-like 1,000 tokens/s: a hit of a few 16-token blocks saves more than one pass (T0 = 20 ms), so
+    # it is not a near-tie taken in turn (router/time_cost.py, point 5).
+    overrides.setdefault("prefill_tokens_per_s", 1000.0)
     config = KvRouterConfig(block_size=BLOCK, **overrides)  # type: ignore[arg-type]
     return KvRoutingPolicy(config, rng=random.Random(0))
 
@@ -175,7 +178,8 @@ def test_removing_a_worker_drops_its_blocks_and_load() -> None:
 def test_approximate_mode_remembers_its_own_decisions_for_the_ttl() -> None:
     clock = Clock()
     kv = KvRoutingPolicy(
-        KvRouterConfig(block_size=BLOCK, use_kv_events=False), rng=random.Random(5), clock=clock
+        KvRouterConfig(block_size=BLOCK, use_kv_events=False, prefill_tokens_per_s=1000.0), rng=random.Random(5),
+        clock=clock,
     )
     kv.apply_kv_events(stored_batch(3, 0, prompt(1)))  # ignored: no events in approximate mode
 

@@ -7,10 +7,11 @@ import random
 import pytest
 
 from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, Reason, select
-from dynamo_cli.router.time_cost import PRIOR_PREFILL_TPS, Speed, SpeedEstimator
+from dynamo_cli.router.time_cost import MAX_PASS_S, PRIOR_PREFILL_TPS, Speed, SpeedEstimator
 
 TIME = CostConfig(block_size=64, cost="time")
-SPEED = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0)
+SPEED = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.0)
+"""No tie band: the worked examples compare exact costs."""
 ISL, BLOCKS = 2100, 32  # a 2,000-token system prompt (31 full blocks) + 100 unique tokens
 
 
@@ -35,7 +36,8 @@ def test_the_holder_costs_its_suffix_and_one_evicted_block() -> None:
     # held 310 + 1 needed + 1 <= 512 -> no KV wait
     _, (costs, _) = choose(holder(), COLD)
 
-    expected = {"prefill_s": 0.0058, "onboard_s": 0.0, "evict_s": 0.0032, "memory_s": 0.0, "cost": 0.009}
+    expected = {"prefill_s": 0.0058, "onboard_s": 0.0, "evict_s": 0.0032, "memory_s": 0.0, "queue_s": 0.0,
+                "cost": 0.009}  # fmt: skip
     assert costs == pytest.approx(expected)
 
 
@@ -43,7 +45,8 @@ def test_a_cold_worker_pays_the_prompt_twice_under_cache_pressure() -> None:
     # U = 2100 -> 0.105 s; 32 new blocks, none free -> 32*64/20000 = 0.1024 s; 206 + 32 + 1 <= 512 -> 0
     chosen, (_, cold) = choose(holder(), COLD)
 
-    expected = {"prefill_s": 0.105, "onboard_s": 0.0, "evict_s": 0.1024, "memory_s": 0.0, "cost": 0.2074}
+    expected = {"prefill_s": 0.105, "onboard_s": 0.0, "evict_s": 0.1024, "memory_s": 0.0, "queue_s": 0.0,
+                "cost": 0.2074}  # fmt: skip
     assert cold == pytest.approx(expected)
     assert chosen == 1
 
@@ -62,24 +65,64 @@ def test_the_holder_loses_only_with_two_prompts_queued(queued: int, winner: int)
     assert choose(holder(queued), COLD)[0] == winner
 
 
-def test_without_pressure_a_copy_is_free_and_load_breaks_the_tie() -> None:
-    # default-sized caches: nothing evicted, nothing waits; equal hits and queues tie -> fewer active blocks
-    roomy = dict(overlap_blocks=31, cached_blocks=4000, capacity_blocks=16_384)
-    loads = [CandidateLoad(1, active_blocks=90, **roomy), CandidateLoad(2, active_blocks=40, **roomy)]
+ROOMY = dict(cached_blocks=4000, capacity_blocks=16_384)
+"""A default-sized cache a quarter full: a copy evicts nothing and leaves it under half full."""
+
+
+def test_without_pressure_a_copy_is_free_and_equal_costs_are_taken_in_turn() -> None:
+    # nothing evicted, nothing waits; equal hits and queues tie -> the caller's turn picks, whatever the load
+    loads = [CandidateLoad(1, active_blocks=90, overlap_blocks=31, **ROOMY),
+             CandidateLoad(2, active_blocks=40, overlap_blocks=31, **ROOMY)]  # fmt: skip
+    candidates = Candidates.from_loads(loads)
+    picks = [select(candidates, ISL, BLOCKS, TIME, random.Random(0), SPEED, turn) for turn in range(4)]
+
+    assert [c.times["evict_s"] + c.times["memory_s"] for c in picks[0].candidates] == [0.0, 0.0]
+    assert [(p.worker_id, p.reason) for p in picks] == [(1, Reason.TIE_TURN), (2, Reason.TIE_TURN)] * 2
+
+
+def test_costs_within_one_pass_are_ties_and_costs_beyond_are_not() -> None:
+    # T0 = 0.02 s: the holder with 300 tokens queued costs (300 + 116)/20000 = 0.0208, one with none 0.0058:
+    # 15 ms apart -> a tie; with 500 queued 0.0308: 25 ms apart -> the idle holder, alone
+    band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
+
+    def pick(queued: int, turn: int) -> tuple[int, Reason]:
+        loads = [CandidateLoad(1, overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
+                 CandidateLoad(2, overlap_blocks=31, **ROOMY)]  # fmt: skip
+        chosen = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), band, turn)
+        return chosen.worker_id, chosen.reason
+
+    assert [pick(300, turn) for turn in (0, 1)] == [(1, Reason.TIE_TURN), (2, Reason.TIE_TURN)]
+    assert [pick(500, turn) for turn in (0, 1)] == [(2, Reason.ARGMIN)] * 2
+
+
+def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_is_not() -> None:
+    # a non-holder's U = 2,100, of which 1,984 beyond the holder's 116: free while the prompt is active
+    # on some worker (a collision can happen), counted in full when it is not (a finished conversation)
+    def cold_prefill(active_overlap: int) -> float:
+        loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
+                 CandidateLoad(2, **ROOMY)]  # fmt: skip
+        selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
+        return selection.candidates[1].times["prefill_s"]
+
+    assert (cold_prefill(31), cold_prefill(0)) == pytest.approx((116 / 20_000, 2100 / 20_000))
+
+
+def test_a_copy_that_would_fill_the_cache_past_half_costs_its_whole_prompt() -> None:
+    # 8,170 cached + 32 new > 8,192 = half of 16,384: not roomy, the copy's 2,100 tokens count in full
+    loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
+             CandidateLoad(2, cached_blocks=8170, capacity_blocks=16_384)]  # fmt: skip
     selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
 
-    assert [c.times["evict_s"] + c.times["memory_s"] for c in selection.candidates] == [0.0, 0.0]
-    assert (selection.worker_id, selection.reason, selection.margin) == (2, Reason.TIE_LOAD, 0.0)
+    assert selection.candidates[1].times["prefill_s"] == pytest.approx(2100 / 20_000)
 
 
-def test_a_tie_goes_to_fewer_requests_before_fewer_active_blocks() -> None:
-    # 10 requests sharing one prompt hold 60 unique blocks; 6 requests of 6 prompts hold 200: each request
-    # still costs a decode slot, so the worker with 6 wins the tie
-    roomy = dict(overlap_blocks=31, cached_blocks=4000, capacity_blocks=16_384)
-    loads = [CandidateLoad(1, active_blocks=60, num_requests=10, **roomy),
-             CandidateLoad(2, active_blocks=200, num_requests=6, **roomy)]  # fmt: skip
-    selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
-    assert (selection.worker_id, selection.reason) == (2, Reason.TIE_LOAD)
+def test_a_hit_is_never_a_near_tie_however_wide_the_band() -> None:
+    # a 200 ms band holds both (holder 0.0058 s, cold 0.105 s) but they differ in their own work: argmin
+    wide = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.2)
+    loads = [CandidateLoad(1, overlap_blocks=31, **ROOMY), CandidateLoad(2, **ROOMY)]
+    picks = [select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), wide, turn) for turn in (0, 1)]
+
+    assert [(p.worker_id, p.reason) for p in picks] == [(1, Reason.ARGMIN)] * 2
 
 
 def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
@@ -92,7 +135,9 @@ def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
 
-    assert costs == pytest.approx({"prefill_s": 0.15, "onboard_s": 0.0, "evict_s": 0.0, "memory_s": 0.0, "cost": 0.15})
+    expected = {"prefill_s": 0.15, "onboard_s": 0.0, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000,
+                "cost": 0.15}  # fmt: skip
+    assert costs == pytest.approx(expected)
 
 
 def test_the_prefill_speed_is_learned_from_time_to_first_token() -> None:
@@ -103,6 +148,7 @@ def test_the_prefill_speed_is_learned_from_time_to_first_token() -> None:
         estimator.observe_first_token(uncached, 0.020 + uncached / 50_000)
 
     assert estimator.speed.prefill_tokens_per_s == pytest.approx(50_000)
+    assert estimator.speed.pass_s == pytest.approx(0.020)  # the floor is the fit's intercept, T0
 
 
 def test_same_length_prompts_keep_the_prior_and_a_set_speed_is_kept() -> None:
@@ -113,6 +159,16 @@ def test_same_length_prompts_keep_the_prior_and_a_set_speed_is_kept() -> None:
 
     assert learner.speed.prefill_tokens_per_s == PRIOR_PREFILL_TPS
     assert fixed.speed.prefill_tokens_per_s == 9_000
+    # T0 = mean TTFT - mean uncached / R still follows: 0.05 - 116 / 20,000 for the learner
+    assert learner.speed.pass_s == pytest.approx(0.05 - 116 / PRIOR_PREFILL_TPS)
+
+
+def test_a_noisy_intercept_is_clamped_so_it_cannot_make_every_worker_a_tie() -> None:
+    estimator = SpeedEstimator(prefill_tokens_per_s=1000)
+    for _ in range(50):
+        estimator.observe_first_token(100, 5.0)  # 5 s queues behind a few uncached tokens
+
+    assert estimator.speed.pass_s == MAX_PASS_S
 
 
 def test_the_lifetime_is_a_running_mean_of_time_in_flight() -> None:
