@@ -70,8 +70,10 @@ class LowerTiers:
 
     def hits(self, prefix: Sequence[int]) -> TierHits:
         """Split a matched prefix (every block held on some tier) by the fastest tier holding each."""
-        off = [h for h in prefix if h in self.off_device]
-        host = sum(1 for h in off if h in self.host)
+        off = self.off_device.intersection(prefix)  # a prefix's sequence hashes are distinct
+        if not off:
+            return TierHits(len(prefix), 0, 0)
+        host = len(self.host.intersection(off))
         return TierHits(len(prefix) - len(off), host, len(off) - host)
 
 
@@ -180,13 +182,23 @@ class KvIndexer:
         return match_prefix(self._masks, hashes, self._slots.worker_at, self._blocks)
 
     def tier_hits(self, hashes: Sequence[int], matches: Mapping[int, int]) -> dict[int, TierHits]:
-        """For the workers of `matches` (`find_matches(hashes)`) holding lower-tier blocks: the split of
-        their matched prefix by tier. A worker left out holds its whole prefix on device."""
+        """For the workers of `matches` (`find_matches(hashes)`) whose matched prefix has blocks below the
+        device tier: its split by tier. A worker left out holds its whole prefix on device."""
         lower = self._lower
         if not lower:
             return {}
-        pairs = ((w, lower.get(w), depth) for w, depth in matches.items())
-        return {w: tiers.hits(hashes[:depth]) for w, tiers, depth in pairs if tiers is not None}
+        split: dict[int, TierHits] = {}
+        prefixes: dict[int, Sequence[int]] = {}  # workers leave the walk at a few depths: slice once each
+        for worker, depth in matches.items():
+            tiers = lower.get(worker)
+            if tiers is None:
+                continue
+            prefix = prefixes.get(depth)
+            if prefix is None:
+                prefix = prefixes[depth] = hashes[:depth]
+            if not tiers.off_device.isdisjoint(prefix):
+                split[worker] = tiers.hits(prefix)
+        return split
 
     def num_blocks(self, worker_id: int) -> int:
         """How many blocks `worker_id` caches on device (the tie-breaker: fewer wins)."""
