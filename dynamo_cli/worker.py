@@ -29,7 +29,7 @@ from dynamo_cli.engine import (
     load_engine,
 )
 from dynamo_cli.errors import ConfigError, DynError, RequestError
-from dynamo_cli.kv.events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
+from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.runtime.discovery import Discovery
@@ -132,9 +132,8 @@ class Worker:
                 self._blocks[event.tier].update(block.block_hash for block in event.blocks)
             elif type(event) is BlockRemoved:
                 self._blocks[event.tier].difference_update(event.block_hashes)
-            elif type(event) is AllBlocksCleared:
-                for held in self._blocks.values():
-                    held.clear()
+            elif type(event) is AllBlocksCleared:  # the device tier; lower tiers send their own removals
+                self._blocks[DEVICE].clear()
 
     async def kv_events_since(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: replay kept KV event batches from event id `body` on; `too_old` if they are gone."""

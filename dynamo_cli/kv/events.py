@@ -45,7 +45,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
-    """The whole cache was dropped."""
+    """The engine's whole own cache (the device tier) was dropped; lower tiers report their own removals."""
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -12,7 +12,9 @@ mask and the worker's set hold the union of its tiers, so the prefix walk is the
 a worker that ever held a lower-tier block gets a `LowerTiers` record (its host and disk sets and the
 blocks of the union that are *not* on device), and only for those workers the matched prefix is split
 by tier afterwards (the fastest tier counts). A device-only worker has no record, so its stores,
-removals and queries run the same bytecodes as before tiers existed. `AllBlocksCleared` clears every tier.
+removals and queries run the same bytecodes as before tiers existed. `AllBlocksCleared` clears the device
+tier (the engine's own cache: vLLM's prefix-cache reset, llamacpp's reset after a failed step); blocks on
+lower tiers leave with their own removal events.
 
 Event ids are per worker, from 0, without gaps. A batch that arrives ahead of the next expected id is
 held back and reported as a `Gap`; the caller fetches the missing batches from the worker (its ring
@@ -373,7 +375,11 @@ class KvIndexer:
             elif isinstance(event, BlockRemoved):
                 self.remove_blocks(worker, event.block_hashes, event.tier)
             elif isinstance(event, AllBlocksCleared):
-                self.clear_worker(worker)
+                lower = self._lower.get(worker)
+                if lower is None:
+                    self.clear_worker(worker)
+                else:
+                    self.remove_blocks(worker, list(self._blocks.get(worker, set()) - lower.off_device))
         self._next_event[worker] = batch.event_id + 1
         self.num_batches_applied += 1
 

@@ -79,11 +79,14 @@ def test_a_block_leaves_the_index_only_when_its_last_tier_drops_it() -> None:
     assert indexer.blocks_of(1) == frozenset() and indexer.tier_hits([B], {1: 1}) == {}  # back to device-only
 
 
-def test_a_clear_drops_every_tier_and_a_dump_restores_each() -> None:
+def test_a_clear_drops_the_device_tier_and_a_dump_restores_each() -> None:
     indexer = KvIndexer()
-    feed(indexer, 1, stored(A, B), stored(C, tier="host"), stored(D, tier="disk"))
-    feed(indexer, 1, AllBlocksCleared())
-    assert indexer.blocks_of(1) == frozenset() and indexer.num_blocks(1) == 0
+    feed(indexer, 1, stored(A, B, C), stored(C, tier="host"), stored(D, tier="disk"))
+    feed(indexer, 1, AllBlocksCleared())  # the engine's own cache; its host and disk blocks stay
+    assert indexer.blocks_of(1) == {C, D} and indexer.num_blocks(1) == 0
+    assert indexer.find_matches([A, B]) == {} and hits(indexer, [C, D]) == {1: (0, 1, 1)}
+    indexer.clear_worker(1)  # a dump or a departure: every tier
+    assert indexer.blocks_of(1) == frozenset()
 
     indexer.load_dump(1, [A], last_event_id=5, host=[A, B], disk=[C])
     assert hits(indexer, [A, B, C, D]) == {1: (1, 1, 1)}
