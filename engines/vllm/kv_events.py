@@ -86,8 +86,7 @@ class KvEventRehasher:
             elif tag == "BlockRemoved":
                 event = self._removed(fields)
             elif tag == "AllBlocksCleared":
-                self._ours.clear()
-                self._lower.clear()
+                self._clear_device()
                 event = AllBlocksCleared()
             if event is not None:
                 out.append(event)
@@ -132,6 +131,13 @@ class KvEventRehasher:
             return None
         ours = [h for h in (self._forget(_key(engine_hash), tier) for engine_hash in fields[0]) if h is not None]
         return BlockRemoved(block_hashes=ours, tier=tier) if ours else None
+
+    def _clear_device(self) -> None:
+        """The engine's own cache was reset: keep the translations of blocks still held on a lower tier."""
+        for tiers in self._lower.values():
+            tiers.discard(DEVICE)
+        self._lower = {k: tiers for k, tiers in self._lower.items() if tiers}
+        self._ours = {k: ours for k, ours in self._ours.items() if k in self._lower}
 
     def _forget(self, engine_hash: Hashable, tier: Tier) -> int | None:
         """Our hash of a block leaving `tier` (None: not held there); kept while another tier holds it."""

@@ -491,6 +491,7 @@ def test_the_rehasher_maps_media_to_tiers_and_keeps_a_block_until_its_last_tier_
     assert chained[0].tier == "disk" and chained[0].parent_hash == ours[1]  # type: ignore[union-attr]
     assert rehasher.convert([["BlockRemoved", [1, 2], "CPU"]]) == [BlockRemoved(block_hashes=ours, tier="host")]
     assert len(rehasher) == 1  # only the disk block is still translated
+    assert rehasher.convert([["AllBlocksCleared"]]) == [AllBlocksCleared()] and len(rehasher) == 1  # GPU only
     assert rehasher.convert([["BlockStored", [9], None, TOKENS[:16], 16, None, "TAPE"]]) == []  # unknown medium
     assert (tier_of(None), tier_of("cpu"), tier_of("SSD"), tier_of("NVRAM")) == ("device", "host", "disk", None)
 
