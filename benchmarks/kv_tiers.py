@@ -117,6 +117,12 @@ def user_messages(args: argparse.Namespace, pool: list[int], seed: int) -> list[
     return out
 
 
+def first_tokens(pool: list[int], n: int) -> list[int]:
+    """`n` distinct tokens to start the conversations with (the corpus's, then ids from 1000)."""
+    firsts = list(dict.fromkeys(pool))[:n]
+    return firsts + [t for t in range(1000, 1000 + n) if t not in set(firsts)][: n - len(firsts)]
+
+
 def engine_cache(args: argparse.Namespace, messages: list[list[list[int]]]) -> tuple[int, int]:
     """(tokens the engine's own cache gets, the conversations' total KV in tokens)."""
     finals = [1 + sum(len(m) for m in turns) + args.max_tokens for turns in messages]
@@ -296,9 +302,7 @@ def main() -> None:
     from dynamo_cli.model.tokenizer import load_tokenizer
 
     pool = load_tokenizer(kr.MODEL).encode(kr.CORPUS)
-    firsts = list(dict.fromkeys(pool))[: args.conversations]
-    if len(firsts) < args.conversations:
-        firsts += [t for t in range(1000, 1000 + args.conversations) if t not in set(firsts)]
+    firsts = first_tokens(pool, args.conversations)
     messages = user_messages(args, pool, args.seed)
     cache_tokens, total_tokens = engine_cache(args, messages)
     print(f"{args.conversations} conversations x {args.turns} turns: {total_tokens} KV tokens in all; engine cache "

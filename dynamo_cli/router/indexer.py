@@ -164,8 +164,7 @@ class KvIndexer:
 
     def __init__(self, max_held_batches: int = MAX_HELD_BATCHES) -> None:
         self._masks: dict[int, int] = {}
-        self._blocks: dict[int, set[int]] = {}
-        """Worker -> every block it holds on any tier."""
+        self._blocks: dict[int, set[int]] = {}  # worker -> every block it holds, on any tier
         self._lower: dict[int, LowerTiers] = {}
         self._slots = WorkerSlots()
         self._next_event: dict[int, int] = {}
@@ -192,14 +191,10 @@ class KvIndexer:
         split: dict[int, TierHits] = {}
         prefixes: dict[int, Sequence[int]] = {}  # workers leave the walk at a few depths: slice once each
         for worker, depth in matches.items():
-            tiers = lower.get(worker)
-            if tiers is None:
-                continue
-            prefix = prefixes.get(depth)
-            if prefix is None:
-                prefix = prefixes[depth] = hashes[:depth]
-            if not tiers.off_device.isdisjoint(prefix):
-                split[worker] = tiers.hits(prefix)
+            if (tiers := lower.get(worker)) is not None:
+                prefix = prefixes.get(depth) or prefixes.setdefault(depth, hashes[:depth])
+                if not tiers.off_device.isdisjoint(prefix):
+                    split[worker] = tiers.hits(prefix)
         return split
 
     def num_blocks(self, worker_id: int) -> int:
@@ -221,12 +216,9 @@ class KvIndexer:
 
     def blocks_of(self, worker_id: int, tier: Tier | None = None) -> frozenset[int]:
         """A snapshot of the sequence hashes `worker_id` caches on `tier` (None: on any tier)."""
-        union = self._blocks.get(worker_id, set())
-        lower = self._lower.get(worker_id)
-        if tier is None or (tier == DEVICE and lower is None):
-            return frozenset(union)
-        if tier == DEVICE:
-            return frozenset(union - lower.off_device)  # type: ignore[union-attr]
+        union, lower = self._blocks.get(worker_id, set()), self._lower.get(worker_id)
+        if tier is None or tier == DEVICE:
+            return frozenset(union if tier is None or lower is None else union - lower.off_device)
         return frozenset(() if lower is None else lower.host if tier == HOST else lower.disk)
 
     def next_event_id(self, worker_id: int) -> int:

@@ -162,8 +162,8 @@ def time_terms(
     disk: np.ndarray | None = None,
     tiers: TierCosts = AS_DEVICE,
 ) -> TimeTerms:
-    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown. `host` and
-    `disk`: how many of the `overlap` blocks sit on those tiers (None: all on device)."""
+    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown; `host`, `disk`:
+    how many of the `overlap` blocks sit on those tiers (None: all on device)."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
     if host is None or disk is None:
