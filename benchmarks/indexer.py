@@ -8,6 +8,8 @@ worker, prefix hit on most), a shared prefix then unseen blocks, or all unseen b
     python benchmarks/indexer.py                      # 64 workers x 100k blocks
     python benchmarks/indexer.py --workers 128        # the issue-15 bar: select p99 <= 1 ms at 128 workers
     python benchmarks/indexer.py --workers 8 --blocks-per-worker 20000 --json /tmp/idx.json
+    python benchmarks/indexer.py --workers 128 --offload-fraction 0.5   # half the system prompts' holders
+                                                   # keep its second half on host only (KV tiers)
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--selects", type=int, default=5_000, help="routing decisions timed per cost")
+    parser.add_argument("--offload-fraction", type=float, default=0.0,
+                        help="select: share of a system prompt's holders that keep its second half on host only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="default: benchmarks/out/indexer.json")
     return parser.parse_args(argv)
@@ -218,7 +222,11 @@ def bench_select(indexer: KvIndexer, args: argparse.Namespace, rng: random.Rando
     for system in systems:
         hashes = sequence_hashes(system, 16)
         for worker in rng.sample(range(args.workers), rng.randint(1, min(8, args.workers))):
-            indexer.store_blocks(worker, hashes)
+            if args.offload_fraction and rng.random() < args.offload_fraction:  # offloaded: a tiered split
+                indexer.store_blocks(worker, hashes[:16])
+                indexer.store_blocks(worker, hashes[16:], "host")
+            else:
+                indexer.store_blocks(worker, hashes)
     requests = [rng.choice(systems) + [rng.randrange(32_000) for _ in range(512)] for _ in range(args.selects)]
     hashing = _timed(lambda: sequence_hashes(requests[0], 16), 2000)
     results: dict[str, Any] = {"hash_64_blocks": percentiles(hashing[0])}

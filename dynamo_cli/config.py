@@ -21,6 +21,8 @@ CLUSTER_SECRET_ENV = "DYN_CLUSTER_SECRET"
 
 ROUTER_COSTS = ("time", "dynamo")
 """`--router-cost`: the KV router's cost function."""
+KV_BYTES_PER_TOKEN = 131_072
+"""KV bytes per token when the card does not say (Llama-3-8B fp16; router/tiers.py has the derivation)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,14 @@ class KvRouterConfig:
     """Approximate mode: seconds a routed prefix is presumed cached."""
     approx_max_blocks: int = 1 << 20
     """Approximate mode: entries kept before pruning to 80 %."""
+    host_bandwidth_gbs: float = 20.0
+    """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; router/tiers.py)."""
+    disk_bandwidth_gbs: float = 4.0
+    """GB/s of an onboard from local disk (one NVMe Gen4 SSD; router/tiers.py)."""
+    tier_weights: tuple[tuple[str, float], ...] = ()
+    """`dynamo` cost: (tier, weight) of a host or disk hit against a device hit; unset = from bandwidths."""
+    kv_bytes_per_block: int | None = None
+    """KV bytes of one block; None = the card's, else KV_BYTES_PER_TOKEN per token."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,16 +79,21 @@ class KvRouterConfig:
             (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
             (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
             (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
+            (self.host_bandwidth_gbs > 0, "host_bandwidth_gbs", self.host_bandwidth_gbs, "use a positive GB/s"),
+            (self.disk_bandwidth_gbs > 0, "disk_bandwidth_gbs", self.disk_bandwidth_gbs, "use a positive GB/s"),
+            (all(t in ("host", "disk") and 0 <= w <= 1 for t, w in self.tier_weights), "tier_weights",
+             self.tier_weights, "use host=W,disk=W with W in [0, 1]"),
         ]
         for ok, name, value, fix in checks:
             if not ok:
                 raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
 
     def for_card(self, card: ModelCard) -> KvRouterConfig:
-        """This config with the card's block size and KV capacity, unless they were set."""
+        """This config with the card's block size, KV capacity and KV bytes per block, unless they were set."""
         block_size = self.block_size if self.block_size is not None else card.kv_cache_block_size
         total = self.total_kv_blocks if self.total_kv_blocks is not None else card.total_kv_blocks
-        return replace(self, block_size=block_size, total_kv_blocks=total)
+        nbytes = self.kv_bytes_per_block or card.kv_bytes_per_block or KV_BYTES_PER_TOKEN * block_size
+        return replace(self, block_size=block_size, total_kv_blocks=total, kv_bytes_per_block=nbytes)
 
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")

@@ -23,6 +23,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []
     vocab_size: int = 0
     """Token ids the model knows (0..vocab_size-1); 0: unknown."""
+    kv_bytes_per_block: int = 0
+    """KV cache bytes of one block (`EngineInfo.extra["kv_bytes_per_block"]`); 0: unknown (the router's
+    tier costs then assume a default)."""
     features: list[str] = []
     """`Feature` values the engine honours (engine.py); what is not listed is refused at the frontend."""
     bootstrap: str | None = None
@@ -43,6 +46,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             max_num_batched_tokens=info.max_num_batched_tokens,
             eos_token_ids=list(info.eos_token_ids),
             vocab_size=info.vocab_size,
+            kv_bytes_per_block=int(info.extra.get("kv_bytes_per_block", 0)),
             features=sorted(f.value for f in info.features),
             bootstrap=info.extra.get("bootstrap") if role is Role.PREFILL else None,
         )

@@ -29,7 +29,7 @@ from dynamo_cli.engine import (
     load_engine,
 )
 from dynamo_cli.errors import ConfigError, DynError, RequestError
-from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
+from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.runtime.discovery import Discovery
@@ -66,7 +66,8 @@ class Worker:
         self._request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
         self._chunk_encoder = msgspec.msgpack.Encoder()
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
-        self._blocks: set[int] = set()
+        self._blocks: dict[str, set[int]] = {tier: set() for tier in TIERS}
+        """Tier -> the blocks held there (a block may sit on several tiers)."""
         self._last_event_id = -1
         self.kv = KvMover(config)
 
@@ -128,11 +129,11 @@ class Worker:
         self._last_event_id = batch.event_id
         for event in batch.events:
             if type(event) is BlockStored:
-                self._blocks.update(block.block_hash for block in event.blocks)
+                self._blocks[event.tier].update(block.block_hash for block in event.blocks)
             elif type(event) is BlockRemoved:
-                self._blocks.difference_update(event.block_hashes)
-            elif type(event) is AllBlocksCleared:
-                self._blocks.clear()
+                self._blocks[event.tier].difference_update(event.block_hashes)
+            elif type(event) is AllBlocksCleared:  # the device tier; lower tiers send their own removals
+                self._blocks[DEVICE].clear()
 
     async def kv_events_since(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: replay kept KV event batches from event id `body` on; `too_old` if they are gone."""
@@ -145,9 +146,10 @@ class Worker:
                 yield payload
 
     async def kv_dump(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """Endpoint: the whole cached block set and the event id it is current to."""
+        """Endpoint: the whole cached block set, per tier, and the event id it is current to."""
+        device, host, disk = (sorted(self._blocks[tier]) for tier in TIERS)
         yield msgspec.msgpack.encode(KvDump(worker_id=self.instance_id, last_event_id=self._last_event_id,
-                                            block_hashes=sorted(self._blocks)))  # fmt: skip
+                                            block_hashes=device, host_hashes=host, disk_hashes=disk))  # fmt: skip
 
     async def pump_load(self) -> None:
         """Publish the engine's load when it changes (at most every LOAD_INTERVAL_S) and at least every

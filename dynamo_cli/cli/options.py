@@ -25,6 +25,7 @@ from dynamo_cli.config import (
 )
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.router.tiers import parse_tier_weights
 from dynamo_cli.runtime.handshake import MIN_SECRET_BYTES, new_secret
 
 _LIBRARY = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm", "llamacpp": "llama_cpp"}
@@ -177,14 +178,34 @@ RouterPrefillTps = Annotated[
 ]  # fmt: skip
 
 
+RouterTierWeights = Annotated[
+    str,
+    typer.Option("--router-tier-weights", envvar="DYN_ROUTER_TIER_WEIGHTS",
+                 help="KV router, dynamo cost: worth of a host/disk hit vs a device hit, host=W,disk=W "
+                      "(default: from the bandwidths).")
+]  # fmt: skip
+RouterHostGbs = Annotated[
+    float,
+    typer.Option("--router-host-bandwidth-gbs", envvar="DYN_ROUTER_HOST_BANDWIDTH_GBS",
+                 help="KV router: GB/s of an onboard from the host-memory tier."),
+]  # fmt: skip
+RouterDiskGbs = Annotated[
+    float,
+    typer.Option("--router-disk-bandwidth-gbs", envvar="DYN_ROUTER_DISK_BANDWIDTH_GBS",
+                 help="KV router: GB/s of an onboard from the disk tier."),
+]  # fmt: skip
+
+
 def kv_router(
     block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float,
-    cost: str = KV_ROUTER.cost, prefill_tps: float | None = KV_ROUTER.prefill_tokens_per_s,
+    cost: str = KV_ROUTER.cost, prefill_tps: float | None = KV_ROUTER.prefill_tokens_per_s, tier_weights: str = "",
+    host_gbs: float = KV_ROUTER.host_bandwidth_gbs, disk_gbs: float = KV_ROUTER.disk_bandwidth_gbs,
 ) -> KvRouterConfig:  # fmt: skip
     """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
     return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
                           use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl,
-                          cost=cost, prefill_tokens_per_s=prefill_tps)  # fmt: skip
+                          cost=cost, prefill_tokens_per_s=prefill_tps, tier_weights=parse_tier_weights(tier_weights),
+                          host_bandwidth_gbs=host_gbs, disk_bandwidth_gbs=disk_gbs)  # fmt: skip
 
 
 ##### Disaggregation (shared by `dyn serve` and `dyn router`) #####

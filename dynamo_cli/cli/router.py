@@ -31,6 +31,9 @@ def command(
     block_size: o.BlockSize = None,
     router_cost: o.RouterCost = o.KV_ROUTER.cost,
     router_prefill_tps: o.RouterPrefillTps = o.KV_ROUTER.prefill_tokens_per_s,
+    router_tier_weights: o.RouterTierWeights = "",
+    router_host_bandwidth_gbs: o.RouterHostGbs = o.KV_ROUTER.host_bandwidth_gbs,
+    router_disk_bandwidth_gbs: o.RouterDiskGbs = o.KV_ROUTER.disk_bandwidth_gbs,
     kv_overlap_score_weight: o.OverlapWeight = o.KV_ROUTER.overlap_score_weight,
     router_temperature: o.RouterTemperature = o.KV_ROUTER.temperature,
     kv_events: o.KvEvents = o.KV_ROUTER.use_kv_events,
@@ -59,7 +62,8 @@ def command(
     check_exposure(host, secret)
     weight, temperature = kv_overlap_score_weight, router_temperature
     kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl, router_cost,
-                            router_prefill_tps)  # fmt: skip
+                            router_prefill_tps, router_tier_weights, router_host_bandwidth_gbs,
+                            router_disk_bandwidth_gbs)  # fmt: skip
     config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
                                  kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
                                  planes=o.planes(discovery, events, lease_ttl, secret),

@@ -45,7 +45,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag="removed"):
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag="cleared"):
-    """The whole cache was dropped."""
+    """The engine's whole own cache (the device tier) was dropped; lower tiers report their own removals."""
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -66,3 +66,8 @@ class KvDump(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: int
     last_event_id: int
     block_hashes: list[int]
+    """Blocks on the device tier (the engine's own cache)."""
+    host_hashes: list[int] = []
+    """Blocks in host memory (a block may sit on several tiers)."""
+    disk_hashes: list[int] = []
+    """Blocks on local disk."""

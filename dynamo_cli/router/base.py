@@ -122,8 +122,11 @@ class RepairsKvGaps(Protocol):
 
     def apply_kv_events(self, batch: KvEventBatch) -> None: ...
 
-    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
-        """Replace what the policy knows of a worker's cache by the worker's own dump."""
+    def load_dump(
+        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        disk: Iterable[int] = (),
+    ) -> None:  # fmt: skip
+        """Replace what the policy knows of a worker's cache (device, host and disk tiers) by its own dump."""
         ...
 
 

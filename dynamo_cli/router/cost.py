@@ -2,12 +2,13 @@
 
 Two costs, lower wins (`--router-cost`):
 
-- `time` (default): seconds of prefill wait, evictions and KV queueing (time_cost.py has the derivation).
+- `time` (default): seconds of prefill wait, onboarding, evictions and KV queueing (time_cost.py has the
+  derivation; a hit on host or disk costs its onboard time, tiers.py).
 - `dynamo`: `logit = w * prefill_blocks + decode_blocks` (Dynamo >= 0.4, reference dynamo.md 4.5), with
   `prefill_blocks = (active_prefill_tokens + max(0, isl - overlap * block_size)) / block_size`, the prompt
   tokens this worker would still compute behind the prefills queued there, and `decode_blocks =
   active_blocks + (num_blocks - active_overlap_blocks)`, its unique active KV blocks once this request's
-  join them.
+  join them. A hit on host or disk counts as `w_t` of a device hit in `overlap` (tiers.py).
 
 Temperature 0 takes the argmin. With `time`, costs within one pass's fixed time (T0, learned) of the
 lowest are ties, taken in turn (time_cost.py, point 5); with `dynamo`, ties go to the smaller cache, then
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dynamo_cli.router.tiers import AS_DEVICE, TierCosts
 from dynamo_cli.router.time_cost import Speed, SpeedEstimator, time_terms
 
 TIE_TOLERANCE = 1e-9
@@ -58,6 +60,8 @@ class CostConfig:
     """Absolute threshold: max - min active blocks across the candidates."""
     hot_spot_ratio: float = 0.5
     """Relative threshold: (max - min) / max active blocks."""
+    tiers: TierCosts = AS_DEVICE
+    """What a host or disk hit costs (onboard time) or counts for (weight); default: as a device hit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +70,7 @@ class CandidateLoad:
 
     worker_id: int
     overlap_blocks: int = 0
-    """Blocks of the request's prefix the worker caches (indexer)."""
+    """Blocks of the request's prefix the worker caches on any tier (indexer)."""
     active_prefill_tokens: int = 0
     """Prompt tokens routed to the worker whose first token has not come back."""
     active_blocks: int = 0
@@ -79,6 +83,14 @@ class CandidateLoad:
     """Requests in flight on the worker."""
     capacity_blocks: int = 0
     """The worker's KV capacity in blocks (0 = unknown)."""
+    host_blocks: int = 0
+    """Of `overlap_blocks`, those held in host memory and not on device."""
+    disk_blocks: int = 0
+    """Of `overlap_blocks`, those held only on disk."""
+
+
+_COLUMNS = ("overlap_blocks", "active_prefill_tokens", "active_blocks", "active_overlap_blocks", "cached_blocks",
+            "num_requests", "capacity_blocks", "host_blocks", "disk_blocks")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +105,24 @@ class Candidates:
     cached_blocks: np.ndarray
     num_requests: np.ndarray
     capacity_blocks: np.ndarray
+    host_blocks: np.ndarray
+    disk_blocks: np.ndarray
+    tiered: bool = False
+    """False: every hit is on device (host and disk are zeros), so the cost skips the tier terms."""
 
     @classmethod
     def of(cls, worker_ids: Sequence[int], *columns: Sequence[int]) -> Candidates:
-        """From one list per field, in field order after `worker_ids`."""
-        return cls(worker_ids, *(np.array(column, dtype=np.int64) for column in columns))
+        """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
+        arrays = [np.array(column, dtype=np.int64) for column in columns]
+        tiered = len(arrays) == len(_COLUMNS)
+        arrays += [np.zeros(len(worker_ids), dtype=np.int64)] * (len(_COLUMNS) - len(arrays))
+        overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = arrays
+        return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered)
 
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
         """From one `CandidateLoad` per candidate."""
-        names = ("overlap_blocks", "active_prefill_tokens", "active_blocks", "active_overlap_blocks",
-                 "cached_blocks", "num_requests", "capacity_blocks")  # fmt: skip
-        return cls.of([load.worker_id for load in loads], *([getattr(x, n) for x in loads] for n in names))
+        return cls.of([load.worker_id for load in loads], *([getattr(x, n) for x in loads] for n in _COLUMNS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +137,17 @@ class CandidateCost:
     active_blocks: int
     cached_blocks: int
     times: dict[str, float] = field(default_factory=dict)
-    """`time` cost only: prefill_s, evict_s, memory_s (their sum is the logit), and queue_s, the part of
-    prefill_s spent behind prefills queued there."""
+    """`time` cost only: prefill_s, onboard_s, evict_s, memory_s (their sum is the logit), and queue_s, the
+    part of prefill_s spent behind prefills queued there."""
+    hits: dict[str, int] = field(default_factory=dict)
+    """The cached prefix per tier: device, host, disk (the fastest tier holding each block)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view."""
         view = {
             "worker_id": self.worker_id,
             "overlap_blocks": self.overlap_blocks,
+            "hits": self.hits,
             "prefill_blocks": self.prefill_blocks,
             "decode_blocks": self.decode_blocks,
             "logit": self.logit,
@@ -158,9 +179,14 @@ class CostTable:
         overlap, prefill, decode, logit, active, cached = (column[at].tolist() for column in columns)
         times = [dict(zip(self.times, row, strict=True))
                  for row in zip(*(t[at].tolist() for t in self.times.values()), strict=True)]  # fmt: skip
+        if c.tiered:
+            host, disk = c.host_blocks[at].tolist(), c.disk_blocks[at].tolist()
+            hits = [{"device": o - h - d, "host": h, "disk": d} for o, h, d in zip(overlap, host, disk, strict=True)]
+        else:
+            hits = [{"device": o, "host": 0, "disk": 0} for o in overlap]
         return [
             CandidateCost(c.worker_ids[i], overlap[n], prefill[n], decode[n], logit[n], active[n], cached[n],
-                          times[n] if times else {})  # fmt: skip
+                          times[n] if times else {}, hits[n])  # fmt: skip
             for n, i in enumerate(indices)
         ]
 
@@ -224,21 +250,26 @@ class Selection:
 
 def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed) -> CostTable:
     """Every candidate's cost terms for a request of `isl` tokens and `num_blocks` full blocks."""
-    bs = config.block_size
-    uncached = np.maximum(0, isl - c.overlap_blocks * bs)
-    prefill_blocks = (c.active_prefill_tokens + uncached) / bs
+    bs, tiers = config.block_size, config.tiers
     decode_blocks = c.active_blocks + np.maximum(0, num_blocks - c.active_overlap_blocks)
     if config.cost == "dynamo":
+        overlap = c.overlap_blocks
+        if c.tiered:
+            overlap = overlap - c.host_blocks * (1 - tiers.host_weight) - c.disk_blocks * (1 - tiers.disk_weight)
+        uncached = np.maximum(0, isl - overlap * bs)
+        prefill_blocks = (c.active_prefill_tokens + uncached) / bs
         return CostTable(c, prefill_blocks, decode_blocks, config.overlap_score_weight * prefill_blocks
                          + decode_blocks, {})  # fmt: skip
+    prefill_blocks = (c.active_prefill_tokens + np.maximum(0, isl - c.overlap_blocks * bs)) / bs
     terms = time_terms(
         isl=isl, num_blocks=num_blocks, block_size=bs, overlap=c.overlap_blocks,
         queued_prefill=c.active_prefill_tokens, active_blocks=c.active_blocks,
         active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
-        capacity=c.capacity_blocks, speed=speed,
+        capacity=c.capacity_blocks, speed=speed, tiers=tiers,
+        **({"host": c.host_blocks, "disk": c.disk_blocks} if c.tiered else {}),
     )  # fmt: skip
-    times = {"prefill_s": terms.prefill_s, "evict_s": terms.evict_s, "memory_s": terms.memory_s,
-             "queue_s": terms.queue_s}  # fmt: skip
+    times = {"prefill_s": terms.prefill_s, "onboard_s": terms.onboard_s, "evict_s": terms.evict_s,
+             "memory_s": terms.memory_s, "queue_s": terms.queue_s}  # fmt: skip
     return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
 
 

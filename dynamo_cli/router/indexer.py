@@ -7,6 +7,15 @@ bit; a block stored or removed is one dict update and a query one dict lookup an
 block, so the hot paths stay a few bytecodes per block. Each worker's `set` of hashes gives its
 cached-block count and lets a removal, a clear or a dump touch only that worker's blocks.
 
+Tiers (kv/events.py): a worker may hold a block on device, in host memory, on disk, or on several. The
+mask and the worker's set hold the union of its tiers, so the prefix walk is the same for every tier;
+a worker that ever held a lower-tier block gets a `LowerTiers` record (its host and disk sets and the
+blocks of the union that are *not* on device), and only for those workers the matched prefix is split
+by tier afterwards (the fastest tier counts). A device-only worker has no record, so its stores,
+removals and queries run the same bytecodes as before tiers existed. `AllBlocksCleared` clears the device
+tier (the engine's own cache: vLLM's prefix-cache reset, llamacpp's reset after a failed step); blocks on
+lower tiers leave with their own removal events.
+
 Event ids are per worker, from 0, without gaps. A batch that arrives ahead of the next expected id is
 held back and reported as a `Gap`; the caller fetches the missing batches from the worker (its ring
 holds the last 1,024) and feeds them in, or loads a dump of the worker's whole block set.
@@ -20,7 +29,7 @@ from dataclasses import dataclass
 from itertools import compress, islice, takewhile
 from operator import attrgetter
 
-from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from dynamo_cli.kv.events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,33 @@ class Gap:
     """The next event id the indexer expects."""
     last_missing: int
     """The last id the caller should fetch (inclusive); batches after it are held back."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierHits:
+    """How a worker's matched prefix splits over its tiers (the fastest tier counts a block held on several)."""
+
+    device: int
+    host: int
+    disk: int
+
+
+@dataclass(slots=True)
+class LowerTiers:
+    """One worker's blocks below the device tier (absent for a worker that never offloaded)."""
+
+    host: set[int]
+    disk: set[int]
+    off_device: set[int]
+    """Blocks the worker holds on host or disk and not on device."""
+
+    def hits(self, prefix: Sequence[int]) -> TierHits:
+        """Split a matched prefix (every block held on some tier) by the fastest tier holding each."""
+        off = self.off_device.intersection(prefix)  # a prefix's sequence hashes are distinct
+        if not off:
+            return TierHits(len(prefix), 0, 0)
+        host = len(self.host.intersection(off))
+        return TierHits(len(prefix) - len(off), host, len(off) - host)
 
 
 class WorkerSlots:
@@ -128,7 +164,8 @@ class KvIndexer:
 
     def __init__(self, max_held_batches: int = MAX_HELD_BATCHES) -> None:
         self._masks: dict[int, int] = {}
-        self._blocks: dict[int, set[int]] = {}
+        self._blocks: dict[int, set[int]] = {}  # worker -> every block it holds, on any tier
+        self._lower: dict[int, LowerTiers] = {}
         self._slots = WorkerSlots()
         self._next_event: dict[int, int] = {}
         self._held: dict[int, dict[int, KvEventBatch]] = {}
@@ -145,23 +182,44 @@ class KvIndexer:
         """Worker -> contiguous prefix blocks of `hashes` (sequence hashes) it caches; 0s omitted."""
         return match_prefix(self._masks, hashes, self._slots.worker_at, self._blocks)
 
+    def tier_hits(self, hashes: Sequence[int], matches: Mapping[int, int]) -> dict[int, TierHits]:
+        """For the workers of `matches` (`find_matches(hashes)`) whose matched prefix has blocks below the
+        device tier: its split by tier. A worker left out holds its whole prefix on device."""
+        lower = self._lower
+        if not lower:
+            return {}
+        split: dict[int, TierHits] = {}
+        prefixes: dict[int, Sequence[int]] = {}  # workers leave the walk at a few depths: slice once each
+        for worker, depth in matches.items():
+            if (tiers := lower.get(worker)) is not None:
+                prefix = prefixes.get(depth) or prefixes.setdefault(depth, hashes[:depth])
+                if not tiers.off_device.isdisjoint(prefix):
+                    split[worker] = tiers.hits(prefix)
+        return split
+
     def num_blocks(self, worker_id: int) -> int:
-        """How many blocks `worker_id` caches (the tie-breaker: fewer wins)."""
-        blocks = self._blocks.get(worker_id)
-        return len(blocks) if blocks is not None else 0
+        """How many blocks `worker_id` caches on device (the tie-breaker: fewer wins)."""
+        return self.block_counts([worker_id])[0]
 
     def block_counts(self, workers: Sequence[int]) -> list[int]:
-        """`num_blocks` of each of `workers`, in one pass."""
+        """Device-tier blocks of each of `workers`, in one pass."""
         blocks, empty = self._blocks.get, frozenset[int]()
-        return [len(blocks(w, empty)) for w in workers]
+        counts = [len(blocks(w, empty)) for w in workers]
+        if self._lower:
+            lower = self._lower.get
+            counts = [n - len(t.off_device) if (t := lower(w)) else n for n, w in zip(counts, workers, strict=True)]
+        return counts
 
     def workers(self) -> list[int]:
         """Every worker the indexer has heard of."""
         return self._slots.workers()
 
-    def blocks_of(self, worker_id: int) -> frozenset[int]:
-        """A snapshot of the sequence hashes `worker_id` caches."""
-        return frozenset(self._blocks.get(worker_id, ()))
+    def blocks_of(self, worker_id: int, tier: Tier | None = None) -> frozenset[int]:
+        """A snapshot of the sequence hashes `worker_id` caches on `tier` (None: on any tier)."""
+        union, lower = self._blocks.get(worker_id, set()), self._lower.get(worker_id)
+        if tier is None or tier == DEVICE:
+            return frozenset(union if tier is None or lower is None else union - lower.off_device)
+        return frozenset(() if lower is None else lower.host if tier == HOST else lower.disk)
 
     def next_event_id(self, worker_id: int) -> int:
         """The event id expected next from `worker_id` (0 for a worker never heard of)."""
@@ -193,10 +251,16 @@ class KvIndexer:
         self._drain_held(worker)
         return None
 
-    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
-        """Replace the worker's whole block set by a dump taken after event `last_event_id`."""
+    def load_dump(
+        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        disk: Iterable[int] = (),
+    ) -> None:  # fmt: skip
+        """Replace the worker's whole block set (device `hashes`, `host`, `disk`) by a dump taken after
+        event `last_event_id`."""
         self.clear_worker(worker_id)
         self.store_blocks(worker_id, hashes)
+        self.store_blocks(worker_id, host, "host")
+        self.store_blocks(worker_id, disk, "disk")
         self._next_event[worker_id] = last_event_id + 1
         held = self._held.get(worker_id)
         if held:
@@ -204,8 +268,50 @@ class KvIndexer:
                 del held[event_id]
         self._drain_held(worker_id)
 
-    def store_blocks(self, worker_id: int, hashes: Iterable[int]) -> None:
-        """Mark `hashes` (sequence hashes) as cached on `worker_id`."""
+    def store_blocks(self, worker_id: int, hashes: Iterable[int], tier: Tier = DEVICE) -> None:
+        """Mark `hashes` (sequence hashes) as cached on `worker_id`'s `tier`."""
+        lower = self._lower.get(worker_id)
+        if tier == DEVICE and lower is None:
+            self._mark(worker_id, hashes)
+            return
+        hashes = list(hashes)
+        if not hashes:
+            return
+        if lower is None:
+            lower = self._lower[worker_id] = LowerTiers(set(), set(), set())
+        if tier == DEVICE:
+            self._mark(worker_id, hashes)
+            lower.off_device.difference_update(hashes)
+            return
+        owned = self._blocks.get(worker_id, ())
+        new = [h for h in hashes if h not in owned]
+        (lower.host if tier == HOST else lower.disk).update(hashes)
+        self._mark(worker_id, new)
+        lower.off_device.update(new)
+
+    def remove_blocks(self, worker_id: int, hashes: Iterable[int], tier: Tier = DEVICE) -> None:
+        """Mark `hashes` as gone from `worker_id`'s `tier`; hashes it does not hold there are ignored."""
+        lower = self._lower.get(worker_id)
+        if lower is None:
+            if tier == DEVICE:
+                self._unmark(worker_id, hashes)
+            return
+        if tier == DEVICE:
+            host, disk = lower.host, lower.disk
+            on_device = [h for h in hashes if h not in lower.off_device]
+            gone = [h for h in on_device if h not in host and h not in disk]
+            lower.off_device.update(h for h in on_device if h in host or h in disk)
+        else:
+            held, other = (lower.host, lower.disk) if tier == HOST else (lower.disk, lower.host)
+            left = [h for h in hashes if h in held]
+            held.difference_update(left)
+            gone = [h for h in left if h in lower.off_device and h not in other]
+            lower.off_device.difference_update(gone)
+        self._unmark(worker_id, gone)
+        if not (lower.host or lower.disk or lower.off_device):
+            del self._lower[worker_id]  # back to the device-only fast path
+
+    def _mark(self, worker_id: int, hashes: Iterable[int]) -> None:
         bit = self._slots.bit(worker_id)
         owned = self._blocks.get(worker_id)
         if owned is None:
@@ -220,8 +326,7 @@ class KvIndexer:
                 masks[h] = mask | bit
             add(h)
 
-    def remove_blocks(self, worker_id: int, hashes: Iterable[int]) -> None:
-        """Mark `hashes` as evicted from `worker_id`; hashes it does not hold are ignored."""
+    def _unmark(self, worker_id: int, hashes: Iterable[int]) -> None:
         owned = self._blocks.get(worker_id)
         if not owned:
             return
@@ -238,10 +343,11 @@ class KvIndexer:
                 masks[h] = mask
 
     def clear_worker(self, worker_id: int) -> None:
-        """Drop every block of `worker_id` (its cache was cleared); its event numbering goes on."""
+        """Drop every block of `worker_id` on every tier (its cache was cleared); its event numbering goes on."""
+        self._lower.pop(worker_id, None)
         owned = self._blocks.get(worker_id)
         if owned:
-            self.remove_blocks(worker_id, list(owned))
+            self._unmark(worker_id, list(owned))
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget `worker_id` entirely: its blocks, its event numbering and its held batches."""
@@ -257,11 +363,15 @@ class KvIndexer:
         worker = batch.worker_id
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.store_blocks(worker, map(_BLOCK_HASH, event.blocks))
+                self.store_blocks(worker, map(_BLOCK_HASH, event.blocks), event.tier)
             elif isinstance(event, BlockRemoved):
-                self.remove_blocks(worker, event.block_hashes)
+                self.remove_blocks(worker, event.block_hashes, event.tier)
             elif isinstance(event, AllBlocksCleared):
-                self.clear_worker(worker)
+                lower = self._lower.get(worker)
+                if lower is None:
+                    self.clear_worker(worker)
+                else:
+                    self.remove_blocks(worker, list(self._blocks.get(worker, set()) - lower.off_device))
         self._next_event[worker] = batch.event_id + 1
         self.num_batches_applied += 1
 

@@ -30,9 +30,10 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Selection, explain_pinned, select
-from dynamo_cli.router.indexer import Gap, KvIndexer
+from dynamo_cli.router.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
-from dynamo_cli.router.time_cost import SpeedEstimator
+from dynamo_cli.router.tiers import TierCosts, tier_costs
+from dynamo_cli.router.time_cost import PRIOR_PREFILL_TPS, SpeedEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,17 @@ def cost_config(config: KvRouterConfig) -> CostConfig:
         hot_spot_guard=config.hot_spot_guard,
         hot_spot_min_blocks=config.hot_spot_min_blocks,
         hot_spot_ratio=config.hot_spot_ratio,
+        tiers=config_tier_costs(config),
     )
+
+
+def config_tier_costs(config: KvRouterConfig) -> TierCosts:
+    """What host and disk hits cost under a resolved config (router/tiers.py)."""
+    assert config.block_size is not None
+    return tier_costs(block_size=config.block_size, bytes_per_block=config.kv_bytes_per_block or 0,
+                      host_gbs=config.host_bandwidth_gbs, disk_gbs=config.disk_bandwidth_gbs,
+                      prefill_tps=config.prefill_tokens_per_s or PRIOR_PREFILL_TPS,
+                      weights=dict(config.tier_weights))  # fmt: skip
 
 
 def approx_config(config: KvRouterConfig) -> ApproxConfig:
@@ -64,7 +75,11 @@ class RouterCounters:
     num_request_blocks: int = 0
     """Full prompt blocks of every routed request (the hit-rate denominator)."""
     num_hit_blocks: int = 0
-    """Cached prefix blocks on the chosen workers (achieved hits)."""
+    """Cached prefix blocks on the chosen workers (achieved hits), on any tier."""
+    num_host_hit_blocks: int = 0
+    """Of those, blocks onboarded from host memory."""
+    num_disk_hit_blocks: int = 0
+    """Of those, blocks onboarded from disk."""
     num_reachable_hit_blocks: int = 0
     """Best cached prefix among the candidates of each decision (reachable hits)."""
     num_hot_spot_decisions: int = 0
@@ -115,8 +130,9 @@ class KvRoutingPolicy:
         chosen = selection.chosen
         prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
         self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
-        if selection.table.candidates.active_prefill_tokens[selection.index]:
-            self._speed_probes.pop(request.request_id, None)
+        c, at = selection.table.candidates, selection.index
+        if c.active_prefill_tokens[at] or c.host_blocks[at] or c.disk_blocks[at]:
+            self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
@@ -197,9 +213,13 @@ class KvRoutingPolicy:
         self._gaps = []
         return list(merged.values())
 
-    def load_dump(self, worker_id: int, hashes: Iterable[int], last_event_id: int) -> None:
-        """Replace a worker's cached blocks by its dump taken after event `last_event_id`."""
-        self.indexer.load_dump(worker_id, hashes, last_event_id)
+    def load_dump(
+        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        disk: Iterable[int] = (),
+    ) -> None:  # fmt: skip
+        """Replace a worker's cached blocks (device `hashes`, `host`, `disk`) by its dump taken after event
+        `last_event_id`."""
+        self.indexer.load_dump(worker_id, hashes, last_event_id, host, disk)
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
@@ -224,8 +244,10 @@ class KvRoutingPolicy:
 
     def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
+        tiers = None
         if self.config.use_kv_events:
             overlaps, cached = self.indexer.find_matches(hashes), self.indexer.block_counts(workers)
+            tiers = self.indexer.tier_hits(hashes, overlaps) if overlaps else None
         else:
             overlaps, cached = self.approx.find_matches(hashes, now), self.approx.block_counts(workers)
         active_overlaps = self.sequences.active_overlaps(hashes)
@@ -240,6 +262,7 @@ class KvRoutingPolicy:
             cached,
             in_flight,
             [capacity(w, default) for w in workers],
+            *(_tier_columns(tiers, workers) if tiers else ()),
         )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
@@ -248,6 +271,9 @@ class KvRoutingPolicy:
         counters.num_request_blocks += num_blocks
         overlaps = selection.table.candidates.overlap_blocks
         counters.num_hit_blocks += int(overlaps[selection.index])
+        if selection.table.candidates.tiered:
+            counters.num_host_hit_blocks += int(selection.table.candidates.host_blocks[selection.index])
+            counters.num_disk_hit_blocks += int(selection.table.candidates.disk_blocks[selection.index])
         counters.num_reachable_hit_blocks += int(overlaps.max())
         if selection.reason is Reason.HOT_SPOT:
             counters.num_hot_spot_decisions += 1
@@ -281,6 +307,13 @@ class KvRoutingPolicy:
             selection.reason.value,
             selection.margin,
         )
+
+
+def _tier_columns(tiers: dict[int, TierHits], workers: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The host and disk hit columns (0 for workers whose prefix is all on device)."""
+    none = TierHits(0, 0, 0)
+    hits = [tiers.get(w, none) for w in workers]
+    return [h.host for h in hits], [h.disk for h in hits]
 
 
 def kv_policy_factory(config: KvRouterConfig) -> Callable[[ModelCard], KvRoutingPolicy]:

@@ -28,10 +28,10 @@ from dynamo_cli.errors import NoWorkers, Overloaded, RequestError, TransportErro
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router import prefill
-from dynamo_cli.router.base import ExpiresStale, RouteDecision, RouteRequest
+from dynamo_cli.router.base import ExpiresStale, RepairsKvGaps, RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
-from dynamo_cli.router.kv_repair import repair_loop
+from dynamo_cli.router.kv_repair import repair_gap, repair_loop
 from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
@@ -291,6 +291,8 @@ class RouterService:
         """NOTE: the router's background loops, owned by `tasks`: the backends' discovery, load and
         KV events (with gap repair), the replicas' sync, and the expiry of lost requests."""
         ns, component = self.config.namespace, self.config.component
+        if self.config.kv_router.use_kv_events:  # before the discovery watch runs: no join is missed
+            self.registry.on_join = lambda entry, worker: _catch_up(tasks, entry, worker)
         for loop in [*self.registry.loops(), self.sync.publish_loop(), self.sync.subscribe_loop(),
                      *self.sync.peer_loops(self._discovery), self._expire_loop()]:  # fmt: skip
             tasks.spawn(loop)
@@ -350,6 +352,14 @@ async def serve_router(config: RouterServiceConfig, announce: Callable[[str], No
         await RouterService(config, discovery, bus).run(stop, announce)
 
 
+def _catch_up(tasks: ServiceTasks, entry: ModelEntry, worker: Worker) -> None:
+    """A worker joined: replay its kept KV events from 0 (or load its dump), so what it announced before
+    this router saw it register (a restarted worker's disk tier: warm restart) is routable at once."""
+    policy = entry.prefill_policy if worker.instance_id in entry.prefill_workers else entry.policy
+    if isinstance(policy, RepairsKvGaps):
+        tasks.spawn(repair_gap(policy, worker, 0))
+
+
 def router_argv(config: ServeConfig) -> list[str]:
     """The `dyn router` command line a `dyn serve --router remote --routers N` spawns (its planes' URLs
     come in the environment, as for workers)."""
@@ -365,6 +375,10 @@ def router_argv(config: ServeConfig) -> list[str]:
         argv += ["--block-size", str(kv.block_size)]
     if kv.prefill_tokens_per_s is not None:
         argv += ["--router-prefill-tps", str(kv.prefill_tokens_per_s)]
+    argv += ["--router-host-bandwidth-gbs", str(kv.host_bandwidth_gbs),
+             "--router-disk-bandwidth-gbs", str(kv.disk_bandwidth_gbs)]  # fmt: skip
+    if kv.tier_weights:
+        argv += ["--router-tier-weights", ",".join(f"{tier}={weight}" for tier, weight in kv.tier_weights)]
     d = frontend.disagg
     argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
              "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),

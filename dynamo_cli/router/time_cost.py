@@ -8,20 +8,24 @@ block size `bs`, and a candidate worker w with
 
     o  cached prefix blocks (indexer)          Q  prompt tokens queued for prefill there (in flight)
     a  prefix blocks already active there      A  unique active KV blocks of its requests in flight
-    k  requests in flight there                K  cached blocks (indexer)       C  KV capacity, blocks
+    k  requests in flight there                K  blocks cached on device       C  KV capacity, blocks
     R  prefill speed, tokens/s                 L  mean time a request stays in flight, s
 
 the cost of sending the request to w is
 
-    cost = t_prefill + t_evict + t_memory                                              [seconds]
+    cost = t_prefill + t_onboard + t_evict + t_memory                                  [seconds]
     t_prefill = (Q + U) / R,  U = max(0, isl - o * bs)
-    t_evict   = max(0, (n - o) - max(0, C - K)) * bs / R
+    t_onboard = sum over t in (host, disk) of o_t * B / bw_t + lat_t * [o_t > 0]
+    t_evict   = max(0, (n - o_d) - max(0, C - K)) * bs / R
     t_memory  = max(0, A + k + (n - a) + 1 - C) * L / (A + k)
 
 1. **t_prefill**: passes serve prefills first come, so the first token comes once w has computed the
    tokens queued before it and the request's own uncached ones. A hit of o blocks saves o * bs / R; a
    queue Q costs Q / R: the same unit, so the holder of a prompt keeps it until its queue is longer than
    the prompt, whatever the prompt's length.
+   **t_onboard**: of the o cached blocks, o_t sit on a lower tier t (host memory, disk) and o_d on
+   device; the engine copies the o_t blocks of B bytes back at bw_t instead of computing them (tiers.py
+   has the bandwidths and latencies). Onboarded blocks take device blocks, hence n - o_d in t_evict.
 2. **t_evict** (a second copy under cache pressure): the n - o new blocks go into the C - K free blocks;
    past those, the engine evicts as many least-recently-used blocks. Under pressure those belong to other
    prompts whose traffic this worker holds, so a later request recomputes them: bs / R each. Without
@@ -90,6 +94,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynamo_cli.router.tiers import AS_DEVICE, TierCosts
+
 PRIOR_PREFILL_TPS = 20_000.0
 """Prefill tokens/s per worker before any is observed (an 8B model on one H100-class GPU, roughly)."""
 PRIOR_LIFETIME_S = 2.0
@@ -129,11 +135,13 @@ class TimeTerms:
     queue_s: np.ndarray
     """The part of prefill_s spent behind the prefills already queued there (Q / R): the only part that
     near-ties (point 5) may disregard."""
+    onboard_s: np.ndarray
+    """Copying the prefix's host and disk blocks back into the engine's cache."""
 
     @property
     def total(self) -> np.ndarray:
         """The cost: lower wins."""
-        total: np.ndarray = self.prefill_s + self.evict_s + self.memory_s
+        total: np.ndarray = self.prefill_s + self.onboard_s + self.evict_s + self.memory_s
         return total
 
 
@@ -150,12 +158,22 @@ def time_terms(
     cached: np.ndarray,
     capacity: np.ndarray,
     speed: Speed,
+    host: np.ndarray | None = None,
+    disk: np.ndarray | None = None,
+    tiers: TierCosts = AS_DEVICE,
 ) -> TimeTerms:
-    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown."""
+    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown; `host`, `disk`:
+    how many of the `overlap` blocks sit on those tiers (None: all on device)."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
+    if host is None or disk is None:
+        onboard_s, on_device = np.zeros(len(overlap)), overlap
+    else:
+        onboard_s = (host * tiers.host_block_s + (host > 0) * tiers.host_latency_s
+                     + disk * tiers.disk_block_s + (disk > 0) * tiers.disk_latency_s)  # fmt: skip
+        on_device = overlap - host - disk
     known = capacity > 0
-    new_blocks = np.maximum(0, num_blocks - overlap)
+    new_blocks = np.maximum(0, num_blocks - on_device)
     free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
     copied = uncached - np.maximum(0, isl - int(overlap.max(initial=0)) * block_size)
     if active_overlap.max(initial=0) > 0:  # the prompt is in flight somewhere: a copy is free if roomy
@@ -167,7 +185,7 @@ def time_terms(
     held = active_blocks + in_flight
     overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
     memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
-    return TimeTerms(prefill_s, evict_s, memory_s, queue_s)
+    return TimeTerms(prefill_s, evict_s, memory_s, queue_s, onboard_s)
 
 
 class SpeedEstimator:

@@ -3,7 +3,9 @@
 vLLM's `ZmqEventPublisher` (and SGLang's copy of it) sends multipart `[topic, seq, payload]`, the
 payload a msgpack `[ts, [event, ...], dp_rank?]` whose events are tagged arrays:
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, ...]`,
-`["BlockRemoved", block_hashes, medium?]`, `["AllBlocksCleared"]`. The engine's own hashes depend on
+`["BlockRemoved", block_hashes, medium?]`, `["AllBlocksCleared"]`. `medium` names where the blocks sit
+("GPU", or "CPU" once vLLM's offloading connector moves them; absent = GPU): it becomes our tier (`TIER_OF`),
+and blocks on a medium we do not know are dropped. The engine's own hashes depend on
 its hash function and seed, so routers would never match them: every stored block is re-hashed from its
 token ids with `dynamo_cli.kv.hashing`, and a map engine hash -> our hash translates removals.
 This module imports no inference library; the sglang adapter uses it too.
@@ -20,13 +22,25 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import (
+    DEVICE,
+    DISK,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    StoredBlock,
+    Tier,
+)
 from dynamo_cli.kv.hashing import hash_blocks
 
 logger = logging.getLogger(__name__)
 
-DEVICE_MEDIA = (None, "GPU", "DEVICE", "gpu", "device")
-"""Cache tiers the router indexes; blocks offloaded to CPU or disk are not routable KV."""
+TIER_OF: dict[str | None, Tier] = {None: DEVICE, "GPU": DEVICE, "DEVICE": DEVICE, "CUDA": DEVICE, "CPU": HOST,
+                                    "HOST": HOST, "DISK": DISK, "SSD": DISK, "LOCAL_DISK": DISK}  # fmt: skip
+"""An engine's storage medium (upper-cased) -> our tier; None = the engine sent no medium (its own cache)."""
 _QUEUE_SIZE = 4096
 
 
@@ -42,11 +56,19 @@ def parse_event(raw: Any) -> tuple[str, list[Any]]:
     return str(raw[0]), list(raw[1:])
 
 
+def tier_of(medium: Any) -> Tier | None:
+    """Our tier for an engine's medium ("GPU", "cpu", None ...); None for a medium we do not know."""
+    return TIER_OF.get(medium.upper() if isinstance(medium, str) else medium)
+
+
 class KvEventRehasher:
-    """Pure translation of engine KV events into ours; remembers engine hash -> our sequence hash."""
+    """Pure translation of engine KV events into ours; remembers engine hash -> our sequence hash while
+    the block is held on some tier."""
 
     def __init__(self) -> None:
         self._ours: dict[Hashable, int] = {}
+        self._lower: dict[Hashable, set[Tier]] = {}
+        """Engine hash -> every tier holding it, for blocks ever offloaded (others are on device only)."""
         self.num_orphans = 0
         """Stored events whose parent block was never seen (lost events): skipped, counted."""
 
@@ -64,7 +86,7 @@ class KvEventRehasher:
             elif tag == "BlockRemoved":
                 event = self._removed(fields)
             elif tag == "AllBlocksCleared":
-                self._ours.clear()
+                self._clear_device()
                 event = AllBlocksCleared()
             if event is not None:
                 out.append(event)
@@ -73,7 +95,8 @@ class KvEventRehasher:
     def _stored(self, fields: list[Any]) -> BlockStored | None:
         engine_hashes = [_key(h) for h in fields[0]]
         parent, token_ids, block_size = fields[1], list(fields[2]), int(fields[3])
-        if _medium(fields, 5) not in DEVICE_MEDIA:
+        tier = tier_of(_medium(fields, 5))
+        if tier is None:
             return None
         our_parent: int | None = None
         if parent is not None:
@@ -92,15 +115,42 @@ class KvEventRehasher:
                 block_size,
             )
             return None
+        for engine_hash in engine_hashes:
+            tiers = self._lower.get(engine_hash)
+            if tiers is not None:
+                tiers.add(tier)
+            elif tier != DEVICE:  # first offload: a hash we already know is held on device
+                self._lower[engine_hash] = {tier, DEVICE} if engine_hash in self._ours else {tier}
         self._ours.update(zip(engine_hashes, ours, strict=True))
         blocks = [StoredBlock(seq_hash, local) for seq_hash, local in pairs]
-        return BlockStored(parent_hash=our_parent, blocks=blocks)
+        return BlockStored(parent_hash=our_parent, blocks=blocks, tier=tier)
 
     def _removed(self, fields: list[Any]) -> BlockRemoved | None:
-        if _medium(fields, 1) not in DEVICE_MEDIA:
+        tier = tier_of(_medium(fields, 1))
+        if tier is None:
             return None
-        ours = [h for h in (self._ours.pop(_key(engine_hash), None) for engine_hash in fields[0]) if h is not None]
-        return BlockRemoved(block_hashes=ours) if ours else None
+        ours = [h for h in (self._forget(_key(engine_hash), tier) for engine_hash in fields[0]) if h is not None]
+        return BlockRemoved(block_hashes=ours, tier=tier) if ours else None
+
+    def _clear_device(self) -> None:
+        """The engine's own cache was reset: keep the translations of blocks still held on a lower tier."""
+        for tiers in self._lower.values():
+            tiers.discard(DEVICE)
+        self._lower = {k: tiers for k, tiers in self._lower.items() if tiers}
+        self._ours = {k: ours for k, ours in self._ours.items() if k in self._lower}
+
+    def _forget(self, engine_hash: Hashable, tier: Tier) -> int | None:
+        """Our hash of a block leaving `tier` (None: not held there); kept while another tier holds it."""
+        tiers = self._lower.get(engine_hash)
+        if tiers is None:  # never offloaded: held on device only
+            return self._ours.pop(engine_hash, None) if tier == DEVICE else None
+        if tier not in tiers:
+            return None
+        tiers.discard(tier)
+        if tiers:
+            return self._ours.get(engine_hash)
+        del self._lower[engine_hash]
+        return self._ours.pop(engine_hash, None)
 
 
 def _key(engine_hash: Any) -> Hashable:

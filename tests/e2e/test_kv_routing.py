@@ -32,6 +32,7 @@ def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(dyn_ser
             assert worker == first
             chosen = next(c for c in route["candidates"] if c["worker_id"] == worker)
             assert chosen["overlap_blocks"] >= 5
+            assert chosen["hits"] == {"device": chosen["overlap_blocks"], "host": 0, "disk": 0}  # no tiers here
             assert route["reason"] in ("argmin", "only")
 
 

@@ -34,7 +34,7 @@ from engines.sglang.engine import SglangEngine
 from engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
 from engines.vllm import engine as vllm_engine_module
 from engines.vllm.engine import VllmEngine, VllmLibrary
-from engines.vllm.kv_events import KvEventRehasher
+from engines.vllm.kv_events import KvEventRehasher, tier_of
 
 PROMPT = list(range(1000, 1040))
 TOKENS = list(range(64))
@@ -475,9 +475,29 @@ async def test_vllm_kv_events_over_zmq_are_re_hashed_with_our_sequence_hashes() 
         await engine.stop()
 
 
-def test_the_rehasher_ignores_offloaded_tiers_and_unknown_parents_and_clears() -> None:
+def test_the_rehasher_maps_media_to_tiers_and_keeps_a_block_until_its_last_tier_drops_it() -> None:
     rehasher = KvEventRehasher()
-    assert rehasher.convert([["BlockStored", [1], None, TOKENS[:16], 16, None, "CPU"]]) == []
+    ours = sequence_hashes(TOKENS[:32], 16)
+    stored = rehasher.convert([["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "GPU"]])
+    assert [e.tier for e in stored] == ["device"]  # type: ignore[union-attr]
+    # vLLM's offloading connector: the blocks are stored on CPU, then leave the GPU
+    moved = rehasher.convert([["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "CPU"],
+                              ["BlockRemoved", [1, 2], "GPU"]])  # fmt: skip
+    assert moved[0] == BlockStored(parent_hash=None, blocks=[StoredBlock(ours[0], block_hashes(TOKENS[:32], 16)[0]),
+                                   StoredBlock(ours[1], block_hashes(TOKENS[:32], 16)[1])], tier="host")  # fmt: skip
+    assert moved[1] == BlockRemoved(block_hashes=ours, tier="device")
+    assert rehasher.convert([["BlockRemoved", [1], "GPU"]]) == []  # no longer on device: nothing to say
+    chained = rehasher.convert([["BlockStored", [3], 2, TOKENS[32:48], 16, None, "disk"]])  # parent known via host
+    assert chained[0].tier == "disk" and chained[0].parent_hash == ours[1]  # type: ignore[union-attr]
+    assert rehasher.convert([["BlockRemoved", [1, 2], "CPU"]]) == [BlockRemoved(block_hashes=ours, tier="host")]
+    assert len(rehasher) == 1  # only the disk block is still translated
+    assert rehasher.convert([["AllBlocksCleared"]]) == [AllBlocksCleared()] and len(rehasher) == 1  # GPU only
+    assert rehasher.convert([["BlockStored", [9], None, TOKENS[:16], 16, None, "TAPE"]]) == []  # unknown medium
+    assert (tier_of(None), tier_of("cpu"), tier_of("SSD"), tier_of("NVRAM")) == ("device", "host", "disk", None)
+
+
+def test_the_rehasher_ignores_unknown_parents_and_clears() -> None:
+    rehasher = KvEventRehasher()
     assert rehasher.convert([["BlockStored", [2], 999, TOKENS[:16], 16]]) == [] and rehasher.num_orphans == 1
     assert (
         len(

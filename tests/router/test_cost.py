@@ -52,6 +52,7 @@ def test_the_explanation_lists_every_candidates_terms_and_the_margin() -> None:
     assert explanation["candidates"][1] == {
         "worker_id": 2,
         "overlap_blocks": 3,
+        "hits": {"device": 3, "host": 0, "disk": 0},
         "prefill_blocks": 5.0,
         "decode_blocks": 5,
         "logit": 10.0,

@@ -83,6 +83,8 @@ def test_a_request_lands_on_the_worker_holding_its_prefix() -> None:
         "num_decisions": 1,
         "num_request_blocks": 10,
         "num_hit_blocks": 8,
+        "num_host_hit_blocks": 0,
+        "num_disk_hit_blocks": 0,
         "num_reachable_hit_blocks": 8,
         "num_hot_spot_decisions": 0,
         "num_pinned_decisions": 0,

@@ -36,18 +36,18 @@ def test_the_holder_costs_its_suffix_and_one_evicted_block() -> None:
     # held 310 + 1 needed + 1 <= 512 -> no KV wait
     _, (costs, _) = choose(holder(), COLD)
 
-    assert costs == pytest.approx(
-        {"prefill_s": 0.0058, "evict_s": 0.0032, "memory_s": 0.0, "queue_s": 0.0, "cost": 0.009}
-    )
+    expected = {"prefill_s": 0.0058, "onboard_s": 0.0, "evict_s": 0.0032, "memory_s": 0.0, "queue_s": 0.0,
+                "cost": 0.009}  # fmt: skip
+    assert costs == pytest.approx(expected)
 
 
 def test_a_cold_worker_pays_the_prompt_twice_under_cache_pressure() -> None:
     # U = 2100 -> 0.105 s; 32 new blocks, none free -> 32*64/20000 = 0.1024 s; 206 + 32 + 1 <= 512 -> 0
     chosen, (_, cold) = choose(holder(), COLD)
 
-    assert cold == pytest.approx(
-        {"prefill_s": 0.105, "evict_s": 0.1024, "memory_s": 0.0, "queue_s": 0.0, "cost": 0.2074}
-    )
+    expected = {"prefill_s": 0.105, "onboard_s": 0.0, "evict_s": 0.1024, "memory_s": 0.0, "queue_s": 0.0,
+                "cost": 0.2074}  # fmt: skip
+    assert cold == pytest.approx(expected)
     assert chosen == 1
 
 
@@ -135,7 +135,8 @@ def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
 
-    expected = {"prefill_s": 0.15, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000, "cost": 0.15}
+    expected = {"prefill_s": 0.15, "onboard_s": 0.0, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000,
+                "cost": 0.15}  # fmt: skip
     assert costs == pytest.approx(expected)
 
 
