@@ -10,10 +10,12 @@ from typing import Literal
 
 import msgspec
 
-DEVICE, HOST, DISK = "device", "host", "disk"
-TIERS = (DEVICE, HOST, DISK)
 Tier = Literal["device", "host", "disk"]
 """Storage tiers, fastest first: the engine's own cache, host memory, local disk (Dynamo's G1, G2, G3)."""
+DEVICE: Tier = "device"
+HOST: Tier = "host"
+DISK: Tier = "disk"
+TIERS = (DEVICE, HOST, DISK)
 
 
 class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
