@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import msgspec
+
 from dynamo_cli.kv import disk
 from dynamo_cli.kv.events import DISK, HOST, BlockRemoved, BlockStored, KvEvent, StoredBlock, Tier
 
@@ -84,10 +86,10 @@ class OffloadBlock:
     """Bytes the block takes in a tier (len(payload) when there is one)."""
 
 
-@dataclass(frozen=True, slots=True)
-class KvTierStats:
+class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
     """Counters since start (monotonic) and current holdings, for metrics. Directions as Dynamo names
-    them: d2h device→host, h2d host→disk on offload (KVBM's G2→G3), host→device on onboard, d2d disk→device."""
+    them: d2h device→host, h2d host→disk on offload (KVBM's G2→G3), host→device on onboard, d2d disk→device.
+    Workers publish it in `LoadMetrics.kv_tiers`; frontends show it as `kvbm_*` series."""
 
     lookup_blocks: int = 0
     """Blocks asked about by `match` (past the device)."""
@@ -101,6 +103,8 @@ class KvTierStats:
     """Blocks offloaded device→host (or device→disk without a host tier, counted in h2d)."""
     offload_bytes_d2h: int = 0
     """Their bytes."""
+    offload_seconds_d2h: float = 0.0
+    """Time the engine spent taking them out of its cache (as `offload` was told)."""
     offload_blocks_h2d: int = 0
     """Blocks written to disk."""
     offload_bytes_h2d: int = 0
@@ -111,12 +115,14 @@ class KvTierStats:
     """Blocks onboarded host→device."""
     onboard_bytes_h2d: int = 0
     """Their bytes."""
+    onboard_seconds_h2d: float = 0.0
+    """Time spent on onboards that read from host only."""
     onboard_blocks_d2d: int = 0
     """Blocks onboarded disk→device."""
     onboard_bytes_d2d: int = 0
     """Their bytes."""
     onboard_seconds_d2d: float = 0.0
-    """Time spent reading and checking them."""
+    """Time spent on onboards that read from disk (reading and checking the files)."""
     filtered_blocks: int = 0
     """Host evictions the frequency filter kept off disk."""
     dropped_blocks: int = 0
@@ -211,10 +217,12 @@ class TieredBlockStore:
 
     # -- the engine's calls ----------------------------------------------------------------------------
 
-    def offload(self, blocks: Sequence[OffloadBlock]) -> None:
-        """The device evicted these full blocks (prefix order); keep them below. Never waits on disk."""
+    def offload(self, blocks: Sequence[OffloadBlock], *, seconds: float = 0.0) -> None:
+        """The device evicted these full blocks (prefix order); keep them below. Never waits on disk.
+        `seconds`: how long the engine took to take them out of its cache (for the metrics)."""
         with self._lock:
             self._tick += len(blocks)
+            self._count(offload_seconds_d2h=seconds)
             if self.config.host_bytes > 0:
                 self._offload_host(blocks)
             elif self.config.disk_bytes > 0:
@@ -265,7 +273,8 @@ class TieredBlockStore:
                 onboard_bytes_h2d=sum(e.block.num_bytes for e, h in found[: len(payloads)] if h),
                 onboard_blocks_d2d=len(payloads) - host,
                 onboard_bytes_d2d=sum(e.block.num_bytes for e, h in found[: len(payloads)] if not h),
-                onboard_seconds_d2d=time.perf_counter() - start if len(payloads) > host else 0.0,
+                onboard_seconds_h2d=time.perf_counter() - start if len(found) == host else 0.0,
+                onboard_seconds_d2d=time.perf_counter() - start if len(found) > host else 0.0,
             )
         return payloads
 
@@ -279,7 +288,7 @@ class TieredBlockStore:
     def stats(self) -> KvTierStats:
         """A snapshot of the counters and holdings."""
         with self._lock:
-            return replace(
+            return msgspec.structs.replace(
                 self._stats,
                 host_blocks=len(self._host),
                 host_used_bytes=self._host_used,
@@ -468,7 +477,9 @@ class TieredBlockStore:
                 other.freq, other.stamp = entry.freq, entry.stamp
 
     def _count(self, **deltas: float) -> None:
-        self._stats = replace(self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()})
+        self._stats = msgspec.structs.replace(
+            self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
+        )
 
     def _announce(self, entries: list[_Entry], tier: Tier) -> None:
         """BlockStored events for `entries`, parents before children, one event per chain run."""
