@@ -356,6 +356,7 @@ class MockerEngine:
         config = self.config
         extra: dict[str, object] = {"engine": "mocker", "speedup_ratio": config.speedup_ratio}
         extra["role"] = config.role.value
+        extra["kv_bytes_per_block"] = config.kv_bytes_per_token * config.block_size  # the router's tier costs
         bootstrap = bootstrap_address(config)
         if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
             extra["bootstrap"] = bootstrap
