@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dynamo_cli.engine import Role
+from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.model_card import ModelCard
 
@@ -178,6 +178,8 @@ class WorkerConfig:
     """Port of a prefill worker's KV transfer server (0: any free port), on `host`."""
     kv_transfer_ttl_s: float = 30.0
     """Seconds a prefill worker keeps KV no decode worker pulled (the client left, the decode died)."""
+    kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
+    """Host and disk KV tiers below the engine's cache (`--kv-host-cache-gb`, `--kv-disk-cache-gb` ...)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:

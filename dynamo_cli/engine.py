@@ -18,6 +18,8 @@ import msgspec
 from dynamo_cli.errors import ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, TransferReport
+from dynamo_cli.kv.tiers import KvTierConfig as KvTierConfig  # re-exported: config.py may not import kv
+from dynamo_cli.kv.tiers import KvTierStats
 
 RequestId = NewType("RequestId", str)
 
@@ -178,6 +180,8 @@ class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_held: int = 0
     """Prefill role: KV payloads exported and not yet pulled by a decode worker (nor expired)."""
     kv_transfer_held_bytes: int = 0
+    kv_tiers: KvTierStats | None = None
+    """The host/disk KV tiers' counters and holdings (None: tiers off or not supported by the engine)."""
 
 
 ##### The contract #####
@@ -223,6 +227,8 @@ class EngineArgs:
     host: str = "127.0.0.1"
     """The worker's advertised address (`--host`): where an engine's own KV transfer listens for peers
     (vLLM's NIXL side channel, SGLang's bootstrap server) unless its options say otherwise."""
+    kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
+    """Host and disk KV tiers below the engine's own cache (`--kv-host-cache-gb` ...; off by default)."""
 
 
 DETERMINISTIC = "deterministic"

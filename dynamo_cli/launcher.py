@@ -54,7 +54,25 @@ def worker_argv(config: WorkerConfig) -> list[str]:
             argv += [flag, str(value)]
     if config.extra:
         argv += ["--extra-engine-args", json.dumps(config.extra)]
-    return argv
+    return argv + _kv_tier_argv(config)
+
+
+def _own_disk_dir(config: WorkerConfig, name: str) -> WorkerConfig:
+    """Each worker its own subdirectory of `--kv-disk-cache-dir` (the same one when it is restarted)."""
+    tiers = config.kv_tiers
+    if tiers.disk_dir is None:
+        return config
+    return replace(config, kv_tiers=replace(tiers, disk_dir=os.path.join(tiers.disk_dir, name)))
+
+
+def _kv_tier_argv(config: WorkerConfig) -> list[str]:
+    tiers = config.kv_tiers
+    if not tiers.enabled:
+        return []
+    argv = ["--kv-host-cache-gb", repr(tiers.host_bytes / 1e9), "--kv-disk-cache-gb", repr(tiers.disk_bytes / 1e9)]
+    if tiers.disk_dir is not None:
+        argv += ["--kv-disk-cache-dir", tiers.disk_dir]
+    return argv + ([] if tiers.disk_filter else ["--no-kv-disk-offload-filter"])
 
 
 async def _wait_ready(
@@ -116,12 +134,11 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
     pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
-    argv = worker_argv(config.worker)
-    for _ in range(config.num_workers):
-        await pool.spawn(argv)  # the caller stops them
-    prefill_argv = worker_argv(replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value))
-    for _ in range(config.num_prefill_workers):
-        await pool.spawn(prefill_argv)
+    for i in range(config.num_workers):
+        await pool.spawn(worker_argv(_own_disk_dir(config.worker, f"worker-{i}")))  # the caller stops them
+    prefill = replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value)
+    for i in range(config.num_prefill_workers):
+        await pool.spawn(worker_argv(_own_disk_dir(prefill, f"prefill-{i}")))
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv

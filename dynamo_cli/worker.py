@@ -280,5 +280,6 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         context_length=config.context_length,
         extra=dict(config.extra),
         host=config.host,
+        kv_tiers=config.kv_tiers,
     )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dynamo_cli
+from dynamo_cli.kv.tiers import KvTierConfig
 
 
 def dyn(*args: str) -> subprocess.CompletedProcess[str]:
@@ -92,3 +93,32 @@ def test_deterministic_reaches_the_engine_by_flag_or_environment(how: str, tmp_p
                             timeout=60, env=env)  # fmt: skip
     # Deterministic mode gives each of the 4100 sequence ids its own 8192-token KV stream: far too big.
     assert result.returncode != 0 and "GiB of KV cache" in result.stderr
+
+
+def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dyn serve` → worker argv (a subdirectory per worker) → `dyn worker`'s parse: the same tiers."""
+    import typer
+    from typer.testing import CliRunner
+
+    from dynamo_cli.cli import worker as worker_cli
+    from dynamo_cli.cli.options import kv_tiers
+    from dynamo_cli.config import WorkerConfig
+    from dynamo_cli.launcher import _own_disk_dir, worker_argv
+
+    tiers = kv_tiers(1.5, 2.0, "/tmp/kv", False)
+    assert (tiers.host_bytes, tiers.disk_bytes, tiers.disk_filter) == (1_500_000_000, 2_000_000_000, False)
+    argv = worker_argv(_own_disk_dir(WorkerConfig(engine="mocker", model="m", kv_tiers=tiers), "worker-1"))
+    seen: list[WorkerConfig] = []
+    monkeypatch.setattr(worker_cli, "run", lambda coro: (seen.append(coro.cr_frame.f_locals["config"]), coro.close()))
+    monkeypatch.setattr(worker_cli, "die_with_parent", lambda: None)
+    app = typer.Typer()
+    app.command()(worker_cli.command)
+    result = CliRunner().invoke(app, argv[argv.index("worker") + 1 :])
+    assert result.exit_code == 0, result.output
+    assert seen[0].kv_tiers == KvTierConfig(1_500_000_000, 2_000_000_000, "/tmp/kv/worker-1", False)
+    assert "--kv-host-cache-gb" not in worker_argv(WorkerConfig(engine="mocker", model="m"))  # off: no flags
+
+
+def test_a_negative_kv_tier_size_is_one_line() -> None:
+    result = dyn("worker", "--kv-host-cache-gb", "-1")
+    assert result.returncode != 0 and "--kv-host-cache-gb -1.0" in result.stderr and "Traceback" not in result.stderr

@@ -25,6 +25,7 @@ from dynamo_cli.config import (
 )
 from dynamo_cli.engine import Role, registered_engines
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.kv.tiers import KvTierConfig
 from dynamo_cli.router.tiers import parse_tier_weights
 from dynamo_cli.runtime.handshake import MIN_SECRET_BYTES, new_secret
 
@@ -88,6 +89,37 @@ ExtraEngineArgs = Annotated[
 DEFAULTS = {"engine": DEFAULT_ENGINE, "model": DEFAULT_MODEL, "namespace": DEFAULT_NAMESPACE}
 KV_ROUTER = KvRouterConfig()
 """The router flags' defaults (immutable): KvRouterConfig is the one place they are set."""
+
+
+KvHostCacheGb = Annotated[
+    float,
+    typer.Option("--kv-host-cache-gb", envvar="DYN_KV_HOST_CACHE_GB",
+                 help="KV tier in host memory below the engine's cache, GB (0: off)."),
+]  # fmt: skip
+KvDiskCacheGb = Annotated[
+    float,
+    typer.Option("--kv-disk-cache-gb", envvar="DYN_KV_DISK_CACHE_GB",
+                 help="KV tier on local disk below host memory, GB (0: off)."),
+]  # fmt: skip
+KvDiskCacheDir = Annotated[
+    str | None,
+    typer.Option("--kv-disk-cache-dir", envvar="DYN_KV_DISK_CACHE_DIR",
+                 help="Directory of the disk KV tier; kept across restarts (default: a temporary one)."),
+]  # fmt: skip
+KvDiskOffloadFilter = Annotated[
+    bool,
+    typer.Option("--kv-disk-offload-filter/--no-kv-disk-offload-filter", envvar="DYN_KV_DISK_OFFLOAD_FILTER",
+                 help="Move host→disk only KV blocks reused at least once (Dynamo's default)."),
+]  # fmt: skip
+
+
+def kv_tiers(host_gb: float, disk_gb: float, disk_dir: str | None, offload_filter: bool) -> KvTierConfig:
+    """The `--kv-*-cache-*` flags as a KvTierConfig (GB = 10^9 bytes, as Dynamo's DYN_KVBM_*_CACHE_GB)."""
+    if host_gb < 0 or disk_gb < 0:
+        raise ConfigError(f"--kv-host-cache-gb {host_gb} / --kv-disk-cache-gb {disk_gb} must be >= 0")
+    if disk_dir is not None and disk_gb <= 0:
+        raise ConfigError("--kv-disk-cache-dir needs --kv-disk-cache-gb > 0")
+    return KvTierConfig(int(host_gb * 1e9), int(disk_gb * 1e9), disk_dir, offload_filter)
 
 
 def parse_role(value: str) -> Role:

@@ -77,6 +77,10 @@ def command(
     num_gpu_blocks: o.NumGpuBlocks = None,
     max_num_seqs: o.MaxNumSeqs = None,
     deterministic: o.Deterministic = False,
+    kv_host_cache_gb: o.KvHostCacheGb = 0.0,
+    kv_disk_cache_gb: o.KvDiskCacheGb = 0.0,
+    kv_disk_cache_dir: o.KvDiskCacheDir = None,
+    kv_disk_offload_filter: o.KvDiskOffloadFilter = True,
     engine_arg: o.EngineArg = None,
     extra_engine_args: o.ExtraEngineArgs = None,
     discovery: o.Discovery = "embedded",
@@ -167,7 +171,9 @@ def command(
     worker = WorkerConfig(engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
                           role=Role.DECODE if disagg else Role.BOTH, block_size=block_size,
                           context_length=context_length,
-                          planes=planes, extra=extra, kv_transfer=kv_transfer)  # fmt: skip
+                          planes=planes, extra=extra, kv_transfer=kv_transfer,
+                          kv_tiers=o.kv_tiers(kv_host_cache_gb, kv_disk_cache_gb, kv_disk_cache_dir,
+                                              kv_disk_offload_filter))  # fmt: skip
     frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
                               migration_limit=migration_limit, planes=planes,
                               kv_router=o.kv_router(block_size, kv_overlap_score_weight, router_temperature,

@@ -31,6 +31,10 @@ def command(
     num_gpu_blocks: o.NumGpuBlocks = None,
     max_num_seqs: o.MaxNumSeqs = None,
     deterministic: o.Deterministic = False,
+    kv_host_cache_gb: o.KvHostCacheGb = 0.0,
+    kv_disk_cache_gb: o.KvDiskCacheGb = 0.0,
+    kv_disk_cache_dir: o.KvDiskCacheDir = None,
+    kv_disk_offload_filter: o.KvDiskOffloadFilter = True,
     engine_arg: o.EngineArg = None,
     extra_engine_args: o.ExtraEngineArgs = None,
     graceful_shutdown: Annotated[
@@ -70,5 +74,6 @@ def command(
         context_length=context_length, graceful_shutdown_s=graceful_shutdown,
         planes=o.planes(discovery, events, lease_ttl, secret), extra=extra, kv_transfer=kv_transfer,
         kv_transfer_port=kv_transfer_port, kv_transfer_ttl_s=kv_transfer_ttl,
+        kv_tiers=o.kv_tiers(kv_host_cache_gb, kv_disk_cache_gb, kv_disk_cache_dir, kv_disk_offload_filter),
     )  # fmt: skip
     run(serve_worker(config))

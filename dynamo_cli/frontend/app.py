@@ -392,6 +392,9 @@ class Frontend:
         for name, entry in self.registry.models.items():
             self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
             self.metrics.queued.labels(name).set(len(entry.queue))
+            for worker in (*entry.workers.values(), *entry.prefill_workers.values()):
+                if worker.load is not None and worker.load.kv_tiers is not None:
+                    self.metrics.export_kv_tiers(name, worker.instance_id, worker.load.kv_tiers)
             counters = getattr(entry.policy, "counters", None)
             if counters is not None:
                 self.metrics.export_router(name, counters.to_dict())

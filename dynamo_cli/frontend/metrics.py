@@ -5,6 +5,36 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamo_cli.kv.handles import TransferReport
+from dynamo_cli.kv.tiers import KvTierStats
+
+KVBM_SERIES = {
+    "kvbm_matched_tokens": "matched_tokens",
+    "kvbm_offload_blocks_d2h": "offload_blocks_d2h",
+    "kvbm_offload_blocks_h2d": "offload_blocks_h2d",
+    "kvbm_onboard_blocks_h2d": "onboard_blocks_h2d",
+    "kvbm_onboard_blocks_d2d": "onboard_blocks_d2d",
+    "kvbm_host_cache_hit_rate": "host_hit_rate",
+    "kvbm_disk_cache_hit_rate": "disk_hit_rate",
+    "kvbm_offload_bytes_d2h": "offload_bytes_d2h",
+    "kvbm_offload_seconds_d2h": "offload_seconds_d2h",
+    "kvbm_offload_bytes_h2d": "offload_bytes_h2d",
+    "kvbm_offload_seconds_h2d": "offload_seconds_h2d",
+    "kvbm_onboard_bytes_h2d": "onboard_bytes_h2d",
+    "kvbm_onboard_seconds_h2d": "onboard_seconds_h2d",
+    "kvbm_onboard_bytes_d2d": "onboard_bytes_d2d",
+    "kvbm_onboard_seconds_d2d": "onboard_seconds_d2d",
+    "kvbm_filtered_blocks": "filtered_blocks",
+    "kvbm_dropped_blocks": "dropped_blocks",
+    "kvbm_disk_files_corrupt": "corrupt_files",
+    "kvbm_disk_files_foreign": "foreign_files",
+    "kvbm_host_blocks": "host_blocks",
+    "kvbm_host_bytes": "host_used_bytes",
+    "kvbm_disk_blocks": "disk_blocks",
+    "kvbm_disk_bytes": "disk_used_bytes",
+}
+"""Prometheus series of the workers' KV tiers (`KvTierStats`), with Dynamo's KVBM names where it has one.
+Directions as KVBM names them: offload d2h device→host, offload h2d host→disk (G2→G3), onboard h2d
+host→device, onboard d2d disk→device."""
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
@@ -44,6 +74,8 @@ class FrontendMetrics:
                                           buckets=_LATENCY, registry=r)  # fmt: skip
         self.transfer_bytes = Counter(f"{prefix}_kv_transfer_bytes", "KV bytes pulled", labels, registry=r)
         self.transfer_gbps = Gauge(f"{prefix}_kv_transfer_gbps", "Last KV pull's GB/s", labels, registry=r)
+        self.kvbm = {name: Gauge(name, f"KV tiers: {field} (cumulative unless a holding or rate)", ["model", "worker"],
+                                 registry=r) for name, field in KVBM_SERIES.items()}  # fmt: skip
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
         """One decode worker's KV pull: time, bytes and rate by backend (`local`: it failed and prefilled)."""
@@ -54,6 +86,11 @@ class FrontendMetrics:
 
     def count_repair(self, kind: str) -> None:
         self.kv_repairs.labels(kind).inc()
+
+    def export_kv_tiers(self, model: str, worker_id: int, stats: KvTierStats) -> None:
+        """A worker's KV tier counters, as it last published them (`LoadMetrics.kv_tiers`)."""
+        for name, field in KVBM_SERIES.items():
+            self.kvbm[name].labels(model, f"{worker_id:x}").set(getattr(stats, field))
 
     def export_router(self, model: str, counters: dict[str, int]) -> None:
         """Copy a KV policy's counters (decisions, hit blocks, reachable hit blocks ...) into gauges."""

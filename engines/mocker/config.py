@@ -27,6 +27,10 @@ _KNOWN_KEYS = (
     "enable_prefix_caching",
     "kv_bytes_per_token",
     "kv_transfer_bandwidth",
+    "kv_host_bandwidth",
+    "kv_disk_bandwidth",
+    "kv_host_latency_ms",
+    "kv_disk_latency_ms",
     "vocab_size",
     "kv_transfer_mode",
 )
@@ -62,6 +66,14 @@ class MockerConfig:
     """GB/s of the simulated KV transfer; 0 disables the delay."""
     vocab_size: int = 0
     """Token ids accepted (0..vocab_size-1); 0: the model's (GGUF or config.json), unknown if it has none."""
+    kv_host_bandwidth: float = 25.0
+    """KV tiers: GB/s of an onboard from host (engines/mocker/tiers.py)."""
+    kv_disk_bandwidth: float = 5.0
+    """KV tiers: GB/s of an onboard from disk."""
+    kv_host_latency_ms: float = 0.05
+    """KV tiers: fixed time of an onboard from host."""
+    kv_disk_latency_ms: float = 0.2
+    """KV tiers: fixed time of an onboard that reads disk."""
     kv_transfer_mode: str = "pull"
     """"pull": a prefill returns its first token and a MockerKv the decode worker pulls (llama.cpp, vLLM);
     "rendezvous": the frontend makes an SglangKv up front and both halves run at once (SGLang)."""
@@ -100,6 +112,10 @@ class MockerConfig:
                 "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
             ),
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
+            kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", 25.0)),
+            kv_disk_bandwidth=_positive_float("kv_disk_bandwidth", extra.get("kv_disk_bandwidth", 5.0)),
+            kv_host_latency_ms=_non_negative_float("kv_host_latency_ms", extra.get("kv_host_latency_ms", 0.05)),
+            kv_disk_latency_ms=_non_negative_float("kv_disk_latency_ms", extra.get("kv_disk_latency_ms", 0.2)),
             kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
             host=args.host,
         )

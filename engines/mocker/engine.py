@@ -41,6 +41,7 @@ from engines.mocker.events import EventRing
 from engines.mocker.handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from engines.mocker.kv_manager import KvManager
 from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
+from engines.mocker.tiers import MockerTiers, TierTiming
 from engines.mocker.timing import TimingModel
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class MockerEngine:
             ),
             self._timing,
         )
+        self._tiers = self._make_tiers(args) if args.kv_tiers.enabled and config.enable_prefix_caching else None
         self._streams: dict[str, _Stream] = {}
         self._events = EventRing()
         self._wakeup = asyncio.Event()
@@ -137,6 +139,8 @@ class MockerEngine:
         try:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
                 await asyncio.sleep(handoff.wait_s)
+            if self._tiers is not None and not mock.is_prefilled:
+                await self._onboard(mock)
             if stream.finish_reason is None:  # stop() may have come during the transfer
                 self._scheduler.add(mock)
                 self._wakeup.set()
@@ -163,6 +167,7 @@ class MockerEngine:
             active_prefill_tokens=scheduler.num_prompt_tokens_left(),
             num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
             num_prefill_tokens_cached=scheduler.num_prefill_tokens_cached,
+            kv_tiers=self._tiers.stats if self._tiers is not None else None,
         )
 
     async def stop(self) -> None:
@@ -189,6 +194,8 @@ class MockerEngine:
             while True:
                 await self._wait_for_work()
                 result = self._scheduler.step()
+                if self._tiers is not None:
+                    self._tiers.after_pass()
                 self._publish_events()
                 await self._sleep_pass(result.duration_ms)
                 self._deliver(result)
@@ -241,6 +248,26 @@ class MockerEngine:
             stream = streams.get(request.request_id)
             if stream is not None and stream.request is request:
                 stream.fail(RequestFailed(request.request_id, reason))
+
+    ##### Tiers #####
+
+    def _make_tiers(self, args: EngineArgs) -> MockerTiers:
+        config = self.config
+        timing = TierTiming(config.kv_host_bandwidth, config.kv_disk_bandwidth, config.kv_host_latency_ms,
+                            config.kv_disk_latency_ms, config.speedup_ratio)  # fmt: skip
+        block_bytes = config.kv_bytes_per_token * config.block_size
+        fingerprint = f"mocker:{config.model}:{config.block_size}:{config.kv_bytes_per_token}"
+        return MockerTiers(args.kv_tiers, self._kv, timing=timing, block_bytes=block_bytes, fingerprint=fingerprint)
+
+    async def _onboard(self, mock: MockRequest) -> None:
+        """Bring the prompt's prefix up from host or disk (in simulated transfer time) before it is queued;
+        a stream closed meanwhile leaves nothing behind."""
+        assert self._tiers is not None
+        full = len(mock.token_ids) // self.config.block_size
+        start, below, seconds = self._tiers.plan(mock.seq_hashes[:full])
+        if below:
+            await asyncio.sleep(seconds)
+            await self._tiers.onboard(mock.seq_hashes, mock.local_hashes, start, len(below))
 
     ##### Requests #####
 
@@ -329,6 +356,7 @@ class MockerEngine:
         config = self.config
         extra: dict[str, object] = {"engine": "mocker", "speedup_ratio": config.speedup_ratio}
         extra["role"] = config.role.value
+        extra["kv_bytes_per_block"] = config.kv_bytes_per_token * config.block_size  # the router's tier costs
         bootstrap = bootstrap_address(config)
         if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
             extra["bootstrap"] = bootstrap

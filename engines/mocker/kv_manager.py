@@ -8,6 +8,9 @@ released first. Sequences release their blocks tail-first, so deeper blocks die 
 prefix blocks that more requests share (Dynamo's depth-aware eviction). Every block that enters the
 cache is published as `BlockStored`, every eviction as `BlockRemoved` (only with prefix caching on,
 as in Dynamo and vLLM). Pure and synchronous: no clock, no I/O.
+
+With tiers below (engines/mocker/tiers.py), `evicted` collects each evicted full block with its token
+hash and parent, for the engine to offload, and `insert_cached` brings onboarded blocks back as cached.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class KvManager:
         "_next_private",
         "_events",
         "_next_event_id",
+        "_meta",
+        "collect_evicted",
+        "evicted",
     )
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -48,6 +54,11 @@ class KvManager:
         self._next_private = -1  # private keys are negative; sequence hashes are u64
         self._events: list[KvEvent] = []
         self._next_event_id = 0
+        self._meta: dict[int, tuple[int, int | None]] = {}  # full block -> (tokens hash, parent hash)
+        self.collect_evicted = False
+        """Keep evicted full blocks in `evicted` (a tier below takes them)."""
+        self.evicted: list[tuple[int, int, int | None]] = []
+        """(sequence hash, tokens hash, parent hash) of the blocks evicted since the owner last emptied it."""
 
     ##### Queries #####
 
@@ -136,6 +147,32 @@ class KvManager:
             if key >= 0:
                 inactive[key] = None
 
+    def insert_cached(self, seq_hashes: Sequence[int], local_hashes: Sequence[int], start: int, count: int) -> int:
+        """Bring blocks `start .. start + count - 1` of a sequence back as cached (onboarded from a lower
+        tier), evicting least recently used ones for room; returns how many went in (they stop at the first
+        block already cached or when no block can be freed). `start` must be the sequence's device hits."""
+        stored: list[StoredBlock] = []
+        for key in seq_hashes[:start]:  # the prefix they extend is the most recently used: kept
+            if key in self._inactive:
+                self._inactive.move_to_end(key)
+        for i in range(start, start + count):
+            key = seq_hashes[i]
+            if key in self._active or key in self._inactive:
+                break
+            if self.num_free_blocks == 0:
+                if len(self._inactive) == 0:
+                    break
+                self._evict(1)
+            self._inactive[key] = None
+            self._meta[key] = (local_hashes[i], seq_hashes[i - 1] if i else None)
+            stored.append(StoredBlock(block_hash=key, tokens_hash=local_hashes[i]))
+        self._flush_stored(seq_hashes[start - 1] if start else None, stored)
+        return len(stored)
+
+    def add_events(self, events: Sequence[KvEvent]) -> None:
+        """Append events of the tiers below to the next batch, after this cache's own."""
+        self._events.extend(events)
+
     ##### Events #####
 
     def take_events(self, timestamp: float = 0.0, worker_id: int = 0) -> KvEventBatch | None:
@@ -186,6 +223,12 @@ class KvManager:
             return
         removed = [self._inactive.popitem(last=False)[0] for _ in range(count)]
         self._events.append(BlockRemoved(block_hashes=removed))
+        meta = self._meta
+        if self.collect_evicted:
+            self.evicted.extend((key, *meta.pop(key)) for key in removed)
+        else:
+            for key in removed:
+                del meta[key]
 
     def _fill_full(
         self,
@@ -208,6 +251,7 @@ class KvManager:
                 else:
                     table.append(key)
                 self._active[key] = 1
+                self._meta[key] = (local_hashes[i], seq_hashes[i - 1] if i else None)
                 if not run:
                     run_parent = seq_hashes[i - 1] if i else None
                 run.append(StoredBlock(block_hash=key, tokens_hash=local_hashes[i]))

@@ -44,6 +44,7 @@ from dynamo_cli.engine import (
     FinishReason,
     GenerateChunk,
     GenerateRequest,
+    KvTierConfig,
     LoadMetrics,
     Role,
     TokenLogprob,
@@ -198,9 +199,25 @@ class VllmEngine:
         if args.context_length:
             kwargs["max_model_len"] = args.context_length
         kwargs.update(extra)
+        kwargs.update(self._kv_offloading(args.kv_tiers, kwargs))
         kwargs["kv_events_config"] = self._kv_events_config(kwargs)
         kwargs["kv_transfer_config"] = self._kv_transfer_config(kwargs.get("kv_transfer_config"))
         return kwargs
+
+    def _kv_offloading(self, tiers: KvTierConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`--kv-host-cache-gb` as vLLM's own CPU offloading (`kv_offloading_size`: its OffloadingConnector
+        keeps evicted blocks in host memory and loads them back, publishing them with medium "CPU")."""
+        if not tiers.enabled:
+            return {}
+        if tiers.disk_bytes > 0:
+            raise ConfigError("the vllm engine offloads KV to host memory only: drop --kv-disk-cache-gb")
+        if self.lib.is_cpu:
+            raise ConfigError("vLLM offloads KV only from a CUDA or XPU GPU, not on its CPU build: "
+                              "drop --kv-host-cache-gb")  # fmt: skip
+        if self.role is not Role.BOTH or kwargs.get("kv_transfer_config") is not None:
+            raise ConfigError("--kv-host-cache-gb on the vllm engine needs --role both and no kv_transfer_config "
+                              "(vLLM's offloading is a KV connector of its own)")  # fmt: skip
+        return {"kv_offloading_size": tiers.host_bytes / (1 << 30), "kv_offloading_backend": "native"}
 
     def _kv_transfer_config(self, config: Any) -> Any:
         if isinstance(config, dict):  # the user's connector: as given

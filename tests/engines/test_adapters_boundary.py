@@ -24,12 +24,12 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
+from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, KvTierConfig, Role, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from engines.hf_export import export_path
+from engines.hf_export import export_path, hf_model_dir
 from engines.sglang.engine import SglangEngine
 from engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
 from engines.vllm import engine as vllm_engine_module
@@ -329,6 +329,40 @@ def test_vllm_roles_use_the_users_kv_connector_and_both_has_none() -> None:
     own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     engine = VllmEngine(EngineArgs(model="m", role=Role.DECODE, extra={"kv_transfer_config": own}), library=FAKE_VLLM)
     assert engine.engine_kwargs["kv_transfer_config"] == FakeKVTransferConfig("LMCacheConnectorV1", "kv_both")
+
+
+HOST_GB = KvTierConfig(host_bytes=1 << 30)
+
+
+def test_vllm_host_tier_is_vllms_own_cpu_offloading_and_what_it_cannot_do_is_a_config_error() -> None:
+    kwargs = VllmEngine(EngineArgs(model="m", kv_tiers=HOST_GB), library=FAKE_VLLM).engine_kwargs
+    assert (kwargs["kv_offloading_size"], kwargs["kv_offloading_backend"]) == (1.0, "native")
+    assert "kv_offloading_size" not in VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM).engine_kwargs
+    refused = [
+        (EngineArgs(model="m", kv_tiers=HOST_GB), FAKE_VLLM_CPU, "not on its CPU build"),
+        (EngineArgs(model="m", kv_tiers=KvTierConfig(host_bytes=1, disk_bytes=1)), FAKE_VLLM, "host memory only"),
+        (EngineArgs(model="m", role=Role.PREFILL, kv_tiers=HOST_GB), FAKE_VLLM, "--role both"),
+    ]
+    for args, library, why in refused:
+        with pytest.raises(ConfigError, match=why):
+            VllmEngine(args, library=library)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm: pip install 'dynamo-cli[vllm]'")
+def test_vllm_itself_turns_the_host_tier_into_its_offloading_connector() -> None:
+    # the real library's config (no engine: its CPU build refuses to offload at worker start, so the
+    # adapter refuses earlier; on a GPU build this is the connector vLLM runs)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    gpu = dataclasses.replace(vllm_engine_module.load_library(), is_cpu=False)
+    kwargs = VllmEngine(EngineArgs(model="m", kv_tiers=HOST_GB), library=gpu).engine_kwargs
+    model = str(hf_model_dir("smollm2"))  # the built-in GGUF, exported once
+    offload = {key: kwargs[key] for key in ("kv_offloading_size", "kv_offloading_backend")}
+    config = AsyncEngineArgs(model=model, dtype="float32", enforce_eager=True, **offload).create_engine_config()
+
+    transfer = config.kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config["cpu_bytes_to_use"] == 1 << 30
 
 
 def decode_request(first_token: int, max_tokens: int = 3, last: int | None = None, **handle: Any) -> GenerateRequest:
