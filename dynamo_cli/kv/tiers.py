@@ -230,17 +230,31 @@ class TieredBlockStore:
                 self._count(offload_blocks_d2h=len(fresh), offload_bytes_d2h=sum(b.num_bytes for b in fresh))
                 self._to_disk([_Entry(b, 1, self._tick) for b in fresh])
 
+    def touch(self, hashes: Sequence[int]) -> bool:
+        """If host holds every block of `hashes` (a prefix the device evicts again), make them recent as
+        `offload` would and return True: the engine need not copy them out. Else change nothing."""
+        with self._lock:
+            if not all(h in self._host for h in hashes):
+                return False
+            for h in reversed(hashes):
+                self._host.move_to_end(h)
+            return True
+
+    def _locate(self, hashes: Sequence[int]) -> list[Tier]:
+        tiers: list[Tier] = []
+        for h in hashes:
+            if h in self._host:
+                tiers.append(HOST)
+            elif h in self._disk:
+                tiers.append(DISK)
+            else:
+                break
+        return tiers
+
     def match(self, hashes: Sequence[int]) -> list[Tier]:
         """The tier of each leading block of `hashes` found in host or disk, up to the first miss."""
         with self._lock:
-            tiers: list[Tier] = []
-            for h in hashes:
-                if h in self._host:
-                    tiers.append(HOST)
-                elif h in self._disk:
-                    tiers.append(DISK)
-                else:
-                    break
+            tiers = self._locate(hashes)
             host = tiers.count(HOST)
             self._count(
                 lookup_blocks=len(hashes),
@@ -301,10 +315,13 @@ class TieredBlockStore:
     def _offload_host(self, blocks: Sequence[OffloadBlock]) -> None:
         fresh: list[OffloadBlock] = []
         room = self.config.host_bytes
-        for b in blocks:
+        for b in reversed(blocks):  # refreshed deepest first: the parents end most recent
             if b.block_hash in self._host:
                 self._host.move_to_end(b.block_hash)
-            elif b.num_bytes <= room:
+        for b in blocks:
+            if b.block_hash in self._host:
+                continue
+            if b.num_bytes <= room:
                 fresh.append(b)
                 room -= b.num_bytes
         self._count(offload_blocks_d2h=len(fresh), offload_bytes_d2h=sum(b.num_bytes for b in fresh))

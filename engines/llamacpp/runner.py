@@ -326,7 +326,7 @@ class Runner:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
-        return bytes(buffer)[:written]
+        return bytes(memoryview(buffer).cast("B")[:written])
 
     def _import(self, seq_id: int, state: CheckedState | None) -> bool:
         """Load a checked state into `seq_id`, its stream header rewritten for this context."""

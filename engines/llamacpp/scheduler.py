@@ -20,6 +20,7 @@ came back from the store, is imported at admission and counts as cached prefill.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,8 @@ class Scheduler:
         self.offloads: dict[int, PendingOffload] = {}
         """Export key → what its state holds, until the engine takes it."""
         self._next_key = 0
+        self.held_below: Callable[[list[int]], bool] = lambda hashes: False
+        """Whether the tiers already hold every block of a prefix (then its eviction exports nothing)."""
         self.local_hashes: dict[int, int] = {}
         """Sequence hash → tokens-only hash, for every block held (with offload on)."""
 
@@ -251,7 +254,7 @@ class Scheduler:
 
     def _evict_one(self) -> None:
         seq_id, prefix = self.cached.popitem(last=False)
-        if self.offload and prefix.hashes:
+        if self.offload and prefix.hashes and not self.held_below(prefix.hashes):
             key, self._next_key = self._next_key, self._next_key + 1
             self.offloads[key] = PendingOffload(prefix.hashes, [self.local_hashes[h] for h in prefix.hashes])
             self.pending_ops.append(MemoryOp("export", seq_id, end=prefix.num_tokens, key=key))

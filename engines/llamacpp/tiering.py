@@ -119,6 +119,11 @@ class KvTiering:
         ]
         self.store.offload(blocks, seconds=seconds)
 
+    def refresh_if_held(self, hashes: list[int]) -> bool:
+        """Whether host holds every block of this evicted prefix (then they are only made recent again,
+        and the engine need not export it)."""
+        return self.store.touch(hashes)
+
     ##### Onboard #####
 
     async def onboard(self, seq: Sequence, scheduler: Scheduler) -> None:

@@ -276,3 +276,14 @@ def test_a_file_naming_another_block_is_corrupt(tmp_path: Path) -> None:
     with pytest.raises(disk.BlockFileError) as err:
         disk.read_header(disk.block_path(tmp_path, 9), digest)
     assert err.value.fault is disk.FileFault.CORRUPT
+
+
+def test_touch_refreshes_only_a_prefix_held_wholly_in_host() -> None:
+    store = TieredBlockStore(KvTierConfig(host_bytes=3 * SIZE), fingerprint="m")
+    store.offload(chain(1, 2))
+    store.offload(chain(9, 1))
+    store.drain_events()
+    assert not store.touch([1, 2, 3]) and store.touch([1, 2])
+    store.offload(chain(20, 1))  # 9 is now the oldest
+    assert store.drain_events() == [removed("host", 9), stored("host", None, 20)]
+    assert store.stats.offload_blocks_d2h == 4 and store.stats.lookup_blocks == 0

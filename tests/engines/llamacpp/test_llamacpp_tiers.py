@@ -167,3 +167,22 @@ async def test_a_client_leaving_during_an_onboard_frees_everything() -> None:
         assert (await greedy(engine, story))[0] == computed  # and the engine goes on
     finally:
         await engine.stop()
+
+
+async def test_with_tiers_the_unified_cache_keeps_no_finished_prefix_and_a_hit_comes_from_host() -> None:
+    """Every cached cell widens each decode step's attention window: with tiers, finished prefixes go to
+    host at once, and a prompt sharing one gets it back from there."""
+    from engines.llamacpp.engine import LlamaCppEngine
+
+    engine = LlamaCppEngine(EngineArgs(model="smollm2", extra={"n_ctx": 2048, "max_num_seqs": 2, "n_threads": 1},
+                                       kv_tiers=KvTierConfig(host_bytes=200_000_000)))  # fmt: skip
+    await engine.start()
+    try:
+        story = chat(STORY)
+        await greedy(engine, story)
+        await until(lambda: engine.load_metrics().kv_tiers.host_blocks > 0, "the offload to host")
+        assert not engine._scheduler.cached and engine._scheduler.used_tokens() == 0
+        _, cached = await greedy(engine, story + [42])
+        assert cached == len(story) // 16 * 16 and engine.load_metrics().kv_tiers.onboard_blocks_h2d == len(story) // 16
+    finally:
+        await engine.stop()
