@@ -186,3 +186,30 @@ async def test_with_tiers_the_unified_cache_keeps_no_finished_prefix_and_a_hit_c
         assert cached == len(story) // 16 * 16 and engine.load_metrics().kv_tiers.onboard_blocks_h2d == len(story) // 16
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("flash_attn", [True, False], ids=["v-rows", "v-transposed"])
+def test_blocks_cut_from_a_state_join_back_into_the_same_bytes(flash_attn: bool) -> None:
+    import random
+
+    from dynamo_cli.model.paths import resolve_model_path
+    from engines.llamacpp import kv_blocks
+    from engines.llamacpp.plan import StepPlan
+    from engines.llamacpp.runner import Runner, RunnerOptions
+
+    runner = Runner(RunnerOptions(model_path=resolve_model_path("smollm2"), n_ctx=512, n_batch=64, n_seq_max=2,
+                                  n_threads=1, flash_attn=flash_attn))  # fmt: skip
+    try:
+        rng = random.Random(7)
+        tokens = [rng.randrange(1000, 40000) for _ in range(48)]
+        runner.execute(StepPlan(tokens=tokens, positions=list(range(48)), seq_ids=[1] * 48))
+        layout = runner.state_layout
+        assert layout is not None and layout.v_trans == (0 if flash_attn else 1)
+        state = runner._export(1)
+        blocks = kv_blocks.split(state, layout, 16, [0, 1, 2])
+        assert [len(b) for b in blocks] == [kv_blocks.block_bytes(layout, 16)] * 3
+        assert kv_blocks.join(blocks, layout, 16, seq_id=1) == state
+        with pytest.raises(ValueError, match="payload has"):
+            kv_blocks.join([blocks[0][:-1]], layout, 16)
+    finally:
+        runner.close()
