@@ -8,6 +8,7 @@ before the engine cell it is compared with, and ratios are medians over rounds, 
 machine drifts between minutes.
 
     python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--json out.json]
+                                         [--kv-host-cache-gb 1]   # KV tiers on (host memory)
 
 Bars: engine single-stream decode >= 0.9x raw single-stream decode; engine aggregate output tokens/s
 at concurrency 8 >= 0.9x raw 8-sequence batch doing the same work (prefill 8 prompts, decode OSL steps).
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import llama_cpp  # noqa: E402
 
 from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
+from dynamo_cli.kv.tiers import KvTierConfig  # noqa: E402
 from dynamo_cli.model.paths import resolve_model_path  # noqa: E402
 from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 from engines.llamacpp.runner import default_threads  # noqa: E402
@@ -138,7 +140,8 @@ async def measure(args: Any) -> dict[str, Any]:
     raw_one = Raw(path, 1, isl + osl + 64, threads)
     raw_eight = Raw(path, 8, 8 * (isl + osl + 64), threads)
     extra = {"n_threads": threads, "max_num_seqs": max(CONCURRENCY)}
-    engine = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra))
+    tiers = KvTierConfig(host_bytes=int(args.kv_host_cache_gb * 1e9))
+    engine = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra, kv_tiers=tiers))
     await engine.start()
     raw_one.run(prompts(1, 16, 0), 4)  # warm-up both
     await engine_cell(engine, 1, 16, 4, seed=0)
@@ -221,6 +224,7 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--kv-host-cache-gb", type=float, default=0.0, help="KV tiers: host memory (0: off)")
     parser.add_argument("--serve", action="store_true", help="also measure through `dyn serve` + `dyn bench`")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -91,24 +91,26 @@ KV_ROUTER = KvRouterConfig()
 """The router flags' defaults (immutable): KvRouterConfig is the one place they are set."""
 
 
+_KV_TIERS = "KV tiers (host memory and disk below the engine's cache)"
 KvHostCacheGb = Annotated[
     float,
-    typer.Option("--kv-host-cache-gb", envvar="DYN_KV_HOST_CACHE_GB",
+    typer.Option("--kv-host-cache-gb", envvar="DYN_KV_HOST_CACHE_GB", rich_help_panel=_KV_TIERS,
                  help="KV tier in host memory below the engine's cache, GB (0: off)."),
 ]  # fmt: skip
 KvDiskCacheGb = Annotated[
     float,
-    typer.Option("--kv-disk-cache-gb", envvar="DYN_KV_DISK_CACHE_GB",
+    typer.Option("--kv-disk-cache-gb", envvar="DYN_KV_DISK_CACHE_GB", rich_help_panel=_KV_TIERS,
                  help="KV tier on local disk below host memory, GB (0: off)."),
 ]  # fmt: skip
 KvDiskCacheDir = Annotated[
     str | None,
-    typer.Option("--kv-disk-cache-dir", envvar="DYN_KV_DISK_CACHE_DIR",
+    typer.Option("--kv-disk-cache-dir", envvar="DYN_KV_DISK_CACHE_DIR", rich_help_panel=_KV_TIERS,
                  help="Directory of the disk KV tier; kept across restarts (default: a temporary one)."),
 ]  # fmt: skip
 KvDiskOffloadFilter = Annotated[
     bool,
     typer.Option("--kv-disk-offload-filter/--no-kv-disk-offload-filter", envvar="DYN_KV_DISK_OFFLOAD_FILTER",
+                 rich_help_panel=_KV_TIERS,
                  help="Move host→disk only KV blocks reused at least once (Dynamo's default)."),
 ]  # fmt: skip
 

@@ -39,6 +39,9 @@ import msgspec
 
 from dynamo_cli.kv import disk
 from dynamo_cli.kv.events import DISK, HOST, BlockRemoved, BlockStored, KvEvent, StoredBlock, Tier
+from dynamo_cli.kv.tier_stats import KvTierStats
+
+__all__ = ["KvTierConfig", "KvTierStats", "OffloadBlock", "TieredBlockStore"]
 
 DECAY_BLOCKS = 1024
 """Offloaded blocks per frequency decay step."""
@@ -86,71 +89,6 @@ class OffloadBlock:
     """Bytes the block takes in a tier (len(payload) when there is one)."""
 
 
-class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters since start (monotonic) and current holdings, for metrics. Directions as Dynamo names
-    them: d2h device→host, h2d host→disk on offload (KVBM's G2→G3), host→device on onboard, d2d disk→device.
-    Workers publish it in `LoadMetrics.kv_tiers`; frontends show it as `kvbm_*` series."""
-
-    lookup_blocks: int = 0
-    """Blocks asked about by `match` (past the device)."""
-    host_hit_blocks: int = 0
-    """Of those, found in host (the leading run)."""
-    disk_hit_blocks: int = 0
-    """Of those, found on disk and not in host (the leading run)."""
-    matched_tokens: int = 0
-    """Tokens of matched blocks (blocks x block size)."""
-    offload_blocks_d2h: int = 0
-    """Blocks offloaded device→host (or device→disk without a host tier, counted in h2d)."""
-    offload_bytes_d2h: int = 0
-    """Their bytes."""
-    offload_seconds_d2h: float = 0.0
-    """Time the engine spent taking them out of its cache (as `offload` was told)."""
-    offload_blocks_h2d: int = 0
-    """Blocks written to disk."""
-    offload_bytes_h2d: int = 0
-    """Their file bytes."""
-    offload_seconds_h2d: float = 0.0
-    """Time spent writing them."""
-    onboard_blocks_h2d: int = 0
-    """Blocks onboarded host→device."""
-    onboard_bytes_h2d: int = 0
-    """Their bytes."""
-    onboard_seconds_h2d: float = 0.0
-    """Time spent on onboards that read from host only."""
-    onboard_blocks_d2d: int = 0
-    """Blocks onboarded disk→device."""
-    onboard_bytes_d2d: int = 0
-    """Their bytes."""
-    onboard_seconds_d2d: float = 0.0
-    """Time spent on onboards that read from disk (reading and checking the files)."""
-    filtered_blocks: int = 0
-    """Host evictions the frequency filter kept off disk."""
-    dropped_blocks: int = 0
-    """Disk offloads dropped: the writer queue was full, or a write failed."""
-    corrupt_files: int = 0
-    """Block files skipped: truncated, bad header or checksum."""
-    foreign_files: int = 0
-    """Block files skipped: another model's."""
-    host_blocks: int = 0
-    """Blocks in host now."""
-    host_used_bytes: int = 0
-    """Their bytes."""
-    disk_blocks: int = 0
-    """Blocks on disk now (written or queued)."""
-    disk_used_bytes: int = 0
-    """Bytes the disk tier's files take (queued writes reserved; other models' files included)."""
-
-    @property
-    def host_hit_rate(self) -> float:
-        """Host hits per block looked up."""
-        return self.host_hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
-
-    @property
-    def disk_hit_rate(self) -> float:
-        """Disk hits per block looked up."""
-        return self.disk_hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
-
-
 @dataclass(slots=True)
 class _Entry:
     """One block in a tier (mutable: recency, frequency and write state change in place)."""
@@ -177,6 +115,8 @@ class TieredBlockStore:
         self._disk: OrderedDict[int, _Entry] = OrderedDict()
         self._host_used = 0
         self._disk_used = 0
+        self._foreign_bytes = 0
+        """Bytes of other models' files in the disk tier's directory (counted in `_disk_used`)."""
         self._tick = 0
         self._events: list[KvEvent] = []
         self._stats = KvTierStats()
@@ -230,17 +170,31 @@ class TieredBlockStore:
                 self._count(offload_blocks_d2h=len(fresh), offload_bytes_d2h=sum(b.num_bytes for b in fresh))
                 self._to_disk([_Entry(b, 1, self._tick) for b in fresh])
 
+    def touch(self, hashes: Sequence[int]) -> bool:
+        """If host holds every block of `hashes` (a prefix the device evicts again), make them recent as
+        `offload` would and return True: the engine need not copy them out. Else change nothing."""
+        with self._lock:
+            if not all(h in self._host for h in hashes):
+                return False
+            for h in reversed(hashes):
+                self._host.move_to_end(h)
+            return True
+
+    def _locate(self, hashes: Sequence[int]) -> list[Tier]:
+        tiers: list[Tier] = []
+        for h in hashes:
+            if h in self._host:
+                tiers.append(HOST)
+            elif h in self._disk:
+                tiers.append(DISK)
+            else:
+                break
+        return tiers
+
     def match(self, hashes: Sequence[int]) -> list[Tier]:
         """The tier of each leading block of `hashes` found in host or disk, up to the first miss."""
         with self._lock:
-            tiers: list[Tier] = []
-            for h in hashes:
-                if h in self._host:
-                    tiers.append(HOST)
-                elif h in self._disk:
-                    tiers.append(DISK)
-                else:
-                    break
+            tiers = self._locate(hashes)
             host = tiers.count(HOST)
             self._count(
                 lookup_blocks=len(hashes),
@@ -301,10 +255,13 @@ class TieredBlockStore:
     def _offload_host(self, blocks: Sequence[OffloadBlock]) -> None:
         fresh: list[OffloadBlock] = []
         room = self.config.host_bytes
-        for b in blocks:
+        for b in reversed(blocks):  # refreshed deepest first: the parents end most recent
             if b.block_hash in self._host:
                 self._host.move_to_end(b.block_hash)
-            elif b.num_bytes <= room:
+        for b in blocks:
+            if b.block_hash in self._host:
+                continue
+            if b.num_bytes <= room:
                 fresh.append(b)
                 room -= b.num_bytes
         self._count(offload_blocks_d2h=len(fresh), offload_bytes_d2h=sum(b.num_bytes for b in fresh))
@@ -339,7 +296,7 @@ class TieredBlockStore:
         """Put `entries` on disk: parents first, as many as fit, the oldest disk blocks making room."""
         order = {b.block_hash: i for i, b in enumerate(b for run in _chains([e.block for e in entries]) for b in run)}
         chosen: list[tuple[_Entry, int, bool]] = []
-        room, pending = self.config.disk_bytes, self._pending_bytes
+        room, pending = self.config.disk_bytes - self._foreign_bytes, self._pending_bytes
         for entry in sorted(entries, key=lambda e: order[e.block.block_hash]):
             real = entry.block.payload is not None and self._writer is not None
             size = disk.file_size(entry.block.num_bytes) if real else entry.block.num_bytes
@@ -352,7 +309,7 @@ class TieredBlockStore:
             pending += entry.block.num_bytes if real else 0
         need = sum(size for _, size, _ in chosen)
         removed: list[int] = []
-        while self._disk_used + need > self.config.disk_bytes:
+        while self._disk_used + need > self.config.disk_bytes and self._disk:
             _, old = self._disk.popitem(last=False)
             self._disk_used -= old.size
             removed.append(old.block.block_hash)
@@ -458,7 +415,7 @@ class TieredBlockStore:
             disk.block_path(directory, entries.pop(0).block.block_hash).unlink(missing_ok=True)
         with self._lock:
             self._count(foreign_files=found.foreign, corrupt_files=found.corrupt)
-            self._disk_used = found.foreign_bytes
+            self._disk_used = self._foreign_bytes = found.foreign_bytes
             for entry in entries:
                 self._disk[entry.block.block_hash] = entry
                 self._disk_used += entry.size

@@ -57,6 +57,7 @@ from engines.llamacpp.options import LlamaCppOptions
 from engines.llamacpp.plan import StepPlan, StepResult
 from engines.llamacpp.runner import Runner, RunnerOptions
 from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
+from engines.llamacpp.tiering import KvTiering
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class LlamaCppEngine:
         """KV cells of the context as llama.cpp sized it (set in start())."""
         self._embedder: Embedder | None = None
         """With option embeddings=true: the embedding context (set in start())."""
+        self._kv_tiers = args.kv_tiers
+        self._cached_tokens_given = "max_cached_tokens" in args.extra
+        self._tiers: KvTiering | None = None
+        """Host/disk KV tiers below llama.cpp's cache (`EngineArgs.kv_tiers`; set in start())."""
 
     ##### Engine protocol #####
 
@@ -108,15 +113,21 @@ class LlamaCppEngine:
             self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
+        self._tiers = await KvTiering.open(self._kv_tiers, opts.model_path, runner.state_layout, opts.block_size,
+                                           runner.n_ctx_seq, self._publish_tier_events)  # fmt: skip
         self._scheduler = Scheduler(
             block_size=opts.block_size,
             capacity=n_ctx,
             max_num_seqs=opts.max_num_seqs,
             max_cached=opts.max_cached_seqs,
             n_batch=opts.n_batch,
-            max_cached_tokens=opts.max_cached_tokens,
+            max_cached_tokens=self._device_cached_tokens(),
             max_prefill_chunk=1 if opts.deterministic else None,
+            offload=self._tiers is not None,
         )
+        if self._tiers is not None:
+            self._scheduler.held_below = self._tiers.refresh_if_held
+        self._publish_events(self._scheduler)  # a warm restart's disk blocks, for the routers
         self._info = EngineInfo(
             model_name=opts.served_model_name,
             tokenizer_source=opts.model_path,
@@ -135,6 +146,15 @@ class LlamaCppEngine:
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
         return self._info
 
+    def _device_cached_tokens(self) -> int:
+        """Finished prefixes kept in llama.cpp's cache, in tokens. With KV tiers (and the unified cache) none
+        by default: every cell in use widens every decode step's attention window (single-stream decode
+        fell 92 → 74 tok/s as finished prefixes piled up), so they move to host and come back on a hit."""
+        opts = self.options
+        if self._tiers is None or self._cached_tokens_given or not opts.kv_unified:
+            return opts.max_cached_tokens
+        return 0
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream the request's tokens; closing the iterator aborts it and frees its sequence."""
         seq = self._admit(request)
@@ -143,6 +163,8 @@ class LlamaCppEngine:
         self._in_flight.add(request.request_id)
         finished = False
         try:
+            if self._tiers is not None and seq.kv_state is None:
+                await self._tiers.onboard(seq, self._scheduler_or_raise())
             self._scheduler_or_raise().add(seq)
             self._wake.set()
             while True:
@@ -192,6 +214,7 @@ class LlamaCppEngine:
             + sum(s.num_prefill_left for s in scheduler.running),
             num_prefill_tokens_computed=scheduler.num_prefill_tokens_computed,
             num_prefill_tokens_cached=scheduler.num_prefill_tokens_cached,
+            kv_tiers=self._tiers.stats if self._tiers is not None else None,
         )
 
     async def stop(self) -> None:
@@ -206,6 +229,8 @@ class LlamaCppEngine:
             stream.put_nowait(GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value))
         runner = self._runner
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if self._tiers is not None:
+            await self._tiers.aclose()
         if self._embedder is not None:
             self._embedder.close()
         if runner is not None:
@@ -294,6 +319,8 @@ class LlamaCppEngine:
         self._mark_exports(plan, scheduled)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self._executor, self._runner_execute, plan)
+        if self._tiers is not None:
+            self._tiers.offload(scheduler, result)
         self._process(scheduler, scheduled, result)
         self._publish_events(scheduler)
 
@@ -329,6 +356,10 @@ class LlamaCppEngine:
 
     def _process_one(self, scheduler: Scheduler, part: Scheduled, result: StepResult) -> None:
         seq = part.seq
+        if seq.seq_id in result.failed_imports and seq.num_onboarded:
+            logger.warning("llamacpp: request %s's onboarded KV was refused; recomputing it", seq.request.request_id)
+            scheduler.retry_without_onboard(seq)
+            return
         if seq.seq_id in result.failed_imports:
             scheduler.forget_import(seq)
             self._fail(scheduler, seq, "llama.cpp could not import its kv_transfer state (no room for its cells)")
@@ -402,8 +433,14 @@ class LlamaCppEngine:
             Runner.free_sampler(seq.sampler)
             seq.sampler = None
 
+    def _publish_tier_events(self) -> None:
+        if self._scheduler is not None:
+            self._publish_events(self._scheduler)
+
     def _publish_events(self, scheduler: Scheduler) -> None:
         events = scheduler.drain_events()
+        if self._tiers is not None:
+            events += self._tiers.drain_events()
         if not events:
             return
         batch = KvEventBatch(event_id=self._next_event_id, events=events, timestamp=time.time())

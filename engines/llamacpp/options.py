@@ -2,7 +2,9 @@
 
 Options (`EngineArgs.extra`): `n_ctx` (KV cache tokens shared by all sequences), `n_batch` (tokens per
 decode step), `n_threads`, `max_num_seqs`, `max_cached_seqs` and `max_cached_tokens` (finished prefixes
-kept for reuse), `block_size`, `kv_unified` (default true: one KV cache shared by all sequences), and
+kept for reuse; with KV tiers on, the unified cache keeps none unless max_cached_tokens is given: they go
+to host and come back on a hit, see `engines.llamacpp.tiering`), `block_size`, `kv_unified` (default
+true: one KV cache shared by all sequences), and
 `deterministic` (see `engines.llamacpp.engine`): every sequence id then gets its own KV stream of
 `context_length` tokens (default DETERMINISTIC_CONTEXT) and n_ctx follows from that; `embeddings`
 (default false: true also serves /v1/embeddings from a second, embedding-mode context of n_batch tokens).

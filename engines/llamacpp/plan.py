@@ -14,13 +14,16 @@ class MemoryOp:
 
     kind: str
     """`rm` (drop positions [start, end) of seq, end -1: to the end), `cp` (share [0, end) of src with seq),
-    `import` (load `state` into seq), `clear` (every sequence)."""
+    `import` (load `state` into seq), `clear` (every sequence), `export` (read seq's state out into
+    `StepResult.evicted[key]`, before the `rm` that evicts it: KV tiers)."""
     seq_id: int
     src_seq_id: int = -1
     start: int = -1
     end: int = -1
     state: CheckedState | None = None
     """For `import`: a sequence state already checked against this engine's layout."""
+    key: int = -1
+    """For `export`: the key of the scheduler's pending offload it feeds."""
 
 
 @dataclass(slots=True)
@@ -53,3 +56,7 @@ class StepResult:
     failed_imports: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     """Seq id → why llama.cpp refused its tokens; the step went on without it."""
+    evicted: dict[int, bytes] = field(default_factory=dict)
+    """Export key → the state of an evicted cached prefix (`export` ops)."""
+    evict_seconds: float = 0.0
+    """Time the `export` ops took."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +229,8 @@ class Runner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the memory ops, decode the batch, sample, export: one engine step."""
-        result = StepResult(failed_imports=self._apply_memory_ops(plan.memory_ops))
+        result = StepResult()
+        result.failed_imports = self._apply_memory_ops(plan.memory_ops, result)
         seq_ids = [s for s in dict.fromkeys(plan.seq_ids) if s not in result.failed_imports]
         if seq_ids:
             self._decode_isolating(plan, seq_ids, result)
@@ -297,10 +299,14 @@ class Runner:
         for seq_id, pos in first.items():
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
 
-    def _apply_memory_ops(self, ops: list[MemoryOp]) -> list[int]:
+    def _apply_memory_ops(self, ops: list[MemoryOp], result: StepResult) -> list[int]:
         failed: list[int] = []
         for op in ops:
-            if op.kind == "rm":
+            if op.kind == "export":
+                started = time.perf_counter()
+                result.evicted[op.key] = self._export(op.seq_id)
+                result.evict_seconds += time.perf_counter() - started
+            elif op.kind == "rm":
                 llama_cpp.llama_memory_seq_rm(self._memory, op.seq_id, op.start, op.end)
             elif op.kind == "cp" and self.options.kv_unified:
                 llama_cpp.llama_memory_seq_cp(self._memory, op.src_seq_id, op.seq_id, 0, op.end)
@@ -320,7 +326,7 @@ class Runner:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
-        return bytes(buffer)[:written]
+        return bytes(memoryview(buffer).cast("B")[:written])
 
     def _import(self, seq_id: int, state: CheckedState | None) -> bool:
         """Load a checked state into `seq_id`, its stream header rewritten for this context."""

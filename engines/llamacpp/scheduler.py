@@ -10,11 +10,17 @@ evictable); a new prompt sharing full blocks with a running or cached sequence g
 `seq_cp`, which in llama.cpp's unified cache shares cells instead of copying. Blocks are refcounted by
 sequence hash, so `BlockStored` fires when a hash first enters the cache and `BlockRemoved` when the
 last sequence holding it lets go.
+
+KV tiers (`offload=True`): evicting a cached prefix first exports its state (an `export` op before its
+`rm`) and records a `PendingOffload` under that op's key; the engine cuts the state into blocks for the
+tiered store off the step loop. A sequence may arrive with `kv_state` and `num_onboarded`: its prefix
+came back from the store, is imported at admission and counts as cached prefill.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +53,9 @@ class Sequence:
     num_imported: int = 0
     """Tokens whose KV came from a prefill worker (the prompt; the last token, the first the prefill
     sampled, is decoded here): neither computed nor cached prefill. 0 again after a preemption."""
+    num_onboarded: int = 0
+    """Leading prompt tokens whose KV `kv_state` brings back from the KV tiers (whole blocks); 0 again
+    after a preemption or a refused import (then recomputed)."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -64,6 +73,16 @@ class CachedPrefix:
 
     num_tokens: int
     hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingOffload:
+    """An evicted cached prefix whose exported state goes to the KV tiers."""
+
+    hashes: list[int]
+    """Sequence hashes of its full blocks, in order (block i covers positions i*bs..)."""
+    local_hashes: list[int]
+    """Each block's tokens-only hash."""
 
 
 @dataclass(slots=True)
@@ -88,6 +107,7 @@ class Scheduler:
         n_batch: int,
         max_cached_tokens: int | None = None,
         max_prefill_chunk: int | None = None,
+        offload: bool = False,
     ):
         self.block_size = block_size
         self.capacity = capacity
@@ -109,6 +129,15 @@ class Scheduler:
         self.pending_ops: list[MemoryOp] = []
         self.num_prefill_tokens_computed = 0
         self.num_prefill_tokens_cached = 0
+        self.offload = offload
+        """Export evicted cached prefixes for the KV tiers."""
+        self.offloads: dict[int, PendingOffload] = {}
+        """Export key → what its state holds, until the engine takes it."""
+        self._next_key = 0
+        self.held_below: Callable[[list[int]], bool] = lambda hashes: False
+        """Whether the tiers already hold every block of a prefix (then its eviction exports nothing)."""
+        self.local_hashes: dict[int, int] = {}
+        """Sequence hash → tokens-only hash, for every block held (with offload on)."""
 
     ##### Public API #####
 
@@ -151,6 +180,18 @@ class Scheduler:
         seq.num_computed = seq.num_imported
         self._store_blocks(seq)
 
+    def _mark_onboarded(self, seq: Sequence) -> None:
+        """The prompt's first `num_onboarded` tokens come back from the KV tiers: cached prefill."""
+        seq.num_computed = seq.num_cached_tokens = seq.num_onboarded
+        self.num_prefill_tokens_cached += seq.num_onboarded
+        self._store_blocks(seq)
+
+    def retry_without_onboard(self, seq: Sequence) -> None:
+        """llama.cpp refused an onboarded prefix: free the sequence and queue it first, to recompute."""
+        self.running.remove(seq)
+        self.num_prefill_tokens_cached -= seq.num_onboarded
+        self._preempt(seq)
+
     def forget_import(self, seq: Sequence) -> None:
         """llama.cpp refused `seq`'s state import: its blocks were never there, so none is kept or shared."""
         self._release(seq.hashes)
@@ -183,6 +224,8 @@ class Scheduler:
         self.cached.clear()
         self.free_seq_ids = list(range(self.max_num_seqs + self.max_cached - 1, -1, -1))
         self.refcounts.clear()
+        self.local_hashes.clear()
+        self.offloads.clear()
         self.events = [AllBlocksCleared()]
         self.pending_ops = [MemoryOp("clear", -1)]
         return dropped
@@ -211,7 +254,20 @@ class Scheduler:
 
     def _evict_one(self) -> None:
         seq_id, prefix = self.cached.popitem(last=False)
+        if self.offload and prefix.hashes and not self.held_below(prefix.hashes):
+            key, self._next_key = self._next_key, self._next_key + 1
+            self.offloads[key] = PendingOffload(prefix.hashes, [self.local_hashes[h] for h in prefix.hashes])
+            self.pending_ops.append(MemoryOp("export", seq_id, end=prefix.num_tokens, key=key))
         self._drop(seq_id, prefix.hashes)
+
+    def take_offload(self, key: int) -> PendingOffload | None:
+        """The pending offload an `export` op's state belongs to (None: gone in a reset)."""
+        return self.offloads.pop(key, None)
+
+    def device_match(self, hashes: list[int]) -> int:
+        """Leading blocks of `hashes` a running or cached sequence holds (what `_reuse_prefix` would share)."""
+        holders = [s.hashes for s in self.running] + [c.hashes for c in self.cached.values()]
+        return max((_common_prefix(hashes, h) for h in holders), default=0)
 
     def _drop(self, seq_id: int, hashes: list[int]) -> None:
         self.pending_ops.append(MemoryOp("rm", seq_id, start=-1, end=-1))
@@ -230,7 +286,10 @@ class Scheduler:
             if seq.kv_state is not None:
                 self.pending_ops.append(MemoryOp("import", seq.seq_id, state=seq.kv_state))
                 seq.kv_state = None
-                self.mark_imported(seq)
+                if seq.num_onboarded:
+                    self._mark_onboarded(seq)
+                else:
+                    self.mark_imported(seq)
             else:
                 self._reuse_prefix(seq)
 
@@ -283,11 +342,15 @@ class Scheduler:
 
     def _preempt_newest(self) -> None:
         """Out of KV cells with no cached prefix left to evict: recompute the newest sequence later."""
-        seq = self.running.pop()
+        self._preempt(self.running.pop())
+
+    def _preempt(self, seq: Sequence) -> None:
         self.pending_ops.append(MemoryOp("rm", seq.seq_id, start=-1, end=-1))
         self.free_seq_ids.append(seq.seq_id)
         self._release(seq.hashes)
         seq.seq_id, seq.num_computed, seq.hashes, seq.num_imported = -1, 0, [], 0
+        if seq.num_onboarded:  # recomputed when admitted again
+            seq.num_onboarded = seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)
 
     ##### Block hashes and events #####
@@ -303,6 +366,8 @@ class Scheduler:
         ):
             seq.hashes.append(parent)
             self.refcounts[parent] = self.refcounts.get(parent, 0) + 1
+            if self.offload:
+                self.local_hashes[parent] = local
             if self.refcounts[parent] == 1:
                 new.append(StoredBlock(parent, local))
                 continue
@@ -319,6 +384,7 @@ class Scheduler:
             self.refcounts[h] -= 1
             if self.refcounts[h] == 0:
                 del self.refcounts[h]
+                self.local_hashes.pop(h, None)
                 removed.append(h)
         if removed:
             self.events.append(BlockRemoved(block_hashes=removed))

@@ -276,3 +276,30 @@ def test_a_file_naming_another_block_is_corrupt(tmp_path: Path) -> None:
     with pytest.raises(disk.BlockFileError) as err:
         disk.read_header(disk.block_path(tmp_path, 9), digest)
     assert err.value.fault is disk.FileFault.CORRUPT
+
+
+def test_touch_refreshes_only_a_prefix_held_wholly_in_host() -> None:
+    store = TieredBlockStore(KvTierConfig(host_bytes=3 * SIZE), fingerprint="m")
+    store.offload(chain(1, 2))
+    store.offload(chain(9, 1))
+    store.drain_events()
+    assert not store.touch([1, 2, 3]) and store.touch([1, 2])
+    store.offload(chain(20, 1))  # 9 is now the oldest
+    assert store.drain_events() == [removed("host", 9), stored("host", None, 20)]
+    assert store.stats.offload_blocks_d2h == 4 and store.stats.lookup_blocks == 0
+
+
+async def test_other_models_files_leave_less_room_and_are_never_evicted(tmp_path: Path) -> None:
+    other = disk.encode(disk.BlockHeader(77, None, 1077, SIZE), b"x" * SIZE, disk.fingerprint_digest("model-b"))
+    disk.block_path(tmp_path, 77).write_bytes(other)
+    store = TieredBlockStore(KvTierConfig(disk_bytes=3 * FILE, disk_dir=str(tmp_path)), fingerprint="model-a")
+    await store.start()
+    try:
+        for b in chain(1, 4, payload=True):
+            store.offload([b])
+        await flush(store)
+        assert store.stats.disk_blocks == 2 and store.stats.disk_used_bytes == 3 * FILE
+        assert disk.block_path(tmp_path, 77).exists()
+        assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 3 * FILE
+    finally:
+        await store.aclose()
