@@ -140,11 +140,18 @@ class LlamaCppEngine:
             vocab_size=runner.n_vocab,
             features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P,
                                 Feature.GUIDED_JSON} | ({Feature.EMBEDDINGS} if opts.embeddings else set())),
-            extra={"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic},
+            extra=self._info_extra(runner, n_ctx),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
         return self._info
+
+    def _info_extra(self, runner: Runner, n_ctx: int) -> dict[str, Any]:
+        opts = self.options
+        extra: dict[str, Any] = {"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic}
+        if runner.state_layout is not None:  # what the router's tier costs move per block
+            extra["kv_bytes_per_block"] = runner.state_layout.cell_bytes() * opts.block_size
+        return extra
 
     def _device_cached_tokens(self) -> int:
         """Finished prefixes kept in llama.cpp's cache, in tokens. With KV tiers (and the unified cache) none
