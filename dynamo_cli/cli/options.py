@@ -89,6 +89,13 @@ KV_ROUTER = KvRouterConfig()
 """The router flags' defaults (immutable): KvRouterConfig is the one place they are set."""
 
 
+def planner_option(flag: str, help: str, *, prefix: str = "") -> Any:
+    """A planner option with its DYN_PLANNER_* twin: `--FLAG` on `dyn plan run`, `--planner-FLAG` on `dyn serve`
+    (prefix "planner-"), one environment variable for both."""
+    name = flag.strip("-")
+    return typer.Option(f"--{prefix}{name}", envvar="DYN_PLANNER_" + name.upper().replace("-", "_"), help=help)
+
+
 def parse_role(value: str) -> Role:
     try:
         return Role(value)

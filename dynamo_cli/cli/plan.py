@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,7 +18,7 @@ from dynamo_cli.config import CLUSTER_SECRET_ENV, WorkerConfig
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.launcher import planes_env, worker_argv
-from dynamo_cli.planner.planner import PlannerConfig, Step
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
@@ -109,9 +109,7 @@ def _report(step: Step) -> None:
           f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}", flush=True)  # fmt: skip
 
 
-def _opt(flag: str, help: str) -> Any:
-    """A `dyn plan run` option with its DYN_PLANNER_* environment twin."""
-    return typer.Option(flag, envvar="DYN_PLANNER_" + flag.strip("-").upper().replace("-", "_"), help=help)
+_opt = o.planner_option
 
 
 @app.command("run")
@@ -123,8 +121,8 @@ def run_command(
         list[str] | None, _opt("--frontend", help="Frontend URL to watch (repeatable; default: those in discovery).")
     ] = None,
     mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
-    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = 60.0,
-    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
+    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = INTERVAL_S,
+    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = LOAD_INTERVAL_S,
     min_workers: Annotated[int, _opt("--min-workers", help="Per pool.")] = 1,
     max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
     gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
@@ -177,8 +175,8 @@ def simulate_command(
     isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
     osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
     static: Annotated[str, typer.Option("--static", help="Static pool sizes to compare.")] = "1,4",
-    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = 60.0,
-    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = 5.0,
+    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = INTERVAL_S,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = LOAD_INTERVAL_S,
     min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
     max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
     predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",

@@ -6,7 +6,8 @@ increase(sum) / increase(count) between two scrapes, summed over every model and
 arrived are those completed plus the growth of `dynamo_frontend_inflight_requests` (queued ones included).
 Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
 frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
-`--frontend` finds every frontend of its namespace there, at every scrape.
+`--frontend` finds every frontend of its namespace there, at every scrape. `dyn serve --planner` reads its
+own frontend's registry in-process (`TextSnapshotter`), so TLS and API keys on /metrics do not get in the way.
 """
 
 from __future__ import annotations
@@ -145,6 +146,17 @@ class FrontendScraper:
             inflight += busy
             for key, value in one.items():
                 sums[key] = sums.get(key, 0.0) + value
+        return Snapshot(at=time.monotonic(), sums=sums, inflight=inflight)
+
+
+class TextSnapshotter:
+    """Reads metrics text from a callable rather than over HTTP: `dyn serve --planner`'s own frontend."""
+
+    def __init__(self, read: Callable[[], str]) -> None:
+        self.read = read
+
+    async def snapshot(self) -> Snapshot:
+        sums, inflight = parse_metrics(self.read())
         return Snapshot(at=time.monotonic(), sums=sums, inflight=inflight)
 
 

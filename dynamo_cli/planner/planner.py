@@ -46,6 +46,10 @@ from dynamo_cli.planner.replicas import (
 
 logger = logging.getLogger(__name__)
 
+INTERVAL_S = 60.0
+"""The throughput step's default period (`--interval`; Dynamo: 180 s)."""
+LOAD_INTERVAL_S = 5.0
+"""The burst check's default period (`--load-interval`; Dynamo's load interval: 5 s)."""
 RECENT_WINDOWS = 3
 """The throughput step holds the pools the rate over this many latest load windows needs."""
 
@@ -60,9 +64,9 @@ class PlannerConfig:
     """Per-pool min/max and the GPU budget."""
     mode: str = "disagg"
     """agg (one pool) or disagg (prefill and decode pools)."""
-    interval_s: float = 60.0
+    interval_s: float = INTERVAL_S
     """Throughput step period (Dynamo: 180 s)."""
-    load_interval_s: float = 5.0
+    load_interval_s: float = LOAD_INTERVAL_S
     """Burst check period (0: off; Dynamo's load interval: 5 s)."""
     predictor: str = "constant"
     """constant | moving-average | kalman."""
