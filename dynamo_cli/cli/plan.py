@@ -18,7 +18,7 @@ from dynamo_cli.config import CLUSTER_SECRET_ENV, WorkerConfig
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.launcher import planes_env, worker_argv
-from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, PlannerConfig, Step
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
@@ -128,6 +128,7 @@ def run_command(
     gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
     predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
     headroom: Annotated[float, _opt("--headroom", help="agg: size for this fraction of each target.")] = 0.8,
+    startup: Annotated[float, _opt("--startup", help=STARTUP_HELP)] = STARTUP_S,
     connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
     dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
     duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
@@ -154,7 +155,7 @@ def run_command(
            **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom)  # fmt: skip
+                           headroom=headroom, startup_s=startup)  # fmt: skip
     plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
                    lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
                    prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
@@ -180,7 +181,9 @@ def simulate_command(
     min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
     max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
     predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
-    startup: Annotated[float, typer.Option("--startup", help="Seconds a new worker takes to serve.")] = 30.0,
+    startup: Annotated[
+        float, typer.Option("--startup", help="Seconds a new worker takes to serve (the planner is told).")
+    ] = STARTUP_S,
     headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
 ) -> None:
     """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
@@ -192,7 +195,7 @@ def simulate_command(
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom)  # fmt: skip
+                           headroom=headroom, startup_s=startup)  # fmt: skip
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
     results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
                              startup)  # fmt: skip

@@ -14,7 +14,7 @@ from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import ServePlan, serve_all
-from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, PlannerConfig
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig
 from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.service import PlanRun, check_run
 from dynamo_cli.runtime.supervisor import run
@@ -158,6 +158,7 @@ def command(
     planner_load_interval: Annotated[
         float, o.planner_option("--load-interval", "Burst check period (s; 0: off).", prefix="planner-")
     ] = LOAD_INTERVAL_S,
+    planner_startup: Annotated[float, o.planner_option("--startup", STARTUP_HELP, prefix="planner-")] = STARTUP_S,
     reasoning_parser: Annotated[
         str | None,
         typer.Option("--reasoning-parser", envvar="DYN_REASONING_PARSER",
@@ -181,7 +182,8 @@ def command(
     plan = None
     if planner:
         plan = _plan(engine, disagg, routers, planner_ttft, planner_itl, planner_profile,
-                     Bounds(planner_min_workers, planner_max_workers), planner_interval, planner_load_interval)
+                     Bounds(planner_min_workers, planner_max_workers), planner_interval, planner_load_interval,
+                     planner_startup)
         clamp = (max(planner_min_workers, min(planner_max_workers, n)) for n in (num_decode, prefill_workers))
         num_decode, prefill_workers = clamp
     # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
@@ -225,7 +227,7 @@ def command(
 
 
 def _plan(engine: str, disagg: bool, routers: int, ttft: float, itl: float, profile: Path | None, bounds: Bounds,
-          interval: float, load_interval: float) -> ServePlan:  # fmt: skip
+          interval: float, load_interval: float, startup: float) -> ServePlan:  # fmt: skip
     """`--planner`'s flags checked as `dyn plan run` checks its own."""
     if profile is None and engine != "mocker":
         raise ConfigError(f"--planner with --engine {engine} needs --planner-profile FILE (from `dyn plan profile "
@@ -233,6 +235,6 @@ def _plan(engine: str, disagg: bool, routers: int, ttft: float, itl: float, prof
     if routers:
         raise ConfigError("--planner does not run with --routers yet; use `dyn plan run` beside the deployment")
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=bounds, mode="disagg" if disagg else "agg",
-                           interval_s=interval, load_interval_s=load_interval)  # fmt: skip
+                           interval_s=interval, load_interval_s=load_interval, startup_s=startup)  # fmt: skip
     check_run(PlanRun(planner=config, frontends=("in-process",), namespace="serve", discovery="embedded"))
     return ServePlan(config=config, profile=profile)

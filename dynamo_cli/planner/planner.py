@@ -3,14 +3,17 @@
 NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
 runs the SLA planner (replicas.py) on the interval's traffic. Every `load_interval_s` in between, the
 burst check counts the requests that arrived in that short window (completed plus the growth of requests
-in flight, so a queue building up counts). When that count less two Poisson standard deviations (so that
-noise alone rarely triggers) needs more workers, it scales up at once, sized for the count plus two
-standard deviations (a ramp keeps rising while workers start), so a burst is met within one load window
-rather than at the next throughput step. Bursts only scale up; the throughput step scales down, never
-below what the rate over the latest few load windows needs (an interval's mean lags a step up, and
-scaling down in the middle of a burst only to scale up again costs a worker start). Demand is read from
-arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One scale
-action is in flight at a time (the loop awaits `apply`).
+in flight, so a queue building up counts) and fits a line through the windows of the last minute
+(predictors.RateTrend). It scales up at once when a rate is surely reached that needs more workers:
+the window's count less two Poisson standard deviations (noise alone rarely triggers), or the trend
+projected a worker's startup plus one window ahead, less one deviation (a ramp is met by workers started
+before it arrives; with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it).
+It sizes for the higher of the window's count plus two deviations and the projection. Bursts only scale
+up, and never below the last decision (workers still starting are not in discovery yet); the throughput
+step scales down, never below what the latest windows and the projection need (an interval's mean lags a
+step up, and releasing a worker that is still starting only has the next burst start another). Demand is
+read from arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One
+scale action is in flight at a time (the loop awaits `apply`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Protocol
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, ScaleTarget
 from dynamo_cli.planner.observe import Snapshot, observation_between
-from dynamo_cli.planner.predictors import make_predictor
+from dynamo_cli.planner.predictors import RateTrend, make_predictor
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.replicas import (
     NO_CORRECTION,
@@ -46,10 +49,22 @@ from dynamo_cli.planner.replicas import (
 
 logger = logging.getLogger(__name__)
 
-INTERVAL_S = 60.0
-"""The throughput step's default period (`--interval`; Dynamo: 180 s)."""
-LOAD_INTERVAL_S = 5.0
-"""The burst check's default period (`--load-interval`; Dynamo's load interval: 5 s)."""
+INTERVAL_S = 15.0
+"""The throughput step's default period (`--interval`; Dynamo: 180 s). It mostly paces scale-down (bursts
+scale up): a long one holds a falling rate's workers for half of it."""
+LOAD_INTERVAL_S = 2.0
+"""The burst check's default period (`--load-interval`; Dynamo's load interval: 5 s): a step in the rate waits
+this long, plus a worker's startup, for capacity."""
+STARTUP_S = 30.0
+"""A new worker's default time to serve (`--startup`)."""
+STARTUP_HELP = "Seconds a new worker takes to serve: bursts project the load's trend this far ahead (0: off)."
+TREND_SPAN_S = 60.0
+"""The burst check fits the arrival rate's trend over the load windows of this many latest seconds."""
+SIGMAS = 2.0
+"""Poisson standard deviations below a window's rate that make it sure, and above it that a burst sizes for."""
+TREND_SIGMAS = 1.0
+"""Standard deviations below the trend's projection that make it sure: fewer than a window's, since a false
+start costs one worker for a while (held until the projection falls) while a late one costs a ramp's requests."""
 RECENT_WINDOWS = 3
 """The throughput step holds the pools the rate over this many latest load windows needs."""
 
@@ -76,6 +91,9 @@ class PlannerConfig:
     """OSL assumed before any request is seen."""
     headroom: float = 0.8
     """agg: size so the predicted mean TTFT and ITL stay within this fraction of the targets."""
+    startup_s: float = STARTUP_S
+    """How long a new worker takes to serve: the burst check projects the arrival rate's trend this far
+    plus one load interval ahead (0: no projection, only the latest window counts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +134,7 @@ class Planner:
         self._last_load: Snapshot | None = None
         self._window_need: Decision | None = None
         """What the latest load windows needed; the throughput step does not scale below it."""
+        self._trend = RateTrend(TREND_SPAN_S)
         self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
         """(arrived, seconds) of the latest load windows."""
         self._capacity: tuple[tuple[float, float], AggPoint] | None = None
@@ -169,24 +188,43 @@ class Planner:
         window = observation_between(self._last_load or self._last or snapshot, snapshot)
         self._last_load = snapshot
         current = await self._current()
+        # workers still starting are not in discovery yet: a burst never asks for fewer than the last decision
+        base = (max(current[0], self._wanted[0]), max(current[1], self._wanted[1]))
         arrived = window.demand()
         self._windows.append((arrived, window.interval_s))
         recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
-        self._window_need = self._at_rate(recent)
-        # Poisson 2σ below the count: noise alone rarely lifts it above the true rate, so a quiet spell never
-        # starts workers; once triggered, size for 2σ above it (a ramp keeps rising while workers start)
-        sure = max(0.0, arrived - 2 * math.sqrt(arrived)) / window.interval_s
-        if not self._grows(self._at_rate(sure), current):
+        self._trend.observe(snapshot.at, arrived, window.interval_s)
+        sure, sized, projected, rates = self._burst_rates(arrived, window.interval_s)
+        # the next throughput step holds the projection too: releasing a worker a burst just started (it is
+        # still starting) would only have the next burst start another
+        self._window_need = self._at_rate(max(recent, projected))
+        if not self._grows(self._at_rate(sure), base):
             return None
-        rate = (arrived + 2 * math.sqrt(arrived)) / window.interval_s
-        need = self._at_rate(rate)
-        wanted = (max(current[0], need.num_prefill), max(current[1], need.num_decode))
+        need = self._at_rate(sized)
+        wanted = (max(base[0], need.num_prefill), max(base[1], need.num_decode))
         why = (f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
-               f"{snapshot.inflight:.0f} in flight): >= {sure:.2f} req/s at 2σ needs more than prefill "
-               f"{current[0]}, decode {current[1]}; sized for <= {rate:.2f} req/s at 2σ → prefill {wanted[0]}, "
+               f"{snapshot.inflight:.0f} in flight); {rates}: >= {sure:.2f} req/s needs more than prefill "
+               f"{base[0]}, decode {base[1]}; sized for {sized:.2f} req/s → prefill {wanted[0]}, "
                f"decode {wanted[1]}: {need.why}")  # fmt: skip
         decision = replace(need, num_prefill=wanted[0], num_decode=wanted[1], why=why)
         return await self._take("burst", decision, None, current)
+
+    def _burst_rates(self, arrived: float, seconds: float) -> tuple[float, float, float, str]:
+        """(sure, sized, projected, why). From the latest window: the rate surely reached, SIGMAS below its count
+        (noise alone rarely lifts it above the true rate, so a quiet spell never starts workers), and the rate
+        to size for, SIGMAS above. From the trend projected a worker's startup plus one load interval ahead:
+        the projection, which raises the rate to size for, and TREND_SIGMAS below it, which raises the sure
+        rate (a ramp is met by workers started before it arrives, not after)."""
+        spread = SIGMAS * math.sqrt(arrived)
+        sure, sized = max(0.0, arrived - spread) / seconds, (arrived + spread) / seconds
+        why = f"window {sure:.2f}..{sized:.2f} req/s"
+        if self.config.startup_s <= 0:
+            return sure, sized, 0.0, why
+        ahead = self.config.startup_s + self.config.load_interval_s
+        projected, deviation = self._trend.project(ahead)
+        low = max(0.0, projected - TREND_SIGMAS * deviation)
+        why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
+        return max(sure, low), max(sized, projected), projected, why
 
     def _at_rate(self, rate: float) -> Decision:
         """The pools `rate` req/s of the forecast's ISL and OSL need, as profiled."""
@@ -207,7 +245,7 @@ class Planner:
                              self.config.bounds, self.config.mode, self.config.headroom, capacity)  # fmt: skip
 
     def _hold(self, decision: Decision) -> Decision:
-        """Scale down no lower than the latest load windows need (an interval's mean lags a step up)."""
+        """Scale down no lower than the latest windows and the trend need (an interval's mean lags a step up)."""
         window = self._window_need
         if window is None or not self._grows(window, (decision.num_prefill, decision.num_decode)):
             return decision

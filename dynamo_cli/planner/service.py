@@ -71,6 +71,8 @@ def check_run(run: PlanRun) -> None:
     if bounds.min_workers < 0 or bounds.max_workers < max(bounds.min_workers, 1):
         raise ConfigError(f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
                           f"{bounds.min_workers} and {bounds.max_workers}")  # fmt: skip
+    if config.startup_s < 0:
+        raise ConfigError(f"--startup must be >= 0, got {config.startup_s}")
     if not 0 < config.headroom <= 1:
         raise ConfigError(f"--headroom must be in (0, 1], got {config.headroom}")
     if config.predictor not in PREDICTORS:
