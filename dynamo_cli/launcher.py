@@ -21,8 +21,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from prometheus_client import generate_latest
@@ -32,7 +34,14 @@ from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.planner.connectors import LocalConnector, ScaleTarget
-from dynamo_cli.planner.observe import FrontendRecord, TextSnapshotter, count_workers, frontend_key
+from dynamo_cli.planner.observe import (
+    FrontendRecord,
+    TextSnapshotter,
+    WorkerLoads,
+    count_workers,
+    follow_worker_loads,
+    frontend_key,
+)
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
 from dynamo_cli.planner.profiler import profile_mocker_as_deployed
@@ -142,7 +151,9 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
     connector = await _start_workers(config, pool, planned=plan is not None)
     try:
-        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, plan, profile)
+        planner = None if plan is None or profile is None else _planner(plan, profile, service, connector, discovery,
+                                                                        bus, config)  # fmt: skip
+        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner)
     finally:
         if connector is not None:
             await connector.close()
@@ -175,7 +186,7 @@ async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:
 
 async def _serve_started(config: ServeConfig, discovery: Discovery, service: FrontendService, pool: ProcessPool,
                          connector: LocalConnector | None, sock: socket.socket, url: str, stop: asyncio.Event,
-                         plan: ServePlan | None, profile: Profile | None) -> None:  # fmt: skip
+                         planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None) -> None:  # fmt: skip
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
@@ -196,8 +207,9 @@ async def _serve_started(config: ServeConfig, discovery: Discovery, service: Fro
                 await _wait_backends(discovery, config, pool.procs)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
-            if plan is not None and profile is not None:
-                tasks.spawn(_planner(plan, profile, service, connector, discovery, config).run(stop))
+            if planner is not None:
+                tasks.spawn(planner[1]())  # the workers' load, from the event plane
+                tasks.spawn(planner[0].run(stop))
             # leased: a planner finds this frontend's /metrics here, and loses it when this process goes
             await discovery.put(frontend_key(config.frontend.namespace, discovery.lease_id),
                                 msgspec.json.encode(FrontendRecord(url=url)))  # fmt: skip
@@ -207,11 +219,16 @@ async def _serve_started(config: ServeConfig, discovery: Discovery, service: Fro
 
 
 def _planner(plan: ServePlan, profile: Profile, service: FrontendService, connector: LocalConnector | None,
-             discovery: Discovery, config: ServeConfig) -> Planner:  # fmt: skip
-    """The planner on this frontend's own metrics registry (no HTTP) and this deployment's workers."""
+             discovery: Discovery, bus: EventBus,
+             config: ServeConfig) -> tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]:  # fmt: skip
+    """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
+    and what follows their load."""
     namespace = config.frontend.namespace
     source = TextSnapshotter(lambda: generate_latest(service.metrics.registry).decode())
-    return Planner(plan.config, profile, source, connector, lambda: count_workers(discovery, namespace))
+    loads = WorkerLoads()
+    planner = Planner(plan.config, profile, source, connector, lambda: count_workers(discovery, namespace),
+                      loads=loads.total)  # fmt: skip
+    return planner, lambda: follow_worker_loads(bus, namespace, loads)
 
 
 def _workers_text(config: ServeConfig) -> str:

@@ -157,8 +157,9 @@ def run_command(
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
                            headroom=headroom, startup_s=startup)  # fmt: skip
     plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
-                   lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
-                   prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
+                   events=events, lease_ttl=lease_ttl, connector=connector, dry_run=dry_run,
+                   decode_argv=worker_argv(worker), prefill_argv=worker_argv(prefill), worker_env=env,
+                   grace_s=graceful_shutdown,
                    ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip
     run_loop(serve_planner(plan, load_profile(profile), _report))
     sys.stdout.flush()

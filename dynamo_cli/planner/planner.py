@@ -30,7 +30,7 @@ from typing import Protocol
 
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, ScaleTarget
-from dynamo_cli.planner.observe import Snapshot, observation_between
+from dynamo_cli.planner.observe import PoolLoad, Snapshot, observation_between
 from dynamo_cli.planner.predictors import RateTrend, make_predictor
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.replicas import (
@@ -119,6 +119,7 @@ class Snapshotter(Protocol):
 
 
 WorkerCounter = Callable[[], Awaitable[tuple[int, int]]]
+LoadReader = Callable[[], PoolLoad]
 Reporter = Callable[[Step], None]
 
 
@@ -126,9 +127,12 @@ class Planner:
     """Owns the predictors and the last decision; the connector and metric source are passed in."""
 
     def __init__(self, config: PlannerConfig, profile: Profile, source: Snapshotter, connector: Connector | None,
-                 counter: WorkerCounter | None = None, report: Reporter | None = None) -> None:  # fmt: skip
+                 counter: WorkerCounter | None = None, report: Reporter | None = None,
+                 loads: LoadReader | None = None) -> None:  # fmt: skip
         self.config, self.profile, self.source, self.connector = config, profile, source, connector
-        self.counter, self.report = counter, report
+        self.counter, self.report, self.loads = counter, report, loads
+        self._waiting = 0
+        """Requests queued at the workers at the last burst check."""
         self._predictors = {name: make_predictor(config.predictor) for name in ("rate", "isl", "osl")}
         self._last: Snapshot | None = None
         self._last_load: Snapshot | None = None
@@ -195,6 +199,8 @@ class Planner:
         recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
         self._trend.observe(snapshot.at, arrived, window.interval_s)
         sure, sized, projected, rates = self._burst_rates(arrived, window.interval_s)
+        queue_sure, queue_sized, queue_why = self._queue_rates(window)
+        sure, sized, rates = max(sure, queue_sure), max(sized, queue_sized), rates + queue_why
         # the next throughput step holds the projection too: releasing a worker a burst just started (it is
         # still starting) would only have the next burst start another
         self._window_need = self._at_rate(max(recent, projected))
@@ -225,6 +231,23 @@ class Planner:
         low = max(0.0, projected - TREND_SIGMAS * deviation)
         why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
         return max(sure, low), max(sized, projected), projected, why
+
+    def _queue_rates(self, window: Observation) -> tuple[float, float, str]:
+        """(sure, sized, why) from the workers' queues: requests wait there when the pool is saturated, so queue
+        growth G over the window, once past what the window's Poisson noise alone queues (SIGMAS √(C + G)), is
+        no estimate but a fact: the pool served its completions C and fell G behind, (C + G) / window is surely
+        reached, and the backlog Q needs Q / (startup + one load interval) more to drain by the time new
+        workers serve. (0, 0) with no load signal, or no such growth."""
+        if self.loads is None:
+            return 0.0, 0.0, ""
+        load = self.loads()
+        growth, self._waiting = load.num_waiting - self._waiting, load.num_waiting
+        if growth <= SIGMAS * math.sqrt(max(0.0, window.num_requests + growth)):  # within the arrivals' noise
+            return 0.0, 0.0, f", {load.num_waiting} queued at {load.num_workers} workers"
+        sure = (window.num_requests + growth) / window.interval_s
+        drain = load.num_waiting / (self.config.startup_s + self.config.load_interval_s)
+        return sure, sure + drain, (f", queues grew by {growth} to {load.num_waiting} at {load.num_workers} "
+                                    f"workers: >= {sure:.2f} req/s, + {drain:.2f} to drain")  # fmt: skip
 
     def _at_rate(self, rate: float) -> Decision:
         """The pools `rate` req/s of the forecast's ISL and OSL need, as profiled."""

@@ -23,7 +23,7 @@ import msgspec
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import ScaleTarget
-from dynamo_cli.planner.observe import Snapshot
+from dynamo_cli.planner.observe import PoolLoad, Snapshot
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile
 
@@ -280,6 +280,12 @@ class _Source:
         stats = self.cluster.stats
         return Snapshot(at=self.now, sums=dict(stats.sums), inflight=float(stats.arrived - stats.finished))
 
+    def load(self) -> PoolLoad:
+        """The workers' per-step load, as their LoadMetrics would say (they were just advanced to `now`)."""
+        workers = [*self.cluster.live, *self.cluster.draining]
+        return PoolLoad(num_workers=len(workers), num_running=sum(len(w.running) for w in workers),
+                        num_waiting=sum(len(w.waiting) for w in workers))  # fmt: skip
+
 
 class _Connector:
     def __init__(self, cluster: SimCluster, source: _Source) -> None:
@@ -311,7 +317,7 @@ async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float,
         async def count() -> tuple[int, int]:
             return (0, cluster.size())
 
-        brain = Planner(planner, profile, source, _Connector(cluster, source), count)
+        brain = Planner(planner, profile, source, _Connector(cluster, source), count, loads=source.load)
         await brain.baseline()
     next_plan = planner.interval_s if planner else math.inf
     load = planner.load_interval_s if planner and planner.load_interval_s > 0 else math.inf
