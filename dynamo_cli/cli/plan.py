@@ -41,6 +41,19 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _statics(text: str, mode: str) -> list[int | tuple[int, int]]:
+    """`--static`: worker counts (agg) or PREFILL+DECODE pairs (disagg)."""
+    if mode != "disagg":
+        return list(_ints(text, "--static"))
+    try:
+        pairs = [tuple(int(n) for n in part.split("+")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or not all(len(p) == 2 and min(p) > 0 for p in pairs):
+        raise ConfigError(f"--static '{text}' must list PREFILL+DECODE worker pairs with --mode disagg, e.g. 1+2,2+4")
+    return [(p[0], p[1]) for p in pairs]
+
+
 def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
         values = tuple(float(part) for part in text.split(",") if part.strip())
@@ -176,7 +189,10 @@ def simulate_command(
     ] = None,
     isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
     osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
-    static: Annotated[str, typer.Option("--static", help="Static pool sizes to compare.")] = "1,4",
+    static: Annotated[
+        str, typer.Option("--static", help="Static pool sizes to compare (disagg: PREFILL+DECODE, e.g. 1+2,2+4).")
+    ] = "1,4",
+    mode: Annotated[str, typer.Option("--mode", help="agg (one pool) | disagg (prefill + decode pools).")] = "agg",
     interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = INTERVAL_S,
     load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = LOAD_INTERVAL_S,
     min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
@@ -187,20 +203,19 @@ def simulate_command(
     ] = STARTUP_S,
     headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
 ) -> None:
-    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner."""
     from dynamo_cli.planner.simulate import load_trace, run_simulation
     from dynamo_cli.planner.simulate import rate_curve as make_curve
 
     if (trace is None) == (rate_curve is None):
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
-    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode=mode,
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
                            headroom=headroom, startup_s=startup)  # fmt: skip
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
-    results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
-                             startup)  # fmt: skip
+    results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
     for result in results:
-        print(f"{result.policy:>10}: SLO attainment {result.attainment:6.1%}, worker-seconds "
+        print(f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
               f"{result.worker_seconds:10.0f}, most workers {result.max_workers}")  # fmt: skip
