@@ -8,6 +8,9 @@ in flight, so a queue building up counts) and fits a line through the windows of
 the window's count less two Poisson standard deviations (noise alone rarely triggers), or the trend
 projected a worker's startup plus one window ahead, less one deviation (a ramp is met by workers started
 before it arrives; with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it).
+The startup is `startup_s` until a scale-up is seen through (the worker counter shows what it asked
+for), then the latest one measured so. With the workers' per-step load, queue growth beyond the window's
+noise also scales up (`_queue_rates`).
 It sizes for the higher of the window's count plus two deviations and the projection. Bursts only scale
 up, and never below the last decision (workers still starting are not in discovery yet); the throughput
 step scales down, never below what the latest windows and the projection need (an interval's mean lags a
@@ -57,7 +60,8 @@ LOAD_INTERVAL_S = 2.0
 this long, plus a worker's startup, for capacity."""
 STARTUP_S = 30.0
 """A new worker's default time to serve (`--startup`)."""
-STARTUP_HELP = "Seconds a new worker takes to serve: bursts project the load's trend this far ahead (0: off)."
+STARTUP_HELP = ("Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the "
+                "load's trend this far ahead (0: off).")
 TREND_SPAN_S = 60.0
 """The burst check fits the arrival rate's trend over the load windows of this many latest seconds."""
 SIGMAS = 2.0
@@ -92,8 +96,8 @@ class PlannerConfig:
     headroom: float = 0.8
     """agg: size so the predicted mean TTFT and ITL stay within this fraction of the targets."""
     startup_s: float = STARTUP_S
-    """How long a new worker takes to serve: the burst check projects the arrival rate's trend this far
-    plus one load interval ahead (0: no projection, only the latest window counts)."""
+    """How long a new worker takes to serve, until measured: the burst check projects the arrival rate's
+    trend this far plus one load interval ahead (0: no projection, nothing measured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,13 @@ class Planner:
         self.counter, self.report, self.loads = counter, report, loads
         self._waiting = 0
         """Requests queued at the workers at the last burst check."""
+        self.startup_s = config.startup_s
+        """A new worker's time to serve: the configured one until a scale-up is seen through (the counter
+        shows what it asked for), then the latest one measured so, to within one load interval."""
+        self._rising: tuple[float, tuple[int, int]] | None = None
+        """When the scale-up being timed was applied, and what it asked for."""
+        self._now = 0.0
+        """The latest snapshot's time."""
         self._predictors = {name: make_predictor(config.predictor) for name in ("rate", "isl", "osl")}
         self._last: Snapshot | None = None
         self._last_load: Snapshot | None = None
@@ -175,6 +186,7 @@ class Planner:
     async def plan_once(self) -> Step:
         """The throughput step: observe → forecast → correct → size → hold for the last burst window → apply."""
         now = await self.source.snapshot()
+        self._now = now.at
         observation = observation_between(self._last or now, now)
         self._last = now
         self._observe(observation)
@@ -189,6 +201,7 @@ class Planner:
     async def check_burst(self) -> Step | None:
         """Scale up at once when the last load window's arrivals (queue growth included) need more workers."""
         snapshot = await self.source.snapshot()
+        self._now = snapshot.at
         window = observation_between(self._last_load or self._last or snapshot, snapshot)
         self._last_load = snapshot
         current = await self._current()
@@ -224,9 +237,9 @@ class Planner:
         spread = SIGMAS * math.sqrt(arrived)
         sure, sized = max(0.0, arrived - spread) / seconds, (arrived + spread) / seconds
         why = f"window {sure:.2f}..{sized:.2f} req/s"
-        if self.config.startup_s <= 0:
+        if self.startup_s <= 0:
             return sure, sized, 0.0, why
-        ahead = self.config.startup_s + self.config.load_interval_s
+        ahead = self.startup_s + self.config.load_interval_s
         projected, deviation = self._trend.project(ahead)
         low = max(0.0, projected - TREND_SIGMAS * deviation)
         why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
@@ -245,7 +258,7 @@ class Planner:
         if growth <= SIGMAS * math.sqrt(max(0.0, window.num_requests + growth)):  # within the arrivals' noise
             return 0.0, 0.0, f", {load.num_waiting} queued at {load.num_workers} workers"
         sure = (window.num_requests + growth) / window.interval_s
-        drain = load.num_waiting / (self.config.startup_s + self.config.load_interval_s)
+        drain = load.num_waiting / (self.startup_s + self.config.load_interval_s)
         return sure, sure + drain, (f", queues grew by {growth} to {load.num_waiting} at {load.num_workers} "
                                     f"workers: >= {sure:.2f} req/s, + {drain:.2f} to drain")  # fmt: skip
 
@@ -256,6 +269,10 @@ class Planner:
     @staticmethod
     def _grows(decision: Decision, current: tuple[int, int]) -> bool:
         return decision.num_prefill > current[0] or decision.num_decode > current[1]
+
+    @staticmethod
+    def _grows_tuple(wanted: tuple[int, int], current: tuple[int, int]) -> bool:
+        return wanted[0] > current[0] or wanted[1] > current[1]
 
     def _size(self, forecast: Forecast, corrections: Corrections) -> Decision:
         capacity = None
@@ -291,7 +308,24 @@ class Planner:
     async def _current(self) -> tuple[int, int]:
         if self.counter is None:
             return self._wanted
-        return await self.counter()
+        current = await self.counter()
+        if self._rising is not None and current[0] >= self._rising[1][0] and current[1] >= self._rising[1][1]:
+            self.startup_s = self._now - self._rising[0]
+            self._rising = None
+            logger.info("new workers served %.1f s after the scale-up: bursts project %.1f s ahead from now on",
+                        self.startup_s, self.startup_s + self.config.load_interval_s)  # fmt: skip
+        return current
+
+    def _time_startup(self, previous: tuple[int, int], current: tuple[int, int], wanted: tuple[int, int]) -> None:
+        """Time a decision that starts workers (beyond both those serving and those asked for before), unless one
+        is being timed; a decision below the one being timed cancels it (its newest workers were released)."""
+        if self.counter is None or self.config.startup_s <= 0:
+            return
+        if self._rising is not None and (wanted[0] < self._rising[1][0] or wanted[1] < self._rising[1][1]):
+            self._rising = None
+        floor = (max(previous[0], current[0]), max(previous[1], current[1]))
+        if self._rising is None and self._grows_tuple(wanted, floor):
+            self._rising = (self._now, wanted)
 
     async def _take(self, kind: str, decision: Decision, observation: Observation | None,
                     current: tuple[int, int]) -> Step:  # fmt: skip
@@ -302,6 +336,7 @@ class Planner:
         applied: bool | None = None
         if self.connector is not None and (wanted != current or wanted != self._wanted):
             applied = await self.connector.apply(ScaleTarget(self._next_id, *wanted))
+            self._time_startup(self._wanted, current, wanted)
         self._wanted = wanted
         step = Step(decision_id=self._next_id, kind=kind, decision=decision, observation=observation,
                     current=current, applied=applied)  # fmt: skip

@@ -247,9 +247,13 @@ class SimCluster:
     def pools(self) -> list[SimCluster]:
         return [self]
 
-    def counts(self) -> tuple[int, int]:
-        """(prefill, decode) workers up or starting, as the planner's counter reads them."""
-        return 0, self.size()
+    def counts(self, serving: bool = False) -> tuple[int, int]:
+        """(prefill, decode) workers up or starting (`serving`: up only, as discovery shows them)."""
+        return 0, self.serving() if serving else self.size()
+
+    def serving(self) -> int:
+        """Workers that serve by now (`_promote`d at every arrival and tick)."""
+        return len(self.live)
 
     def apply(self, num_prefill: int, num_decode: int, now: float) -> None:
         self.scale(num_decode, now)
@@ -330,7 +334,9 @@ class DisaggCluster:
     def pools(self) -> list[SimCluster]:
         return [self.prefill, self.decode]
 
-    def counts(self) -> tuple[int, int]:
+    def counts(self, serving: bool = False) -> tuple[int, int]:
+        if serving:
+            return self.prefill.serving(), self.decode.serving()
         return self.prefill.size(), self.decode.size()
 
     def apply(self, num_prefill: int, num_decode: int, now: float) -> None:
@@ -421,7 +427,7 @@ async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float,
     brain = None
     if planner is not None:
         async def count() -> tuple[int, int]:
-            return cluster.counts()
+            return cluster.counts(serving=True)
 
         brain = Planner(planner, profile, source, _Connector(cluster, source), count, loads=source.load)
         await brain.baseline()

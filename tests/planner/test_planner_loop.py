@@ -147,3 +147,28 @@ async def test_a_rising_trend_scales_up_before_any_window_alone_is_sure(startup_
         return
     assert step is not None and "trend in 12 s 9.50 ± 5.33 req/s" in step.decision.why, step
     assert recorder.targets[-1].num_decode == expected
+
+
+async def test_the_startup_the_bursts_project_over_is_measured_from_the_first_scale_up_seen_through() -> None:
+    recorder = Recorder()
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
+                           startup_s=30.0)  # fmt: skip
+    serving = [(0, 1)]
+
+    async def counts() -> tuple[int, int]:
+        return serving[-1]  # discovery: workers show once they serve
+
+    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62, inflight=30), snap(70.0, 70, inflight=30),
+                 snap(75.0, 75, inflight=30)]  # fmt: skip
+    planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
+    await planner.baseline()
+    await planner.plan_once()
+    step = await planner.check_burst()  # 32 arrived in 2 s: a burst at t = 62
+    assert step is not None and step.kind == "burst"
+    wanted = recorder.targets[-1].num_decode
+    serving.append((0, wanted - 1))  # at 70 the last one still starts: nothing measured yet
+    await planner.check_burst()
+    assert planner.startup_s == 30.0
+    serving.append((0, wanted))  # at 75 it serves: 13 s after the scale-up
+    await planner.check_burst()
+    assert planner.startup_s == 13.0
