@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ def planner_argv(args: argparse.Namespace, side: Side, tmp: Path, profile: Path)
     return [*DYN, "plan", "run", "--profile", str(profile), "--ttft", str(args.ttft), "--itl", str(args.itl),
             "--mode", "agg", "--interval", str(args.interval), "--load-interval", str(args.load_interval),
             "--min-workers", "1", "--max-workers", str(args.max_workers), "--headroom", str(args.headroom),
+            "--startup", str(args.startup),
             "--discovery", f"file://{tmp}/{side.name}.d", "--connector", "local", "--engine", "mocker",
             "--speedup-ratio", str(args.speedup_ratio), "--engine-arg", f"num_gpu_blocks={args.num_gpu_blocks}",
             "--duration", str(args.minutes * 60 + 600)]  # fmt: skip
@@ -210,7 +212,7 @@ def run_planner(args: argparse.Namespace, tmp: Path, trace: Path, profile: Path)
 def planner_config(args: argparse.Namespace, max_workers: int) -> PlannerConfig:
     return PlannerConfig(targets=Targets(args.ttft, args.itl), bounds=Bounds(1, max_workers), mode="agg",
                          interval_s=args.interval, load_interval_s=args.load_interval,
-                         headroom=args.headroom)  # fmt: skip
+                         headroom=args.headroom, startup_s=args.startup)  # fmt: skip
 
 
 def simulated(args: argparse.Namespace, trace: Path, profile: Profile, statics: list[int],
@@ -232,7 +234,7 @@ def day(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     seconds = args.day_hours * 3600
     requests = rate_curve(curve(seconds, 0.05 * args.day_peak_rate, args.day_peak_rate, 60.0), args.isl,
                           args.osl, seed=1)  # fmt: skip
-    config = planner_config(args, 128)
+    config = replace(planner_config(args, 128), startup_s=30.0)  # the day's workers take 30 s to serve
     walls = {}
     for name, kwargs in (("planner", {"planner": config, "startup_s": 30.0}), ("static 128", {"static_workers": 128})):
         started = time.monotonic()
@@ -273,6 +275,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=15.0, help="planner throughput step (s)")
     p.add_argument("--load-interval", type=float, default=2.0, help="planner burst check (s)")
     p.add_argument("--headroom", type=float, default=0.8)
+    p.add_argument("--startup", type=float, default=5.0,
+                   help="the planner's --startup: how long a mocker worker takes to serve (measured: ~3.3 s)")
     p.add_argument("--max-workers", type=int, default=12)
     p.add_argument("--speedup-ratio", type=float, default=1.0, help="the deployments' mocker (1: real time)")
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="mocker KV blocks of 64 tokens")

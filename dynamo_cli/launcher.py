@@ -5,6 +5,12 @@ SIGTERM it if this process dies (no orphans even on SIGKILL). Once every worker 
 that exits unexpectedly is started again (supervise.py: backoff, `--max-restarts` budget), and
 meanwhile requests for its model get 503 with Retry-After rather than 404. Stop order on
 SIGINT/SIGTERM: HTTP server, then workers (SIGTERM, grace period, SIGKILL), then the planes.
+
+With `--planner` the SLA planner runs in this process instead (one more task of the frontend's service): it
+reads the frontend's metrics registry directly, and its local connector owns the workers, starting the
+initial `--workers` and then as many as each decision asks, draining the surplus (deregister, finish
+streams, exit). Those workers are not restarted one by one: a worker that dies drops the count in
+discovery, and the planner's next decision starts what is missing.
 """
 
 from __future__ import annotations
@@ -12,17 +18,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import msgspec
+from prometheus_client import generate_latest
 
 from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
-from dynamo_cli.engine import Role
-from dynamo_cli.errors import DynError
+from dynamo_cli.engine import EngineArgs, Role
+from dynamo_cli.errors import ConfigError, DynError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
-from dynamo_cli.planner.observe import FrontendRecord, frontend_key
+from dynamo_cli.planner.connectors import LocalConnector, ScaleTarget
+from dynamo_cli.planner.observe import (
+    FrontendRecord,
+    TextSnapshotter,
+    WorkerLoads,
+    count_workers,
+    follow_worker_loads,
+    frontend_key,
+)
+from dynamo_cli.planner.planner import Planner, PlannerConfig
+from dynamo_cli.planner.profile import Profile, load_profile
+from dynamo_cli.planner.profiler import profile_mocker_as_deployed
 from dynamo_cli.router.registry import ROUTER_COMPONENT
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
@@ -35,6 +57,16 @@ logger = logging.getLogger(__name__)
 
 class WorkerFailed(DynError):
     """A worker subprocess exited before registering."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServePlan:
+    """`dyn serve --planner`: the SLA planner in this process, scaling this deployment's own workers."""
+
+    config: PlannerConfig
+    """Targets, bounds (the pools' min/max) and cadence."""
+    profile: Path | None = None
+    """The engine's profile JSON (`dyn plan profile`); None: profile the mocker on the fly (a few seconds)."""
 
 
 def worker_argv(config: WorkerConfig) -> list[str]:
@@ -113,8 +145,8 @@ async def _wait_backends(discovery: Discovery, config: ServeConfig, procs: list[
         await asyncio.sleep(0.2)
 
 
-async def serve_all(config: ServeConfig) -> None:
-    """Run frontend + workers until SIGINT/SIGTERM."""
+async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
+    """Run frontend + workers (+ the planner) until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
@@ -122,23 +154,61 @@ async def serve_all(config: ServeConfig) -> None:
                        **_secret_env(planes.cluster_secret)})  # fmt: skip
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         try:
-            await _serve(config, discovery, bus, pool, stop)
+            await _serve(config, discovery, bus, pool, stop, plan)
         finally:
             await pool.stop(config.worker.graceful_shutdown_s)
 
 
 async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool: ProcessPool,
-                 stop: asyncio.Event) -> None:  # fmt: skip
+                 stop: asyncio.Event, plan: ServePlan | None) -> None:  # fmt: skip
     planes = config.frontend.planes
+    profile = await _profile(config, plan) if plan is not None else None
     sock = bind_socket(config.frontend.host, config.frontend.port)
     url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
     pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
+    connector = await _start_workers(config, pool, planned=plan is not None)
+    try:
+        planner = None if plan is None or profile is None else _planner(plan, profile, service, connector, discovery,
+                                                                        bus, config)  # fmt: skip
+        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner)
+    finally:
+        if connector is not None:
+            await connector.close()
+
+
+async def _start_workers(config: ServeConfig, pool: ProcessPool, planned: bool) -> LocalConnector | None:
+    """The initial workers: supervised by the pool, or (`--planner`) owned by the planner's connector."""
+    argv = worker_argv(config.worker)
+    prefill = replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value)
+    prefill_argv = worker_argv(prefill)
+    if planned:
+        if config.worker.kv_tiers.disk_dir is not None:  # one argv for every worker the planner starts
+            raise ConfigError("--planner starts workers from one command line: drop --kv-disk-cache-dir (each "
+                              "worker then gets a temporary disk tier of its own)")  # fmt: skip
+        connector = LocalConnector(argv, prefill_argv if config.num_prefill_workers else None, pool.env,
+                                   grace_s=config.worker.graceful_shutdown_s)  # fmt: skip
+        await connector.apply(ScaleTarget(0, config.num_prefill_workers, config.num_workers))
+        return connector
     for i in range(config.num_workers):
         await pool.spawn(worker_argv(_own_disk_dir(config.worker, f"worker-{i}")))  # the caller stops them
-    prefill = replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value)
     for i in range(config.num_prefill_workers):
         await pool.spawn(worker_argv(_own_disk_dir(prefill, f"prefill-{i}")))
+    return None
+
+
+async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:
+    if plan.profile is not None:
+        return load_profile(plan.profile)
+    worker = config.worker
+    logger.info("profiling the mocker for the planner (no --planner-profile given)")
+    return await profile_mocker_as_deployed(EngineArgs(model=worker.model, block_size=worker.block_size,
+                                                       context_length=worker.context_length, extra=worker.extra))
+
+
+async def _serve_started(config: ServeConfig, discovery: Discovery, service: FrontendService, pool: ProcessPool,
+                         connector: LocalConnector | None, sock: socket.socket, url: str, stop: asyncio.Event,
+                         planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None) -> None:  # fmt: skip
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
@@ -153,17 +223,34 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     async with ServiceTasks() as tasks:  # owns the pool's supervision; closed on the way out
 
         async def on_ready() -> None:
-            await _wait_ready(service, pool.procs, expected, config.ready_timeout_s)
+            procs = pool.procs + (connector.processes() if connector is not None else [])
+            await _wait_ready(service, procs, expected, config.ready_timeout_s)
             if config.num_routers:  # the frontend sees only the routers: count the workers behind them
                 await _wait_backends(discovery, config, pool.procs)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
+            if planner is not None:
+                tasks.spawn(planner[1]())  # the workers' load, from the event plane
+                tasks.spawn(planner[0].run(stop))
             # leased: a planner finds this frontend's /metrics here, and loses it when this process goes
             await discovery.put(frontend_key(config.frontend.namespace, discovery.lease_id),
                                 msgspec.json.encode(FrontendRecord(url=url)))  # fmt: skip
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
         await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out
+
+
+def _planner(plan: ServePlan, profile: Profile, service: FrontendService, connector: LocalConnector | None,
+             discovery: Discovery, bus: EventBus,
+             config: ServeConfig) -> tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]:  # fmt: skip
+    """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
+    and what follows their load."""
+    namespace = config.frontend.namespace
+    source = TextSnapshotter(lambda: generate_latest(service.metrics.registry).decode())
+    loads = WorkerLoads()
+    planner = Planner(plan.config, profile, source, connector, lambda: count_workers(discovery, namespace),
+                      loads=loads.total)  # fmt: skip
+    return planner, lambda: follow_worker_loads(bus, namespace, loads)
 
 
 def _workers_text(config: ServeConfig) -> str:

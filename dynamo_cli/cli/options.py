@@ -124,6 +124,13 @@ def kv_tiers(host_gb: float, disk_gb: float, disk_dir: str | None, offload_filte
     return KvTierConfig(int(host_gb * 1e9), int(disk_gb * 1e9), disk_dir, offload_filter)
 
 
+def planner_option(flag: str, help: str, *, prefix: str = "") -> Any:
+    """A planner option with its DYN_PLANNER_* twin: `--FLAG` on `dyn plan run`, `--planner-FLAG` on `dyn serve`
+    (prefix "planner-"), one environment variable for both."""
+    name = flag.strip("-")
+    return typer.Option(f"--{prefix}{name}", envvar="DYN_PLANNER_" + name.upper().replace("-", "_"), help=help)
+
+
 def parse_role(value: str) -> Role:
     try:
         return Role(value)

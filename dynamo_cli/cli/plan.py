@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,7 +18,7 @@ from dynamo_cli.config import CLUSTER_SECRET_ENV, WorkerConfig
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.launcher import planes_env, worker_argv
-from dynamo_cli.planner.planner import PlannerConfig, Step
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
@@ -39,6 +39,19 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     if not values or min(values) <= 0:
         raise ConfigError(f"{flag} '{text}' must list positive integers")
     return values
+
+
+def _statics(text: str, mode: str) -> list[int | tuple[int, int]]:
+    """`--static`: worker counts (agg) or PREFILL+DECODE pairs (disagg)."""
+    if mode != "disagg":
+        return list(_ints(text, "--static"))
+    try:
+        pairs = [tuple(int(n) for n in part.split("+")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or not all(len(p) == 2 and min(p) > 0 for p in pairs):
+        raise ConfigError(f"--static '{text}' must list PREFILL+DECODE worker pairs with --mode disagg, e.g. 1+2,2+4")
+    return [(p[0], p[1]) for p in pairs]
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -109,9 +122,7 @@ def _report(step: Step) -> None:
           f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}", flush=True)  # fmt: skip
 
 
-def _opt(flag: str, help: str) -> Any:
-    """A `dyn plan run` option with its DYN_PLANNER_* environment twin."""
-    return typer.Option(flag, envvar="DYN_PLANNER_" + flag.strip("-").upper().replace("-", "_"), help=help)
+_opt = o.planner_option
 
 
 @app.command("run")
@@ -123,13 +134,14 @@ def run_command(
         list[str] | None, _opt("--frontend", help="Frontend URL to watch (repeatable; default: those in discovery).")
     ] = None,
     mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
-    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = 60.0,
-    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = 5.0,
+    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = INTERVAL_S,
+    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = LOAD_INTERVAL_S,
     min_workers: Annotated[int, _opt("--min-workers", help="Per pool.")] = 1,
     max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
     gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
     predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
     headroom: Annotated[float, _opt("--headroom", help="agg: size for this fraction of each target.")] = 0.8,
+    startup: Annotated[float, _opt("--startup", help=STARTUP_HELP)] = STARTUP_S,
     connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
     dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
     duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
@@ -156,10 +168,11 @@ def run_command(
            **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
     config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom)  # fmt: skip
+                           headroom=headroom, startup_s=startup)  # fmt: skip
     plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
-                   lease_ttl=lease_ttl, connector=connector, dry_run=dry_run, decode_argv=worker_argv(worker),
-                   prefill_argv=worker_argv(prefill), worker_env=env, grace_s=graceful_shutdown,
+                   events=events, lease_ttl=lease_ttl, connector=connector, dry_run=dry_run,
+                   decode_argv=worker_argv(worker), prefill_argv=worker_argv(prefill), worker_env=env,
+                   grace_s=graceful_shutdown,
                    ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip
     run_loop(serve_planner(plan, load_profile(profile), _report))
     sys.stdout.flush()
@@ -176,29 +189,33 @@ def simulate_command(
     ] = None,
     isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
     osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
-    static: Annotated[str, typer.Option("--static", help="Static pool sizes to compare.")] = "1,4",
-    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = 60.0,
-    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = 5.0,
+    static: Annotated[
+        str, typer.Option("--static", help="Static pool sizes to compare (disagg: PREFILL+DECODE, e.g. 1+2,2+4).")
+    ] = "1,4",
+    mode: Annotated[str, typer.Option("--mode", help="agg (one pool) | disagg (prefill + decode pools).")] = "agg",
+    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = INTERVAL_S,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = LOAD_INTERVAL_S,
     min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
     max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
     predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
-    startup: Annotated[float, typer.Option("--startup", help="Seconds a new worker takes to serve.")] = 30.0,
+    startup: Annotated[
+        float, typer.Option("--startup", help="Seconds a new worker takes to serve (the planner is told).")
+    ] = STARTUP_S,
     headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
 ) -> None:
-    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (agg)."""
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner."""
     from dynamo_cli.planner.simulate import load_trace, run_simulation
     from dynamo_cli.planner.simulate import rate_curve as make_curve
 
     if (trace is None) == (rate_curve is None):
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
-    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode="agg",
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode=mode,
                            interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom)  # fmt: skip
+                           headroom=headroom, startup_s=startup)  # fmt: skip
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
-    results = run_simulation(requests, load_profile(profile), ttft, itl, list(_ints(static, "--static")), config,
-                             startup)  # fmt: skip
+    results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
     for result in results:
-        print(f"{result.policy:>10}: SLO attainment {result.attainment:6.1%}, worker-seconds "
+        print(f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
               f"{result.worker_seconds:10.0f}, most workers {result.max_workers}")  # fmt: skip

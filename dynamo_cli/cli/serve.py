@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,7 +13,10 @@ from dynamo_cli.config import AuthConfig, FrontendConfig, ServeConfig, TlsConfig
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
-from dynamo_cli.launcher import serve_all
+from dynamo_cli.launcher import ServePlan, serve_all
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig
+from dynamo_cli.planner.replicas import Bounds, Targets
+from dynamo_cli.planner.service import PlanRun, check_run
 from dynamo_cli.runtime.supervisor import run
 
 
@@ -143,6 +147,25 @@ def command(
         typer.Option("--tool-call-parser", envvar="DYN_TOOL_CALL_PARSER",
                      help="auto | hermes | llama3_json | mistral | pythonic | json: model text → tool_calls."),
     ] = "auto",
+    planner: Annotated[
+        bool, typer.Option("--planner", envvar="DYN_PLANNER", help="Run the SLA planner in this process: it "
+                           "scales the workers to --planner-ttft/--planner-itl (--workers: the initial count).")
+    ] = False,
+    planner_ttft: Annotated[float, o.planner_option("--ttft", "TTFT target (ms).", prefix="planner-")] = 0.0,
+    planner_itl: Annotated[float, o.planner_option("--itl", "ITL target (ms).", prefix="planner-")] = 0.0,
+    planner_profile: Annotated[
+        Path | None, o.planner_option("--profile", "Profile JSON (`dyn plan profile`; default for the mocker: "
+                                      "profiled at startup, a few seconds).", prefix="planner-")
+    ] = None,
+    planner_min_workers: Annotated[int, o.planner_option("--min-workers", "Per pool.", prefix="planner-")] = 1,
+    planner_max_workers: Annotated[int, o.planner_option("--max-workers", "Per pool.", prefix="planner-")] = 8,
+    planner_interval: Annotated[
+        float, o.planner_option("--interval", "Throughput step period (s).", prefix="planner-")
+    ] = INTERVAL_S,
+    planner_load_interval: Annotated[
+        float, o.planner_option("--load-interval", "Burst check period (s; 0: off).", prefix="planner-")
+    ] = LOAD_INTERVAL_S,
+    planner_startup: Annotated[float, o.planner_option("--startup", STARTUP_HELP, prefix="planner-")] = STARTUP_S,
     reasoning_parser: Annotated[
         str | None,
         typer.Option("--reasoning-parser", envvar="DYN_REASONING_PARSER",
@@ -163,6 +186,13 @@ def command(
     if migration_limit < 0:
         raise ConfigError(f"--migration-limit must be >= 0, got {migration_limit}")
     check_parsers(tool_call_parser, reasoning_parser)
+    plan = None
+    if planner:
+        plan = _plan(engine, disagg, routers, planner_ttft, planner_itl, planner_profile,
+                     Bounds(planner_min_workers, planner_max_workers), planner_interval, planner_load_interval,
+                     planner_startup)
+        clamp = (max(planner_min_workers, min(planner_max_workers, n)) for n in (num_decode, prefill_workers))
+        num_decode, prefill_workers = clamp
     # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
     planes = o.planes(discovery, events, lease_ttl, o.cluster_secret(cluster_secret_file, make=True))
     extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
@@ -200,6 +230,21 @@ def command(
                 num_routers=routers,
                 ready_timeout_s=ready_timeout,
                 max_restarts=max_restarts,
-            )
+            ),
+            plan,
         )
     )
+
+
+def _plan(engine: str, disagg: bool, routers: int, ttft: float, itl: float, profile: Path | None, bounds: Bounds,
+          interval: float, load_interval: float, startup: float) -> ServePlan:  # fmt: skip
+    """`--planner`'s flags checked as `dyn plan run` checks its own."""
+    if profile is None and engine != "mocker":
+        raise ConfigError(f"--planner with --engine {engine} needs --planner-profile FILE (from `dyn plan profile "
+                          f"--engine {engine}`); only the mocker is profiled on the fly")  # fmt: skip
+    if routers:
+        raise ConfigError("--planner does not run with --routers yet; use `dyn plan run` beside the deployment")
+    config = PlannerConfig(targets=Targets(ttft, itl), bounds=bounds, mode="disagg" if disagg else "agg",
+                           interval_s=interval, load_interval_s=load_interval, startup_s=startup)  # fmt: skip
+    check_run(PlanRun(planner=config, frontends=("in-process",), namespace="serve", discovery="embedded"))
+    return ServePlan(config=config, profile=profile)

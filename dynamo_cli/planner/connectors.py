@@ -152,6 +152,10 @@ class LocalConnector:
         """(prefill, decode) processes alive."""
         return tuple(len(self._alive(role)) for role in ("prefill", "decode"))  # type: ignore[return-value]
 
+    def processes(self) -> list[asyncio.subprocess.Process]:
+        """Every worker process started and not yet reaped from the pools (dead ones included)."""
+        return [proc for pool in self._pools.values() for proc in pool.procs]
+
     def pids(self, role: str) -> list[int]:
         return [p.pid for p in self._alive(role)]
 

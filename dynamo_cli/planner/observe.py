@@ -6,7 +6,12 @@ increase(sum) / increase(count) between two scrapes, summed over every model and
 arrived are those completed plus the growth of `dynamo_frontend_inflight_requests` (queued ones included).
 Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
 frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
-`--frontend` finds every frontend of its namespace there, at every scrape.
+`--frontend` finds every frontend of its namespace there, at every scrape. `dyn serve --planner` reads its
+own frontend's registry in-process (`TextSnapshotter`), so TLS and API keys on /metrics do not get in the way.
+
+The workers' per-step load comes over the event plane as the routers get it: every worker publishes its
+`LoadMetrics` on `namespace.{ns}.component.{c}.kv-metrics` when it changes and at least every 0.5 s;
+`WorkerLoads` keeps each worker's latest and sums the pool (a worker not heard from for `stale_s` is gone).
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.replicas import Observation
 from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.events import EventBus, pump
+from dynamo_cli.runtime.names import component_subject
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +156,17 @@ class FrontendScraper:
         return Snapshot(at=time.monotonic(), sums=sums, inflight=inflight)
 
 
+class TextSnapshotter:
+    """Reads metrics text from a callable rather than over HTTP: `dyn serve --planner`'s own frontend."""
+
+    def __init__(self, read: Callable[[], str]) -> None:
+        self.read = read
+
+    async def snapshot(self) -> Snapshot:
+        sums, inflight = parse_metrics(self.read())
+        return Snapshot(at=time.monotonic(), sums=sums, inflight=inflight)
+
+
 class _Record(msgspec.Struct, kw_only=True):
     component: str = ""
     role: str = ""
@@ -170,3 +189,50 @@ async def count_workers(discovery: Discovery, namespace: str) -> tuple[int, int]
         else:
             decode += 1
     return prefill, decode
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """The workers' latest per-step load, summed over the pool."""
+
+    num_workers: int = 0
+    """Workers heard from lately."""
+    num_running: int = 0
+    """Requests being prefilled or decoded."""
+    num_waiting: int = 0
+    """Requests queued at the workers, not yet admitted: grows only when the pool is saturated."""
+    active_blocks: int = 0
+    """KV blocks in use."""
+    total_blocks: int = 0
+    """KV blocks in all."""
+
+
+@dataclass(slots=True)
+class WorkerLoads:
+    """Each worker's latest `LoadMetrics` (by worker id) and when it came."""
+
+    stale_s: float = 5.0
+    """A worker not heard from for this long is left out (ten of its heartbeats)."""
+    clock: Callable[[], float] = time.monotonic
+    _latest: dict[int, tuple[float, LoadMetrics]] = field(default_factory=dict)
+
+    def apply(self, metrics: LoadMetrics) -> None:
+        self._latest[metrics.worker_id] = (self.clock(), metrics)
+
+    def total(self) -> PoolLoad:
+        """The pool's load now."""
+        now = self.clock()
+        for worker, (at, _) in list(self._latest.items()):
+            if now - at > self.stale_s:
+                del self._latest[worker]
+        loads = [metrics for _, metrics in self._latest.values()]
+        return PoolLoad(num_workers=len(loads), num_running=sum(m.num_running for m in loads),
+                        num_waiting=sum(m.num_waiting for m in loads),
+                        active_blocks=sum(m.active_blocks for m in loads),
+                        total_blocks=sum(m.total_blocks for m in loads))  # fmt: skip
+
+
+async def follow_worker_loads(bus: EventBus, namespace: str, loads: WorkerLoads) -> None:
+    """Feed `loads` from every component's `kv-metrics` subject in `namespace` until cancelled."""
+    subscription = await bus.subscribe(component_subject(namespace, "*", "kv-metrics"))
+    await pump(subscription, loads.apply, LoadMetrics)

@@ -3,14 +3,20 @@
 NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
 runs the SLA planner (replicas.py) on the interval's traffic. Every `load_interval_s` in between, the
 burst check counts the requests that arrived in that short window (completed plus the growth of requests
-in flight, so a queue building up counts). When that count less two Poisson standard deviations (so that
-noise alone rarely triggers) needs more workers, it scales up at once, sized for the count plus two
-standard deviations (a ramp keeps rising while workers start), so a burst is met within one load window
-rather than at the next throughput step. Bursts only scale up; the throughput step scales down, never
-below what the rate over the latest few load windows needs (an interval's mean lags a step up, and
-scaling down in the middle of a burst only to scale up again costs a worker start). Demand is read from
-arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One scale
-action is in flight at a time (the loop awaits `apply`).
+in flight, so a queue building up counts) and fits a line through the windows of the last minute
+(predictors.RateTrend). It scales up at once when a rate is surely reached that needs more workers:
+the window's count less two Poisson standard deviations (noise alone rarely triggers), or the trend
+projected a worker's startup plus one window ahead, less one deviation (a ramp is met by workers started
+before it arrives; with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it).
+The startup is `startup_s` until a scale-up is seen through (the worker counter shows what it asked
+for), then the latest one measured so. With the workers' per-step load, queue growth beyond the window's
+noise also scales up (`_queue_rates`).
+It sizes for the higher of the window's count plus two deviations and the projection. Bursts only scale
+up, and never below the last decision (workers still starting are not in discovery yet); the throughput
+step scales down, never below what the latest windows and the projection need (an interval's mean lags a
+step up, and releasing a worker that is still starting only has the next burst start another). Demand is
+read from arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One
+scale action is in flight at a time (the loop awaits `apply`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from typing import Protocol
 
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, ScaleTarget
-from dynamo_cli.planner.observe import Snapshot, observation_between
-from dynamo_cli.planner.predictors import make_predictor
+from dynamo_cli.planner.observe import PoolLoad, Snapshot, observation_between
+from dynamo_cli.planner.predictors import RateTrend, make_predictor
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.replicas import (
     NO_CORRECTION,
@@ -46,6 +52,23 @@ from dynamo_cli.planner.replicas import (
 
 logger = logging.getLogger(__name__)
 
+INTERVAL_S = 15.0
+"""The throughput step's default period (`--interval`; Dynamo: 180 s). It mostly paces scale-down (bursts
+scale up): a long one holds a falling rate's workers for half of it."""
+LOAD_INTERVAL_S = 2.0
+"""The burst check's default period (`--load-interval`; Dynamo's load interval: 5 s): a step in the rate waits
+this long, plus a worker's startup, for capacity."""
+STARTUP_S = 30.0
+"""A new worker's default time to serve (`--startup`)."""
+STARTUP_HELP = ("Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the "
+                "load's trend this far ahead (0: off).")
+TREND_SPAN_S = 60.0
+"""The burst check fits the arrival rate's trend over the load windows of this many latest seconds."""
+SIGMAS = 2.0
+"""Poisson standard deviations below a window's rate that make it sure, and above it that a burst sizes for."""
+TREND_SIGMAS = 1.0
+"""Standard deviations below the trend's projection that make it sure: fewer than a window's, since a false
+start costs one worker for a while (held until the projection falls) while a late one costs a ramp's requests."""
 RECENT_WINDOWS = 3
 """The throughput step holds the pools the rate over this many latest load windows needs."""
 
@@ -60,9 +83,9 @@ class PlannerConfig:
     """Per-pool min/max and the GPU budget."""
     mode: str = "disagg"
     """agg (one pool) or disagg (prefill and decode pools)."""
-    interval_s: float = 60.0
+    interval_s: float = INTERVAL_S
     """Throughput step period (Dynamo: 180 s)."""
-    load_interval_s: float = 5.0
+    load_interval_s: float = LOAD_INTERVAL_S
     """Burst check period (0: off; Dynamo's load interval: 5 s)."""
     predictor: str = "constant"
     """constant | moving-average | kalman."""
@@ -72,6 +95,9 @@ class PlannerConfig:
     """OSL assumed before any request is seen."""
     headroom: float = 0.8
     """agg: size so the predicted mean TTFT and ITL stay within this fraction of the targets."""
+    startup_s: float = STARTUP_S
+    """How long a new worker takes to serve, until measured: the burst check projects the arrival rate's
+    trend this far plus one load interval ahead (0: no projection, nothing measured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +123,7 @@ class Snapshotter(Protocol):
 
 
 WorkerCounter = Callable[[], Awaitable[tuple[int, int]]]
+LoadReader = Callable[[], PoolLoad]
 Reporter = Callable[[Step], None]
 
 
@@ -104,14 +131,25 @@ class Planner:
     """Owns the predictors and the last decision; the connector and metric source are passed in."""
 
     def __init__(self, config: PlannerConfig, profile: Profile, source: Snapshotter, connector: Connector | None,
-                 counter: WorkerCounter | None = None, report: Reporter | None = None) -> None:  # fmt: skip
+                 counter: WorkerCounter | None = None, report: Reporter | None = None,
+                 loads: LoadReader | None = None) -> None:  # fmt: skip
         self.config, self.profile, self.source, self.connector = config, profile, source, connector
-        self.counter, self.report = counter, report
+        self.counter, self.report, self.loads = counter, report, loads
+        self._waiting = 0
+        """Requests queued at the workers at the last burst check."""
+        self.startup_s = config.startup_s
+        """A new worker's time to serve: the configured one until a scale-up is seen through (the counter
+        shows what it asked for), then the latest one measured so, to within one load interval."""
+        self._rising: tuple[float, tuple[int, int]] | None = None
+        """When the scale-up being timed was applied, and what it asked for."""
+        self._now = 0.0
+        """The latest snapshot's time."""
         self._predictors = {name: make_predictor(config.predictor) for name in ("rate", "isl", "osl")}
         self._last: Snapshot | None = None
         self._last_load: Snapshot | None = None
         self._window_need: Decision | None = None
         """What the latest load windows needed; the throughput step does not scale below it."""
+        self._trend = RateTrend(TREND_SPAN_S)
         self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
         """(arrived, seconds) of the latest load windows."""
         self._capacity: tuple[tuple[float, float], AggPoint] | None = None
@@ -148,6 +186,7 @@ class Planner:
     async def plan_once(self) -> Step:
         """The throughput step: observe → forecast → correct → size → hold for the last burst window → apply."""
         now = await self.source.snapshot()
+        self._now = now.at
         observation = observation_between(self._last or now, now)
         self._last = now
         self._observe(observation)
@@ -162,27 +201,66 @@ class Planner:
     async def check_burst(self) -> Step | None:
         """Scale up at once when the last load window's arrivals (queue growth included) need more workers."""
         snapshot = await self.source.snapshot()
+        self._now = snapshot.at
         window = observation_between(self._last_load or self._last or snapshot, snapshot)
         self._last_load = snapshot
         current = await self._current()
+        # workers still starting are not in discovery yet: a burst never asks for fewer than the last decision
+        base = (max(current[0], self._wanted[0]), max(current[1], self._wanted[1]))
         arrived = window.demand()
         self._windows.append((arrived, window.interval_s))
         recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
-        self._window_need = self._at_rate(recent)
-        # Poisson 2σ below the count: noise alone rarely lifts it above the true rate, so a quiet spell never
-        # starts workers; once triggered, size for 2σ above it (a ramp keeps rising while workers start)
-        sure = max(0.0, arrived - 2 * math.sqrt(arrived)) / window.interval_s
-        if not self._grows(self._at_rate(sure), current):
+        self._trend.observe(snapshot.at, arrived, window.interval_s)
+        sure, sized, projected, rates = self._burst_rates(arrived, window.interval_s)
+        queue_sure, queue_sized, queue_why = self._queue_rates(window)
+        sure, sized, rates = max(sure, queue_sure), max(sized, queue_sized), rates + queue_why
+        # the next throughput step holds the projection too: releasing a worker a burst just started (it is
+        # still starting) would only have the next burst start another
+        self._window_need = self._at_rate(max(recent, projected))
+        if not self._grows(self._at_rate(sure), base):
             return None
-        rate = (arrived + 2 * math.sqrt(arrived)) / window.interval_s
-        need = self._at_rate(rate)
-        wanted = (max(current[0], need.num_prefill), max(current[1], need.num_decode))
+        need = self._at_rate(sized)
+        wanted = (max(base[0], need.num_prefill), max(base[1], need.num_decode))
         why = (f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
-               f"{snapshot.inflight:.0f} in flight): >= {sure:.2f} req/s at 2σ needs more than prefill "
-               f"{current[0]}, decode {current[1]}; sized for <= {rate:.2f} req/s at 2σ → prefill {wanted[0]}, "
+               f"{snapshot.inflight:.0f} in flight); {rates}: >= {sure:.2f} req/s needs more than prefill "
+               f"{base[0]}, decode {base[1]}; sized for {sized:.2f} req/s → prefill {wanted[0]}, "
                f"decode {wanted[1]}: {need.why}")  # fmt: skip
         decision = replace(need, num_prefill=wanted[0], num_decode=wanted[1], why=why)
         return await self._take("burst", decision, None, current)
+
+    def _burst_rates(self, arrived: float, seconds: float) -> tuple[float, float, float, str]:
+        """(sure, sized, projected, why). From the latest window: the rate surely reached, SIGMAS below its count
+        (noise alone rarely lifts it above the true rate, so a quiet spell never starts workers), and the rate
+        to size for, SIGMAS above. From the trend projected a worker's startup plus one load interval ahead:
+        the projection, which raises the rate to size for, and TREND_SIGMAS below it, which raises the sure
+        rate (a ramp is met by workers started before it arrives, not after)."""
+        spread = SIGMAS * math.sqrt(arrived)
+        sure, sized = max(0.0, arrived - spread) / seconds, (arrived + spread) / seconds
+        why = f"window {sure:.2f}..{sized:.2f} req/s"
+        if self.startup_s <= 0:
+            return sure, sized, 0.0, why
+        ahead = self.startup_s + self.config.load_interval_s
+        projected, deviation = self._trend.project(ahead)
+        low = max(0.0, projected - TREND_SIGMAS * deviation)
+        why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
+        return max(sure, low), max(sized, projected), projected, why
+
+    def _queue_rates(self, window: Observation) -> tuple[float, float, str]:
+        """(sure, sized, why) from the workers' queues: requests wait there when the pool is saturated, so queue
+        growth G over the window, once past what the window's Poisson noise alone queues (SIGMAS √(C + G)), is
+        no estimate but a fact: the pool served its completions C and fell G behind, (C + G) / window is surely
+        reached, and the backlog Q needs Q / (startup + one load interval) more to drain by the time new
+        workers serve. (0, 0) with no load signal, or no such growth."""
+        if self.loads is None:
+            return 0.0, 0.0, ""
+        load = self.loads()
+        growth, self._waiting = load.num_waiting - self._waiting, load.num_waiting
+        if growth <= SIGMAS * math.sqrt(max(0.0, window.num_requests + growth)):  # within the arrivals' noise
+            return 0.0, 0.0, f", {load.num_waiting} queued at {load.num_workers} workers"
+        sure = (window.num_requests + growth) / window.interval_s
+        drain = load.num_waiting / (self.startup_s + self.config.load_interval_s)
+        return sure, sure + drain, (f", queues grew by {growth} to {load.num_waiting} at {load.num_workers} "
+                                    f"workers: >= {sure:.2f} req/s, + {drain:.2f} to drain")  # fmt: skip
 
     def _at_rate(self, rate: float) -> Decision:
         """The pools `rate` req/s of the forecast's ISL and OSL need, as profiled."""
@@ -191,6 +269,10 @@ class Planner:
     @staticmethod
     def _grows(decision: Decision, current: tuple[int, int]) -> bool:
         return decision.num_prefill > current[0] or decision.num_decode > current[1]
+
+    @staticmethod
+    def _grows_tuple(wanted: tuple[int, int], current: tuple[int, int]) -> bool:
+        return wanted[0] > current[0] or wanted[1] > current[1]
 
     def _size(self, forecast: Forecast, corrections: Corrections) -> Decision:
         capacity = None
@@ -203,7 +285,7 @@ class Planner:
                              self.config.bounds, self.config.mode, self.config.headroom, capacity)  # fmt: skip
 
     def _hold(self, decision: Decision) -> Decision:
-        """Scale down no lower than the latest load windows need (an interval's mean lags a step up)."""
+        """Scale down no lower than the latest windows and the trend need (an interval's mean lags a step up)."""
         window = self._window_need
         if window is None or not self._grows(window, (decision.num_prefill, decision.num_decode)):
             return decision
@@ -226,7 +308,24 @@ class Planner:
     async def _current(self) -> tuple[int, int]:
         if self.counter is None:
             return self._wanted
-        return await self.counter()
+        current = await self.counter()
+        if self._rising is not None and current[0] >= self._rising[1][0] and current[1] >= self._rising[1][1]:
+            self.startup_s = self._now - self._rising[0]
+            self._rising = None
+            logger.info("new workers served %.1f s after the scale-up: bursts project %.1f s ahead from now on",
+                        self.startup_s, self.startup_s + self.config.load_interval_s)  # fmt: skip
+        return current
+
+    def _time_startup(self, previous: tuple[int, int], current: tuple[int, int], wanted: tuple[int, int]) -> None:
+        """Time a decision that starts workers (beyond both those serving and those asked for before), unless one
+        is being timed; a decision below the one being timed cancels it (its newest workers were released)."""
+        if self.counter is None or self.config.startup_s <= 0:
+            return
+        if self._rising is not None and (wanted[0] < self._rising[1][0] or wanted[1] < self._rising[1][1]):
+            self._rising = None
+        floor = (max(previous[0], current[0]), max(previous[1], current[1]))
+        if self._rising is None and self._grows_tuple(wanted, floor):
+            self._rising = (self._now, wanted)
 
     async def _take(self, kind: str, decision: Decision, observation: Observation | None,
                     current: tuple[int, int]) -> Step:  # fmt: skip
@@ -237,6 +336,7 @@ class Planner:
         applied: bool | None = None
         if self.connector is not None and (wanted != current or wanted != self._wanted):
             applied = await self.connector.apply(ScaleTarget(self._next_id, *wanted))
+            self._time_startup(self._wanted, current, wanted)
         self._wanted = wanted
         step = Step(decision_id=self._next_id, kind=kind, decision=decision, observation=observation,
                     current=current, applied=applied)  # fmt: skip

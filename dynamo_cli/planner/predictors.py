@@ -2,11 +2,13 @@
 
 Dynamo's planner feeds one predictor per series each interval and asks for the next value; these are
 its `constant` and `kalman` predictors plus a moving average (its ARIMA and Prophet need libraries
-dyn does not carry). All are deterministic and pure: `observe(x)` then `predict()`.
+dyn does not carry). All are deterministic and pure: `observe(x)` then `predict()`. `RateTrend` is the
+burst check's: a line through the latest load windows' arrival rates, projected a worker's startup ahead.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -116,3 +118,46 @@ def make_predictor(name: str, window: int = 5) -> Predictor:
     if name == "kalman":
         return KalmanPredictor()
     raise ConfigError(f"--predictor '{name}' is not known; use one of {', '.join(PREDICTORS)}")
+
+
+class RateTrend:
+    """A least-squares line through the arrival rates of the load windows of the latest `span_s` seconds,
+    projected ahead: the rate a worker started now will meet when it serves.
+
+    NOTE: window i has rate y_i = n_i / dt_i at its midpoint t_i. Arrivals are Poisson, so each y_i has
+    variance r / dt_i (r: the pooled rate); the projection at T, y + slope (T − t), then has variance
+    (r / dt)(1/k + (T − t)² / Σ(t_i − t)²) over k windows (ordinary least squares, windows of about equal
+    length). Fewer than three windows: no slope, the pooled rate and its variance r / (Σ dt_i).
+    """
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self._windows: deque[tuple[float, float, float]] = deque()
+        """(midpoint, arrivals, seconds) of each window, oldest first."""
+
+    def observe(self, end: float, arrived: float, seconds: float) -> None:
+        """Add a window of `seconds` ending at `end` in which `arrived` requests arrived."""
+        self._windows.append((end - seconds / 2, arrived, seconds))
+        while end - (self._windows[0][0] - self._windows[0][2] / 2) > self.span_s + 1e-9:
+            self._windows.popleft()
+
+    def clear(self) -> None:
+        self._windows.clear()
+
+    def project(self, ahead: float) -> tuple[float, float]:
+        """(rate, standard deviation) `ahead` seconds past the latest window's end; (0, 0) before any window."""
+        if not self._windows:
+            return 0.0, 0.0
+        k = len(self._windows)
+        total, seconds = sum(n for _, n, _ in self._windows), sum(dt for _, _, dt in self._windows)
+        pooled = total / seconds
+        if k < 3:
+            return pooled, math.sqrt(pooled / seconds)
+        t_mean = sum(t for t, _, _ in self._windows) / k
+        y_mean = sum(n / dt for _, n, dt in self._windows) / k
+        sxx = sum((t - t_mean) ** 2 for t, _, _ in self._windows)
+        slope = sum((t - t_mean) * (n / dt - y_mean) for t, n, dt in self._windows) / sxx
+        last = self._windows[-1]
+        target = last[0] + last[2] / 2 + ahead
+        variance = pooled / (seconds / k) * (1 / k + (target - t_mean) ** 2 / sxx)
+        return max(0.0, y_mean + slope * (target - t_mean)), math.sqrt(variance)

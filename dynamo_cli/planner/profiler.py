@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynamo_cli.engine import Engine, EngineInfo, GenerateRequest
+from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, GenerateRequest, load_engine
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile
 
 Progress = Callable[[str, int, int], None]
@@ -134,3 +134,25 @@ async def profile_engine(engine: Engine, info: EngineInfo, *, engine_name: str, 
             progress(f"decode context {context} × {n}: ITL {itl:.1f} ms", done, total)
     return Profile(engine=engine_name, model=model, max_kv_tokens=max_kv, max_num_seqs=info.max_num_seqs,
                    speedup_ratio=speedup_ratio, prefill=prefill, decode=decode)  # fmt: skip
+
+
+QUICK_SWEEP = Sweep(isls=(256, 1024, 4096), contexts=(1024, 4096), usages=(0.05, 0.5, 0.9), repeats=1)
+"""`dyn serve --planner` with no profile: enough points for the interpolation, a few seconds on the mocker."""
+PROFILE_SPEEDUP = 10.0
+"""The mocker is profiled at least this fast; its times are scaled back to the deployment's speed."""
+
+
+async def profile_mocker_as_deployed(args: EngineArgs) -> Profile:
+    """Profile the mocker with the deployment's engine args, in the deployment's wall time (its speedup ratio
+    applied, unlike `dyn plan profile`'s model time): run at >= PROFILE_SPEEDUP, times × (that / deployed)."""
+    deployed = float(args.extra.get("speedup_ratio", 1.0))
+    fast = max(deployed, PROFILE_SPEEDUP)
+    engine = load_engine("mocker")(EngineArgs(model=args.model, block_size=args.block_size,
+                                              context_length=args.context_length,
+                                              extra={**args.extra, "speedup_ratio": fast}))  # fmt: skip
+    info = await engine.start()
+    try:
+        return await profile_engine(engine, info, engine_name="mocker", model=args.model,
+                                    speedup_ratio=fast / deployed, sweep=QUICK_SWEEP)  # fmt: skip
+    finally:
+        await engine.stop()

@@ -11,11 +11,18 @@ import httpx
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
-from dynamo_cli.planner.observe import FrontendScraper, count_workers, discovered_frontends
+from dynamo_cli.planner.observe import (
+    FrontendScraper,
+    WorkerLoads,
+    count_workers,
+    discovered_frontends,
+    follow_worker_loads,
+)
 from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.events import open_event_bus
 from dynamo_cli.runtime.supervisor import stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,8 @@ class PlanRun:
     """The deployment's namespace (worker counts, virtual decision keys)."""
     discovery: str
     """The deployment's `--discovery` URL."""
+    events: str = "embedded"
+    """The deployment's `--events` URL: the workers' per-step load comes over it."""
     lease_ttl: float = 10.0
     """This process's discovery lease."""
     connector: str = "local"
@@ -71,6 +80,8 @@ def check_run(run: PlanRun) -> None:
     if bounds.min_workers < 0 or bounds.max_workers < max(bounds.min_workers, 1):
         raise ConfigError(f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
                           f"{bounds.min_workers} and {bounds.max_workers}")  # fmt: skip
+    if config.startup_s < 0:
+        raise ConfigError(f"--startup must be >= 0, got {config.startup_s}")
     if not 0 < config.headroom <= 1:
         raise ConfigError(f"--headroom must be in (0, 1], got {config.headroom}")
     if config.predictor not in PREDICTORS:
@@ -95,21 +106,28 @@ async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None 
     stop_on_signals(stop)
     discovery = open_discovery(run.discovery, ttl=run.lease_ttl)
     await discovery.start()
-    connector = _connector(run, discovery)
+    bus = open_event_bus(run.events, discovery)
+    connector = None
     try:
+        await bus.start()
+        connector = _connector(run, discovery)
         async with httpx.AsyncClient() as client:
             urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
+            loads = WorkerLoads()
             planner = Planner(run.planner, profile, FrontendScraper(urls, client), connector,
-                              lambda: count_workers(discovery, run.namespace), report)  # fmt: skip
+                              lambda: count_workers(discovery, run.namespace), report, loads.total)  # fmt: skip
             async with asyncio.TaskGroup() as group:
+                follow = group.create_task(follow_worker_loads(bus, run.namespace, loads))
                 if run.duration_s > 0:
                     group.create_task(_stop_after(stop, run.duration_s))
                 await planner.run(stop)
                 stop.set()
+                follow.cancel()
             return planner
     finally:
         if connector is not None:
             await connector.close()
+        await bus.close()
         await discovery.close()
 
 

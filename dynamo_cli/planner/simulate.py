@@ -16,6 +16,7 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import msgspec
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import ScaleTarget
-from dynamo_cli.planner.observe import Snapshot
+from dynamo_cli.planner.observe import PoolLoad, Snapshot
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile
 
@@ -118,12 +119,16 @@ class SimWorker:
 
     kv_tokens: int
     started_s: float
+    role: str = "both"
+    """both (agg) | prefill (a prompt's first token ends its stay: `handoffs`) | decode (only decode steps)."""
     now: float = 0.0
     passes: int = 0
     stopped_s: float | None = None
     waiting: deque[list[object]] = field(default_factory=deque)
     running: list[tuple[int, int, _Running]] = field(default_factory=list)
     active_kv: int = 0
+    handoffs: list[tuple[float, SimRequest]] = field(default_factory=list)
+    """prefill: (first token time, request) of each prompt done, for a decode worker."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -159,11 +164,21 @@ class SimWorker:
         self.passes += 1
         for request in admitted:
             assert isinstance(request, SimRequest)
-            self._seq += 1
-            run = _Running(self.passes + request.osl - 1, request, self.now)
-            heapq.heappush(self.running, (run.finish_pass, self._seq, run))
-            self.active_kv += request.isl + request.osl // 2
+            if self.role == "prefill":
+                self.handoffs.append((self.now, request))
+            else:
+                self.join(request, self.now, stats, finish=False)
         self._finish(stats)
+
+    def join(self, request: SimRequest, first_token_s: float, stats: Stats, finish: bool = True) -> None:
+        """Start decoding `request`, whose first token came at `first_token_s` (decode role: from a prefill
+        worker; it must have been advanced to that time)."""
+        self._seq += 1
+        run = _Running(self.passes + request.osl - 1, request, first_token_s)
+        heapq.heappush(self.running, (run.finish_pass, self._seq, run))
+        self.active_kv += request.isl + request.osl // 2
+        if finish:
+            self._finish(stats)
 
     def _decode_until(self, until: float, stats: Stats) -> None:
         step = decode_ms(self.active_kv / self.kv_tokens) / 1000
@@ -213,6 +228,10 @@ class SimCluster:
     kv_tokens: int
     stats: Stats
     startup_s: float = 0.0
+    role: str = "both"
+    """Of its workers (SimWorker.role)."""
+    handoffs: list[tuple[float, SimRequest]] = field(default_factory=list)
+    """prefill: every worker's prompts done, (first token time, request), shared so a retired worker's count."""
     live: list[SimWorker] = field(default_factory=list)
     starting: list[SimWorker] = field(default_factory=list)
     draining: list[SimWorker] = field(default_factory=list)
@@ -225,10 +244,25 @@ class SimCluster:
     def size(self) -> int:
         return len(self.live) + len(self.starting)
 
+    def pools(self) -> list[SimCluster]:
+        return [self]
+
+    def counts(self, serving: bool = False) -> tuple[int, int]:
+        """(prefill, decode) workers up or starting (`serving`: up only, as discovery shows them)."""
+        return 0, self.serving() if serving else self.size()
+
+    def serving(self) -> int:
+        """Workers that serve by now (`_promote`d at every arrival and tick)."""
+        return len(self.live)
+
+    def apply(self, num_prefill: int, num_decode: int, now: float) -> None:
+        self.scale(num_decode, now)
+
     def scale(self, wanted: int, now: float) -> None:
         wanted = max(wanted, 1)
         while self.size() < wanted:
-            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s)
+            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s, role=self.role,
+                               handoffs=self.handoffs)  # fmt: skip
             self.allocated[id(worker)] = now
             self.starting.append(worker)
         while self.size() > wanted:  # the newest go first; one still starting is simply released
@@ -247,6 +281,15 @@ class SimCluster:
         worker.advance(request.arrival_s, self.stats)
         worker.waiting.append([request, request.isl])
         self.stats.arrived += 1
+
+    def deliver(self, request: SimRequest, first_token_s: float) -> None:
+        """Decode pool: a prompt prefilled elsewhere starts decoding on the next worker (round-robin)."""
+        self._promote(first_token_s)
+        pool = self.live or self.starting
+        worker = pool[self._next % len(pool)]
+        self._next += 1
+        worker.advance(first_token_s, self.stats)
+        worker.join(request, first_token_s, self.stats)
 
     def tick(self, now: float) -> None:
         """Advance every worker to `now`; retire drained ones."""
@@ -272,46 +315,121 @@ class SimCluster:
             self.live.append(worker)
 
 
+@dataclass(slots=True)
+class DisaggCluster:
+    """A prefill pool and a decode pool. Each prompt is prefilled by a prefill worker (round-robin; its TTFT
+    includes that worker's queue), then decoded by a decode worker (round-robin) in decode-only steps, so the
+    decode pool's ITL never waits behind a prefill; the KV transfer between them is taken as free.
+
+    NOTE: handoffs are delivered in time order: before each arrival or tick at time T every prefill worker is
+    advanced to T, and the prompts it finished by T start decoding at their first token's time.
+    """
+
+    prefill: SimCluster
+    decode: SimCluster
+    peak: int = 0
+    _pending: list[tuple[float, int, SimRequest]] = field(default_factory=list)
+    _seq: int = 0
+
+    def pools(self) -> list[SimCluster]:
+        return [self.prefill, self.decode]
+
+    def counts(self, serving: bool = False) -> tuple[int, int]:
+        if serving:
+            return self.prefill.serving(), self.decode.serving()
+        return self.prefill.size(), self.decode.size()
+
+    def apply(self, num_prefill: int, num_decode: int, now: float) -> None:
+        self.prefill.scale(num_prefill, now)
+        self.decode.scale(num_decode, now)
+        self.peak = max(self.peak, sum(pool.size() + len(pool.draining) for pool in self.pools()))
+
+    def route(self, request: SimRequest) -> None:
+        self._hand_over(request.arrival_s)
+        self.prefill.route(request)
+
+    def tick(self, now: float) -> None:
+        self._hand_over(now)
+        self.decode.tick(now)
+
+    def finish(self, end: float) -> float:
+        spent = self.prefill.finish(end)
+        self._hand_over(math.inf)
+        return spent + self.decode.finish(end)
+
+    def _hand_over(self, now: float) -> None:
+        if now != math.inf:
+            self.prefill.tick(now)
+        for at, request in self.prefill.handoffs:
+            self._seq += 1
+            heapq.heappush(self._pending, (at, self._seq, request))
+        self.prefill.handoffs.clear()
+        while self._pending and self._pending[0][0] <= now:
+            at, _, request = heapq.heappop(self._pending)
+            self.decode.deliver(request, at)
+
+
 class _Source:
-    def __init__(self, cluster: SimCluster) -> None:
+    def __init__(self, cluster: SimCluster | DisaggCluster) -> None:
         self.cluster, self.now = cluster, 0.0
 
     async def snapshot(self) -> Snapshot:
-        stats = self.cluster.stats
+        stats = self.cluster.pools()[0].stats
         return Snapshot(at=self.now, sums=dict(stats.sums), inflight=float(stats.arrived - stats.finished))
+
+    def load(self) -> PoolLoad:
+        """The workers' per-step load, as their LoadMetrics would say (they were just advanced to `now`)."""
+        workers = [w for pool in self.cluster.pools() for w in (*pool.live, *pool.draining)]
+        return PoolLoad(num_workers=len(workers), num_running=sum(len(w.running) for w in workers),
+                        num_waiting=sum(len(w.waiting) for w in workers))  # fmt: skip
 
 
 class _Connector:
-    def __init__(self, cluster: SimCluster, source: _Source) -> None:
+    def __init__(self, cluster: SimCluster | DisaggCluster, source: _Source) -> None:
         self.cluster, self.source = cluster, source
 
     async def next_decision_id(self) -> int:
         return 1
 
     async def apply(self, target: ScaleTarget) -> bool:
-        self.cluster.scale(target.num_decode, self.source.now)
+        self.cluster.apply(target.num_prefill, target.num_decode, self.source.now)
         return True
 
     async def close(self) -> None:
         return None
 
 
+def _cluster(disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int],
+             startup_s: float) -> SimCluster | DisaggCluster:  # fmt: skip
+    """The pools, with the `first` (prefill, decode) workers already serving; later ones take `startup_s`."""
+    cluster: SimCluster | DisaggCluster = SimCluster(kv_tokens, stats)
+    if disagg:
+        cluster = DisaggCluster(SimCluster(kv_tokens, stats, role="prefill"),
+                                SimCluster(kv_tokens, stats, role="decode"))  # fmt: skip
+    cluster.apply(*first, 0.0)
+    for pool in cluster.pools():
+        pool._promote(0.0)
+        pool.startup_s = startup_s
+    return cluster
+
+
 async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float, *,
-                   static_workers: int = 0, planner: PlannerConfig | None = None,
+                   static_workers: int = 0, static_prefill: int = 0, planner: PlannerConfig | None = None,
                    startup_s: float = 30.0) -> SimResult:  # fmt: skip
-    """Replay `requests` on `static_workers` workers, or on as many as `planner` asks for (agg mode)."""
+    """Replay `requests` on `static_workers` workers (with `static_prefill` > 0: that many prefill workers and
+    `static_workers` decode workers), or on as many as `planner` asks for (its mode: agg or disagg)."""
     stats = Stats(ttft_ms=ttft_ms, itl_ms=itl_ms)
-    cluster = SimCluster(profile.max_kv_tokens, stats, startup_s=0.0)
-    cluster.scale(static_workers or (planner.bounds.min_workers if planner else 1), 0.0)
-    cluster._promote(0.0)
-    cluster.startup_s = startup_s
+    disagg = planner.mode == "disagg" if planner else static_prefill > 0
+    first = planner.bounds.min_workers if planner else 1
+    cluster = _cluster(disagg, profile.max_kv_tokens, stats, (static_prefill or first, static_workers or first),
+                       startup_s)  # fmt: skip
     source = _Source(cluster)
     brain = None
     if planner is not None:
         async def count() -> tuple[int, int]:
-            return (0, cluster.size())
+            return cluster.counts(serving=True)
 
-        brain = Planner(planner, profile, source, _Connector(cluster, source), count)
+        brain = Planner(planner, profile, source, _Connector(cluster, source), count, loads=source.load)
         await brain.baseline()
     next_plan = planner.interval_s if planner else math.inf
     load = planner.load_interval_s if planner and planner.load_interval_s > 0 else math.inf
@@ -329,16 +447,22 @@ async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float,
         cluster.route(request)
     end = requests[-1].arrival_s if requests else 0.0
     worker_seconds = cluster.finish(end)
-    policy = "planner" if planner else f"static {static_workers}"
+    policy = "planner" if planner else f"static {static_prefill}+{static_workers}" if disagg else \
+        f"static {static_workers}"  # fmt: skip
     return SimResult(policy=policy, num_requests=stats.finished, attainment=stats.met / max(stats.finished, 1),
                      worker_seconds=worker_seconds, max_workers=cluster.peak)  # fmt: skip
 
 
 def run_simulation(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float,
-                   statics: list[int], planner: PlannerConfig, startup_s: float) -> list[SimResult]:  # fmt: skip
-    """Every static size, then the planner, on the same requests."""
+                   statics: Sequence[int | tuple[int, int]], planner: PlannerConfig,
+                   startup_s: float) -> list[SimResult]:  # fmt: skip
+    """Every static size (N workers, or (prefill, decode) workers), then the planner, on the same requests."""
     async def all_policies() -> list[SimResult]:
-        results = [await simulate(requests, profile, ttft_ms, itl_ms, static_workers=n) for n in statics]
+        results = []
+        for size in statics:
+            prefill, decode = size if isinstance(size, tuple) else (0, size)
+            results.append(await simulate(requests, profile, ttft_ms, itl_ms, static_workers=decode,
+                                          static_prefill=prefill))  # fmt: skip
         results.append(await simulate(requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s))
         return results
 

@@ -94,12 +94,14 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
 async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_holds_it() -> None:
     # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example).
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0)
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
+                           startup_s=0.0)  # no trend projection: the windows alone  # fmt: skip
 
     async def counts() -> tuple[int, int]:
-        return (0, 2)
+        return (0, 2)  # discovery: the burst's workers are still starting
 
-    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62), snap(64.0, 62, inflight=30), snap(90.0, 92)]
+    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62), snap(64.0, 62, inflight=30),
+                 snap(66.0, 62, inflight=46), snap(90.0, 92)]  # fmt: skip
     planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
     await planner.baseline()
     await planner.plan_once()  # 60 req in 60 s: 1 req/s → 0.775 → 1 worker
@@ -110,7 +112,63 @@ async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_hold
     step = await planner.check_burst()
     assert step is not None and step.kind == "burst" and ">= 9.52 req/s" in step.decision.why
     assert recorder.targets[-1] == ScaleTarget(decision_id=8, num_prefill=0, num_decode=16)
-    # the next throughput step: 32 arrived in 30 s → 1.07 req/s → 1 worker, but the last windows' 32 requests in
-    # 4 s = 8 req/s → 6.2 → 7 workers: held at 7
+    # 16 more arrived: surely (16 − 2·4) / 2 = 4 req/s → 3.1 → 4 > the 2 workers in discovery, sized for (16 + 8) / 2
+    # = 12 req/s → 10; but 16 were asked for and are still starting: no burst asks for fewer
+    assert await planner.check_burst() is None and len(recorder.targets) == 2
+    # the next throughput step: 48 arrived in 30 s → 1.6 req/s → 2 workers, but the last windows' 48 requests in
+    # 6 s = 8 req/s → 6.2 → 7 workers: held at 7
     held = await planner.plan_once()
     assert held.decision.num_decode == 7 and "held at prefill 0, decode 7" in held.decision.why
+
+
+@pytest.mark.parametrize(("startup_s", "expected"), [pytest.param(10.0, 8, id="projected 12 s ahead"),
+                                                     pytest.param(0.0, None, id="no projection")])  # fmt: skip
+async def test_a_rising_trend_scales_up_before_any_window_alone_is_sure(startup_s: float, expected: int | None) -> None:
+    # 1, 2, 3 req/s in three 2 s windows (midpoints 61, 63, 65): slope 0.5 req/s², projected startup 10 + load 2 s
+    # past 66 (t = 78): 2 + 0.5·15 = 9.5 req/s; pooled 2 req/s, variance 2/2·(1/3 + 15²/8) = 28.458 → σ 5.335;
+    # surely 9.5 − 5.335 = 4.165 req/s → 3.23 → 4 workers > 2: sized for 9.5 req/s → 7.36 → 8. The last window
+    # alone is surely only (6 − 2·√6) / 2 = 0.55 req/s.
+    recorder = Recorder()
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
+                           load_interval_s=2.0, startup_s=startup_s)  # fmt: skip
+
+    async def counts() -> tuple[int, int]:
+        return (0, 2)
+
+    rising = [snap(62.0, 60, inflight=2), snap(64.0, 60, inflight=6), snap(66.0, 60, inflight=12)]
+    snapshots = [snap(0.0, 0), snap(60.0, 60), *rising]
+    planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
+    await planner.baseline()
+    await planner.plan_once()
+    assert await planner.check_burst() is None and await planner.check_burst() is None
+    step = await planner.check_burst()
+    if expected is None:
+        assert step is None
+        return
+    assert step is not None and "trend in 12 s 9.50 ± 5.33 req/s" in step.decision.why, step
+    assert recorder.targets[-1].num_decode == expected
+
+
+async def test_the_startup_the_bursts_project_over_is_measured_from_the_first_scale_up_seen_through() -> None:
+    recorder = Recorder()
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
+                           startup_s=30.0)  # fmt: skip
+    serving = [(0, 1)]
+
+    async def counts() -> tuple[int, int]:
+        return serving[-1]  # discovery: workers show once they serve
+
+    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62, inflight=30), snap(70.0, 70, inflight=30),
+                 snap(75.0, 75, inflight=30)]  # fmt: skip
+    planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
+    await planner.baseline()
+    await planner.plan_once()
+    step = await planner.check_burst()  # 32 arrived in 2 s: a burst at t = 62
+    assert step is not None and step.kind == "burst"
+    wanted = recorder.targets[-1].num_decode
+    serving.append((0, wanted - 1))  # at 70 the last one still starts: nothing measured yet
+    await planner.check_burst()
+    assert planner.startup_s == 30.0
+    serving.append((0, wanted))  # at 75 it serves: 13 s after the scale-up
+    await planner.check_burst()
+    assert planner.startup_s == 13.0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.planner.predictors import KalmanPredictor, Predictor, make_predictor
+from dynamo_cli.planner.predictors import KalmanPredictor, Predictor, RateTrend, make_predictor
 
 
 def fed(predictor: Predictor, series: list[float]) -> float:
@@ -47,3 +49,17 @@ def test_kalman_rises_after_a_step_and_never_predicts_below_zero() -> None:
 def test_an_unknown_predictor_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="arima"):
         make_predictor("arima")
+
+
+def test_a_rate_trend_projects_the_least_squares_line_with_its_poisson_deviation() -> None:
+    # rates 5, 10, 15 req/s at midpoints 1, 3, 5: slope 2.5; at 6 + 4 = 10: 10 + 2.5·7 = 27.5 req/s; pooled 10 req/s,
+    # variance 10/2·(1/3 + 7²/8) = 32.2917
+    trend = RateTrend(span_s=60.0)
+    assert trend.project(4.0) == (0.0, 0.0)
+    for end, arrived in ((2.0, 10), (4.0, 20), (6.0, 30)):
+        trend.observe(end, arrived, 2.0)
+    rate, deviation = trend.project(4.0)
+    assert rate == pytest.approx(27.5) and deviation == pytest.approx(math.sqrt(32.2917), rel=1e-5)
+    # windows that began over 60 s before the last end fall out: (4, 6] and (62, 64] remain, too few for a slope
+    trend.observe(64.0, 2, 2.0)
+    assert trend.project(4.0) == pytest.approx((8.0, math.sqrt(8.0 / 4.0)))

@@ -14,6 +14,8 @@ from dynamo_cli.planner.planner import PlannerConfig
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, save_profile
 from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.simulate import (
+    DisaggCluster,
+    SimCluster,
     SimRequest,
     SimResult,
     SimWorker,
@@ -93,6 +95,57 @@ def test_the_planner_meets_both_targets_on_a_5x_swing_with_under_65_percent_of_t
     assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * peak.worker_seconds, planned
 
 
+def test_the_default_planner_meets_the_bar_on_that_swing_with_workers_that_take_30_s_to_start() -> None:
+    # the burst check projects the rising rate 30 + 2 s ahead, so workers are up before the ramp reaches them
+    curve = ",".join(f"{t}:{5 + 35 * math.sin(math.pi * t / 600) ** 2:.1f}" for t in range(0, 600, 5)) + ",600:0"
+    requests = rate_curve(curve, 2000, 150)
+    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg")
+    assert (config.interval_s, config.load_interval_s, config.startup_s) == (15.0, 2.0, 30.0)
+
+    async def both() -> tuple[SimResult, SimResult]:
+        peak = await simulate(requests, MOCKER, 500.0, 40.0, static_workers=6)
+        return peak, await simulate(requests, MOCKER, 500.0, 40.0, planner=config, startup_s=30.0)
+
+    peak, planned = asyncio.run(both())
+    assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * peak.worker_seconds, planned
+
+
+def test_in_disagg_mode_a_prompts_prefill_never_stretches_another_streams_itl() -> None:
+    # A (2000+3) at 0, B (2000+3) at 50 ms. Agg, one worker: A prefills to 48.5523 ms, decodes one pass
+    # (6.1508 ms) to 54.7031, then B's prefill pass carries A's second token: 48.5523 + 6.1508 → 109.4062, so
+    # A's ITL is (109.4062 − 48.5523) / 2 = 30.43 ms > 10. Disagg, 1 + 1: A decodes alone, 2 × 6.1508 ms; B's
+    # prefill starts at 50 on the idle prefill worker: TTFT 48.5523, then decodes alone as well.
+    requests = [SimRequest(0.0, 2000, 3), SimRequest(0.05, 2000, 3)]
+    agg = asyncio.run(simulate(requests, MOCKER, 100.0, 10.0, static_workers=1))
+    assert agg.attainment == 0.5
+    stats = Stats(ttft_ms=100.0, itl_ms=10.0)
+    cluster = DisaggCluster(SimCluster(KV, stats, role="prefill"), SimCluster(KV, stats, role="decode"))
+    cluster.apply(1, 1, 0.0)
+    for pool in cluster.pools():
+        pool.tick(0.0)
+    for request in requests:
+        cluster.route(request)
+    cluster.finish(0.05)
+    assert (stats.finished, stats.met) == (2, 2)
+    assert stats.sums["time_to_first_token_seconds"] * 1000 == pytest.approx(2 * 48.5523, abs=1e-3)
+    assert stats.sums["inter_token_latency_seconds"] * 1000 == pytest.approx(4 * 6.1508, abs=1e-3)
+
+
+def test_the_disagg_planner_sizes_both_pools_on_the_swing_with_under_65_percent_of_a_static_pair() -> None:
+    curve = ",".join(f"{t}:{5 + 35 * math.sin(math.pi * t / 600) ** 2:.1f}" for t in range(0, 600, 5)) + ",600:0"
+    requests = rate_curve(curve, 2000, 150)
+    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="disagg")
+
+    async def both() -> tuple[SimResult, SimResult]:
+        pair = await simulate(requests, MOCKER, 500.0, 40.0, static_workers=2, static_prefill=4)
+        return pair, await simulate(requests, MOCKER, 500.0, 40.0, planner=config, startup_s=30.0)
+
+    pair, planned = asyncio.run(both())
+    assert pair.attainment > 0.99 and pair.policy == "static 4+2"
+    assert planned.max_workers >= 4  # the pools grew from one worker each
+    assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * pair.worker_seconds, planned
+
+
 def test_simulate_needs_exactly_one_source_of_load(tmp_path: Path) -> None:
     save_profile(MOCKER, tmp_path / "p.json")
     result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile",
@@ -110,3 +163,15 @@ def test_simulate_prints_each_policy(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
     assert policies == ["static 1", "static 2", "planner"]
+
+
+def test_simulate_compares_prefill_and_decode_pairs_in_disagg_mode(tmp_path: Path) -> None:
+    save_profile(MOCKER, tmp_path / "p.json")
+    base = [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile", str(tmp_path / "p.json"),
+            "--ttft", "500", "--itl", "50", "--rate-curve", "0:5,60:0", "--mode", "disagg", "--interval", "10"]
+    result = subprocess.run([*base, "--static", "1+1,2+3"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
+    assert policies == ["static 1+1", "static 2+3", "planner"]
+    result = subprocess.run([*base, "--static", "2"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "PREFILL+DECODE" in result.stderr
