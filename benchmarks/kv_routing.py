@@ -448,7 +448,7 @@ def summarize(mode: str, records: list[KvRecord], work: Workload, a: float, b: f
         out_records = [{"t": round(r.start - a, 4), "lag_ms": round((r.start - r.scheduled) * 1000, 2),
                         "ttft_ms": round(r.ttft * 1000, 2) if r.ttft is not None else None,
                         "e2e_ms": round((r.end - r.start) * 1000, 2), "worker": r.worker, "prefix": r.prefix,
-                        "cached": r.cached_tokens, "error": r.error} for r in measured]  # fmt: skip
+                        "cached": r.cached_tokens, "error": r.error, "route": r.route} for r in measured]  # fmt: skip
     out: dict[str, Any] = {
         "mode": mode, "sent": len(measured), "ok": len(ok), "failed": len(measured) - len(ok),
         "errors": dict(Counter((r.error or "")[:80] for r in measured if not r.is_ok).most_common(3)),
