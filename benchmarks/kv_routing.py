@@ -307,7 +307,8 @@ async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args
     watcher = asyncio.get_running_loop().create_task(watch_load(discovery_url, samples, ready))
     await asyncio.wait_for(ready.wait(), 10)
     is_kv = mode.split(":")[0] == "kv"
-    headers = {"x-dyn-explain-route": "1"} if is_kv else None
+    # explanations cost the kv side CPU round-robin does not pay; --no-explain measures without them
+    headers = {"x-dyn-explain-route": "1"} if is_kv and getattr(args, "explain", True) else None
     records: list[KvRecord] = []
     tasks: set[asyncio.Task[Any]] = set()
     client = KvClient(url, max_connections=4096, idle_timeout=120, request_timeout=300, headers=headers)
@@ -557,6 +558,7 @@ def main() -> None:
     p.add_argument("--probe-warmup", type=float, default=5.0)
     p.add_argument("--json", default="benchmarks/out/kv_routing.json")
     p.add_argument("--records", action="store_true", help="keep every measured request in the JSON")
+    p.add_argument("--no-explain", dest="explain", action="store_false", help="kv modes: no x-dyn-explain-route")
     args = p.parse_args()
 
     import uvloop

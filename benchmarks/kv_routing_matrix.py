@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", default="closed,0.7,0.95", help="closed and/or fractions of rr capacity")
     p.add_argument("--modes", default="kv,round-robin", help="kv knobs as in kv_routing.py: kv:cost=dynamo ...")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell, alternating the modes' order")
+    p.add_argument("--no-explain", dest="explain", action="store_false", help="kv modes: no x-dyn-explain-route")
     p.add_argument("--clients-per-worker", type=int, default=8)
     p.add_argument("--capacity", action="append", default=[], help="CACHE=REQ_S: skip that regime's probe")
     p.add_argument("--workers", type=int, default=4)
