@@ -72,6 +72,12 @@ async def test_an_unacknowledged_decision_times_out_as_false(discovery: Discover
     assert 0.3 <= time.monotonic() - started < 3.0
 
 
+def _serves_model(url: str) -> bool:
+    """Whether the frontend lists smollm2 (it has a worker for it)."""
+    response = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+    return response.status_code == 200 and any(m["id"] == "smollm2" for m in response.json()["data"])
+
+
 def _stream(url: str, box: dict[str, object]) -> None:
     """One long streamed completion; records how many chunks came and how it ended."""
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 300, "stream": True, "ignore_eos": True,
@@ -105,6 +111,9 @@ async def test_the_local_connector_starts_a_worker_and_drains_it_under_a_request
         await connector.apply(ScaleTarget(1, num_prefill=0, num_decode=1))
         async with asyncio.timeout(60):
             while await count_workers(store, "dynamo") != (0, 1):
+                await asyncio.sleep(0.1)
+        async with asyncio.timeout(30):  # the frontend sees the worker a little after discovery holds it
+            while not await asyncio.to_thread(_serves_model, frontend.url):
                 await asyncio.sleep(0.1)
         box: dict[str, object] = {}
         streaming = asyncio.get_running_loop().run_in_executor(None, _stream, frontend.url, box)
