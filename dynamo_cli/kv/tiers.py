@@ -219,7 +219,8 @@ class TieredBlockStore:
             for entry, in_host in reversed(found):
                 (self._host if in_host else self._disk).move_to_end(entry.block.block_hash)
         start = time.perf_counter()
-        payloads = await asyncio.to_thread(self._read_all, found) if found else []
+        reads_disk = any(e.block.payload is None and e.on_file for e, _ in found)
+        payloads = await asyncio.to_thread(self._read_all, found) if reads_disk else self._read_all(found)
         host = sum(1 for _, in_host in found[: len(payloads)] if in_host)
         with self._lock:
             self._count(

@@ -266,8 +266,18 @@ class Scheduler:
 
     def device_match(self, hashes: list[int]) -> int:
         """Leading blocks of `hashes` a running or cached sequence holds (what `_reuse_prefix` would share)."""
-        holders = [s.hashes for s in self.running] + [c.hashes for c in self.cached.values()]
-        return max((_common_prefix(hashes, h) for h in holders), default=0)
+        return self._best_holder(hashes, None)[1]
+
+    def _best_holder(self, hashes: list[int], exclude: Sequence | None) -> tuple[int, int]:
+        """(seq id, blocks) of the running or cached sequence sharing the longest prefix of `hashes`; (-1, 0): none."""
+        candidates = [(s.seq_id, s.hashes) for s in self.running if s is not exclude]
+        candidates += [(seq_id, c.hashes) for seq_id, c in self.cached.items()]
+        best_src, best = -1, 0
+        for src, held in candidates:
+            n = _common_prefix(hashes, held)
+            if n > best:
+                best_src, best = src, n
+        return best_src, best
 
     def _drop(self, seq_id: int, hashes: list[int]) -> None:
         self.pending_ops.append(MemoryOp("rm", seq_id, start=-1, end=-1))
@@ -304,14 +314,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Share the longest run of full blocks a running or cached sequence holds (at least one
         prompt token is always computed, for its logits)."""
-        wanted = self._prompt_hashes(seq)
-        best_src, best = -1, 0
-        candidates = [(s.seq_id, s.hashes) for s in self.running if s is not seq]
-        candidates += [(seq_id, c.hashes) for seq_id, c in self.cached.items()]
-        for src, hashes in candidates:
-            n = _common_prefix(wanted, hashes)
-            if n > best:
-                best_src, best = src, n
+        best_src, best = self._best_holder(self._prompt_hashes(seq), seq)
         num_tokens = min(best * self.block_size, len(seq.tokens) - 1)
         if num_tokens <= 0:
             return

@@ -263,8 +263,7 @@ class MockerEngine:
         """Bring the prompt's prefix up from host or disk (in simulated transfer time) before it is queued;
         a stream closed meanwhile leaves nothing behind."""
         assert self._tiers is not None
-        full = len(mock.token_ids) // self.config.block_size
-        start, below, seconds = self._tiers.plan(mock.seq_hashes[:full])
+        start, below, seconds = self._tiers.plan(mock.seq_hashes)  # the prompt's full blocks, as admitted
         if below:
             await asyncio.sleep(seconds)
             await self._tiers.onboard(mock.seq_hashes, mock.local_hashes, start, len(below))

@@ -56,7 +56,7 @@ class KvManager:
         self._next_event_id = 0
         self._meta: dict[int, tuple[int, int | None]] = {}  # full block -> (tokens hash, parent hash)
         self.collect_evicted = False
-        """Keep evicted full blocks in `evicted` (a tier below takes them)."""
+        """Keep evicted full blocks in `evicted` (a tier below takes them); set before the first allocation."""
         self.evicted: list[tuple[int, int, int | None]] = []
         """(sequence hash, tokens hash, parent hash) of the blocks evicted since the owner last emptied it."""
 
@@ -223,12 +223,9 @@ class KvManager:
             return
         removed = [self._inactive.popitem(last=False)[0] for _ in range(count)]
         self._events.append(BlockRemoved(block_hashes=removed))
-        meta = self._meta
         if self.collect_evicted:
+            meta = self._meta
             self.evicted.extend((key, *meta.pop(key)) for key in removed)
-        else:
-            for key in removed:
-                del meta[key]
 
     def _fill_full(
         self,
@@ -251,7 +248,8 @@ class KvManager:
                 else:
                     table.append(key)
                 self._active[key] = 1
-                self._meta[key] = (local_hashes[i], seq_hashes[i - 1] if i else None)
+                if self.collect_evicted:  # only a tier below needs a block's names at its eviction
+                    self._meta[key] = (local_hashes[i], seq_hashes[i - 1] if i else None)
                 if not run:
                     run_parent = seq_hashes[i - 1] if i else None
                 run.append(StoredBlock(block_hash=key, tokens_hash=local_hashes[i]))

@@ -68,7 +68,7 @@ class MockerTiers:
         """For a prompt's full blocks: device hits, the tiers of the blocks that continue them below, and
         the seconds their onboard takes."""
         start = self._kv.num_prefix_hits(seq_hashes)
-        below = self.store.match(seq_hashes[start:]) if start < len(seq_hashes) else []
+        below = self.store.match(seq_hashes[start:])
         return start, below, self._timing.onboard_s(below, self._block_bytes)
 
     async def onboard(self, seq_hashes: Sequence[int], local_hashes: Sequence[int], start: int, count: int) -> int:
