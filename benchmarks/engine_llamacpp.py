@@ -2,16 +2,18 @@
 
 Raw cells drive llama.cpp's low-level API directly (greedy sampler, no Python between steps beyond
 filling the batch): one sequence (prefill tokens/s of an ISL-token prompt, then OSL decode steps), and
-8 sequences decoded in one batch. Engine cells run `LlamaCppEngine` in-process at concurrency 1, 4,
-8, 16 with distinct random prompts (no prefix reuse), ignore_eos. Each round runs a raw cell right
-before the engine cell it is compared with, and ratios are medians over rounds, because a shared
-machine drifts between minutes.
+8 sequences decoded in one batch, in the library's default layout (a KV stream per sequence) and in the
+engine's (one unified cache). Engine cells run `LlamaCppEngine` in-process at concurrency 1, 4, 8, 16
+with distinct random prompts (no prefix reuse), ignore_eos. Raw contexts run on the engine's step thread
+(one OpenMP team; see the NOTE in engines/llamacpp/engine.py). A round is `--pairs` alternations, each a
+raw cell right before the engine cell it is compared with; a round's ratio is the median of its
+alternations, because this shared machine's speed drifts by tens of percent within a minute.
 
-    python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--json out.json]
+    python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--pairs 3] [--json out.json]
                                          [--kv-host-cache-gb 1]   # KV tiers on (host memory)
 
-Bars: engine single-stream decode >= 0.9x raw single-stream decode; engine aggregate output tokens/s
-at concurrency 8 >= 0.9x raw 8-sequence batch doing the same work (prefill 8 prompts, decode OSL steps).
+Bars (issue 16), in every round: engine single-stream decode >= 0.95x raw single-stream decode; engine
+decode at 8 sequences >= 0.9x raw's 8-sequence batch doing the same work.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def prompts(n: int, isl: int, seed: int) -> list[list[int]]:
 
 
 class Raw:
-    """A plain llama.cpp context (the library's defaults: one KV stream per sequence)."""
+    """A plain llama.cpp context (the library's defaults: one KV stream per sequence; `unified`: one shared
+    cache, as the engine runs it)."""
 
-    def __init__(self, path: str, n_seq: int, n_ctx: int, threads: int) -> None:
+    def __init__(self, path: str, n_seq: int, n_ctx: int, threads: int, unified: bool = False) -> None:
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.use_extra_bufts = False  # the AMX buffer type crashes on some VMs
@@ -62,6 +65,7 @@ class Raw:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, 512, 512, n_seq
         cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = unified  # False, the library's default: one stream per sequence
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         self.batch = llama_cpp.llama_batch_init(512, 0, 1)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -134,28 +138,38 @@ async def engine_cell(engine: LlamaCppEngine, concurrency: int, isl: int, osl: i
 
 
 async def measure(args: Any) -> dict[str, Any]:
-    """Paired rounds: each raw cell right before the engine cell it is compared with."""
+    """Rounds of `--pairs` alternations: each raw cell right before the engine cell it is compared with.
+
+    The raw contexts run on the engine's step thread (`run_in_step_thread`): llama.cpp keeps one OpenMP
+    team per calling thread, and two teams in one process on this machine made both sides 2x slower."""
     path = resolve_model_path("smollm2")
     isl, osl, threads = args.isl, args.osl, args.threads
-    raw_one = Raw(path, 1, isl + osl + 64, threads)
-    raw_eight = Raw(path, 8, 8 * (isl + osl + 64), threads)
     extra = {"n_threads": threads, "max_num_seqs": max(CONCURRENCY)}
     tiers = KvTierConfig(host_bytes=int(args.kv_host_cache_gb * 1e9))
     engine = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra, kv_tiers=tiers))
     await engine.start()
-    raw_one.run(prompts(1, 16, 0), 4)  # warm-up both
+    raw_one = await engine.run_in_step_thread(Raw, path, 1, isl + osl + 64, threads)
+    raw_eight = await engine.run_in_step_thread(Raw, path, 8, 8 * (isl + osl + 64), threads)
+    raw_eight_unified = await engine.run_in_step_thread(Raw, path, 8, 8 * (isl + osl + 64), threads, True)
+    await engine.run_in_step_thread(raw_one.run, prompts(1, 16, 0), 4)  # warm-up both
     await engine_cell(engine, 1, 16, 4, seed=0)
     rounds = []
     for r in range(args.rounds):
-        cells: dict[str, Any] = {"raw_single": raw_one.run(prompts(1, isl, 10 + r), osl)}
-        cells["engine_1"] = await engine_cell(engine, 1, isl, osl, seed=20 + r)
-        cells["raw_batch8"] = raw_eight.run(prompts(8, isl, 30 + r), osl)
-        cells["engine_8"] = await engine_cell(engine, 8, isl, osl, seed=40 + r)
-        rounds.append(cells)
+        pairs = []
+        for p in range(args.pairs):
+            seed = 100 * r + 10 * p
+            step_thread = engine.run_in_step_thread
+            cells: dict[str, Any] = {"raw_single": await step_thread(raw_one.run, prompts(1, isl, seed), osl)}
+            cells["engine_1"] = await engine_cell(engine, 1, isl, osl, seed=seed + 1)
+            cells["raw_batch8"] = await step_thread(raw_eight.run, prompts(8, isl, seed + 2), osl)
+            cells["raw_unified8"] = await step_thread(raw_eight_unified.run, prompts(8, isl, seed + 3), osl)
+            cells["engine_8"] = await engine_cell(engine, 8, isl, osl, seed=seed + 4)
+            pairs.append(cells)
+        rounds.append(pairs)
     others = {c: await engine_cell(engine, c, isl, osl, seed=50 + c) for c in CONCURRENCY if c not in (1, 8)}
+    for raw in (raw_one, raw_eight, raw_eight_unified):
+        await engine.run_in_step_thread(raw.close)
     await engine.stop()
-    raw_one.close()
-    raw_eight.close()
     return {"rounds": rounds, "engine_other": others}
 
 
@@ -205,17 +219,19 @@ def serve_cells(args: Any) -> dict[int, dict[str, float]]:
         server.wait(30)
 
 
-def ratios(rounds: list[dict[str, Any]]) -> dict[str, float]:
-    """Median over rounds of each paired engine/raw ratio."""
+RATIOS = {
+    "single_decode": lambda c: c["engine_1"]["single_decode_tok_s"] / c["raw_single"]["decode_tok_s"],
+    "aggregate_8": lambda c: c["engine_8"]["output_tok_s"] / c["raw_batch8"]["output_tok_s"],
+    "decode_phase_8": lambda c: c["engine_8"]["decode_tok_s"] / c["raw_batch8"]["decode_tok_s"],
+    "decode_phase_8_vs_unified": lambda c: c["engine_8"]["decode_tok_s"] / c["raw_unified8"]["decode_tok_s"],
+    "raw_unified_vs_streams_8": lambda c: c["raw_unified8"]["decode_tok_s"] / c["raw_batch8"]["decode_tok_s"],
+}
+"""Engine ÷ raw per alternation (the last two: what the engine's unified KV cache costs llama.cpp itself)."""
 
-    def med(f: Any) -> float:
-        return statistics.median(f(c) for c in rounds)
 
-    return {
-        "single_decode": med(lambda c: c["engine_1"]["single_decode_tok_s"] / c["raw_single"]["decode_tok_s"]),
-        "aggregate_8": med(lambda c: c["engine_8"]["output_tok_s"] / c["raw_batch8"]["output_tok_s"]),
-        "decode_phase_8": med(lambda c: c["engine_8"]["decode_tok_s"] / c["raw_batch8"]["decode_tok_s"]),
-    }
+def ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Each ratio per round: the median over that round's alternations."""
+    return {name: [statistics.median(f(c) for c in pairs) for pairs in rounds] for name, f in RATIOS.items()}
 
 
 def main() -> None:
@@ -223,6 +239,7 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=200)
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3, help="raw/engine alternations per round")
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--kv-host-cache-gb", type=float, default=0.0, help="KV tiers: host memory (0: off)")
     parser.add_argument("--serve", action="store_true", help="also measure through `dyn serve` + `dyn bench`")
@@ -234,17 +251,18 @@ def main() -> None:
         result["serve"] = serve_cells(args)
     print(f"ISL {args.isl}, OSL {args.osl}, {args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
     print(f"{'round':<6}{'cell':<12}{'prefill tok/s':>14}{'decode tok/s':>14}{'output tok/s':>14}{'ttft s':>9}")
-    for r, cells in enumerate(result["rounds"]):
-        for name, cell in cells.items():
-            print_cell(str(r), name, cell)
+    for r, pairs in enumerate(result["rounds"]):
+        for p, cells in enumerate(pairs):
+            for name, cell in cells.items():
+                print_cell(f"{r}.{p}", name, cell)
     for c, cell in result["engine_other"].items():
         print_cell("-", f"engine_{c}", cell)
     for c, cell in result.get("serve", {}).items():
         print(
             f"{'-':<6}{'serve_' + str(c):<12}{'':>14}{cell['single_decode_tok_s']:>14.1f}{cell['output_tok_s']:>14.1f}"
         )
-    for name, value in result["ratios"].items():
-        print(f"{name} engine/raw (median of rounds): {value:.2f}")
+    for name, values in result["ratios"].items():
+        print(f"{name:<27} per round (median of its alternations): {' / '.join(f'{v:.2f}' for v in values)}")
     if args.json:
         result.update(isl=args.isl, osl=args.osl, threads=args.threads, machine=platform.platform())
         result["llama_cpp_python"] = llama_cpp.__version__

@@ -5,9 +5,11 @@ message of ~U tokens (`--user-tokens`, 200, +-10 %) to the conversation so far a
 (32, ignore_eos); between turns the user thinks for an exponential time of mean `--think-s`, and the
 conversations start spread over the first think time. Prompts are token-id lists (/v1/completions) built
 with the SmolLM2 tokenizer from a fixed corpus, so every count is exact; each conversation starts with its
-own token, so conversations share no block and every hit is the conversation's own history. The answer
-the next turn carries is a synthetic one of `--max-tokens` tokens, not the model's (the prompt stays
-exact and identical across configurations); only the previous prompt's blocks can hit.
+own token, so conversations share no block and every hit is the conversation's own history. The next
+turn carries the model's own answer (`--answers model`, what a chat client sends back: its text,
+tokenized again), so the previous prompt and all but the answer's last token can hit; `--answers
+synthetic` carries `--max-tokens` random tokens instead (prompts identical across configurations, and
+only the previous prompt's blocks can hit).
 
 The engine's own cache holds `--cache-fraction` (1/4) of the conversations' total KV (their final
 prompts plus answers): the mocker gets `--num-gpu-blocks`, llamacpp `--engine-arg max_cached_tokens`
@@ -20,8 +22,9 @@ is started per configuration (`--configs`):
     host:0.1+disk:2   the same with these sizes (GB)
 
 Measured per configuration, over turns >= 2 (turn 1 has nothing to reuse): TTFT p50/p90 (and per turn),
-prompt tokens computed (the worker's `LoadMetrics.num_prefill_tokens_computed`, read on the event plane;
-also 1 - cached/prompt from `usage.prompt_tokens_details.cached_tokens`), the router's view of the hits
+prompt tokens computed (prompt - `usage.prompt_tokens_details.cached_tokens`, summed over turns >= 2; and
+over the whole run, turn 1 included, the worker's `LoadMetrics.num_prefill_tokens_computed`, read on the
+event plane), the router's view of the hits
 (`dynamo_router_counter` num_hit_blocks, of which num_host_ / num_disk_hit_blocks), and onboarded blocks,
 bytes and GB/s from the frontend's /metrics (`kvbm_onboard_{blocks,bytes,seconds}_{h2d,d2d}`, Dynamo's
 KVBM names; n/a when the worker publishes none). Ratios are against the first configuration.
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,13 +107,15 @@ class Conversation:
 
 
 def user_messages(args: argparse.Namespace, pool: list[int], seed: int) -> list[list[list[int]]]:
-    """messages[c][t]: the tokens conversation c adds at turn t (a user message, then the answer before it)."""
+    """messages[c][t]: the tokens conversation c adds at turn t (a user message; with synthetic answers,
+    the answer before it)."""
     rng = random.Random(seed)
     out = []
     for _ in range(args.conversations):
         turns = []
         for t in range(args.turns):
-            answer = [rng.choice(pool) for _ in range(args.max_tokens)] if t else []
+            synthetic = t and args.answers == "synthetic"
+            answer = [rng.choice(pool) for _ in range(args.max_tokens)] if synthetic else []
             n = max(1, round(args.user_tokens * rng.uniform(0.9, 1.1)))
             start = rng.randrange(len(pool))
             turns.append(answer + [pool[(start + i) % len(pool)] for i in range(n)])
@@ -125,7 +131,8 @@ def first_tokens(pool: list[int], n: int) -> list[int]:
 
 def engine_cache(args: argparse.Namespace, messages: list[list[list[int]]]) -> tuple[int, int]:
     """(tokens the engine's own cache gets, the conversations' total KV in tokens)."""
-    finals = [1 + sum(len(m) for m in turns) + args.max_tokens for turns in messages]
+    answers = args.turns if args.answers == "model" else 1  # synthetic ones are in the messages but the last
+    finals = [1 + sum(len(m) for m in turns) + answers * args.max_tokens for turns in messages]
     total = sum(finals)
     return max(int(total * args.cache_fraction), 2 * max(finals)), total
 
@@ -160,23 +167,26 @@ def start_serve(tmp: str, config: TierConfig, args: argparse.Namespace, cache_to
 
 
 async def converse(client: kr.KvClient, c: int, first: int, turns: list[list[int]], args: argparse.Namespace,
-                   records: list[Turn]) -> None:  # fmt: skip
+                   records: list[Turn], encode: Callable[[str], list[int]]) -> None:  # fmt: skip
     rng = random.Random(1000 + c)
     await asyncio.sleep(rng.uniform(0, args.think_s))
     prompt = [first]
+    answer: list[int] = []
     for t, added in enumerate(turns, start=1):
-        prompt = prompt + added
+        prompt = prompt + answer + added
         body = {"model": kr.MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True,
                 "temperature": 0.0, "stream_options": {"include_usage": True}}  # fmt: skip
         record = Turn(conversation=c, turn=t, input_tokens=len(prompt))
         records.append(record)
         await client.stream("/v1/completions", body, record)
+        if args.answers == "model":
+            answer = encode("".join(record.pieces))
         if t < len(turns):
             await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
 
 
 async def run_config(url: str, discovery_url: str, firsts: list[int], messages: list[list[list[int]]],
-                     args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+                     args: argparse.Namespace, encode: Callable[[str], list[int]]) -> dict[str, Any]:  # fmt: skip
     samples: list[tuple[float, LoadMetrics]] = []
     ready = asyncio.Event()
     watcher = asyncio.get_running_loop().create_task(kr.watch_load(discovery_url, samples, ready))
@@ -186,7 +196,7 @@ async def run_config(url: str, discovery_url: str, firsts: list[int], messages: 
     records: list[Turn] = []
     client = kr.KvClient(url, max_connections=args.conversations, idle_timeout=300, request_timeout=900)
     started = time.perf_counter()
-    await asyncio.gather(*(converse(client, c, firsts[c], m, args, records) for c, m in enumerate(messages)))
+    await asyncio.gather(*(converse(client, c, firsts[c], m, args, records, encode) for c, m in enumerate(messages)))
     elapsed = time.perf_counter() - started
     await asyncio.sleep(1.0)  # the last load report
     computed = computed_tokens(samples) - before
@@ -237,6 +247,7 @@ def summarize(records: list[Turn], computed: int, kvbm: dict[str, float], elapse
     return {"requests": len(records), "failed": len(records) - len(ok), "seconds": elapsed,
             "ttft_p50_ms": kr.pct(ttft, 50), "ttft_p90_ms": kr.pct(ttft, 90), "ttft_per_turn": per_turn,
             "prompt_tokens_turn2plus": prompt, "cached_tokens_turn2plus": cached,
+            "computed_tokens_turn2plus": prompt - cached,
             "prompt_tokens_computed": computed or None, "onboard_blocks": blocks, "onboard_bytes": onboard_bytes,
             "onboard_gb_per_s": gbps, "kvbm": kvbm}  # fmt: skip
 
@@ -252,24 +263,29 @@ def fmt(value: Any, spec: str = ".0f") -> str:
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     base = next(iter(results.values()))
-    print(f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'computed':>9} {'x fewer':>7} {'cached %':>8} "
+    print(f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'comp t>=2':>9} {'x fewer':>7} "
+          f"{'computed':>9} {'x fewer':>7} {'cached %':>8} "
           f"{'onb h2d':>8} {'onb d2d':>8} {'onb GB':>7} {'GB/s':>6} {'router h/d':>11} {'fail':>4}")  # fmt: skip
     for name, row in results.items():
         speedup = base["ttft_p50_ms"] / row["ttft_p50_ms"] if row["ttft_p50_ms"] else None
         fewer = (base["prompt_tokens_computed"] / row["prompt_tokens_computed"]
                  if base["prompt_tokens_computed"] and row["prompt_tokens_computed"] else None)  # fmt: skip
+        later = row["computed_tokens_turn2plus"]
+        fewer_later = base["computed_tokens_turn2plus"] / later if later else None
         prompt = row["prompt_tokens_turn2plus"]
         cached = 100 * row["cached_tokens_turn2plus"] / prompt if prompt else None
         gb = row["onboard_bytes"] / 1e9 if row["onboard_bytes"] is not None else None
         hits = row.get("router_hit_blocks", {})
         seen = f"{fmt(hits.get('host_'))}/{fmt(hits.get('disk_'))}"
         print(f"{name:<16} {fmt(row['ttft_p50_ms']):>7}ms {fmt(row['ttft_p90_ms']):>7}ms {fmt(speedup, '.2f'):>6} "
-              f"{fmt(row['prompt_tokens_computed']):>9} {fmt(fewer, '.2f'):>7} {fmt(cached, '.1f'):>8} "
+              f"{later:>9} {fmt(fewer_later, '.2f'):>7} {fmt(row['prompt_tokens_computed']):>9} "
+              f"{fmt(fewer, '.2f'):>7} {fmt(cached, '.1f'):>8} "
               f"{fmt(row['onboard_blocks']['h2d']):>8} {fmt(row['onboard_blocks']['d2d']):>8} {fmt(gb, '.3f'):>7} "
               f"{fmt(row['onboard_gb_per_s'], '.2f'):>6} {seen:>11} {row['failed']:>4}")  # fmt: skip
     print(
-        "TTFT and tokens over turns >= 2; 'x' columns are against the first configuration; computed = the "
-        "worker's num_prefill_tokens_computed over the whole run; router h/d = blocks the router routed to as host / "
+        "TTFT and tokens over turns >= 2; 'x' columns are against the first configuration; comp t>=2 = prompt - "
+        "cached tokens over turns >= 2 (usage); computed = the worker's num_prefill_tokens_computed over the whole "
+        "run, turn 1 included; router h/d = blocks the router routed to as host / "
         "disk hits."
     )
 
@@ -284,6 +300,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--user-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--answers", choices=("model", "synthetic"), default="model",
+                   help="what the next turn carries: the model's answer (its text, tokenized) or random tokens")
     p.add_argument("--think-s", type=float, default=3.0, help="mean think time between turns (exponential)")
     p.add_argument("--cache-fraction", type=float, default=0.25, help="engine cache / conversations' total KV")
     p.add_argument("--block-size", type=int, default=16)
@@ -301,7 +319,8 @@ def main() -> None:
     configs = [parse_config(c.strip(), args) for c in args.configs.split(",") if c.strip()]
     from dynamo_cli.model.tokenizer import load_tokenizer
 
-    pool = load_tokenizer(kr.MODEL).encode(kr.CORPUS)
+    tokenizer = load_tokenizer(kr.MODEL)
+    pool = tokenizer.encode(kr.CORPUS)
     firsts = first_tokens(pool, args.conversations)
     messages = user_messages(args, pool, args.seed)
     cache_tokens, total_tokens = engine_cache(args, messages)
@@ -318,7 +337,8 @@ def main() -> None:
                 skipped[config.name] = str(exc)
                 continue
             try:
-                results[config.name] = asyncio.run(run_config(url, f"file://{tmp}/d", firsts, messages, args))
+                results[config.name] = asyncio.run(run_config(url, f"file://{tmp}/d", firsts, messages, args,
+                                                                tokenizer.encode))
             finally:
                 kr.stop_serve(proc)
         print(f"{config.name}: done in {results[config.name]['seconds']:.1f} s", flush=True)

@@ -21,6 +21,14 @@ takes a request of prompt + [first_token] with that handle: it checks the state 
 it. The imported prompt is neither computed nor cached prefill here (num_prefill_tokens_computed and
 _cached do not grow) and the first chunk reports num_cached_tokens 0: the prefill worker's own chunk
 reported the prompt's cache hits. Both sides need the same deterministic setting (the V layout differs).
+
+NOTE: every llama.cpp call of the engine runs on its one step thread (`_executor`), on purpose. llama.cpp's
+CPU backend parallelises with OpenMP, which keeps one thread team per calling thread; once a process has
+more team threads than cores, libgomp stops spinning between the graph's barriers and sleeps on futexes
+instead. Measured on this 2-core machine: raw single-stream decode at 146-152 tok/s alone fell to 60-69
+tok/s once a second context had decoded from another thread of the same process. Whatever else drives
+llama.cpp in the engine's process (the embedder, a benchmark's raw context) goes through
+`run_in_step_thread`.
 """
 
 from __future__ import annotations
@@ -28,9 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
@@ -62,6 +70,7 @@ from engines.llamacpp.tiering import KvTiering
 logger = logging.getLogger(__name__)
 
 _EVENT_QUEUE_SIZE = 4096
+T = TypeVar("T")
 
 
 class LlamaCppEngine:
@@ -93,6 +102,11 @@ class LlamaCppEngine:
         """Host/disk KV tiers below llama.cpp's cache (`EngineArgs.kv_tiers`; set in start())."""
 
     ##### Engine protocol #####
+
+    async def run_in_step_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the step thread, between steps: how other llama.cpp work shares the engine's
+        OpenMP team (see the NOTE above) instead of slowing every step down."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def start(self) -> EngineInfo:
         """Load the model in the step thread and start the step loop."""
