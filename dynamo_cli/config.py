@@ -25,6 +25,18 @@ KV_BYTES_PER_TOKEN = 131_072
 """KV bytes per token when the card does not say (Llama-3-8B fp16; router/tiers.py has the derivation)."""
 
 
+TIER_HOST_GBS = 20.0
+"""GB/s of a KV onboard from host memory: pinned copies over PCIe 4.0 x16 (~25 peak, 20 sustained). One
+figure for the router's cost (router/tiers.py) and the mocker's timing model, so they agree by default."""
+TIER_DISK_GBS = 4.0
+"""GB/s of a KV onboard from local disk: one NVMe Gen4 SSD's sequential read (3-7 GB/s)."""
+TIER_HOST_LATENCY_S = 20e-6
+"""Fixed cost of one host -> device transfer (a copy's launch and synchronisation)."""
+TIER_DISK_LATENCY_S = 200e-6
+"""Fixed cost of one disk -> device transfer (an NVMe read's queueing and completion, plus the hop
+through host memory)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KvRouterConfig:
     """Settings of the KV-aware router (flags `--block-size`, `--kv-overlap-score-weight` ...).
@@ -58,9 +70,9 @@ class KvRouterConfig:
     """Approximate mode: seconds a routed prefix is presumed cached."""
     approx_max_blocks: int = 1 << 20
     """Approximate mode: entries kept before pruning to 80 %."""
-    host_bandwidth_gbs: float = 20.0
+    host_bandwidth_gbs: float = TIER_HOST_GBS
     """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; router/tiers.py)."""
-    disk_bandwidth_gbs: float = 4.0
+    disk_bandwidth_gbs: float = TIER_DISK_GBS
     """GB/s of an onboard from local disk (one NVMe Gen4 SSD; router/tiers.py)."""
     tier_weights: tuple[tuple[str, float], ...] = ()
     """`dynamo` cost: (tier, weight) of a host or disk hit against a device hit; unset = from bandwidths."""

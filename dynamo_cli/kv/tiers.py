@@ -204,10 +204,11 @@ class TieredBlockStore:
             )
             return tiers
 
-    async def onboard(self, hashes: Sequence[int]) -> list[bytes | None]:
+    async def onboard(self, hashes: Sequence[int], *, seconds: float | None = None) -> list[bytes | None]:
         """The payloads of the leading blocks of `hashes` (a matched prefix), each hit doubling its
         frequency; shorter than `hashes` where a block vanished or its file failed its check (the file
-        is then deleted and counted)."""
+        is then deleted and counted). `seconds`: the transfer's time for the metrics when the caller
+        knows it (a simulated engine); else the time the reads took here."""
         with self._lock:
             found: list[tuple[_Entry, bool]] = []
             for h in hashes:
@@ -222,14 +223,15 @@ class TieredBlockStore:
         reads_disk = any(e.block.payload is None and e.on_file for e, _ in found)
         payloads = await asyncio.to_thread(self._read_all, found) if reads_disk else self._read_all(found)
         host = sum(1 for _, in_host in found[: len(payloads)] if in_host)
+        took = time.perf_counter() - start if seconds is None else seconds
         with self._lock:
             self._count(
                 onboard_blocks_h2d=host,
                 onboard_bytes_h2d=sum(e.block.num_bytes for e, h in found[: len(payloads)] if h),
                 onboard_blocks_d2d=len(payloads) - host,
                 onboard_bytes_d2d=sum(e.block.num_bytes for e, h in found[: len(payloads)] if not h),
-                onboard_seconds_h2d=time.perf_counter() - start if len(found) == host else 0.0,
-                onboard_seconds_d2d=time.perf_counter() - start if len(found) > host else 0.0,
+                onboard_seconds_h2d=took if len(found) == host else 0.0,
+                onboard_seconds_d2d=took if len(found) > host else 0.0,
             )
         return payloads
 

@@ -13,8 +13,9 @@ Dynamo's `dynamo` cost counts prompt blocks, so a hit on tier t counts as `w_t` 
 the share of a block's recompute time an onboard saves, with R the prefill speed (`--router-prefill-tps`,
 else `PRIOR_PREFILL_TPS`). `--router-tier-weights host=W,disk=W` overrides either weight.
 
-Defaults (KvRouterConfig; flags `--router-host-bandwidth-gbs`, `--router-disk-bandwidth-gbs`), documented
-figures, not measured here (this machine has no GPU and a shared disk):
+Defaults (config.py's TIER_*, shared with the mocker's timing model; flags `--router-host-bandwidth-gbs`,
+`--router-disk-bandwidth-gbs`), documented figures, not measured here (this machine has no GPU and a
+shared disk):
 
 - host 20 GB/s: pinned host -> device copies over PCIe 4.0 x16 run at ~25 GB/s peak, 20 sustained;
   latency 20 us per transfer (a CUDA copy's launch and synchronisation).
@@ -32,13 +33,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dynamo_cli.config import TIER_DISK_LATENCY_S, TIER_HOST_LATENCY_S
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import DISK, HOST
-
-HOST_LATENCY_S = 20e-6
-"""Fixed cost of one host -> device transfer."""
-DISK_LATENCY_S = 200e-6
-"""Fixed cost of one disk -> device transfer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +70,7 @@ def tier_costs(
     recompute_s = block_size / prefill_tps
     chosen: dict[str, float] = {HOST: _saved(host_s, recompute_s), DISK: _saved(disk_s, recompute_s)}
     chosen.update(weights or {})
-    return TierCosts(host_s, disk_s, HOST_LATENCY_S, DISK_LATENCY_S, chosen[HOST], chosen[DISK])
+    return TierCosts(host_s, disk_s, TIER_HOST_LATENCY_S, TIER_DISK_LATENCY_S, chosen[HOST], chosen[DISK])
 
 
 def _saved(onboard_s: float, recompute_s: float) -> float:

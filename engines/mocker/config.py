@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo_cli.config import TIER_DISK_GBS, TIER_DISK_LATENCY_S, TIER_HOST_GBS, TIER_HOST_LATENCY_S
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError
 
@@ -16,6 +17,9 @@ DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
 """Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
 KV_TRANSFER_MODES = ("pull", "rendezvous")
+HOST_MS = TIER_HOST_LATENCY_S * 1e3
+DISK_MS = TIER_DISK_LATENCY_S * 1e3
+"""The KV tiers' transfer latencies in ms: the router's (config.TIER_*) by default."""
 """How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
 
 _KNOWN_KEYS = (
@@ -66,13 +70,13 @@ class MockerConfig:
     """GB/s of the simulated KV transfer; 0 disables the delay."""
     vocab_size: int = 0
     """Token ids accepted (0..vocab_size-1); 0: the model's (GGUF or config.json), unknown if it has none."""
-    kv_host_bandwidth: float = 25.0
+    kv_host_bandwidth: float = TIER_HOST_GBS
     """KV tiers: GB/s of an onboard from host (engines/mocker/tiers.py)."""
-    kv_disk_bandwidth: float = 5.0
+    kv_disk_bandwidth: float = TIER_DISK_GBS
     """KV tiers: GB/s of an onboard from disk."""
-    kv_host_latency_ms: float = 0.05
+    kv_host_latency_ms: float = HOST_MS
     """KV tiers: fixed time of an onboard from host."""
-    kv_disk_latency_ms: float = 0.2
+    kv_disk_latency_ms: float = DISK_MS
     """KV tiers: fixed time of an onboard that reads disk."""
     kv_transfer_mode: str = "pull"
     """"pull": a prefill returns its first token and a MockerKv the decode worker pulls (llama.cpp, vLLM);
@@ -112,10 +116,10 @@ class MockerConfig:
                 "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
             ),
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
-            kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", 25.0)),
-            kv_disk_bandwidth=_positive_float("kv_disk_bandwidth", extra.get("kv_disk_bandwidth", 5.0)),
-            kv_host_latency_ms=_non_negative_float("kv_host_latency_ms", extra.get("kv_host_latency_ms", 0.05)),
-            kv_disk_latency_ms=_non_negative_float("kv_disk_latency_ms", extra.get("kv_disk_latency_ms", 0.2)),
+            kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", TIER_HOST_GBS)),
+            kv_disk_bandwidth=_positive_float("kv_disk_bandwidth", extra.get("kv_disk_bandwidth", TIER_DISK_GBS)),
+            kv_host_latency_ms=_non_negative_float("kv_host_latency_ms", extra.get("kv_host_latency_ms", HOST_MS)),
+            kv_disk_latency_ms=_non_negative_float("kv_disk_latency_ms", extra.get("kv_disk_latency_ms", DISK_MS)),
             kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
             host=args.host,
         )

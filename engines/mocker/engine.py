@@ -266,7 +266,7 @@ class MockerEngine:
         start, below, seconds = self._tiers.plan(mock.seq_hashes)  # the prompt's full blocks, as admitted
         if below:
             await asyncio.sleep(seconds)
-            await self._tiers.onboard(mock.seq_hashes, mock.local_hashes, start, len(below))
+            await self._tiers.onboard(mock.seq_hashes, mock.local_hashes, start, len(below), seconds)
 
     ##### Requests #####
 

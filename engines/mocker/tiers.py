@@ -8,9 +8,9 @@ onboard takes simulated time, waited by the request's own coroutine, never by th
 
     t = sum over tiers of (blocks x bytes per block / bandwidth + latency) / speedup_ratio
 
-Bandwidths and latencies are mocker options (`--engine-arg kv_host_bandwidth=25` ...): defaults 25 GB/s
-and 0.05 ms for host (PCIe 5 x16 at about half its peak, as pinned-memory copies reach), 5 GB/s and
-0.2 ms for disk (one NVMe SSD's sequential read). Offloads (device to host) are not timed: real engines
+Bandwidths and latencies are mocker options (`--engine-arg kv_host_bandwidth=20` ...); their defaults
+are the router's (config.py TIER_*: 20 GB/s and 0.02 ms for host, 4 GB/s and 0.2 ms for disk), so the
+router's cost of a lower-tier hit is the mocker's time for it. Offloads (device to host) are not timed: real engines
 copy them off the critical path.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dynamo_cli.config import TIER_DISK_GBS, TIER_DISK_LATENCY_S, TIER_HOST_GBS, TIER_HOST_LATENCY_S
 from dynamo_cli.kv.events import DISK, HOST, KvEvent, Tier
 from dynamo_cli.kv.tiers import KvTierConfig, KvTierStats, OffloadBlock, TieredBlockStore
 from engines.mocker.kv_manager import KvManager
@@ -28,13 +29,13 @@ from engines.mocker.kv_manager import KvManager
 class TierTiming:
     """How long moving blocks up from a tier takes (before the speedup ratio)."""
 
-    host_bandwidth_gbs: float = 25.0
+    host_bandwidth_gbs: float = TIER_HOST_GBS
     """Host to device, GB/s."""
-    disk_bandwidth_gbs: float = 5.0
+    disk_bandwidth_gbs: float = TIER_DISK_GBS
     """Disk to device, GB/s."""
-    host_latency_ms: float = 0.05
+    host_latency_ms: float = TIER_HOST_LATENCY_S * 1e3
     """Fixed cost of one onboard from host."""
-    disk_latency_ms: float = 0.2
+    disk_latency_ms: float = TIER_DISK_LATENCY_S * 1e3
     """Fixed cost of one onboard that reads disk."""
     speedup_ratio: float = 1.0
     """Divides every time, as it divides the passes."""
@@ -71,10 +72,13 @@ class MockerTiers:
         below = self.store.match(seq_hashes[start:])
         return start, below, self._timing.onboard_s(below, self._block_bytes)
 
-    async def onboard(self, seq_hashes: Sequence[int], local_hashes: Sequence[int], start: int, count: int) -> int:
-        """After the transfer time: the blocks `start .. start + count - 1` come back into the cache as
-        cached (whatever the device gained meanwhile is kept); returns how many were inserted."""
-        found = await self.store.onboard(seq_hashes[start : start + count])
+    async def onboard(
+        self, seq_hashes: Sequence[int], local_hashes: Sequence[int], start: int, count: int, seconds: float
+    ) -> int:
+        """After the transfer time (`seconds`, simulated, also what the metrics record): the blocks
+        `start .. start + count - 1` come back into the cache as cached (whatever the device gained
+        meanwhile is kept); returns how many were inserted."""
+        found = await self.store.onboard(seq_hashes[start : start + count], seconds=seconds)
         now = self._kv.num_prefix_hits(seq_hashes[: start + len(found)])
         if now >= start + len(found):
             return 0
