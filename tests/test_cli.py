@@ -122,3 +122,33 @@ def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytes
 def test_a_negative_kv_tier_size_is_one_line() -> None:
     result = dyn("worker", "--kv-host-cache-gb", "-1")
     assert result.returncode != 0 and "--kv-host-cache-gb -1.0" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bad_router_queue_policy_on_dyn_router_is_one_red_line() -> None:
+    result = dyn("router", "--router-queue-policy", "bogus", "--discovery", "file:///tmp/dyn-cli-test")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(lines) == 1 and "--router-queue-policy 'bogus' is not one of fcfs | sjf | deadline" in lines[0]
+
+
+def test_queue_and_busy_flags_survive_dyn_serves_router_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dyn serve --routers N` → router argv → `dyn router`'s parse: the same queue and busy thresholds."""
+    import typer
+    from typer.testing import CliRunner
+
+    from dynamo_cli.cli import router as router_cli
+    from dynamo_cli.config import FrontendConfig, QueueConfig, QueuePolicy, ServeConfig, WorkerConfig
+    from dynamo_cli.router.registry import BusyThresholds
+    from dynamo_cli.router.service import RouterServiceConfig, router_argv
+
+    queue = QueueConfig(max_size=7, max_wait_s=2.5, policy=QueuePolicy.SJF)
+    frontend = FrontendConfig(router="remote", queue=queue, max_inflight_per_worker=3, active_blocks_threshold=0.75)
+    argv = router_argv(ServeConfig(frontend=frontend, worker=WorkerConfig(engine="mocker", model="m")))
+    seen: list[RouterServiceConfig] = []
+    monkeypatch.setattr(router_cli, "run", lambda coro: (seen.append(coro.cr_frame.f_locals["config"]), coro.close()))
+    monkeypatch.setattr(router_cli, "die_with_parent", lambda: None)
+    app = typer.Typer()
+    app.command()(router_cli.command)
+    result = CliRunner().invoke(app, argv[argv.index("router") + 1 :])
+    assert result.exit_code == 0, result.output
+    assert (seen[0].queue, seen[0].busy) == (queue, BusyThresholds(3, 0.75))
