@@ -32,10 +32,16 @@ rate, hence the client's and frontend's CPU, low: C is ~15 req/s. Default SLO: T
 queue grows by (overload - 1) x C requests per second, so its wait passes any fixed TTFT SLO after a few
 seconds; the result depends on --duration and the SLO, and both are in the JSON.
 
+`--routers N` measures the queue in the `dyn router` service instead: `dyn serve --router remote --routers N`,
+the busy check and the queue in each router replica, `--max-inflight-per-worker` max-inflight / N (a
+replica counts its own streams, so the workers' slots stay the same). The queue-wait and queue-peak
+columns then stay empty: they come from the frontend's /metrics, and routers have none.
+
 Everything is bounded: each phase has a hard timeout, every request `--request-timeout`, and every
 process started here is stopped by its PID (serve, then any worker left behind).
 
     python benchmarks/router_queue.py [--duration 15] [--repeats 2] [--json benchmarks/out/router_queue.json]
+    python benchmarks/router_queue.py --routers 2 --json benchmarks/out/router_queue_routers.json
 """
 
 from __future__ import annotations
@@ -73,9 +79,12 @@ CAPACITY_SKIP_S = 2.0
 
 
 def serve_argv(side: str, tmp: str, args: argparse.Namespace) -> list[str]:
+    max_inflight = max(1, args.max_inflight // args.routers) if args.routers else args.max_inflight
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers",
-            str(args.workers), "--max-inflight-per-worker", str(args.max_inflight), "--port", "0",
+            str(args.workers), "--max-inflight-per-worker", str(max_inflight), "--port", "0",
             "--host", "127.0.0.1", "--discovery", f"file://{tmp}/d", "--speedup-ratio", str(args.speedup)]  # fmt: skip
+    if args.routers:
+        argv += ["--router", "remote", "--routers", str(args.routers)]
     if side == "off":
         return [*argv, "--router-queue-size", "0"]
     policy = "fcfs" if side == "fcfs" else side
@@ -346,6 +355,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--capacity-seconds", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-inflight", type=int, default=8, help="--max-inflight-per-worker")
+    p.add_argument("--routers", type=int, default=0, help="N > 0: the queue in N `dyn router` replicas")
     p.add_argument("--speedup", type=float, default=0.25, help="mocker --speedup-ratio")
     p.add_argument("--queue-timeout", type=float, default=0.5, help="--router-queue-timeout (dyn serve's default)")
     p.add_argument("--isl", type=int, default=128)

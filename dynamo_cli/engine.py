@@ -62,6 +62,10 @@ PIN_ANNOTATION = "worker_instance_id"
 """GenerateRequest annotation naming (hex) the backend a `dyn router` must route the request to."""
 REPORT_WORKER_ANNOTATION = "report_worker"
 """GenerateRequest annotation ("1"): a `dyn router` first sends an empty chunk naming the backend it chose."""
+PRIORITY_ANNOTATION = "priority"
+"""GenerateRequest annotation (an integer, `x-dyn-priority`): higher waits less in a `dyn router`'s wait queue."""
+DEADLINE_ANNOTATION = "deadline_ms"
+"""GenerateRequest annotation (`x-dyn-deadline-ms`): milliseconds left, when sent, for the request to start."""
 
 
 class Guided(msgspec.Struct, frozen=True, kw_only=True):

@@ -173,6 +173,15 @@ class Overloaded(DynError):
         hint = f"retry in {max(1, math.ceil(retry_after))} s" if retry_after is not None else "retry later"
         super().__init__(f"overloaded: {reason}; {hint}")
 
+    @classmethod
+    def relayed(cls, message: str, retry_after: float | None) -> Overloaded:
+        """The Overloaded a service behind this one raised (a `dyn router`'s wait queue), with the `message`
+        it formatted, not wrapped a second time."""
+        exc = cls.__new__(cls)
+        exc.reason, exc.retry_after = message, retry_after
+        DynError.__init__(exc, message)
+        return exc
+
 
 class KvTransferFull(Overloaded):
     """Holding one more KV payload would pass the transfer server's byte budget."""
@@ -251,7 +260,11 @@ class TransferFailed(DynError):
 class RemoteError(TransportError):
     """The worker failed the request; its message is carried over."""
 
-    def __init__(self, message: str, code: str = "engine_error", status: int = 500) -> None:
+    def __init__(
+        self, message: str, code: str = "engine_error", status: int = 500, retry_after: float | None = None
+    ) -> None:
         self.code = code
         self.status = status
+        self.retry_after = retry_after
+        """A remote Overloaded's hint (seconds), for `Retry-After`; None if it gave none."""
         super().__init__(message)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,11 +96,23 @@ def test_deterministic_reaches_the_engine_by_flag_or_environment(how: str, tmp_p
     assert result.returncode != 0 and "GiB of KV cache" in result.stderr
 
 
-def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`dyn serve` → worker argv (a subdirectory per worker) → `dyn worker`'s parse: the same tiers."""
+def parsed_config(module: Any, argv: list[str], command: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The config a CLI command `module` builds from the `dyn` command line `argv` (nothing is started)."""
     import typer
     from typer.testing import CliRunner
 
+    seen: list[Any] = []
+    monkeypatch.setattr(module, "run", lambda coro: (seen.append(coro.cr_frame.f_locals["config"]), coro.close()))
+    monkeypatch.setattr(module, "die_with_parent", lambda: None)
+    app = typer.Typer()
+    app.command()(module.command)
+    result = CliRunner().invoke(app, argv[argv.index(command) + 1 :])
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dyn serve` → worker argv (a subdirectory per worker) → `dyn worker`'s parse: the same tiers."""
     from dynamo_cli.cli import worker as worker_cli
     from dynamo_cli.cli.options import kv_tiers
     from dynamo_cli.config import WorkerConfig
@@ -108,17 +121,32 @@ def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytes
     tiers = kv_tiers(1.5, 2.0, "/tmp/kv", False)
     assert (tiers.host_bytes, tiers.disk_bytes, tiers.disk_filter) == (1_500_000_000, 2_000_000_000, False)
     argv = worker_argv(_own_disk_dir(WorkerConfig(engine="mocker", model="m", kv_tiers=tiers), "worker-1"))
-    seen: list[WorkerConfig] = []
-    monkeypatch.setattr(worker_cli, "run", lambda coro: (seen.append(coro.cr_frame.f_locals["config"]), coro.close()))
-    monkeypatch.setattr(worker_cli, "die_with_parent", lambda: None)
-    app = typer.Typer()
-    app.command()(worker_cli.command)
-    result = CliRunner().invoke(app, argv[argv.index("worker") + 1 :])
-    assert result.exit_code == 0, result.output
-    assert seen[0].kv_tiers == KvTierConfig(1_500_000_000, 2_000_000_000, "/tmp/kv/worker-1", False)
+    config = parsed_config(worker_cli, argv, "worker", monkeypatch)
+    assert config.kv_tiers == KvTierConfig(1_500_000_000, 2_000_000_000, "/tmp/kv/worker-1", False)
     assert "--kv-host-cache-gb" not in worker_argv(WorkerConfig(engine="mocker", model="m"))  # off: no flags
 
 
 def test_a_negative_kv_tier_size_is_one_line() -> None:
     result = dyn("worker", "--kv-host-cache-gb", "-1")
     assert result.returncode != 0 and "--kv-host-cache-gb -1.0" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bad_router_queue_policy_on_dyn_router_is_one_red_line() -> None:
+    result = dyn("router", "--router-queue-policy", "bogus", "--discovery", "file:///tmp/dyn-cli-test")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(lines) == 1 and "--router-queue-policy 'bogus' is not one of fcfs | sjf | deadline" in lines[0]
+
+
+def test_queue_and_busy_flags_survive_dyn_serves_router_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dyn serve --routers N` → router argv → `dyn router`'s parse: the same queue and busy thresholds."""
+    from dynamo_cli.cli import router as router_cli
+    from dynamo_cli.config import FrontendConfig, QueueConfig, QueuePolicy, ServeConfig, WorkerConfig
+    from dynamo_cli.router.registry import BusyThresholds
+    from dynamo_cli.router.service import router_argv
+
+    queue = QueueConfig(max_size=7, max_wait_s=2.5, policy=QueuePolicy.SJF)
+    frontend = FrontendConfig(router="remote", queue=queue, max_inflight_per_worker=3, active_blocks_threshold=0.75)
+    argv = router_argv(ServeConfig(frontend=frontend, worker=WorkerConfig(engine="mocker", model="m")))
+    config = parsed_config(router_cli, argv, "router", monkeypatch)
+    assert (config.queue, config.busy) == (queue, BusyThresholds(3, 0.75))

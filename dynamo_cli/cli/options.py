@@ -315,6 +315,18 @@ QueuePolicyOption = Annotated[
 ]  # fmt: skip
 
 
+MaxInflightPerWorker = Annotated[
+    int,
+    typer.Option("--max-inflight-per-worker", envvar="DYN_MAX_INFLIGHT_PER_WORKER",
+                 help="Busy threshold: streams per worker (0: none); all workers busy → the wait queue, then 503."),
+]  # fmt: skip
+ActiveBlocksThreshold = Annotated[
+    float,
+    typer.Option("--active-decode-blocks-threshold", envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+                 help="Busy threshold: KV usage fraction (1.0: off)."),
+]  # fmt: skip
+
+
 def queue(size: int, timeout: float, policy: str) -> QueueConfig:
     """The wait queue's settings from its flags, checked now."""
     if size < 0 or not timeout > 0:

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from dynamo_cli.cli import options as o
+from dynamo_cli.router.registry import BusyThresholds
 from dynamo_cli.router.service import RouterServiceConfig, serve_router
 from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.runtime.transport import check_exposure
@@ -55,6 +56,11 @@ def command(
     max_prefill_queue: o.MaxPrefillQueue = o._D.max_prefill_queue,
     decode_busy_threshold: o.DecodeBusy = o._D.decode_busy_threshold,
     enforce_disagg: o.EnforceDisagg = False,
+    router_queue_size: o.QueueSize = o._Q.max_size,
+    router_queue_timeout: o.QueueTimeout = o._Q.max_wait_s,
+    router_queue_policy: o.QueuePolicyOption = o._Q.policy.value,
+    max_inflight_per_worker: o.MaxInflightPerWorker = 0,
+    active_blocks_threshold: o.ActiveBlocksThreshold = 1.0,
 ) -> None:
     """Run one KV router replica: routes `{ns}/router/generate` to the backends, sharing load with peers."""
     die_with_parent()
@@ -69,5 +75,8 @@ def command(
                                  planes=o.planes(discovery, events, lease_ttl, secret),
                                  prefill_component=prefill_component,
                                  disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
-                                                 decode_busy_threshold, enforce_disagg, None))  # fmt: skip
+                                                 decode_busy_threshold, enforce_disagg, None),
+                                 busy=BusyThresholds(max_inflight_per_worker, active_blocks_threshold),
+                                 queue=o.queue(router_queue_size, router_queue_timeout,
+                                               router_queue_policy))  # fmt: skip
     run(serve_router(config, lambda line: typer.echo(line)))

@@ -90,22 +90,8 @@ def command(
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
-    max_inflight_per_worker: Annotated[
-        int,
-        typer.Option(
-            "--max-inflight-per-worker",
-            envvar="DYN_MAX_INFLIGHT_PER_WORKER",
-            help="Busy threshold: streams per worker (0: none); all workers busy → 503.",
-        ),
-    ] = 0,
-    active_blocks_threshold: Annotated[
-        float,
-        typer.Option(
-            "--active-decode-blocks-threshold",
-            envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-            help="Busy threshold: KV usage fraction (1.0: off).",
-        ),
-    ] = 1.0,
+    max_inflight_per_worker: o.MaxInflightPerWorker = 0,
+    active_blocks_threshold: o.ActiveBlocksThreshold = 1.0,
     api_key: Annotated[
         list[str] | None,
         typer.Option("--api-key", help="Accepted API key (repeatable); else DYN_API_KEYS (comma-separated)."),

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -56,6 +56,7 @@ from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 
@@ -125,7 +126,7 @@ class Frontend:
         try:
             body = await self._read_body(scope, receive)
             request = parse_chat(body) if is_chat else parse_completion(body)
-            generations = await self._prepare(request, scope)
+            generations = await self._unless_gone(self._prepare(request, scope), receive)
         except ClientGone:
             return
         except DynError as exc:
@@ -149,6 +150,20 @@ class Frontend:
                 self._observe(gen)
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
+
+    @staticmethod
+    async def _unless_gone(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+        """`work`, cancelled if the client disconnects first (waiting in a queue for a worker, say): ClientGone."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task.cancel))
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():  # the disconnect cancelled it, not our own caller
+                raise ClientGone() from None
+            raise
+        finally:
+            await cancel_and_wait(watcher)
 
     async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""

@@ -22,7 +22,9 @@ import msgspec
 
 from dynamo_cli.config import DisaggConfig, QueueConfig
 from dynamo_cli.engine import (
+    DEADLINE_ANNOTATION,
     PIN_ANNOTATION,
+    PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
     GenerateChunk,
     GenerateRequest,
@@ -113,6 +115,14 @@ def plan_request(
     queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
     return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id,
                        queued)  # fmt: skip
+
+
+def queue_annotations(queued: QueuedRequest) -> dict[str, str]:
+    """A router's wait queue learns the request's priority and deadline (ms left now) from these annotations."""
+    annotations = {PRIORITY_ANNOTATION: str(queued.priority)} if queued.priority else {}
+    if queued.deadline is not None:
+        annotations[DEADLINE_ANNOTATION] = str(max(0, round((queued.deadline - time.monotonic()) * 1000)))
+    return annotations
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +395,8 @@ class Dispatch:
         except RemoteError as exc:
             if 400 <= exc.status < 500:
                 raise RequestError(str(exc), code=exc.code) from None
+            if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
+                raise Overloaded.relayed(str(exc), exc.retry_after) from None
             raise
         self._absorb(self._pending, count=False)
         if self.served_by is None and self.worker is not None:
@@ -433,6 +445,7 @@ class Dispatch:
             annotations[REPORT_WORKER_ANNOTATION] = "1"
             if self.plan.pinned_worker is not None:
                 annotations[PIN_ANNOTATION] = f"{self.plan.pinned_worker:x}"
+            annotations.update(queue_annotations(self.plan.queued))
         return GenerateRequest(
             request_id=self.plan.request_id,
             token_ids=self.plan.prompt_ids + self.output_ids,

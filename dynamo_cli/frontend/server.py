@@ -93,8 +93,10 @@ class FrontendService:
         check_tls(config.tls)
         self.config = config
         self.metrics = FrontendMetrics()
-        busy = BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
-        accept = (lambda name: name.component == ROUTER_COMPONENT) if config.router == "remote" else None
+        is_remote = config.router == "remote"  # then the routers apply the busy thresholds and queue (service.py)
+        busy = BusyThresholds() if is_remote else BusyThresholds(config.max_inflight_per_worker,
+                                                                 config.active_blocks_threshold)  # fmt: skip
+        accept = (lambda name: name.component == ROUTER_COMPONENT) if is_remote else None
         prefill_mode = config.disagg.prefill_router_mode
         self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept,
                                       secret=config.planes.cluster_secret,

@@ -9,6 +9,15 @@ A backend that fails before any token was relayed is replaced by the next best o
 failure goes back to the frontend, which migrates the request. A request annotated
 `report_worker` (a frontend's) first gets an empty chunk naming the backend chosen, and a pin
 (annotation `worker_instance_id`) that names no backend is a 400 listing the known ones.
+
+NOTE on the queue: a backend over the busy thresholds (`--max-inflight-per-worker`, counting this
+replica's streams, and `--active-decode-blocks-threshold`, from the backends' published load) is not
+chosen, and when every backend is busy the request waits in the model's `WaitQueue` (router/queue.py,
+the frontend's own) in the order of `--router-queue-policy`, after its priority; its priority and
+deadline come from the frontend's headers as annotations (`priority`, `deadline_ms`), its job size from
+the request. A refusal is Overloaded, which the frontend answers as a 503 with `Retry-After`. Each
+routed request holds its backend from `_route` to `_release` (done, failed, cancelled, rerouted):
+that is where the policy, the replicas and the queue hear that it let go.
 """
 
 from __future__ import annotations
@@ -17,13 +26,22 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo_cli.config import DEFAULT_NAMESPACE, DisaggConfig, KvRouterConfig, PlanesConfig, ServeConfig
-from dynamo_cli.engine import PIN_ANNOTATION, REPORT_WORKER_ANNOTATION, GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.config import DEFAULT_NAMESPACE, DisaggConfig, KvRouterConfig, PlanesConfig, QueueConfig, ServeConfig
+from dynamo_cli.engine import (
+    DEADLINE_ANNOTATION,
+    PIN_ANNOTATION,
+    PRIORITY_ANNOTATION,
+    REPORT_WORKER_ANNOTATION,
+    GenerateChunk,
+    GenerateRequest,
+    LoadMetrics,
+)
 from dynamo_cli.errors import NoWorkers, Overloaded, RequestError, TransportError, UnknownInstance
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
@@ -32,6 +50,7 @@ from dynamo_cli.router.base import ExpiresStale, RepairsKvGaps, RouteDecision, R
 from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.kv_repair import repair_gap, repair_loop
+from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
@@ -69,8 +88,10 @@ class RouterServiceConfig:
     prefill_component: str = "prefill"
     """Component of the prefill workers: a model that has some gets a prefill stage (router/disagg.py)."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
-
-
+    busy: BusyThresholds = field(default_factory=BusyThresholds)
+    """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """The wait queue of requests that find every backend busy."""
 
 
 class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,7 +111,7 @@ class RouterService:
         self.registry = ModelRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
                                       accept=lambda name: name.component in (config.component,
                                                                              config.prefill_component),
-                                      secret=secret)  # fmt: skip
+                                      busy=config.busy, secret=secret)  # fmt: skip
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.model: str | None = None
@@ -131,22 +152,22 @@ class RouterService:
     ) -> AsyncIterator[bytes | prefill.Rendezvous]:
         excluded: set[int] = set()
         is_reported = request.annotations.get(REPORT_WORKER_ANNOTATION) == "1"
+        queued = _queued(request)  # a bad annotation is a 400 now, not after a wait
         while True:
-            worker, decision = self._route(entry, request, excluded)
-            if is_reported:  # before any token, so the frontend's response can name the backend
-                yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
+            worker, decision = await self._route_or_wait(entry, request, excluded, queued)
             is_relayed = False
-            if not excluded:
-                first, body, rendezvous = await self._prefill_stage(entry, worker, request, decision, body)
-                if rendezvous is not None:
-                    yield rendezvous
-                if first is not None:
-                    is_relayed = True
-                    yield msgspec.msgpack.encode(first)
-                    if first.finish_reason is not None:
-                        self._done(entry, worker, request.request_id)
-                        return
             try:
+                if is_reported:  # before any token, so the frontend's response can name the backend
+                    yield msgspec.msgpack.encode(GenerateChunk(token_ids=[], worker_id=worker.instance_id))
+                if not excluded:
+                    first, body, rendezvous = await self._prefill_stage(entry, worker, request, decision, body)
+                    if rendezvous is not None:
+                        yield rendezvous
+                    if first is not None:
+                        is_relayed = True
+                        yield msgspec.msgpack.encode(first)
+                        if first.finish_reason is not None:
+                            return
                 async for raw in self._relay(entry, worker, request.request_id, bytes(body)):
                     is_relayed = True
                     yield raw
@@ -157,6 +178,8 @@ class RouterService:
                 excluded.add(worker.instance_id)
                 logger.warning("request %s: backend %x failed before its first token (%s); rerouting",
                                request.request_id, worker.instance_id, exc)  # fmt: skip
+            finally:
+                self._release(entry, worker, request.request_id)
 
     async def best_worker_id(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """The backend `generate` would choose now, explained, with the in-flight view; routes nothing.
@@ -174,7 +197,7 @@ class RouterService:
                                list(entry.workers))  # fmt: skip
         reply = {"worker_id": decision.worker_id, "overlap_blocks": decision.overlap_blocks,
                  "explanation": decision.explanation, "router_id": self.instance_id, "model": entry.name,
-                 "in_flight": in_flight_view(policy, list(entry.workers)),
+                 "in_flight": in_flight_view(policy, list(entry.workers)), "queued": len(entry.queue),
                  "indexed_workers": sorted(policy.indexer.workers())}  # fmt: skip
         yield msgspec.msgpack.encode(reply)
 
@@ -193,7 +216,7 @@ class RouterService:
         chosen = prefill_choice(config, entry.name, worker, pool, len(request.token_ids), decision.overlap_blocks)
         if chosen is None or not chosen[0].is_remote:
             return None, body, None
-        hop = prefill.PrefillHop(entry, request, BusyThresholds(), attempts=MAX_REROUTES)
+        hop = prefill.PrefillHop(entry, request, self.registry.busy, attempts=MAX_REROUTES)
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
@@ -221,32 +244,54 @@ class RouterService:
         )  # fmt: skip
         return first, msgspec.Raw(msgspec.msgpack.encode(decode)), None
 
-    def _done(self, entry: ModelEntry, worker: Worker, request_id: str) -> None:
-        """The request ended at its prefill: free what `_route` counted on the decode worker."""
-        entry.policy.on_finish(request_id)
-        self.sync.freed(entry.name, request_id)
+    async def _route_or_wait(
+        self, entry: ModelEntry, request: GenerateRequest, excluded: set[int], queued: QueuedRequest
+    ) -> tuple[Worker, RouteDecision]:
+        """`_route`; at the first try, with every backend busy, wait in the model's queue for one (Overloaded
+        when the queue is full or the wait too long; at once with `--router-queue-size 0`)."""
+        try:
+            return self._route(entry, request, excluded)
+        except Overloaded:
+            if excluded or not self.config.queue.max_size:
+                raise
+        return await entry.queue.take(lambda: self._route(entry, request, excluded), queued, self.config.queue)
 
     def _route(
         self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]
     ) -> tuple[Worker, RouteDecision]:
+        """Pick a backend that is not busy and has not failed this request (the pinned one, if any); hold it."""
         candidates = [w for w in entry.workers if w not in excluded]
         if not candidates:
             raise NoWorkers(f"model '{entry.name}' (every backend failed this request)")
-        pinned = _pinned(request.annotations.get(PIN_ANNOTATION))
+        pinned = _int_annotation(request, PIN_ANNOTATION, 16)
         if pinned is not None and pinned not in entry.workers:
             raise UnknownInstance(pinned, entry.name, list(entry.workers))
-        route = RouteRequest(request.request_id, request.token_ids, pinned)
-        decision = entry.policy.select(route, candidates)
+        if pinned in candidates:  # a pin waits for its own backend rather than going elsewhere
+            candidates = [pinned]
+        reasons = [r for w in candidates if (r := entry.workers[w].busy_reason(self.registry.busy))]
+        if len(reasons) == len(candidates):
+            raise Overloaded(f"all {len(candidates)} backends of '{entry.name}' are busy ({reasons[0]})")
+        if reasons:
+            candidates = [w for w in candidates if entry.workers[w].busy_reason(self.registry.busy) is None]
+        decision = entry.policy.select(RouteRequest(request.request_id, request.token_ids, pinned), candidates)
         self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
-        return entry.workers[decision.worker_id], decision
+        worker = entry.workers[decision.worker_id]
+        worker.num_inflight += 1
+        return worker, decision
+
+    def _release(self, entry: ModelEntry, worker: Worker, request_id: str) -> None:
+        """The end of the held backend's part, for any reason: the policy, the replicas and the queue hear it."""
+        worker.num_inflight -= 1
+        entry.policy.on_finish(request_id)
+        self.sync.freed(entry.name, request_id)
+        entry.queue.freed()
 
     async def _relay(
         self, entry: ModelEntry, worker: Worker, request_id: str, body: bytes
     ) -> AsyncIterator[bytes]:
-        """The backend's chunks, as received; the policy learns the first token and the end (any end)."""
+        """The backend's chunks, as received; the policy learns the first token (`_release`, the end)."""
         stream = None
         is_prefilled = False
-        worker.num_inflight += 1
         try:
             stream = await worker.client.open_stream(worker.record.endpoint, body)
             while batch := await stream.next_batch():
@@ -258,9 +303,6 @@ class RouterService:
                     yield bytes(raw)
             stream = None
         finally:
-            worker.num_inflight -= 1
-            entry.policy.on_finish(request_id)
-            self.sync.freed(entry.name, request_id)
             if stream is not None:
                 stream.cancel()  # the caller left or the stream failed: abort it on the backend
 
@@ -334,13 +376,24 @@ def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[dict[str
              "active_prefill_tokens": s.active_prefill_tokens(w)} for w in sorted(workers)]  # fmt: skip
 
 
-def _pinned(value: str | None) -> int | None:
+def _queued(request: GenerateRequest) -> QueuedRequest:
+    """What the wait queue's policy knows of `request`: the frontend's priority and deadline (annotations), and
+    the job size (prompt + the most output tokens)."""
+    deadline_ms = _int_annotation(request, DEADLINE_ANNOTATION)
+    deadline = time.monotonic() + max(0, deadline_ms) / 1000 if deadline_ms is not None else None
+    priority = _int_annotation(request, PRIORITY_ANNOTATION) or 0
+    return QueuedRequest(priority, len(request.token_ids) + request.max_tokens, deadline)
+
+
+def _int_annotation(request: GenerateRequest, name: str, base: int = 10) -> int | None:
+    value = request.annotations.get(name)
     if not value:
         return None
     try:
-        return int(value, 16)
+        return int(value, base)
     except ValueError:
-        raise RequestError(f"annotation {PIN_ANNOTATION} '{value}' is not a hex instance id") from None
+        kind = "a hex instance id" if base == 16 else "an integer"
+        raise RequestError(f"annotation {name} '{value[:40]}' is not {kind}", param=name) from None
 
 
 async def serve_router(config: RouterServiceConfig, announce: Callable[[str], None]) -> None:
@@ -380,6 +433,11 @@ def router_argv(config: ServeConfig) -> list[str]:
     if kv.tier_weights:
         argv += ["--router-tier-weights", ",".join(f"{tier}={weight}" for tier, weight in kv.tier_weights)]
     d = frontend.disagg
+    q = frontend.queue  # the busy thresholds and the queue act in the routers (the frontend sees no load there)
+    argv += ["--router-queue-size", str(q.max_size), "--router-queue-timeout", str(q.max_wait_s),
+             "--router-queue-policy", q.policy.value, "--max-inflight-per-worker",
+             str(frontend.max_inflight_per_worker), "--active-decode-blocks-threshold",
+             str(frontend.active_blocks_threshold)]  # fmt: skip
     argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
              "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),
              *(["--enforce-disagg"] if d.enforce else [])]  # fmt: skip

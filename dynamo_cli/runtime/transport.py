@@ -208,7 +208,8 @@ class _ServerConnection(asyncio.Protocol):
             writer.send(Fail(sid, exc.code or "invalid_request", exc.message, exc.status))
         except DynError as exc:
             migratable = getattr(exc, "is_migratable", False)  # a proxy's lost backend: the caller may retry
-            writer.send(Fail(sid, type(exc).__name__, str(exc), getattr(exc, "status", 500), migratable))
+            status, retry_after = getattr(exc, "status", 500), getattr(exc, "retry_after", None)
+            writer.send(Fail(sid, type(exc).__name__, str(exc), status, migratable, retry_after))
         except Exception as exc:
             logger.exception("endpoint handler failed")
             writer.send(Fail(sid, "internal", f"{type(exc).__name__}: {exc}", 500))
@@ -478,7 +479,7 @@ class _ClientConnection(asyncio.Protocol):
 def _remote_error(frame: Fail) -> TransportError:
     if frame.is_migratable:
         return WorkerDisconnected(f"{frame.code}: {frame.message}")
-    return RemoteError(frame.message, frame.code, frame.status)
+    return RemoteError(frame.message, frame.code, frame.status, frame.retry_after)
 
 
 class RequestClient:

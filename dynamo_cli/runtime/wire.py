@@ -43,6 +43,8 @@ class Fail(msgspec.Struct, tag=5, array_like=True, frozen=True):
     message: str
     status: int = 500
     is_migratable: bool = False
+    retry_after: float | None = None
+    """An Overloaded's hint (seconds), for the caller's `Retry-After`; last, so older peers' frames decode."""
 
 
 Frame = Open | Cancel | Data | End | Fail
