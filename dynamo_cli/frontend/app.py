@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,8 +44,8 @@ from dynamo_cli.frontend.openai import (
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import nth_seed, prompt_of, sampling_of
+from dynamo_cli.frontend.replies import INTERRUPTIBLE, Interruptible, Write, reply_json, stream_sse
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
-from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
 from dynamo_cli.frontend.replies import error_type as _error_type
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
@@ -56,7 +56,6 @@ from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 
@@ -126,7 +125,7 @@ class Frontend:
         try:
             body = await self._read_body(scope, receive)
             request = parse_chat(body) if is_chat else parse_completion(body)
-            generations = await self._unless_gone(self._prepare(request, scope), receive)
+            generations = await self._prepare_unless_gone(request, scope, receive)
         except ClientGone:
             return
         except DynError as exc:
@@ -151,19 +150,32 @@ class Frontend:
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
 
-    @staticmethod
-    async def _unless_gone(work: Coroutine[Any, Any, T], receive: Receive) -> T:
-        """`work`, cancelled if the client disconnects first (waiting in a queue for a worker, say): ClientGone."""
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task.cancel))
+    async def _prepare_unless_gone(
+        self, request: ChatCompletionRequest | CompletionRequest, scope: Scope, receive: Receive
+    ) -> list[Generation]:
+        """`_prepare`, watching for the client to leave: its waits for a worker end then (see `Interruptible`),
+        and what was prepared for a client gone by the end is closed: ClientGone."""
+        guard = Interruptible()
+        token = INTERRUPTIBLE.set(guard)
         try:
-            return await task
+            task: asyncio.Task[list[Generation]] = asyncio.ensure_future(self._prepare(request, scope))
+            guard.task = task  # the task's context has the guard
+        finally:
+            INTERRUPTIBLE.reset(token)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, guard.interrupt))
+        try:
+            generations = await task
         except asyncio.CancelledError:
-            if watcher.done() and not watcher.cancelled():  # the disconnect cancelled it, not our own caller
+            if guard.is_gone:  # the disconnect cancelled it, not our own caller
                 raise ClientGone() from None
             raise
         finally:
             await cancel_and_wait(watcher)
+        if guard.is_gone:
+            for gen in generations:
+                await gen.dispatch.aclose()
+            raise ClientGone()
+        return generations
 
     async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""

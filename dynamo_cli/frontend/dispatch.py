@@ -42,6 +42,7 @@ from dynamo_cli.errors import (
 )
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import BusyThresholds, ModelEntry, Worker
+from dynamo_cli.frontend.replies import interruptible
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
@@ -270,7 +271,8 @@ class Dispatch:
                 raise
         queued_at = time.perf_counter()
         try:
-            return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
+            with interruptible():  # a client that leaves meanwhile leaves the queue
+                return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
         finally:
             self.metrics.queue_wait.labels(self.entry.name).observe(time.perf_counter() - queued_at)
 
@@ -391,7 +393,8 @@ class Dispatch:
         stands for it); a 4xx from the router, such as an unknown pin, is the client's error."""
         stream = self._stream or await self._open()
         try:
-            self._pending = await stream.next_batch()
+            with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
+                self._pending = await stream.next_batch()
         except RemoteError as exc:
             if 400 <= exc.status < 500:
                 raise RequestError(str(exc), code=exc.code) from None

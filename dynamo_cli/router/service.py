@@ -216,7 +216,8 @@ class RouterService:
         chosen = prefill_choice(config, entry.name, worker, pool, len(request.token_ids), decision.overlap_blocks)
         if chosen is None or not chosen[0].is_remote:
             return None, body, None
-        hop = prefill.PrefillHop(entry, request, self.registry.busy, attempts=MAX_REROUTES)
+        # the prefill pool sheds by its own queue (--max-prefill-queue), not by the decode thresholds
+        hop = prefill.PrefillHop(entry, request, BusyThresholds(), attempts=MAX_REROUTES)
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
