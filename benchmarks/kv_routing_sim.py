@@ -1,11 +1,10 @@
 """KV routing in virtual time: the real routing policies over the mocker's real scheduler, no processes.
 
 The matrix of benchmarks/kv_routing_matrix.py (cache regime x load x router) replayed in simulated time:
-N mocker `Scheduler`s (engines/mocker, the same timing model and KV manager a `dyn worker --engine mocker`
-runs) and the router's own `KvRoutingPolicy` / `RoundRobinPolicy` (router/kv.py, router/base.py), fed
-the workers' KV events, load, first tokens and ends of streams. A client sends its next request 0-2 ms
-after the last ended. Deterministic per seed; seconds per cell, so a cost formula's prediction can be
-checked on every cell before the real matrix is run (time_cost.py quotes it).
+N mocker `Scheduler`s (engines/mocker: the timing model and KV manager of `dyn worker --engine mocker`)
+and the router's own `KvRoutingPolicy` / `RoundRobinPolicy`, fed the workers' KV events, load, first
+tokens and ends of streams; a client sends its next request 0-2 ms after the last ended. Deterministic
+per seed, seconds per cell: a cost's prediction is checked on every cell before the real matrix is run.
 
 What the deployment adds on the way (defaults from the code or fitted to the measured round-robin cell,
 `--ideal` sets all to 0 as the first replay had them, events at the end of a pass and load after each):
@@ -14,7 +13,7 @@ What the deployment adds on the way (defaults from the code or fitted to the mea
     --kv-delay-ms 0.3      ... and the event plane brings them to the router (ZMQ over loopback)
     --load-interval-ms 50  load metrics (worker.py LOAD_INTERVAL_S; the policy reads only total_blocks)
     --request-delay-ms 0.2 route -> the request is in the worker's scheduler
-    --first-token-delay-ms 0.2, --finish-delay-ms 0.2   pass end -> `on_first_token` / `on_finish` and the client
+    --first-token-delay-ms 0.2, --finish-delay-ms 0.2   pass end -> `on_first_token`, `on_finish` + client
     --jitter-ms 0.3        exponential extra per message (0.2/0.2/0.3 bring round-robin's default closed cell
                            from 30.0/31.0/31.4 to the measured 30.6/31.7/32.9 ms p50/p90/p99)
     --oversleep-ms 0       exponential lateness of each pass end, caught up as `_sleep_pass` does (<= 5 ms)
@@ -27,10 +26,12 @@ What the deployment adds on the way (defaults from the code or fitted to the mea
 
 The default-cache closed-loop p99 measured 49-58 ms for kv against 33 for round-robin (RESULTS.md) does not
 replay under any of these delays (0.2-4 ms each, jitter 0.3-4 ms, kv-only frontend CPU up to 1 ms per
-request and 0.5 ms per KV batch, oversleep up to 2 ms): in that cell the time cost's near-ties are taken in
-turn over all 4 workers, so its decisions are round-robin's, one step per request, in the replay and in
-a real run's route explanations alike (1,343 of 1,343 steps). Whatever adds the tail there is timing,
-not the cost.
+request and 0.5 ms per KV batch, oversleep up to 2 ms): there the time cost's near-ties are taken in
+turn over all 4 workers, so kv routes as round-robin does, step for step, here and in a real run's route
+explanations (1,343 of 1,343 steps). Its slow first tokens (11 of 13 over 40 ms) came from the 2 % of
+decisions made while every worker had a prefill queued: 39 % of those joined a worker whose queued
+prefill had already started its pass, and waited that pass too. Here that state is rare at 8 clients
+per worker (<= 3 of 2,000 decisions) but common at 12 (`--clients-per-worker 12`: p99 42-43 ms both ways).
 """
 
 from __future__ import annotations
@@ -137,11 +138,9 @@ class Replay:
         self.args, self.delays, self.trace = args, delays, bool(getattr(args, "trace", 0))
         self.rng, self.jitter_rng = random.Random(seed), random.Random(seed + 1_000_003)
         self.systems = [[self.rng.randrange(1000, 30000) for _ in range(args.prefix_tokens)] for _ in range(prompts)]
-        timing = TimingModel()
-        self.engines = [Scheduler(KvManager(self.blocks, args.block_size), SchedulerConfig(), timing)
+        self.engines = [Scheduler(KvManager(self.blocks, args.block_size), SchedulerConfig(), TimingModel())
                         for _ in range(args.workers)]  # fmt: skip
-        self.ids = list(range(1, args.workers + 1))
-        self.now = 0.0
+        self.ids, self.now = list(range(1, args.workers + 1)), 0.0
         self.policy = make_policy(mode, args.block_size, seed, lambda: self.now)
         self.running: list[tuple[PassResult, float] | None] = [None] * args.workers
         self.owner: dict[str, tuple[int, float, int]] = {}  # request -> (worker index, sent at, client or -1)
