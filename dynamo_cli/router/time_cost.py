@@ -80,7 +80,15 @@ and most prompts had one or two holders, since a copy cost 1,984 tokens against 
 With 4 and 5 every prompt is copied to every worker early, as round-robin's caches are, and the cell
 is level: 1.00/1.00/1.00, hit rate 94.5 % on both. Its other predictions (2 seeds, 30 s measured): default
 cache open loop at 0.7 and 0.95 of capacity 1.00-1.01; cache pressure hit 94.1-94.5 %, rr / kv
-1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20).
+1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20). With the deployment's
+delays (the replay's defaults: events at pass start, 0.2-0.3 ms per hop, 0.3 ms jitter) every cell
+stays >= 1.00. In this cell T0 (~28 ms) exceeds any queue gap, so every decision is a 4-way tie
+taken in turn: kv routes exactly as round-robin does (in the replay and in the explanations of a real
+run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin's) is not a choice this
+cost makes that round-robin would not. The slow requests of that run were routed while every worker had
+a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
+waited that pass too. Avoiding such workers (branch h7-sim-busy) cut the replay's p99 at 12 clients per
+worker from 43 to 33 ms but cost 3-5 % of p99 in open loop, so it is not in this cost.
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
