@@ -249,7 +249,9 @@ def summarize(records: list[Turn], computed: int, kvbm: dict[str, float], elapse
             "prompt_tokens_turn2plus": prompt, "cached_tokens_turn2plus": cached,
             "computed_tokens_turn2plus": prompt - cached,
             "prompt_tokens_computed": computed or None, "onboard_blocks": blocks, "onboard_bytes": onboard_bytes,
-            "onboard_gb_per_s": gbps, "kvbm": kvbm}  # fmt: skip
+            "onboard_gb_per_s": gbps, "kvbm": kvbm,
+            "turns": [[r.conversation, r.turn, r.prompt_tokens or r.input_tokens, r.cached_tokens,
+                       None if r.ttft is None else round(r.ttft * 1000, 1)] for r in records]}  # fmt: skip
 
 
 ##### Report #####

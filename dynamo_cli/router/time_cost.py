@@ -87,8 +87,9 @@ taken in turn: kv routes exactly as round-robin does (in the replay and in the e
 run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin's) is not a choice this
 cost makes that round-robin would not. The slow requests of that run were routed while every worker had
 a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
-waited that pass too. Avoiding such workers (branch h7-sim-busy) cut the replay's p99 at 12 clients per
-worker from 43 to 33 ms but cost 3-5 % of p99 in open loop, so it is not in this cost.
+waited that pass too. Steering near-ties away from such workers (tried: the KV event of a queued
+request's last prompt block marks its pass as started) cut the replay's p99 at 12 clients per worker
+from 43 to 33 ms but cost 1-2 % of p99 in open loop, so it is not in this cost.
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %

@@ -378,8 +378,9 @@ class LlamaCppEngine:
     def _process_one(self, scheduler: Scheduler, part: Scheduled, result: StepResult) -> None:
         seq = part.seq
         if seq.seq_id in result.failed_imports and seq.num_onboarded:
-            logger.warning("llamacpp: request %s's onboarded KV was refused; recomputing it", seq.request.request_id)
-            scheduler.retry_without_onboard(seq)
+            then = "recomputing it" if seq.is_onboard_retried else "freeing the cached prefixes and importing it again"
+            logger.warning("llamacpp: request %s's onboarded KV was refused; %s", seq.request.request_id, then)
+            scheduler.retry_onboard(seq)
             return
         if seq.seq_id in result.failed_imports:
             scheduler.forget_import(seq)

@@ -55,7 +55,10 @@ class Sequence:
     sampled, is decoded here): neither computed nor cached prefill. 0 again after a preemption."""
     num_onboarded: int = 0
     """Leading prompt tokens whose KV `kv_state` brings back from the KV tiers (whole blocks); 0 again
-    after a preemption or a refused import (then recomputed)."""
+    after a preemption or a second refused import (then recomputed)."""
+    onboard_state: CheckedState | None = None
+    """The onboarded state while its import is not yet confirmed (a refused one is tried once more)."""
+    is_onboard_retried: bool = False
 
     @property
     def num_output_tokens(self) -> int:
@@ -169,6 +172,7 @@ class Scheduler:
     def commit(self, part: Scheduled) -> None:
         """The step computed `part`'s tokens: advance, count prefill work, store new full blocks."""
         seq = part.seq
+        seq.onboard_state = None  # its import, if any, went through
         start = seq.num_computed
         seq.num_computed += part.num_tokens
         if not seq.num_imported:  # an imported prompt's last token is a decode step, not prefill
@@ -186,11 +190,21 @@ class Scheduler:
         self.num_prefill_tokens_cached += seq.num_onboarded
         self._store_blocks(seq)
 
-    def retry_without_onboard(self, seq: Sequence) -> None:
-        """llama.cpp refused an onboarded prefix: free the sequence and queue it first, to recompute."""
+    def retry_onboard(self, seq: Sequence) -> None:
+        """llama.cpp refused an onboarded prefix: an import needs one contiguous run of free cells, which a
+        cache fragmented by cached prefixes may lack although it has room. The first time, evict every
+        cached prefix (with tiers on they go below, or are there already) and import it again; the second
+        time, recompute it. Either way the sequence is freed and queued first."""
         self.running.remove(seq)
         self.num_prefill_tokens_cached -= seq.num_onboarded
+        state = None if seq.is_onboard_retried else seq.onboard_state
+        onboarded = seq.num_onboarded
         self._preempt(seq)
+        seq.onboard_state = None
+        if state is not None:
+            seq.kv_state, seq.num_onboarded, seq.is_onboard_retried = state, onboarded, True
+            while self.cached:
+                self._evict_one()
 
     def forget_import(self, seq: Sequence) -> None:
         """llama.cpp refused `seq`'s state import: its blocks were never there, so none is kept or shared."""
@@ -297,6 +311,7 @@ class Scheduler:
                 self.pending_ops.append(MemoryOp("import", seq.seq_id, state=seq.kv_state))
                 seq.kv_state = None
                 if seq.num_onboarded:
+                    seq.onboard_state = self.pending_ops[-1].state
                     self._mark_onboarded(seq)
                 else:
                     self.mark_imported(seq)
@@ -352,6 +367,7 @@ class Scheduler:
         self.free_seq_ids.append(seq.seq_id)
         self._release(seq.hashes)
         seq.seq_id, seq.num_computed, seq.hashes, seq.num_imported = -1, 0, [], 0
+        seq.onboard_state = None
         if seq.num_onboarded:  # recomputed when admitted again
             seq.num_onboarded = seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)

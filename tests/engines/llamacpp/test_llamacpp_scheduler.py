@@ -156,3 +156,29 @@ def test_a_state_llama_cpp_refused_leaves_no_cached_prefix_behind() -> None:
     assert scheduler.cached == {}
     assert scheduler.pending_ops == [MemoryOp("rm", 0, start=-1, end=-1)]
     assert isinstance(scheduler.drain_events()[0], BlockRemoved)
+
+
+def test_a_refused_onboard_is_imported_again_once_after_the_cached_prefixes_are_evicted() -> None:
+    # llama.cpp imports a state into one contiguous run of free cells; cached prefixes may fragment the cache
+    scheduler = make_scheduler()
+    old = make_seq(list(range(300, 340)))
+    scheduler.add(old)
+    step(scheduler)
+    scheduler.finish(old)  # a cached prefix (seq 0)
+    prompt = list(range(100, 150))
+    seq = make_seq(prompt)
+    state = object()
+    seq.kv_state, seq.num_onboarded = state, 32  # type: ignore[assignment]
+    scheduler.add(seq)
+    scheduler.pending_ops.clear()
+    scheduler.schedule()
+    assert scheduler.num_prefill_tokens_cached == 32 and seq.onboard_state is state
+    scheduler.retry_onboard(seq)  # the step's import was refused
+    assert not scheduler.cached and scheduler.num_prefill_tokens_cached == 0
+    assert seq.kv_state is state and seq.num_onboarded == 32 and scheduler.waiting[0] is seq
+    ops, _ = scheduler.schedule()
+    assert [op.kind for op in ops.memory_ops][-1] == "import" and seq.num_cached_tokens == 32
+    scheduler.retry_onboard(seq)  # refused again: recomputed
+    assert seq.kv_state is None and seq.num_onboarded == 0 and seq.onboard_state is None
+    scheduler.schedule()
+    assert seq.num_computed == 0 and scheduler.num_prefill_tokens_cached == 0
