@@ -46,6 +46,7 @@ import json
 import math
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -328,6 +329,7 @@ def main() -> None:
     cache_tokens, total_tokens = engine_cache(args, messages)
     print(f"{args.conversations} conversations x {args.turns} turns: {total_tokens} KV tokens in all; engine cache "
           f"{cache_tokens} tokens ({args.engine})", flush=True)  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for config in configs:
@@ -343,10 +345,10 @@ def main() -> None:
                                                                 tokenizer.encode))
             finally:
                 kr.stop_serve(proc)
+                shutil.copy(Path(tmp) / "serve.log", args.json.with_suffix(f".{config.name}.log"))  # kept beside
         print(f"{config.name}: done in {results[config.name]['seconds']:.1f} s", flush=True)
     if results:
         print_table(results)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()}
     report = {
         "args": meta,

@@ -123,6 +123,7 @@ class TieredBlockStore:
         self._dir: Path | None = None
         self._owned_dir = False
         self._ops: deque[tuple[str, _Entry]] = deque()
+        self._running_op = False
         self._pending_bytes = 0
         self._wake = threading.Condition(self._lock)
         self._closing = False
@@ -345,10 +346,21 @@ class TieredBlockStore:
                     return
                 op, entry = self._ops.popleft()
                 payload = entry.block.payload
-            if op == "delete":
-                disk.block_path(self._dir, entry.block.block_hash).unlink(missing_ok=True)
-            elif payload is not None:
-                self._write_one(self._dir, entry, payload)
+                self._running_op = True
+            try:
+                if op == "delete":
+                    disk.block_path(self._dir, entry.block.block_hash).unlink(missing_ok=True)
+                elif payload is not None:
+                    self._write_one(self._dir, entry, payload)
+            finally:
+                with self._lock:
+                    self._running_op = False
+
+    @property
+    def is_disk_idle(self) -> bool:
+        """No disk write or deletion queued or running."""
+        with self._lock:
+            return not self._ops and not self._running_op
 
     def _write_one(self, directory: Path, entry: _Entry, payload: bytes) -> None:
         b = entry.block

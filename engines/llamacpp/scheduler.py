@@ -274,6 +274,10 @@ class Scheduler:
             self.pending_ops.append(MemoryOp("export", seq_id, end=prefix.num_tokens, key=key))
         self._drop(seq_id, prefix.hashes)
 
+    def is_exporting(self, hashes: set[int]) -> bool:
+        """Whether an evicted prefix holding one of `hashes` waits for its export (the next step's)."""
+        return any(h in hashes for pending in self.offloads.values() for h in pending.hashes)
+
     def take_offload(self, key: int) -> PendingOffload | None:
         """The pending offload an `export` op's state belongs to (None: gone in a reset)."""
         return self.offloads.pop(key, None)

@@ -13,6 +13,7 @@ the step loop but the export itself. A request whose client leaves while it onbo
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import os
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 OFFLOAD_QUEUE_SIZE = 64
 """Evicted prefix states waiting to be cut into blocks at most; beyond it they are dropped (counted)."""
+LANDING_WAIT_S = 0.5
+"""Longest a prompt waits for blocks on their way down (evicted, not yet in host) before it goes without."""
+LANDING_POLL_S = 0.005
 
 
 def fingerprint(model_path: str, layout: StateLayout, block_size: int) -> str:
@@ -52,6 +56,8 @@ class KvTiering:
         self._publish = publish
         self._queue: asyncio.Queue[tuple[PendingOffload, bytes, float]] = asyncio.Queue(OFFLOAD_QUEUE_SIZE)
         self._task: asyncio.Task[None] | None = None
+        self._in_transit: collections.Counter[int] = collections.Counter()
+        """Blocks of queued offloads, not yet in the store."""
         self.num_dropped = 0
         """Evicted prefixes not offloaded because the queue was full."""
 
@@ -100,6 +106,8 @@ class KvTiering:
                 self._queue.put_nowait((pending, state, seconds))
             except asyncio.QueueFull:
                 self.num_dropped += 1
+            else:
+                self._in_transit.update(pending.hashes)
 
     async def _offload_loop(self) -> None:
         while True:
@@ -108,6 +116,9 @@ class KvTiering:
                 await asyncio.to_thread(self._store_blocks, pending, state, seconds)
             except Exception:  # noqa: BLE001 - one bad state loses its blocks, not the tiers
                 logger.exception("llamacpp: could not offload an evicted prefix")
+            finally:
+                self._in_transit.subtract(pending.hashes)
+                self._in_transit += collections.Counter()  # drops the zeros
             self._publish()
 
     def _store_blocks(self, pending: PendingOffload, state: bytes, seconds: float) -> None:
@@ -133,6 +144,7 @@ class KvTiering:
         if usable <= 0:
             return
         hashes = sequence_hashes(seq.tokens[: usable * bs], bs)
+        await self._landed(hashes, scheduler)
         device = scheduler.device_match(hashes)
         tiers = self.store.match(hashes)
         if len(tiers) <= device:
@@ -148,6 +160,17 @@ class KvTiering:
                            seq.request.request_id, exc)  # fmt: skip
             return
         seq.num_onboarded = len(found) * bs
+
+    async def _landed(self, hashes: list[int], scheduler: Scheduler) -> None:
+        """Wait (at most LANDING_WAIT_S) while blocks of this prompt are on their way down: evicted from the
+        device (exported in the next step), then cut and stored here. Without it, a conversation's next
+        turn arriving right after its last one ended found its newest blocks nowhere and recomputed them."""
+        wanted = set(hashes)
+        deadline = asyncio.get_running_loop().time() + LANDING_WAIT_S
+        while asyncio.get_running_loop().time() < deadline and (
+            any(h in self._in_transit for h in wanted) or scheduler.is_exporting(wanted)
+        ):
+            await asyncio.sleep(LANDING_POLL_S)
 
     def _joined(self, payloads: list[bytes]) -> kv_state.CheckedState:
         blob = kv_blocks.join(payloads, self.layout, self.block_size)

@@ -172,7 +172,7 @@ async def disk_store(tmp_path: Path) -> AsyncIterator[TieredBlockStore]:
 
 async def flush(store: TieredBlockStore) -> None:
     for _ in range(200):
-        if not store._ops:
+        if store.is_disk_idle:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the disk writer did not drain its queue")

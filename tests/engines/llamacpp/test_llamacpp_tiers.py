@@ -213,3 +213,21 @@ def test_blocks_cut_from_a_state_join_back_into_the_same_bytes(flash_attn: bool)
             kv_blocks.join([blocks[0][:-1]], layout, 16)
     finally:
         runner.close()
+
+
+async def test_a_next_turn_right_after_the_last_waits_for_its_blocks_on_their_way_to_host() -> None:
+    """With tiers on the device keeps no finished prefix: it is exported in the next step and stored in a
+    thread. A turn arriving at once waits for those blocks (up to LANDING_WAIT_S) instead of recomputing
+    them (without the wait this request found none of its prefix, run here)."""
+    from engines.llamacpp.engine import LlamaCppEngine
+
+    args = EngineArgs(model="smollm2", extra={"n_threads": 1}, kv_tiers=KvTierConfig(host_bytes=10**8))
+    engine = LlamaCppEngine(args)
+    await engine.start()
+    try:
+        story = chat(STORY)
+        tokens, _ = await greedy(engine, story)
+        _, cached = await greedy(engine, story + tokens + chat(OTHER), max_tokens=2)  # at once
+    finally:
+        await engine.stop()
+    assert cached >= (len(story) // 16) * 16
