@@ -48,6 +48,7 @@ from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.queue import QueuedRequest
+from dynamo_cli.router.registry import not_busy
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
@@ -246,11 +247,7 @@ class Dispatch:
         candidates = [w for w in workers if w not in self._excluded]
         if not candidates:
             raise NoWorkers(f"model '{self.entry.name}'")
-        reasons = [r for w in candidates if (r := workers[w].busy_reason(self.rules.busy))]
-        if len(reasons) == len(candidates):
-            raise Overloaded(f"all {len(candidates)} workers of '{self.entry.name}' are busy ({reasons[0]})")
-        if reasons:
-            candidates = [w for w in candidates if workers[w].busy_reason(self.rules.busy) is None]
+        candidates = not_busy(candidates, workers, self.rules.busy, f"workers of '{self.entry.name}'")
         pinned = None if self.rules.is_remote else self.plan.pinned_worker
         route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned)
         self.decision = self.entry.policy.select(route, candidates)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from dynamo_cli.engine import LoadMetrics, Role
-from dynamo_cli.errors import ModelNotFound
+from dynamo_cli.errors import ModelNotFound, Overloaded
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RoutingPolicy
@@ -71,6 +71,15 @@ class Worker:
             if used > limits.active_blocks_fraction:
                 return f"KV cache {used:.0%} used (threshold {limits.active_blocks_fraction:.0%})"
         return None
+
+
+def not_busy(candidates: list[int], workers: dict[int, Worker], limits: BusyThresholds, what: str) -> list[int]:
+    """The candidates that are not busy; Overloaded with the first reason when every one is (`what`: the
+    noun for them in that message, and `what` of which model)."""
+    reasons = {w: r for w in candidates if (r := workers[w].busy_reason(limits))}
+    if reasons and len(reasons) == len(candidates):
+        raise Overloaded(f"all {len(candidates)} {what} are busy ({next(iter(reasons.values()))})")
+    return [w for w in candidates if w not in reasons] if reasons else candidates
 
 
 @dataclass(slots=True)

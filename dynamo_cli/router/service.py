@@ -51,7 +51,7 @@ from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.kv_repair import repair_gap, repair_loop
 from dynamo_cli.router.queue import QueuedRequest
-from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker
+from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, ModelRegistry, Worker, not_busy
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
@@ -269,11 +269,7 @@ class RouterService:
             raise UnknownInstance(pinned, entry.name, list(entry.workers))
         if pinned in candidates:  # a pin waits for its own backend rather than going elsewhere
             candidates = [pinned]
-        reasons = [r for w in candidates if (r := entry.workers[w].busy_reason(self.registry.busy))]
-        if len(reasons) == len(candidates):
-            raise Overloaded(f"all {len(candidates)} backends of '{entry.name}' are busy ({reasons[0]})")
-        if reasons:
-            candidates = [w for w in candidates if entry.workers[w].busy_reason(self.registry.busy) is None]
+        candidates = not_busy(candidates, entry.workers, self.registry.busy, f"backends of '{entry.name}'")
         decision = entry.policy.select(RouteRequest(request.request_id, request.token_ids, pinned), candidates)
         self.sync.added(entry.name, request.request_id, entry.policy)  # type: ignore[arg-type]
         worker = entry.workers[decision.worker_id]

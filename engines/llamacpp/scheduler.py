@@ -312,10 +312,10 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             if seq.kv_state is not None:
-                self.pending_ops.append(MemoryOp("import", seq.seq_id, state=seq.kv_state))
-                seq.kv_state = None
+                state, seq.kv_state = seq.kv_state, None
+                self.pending_ops.append(MemoryOp("import", seq.seq_id, state=state))
                 if seq.num_onboarded:
-                    seq.onboard_state = self.pending_ops[-1].state
+                    seq.onboard_state = state
                     self._mark_onboarded(seq)
                 else:
                     self.mark_imported(seq)

@@ -117,8 +117,10 @@ class KvTiering:
             except Exception:  # noqa: BLE001 - one bad state loses its blocks, not the tiers
                 logger.exception("llamacpp: could not offload an evicted prefix")
             finally:
-                self._in_transit.subtract(pending.hashes)
-                self._in_transit += collections.Counter()  # drops the zeros
+                for h in pending.hashes:
+                    self._in_transit[h] -= 1
+                    if not self._in_transit[h]:
+                        del self._in_transit[h]
             self._publish()
 
     def _store_blocks(self, pending: PendingOffload, state: bytes, seconds: float) -> None:

@@ -17,10 +17,10 @@ DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
 """Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
 KV_TRANSFER_MODES = ("pull", "rendezvous")
+"""How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
 HOST_MS = TIER_HOST_LATENCY_S * 1e3
 DISK_MS = TIER_DISK_LATENCY_S * 1e3
 """The KV tiers' transfer latencies in ms: the router's (config.TIER_*) by default."""
-"""How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
 
 _KNOWN_KEYS = (
     "speedup_ratio",

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynamo_cli.config import TIER_DISK_GBS, TIER_DISK_LATENCY_S, TIER_HOST_GBS, TIER_HOST_LATENCY_S
+from dynamo_cli.config import TIER_DISK_GBS, TIER_HOST_GBS
 from dynamo_cli.kv.events import DISK, HOST, KvEvent, Tier
 from dynamo_cli.kv.tiers import KvTierConfig, KvTierStats, OffloadBlock, TieredBlockStore
+from engines.mocker.config import DISK_MS, HOST_MS
 from engines.mocker.kv_manager import KvManager
 
 
@@ -33,9 +34,9 @@ class TierTiming:
     """Host to device, GB/s."""
     disk_bandwidth_gbs: float = TIER_DISK_GBS
     """Disk to device, GB/s."""
-    host_latency_ms: float = TIER_HOST_LATENCY_S * 1e3
+    host_latency_ms: float = HOST_MS
     """Fixed cost of one onboard from host."""
-    disk_latency_ms: float = TIER_DISK_LATENCY_S * 1e3
+    disk_latency_ms: float = DISK_MS
     """Fixed cost of one onboard that reads disk."""
     speedup_ratio: float = 1.0
     """Divides every time, as it divides the passes."""
