@@ -50,6 +50,7 @@ from dynamo_cli.engine import (
     FinishReason,
     GenerateChunk,
     GenerateRequest,
+    KvTierConfig,
     LoadMetrics,
     Role,
     check_request,
@@ -58,7 +59,7 @@ from dynamo_cli.engine import (
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
-from engines.llamacpp import kv_state
+from engines.llamacpp import kv_blocks, kv_state
 from engines.llamacpp.embedder import Embedder
 from engines.llamacpp.grammar import GrammarDeadEnd, gbnf_for
 from engines.llamacpp.options import LlamaCppOptions
@@ -127,8 +128,8 @@ class LlamaCppEngine:
             self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
-        self._tiers = await KvTiering.open(self._kv_tiers, opts.model_path, runner.state_layout, opts.block_size,
-                                           runner.n_ctx_seq, self._publish_tier_events)  # fmt: skip
+        self._tiers = await KvTiering.open(self._tier_config(runner), opts.model_path, runner.state_layout,
+                                           opts.block_size, runner.n_ctx_seq, self._publish_tier_events)  # fmt: skip
         self._scheduler = Scheduler(
             block_size=opts.block_size,
             capacity=n_ctx,
@@ -167,12 +168,31 @@ class LlamaCppEngine:
             extra["kv_bytes_per_block"] = runner.state_layout.cell_bytes() * opts.block_size
         return extra
 
-    def _device_cached_tokens(self) -> int:
-        """Finished prefixes kept in llama.cpp's cache, in tokens. With KV tiers (and the unified cache) none
-        by default: every cell in use widens every decode step's attention window (single-stream decode
-        fell 92 → 74 tok/s as finished prefixes piled up), so they move to host and come back on a hit."""
+    def _tier_config(self, runner: Runner) -> KvTierConfig:
+        """The tiers below llama.cpp's cache: the flags' (`EngineArgs.kv_tiers`), or with them off and the
+        unified cache, the parked prefixes (option `park_prefixes`): a host pool of `max_cached_tokens`
+        tokens' KV, the bytes the device prefix cache would have held inside llama.cpp's cache."""
         opts = self.options
-        if self._tiers is None or self._cached_tokens_given or not opts.kv_unified:
+        layout = runner.state_layout
+        if self._kv_tiers.enabled or not self._parks or layout is None or not kv_blocks.supports(layout):
+            return self._kv_tiers
+        return KvTierConfig(host_bytes=opts.max_cached_tokens * layout.cell_bytes())
+
+    @property
+    def _parks(self) -> bool:
+        """Whether finished prefixes are parked outside llama.cpp's cache when KV tiers are off."""
+        opts = self.options
+        return opts.park_prefixes and opts.kv_unified and not opts.deterministic and opts.max_cached_tokens > 0
+
+    def _device_cached_tokens(self) -> int:
+        """Finished prefixes kept in llama.cpp's cache, in tokens. With the unified cache and a tier below
+        it (the flags' or the parked pool), none by default: every cell in use widens every decode step's
+        attention window (single-stream decode fell 92 → 74 tok/s as finished prefixes piled up), so they
+        move down and come back on a hit."""
+        opts = self.options
+        if self._tiers is None or not opts.kv_unified:
+            return opts.max_cached_tokens
+        if self._kv_tiers.enabled and self._cached_tokens_given:
             return opts.max_cached_tokens
         return 0
 

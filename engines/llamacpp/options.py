@@ -2,9 +2,12 @@
 
 Options (`EngineArgs.extra`): `n_ctx` (KV cache tokens shared by all sequences), `n_batch` (tokens per
 decode step), `n_threads`, `max_num_seqs`, `max_cached_seqs` and `max_cached_tokens` (finished prefixes
-kept for reuse; with KV tiers on, the unified cache keeps none unless max_cached_tokens is given: they go
-to host and come back on a hit, see `engines.llamacpp.tiering`), `block_size`, `kv_unified` (default
-true: one KV cache shared by all sequences), and
+kept for reuse; with the unified cache they are parked outside it, see `park_prefixes`), `park_prefixes`
+(default true: with KV tiers off, finished prefixes wait in a host pool of max_cached_tokens tokens instead
+of llama.cpp's cache, whose every cell in use each decode step's attention walks; with tiers on they go to
+the host tier, and the unified cache keeps max_cached_tokens only when given; see
+`engines.llamacpp.tiering`), `block_size`, `kv_unified` (default true: one KV cache shared by all
+sequences), and
 `deterministic` (see `engines.llamacpp.engine`): every sequence id then gets its own KV stream of
 `context_length` tokens (default DETERMINISTIC_CONTEXT) and n_ctx follows from that; `embeddings`
 (default false: true also serves /v1/embeddings from a second, embedding-mode context of n_batch tokens).
@@ -49,6 +52,8 @@ class LlamaCppOptions:
     """Most tokens those cached prefixes may hold together (LRU eviction beyond)."""
     kv_unified: bool
     """One KV cache for all sequences (default); False: a stream of n_ctx / n_seq_max cells each."""
+    park_prefixes: bool = True
+    """With the unified cache and KV tiers off: keep finished prefixes in a host pool, not llama.cpp's cache."""
     deterministic: bool = False
     """Batch-invariant greedy output: flash attention off, one KV stream of context_length per sequence."""
     embeddings: bool = False
@@ -85,6 +90,7 @@ def _shared_sizes(args: EngineArgs, max_num_seqs: int) -> dict[str, Any]:
         "max_cached_seqs": int(extra.get("max_cached_seqs", max_num_seqs)),
         "max_cached_tokens": int(extra.get("max_cached_tokens", n_ctx // 4)),
         "kv_unified": str(extra.get("kv_unified", True)).lower() not in ("0", "false", "no"),
+        "park_prefixes": str(extra.get("park_prefixes", True)).lower() not in ("0", "false", "no"),
     }
 
 
