@@ -6,7 +6,7 @@ runs it, and reports back how many tokens each sequence computed and what it sam
 A sequence is the list `tokens` (prompt, then output) of which the first `num_computed` are in the KV
 cache. Each step feeds `tokens[num_computed:]` (one token when decoding, a chunk when prefilling) and
 samples when that reaches the end. Finished sequences keep their full blocks as a cached prefix (LRU,
-evictable); a new prompt sharing full blocks with a running or cached sequence gets them by
+evictable, those a waiting prompt will share last); a new prompt sharing full blocks with a running or cached sequence gets them by
 `seq_cp`, which in llama.cpp's unified cache shares cells instead of copying. Blocks are refcounted by
 sequence hash, so `BlockStored` fires when a hash first enters the cache and `BlockRemoved` when the
 last sequence holding it lets go.
@@ -20,7 +20,7 @@ came back from the store, is imported at admission and counts as cached prefill.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,13 +261,30 @@ class Scheduler:
     def num_active_blocks(self) -> int:
         return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.running)
 
-    def _make_room(self, needed: int) -> bool:
-        while self.used_tokens() + needed > self.capacity and self.cached:
-            self._evict_one()
+    def _fits(self, needed: int) -> bool:
         return self.used_tokens() + needed <= self.capacity
 
+    def _make_room(self, needed: int, spare: Set[int] = frozenset()) -> bool:
+        """Evict cached prefixes, least recent first, all but `spare`, until `needed` more cells fit."""
+        while not self._fits(needed):
+            victim = next((s for s in self.cached if s not in spare), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
     def _evict_one(self) -> None:
-        seq_id, prefix = self.cached.popitem(last=False)
+        """Evict the least recent cached prefix no waiting prompt will share (else the least recent)."""
+        wanted = self._wanted()
+        self._evict(next((s for s in self.cached if s not in wanted), next(iter(self.cached))))
+
+    def _wanted(self) -> set[int]:
+        """Cached prefixes that waiting prompts will share: evicted last, since a prompt whose prefix goes
+        while it waits recomputes it (with tiers, the blocks are still on their way down)."""
+        return {s for s in map(self._cached_source, self.waiting) if s >= 0}
+
+    def _evict(self, seq_id: int) -> None:
+        prefix = self.cached.pop(seq_id)
         if self.offload and prefix.hashes and not self.held_below(prefix.hashes):
             key, self._next_key = self._next_key, self._next_key + 1
             self.offloads[key] = PendingOffload(prefix.hashes, [self.local_hashes[h] for h in prefix.hashes])
@@ -307,7 +324,16 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._make_room(len(seq.tokens) + 1) or not self._take_seq_id(seq):
+            source = self._cached_source(seq)
+            needed = len(seq.tokens) + 1
+            # NOTE: cells are counted per sequence, so a shared prefix counts twice until its cached
+            # holder goes. The prefix this prompt will share is evicted last, and if it must go, only
+            # after the prompt has shared it: evicted first, its blocks would be recomputed (or, with
+            # tiers, be still on their way down).
+            fits = self._fits(needed) or self._make_room(needed, self._wanted()) or self._make_room(needed, {source})
+            if not fits and (source < 0 or not self._fits(needed - self.cached[source].num_tokens)):
+                return
+            if not self._take_seq_id(seq):
                 return
             self.waiting.popleft()
             self.running.append(seq)
@@ -321,6 +347,15 @@ class Scheduler:
                     self.mark_imported(seq)
             else:
                 self._reuse_prefix(seq)
+            if not fits and source in self.cached:
+                self._evict(source)
+
+    def _cached_source(self, seq: Sequence) -> int:
+        """The cached prefix `seq` would share (-1: none, or a running sequence holds more)."""
+        if seq.kv_state is not None:
+            return -1
+        holder = self._best_holder(self._prompt_hashes(seq), seq)[0]
+        return holder if holder in self.cached else -1
 
     def _take_seq_id(self, seq: Sequence) -> bool:
         if not self.free_seq_ids and self.cached:
@@ -348,7 +383,7 @@ class Scheduler:
 
     def _build(self) -> list[Scheduled]:
         decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
-        if not self._make_room(0):
+        if not (self._fits(0) or self._make_room(0, self._wanted()) or self._make_room(0)):
             self._preempt_newest()
             return self._build()
         scheduled = [Scheduled(s, 1, True) for s in decoding]

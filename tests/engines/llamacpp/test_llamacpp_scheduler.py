@@ -92,6 +92,53 @@ def test_blocks_are_stored_once_and_removed_when_their_last_holder_is_evicted() 
     assert removed == [BlockRemoved(block_hashes=[hashes[0], hashes[1], third])]
 
 
+def test_making_room_for_a_prompt_evicts_the_prefix_it_shares_last() -> None:
+    scheduler = make_scheduler(capacity=112)
+    shared, other = make_seq([1] * 40), make_seq([2] * 40)
+    for seq in (shared, other):  # `shared` is the least recent cached prefix, `other` the most
+        scheduler.add(seq)
+        step(scheduler)
+        scheduler.finish(seq)
+    nxt = make_seq([1] * 32 + [3] * 40)  # 72 + 1 cells: one of the two 32-cell prefixes must go
+    scheduler.add(nxt)
+    plan, _ = scheduler.schedule()
+    assert list(scheduler.cached) == [0]  # `other` (seq id 1) went, though more recent
+    assert plan.memory_ops[-1] == MemoryOp("cp", nxt.seq_id, src_seq_id=0, end=32)
+    assert nxt.num_cached_tokens == 32
+
+
+def test_a_prompt_that_needs_the_cells_of_the_prefix_it_shares_shares_it_before_it_goes() -> None:
+    scheduler = make_scheduler(capacity=112)
+    scheduler.offload = True  # with tiers on the evicted prefix is exported too, after the share
+    first = make_seq([1] * 40)
+    scheduler.add(first)
+    step(scheduler)
+    scheduler.finish(first)
+    nxt = make_seq([1] * 32 + [3] * 60)  # 32 cached + 93 cells > 112, counted per sequence: the prefix goes
+    scheduler.add(nxt)
+    plan, _ = scheduler.schedule()
+    ops = [(op.kind, op.seq_id) for op in plan.memory_ops]
+    assert ops[-3:] == [("cp", nxt.seq_id), ("export", 0), ("rm", 0)]
+    assert (nxt.num_cached_tokens, list(scheduler.cached)) == (32, [])
+
+
+def test_a_cached_prefix_a_waiting_prompt_will_share_is_not_the_one_evicted() -> None:
+    scheduler = Scheduler(block_size=BS, capacity=1024, max_num_seqs=1, max_cached=4, n_batch=64, max_cached_tokens=40)
+    shared, running = make_seq([1] * 40), make_seq([2] * 40)
+    scheduler.add(shared)
+    step(scheduler)
+    scheduler.finish(shared)
+    scheduler.add(running)
+    step(scheduler)
+    waiting = make_seq([1] * 32 + [3] * 8)
+    scheduler.add(waiting)  # waits: max_num_seqs=1
+    step(scheduler)
+    scheduler.finish(running)  # two prefixes > 40 tokens: one goes, not the least recent `shared` one
+    assert list(scheduler.cached) == [0]
+    step(scheduler)
+    assert waiting.num_cached_tokens == 32
+
+
 def test_out_of_kv_cells_the_newest_sequence_is_preempted_and_later_recomputed() -> None:
     scheduler = make_scheduler(capacity=64, max_cached=0)
     old, new = make_seq([1] * 28), make_seq([2] * 28)
