@@ -65,29 +65,16 @@ def id_headers(gen: Generation) -> list[tuple[bytes, bytes]]:
 
 
 def _hexid_headers(explanation: dict[str, Any]) -> dict[str, Any]:
-    """Worker ids as the hex strings every other place shows (a value under a key ending in `worker_id`)."""
-    return _hexid_dict(explanation)
+    """Worker ids as the hex strings every other place shows."""
 
+    def fix(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: fix(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v, key) for v in value]
+        return f"{value:x}" if key.endswith("worker_id") and isinstance(value, int) else value
 
-def _hexid_dict(d: dict[str, Any]) -> dict[str, Any]:
-    # One pass per dict, recursing only into containers: a routed request's explanation has ~90 values.
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, (dict, list)):
-            value = _hexid_value(value, key)
-        elif isinstance(value, int) and key.endswith("worker_id"):
-            value = f"{value:x}"
-        out[key] = value
-    return out
-
-
-def _hexid_value(value: Any, key: str) -> Any:
-    """`value` found under `key`: a list's items are under its key."""
-    if isinstance(value, dict):
-        return _hexid_dict(value)
-    if isinstance(value, list):
-        return [_hexid_value(v, key) for v in value]
-    return f"{value:x}" if isinstance(value, int) and key.endswith("worker_id") else value
+    return fix(explanation)  # type: ignore[no-any-return]
 
 
 def too_large(size: int, limit: int) -> RequestError:
