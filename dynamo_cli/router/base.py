@@ -8,8 +8,8 @@ load never leaks it. KV-aware policies also ingest the workers' KV events.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from dynamo_cli.engine import LoadMetrics
@@ -33,7 +33,14 @@ class RouteDecision:
 
     worker_id: int
     overlap_blocks: int = 0
-    explanation: dict[str, Any] = field(default_factory=dict)
+    explain: Callable[[], dict[str, Any]] | None = None
+    """Builds the explanation from the decision's own snapshot; called only by whoever reads `explanation`
+    (most requests do not ask for `x-dyn-explain-route`, and building it costs more than the cost itself)."""
+
+    @property
+    def explanation(self) -> dict[str, Any]:
+        """Why this worker (empty for a policy that does not explain); built anew on each read."""
+        return self.explain() if self.explain is not None else {}
 
 
 class RoutingPolicy(Protocol):

@@ -282,7 +282,8 @@ def is_hot_spot(active_blocks: Sequence[int] | np.ndarray, config: CostConfig) -
     """True when max - min active blocks reaches both the absolute and the relative threshold."""
     if not config.hot_spot_guard or len(active_blocks) < 2:
         return False
-    high, low = int(np.max(active_blocks)), int(np.min(active_blocks))
+    values = active_blocks.tolist() if isinstance(active_blocks, np.ndarray) else list(active_blocks)
+    high, low = max(values), min(values)  # on a list: numpy's max and min cost ~3 us each on a few workers
     spread = high - low
     return spread >= config.hot_spot_min_blocks and spread >= config.hot_spot_ratio * high
 
@@ -352,9 +353,9 @@ _TIE_REASONS = {1: (Reason.TIE_CACHE,)}
 def _in_turn(scores: np.ndarray, own: np.ndarray, band: float, turn: int) -> tuple[int, Reason]:
     """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
     same `own` cost) are taken in turn (in candidate order)."""
-    best = int(np.argmin(scores))
+    best = int(scores.argmin())
     near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
-    tied = np.flatnonzero(near)
+    tied = near.nonzero()[0]
     if len(tied) == 1:
         return int(tied[0]), Reason.ARGMIN
     return int(tied[turn % len(tied)]), Reason.TIE_TURN

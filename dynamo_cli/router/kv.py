@@ -11,6 +11,7 @@ incrementally (sequences.py). A profile put ~60 % of a decision in building two 
 candidate and explaining all of them, and ~20 % in per-block `struct.pack` when hashing. So the
 candidates are numpy columns costed in a few vector operations (cost.py), only the 16 cheapest are
 explained, and the prompt is packed once (kv/hashing.py). p50 went from 343 to 153 us at 128 workers.
+The explanation itself is built only when read (`RouteDecision.explain`): most requests never ask for it.
 """
 
 from __future__ import annotations
@@ -127,24 +128,25 @@ class KvRoutingPolicy:
         """Choose a worker for `request` among `workers` (never empty) and count its load there."""
         hashes, selection, now = self._choose(request, workers)
         isl = len(request.token_ids)
-        chosen = selection.chosen
-        prefill_tokens = max(0, isl - chosen.overlap_blocks * self._cost.block_size)
-        self.sequences.add_request(request.request_id, chosen.worker_id, hashes, prefill_tokens, now)
-        c, at = selection.table.candidates, selection.index
+        c, at, worker_id = selection.table.candidates, selection.index, selection.worker_id
+        overlap = int(c.overlap_blocks[at])
+        prefill_tokens = max(0, isl - overlap * self._cost.block_size)
+        self.sequences.add_request(request.request_id, worker_id, hashes, prefill_tokens, now)
         if c.active_prefill_tokens[at] or c.host_blocks[at] or c.disk_blocks[at]:
             self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
-            self.approx.record(chosen.worker_id, hashes, now)
+            self.approx.record(worker_id, hashes, now)
         self._count(selection, len(hashes))
         self._log(request.request_id, selection)
-        return RouteDecision(chosen.worker_id, chosen.overlap_blocks, selection.to_dict())
+        return RouteDecision(worker_id, overlap, selection.to_dict)
 
     def peek(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
         """The decision `select` would make now, counting nothing (`dyn router`'s `best_worker_id`)."""
         _, selection, _ = self._choose(request, workers)
-        return RouteDecision(selection.worker_id, selection.chosen.overlap_blocks, selection.to_dict())
+        return RouteDecision(selection.worker_id, int(selection.table.candidates.overlap_blocks[selection.index]),
+                             selection.to_dict)  # fmt: skip
 
     def add_remote(self, request_id: str, worker_id: int, hashes: Sequence[int], prefill_tokens: int) -> None:
         """Count a request another router replica routed, so every replica sees the same load."""

@@ -276,46 +276,26 @@ CHANNEL_PREFIX = "v1/event_channels/"
 
 
 class _ZmqSubscription:
-    """One subscription: a SUB socket connected to every advertised publisher."""
+    """One subscription: a bounded queue that the bus's SUB socket feeds the messages matching `pattern`."""
 
     def __init__(self, bus: ZmqEventBus, pattern: str) -> None:
         self.dropped = 0
         self._pattern = pattern
+        self.literal = pattern.split("*", 1)[0].split(">", 1)[0].encode()
+        """The pattern up to its first wildcard: the SUB socket's prefix filter."""
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(SUBSCRIBER_QUEUE)
-        self._socket = bus._context.socket(zmq.SUB)
-        literal = pattern.split("*", 1)[0].split(">", 1)[0]
-        self._socket.setsockopt(zmq.SUBSCRIBE, literal.encode())
-        self._socket.setsockopt(zmq.RCVHWM, SUBSCRIBER_QUEUE)
         self._bus = bus
-        self._connected: dict[str, str] = {}
-        self._tasks = [
-            asyncio.get_running_loop().create_task(self._follow_publishers()),
-            asyncio.get_running_loop().create_task(self._pump()),
-        ]
 
-    async def _follow_publishers(self) -> None:
-        async for event in self._bus._discovery.watch(CHANNEL_PREFIX):
-            if event.kind is WatchKind.PUT:
-                address = event.value.decode()
-                if self._connected.get(event.key) != address:
-                    self._socket.connect(address)
-                    self._connected[event.key] = address
-            elif event.key in self._connected:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._socket.disconnect(self._connected.pop(event.key))
-
-    async def _pump(self) -> None:
-        while True:
-            subject_raw, payload = await self._socket.recv_multipart()
-            subject = subject_raw.decode()
-            if not subject_matches(self._pattern, subject):
-                continue
-            try:
-                self._queue.put_nowait((subject, payload))
-            except asyncio.QueueFull:
-                self.dropped += 1
-                if self.dropped == 1 or self.dropped % 10_000 == 0:
-                    logger.warning("event subscriber on %s is slow: %d messages dropped", self._pattern, self.dropped)
+    def offer(self, subject: str, payload: bytes) -> None:
+        """Queue a message the socket received, if it matches this subscription."""
+        if not subject_matches(self._pattern, subject):
+            return
+        try:
+            self._queue.put_nowait((subject, payload))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                logger.warning("event subscriber on %s is slow: %d messages dropped", self._pattern, self.dropped)
 
     def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
         return self._iterate()
@@ -325,23 +305,26 @@ class _ZmqSubscription:
             yield await self._queue.get()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        self._socket.close(linger=0)
+        self._bus._unsubscribe(self)
 
 
 class ZmqEventBus:
-    """The `EventBus` Protocol on one host: ZMQ PUB per process, SUB connects via discovery."""
+    """The `EventBus` Protocol on one host: ZMQ PUB per process, SUB connects via discovery.
+
+    NOTE: one SUB socket per bus however many subscriptions it has (a frontend has two, load and KV
+    events, and the prefix filters of both pass every component's messages): each message is received
+    once and offered to every subscription, and one discovery watch connects the socket to publishers.
+    """
 
     def __init__(self, discovery: Discovery) -> None:
         self._discovery = discovery
         self._context = zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
         self._subs: list[_ZmqSubscription] = []
+        self._sub_tasks: list[asyncio.Task[None]] = []
+        """The SUB socket's publisher watch and receive loop: started by the first `subscribe`, ended in `close`."""
+        self._connected: dict[str, str] = {}
         self._closed = False
 
     async def start(self) -> None:
@@ -361,15 +344,55 @@ class ZmqEventBus:
 
     async def subscribe(self, subject: str) -> _ZmqSubscription:
         sub = _ZmqSubscription(self, subject)
+        if self._sub is None:
+            self._sub = self._context.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.RCVHWM, SUBSCRIBER_QUEUE)
+            loop = asyncio.get_running_loop()
+            self._sub_tasks = [loop.create_task(self._follow_publishers()), loop.create_task(self._receive())]
+        self._sub.setsockopt(zmq.SUBSCRIBE, sub.literal)  # counted: a prefix subscribed twice needs two unsubscribes
         self._subs.append(sub)
         return sub
+
+    def _unsubscribe(self, sub: _ZmqSubscription) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+            if self._sub is not None:
+                self._sub.setsockopt(zmq.UNSUBSCRIBE, sub.literal)
+
+    async def _follow_publishers(self) -> None:
+        assert self._sub is not None
+        async for event in self._discovery.watch(CHANNEL_PREFIX):
+            if event.kind is WatchKind.PUT:
+                address = event.value.decode()
+                if self._connected.get(event.key) != address:
+                    self._sub.connect(address)
+                    self._connected[event.key] = address
+            elif event.key in self._connected:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disconnect(self._connected.pop(event.key))
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            subject_raw, payload = await self._sub.recv_multipart()
+            subject = subject_raw.decode()
+            for sub in self._subs:
+                sub.offer(subject, payload)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for sub in self._subs:
+        for sub in list(self._subs):
             await sub.close()
+        for task in self._sub_tasks:
+            task.cancel()
+        for task in self._sub_tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sub_tasks = []
+        if self._sub is not None:
+            self._sub.close(linger=0)
         if self._pub is not None:
             self._pub.close(linger=0)
         self._context.term()

@@ -119,6 +119,21 @@ async def test_subject_wildcards_match_one_token_or_the_rest(open_bus: BusOpener
     assert [s for s, _ in await receive(kv_of_any_component, 2)] == [subjects[0], subjects[3]]
 
 
+async def test_closing_one_subscription_leaves_the_others_on_its_bus_receiving(open_bus: BusOpener) -> None:
+    publisher = await open_bus()
+    subscriber = await open_bus()
+    load = await subscriber.subscribe("namespace.test.component.*.kv-metrics")
+    kv = await subscriber.subscribe("namespace.test.component.*.kv-events")
+    await wait_until_connected(publisher, kv)
+    await load.close()
+    await asyncio.sleep(0.3)
+    await _drain(kv)
+
+    await publisher.publish("namespace.test.component.decode.kv-metrics", b"load")
+    await publisher.publish(KV_EVENTS, b"kv")
+    assert await receive(kv, 1) == [(KV_EVENTS, b"kv")]
+
+
 async def test_a_slow_consumer_drops_and_counts_but_never_blocks_the_publisher(
     open_bus: BusOpener, backend: str
 ) -> None:
