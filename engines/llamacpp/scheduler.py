@@ -6,8 +6,9 @@ runs it, and reports back how many tokens each sequence computed and what it sam
 A sequence is the list `tokens` (prompt, then output) of which the first `num_computed` are in the KV
 cache. Each step feeds `tokens[num_computed:]` (one token when decoding, a chunk when prefilling) and
 samples when that reaches the end. Finished sequences keep their full blocks as a cached prefix (LRU,
-evictable, those a waiting prompt will share last); a new prompt sharing full blocks with a running or cached sequence gets them by
-`seq_cp`, which in llama.cpp's unified cache shares cells instead of copying. Blocks are refcounted by
+evictable, those a waiting prompt will share last); a new prompt sharing full blocks with a running or
+cached sequence gets them by `seq_cp`, which in llama.cpp's unified cache shares cells instead of
+copying. Blocks are refcounted by
 sequence hash, so `BlockStored` fires when a hash first enters the cache and `BlockRemoved` when the
 last sequence holding it lets go.
 
