@@ -60,6 +60,9 @@ class Sequence:
     onboard_state: CheckedState | None = None
     """The onboarded state while its import is not yet confirmed (a refused one is tried once more)."""
     is_onboard_retried: bool = False
+    token_hashes: list[int] = field(default_factory=list)
+    """Sequence hashes of the full blocks of `tokens` when it had `num_hashed` tokens (a memo)."""
+    num_hashed: int = -1
 
     @property
     def num_output_tokens(self) -> int:
@@ -415,7 +418,10 @@ class Scheduler:
     ##### Block hashes and events #####
 
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        return sequence_hashes(seq.tokens, self.block_size)
+        """Its blocks' hashes, computed again only when it has grown (waiting prompts are asked often)."""
+        if seq.num_hashed != len(seq.tokens):
+            seq.token_hashes, seq.num_hashed = sequence_hashes(seq.tokens, self.block_size), len(seq.tokens)
+        return seq.token_hashes
 
     def _store_blocks(self, seq: Sequence) -> None:
         new: list[StoredBlock] = []
