@@ -224,9 +224,9 @@ class Selection:
         return tuple(self.table.rows(range(len(self.table.candidates.worker_ids))))
 
     @property
-    def chosen(self) -> CandidateCost:
-        """The chosen candidate's terms."""
-        return self.table.row(self.index)
+    def overlap_blocks(self) -> int:
+        """The chosen candidate's cached prefix, in blocks (read from its column: no row is built)."""
+        return int(self.table.candidates.overlap_blocks[self.index])
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view for the `x-dyn-explain-route` response and logs (up to EXPLAIN_LIMIT rows)."""

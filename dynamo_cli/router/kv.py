@@ -129,7 +129,7 @@ class KvRoutingPolicy:
         hashes, selection, now = self._choose(request, workers)
         isl = len(request.token_ids)
         c, at, worker_id = selection.table.candidates, selection.index, selection.worker_id
-        overlap = int(c.overlap_blocks[at])
+        overlap = selection.overlap_blocks
         prefill_tokens = max(0, isl - overlap * self._cost.block_size)
         self.sequences.add_request(request.request_id, worker_id, hashes, prefill_tokens, now)
         if c.active_prefill_tokens[at] or c.host_blocks[at] or c.disk_blocks[at]:
@@ -145,8 +145,7 @@ class KvRoutingPolicy:
     def peek(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
         """The decision `select` would make now, counting nothing (`dyn router`'s `best_worker_id`)."""
         _, selection, _ = self._choose(request, workers)
-        return RouteDecision(selection.worker_id, int(selection.table.candidates.overlap_blocks[selection.index]),
-                             selection.to_dict)  # fmt: skip
+        return RouteDecision(selection.worker_id, selection.overlap_blocks, selection.to_dict)
 
     def add_remote(self, request_id: str, worker_id: int, hashes: Sequence[int], prefill_tokens: int) -> None:
         """Count a request another router replica routed, so every replica sees the same load."""
