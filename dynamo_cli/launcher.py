@@ -31,7 +31,7 @@ from prometheus_client import generate_latest
 
 from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
 from dynamo_cli.engine import EngineArgs, Role
-from dynamo_cli.errors import ConfigError, DynError
+from dynamo_cli.errors import ConfigError, DynError, TransportError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
 from dynamo_cli.planner.connectors import LocalConnector, ScaleTarget
 from dynamo_cli.planner.observe import (
@@ -45,7 +45,7 @@ from dynamo_cli.planner.observe import (
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
 from dynamo_cli.planner.profiler import profile_mocker_as_deployed
-from dynamo_cli.router.registry import ROUTER_COMPONENT
+from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
@@ -127,22 +127,37 @@ async def _wait_ready(
             pass
 
 
-async def _wait_backends(discovery: Discovery, config: ServeConfig, procs: list[asyncio.subprocess.Process]) -> None:
-    """Behind `dyn router`s: wait until every worker (decode and prefill) is in discovery."""
+async def _wait_backends(
+    service: FrontendService, config: ServeConfig, procs: list[asyncio.subprocess.Process]
+) -> None:
+    """Behind `dyn router`s: wait until every router routes to every worker (decode and prefill); a router's
+    discovery watch lags the workers' registration, and until it has the prefill pool it prefills locally."""
     wanted, deadline = config.num_workers + config.num_prefill_workers, time.monotonic() + config.ready_timeout_s
-    prefix = f"v1/instances/{config.frontend.namespace}/"
     while True:
-        async with asyncio.timeout(10):
-            found = await discovery.get_prefix(prefix)
-        if sum(1 for key in found if f"/{ROUTER_COMPONENT}/" not in key) >= wanted:
+        if min([await _backends_seen(router) for router in _routers(service)], default=0) >= wanted:
             return
         dead = [p for p in procs if p.returncode is not None]
         if dead:
             raise WorkerFailed(f"worker pid {dead[0].pid} exited with code {dead[0].returncode} before registering")
         if time.monotonic() > deadline:
-            raise WorkerFailed(f"the {wanted} workers behind the routers did not register within "
+            raise WorkerFailed(f"the {wanted} workers behind the routers did not all reach every router within "
                                f"{config.ready_timeout_s:.0f} s")  # fmt: skip
         await asyncio.sleep(0.2)
+
+
+def _routers(service: FrontendService) -> list[Worker]:
+    return [w for entry in service.registry.models.values() for w in entry.workers.values()]
+
+
+async def _backends_seen(router: Worker) -> int:
+    """How many workers `router` routes to (its `best_worker_id` answer); 0 while it cannot answer yet."""
+    try:
+        async with asyncio.timeout(10):
+            stream = await router.client.open_stream("best_worker_id", msgspec.msgpack.encode({"token_ids": []}))
+            replies = [msgspec.msgpack.decode(raw) async for raw in stream]
+    except (TransportError, TimeoutError):
+        return 0
+    return sum(len(reply.get("in_flight", [])) + len(reply.get("prefill_workers", [])) for reply in replies)
 
 
 async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
@@ -226,7 +241,7 @@ async def _serve_started(config: ServeConfig, discovery: Discovery, service: Fro
             procs = pool.procs + (connector.processes() if connector is not None else [])
             await _wait_ready(service, procs, expected, config.ready_timeout_s)
             if config.num_routers:  # the frontend sees only the routers: count the workers behind them
-                await _wait_backends(discovery, config, pool.procs)
+                await _wait_backends(service, config, pool.procs)
             served.update(service.registry.models)
             tasks.spawn(pool.supervise())
             if planner is not None:

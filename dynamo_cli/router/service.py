@@ -198,7 +198,8 @@ class RouterService:
         reply = {"worker_id": decision.worker_id, "overlap_blocks": decision.overlap_blocks,
                  "explanation": decision.explanation, "router_id": self.instance_id, "model": entry.name,
                  "in_flight": in_flight_view(policy, list(entry.workers)), "queued": len(entry.queue),
-                 "indexed_workers": sorted(policy.indexer.workers())}  # fmt: skip
+                 "indexed_workers": sorted(policy.indexer.workers()),
+                 "prefill_workers": sorted(entry.prefill_workers)}  # fmt: skip
         yield msgspec.msgpack.encode(reply)
 
     def _entry(self) -> ModelEntry:
