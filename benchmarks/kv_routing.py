@@ -457,6 +457,7 @@ def summarize(mode: str, records: list[KvRecord], work: Workload, a: float, b: f
         "req_per_s": len(done_in_window) / window,
         "out_tok_per_s": sum(r.completion_tokens or 0 for r in done_in_window) / window,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+        "ttft_ms": sorted(round(x, 2) for x in ttft),
         "e2e_p50_ms": pct(e2e, 50), "e2e_p90_ms": pct(e2e, 90),
         "ttft_p50_1st_half_ms": pct(halves[0], 50), "ttft_p50_2nd_half_ms": pct(halves[1], 50),
         "send_lag_p99_ms": pct(lag, 99),

@@ -29,10 +29,12 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import kv_routing as kr  # benchmarks/ is the script's directory, so on sys.path
+import numpy as np
 
 CACHES = {"default": (20, None), "p20": (20, 512), "p40": (40, 512)}
 """Cache regime -> (system prompts, KV blocks per worker; None = the mocker's default)."""
@@ -116,6 +118,34 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             for mode, row in runs.items() if mode != "round-robin"}  # fmt: skip
 
 
+def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Every repeat's TTFTs of a cell pooled per mode: the percentiles, round-robin / mode, and for each
+    ratio a 90 % bootstrap interval (each side's samples drawn again with replacement, `draws` times).
+    A per-run p99 rests on ~1 % of one run's requests, so one repeat's ratio swings by 10-20 %; pooling
+    the repeats gives the tail more samples and the interval says how far the ratio could still move."""
+    samples: dict[str, list[float]] = {}
+    for cell in cells:
+        for mode, row in cell["runs"].items():
+            samples.setdefault(mode, []).extend(row["ttft_ms"])
+    rng = np.random.default_rng(seed)
+    qs = [int(key.split("_p")[1].split("_")[0]) for key in RATIO_KEYS]
+    arrays = {mode: np.asarray(values) for mode, values in samples.items()}
+    boot = {mode: np.array([np.percentile(rng.choice(a, len(a)), qs, method="inverted_cdf") for _ in range(draws)]).T
+            for mode, a in arrays.items()}  # fmt: skip
+    out: dict[str, Any] = {mode: {"n": len(a), **{k: float(np.percentile(a, q, method="inverted_cdf"))
+                                                 for k, q in zip(RATIO_KEYS, qs, strict=True)}}
+                           for mode, a in arrays.items()}  # fmt: skip
+    rr = boot.get("round-robin")
+    for mode in arrays:
+        if mode == "round-robin" or rr is None:
+            continue
+        ratios = rr / boot[mode]  # (quantile, draw)
+        out[mode]["rr_over"] = {k: out["round-robin"][k] / out[mode][k] for k in RATIO_KEYS}
+        out[mode]["rr_over_90ci"] = {k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))]
+                                     for i, k in enumerate(RATIO_KEYS)}  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     given = {cache: float(rate) for cache, _, rate in (c.partition("=") for c in args.capacity)}
@@ -142,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append(cell)
                 print(json.dumps({"cache": cache, "load": load, "repeat": repeat, "rr_over": cell["rr_over"]}),
                       flush=True)  # fmt: skip
+        pooled = {load: pool(c for c in cells if c["load"] == load) for load in loads} if args.repeats > 1 else {}
         results["caches"][cache] = {"num_prefixes": num_prefixes, "num_gpu_blocks": blocks or 16384,
-                                    "rr_capacity_req_per_s": capacity, "probe": probe, "cells": cells}  # fmt: skip
+                                    "rr_capacity_req_per_s": capacity, "probe": probe, "cells": cells,
+                                    "pooled": pooled}  # fmt: skip
     results["loadavg_end"] = os.getloadavg()
     print_table(results)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -158,8 +190,10 @@ def _ms(row: dict[str, Any]) -> str:
 def print_table(results: dict[str, Any]) -> None:
     """One line per cell and kv-like mode: both sides' TTFT p50/p90/p99 (ms), the ratios, hit rates."""
     print(f"\nload average {results['loadavg_start']} at start, {results['loadavg_end']} at end")
-    print("| cache | load | req/s offered | mode | TTFT p50/p90/p99 ms | rr TTFT p50/p90/p99 ms | "
-          "rr/kv p50 | rr/kv p90 | rr/kv p99 | hit | rr hit | reachable blk | no worse |")
+    print(
+        "| cache | load | req/s offered | mode | TTFT p50/p90/p99 ms | rr TTFT p50/p90/p99 ms | "
+        "rr/kv p50 | rr/kv p90 | rr/kv p99 | hit | rr hit | reachable blk | no worse |"
+    )
     print("|" + "---|" * 13)
     for cache, reg in results["caches"].items():
         for cell in reg["cells"]:
@@ -170,10 +204,26 @@ def print_table(results: dict[str, Any]) -> None:
                 ratio = cell["rr_over"].get(mode, dict.fromkeys(RATIO_KEYS, float("nan")))
                 offered = "closed" if cell["load"] == "closed" else f"{row['rate']:.1f}"
                 ok = "-" if rr is None else "yes" if all(r >= 1 for r in ratio.values()) else "NO"
-                print(f"| {cache} | {cell['load']} | {offered} | {mode} | {_ms(row)} | {_ms(rr) if rr else '-'} | "
-                      + " | ".join(f"{ratio[k]:.2f}" for k in RATIO_KEYS)
-                      + f" | {row['hit_rate']:.1%} | {rr['hit_rate'] if rr else float('nan'):.1%} | "
-                      f"{row.get('router_reachable_blocks_rate', float('nan')):.1%} | {ok} |")
+                print(
+                    f"| {cache} | {cell['load']} | {offered} | {mode} | {_ms(row)} | {_ms(rr) if rr else '-'} | "
+                    + " | ".join(f"{ratio[k]:.2f}" for k in RATIO_KEYS)
+                    + f" | {row['hit_rate']:.1%} | {rr['hit_rate'] if rr else float('nan'):.1%} | "
+                    f"{row.get('router_reachable_blocks_rate', float('nan')):.1%} | {ok} |"
+                )
+    pooled = [
+        (cache, load, mode, row)
+        for cache, reg in results["caches"].items()
+        for load, cell in reg.get("pooled", {}).items()
+        for mode, row in cell.items()
+        if "rr_over" in row
+    ]
+    if pooled:
+        print("\nPooled over the repeats (rr/kv with its 90 % bootstrap interval):")
+        print("| cache | load | mode | TTFTs | TTFT p50/p90/p99 ms | rr/kv p50 | rr/kv p90 | rr/kv p99 |")
+        print("|" + "---|" * 8)
+        for cache, load, mode, row in pooled:
+            cis = [f"{row['rr_over'][k]:.2f} ({lo:.2f}-{hi:.2f})" for k, (lo, hi) in row["rr_over_90ci"].items()]
+            print(f"| {cache} | {load} | {mode} | {row['n']} | {_ms(row)} | " + " | ".join(cis) + " |")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,6 @@ def test_a_request_whose_data_breaks_the_pass_fails_alone_and_the_others_go_on()
     failed: list[tuple[MockRequest, str]] = []
     for _ in range(8):
         failed += scheduler.step().failed
-    assert [(request.request_id, "error" in reason) for request, reason in failed] == [("bad", True)]
+    assert [(request.request_id, "Error: " in reason) for request, reason in failed] == [("bad", True)]
     assert bad not in scheduler.running and good.num_output_tokens == 8
     assert not scheduler.has_work and scheduler.kv.num_active_blocks == 0
