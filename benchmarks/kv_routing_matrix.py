@@ -64,10 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-seconds", type=float, default=20.0)
     p.add_argument("--probe-warmup", type=float, default=5.0)
     p.add_argument("--json", default="benchmarks/out/kv_routing_matrix.json")
+    p.add_argument("--records", action="store_true", help="keep every measured request in the JSON")
     args = p.parse_args(argv)
     # knobs kv_routing.py's deployment and summaries read
     args.kv_overlap_score_weight, args.router_temperature, args.hot_spot_guard = 1.0, 0.0, True
-    args.router_cost, args.arrival, args.records, args.rate, args.clients = None, "poisson", False, 0.0, 0
+    args.router_cost, args.arrival, args.rate, args.clients = None, "poisson", 0.0, 0
     return args
 
 
