@@ -119,6 +119,16 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             for mode, row in runs.items() if mode != "round-robin"}  # fmt: skip
 
 
+PERCENTILES = (50, 90, 99)
+"""Of RATIO_KEYS, in order."""
+
+
+def _percentiles(values: np.ndarray) -> np.ndarray:
+    """`kr.pct`'s percentiles (the sorted value at index int(q / 100 * n)) of one sample, in one partition."""
+    at = [min(len(values) - 1, q * len(values) // 100) for q in PERCENTILES]
+    return np.partition(values, at)[at]
+
+
 def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Every repeat's TTFTs of a cell pooled per mode: the percentiles, round-robin / mode, and for each
     ratio a 90 % bootstrap interval (each side's samples drawn again with replacement, `draws` times).
@@ -129,12 +139,10 @@ def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> d
         for mode, row in cell["runs"].items():
             samples.setdefault(mode, []).extend(row["ttft_ms"])
     rng = np.random.default_rng(seed)
-    qs = [int(key.split("_p")[1].split("_")[0]) for key in RATIO_KEYS]
     arrays = {mode: np.asarray(values) for mode, values in samples.items()}
-    boot = {mode: np.array([np.percentile(rng.choice(a, len(a)), qs, method="inverted_cdf") for _ in range(draws)]).T
+    boot = {mode: np.array([_percentiles(rng.choice(a, len(a))) for _ in range(draws)]).T
             for mode, a in arrays.items()}  # fmt: skip
-    out: dict[str, Any] = {mode: {"n": len(a), **{k: float(np.percentile(a, q, method="inverted_cdf"))
-                                                 for k, q in zip(RATIO_KEYS, qs, strict=True)}}
+    out: dict[str, Any] = {mode: {"n": len(a), **dict(zip(RATIO_KEYS, _percentiles(a).tolist(), strict=True))}
                            for mode, a in arrays.items()}  # fmt: skip
     rr = boot.get("round-robin")
     for mode in arrays:

@@ -150,7 +150,8 @@ def _routers(service: FrontendService) -> list[Worker]:
 
 
 async def _backends_seen(router: Worker) -> int:
-    """How many workers `router` routes to (its `best_worker_id` answer); 0 while it cannot answer yet."""
+    """How many workers `router` routes to: its `best_worker_id` answer has a row of `in_flight` per decode
+    worker and lists `prefill_workers`; 0 while it cannot answer yet."""
     try:
         async with asyncio.timeout(10):
             stream = await router.client.open_stream("best_worker_id", msgspec.msgpack.encode({"token_ids": []}))
