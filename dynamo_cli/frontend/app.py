@@ -44,8 +44,8 @@ from dynamo_cli.frontend.openai import (
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import nth_seed, prompt_of, sampling_of
-from dynamo_cli.frontend.replies import INTERRUPTIBLE, Interruptible, Write, reply_json, stream_sse
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
+from dynamo_cli.frontend.replies import ClientGone, Write, reply_json, stream_sse, unless_gone
 from dynamo_cli.frontend.replies import error_type as _error_type
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
@@ -57,10 +57,6 @@ from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected."""
 
 
 class Frontend:
@@ -155,23 +151,8 @@ class Frontend:
     ) -> list[Generation]:
         """`_prepare`, watching for the client to leave: its waits for a worker end then (see `Interruptible`),
         and what was prepared for a client gone by the end is closed: ClientGone."""
-        guard = Interruptible()
-        token = INTERRUPTIBLE.set(guard)
-        try:
-            task: asyncio.Task[list[Generation]] = asyncio.ensure_future(self._prepare(request, scope))
-            guard.task = task  # the task's context has the guard
-        finally:
-            INTERRUPTIBLE.reset(token)
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, guard.interrupt))
-        try:
-            generations = await task
-        except asyncio.CancelledError:
-            if guard.is_gone:  # the disconnect cancelled it, not our own caller
-                raise ClientGone() from None
-            raise
-        finally:
-            await cancel_and_wait(watcher)
-        if guard.is_gone:
+        generations, is_gone = await unless_gone(lambda: self._prepare(request, scope), receive)
+        if is_gone:
             for gen in generations:
                 await gen.dispatch.aclose()
             raise ClientGone()

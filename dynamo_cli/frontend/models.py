@@ -14,6 +14,7 @@ from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router import registry
 from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, PolicyFactory, Worker
+from dynamo_cli.runtime.supervisor import freeze_heap
 
 __all__ = ["ROUTER_COMPONENT", "BusyThresholds", "ModelEntry", "ModelRegistry", "PolicyFactory", "Worker"]
 
@@ -31,5 +32,6 @@ class ModelRegistry(registry.Registry[ModelEntry]):
 
     def _new_entry(self, card: ModelCard) -> ModelEntry:
         tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, card.tokenizer_source)
+        tokenizer.add_done_callback(lambda _: freeze_heap())  # a vocabulary: long-lived, and many objects
         return ModelEntry(name=card.display_name, card=card, tokenizer=tokenizer, policy=self._policy_factory(card),
                           prefill_policy=self._prefill_policy_factory(card))  # fmt: skip

@@ -31,7 +31,7 @@ from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, Worker
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, pump, subscribe_kv_events
 from dynamo_cli.runtime.names import component_subject, kv_events_subject
-from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait
+from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class FrontendService:
                 self.registry.on_join = self._catch_up
             server = self._tasks.spawn(self._serve_http(sock, stop))
             await on_ready()
+            freeze_heap()
             await server
         finally:
             await self._tasks.close()

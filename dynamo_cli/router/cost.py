@@ -109,6 +109,9 @@ class Candidates:
     disk_blocks: np.ndarray
     tiered: bool = False
     """False: every hit is on device (host and disk are zeros), so the cost skips the tier terms."""
+    pass_elapsed_s: np.ndarray | None = None
+    """Seconds since a prefill pass the router saw start (KV events) on each candidate, inf: none running;
+    None: not known (no KV events). The time cost charges the rest of that pass's fixed time."""
 
     @classmethod
     def of(cls, worker_ids: Sequence[int], *columns: Sequence[int]) -> Candidates:
@@ -265,11 +268,13 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         isl=isl, num_blocks=num_blocks, block_size=bs, overlap=c.overlap_blocks,
         queued_prefill=c.active_prefill_tokens, active_blocks=c.active_blocks,
         active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
-        capacity=c.capacity_blocks, speed=speed, tiers=tiers,
+        capacity=c.capacity_blocks, speed=speed, tiers=tiers, pass_elapsed=c.pass_elapsed_s,
         **({"host": c.host_blocks, "disk": c.disk_blocks} if c.tiered else {}),
     )  # fmt: skip
     times = {"prefill_s": terms.prefill_s, "onboard_s": terms.onboard_s, "evict_s": terms.evict_s,
              "memory_s": terms.memory_s, "queue_s": terms.queue_s}  # fmt: skip
+    if terms.busy_s is not None:
+        times["busy_s"] = terms.busy_s
     return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
 
 
@@ -305,7 +310,8 @@ def select(
     if config.temperature > 0:
         index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
     elif config.cost == "time":
-        index, reason = _in_turn(logits, logits - table.times["queue_s"], speed.pass_s, turn)
+        busy = table.times.get("busy_s")
+        index, reason = _in_turn(logits, logits - table.times["queue_s"], speed.pass_s, turn, busy)
     else:
         index, reason = _argmin(logits, [c.cached_blocks], rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
@@ -350,12 +356,18 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
 _TIE_REASONS = {1: (Reason.TIE_CACHE,)}
 
 
-def _in_turn(scores: np.ndarray, own: np.ndarray, band: float, turn: int) -> tuple[int, Reason]:
+def _in_turn(
+    scores: np.ndarray, own: np.ndarray, band: float, turn: int, busy: np.ndarray | None = None
+) -> tuple[int, Reason]:
     """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
-    same `own` cost) are taken in turn (in candidate order)."""
-    best = int(scores.argmin())
+    same `own` cost) are taken in turn (in candidate order); when some of them have `busy` time left of a
+    prefill pass seen running, the least score plus that time wins instead (time_cost.py point 6)."""
+    best = int(np.argmin(scores))
     near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
-    tied = near.nonzero()[0]
+    if busy is not None and near.sum() > 1 and (busy[near] > 0).any():
+        tied = np.flatnonzero(near)
+        return int(tied[np.argmin((scores + busy)[tied])]), Reason.ARGMIN
+    tied = np.flatnonzero(near)
     if len(tied) == 1:
         return int(tied[0]), Reason.ARGMIN
     return int(tied[turn % len(tied)]), Reason.TIE_TURN

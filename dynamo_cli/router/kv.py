@@ -20,12 +20,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+import numpy as np
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.events import DEVICE, BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
@@ -185,6 +187,10 @@ class KvRoutingPolicy:
         if gap is not None:
             self.counters.num_kv_gaps += 1
             self._gaps.append(gap)
+        now = self._clock()
+        for event in batch.events:  # a pass storing a pending prompt's last block is computing it
+            if type(event) is BlockStored and event.tier == DEVICE:
+                self.sequences.mark_stored(batch.worker_id, [block.block_hash for block in event.blocks], now)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
@@ -254,7 +260,7 @@ class KvRoutingPolicy:
         active_overlaps = self.sequences.active_overlaps(hashes)
         prefill, active, in_flight = self.sequences.totals(workers)
         capacity, default = self._capacity.get, self.config.total_kv_blocks or 0
-        return Candidates.of(
+        candidates = Candidates.of(
             workers,
             [overlaps.get(w, 0) for w in workers] if overlaps else [0] * len(workers),
             prefill,
@@ -265,6 +271,9 @@ class KvRoutingPolicy:
             [capacity(w, default) for w in workers],
             *(_tier_columns(tiers, workers) if tiers else ()),
         )
+        if not self.config.use_kv_events:
+            return candidates
+        return replace(candidates, pass_elapsed_s=np.array(self.sequences.pass_elapsed(workers, now)))
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
         counters = self.counters

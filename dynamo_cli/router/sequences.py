@@ -28,6 +28,8 @@ class _Active:
     prefill_tokens: int
     """Outstanding prefill tokens; 0 once the first token came back."""
     started: float
+    computing: bool = False
+    """Its prompt's last block was stored on its worker (KV event): its prefill pass is running."""
 
 
 class ActiveSequences:
@@ -43,6 +45,10 @@ class ActiveSequences:
         self._masks: dict[int, int] = {}
         """sequence hash -> bits of the workers where it is active (for active-overlap queries)."""
         self._slots = WorkerSlots()
+        self._pending: dict[int, set[str]] = {}
+        """Last prompt block hash -> requests awaiting their first token (to notice their pass start)."""
+        self._computing: dict[int, tuple[int, float]] = {}
+        """worker -> (requests whose prefill pass is running there, when the latest such pass was seen start)."""
 
     ##### Queries #####
 
@@ -63,6 +69,11 @@ class ActiveSequences:
             [len(refs(w, empty)) for w in workers],
             [count(w, 0) for w in workers],
         )
+
+    def pass_elapsed(self, workers: Sequence[int], now: float) -> list[float]:
+        """Per worker: seconds since a prefill pass the router saw start there (inf: none running)."""
+        computing = self._computing
+        return [now - computing[w][1] if w in computing else float("inf") for w in workers]
 
     def active_overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
         """Worker -> contiguous prefix blocks of `hashes` already active there (0s omitted)."""
@@ -106,6 +117,8 @@ class ActiveSequences:
         self.free(request_id)
         unique = tuple(dict.fromkeys(hashes))
         self._requests[request_id] = _Active(worker_id, unique, max(0, prefill_tokens), now)
+        if prefill_tokens > 0 and unique:
+            self._pending.setdefault(unique[-1], set()).add(request_id)
         self._prefill[worker_id] = self._prefill.get(worker_id, 0) + max(0, prefill_tokens)
         self._count[worker_id] = self._count.get(worker_id, 0) + 1
         refs = self._refs.setdefault(worker_id, {})
@@ -125,7 +138,20 @@ class ActiveSequences:
             return False
         self._prefill[active.worker_id] -= active.prefill_tokens
         active.prefill_tokens = 0
+        self._settle(request_id, active)
         return True
+
+    def mark_stored(self, worker_id: int, block_hashes: Sequence[int], now: float) -> None:
+        """`worker_id` stored these blocks (a KV event, sent when a pass starts): requests awaiting their
+        first token there whose last prompt block is among them are being computed now."""
+        pending = self._pending
+        for h in block_hashes:
+            for request_id in pending.get(h, ()):
+                active = self._requests[request_id]
+                if active.worker_id == worker_id and not active.computing:
+                    active.computing = True
+                    count = self._computing.get(worker_id, (0, now))[0]
+                    self._computing[worker_id] = (count + 1, now)
 
     def free(self, request_id: str) -> bool:
         """The request left its worker (finished, failed, disconnected). False if it was not in flight."""
@@ -135,6 +161,7 @@ class ActiveSequences:
         worker = active.worker_id
         if active.prefill_tokens:
             self._prefill[worker] -= active.prefill_tokens
+            self._settle(request_id, active)
         self._count[worker] -= 1
         refs = self._refs[worker]
         keep = ~self._slots.bit(worker)
@@ -151,6 +178,22 @@ class ActiveSequences:
                 del self._masks[h]
         return True
 
+    def _settle(self, request_id: str, active: _Active) -> None:
+        """The request no longer awaits its first token: it leaves the pending and computing sets."""
+        if active.hashes:
+            waiting = self._pending.get(active.hashes[-1])
+            if waiting is not None:
+                waiting.discard(request_id)
+                if not waiting:
+                    del self._pending[active.hashes[-1]]
+        if active.computing:
+            active.computing = False
+            count, since = self._computing[active.worker_id]
+            if count > 1:
+                self._computing[active.worker_id] = (count - 1, since)
+            else:
+                del self._computing[active.worker_id]
+
     def remove_worker(self, worker_id: int) -> list[str]:
         """Free every request on a worker that left; returns their ids."""
         gone = [rid for rid, active in self._requests.items() if active.worker_id == worker_id]
@@ -159,6 +202,7 @@ class ActiveSequences:
         self._refs.pop(worker_id, None)
         self._prefill.pop(worker_id, None)
         self._count.pop(worker_id, None)
+        self._computing.pop(worker_id, None)
         self._slots.release(worker_id)
         return gone
 

@@ -58,7 +58,7 @@ from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, pump
 from dynamo_cli.runtime.names import EndpointName, component_subject
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
 logger = logging.getLogger(__name__)
@@ -322,6 +322,7 @@ class RouterService:
                     backends = f"{self.config.namespace}/{self.config.component}"
                     announce(f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
                              f"model={card.display_name} backends={backends}")  # fmt: skip
+                    freeze_heap()
                     await tasks.wait_stop(stop)
         finally:
             await self.server.close()

@@ -48,6 +48,13 @@ the cost of sending the request to w is
    intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are taken in turn (the
    caller counts its decisions). Turns spread equal work evenly and keep arrivals in step, so passes
    batch several prefills; a difference in own work (a hit) is never a tie, however wide T0.
+6. **A pass seen starting**: engines send a pass's KV events when it starts, so the KV event that stores
+   the last prompt block of a request routed there says its prefill pass is running. A request sent to
+   that worker now waits for the rest of that pass before its own: up to T0 more. So when every
+   candidate has a prefill queued (no idle one to turn to), the near-ties of point 5 whose pass started
+   less than T0 / 2 ago are charged the part of T0 still to run (`busy_s`), and the least queue plus
+   that wins, instead of the next in turn; a worker whose queued prefill has not started yet (its pass
+   not begun, so the request can still join it) costs only its queue.
 
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
@@ -87,9 +94,9 @@ taken in turn: kv routes exactly as round-robin does (in the replay and in the e
 run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin's) is not a choice this
 cost makes that round-robin would not. The slow requests of that run were routed while every worker had
 a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
-waited that pass too. Steering near-ties away from such workers (tried: the KV event of a queued
-request's last prompt block marks its pass as started) cut the replay's p99 at 12 clients per worker
-from 43 to 33 ms but cost 1-2 % of p99 in open loop, so it is not in this cost.
+waited that pass too: point 6 steers near-ties away from them (the replay: p99 at 12 clients per
+worker 43 -> 34 ms, open loop 0.98-0.99). The rest of the measured gap was the frontend's garbage
+collector, not the router: see benchmarks/RESULTS.md ("Default cache, closed loop: the last gap").
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
@@ -146,6 +153,8 @@ class TimeTerms:
     near-ties (point 5) may disregard."""
     onboard_s: np.ndarray
     """Copying the prefix's host and disk blocks back into the engine's cache."""
+    busy_s: np.ndarray | None = None
+    """The fixed time T0 still to run of a prefill pass seen starting there (point 6); None: not known."""
 
     @property
     def total(self) -> np.ndarray:
@@ -170,9 +179,11 @@ def time_terms(
     host: np.ndarray | None = None,
     disk: np.ndarray | None = None,
     tiers: TierCosts = AS_DEVICE,
+    pass_elapsed: np.ndarray | None = None,
 ) -> TimeTerms:
     """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown; `host`, `disk`:
-    how many of the `overlap` blocks sit on those tiers (None: all on device)."""
+    how many of the `overlap` blocks sit on those tiers (None: all on device); `pass_elapsed`: seconds
+    since a prefill pass was seen starting there (inf: none; None: not known)."""
     rate = speed.prefill_tokens_per_s
     uncached = np.maximum(0, isl - overlap * block_size)
     if host is None or disk is None:
@@ -194,7 +205,11 @@ def time_terms(
     held = active_blocks + in_flight
     overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
     memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
-    return TimeTerms(prefill_s, evict_s, memory_s, queue_s, onboard_s)
+    busy_s = None
+    if pass_elapsed is not None:  # point 6: only when every candidate has a prefill queued
+        left = np.maximum(0.0, speed.pass_s - pass_elapsed)
+        busy_s = np.where((left > speed.pass_s / 2) & bool((queued_prefill > 0).all()), left, 0.0)
+    return TimeTerms(prefill_s, evict_s, memory_s, queue_s, onboard_s, busy_s)
 
 
 class SpeedEstimator:

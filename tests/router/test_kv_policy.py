@@ -288,3 +288,26 @@ def test_only_requests_with_no_prefill_queued_ahead_teach_the_prefill_speed() ->
     kv.on_first_token("behind")
 
     assert recorder.seen == [(160, 0.25)]
+
+
+def test_when_every_worker_has_a_prefill_queued_it_joins_one_still_waiting_not_one_seen_computing() -> None:
+    # Issue 15's closed-loop p99: with a prefill queued everywhere, turns sent a request to a worker whose
+    # queued prefill had already started its pass (its KV event came), so it waited that whole pass too.
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1e6), rng=random.Random(0),
+                         clock=clock)  # fmt: skip
+    for worker in (1, 2):
+        kv.apply_kv_events(stored_batch(worker, 0, SYSTEM))
+    first = kv.select(RouteRequest("a", prompt(1)), [1, 2]).worker_id
+    other = kv.select(RouteRequest("b", prompt(2)), [1, 2]).worker_id
+    assert {first, other} == {1, 2}  # near-ties in turn
+    kv.apply_kv_events(stored_batch(first, 1, prompt(1)))  # "a"'s pass started; "b" still waits for one
+    clock.now += 0.004
+
+    decision = kv.select(RouteRequest("c", prompt(3)), [1, 2])
+
+    assert decision.worker_id == other  # in turn it would have been `first` again
+    busy = {c["worker_id"]: c["busy_s"] for c in decision.explanation["candidates"]}
+    assert busy[other] == 0.0 and busy[first] == pytest.approx(kv.speed.speed.pass_s - 0.004)
+    kv.on_first_token("a")  # that pass ended: nothing is known to be computing any more
+    assert kv.sequences.pass_elapsed([1, 2], clock.now) == [float("inf")] * 2
