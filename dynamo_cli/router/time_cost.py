@@ -95,8 +95,9 @@ run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin
 cost makes that round-robin would not. The slow requests of that run were routed while every worker had
 a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
 waited that pass too: point 6 steers near-ties away from them (the replay: p99 at 12 clients per
-worker 43 -> 34 ms, open loop 0.98-0.99). The rest of the measured gap was the frontend's garbage
-collector, not the router: see benchmarks/RESULTS.md ("Default cache, closed loop: the last gap").
+worker 43 -> 34 ms, open loop 0.98-0.99; the real cell 0.93 -> 0.97). Part of the rest was the
+frontend's garbage collector stalling dispatch, not this cost: benchmarks/RESULTS.md ("Default cache,
+closed loop: the last gap").
 
 **Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
 benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
