@@ -114,13 +114,17 @@ class Candidates:
     None: not known (no KV events). The time cost charges the rest of that pass's fixed time."""
 
     @classmethod
-    def of(cls, worker_ids: Sequence[int], *columns: Sequence[int]) -> Candidates:
+    def of(
+        cls, worker_ids: Sequence[int], *columns: Sequence[int], pass_elapsed_s: Sequence[float] | None = None
+    ) -> Candidates:
         """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
         arrays = [np.array(column, dtype=np.int64) for column in columns]
         tiered = len(arrays) == len(_COLUMNS)
         arrays += [np.zeros(len(worker_ids), dtype=np.int64)] * (len(_COLUMNS) - len(arrays))
         overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = arrays
-        return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered)
+        elapsed = None if pass_elapsed_s is None else np.array(pass_elapsed_s, dtype=np.float64)
+        return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered,
+                   elapsed)  # fmt: skip
 
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
@@ -362,14 +366,13 @@ def _in_turn(
     """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
     same `own` cost) are taken in turn (in candidate order); when some of them have `busy` time left of a
     prefill pass seen running, the least score plus that time wins instead (time_cost.py point 6)."""
-    best = int(np.argmin(scores))
+    best = int(scores.argmin())
     near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
-    if busy is not None and near.sum() > 1 and (busy[near] > 0).any():
-        tied = np.flatnonzero(near)
-        return int(tied[np.argmin((scores + busy)[tied])]), Reason.ARGMIN
-    tied = np.flatnonzero(near)
+    tied = near.nonzero()[0]
     if len(tied) == 1:
         return int(tied[0]), Reason.ARGMIN
+    if busy is not None and busy[tied].any():  # busy is never negative
+        return int(tied[(scores + busy)[tied].argmin()]), Reason.ARGMIN
     return int(tied[turn % len(tied)]), Reason.TIE_TURN
 
 

@@ -20,10 +20,8 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
-
-import numpy as np
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.engine import LoadMetrics
@@ -260,7 +258,7 @@ class KvRoutingPolicy:
         active_overlaps = self.sequences.active_overlaps(hashes)
         prefill, active, in_flight = self.sequences.totals(workers)
         capacity, default = self._capacity.get, self.config.total_kv_blocks or 0
-        candidates = Candidates.of(
+        return Candidates.of(
             workers,
             [overlaps.get(w, 0) for w in workers] if overlaps else [0] * len(workers),
             prefill,
@@ -270,10 +268,8 @@ class KvRoutingPolicy:
             in_flight,
             [capacity(w, default) for w in workers],
             *(_tier_columns(tiers, workers) if tiers else ()),
+            pass_elapsed_s=self.sequences.pass_elapsed(workers, now) if self.config.use_kv_events else None,
         )
-        if not self.config.use_kv_events:
-            return candidates
-        return replace(candidates, pass_elapsed_s=np.array(self.sequences.pass_elapsed(workers, now)))
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
         counters = self.counters

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -18,6 +19,16 @@ class Prepared:
 async def _stays(_: object = None) -> dict[str, str]:
     await asyncio.sleep(3600)  # a client that never leaves
     return {"type": "http.disconnect"}
+
+
+def _leaves_when(left: asyncio.Event) -> Callable[[], Awaitable[dict[str, str]]]:
+    """An ASGI `receive` whose client disconnects once `left` is set."""
+
+    async def receive() -> dict[str, str]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 async def test_a_prepared_request_is_freed_when_dropped_not_left_for_the_garbage_collector() -> None:
@@ -43,10 +54,7 @@ async def test_a_prepared_request_is_freed_when_dropped_not_left_for_the_garbage
 
 async def test_a_client_that_leaves_while_the_request_waits_ends_the_wait() -> None:
     left = asyncio.Event()
-
-    async def leaves() -> dict[str, str]:
-        await left.wait()
-        return {"type": "http.disconnect"}
+    leaves = _leaves_when(left)
 
     async def prepare() -> Prepared:
         with interruptible():
@@ -62,10 +70,7 @@ async def test_a_client_that_leaves_while_the_request_waits_ends_the_wait() -> N
 
 async def test_a_client_that_leaves_outside_a_wait_is_reported_not_cancelled() -> None:
     left = asyncio.Event()
-
-    async def leaves() -> dict[str, str]:
-        await left.wait()
-        return {"type": "http.disconnect"}
+    leaves = _leaves_when(left)
 
     async def prepare() -> Prepared:
         left.set()
