@@ -168,8 +168,9 @@ def start_serve(
             argv.append("--no-hot-spot-guard")
         if knobs["cost"]:
             argv += ["--router-cost", knobs["cost"]]
+    env = {**os.environ, "PYTHONPATH": knobs["code"]} if knobs["code"] else None
     log = log_path.open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)  # a file: a full pipe never blocks it
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)  # a file: a full pipe never blocks
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         match = re.search(r"dyn serve ready: (\S+)", log_path.read_text(errors="replace"))
@@ -184,12 +185,16 @@ def start_serve(
 
 def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `kv:cost=dynamo`, `round-robin`, `random` -> router and kv
-    knobs (`cost=` unset: the router's default cost)."""
+    knobs (`cost=` unset: the router's default cost); any mode may add `code=DIR`: its `dyn serve` runs the
+    checkout in DIR (PYTHONPATH), to compare two versions of the code in one run."""
     router, *parts = mode.split(":")
     knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
-                             "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None)}  # fmt: skip
+                             "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None),
+                             "code": None}  # fmt: skip
     for part in parts:
-        if part == "noguard":
+        if part.startswith("code="):
+            knobs["code"] = str(Path(part[5:]).resolve())
+        elif part == "noguard":
             knobs["guard"] = False
         elif part.startswith(("w=", "t=")):
             knobs[part[0]] = float(part[2:])
@@ -198,7 +203,7 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
         elif part.startswith("cost="):
             knobs["cost"] = part[5:]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard)")
+                raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard, code=)")
     return router, knobs
 
 
@@ -233,11 +238,20 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> None:
 
 async def scrape_router(url: str) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(f"{url}/metrics")).text
-    out = {}
-    for m in re.finditer(r'^dynamo_router_counter\{[^}]*name="(\w+)"[^}]*\} (\S+)$', text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+        return router_counters((await http.get(f"{url}/metrics")).text)
+
+
+def router_counters(metrics: str) -> dict[str, float]:
+    """The kv router's counters in a /metrics page (none for other routers)."""
+    found = re.finditer(r'^dynamo_router_counter\{[^}]*name="(\w+)"[^}]*\} (\S+)$', metrics, re.M)
+    return {m.group(1): float(m.group(2)) for m in found}
+
+
+def window_marks(url: str, serve_pid: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The router's counters and everyone's CPU so far, blocking: run in a thread, off the clients' loop."""
+    with httpx.Client(timeout=10) as http:
+        counters = router_counters(http.get(f"{url}/metrics").text)
+    return counters, cpu_snapshot(serve_pid)
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -318,18 +332,18 @@ async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args
     marks: dict[str, Any] = {}
 
     async def mark() -> None:  # at the window's start: the router's counters and everyone's CPU so far
+        # The same for every mode, and in a thread: a scrape on the clients' loop (once kv only) stalled them
+        # at the window's start, and the requests it held back left as one burst (a wave kept for seconds).
         await asyncio.sleep(max(0.0, measure_at - time.perf_counter()))
-        marks["before"] = await scrape_router(url) if is_kv else {}
-        marks["cpu"] = cpu_snapshot(serve_pid)
+        marks["before"], marks["cpu"] = await asyncio.to_thread(window_marks, url, serve_pid)
 
     marker = asyncio.get_running_loop().create_task(mark())
     loop = closed_loop if getattr(args, "clients", 0) else open_loop
     await loop(client, work, args, seed, records, tasks, measure_at, end_at)
     await marker
     window_end = time.perf_counter()
-    cpu_before = marks["cpu"]
-    cpu = {k: (v - cpu_before[k]) / (window_end - measure_at) for k, v in cpu_snapshot(serve_pid).items()}
-    after = await scrape_router(url) if is_kv else {}
+    after, cpu_after = await asyncio.to_thread(window_marks, url, serve_pid)
+    cpu = {k: (v - marks["cpu"][k]) / (window_end - measure_at) for k, v in cpu_after.items()}
     load = load_summary(samples, measure_at, window_end)
     if tasks:
         _, pending = await asyncio.wait(set(tasks), timeout=args.drain)

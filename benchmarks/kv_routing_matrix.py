@@ -20,6 +20,8 @@ router's reachable hit rate.
     python benchmarks/kv_routing_matrix.py                        # 9 cells x 2 modes, ~20 min
     python benchmarks/kv_routing_matrix.py --caches p40 --loads closed --seconds 20 --warmup 5   # one cell
     python benchmarks/kv_routing_matrix.py --modes kv,kv:cost=dynamo,round-robin --repeats 2
+    git worktree add /tmp/before HEAD~1     # then: this checkout's kv against an earlier one's, in one run
+    python benchmarks/kv_routing_matrix.py --modes kv,kv:code=/tmp/before,round-robin --repeats 2
 """
 
 from __future__ import annotations

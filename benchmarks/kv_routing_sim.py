@@ -32,6 +32,13 @@ explanations (1,343 of 1,343 steps). Its slow first tokens (11 of 13 over 40 ms)
 decisions made while every worker had a prefill queued: 39 % of those joined a worker whose queued
 prefill had already started its pass, and waited that pass too. Here that state is rare at 8 clients
 per worker (<= 3 of 2,000 decisions) but common at 12 (`--clients-per-worker 12`: p99 42-43 ms both ways).
+Part of the rest was the benchmark's own: kv_routing.py scraped the kv router's counters on its clients'
+event loop at the window's start (kv only), and the requests that stall held back left as one burst
+(RESULTS.md). The real open-loop cells' p90 behind round-robin (0.98-0.99) replays with the KV events 2 ms
+late (`--kv-delay-ms 2`, or `--jitter-ms 1.5`): a worker whose pass had started looked still to start. A
+cost that ranked near-ties by each worker's expected start (learned pass length, a late event presumed,
+a pass about to end avoided) put kv ahead at all three percentiles here, yet lost at 0.95 x in a real A/B
+run, so it was not kept (RESULTS.md, "Default cache, a fairer window and an A/B").
 """
 
 from __future__ import annotations
