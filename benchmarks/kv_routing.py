@@ -203,7 +203,7 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
         elif part.startswith("cost="):
             knobs["cost"] = part[5:]
         else:
-                raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard, code=)")
+            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard, code=)")
     return router, knobs
 
 
