@@ -168,7 +168,9 @@ def start_serve(
             argv.append("--no-hot-spot-guard")
         if knobs["cost"]:
             argv += ["--router-cost", knobs["cost"]]
-    env = {**os.environ, "PYTHONPATH": knobs["code"]} if knobs["code"] else None
+    # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: PYTHONSAFEPATH drops it,
+    # or a run started in one checkout would run that checkout's code in every mode
+    env = {**os.environ, "PYTHONPATH": knobs["code"], "PYTHONSAFEPATH": "1"} if knobs["code"] else None
     log = log_path.open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)  # a file: a full pipe never blocks
     deadline = time.monotonic() + 90

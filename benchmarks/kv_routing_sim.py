@@ -35,10 +35,13 @@ per worker (<= 3 of 2,000 decisions) but common at 12 (`--clients-per-worker 12`
 Part of the rest was the benchmark's own: kv_routing.py scraped the kv router's counters on its clients'
 event loop at the window's start (kv only), and the requests that stall held back left as one burst
 (RESULTS.md). The real open-loop cells' p90 behind round-robin (0.98-0.99) replays with the KV events 2 ms
-late (`--kv-delay-ms 2`, or `--jitter-ms 1.5`): a worker whose pass had started looked still to start. A
-cost that ranked near-ties by each worker's expected start (learned pass length, a late event presumed,
-a pass about to end avoided) put kv ahead at all three percentiles here, yet lost at 0.95 x in a real A/B
-run, so it was not kept (RESULTS.md, "Default cache, a fairer window and an A/B").
+late (`--kv-delay-ms 2`, or `--jitter-ms 1.5`): a worker whose pass had started looked still to start, and
+point 6's choice then took the next turn's worker too (two arrivals there a few ms apart). Dealing
+near-ties in rounds (cost.Rounds: each worker once per round) replays at p90/p99 1.01/1.00 there. A cost
+that ranked near-ties by each worker's expected start (learned pass length, a late event presumed, a pass
+about to end avoided) also put kv ahead at all three percentiles here; its real A/B (RESULTS.md, "a
+fairer window and an A/B") ran the same code on both sides (`code=` was ineffective until 2026-11-24
+23:00: `python -m` put the working directory ahead of PYTHONPATH), so it is still unmeasured for real.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two costs, lower wins (`--router-cost`):
   join them. A hit on host or disk counts as `w_t` of a device hit in `overlap` (tiers.py).
 
 Temperature 0 takes the argmin. With `time`, costs within one pass's fixed time (T0, learned) of the
-lowest are ties, taken in turn (time_cost.py, point 5); with `dynamo`, ties go to the smaller cache, then
+lowest are ties, dealt in rounds (time_cost.py, point 5); with `dynamo`, ties go to the smaller cache, then
 at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) /
 T)`. A hot-spot guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
 
@@ -203,7 +203,7 @@ class Reason(enum.Enum):
 
     ONLY = "only"  # a single candidate
     ARGMIN = "argmin"  # lowest logit, alone
-    TIE_TURN = "tie-in-turn"  # (time) others differ from the lowest only by a queue shorter than one pass: in turn
+    TIE_TURN = "tie-in-turn"  # (time) others differ from the lowest only by a queue shorter than one pass: rounds
     TIE_CACHE = "tie-smaller-cache"  # lowest logit shared; the smallest cache broke the tie
     TIE_RANDOM = "tie-random"  # lowest logit and cache size shared; chosen at random
     SOFTMAX = "softmax"  # sampled with temperature > 0
@@ -299,10 +299,10 @@ def is_hot_spot(active_blocks: Sequence[int] | np.ndarray, config: CostConfig) -
 
 def select(
     c: Candidates, isl: int, num_blocks: int, config: CostConfig, rng: random.Random, speed: Speed = DEFAULT_SPEED,
-    turn: int = 0,
+    rounds: Rounds | None = None,
 ) -> Selection:  # fmt: skip
     """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks;
-    `turn` counts the caller's decisions (time cost: near-ties are taken in turn)."""
+    `rounds` is the caller's dealer of near-ties (time cost; None: a fresh one, which takes the first)."""
     table = cost_table(c, isl, num_blocks, config, speed)
     if len(c.worker_ids) == 1:
         return Selection(c.worker_ids[0], Reason.ONLY, table, 0, None)
@@ -314,8 +314,8 @@ def select(
     if config.temperature > 0:
         index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
     elif config.cost == "time":
-        busy = table.times.get("busy_s")
-        index, reason = _in_turn(logits, logits - table.times["queue_s"], speed.pass_s, turn, busy)
+        own, busy = logits - table.times["queue_s"], table.times.get("busy_s")
+        index, reason = (rounds or Rounds()).deal(c.worker_ids, logits, own, speed.pass_s, busy)
     else:
         index, reason = _argmin(logits, [c.cached_blocks], rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
@@ -360,20 +360,38 @@ def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Rand
 _TIE_REASONS = {1: (Reason.TIE_CACHE,)}
 
 
-def _in_turn(
-    scores: np.ndarray, own: np.ndarray, band: float, turn: int, busy: np.ndarray | None = None
-) -> tuple[int, Reason]:
-    """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
-    same `own` cost) are taken in turn (in candidate order); when some of them have `busy` time left of a
-    prefill pass seen running, the least score plus that time wins instead (time_cost.py point 6)."""
-    best = int(scores.argmin())
-    near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
-    tied = near.nonzero()[0]
-    if len(tied) == 1:
-        return int(tied[0]), Reason.ARGMIN
-    if busy is not None and busy[tied].any():  # busy is never negative
-        return int(tied[(scores + busy)[tied].argmin()]), Reason.ARGMIN
-    return int(tied[turn % len(tied)]), Reason.TIE_TURN
+class Rounds:
+    """Deals near-ties in rounds (time_cost.py, points 5 and 6): within a round each worker is dealt at most
+    one request, so arrivals at a worker stay a round apart even when point 6 changes the order."""
+
+    __slots__ = ("_dealt",)
+
+    def __init__(self) -> None:
+        self._dealt: set[int] = set()
+        """Workers dealt a near-tie in the current round."""
+
+    def deal(
+        self, worker_ids: Sequence[int], scores: np.ndarray, own: np.ndarray, band: float, busy: np.ndarray | None
+    ) -> tuple[int, Reason]:
+        """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
+        same `own` cost) are near-ties: the first not dealt this round (in candidate order) wins, or, when
+        some of those have `busy` time left of a prefill pass seen running, the least score plus that time.
+        A round ends when every near-tie has been dealt."""
+        best = int(scores.argmin())
+        near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
+        tied = near.nonzero()[0]
+        if len(tied) == 1:
+            return int(tied[0]), Reason.ARGMIN
+        dealt = self._dealt
+        fresh = [i for i in tied.tolist() if worker_ids[i] not in dealt]
+        if not fresh:
+            dealt.clear()
+            fresh = tied.tolist()
+        index, reason = fresh[0], Reason.TIE_TURN
+        if busy is not None and busy[fresh].any():  # busy is never negative
+            index, reason = fresh[int((scores + busy)[fresh].argmin())], Reason.ARGMIN
+        dealt.add(worker_ids[index])
+        return index, reason
 
 
 def _argmin(scores: np.ndarray, tie_breaks: list[np.ndarray], rng: random.Random) -> tuple[int, Reason]:

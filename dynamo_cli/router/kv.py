@@ -30,7 +30,7 @@ from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
-from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Selection, explain_pinned, select
+from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Rounds, Selection, explain_pinned, select
 from dynamo_cli.router.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
 from dynamo_cli.router.tiers import TierCosts, tier_costs
@@ -119,8 +119,8 @@ class KvRoutingPolicy:
         """Worker -> KV blocks it published (`LoadMetrics.total_blocks`); else the card's."""
         self._gaps: list[Gap] = []
         self._reported_event_id: dict[int, int] = {}
-        self._turn = 0
-        """Decisions taken: near-ties (time cost) are taken in turn."""
+        self._rounds = Rounds()
+        """Deals near-ties (time cost) in rounds."""
 
     ##### RoutingPolicy #####
 
@@ -244,8 +244,7 @@ class KvRoutingPolicy:
         if request.pinned_worker is not None and request.pinned_worker in workers:
             pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)
             return hashes, pinned, now
-        self._turn += 1
-        return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed, self._turn), now
+        return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed, self._rounds), now
 
     def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.

@@ -45,16 +45,21 @@ the cost of sending the request to w is
 5. **Near-ties within one pass**: the router cannot see where in its current pass a worker is, which
    moves a first token by up to one pass. So candidates whose cost differs from the lowest only by their
    queue (equal own terms U / R, t_evict, t_memory), and by less than T0, a pass's fixed time (the
-   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are taken in turn (the
-   caller counts its decisions). Turns spread equal work evenly and keep arrivals in step, so passes
-   batch several prefills; a difference in own work (a hit) is never a tie, however wide T0.
+   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are dealt in rounds
+   (`cost.Rounds`): one request to each per round, in candidate order. Rounds spread equal work evenly
+   and keep a worker's arrivals a round apart, so passes batch several prefills; a difference in own
+   work (a hit) is never a tie, however wide T0.
 6. **A pass seen starting**: engines send a pass's KV events when it starts, so the KV event that stores
    the last prompt block of a request routed there says its prefill pass is running. A request sent to
    that worker now waits for the rest of that pass before its own: up to T0 more. So when every
    candidate has a prefill queued (no idle one to turn to), the near-ties of point 5 whose pass started
-   less than T0 / 2 ago are charged the part of T0 still to run (`busy_s`), and the least queue plus
-   that wins, instead of the next in turn; a worker whose queued prefill has not started yet (its pass
-   not begun, so the request can still join it) costs only its queue.
+   less than T0 / 2 ago are charged the part of T0 still to run (`busy_s`), and of those not yet dealt
+   this round the least queue plus that wins, instead of the next in order; a worker whose queued
+   prefill has not started yet (its pass not begun, so the request can still join it) costs only its
+   queue. The round still deals each worker once: a busy worker is dealt later in it, never another
+   one twice. (A turn counter, as before, often fell next on the worker point 6 had just chosen: two
+   arrivals there a few ms apart, the second missing the first's pass. With the KV events 2 ms late,
+   rounds replay at rr / kv TTFT p90 1.01 where the counter gave 0.97; RESULTS.md.)
 
 R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
 prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
@@ -90,7 +95,7 @@ cache open loop at 0.7 and 0.95 of capacity 1.00-1.01; cache pressure hit 94.1-9
 1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20). With the deployment's
 delays (the replay's defaults: events at pass start, 0.2-0.3 ms per hop, 0.3 ms jitter) every cell
 stays >= 1.00. In this cell T0 (~28 ms) exceeds any queue gap, so every decision is a 4-way tie
-taken in turn: kv routes exactly as round-robin does (in the replay and in the explanations of a real
+dealt in order: kv routes exactly as round-robin does (in the replay and in the explanations of a real
 run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin's) is not a choice this
 cost makes that round-robin would not. The slow requests of that run were routed while every worker had
 a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
@@ -116,13 +121,13 @@ from dynamo_cli.router.tiers import AS_DEVICE, TierCosts
 PRIOR_PREFILL_TPS = 20_000.0
 """Prefill tokens/s per worker before any is observed (an 8B model on one H100-class GPU, roughly)."""
 PRIOR_LIFETIME_S = 2.0
+"""Seconds a request stays in flight before any has finished."""
 PRIOR_PASS_S = 0.02
 """T0, a pass's fixed time (the TTFT of a prompt with nothing to compute), before it is observed."""
 MAX_PASS_S = 0.25
 """The learned T0 is clamped to [0, this]: a fit over a few noisy first tokens must not make every worker a tie."""
 ROOMY_FILL = 0.5
 """A cache is roomy for a copy that leaves it at most this full and evicts nothing."""
-"""Seconds a request stays in flight before any has finished."""
 MIN_FIT_SPREAD_TOKENS = 256.0
 """Observed uncached prompt lengths must differ by this (standard deviation) to fit the prefill speed."""
 HALF_LIFE_REQUESTS = 512

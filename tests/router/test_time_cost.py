@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, Reason, select
+from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, Reason, Rounds, select
 from dynamo_cli.router.time_cost import MAX_PASS_S, PRIOR_PREFILL_TPS, Speed, SpeedEstimator
 
 TIME = CostConfig(block_size=64, cost="time")
@@ -69,12 +71,12 @@ ROOMY = dict(cached_blocks=4000, capacity_blocks=16_384)
 """A default-sized cache a quarter full: a copy evicts nothing and leaves it under half full."""
 
 
-def test_without_pressure_a_copy_is_free_and_equal_costs_are_taken_in_turn() -> None:
-    # nothing evicted, nothing waits; equal hits and queues tie -> the caller's turn picks, whatever the load
+def test_without_pressure_a_copy_is_free_and_equal_costs_are_dealt_in_rounds() -> None:
+    # nothing evicted, nothing waits; equal hits and queues tie -> one each per round, whatever the load
     loads = [CandidateLoad(1, active_blocks=90, overlap_blocks=31, **ROOMY),
              CandidateLoad(2, active_blocks=40, overlap_blocks=31, **ROOMY)]  # fmt: skip
-    candidates = Candidates.from_loads(loads)
-    picks = [select(candidates, ISL, BLOCKS, TIME, random.Random(0), SPEED, turn) for turn in range(4)]
+    candidates, rounds = Candidates.from_loads(loads), Rounds()
+    picks = [select(candidates, ISL, BLOCKS, TIME, random.Random(0), SPEED, rounds) for _ in range(4)]
 
     assert [c.times["evict_s"] + c.times["memory_s"] for c in picks[0].candidates] == [0.0, 0.0]
     assert [(p.worker_id, p.reason) for p in picks] == [(1, Reason.TIE_TURN), (2, Reason.TIE_TURN)] * 2
@@ -85,14 +87,30 @@ def test_costs_within_one_pass_are_ties_and_costs_beyond_are_not() -> None:
     # 15 ms apart -> a tie; with 500 queued 0.0308: 25 ms apart -> the idle holder, alone
     band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
 
-    def pick(queued: int, turn: int) -> tuple[int, Reason]:
+    def pick(queued: int, rounds: Rounds) -> tuple[int, Reason]:
         loads = [CandidateLoad(1, overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
                  CandidateLoad(2, overlap_blocks=31, **ROOMY)]  # fmt: skip
-        chosen = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), band, turn)
+        chosen = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), band, rounds)
         return chosen.worker_id, chosen.reason
 
-    assert [pick(300, turn) for turn in (0, 1)] == [(1, Reason.TIE_TURN), (2, Reason.TIE_TURN)]
-    assert [pick(500, turn) for turn in (0, 1)] == [(2, Reason.ARGMIN)] * 2
+    ties, apart = Rounds(), Rounds()
+    assert [pick(300, ties) for _ in range(2)] == [(1, Reason.TIE_TURN), (2, Reason.TIE_TURN)]
+    assert [pick(500, apart) for _ in range(2)] == [(2, Reason.ARGMIN)] * 2
+
+
+def test_a_worker_seen_mid_pass_is_dealt_later_in_the_round_and_no_other_twice() -> None:
+    # Three near-ties, each with a prefill queued; worker 1's pass was seen starting 2 ms ago (busy 18 ms of
+    # T0 = 20 ms), for two decisions: point 6 passes it over, and the round still deals 2, 3, then 1.
+    # Taking near-ties by a turn counter instead sent both of those decisions to 2 (least queue plus busy):
+    # two arrivals at one worker a few milliseconds apart, the second missing the first one's pass.
+    band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
+    rounds, picks = Rounds(), []
+    loads = [CandidateLoad(w, overlap_blocks=31, active_prefill_tokens=116, **ROOMY) for w in (1, 2, 3)]
+    c = replace(Candidates.from_loads(loads), pass_elapsed_s=np.array([0.002, np.inf, np.inf]))
+    for _ in range(4):
+        picks.append(select(c, ISL, BLOCKS, TIME, random.Random(0), band, rounds).worker_id)
+
+    assert picks == [2, 3, 1, 2]
 
 
 def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_is_not() -> None:
@@ -120,7 +138,8 @@ def test_a_hit_is_never_a_near_tie_however_wide_the_band() -> None:
     # a 200 ms band holds both (holder 0.0058 s, cold 0.105 s) but they differ in their own work: argmin
     wide = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.2)
     loads = [CandidateLoad(1, overlap_blocks=31, **ROOMY), CandidateLoad(2, **ROOMY)]
-    picks = [select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), wide, turn) for turn in (0, 1)]
+    rounds = Rounds()
+    picks = [select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), wide, rounds) for _ in (0, 1)]
 
     assert [(p.worker_id, p.reason) for p in picks] == [(1, Reason.ARGMIN)] * 2
 
