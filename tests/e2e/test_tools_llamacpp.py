@@ -145,10 +145,13 @@ def test_response_format_json_schema_always_validates_at_temperature_0_7(served:
               "a nurse", "a baker", "a miner", "a dancer", "a monk", "a coach", "a tailor", "a clown", "a spy",
               "a king", "a robot"]  # fmt: skip
 
+    # max_tokens above the longest text PERSON's grammar admits, so "length" would be a bug, not a long sample:
+    # 48 chars of strings at <= 6 tokens each (a \uXXXX escape), 16 digits, <= 1 space per gap, ~30 of syntax
+    # (96 was too few once: a 24-char Japanese name and a 16-digit age hit it)
     def one(topic: str) -> tuple[str | None, str | None]:
         reply = c.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
-            response_format=fmt, max_tokens=96, temperature=0.7,
+            response_format=fmt, max_tokens=400, temperature=0.7,
         )  # fmt: skip
         return reply.choices[0].message.content, reply.choices[0].finish_reason
 
