@@ -15,9 +15,13 @@ lowest are ties, dealt in rounds (time_cost.py, point 5); with `dynamo`, ties go
 at random. Temperature T > 0 samples `softmax(-(logit / (max - min)) /
 T)`. A hot-spot guard overrides both when the candidates' active blocks are badly imbalanced: it picks by load alone.
 
-NOTE: the candidates are columns (`Candidates`, one numpy array per quantity), so a decision over 128
-workers is a dozen vectorised operations instead of 128 Python objects per term; per-candidate objects
-(`CandidateCost`) are built only for the explanation, and only for the `EXPLAIN_LIMIT` best candidates.
+NOTE: the candidates are columns (`Candidates`, one list per quantity). Below `VECTOR_MIN` candidates the
+cost is evaluated per candidate on Python numbers; from there on, on numpy arrays, once per quantity: the
+same `time_terms`, written once for both, and a test holds the two to the last bit. numpy costs ~1 us per
+call whatever the length, so on a handful of workers the calls cost more than the arithmetic: a 4-worker
+decision spent ~80 of its ~160 us in numpy calls on 4-element arrays. The choice among the costs
+(argmin, near-ties, margin) runs on lists at any size. Per-candidate objects (`CandidateCost`) are built
+only for the explanation, and only for the `EXPLAIN_LIMIT` best.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from typing import Any
 import numpy as np
 
 from dynamo_cli.router.tiers import AS_DEVICE, TierCosts
-from dynamo_cli.router.time_cost import Speed, SpeedEstimator, time_terms
+from dynamo_cli.router.time_cost import Across, Speed, SpeedEstimator, TimeTerms, time_terms
 
 TIE_TOLERANCE = 1e-9
 """Costs closer than this are a tie (blocks for `dynamo`, seconds for `time`)."""
 EXPLAIN_LIMIT = 16
 """Candidates listed in an explanation at most (the lowest-cost ones, the chosen among them)."""
+VECTOR_MIN = 12
+"""From this many candidates on, the cost is evaluated on numpy arrays; below, per candidate. The two take the
+same time at 12 (a cost table of 4 candidates: 35 us per candidate, 84 us on arrays; of 32: 151 and 66 us)."""
 COSTS = ("time", "dynamo")
 DEFAULT_SPEED = SpeedEstimator().speed
 
@@ -95,21 +102,21 @@ _COLUMNS = ("overlap_blocks", "active_prefill_tokens", "active_blocks", "active_
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """Every candidate of one decision as columns: entry i of each array is `worker_ids[i]`'s."""
+    """Every candidate of one decision as columns: entry i of each list is `worker_ids[i]`'s."""
 
     worker_ids: Sequence[int]
-    overlap_blocks: np.ndarray
-    active_prefill_tokens: np.ndarray
-    active_blocks: np.ndarray
-    active_overlap_blocks: np.ndarray
-    cached_blocks: np.ndarray
-    num_requests: np.ndarray
-    capacity_blocks: np.ndarray
-    host_blocks: np.ndarray
-    disk_blocks: np.ndarray
+    overlap_blocks: Sequence[int]
+    active_prefill_tokens: Sequence[int]
+    active_blocks: Sequence[int]
+    active_overlap_blocks: Sequence[int]
+    cached_blocks: Sequence[int]
+    num_requests: Sequence[int]
+    capacity_blocks: Sequence[int]
+    host_blocks: Sequence[int]
+    disk_blocks: Sequence[int]
     tiered: bool = False
     """False: every hit is on device (host and disk are zeros), so the cost skips the tier terms."""
-    pass_elapsed_s: np.ndarray | None = None
+    pass_elapsed_s: Sequence[float] | None = None
     """Seconds since a prefill pass the router saw start (KV events) on each candidate, inf: none running;
     None: not known (no KV events). The time cost charges the rest of that pass's fixed time."""
 
@@ -118,13 +125,11 @@ class Candidates:
         cls, worker_ids: Sequence[int], *columns: Sequence[int], pass_elapsed_s: Sequence[float] | None = None
     ) -> Candidates:
         """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
-        arrays = [np.array(column, dtype=np.int64) for column in columns]
-        tiered = len(arrays) == len(_COLUMNS)
-        arrays += [np.zeros(len(worker_ids), dtype=np.int64)] * (len(_COLUMNS) - len(arrays))
-        overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = arrays
-        elapsed = None if pass_elapsed_s is None else np.array(pass_elapsed_s, dtype=np.float64)
+        tiered = len(columns) == len(_COLUMNS)
+        full = [*columns, *[[0] * len(worker_ids)] * (len(_COLUMNS) - len(columns))]
+        overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = full
         return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered,
-                   elapsed)  # fmt: skip
+                   pass_elapsed_s)  # fmt: skip
 
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
@@ -169,33 +174,33 @@ class CostTable:
     """The candidates of one decision and their costs, as columns."""
 
     candidates: Candidates
-    prefill_blocks: np.ndarray
-    decode_blocks: np.ndarray
-    logits: np.ndarray
-    times: dict[str, np.ndarray]
+    logits: Sequence[float]
+    times: dict[str, Sequence[float]]
+    """`time` cost only: each term's column (`CandidateCost.times`)."""
+    isl: int
+    num_blocks: int
+    block_size: int
+    prefill_blocks: Sequence[float] | None = None
+    """`dynamo` cost only (its terms); None: computed per explained row, from the cached prefix."""
+    decode_blocks: Sequence[int] | None = None
 
     def row(self, index: int) -> CandidateCost:
         """Candidate `index`'s terms."""
         return self.rows([index])[0]
 
     def rows(self, indices: Sequence[int]) -> list[CandidateCost]:
-        """The terms of the candidates at `indices` (each column converted once, not per row)."""
-        c, at = self.candidates, np.asarray(indices, dtype=np.intp)
-        columns = (c.overlap_blocks, self.prefill_blocks, self.decode_blocks, self.logits, c.active_blocks,
-                   c.cached_blocks)  # fmt: skip
-        overlap, prefill, decode, logit, active, cached = (column[at].tolist() for column in columns)
-        times = [dict(zip(self.times, row, strict=True))
-                 for row in zip(*(t[at].tolist() for t in self.times.values()), strict=True)]  # fmt: skip
-        if c.tiered:
-            host, disk = c.host_blocks[at].tolist(), c.disk_blocks[at].tolist()
-            hits = [{"device": o - h - d, "host": h, "disk": d} for o, h, d in zip(overlap, host, disk, strict=True)]
-        else:
-            hits = [{"device": o, "host": 0, "disk": 0} for o in overlap]
-        return [
-            CandidateCost(c.worker_ids[i], overlap[n], prefill[n], decode[n], logit[n], active[n], cached[n],
-                          times[n] if times else {}, hits[n])  # fmt: skip
-            for n, i in enumerate(indices)
-        ]
+        """The terms of the candidates at `indices`."""
+        c, bs, rows = self.candidates, self.block_size, []
+        for i in indices:
+            overlap, host, disk = c.overlap_blocks[i], c.host_blocks[i], c.disk_blocks[i]
+            prefill = (_prefill_blocks(c.active_prefill_tokens[i], overlap, self.isl, bs)
+                       if self.prefill_blocks is None else self.prefill_blocks[i])  # fmt: skip
+            decode = (_decode_blocks(c.active_blocks[i], c.active_overlap_blocks[i], self.num_blocks)
+                      if self.decode_blocks is None else self.decode_blocks[i])  # fmt: skip
+            rows.append(CandidateCost(c.worker_ids[i], overlap, prefill, decode, self.logits[i], c.active_blocks[i],
+                                      c.cached_blocks[i], {name: column[i] for name, column in self.times.items()},
+                                      {"device": overlap - host - disk, "host": host, "disk": disk}))  # fmt: skip
+        return rows
 
 
 class Reason(enum.Enum):
@@ -233,16 +238,16 @@ class Selection:
     @property
     def overlap_blocks(self) -> int:
         """The chosen candidate's cached prefix, in blocks (read from its column: no row is built)."""
-        return int(self.table.candidates.overlap_blocks[self.index])
+        return self.table.candidates.overlap_blocks[self.index]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view for the `x-dyn-explain-route` response and logs (up to EXPLAIN_LIMIT rows)."""
         logits = self.table.logits
         rows: Sequence[int] = range(len(logits))
         if len(logits) > EXPLAIN_LIMIT:
-            best = set(np.argpartition(logits, EXPLAIN_LIMIT - 1)[:EXPLAIN_LIMIT].tolist())
+            best = set(np.argpartition(_column(logits, np.float64), EXPLAIN_LIMIT - 1)[:EXPLAIN_LIMIT].tolist())
             if self.index not in best:  # sampled or pinned: the chosen one replaces the costliest listed
-                best.remove(max(best, key=lambda i: float(logits[i])))
+                best.remove(max(best, key=logits.__getitem__))
                 best.add(self.index)
             rows = sorted(best)
         return {
@@ -256,30 +261,78 @@ class Selection:
 
 
 def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed) -> CostTable:
-    """Every candidate's cost terms for a request of `isl` tokens and `num_blocks` full blocks."""
-    bs, tiers = config.block_size, config.tiers
-    decode_blocks = c.active_blocks + np.maximum(0, num_blocks - c.active_overlap_blocks)
+    """Every candidate's cost for a request of `isl` tokens and `num_blocks` full blocks."""
+    bs = config.block_size
     if config.cost == "dynamo":
-        overlap = c.overlap_blocks
-        if c.tiered:
-            overlap = overlap - c.host_blocks * (1 - tiers.host_weight) - c.disk_blocks * (1 - tiers.disk_weight)
-        uncached = np.maximum(0, isl - overlap * bs)
-        prefill_blocks = (c.active_prefill_tokens + uncached) / bs
-        return CostTable(c, prefill_blocks, decode_blocks, config.overlap_score_weight * prefill_blocks
-                         + decode_blocks, {})  # fmt: skip
-    prefill_blocks = (c.active_prefill_tokens + np.maximum(0, isl - c.overlap_blocks * bs)) / bs
-    terms = time_terms(
-        isl=isl, num_blocks=num_blocks, block_size=bs, overlap=c.overlap_blocks,
-        queued_prefill=c.active_prefill_tokens, active_blocks=c.active_blocks,
-        active_overlap=c.active_overlap_blocks, in_flight=c.num_requests, cached=c.cached_blocks,
-        capacity=c.capacity_blocks, speed=speed, tiers=tiers, pass_elapsed=c.pass_elapsed_s,
-        **({"host": c.host_blocks, "disk": c.disk_blocks} if c.tiered else {}),
+        overlap: Sequence[float] = c.overlap_blocks
+        if c.tiered:  # a lower tier's hit counts as its weight of a device hit
+            h, d = 1 - config.tiers.host_weight, 1 - config.tiers.disk_weight
+            overlap = [o - x * h - y * d for o, x, y in zip(overlap, c.host_blocks, c.disk_blocks, strict=True)]
+        prefill = [_prefill_blocks(q, o, isl, bs) for q, o in zip(c.active_prefill_tokens, overlap, strict=True)]
+        decode = [_decode_blocks(a, x, num_blocks)
+                  for a, x in zip(c.active_blocks, c.active_overlap_blocks, strict=True)]  # fmt: skip
+        w = config.overlap_score_weight
+        logits = [w * p + d for p, d in zip(prefill, decode, strict=True)]
+        return CostTable(c, logits, {}, isl, num_blocks, bs, prefill, decode)
+    across = Across(max(c.overlap_blocks), max(c.active_overlap_blocks) > 0, min(c.active_prefill_tokens) > 0)
+    evaluate = _time_columns if len(c.worker_ids) >= VECTOR_MIN else _time_rows
+    logits, times = evaluate(c, isl, num_blocks, config, speed, across)
+    return CostTable(c, logits, times, isl, num_blocks, bs)
+
+
+def _prefill_blocks(queued: int, overlap: float, isl: int, block_size: int) -> float:
+    """The prompt blocks a worker would still compute, its queue's included (`dynamo`'s prefill term)."""
+    return (queued + max(0, isl - overlap * block_size)) / block_size
+
+
+def _decode_blocks(active: int, active_overlap: int, num_blocks: int) -> int:
+    """A worker's unique active KV blocks once the request's join them (`dynamo`'s decode term)."""
+    return active + max(0, num_blocks - active_overlap)
+
+
+TimeColumns = tuple[list[float], dict[str, Sequence[float]]]
+"""The logits and each time term's column."""
+
+
+def _time_rows(
+    c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across
+) -> TimeColumns:
+    """The time cost evaluated per candidate, on numbers (few candidates)."""
+    elapsed, tiered, logits, rows = c.pass_elapsed_s, c.tiered, [], []
+    for i in range(len(c.worker_ids)):
+        t = time_terms(
+            isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=c.overlap_blocks[i],
+            queued_prefill=c.active_prefill_tokens[i], active_blocks=c.active_blocks[i],
+            active_overlap=c.active_overlap_blocks[i], in_flight=c.num_requests[i], cached=c.cached_blocks[i],
+            capacity=c.capacity_blocks[i], speed=speed, across=across, tiers=config.tiers,
+            host=c.host_blocks[i] if tiered else None, disk=c.disk_blocks[i] if tiered else None,
+            pass_elapsed=None if elapsed is None else elapsed[i],
+        )  # fmt: skip
+        logits.append(t.total)
+        rows.append(t)
+    columns = zip(TimeTerms._fields, zip(*rows, strict=True), strict=True)
+    return logits, {name: list(column) for name, column in columns if elapsed is not None or name != "busy_s"}
+
+
+def _time_columns(
+    c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across
+) -> TimeColumns:
+    """The time cost evaluated once per term, on numpy arrays (many candidates)."""
+    column, elapsed = _column, None if c.pass_elapsed_s is None else _column(c.pass_elapsed_s, np.float64)
+    t = time_terms(
+        isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=column(c.overlap_blocks),
+        queued_prefill=column(c.active_prefill_tokens), active_blocks=column(c.active_blocks),
+        active_overlap=column(c.active_overlap_blocks), in_flight=column(c.num_requests),
+        cached=column(c.cached_blocks), capacity=column(c.capacity_blocks), speed=speed, across=across,
+        tiers=config.tiers, host=column(c.host_blocks) if c.tiered else None,
+        disk=column(c.disk_blocks) if c.tiered else None, pass_elapsed=elapsed,
     )  # fmt: skip
-    times = {"prefill_s": terms.prefill_s, "onboard_s": terms.onboard_s, "evict_s": terms.evict_s,
-             "memory_s": terms.memory_s, "queue_s": terms.queue_s}  # fmt: skip
-    if terms.busy_s is not None:
-        times["busy_s"] = terms.busy_s
-    return CostTable(c, prefill_blocks, decode_blocks, terms.total, times)
+    return t.total.tolist(), {name: v.tolist() for name, v in zip(TimeTerms._fields, t, strict=True) if v is not None}
+
+
+def _column(values: Sequence[float], dtype: type = np.int64) -> np.ndarray:
+    """A column as an array (np.fromiter: half np.asarray's time on a list of Python numbers)."""
+    return np.fromiter(values, dtype=dtype, count=len(values))
 
 
 def candidate_cost(load: CandidateLoad, isl: int, num_blocks: int, config: CostConfig) -> CandidateCost:
@@ -287,12 +340,11 @@ def candidate_cost(load: CandidateLoad, isl: int, num_blocks: int, config: CostC
     return cost_table(Candidates.from_loads([load]), isl, num_blocks, config, DEFAULT_SPEED).row(0)
 
 
-def is_hot_spot(active_blocks: Sequence[int] | np.ndarray, config: CostConfig) -> bool:
+def is_hot_spot(active_blocks: Sequence[int], config: CostConfig) -> bool:
     """True when max - min active blocks reaches both the absolute and the relative threshold."""
     if not config.hot_spot_guard or len(active_blocks) < 2:
         return False
-    values = active_blocks.tolist() if isinstance(active_blocks, np.ndarray) else list(active_blocks)
-    high, low = max(values), min(values)  # on a list: numpy's max and min cost ~3 us each on a few workers
+    high, low = max(active_blocks), min(active_blocks)
     spread = high - low
     return spread >= config.hot_spot_min_blocks and spread >= config.hot_spot_ratio * high
 
@@ -307,15 +359,16 @@ def select(
     if len(c.worker_ids) == 1:
         return Selection(c.worker_ids[0], Reason.ONLY, table, 0, None)
     if is_hot_spot(c.active_blocks, config):
-        scores = c.active_blocks + c.active_prefill_tokens / config.block_size
+        bs = config.block_size
+        scores = [a + q / bs for a, q in zip(c.active_blocks, c.active_prefill_tokens, strict=True)]
         index, _ = _argmin(scores, [c.cached_blocks], rng)
         return Selection(c.worker_ids[index], Reason.HOT_SPOT, table, index, _margin(scores, index), "load")
     logits = table.logits
     if config.temperature > 0:
-        index, reason = softmax_sample(logits.tolist(), config.temperature, rng), Reason.SOFTMAX
+        index, reason = softmax_sample(logits, config.temperature, rng), Reason.SOFTMAX
     elif config.cost == "time":
-        own, busy = logits - table.times["queue_s"], table.times.get("busy_s")
-        index, reason = (rounds or Rounds()).deal(c.worker_ids, logits, own, speed.pass_s, busy)
+        queue, busy = table.times["queue_s"], table.times.get("busy_s")
+        index, reason = (rounds or Rounds()).deal(c.worker_ids, logits, queue, speed.pass_s, busy)
     else:
         index, reason = _argmin(logits, [c.cached_blocks], rng)
     return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
@@ -371,45 +424,51 @@ class Rounds:
         """Workers dealt a near-tie in the current round."""
 
     def deal(
-        self, worker_ids: Sequence[int], scores: np.ndarray, own: np.ndarray, band: float, busy: np.ndarray | None
-    ) -> tuple[int, Reason]:
-        """The lowest score; the candidates within `band` of it that differ from it only in their queue (the
-        same `own` cost) are near-ties: the first not dealt this round (in candidate order) wins, or, when
-        some of those have `busy` time left of a prefill pass seen running, the least score plus that time.
-        A round ends when every near-tie has been dealt."""
-        best = int(scores.argmin())
-        near = (scores - scores[best] <= max(band, TIE_TOLERANCE)) & (np.abs(own - own[best]) <= TIE_TOLERANCE)
-        tied = near.nonzero()[0]
+        self, worker_ids: Sequence[int], scores: Sequence[float], queue: Sequence[float], band: float,
+        busy: Sequence[float] | None,
+    ) -> tuple[int, Reason]:  # fmt: skip
+        """The lowest score; the candidates within `band` of it that differ from it only in their `queue`
+        (the same score less queue: own cost) are near-ties: the first not dealt this round (in candidate
+        order) wins, or, when some of those have `busy` time left of a prefill pass seen running, the least
+        score plus that time. A round ends when every near-tie has been dealt."""
+        low = min(scores)
+        best = scores.index(low)
+        mine, band = low - queue[best], max(band, TIE_TOLERANCE)
+        near = [i for i, score in enumerate(scores) if score - low <= band]
+        tied = [i for i in near if abs(scores[i] - queue[i] - mine) <= TIE_TOLERANCE]
         if len(tied) == 1:
-            return int(tied[0]), Reason.ARGMIN
+            return tied[0], Reason.ARGMIN
         dealt = self._dealt
-        fresh = [i for i in tied.tolist() if worker_ids[i] not in dealt]
+        fresh = [i for i in tied if worker_ids[i] not in dealt]
         if not fresh:
             dealt.clear()
-            fresh = tied.tolist()
+            fresh = tied
         index, reason = fresh[0], Reason.TIE_TURN
-        if busy is not None and busy[fresh].any():  # busy is never negative
-            index, reason = fresh[int((scores + busy)[fresh].argmin())], Reason.ARGMIN
+        if busy is not None and any(busy[i] for i in fresh):  # busy is never negative
+            index, reason = min(fresh, key=lambda i: scores[i] + busy[i]), Reason.ARGMIN
         dealt.add(worker_ids[index])
         return index, reason
 
 
-def _argmin(scores: np.ndarray, tie_breaks: list[np.ndarray], rng: random.Random) -> tuple[int, Reason]:
+def _argmin(scores: Sequence[float], tie_breaks: list[Sequence[int]], rng: random.Random) -> tuple[int, Reason]:
     """The lowest score; ties broken by each of `tie_breaks` in turn (smaller wins), then at random."""
-    tied = np.flatnonzero(scores - scores.min() <= TIE_TOLERANCE)
+    low = min(scores)
+    tied = [i for i, score in enumerate(scores) if score - low <= TIE_TOLERANCE]
     if len(tied) == 1:
-        return int(tied[0]), Reason.ARGMIN
+        return tied[0], Reason.ARGMIN
     for key, reason in zip(tie_breaks, _TIE_REASONS[len(tie_breaks)], strict=True):
-        values = key[tied]
-        tied = tied[values == values.min()]
+        least = min(key[i] for i in tied)
+        tied = [i for i in tied if key[i] == least]
         if len(tied) == 1:
-            return int(tied[0]), reason
-    return rng.choice(tied.tolist()), Reason.TIE_RANDOM
+            return tied[0], reason
+    return rng.choice(tied), Reason.TIE_RANDOM
 
 
-def _margin(scores: np.ndarray, index: int) -> float | None:
+def _margin(scores: Sequence[float], index: int) -> float | None:
+    """The runner-up's score minus the chosen one's (None with a single candidate)."""
     if len(scores) < 2:
         return None
-    others = scores.copy()
-    others[index] = np.inf
-    return float(others.min() - scores[index])
+    mine, lowest = scores[index], min(scores)
+    if mine != lowest:
+        return lowest - mine
+    return min(min(scores[:index], default=math.inf), min(scores[index + 1 :], default=math.inf)) - mine

@@ -113,6 +113,7 @@ round-robin / kv = 1.49 (p50), 1.40 (p90), 1.16 (p99), within the predicted pass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -147,26 +148,42 @@ class Speed:
     closer than this are ties."""
 
 
-@dataclass(frozen=True, slots=True)
-class TimeTerms:
-    """The three terms of the time cost, one entry per candidate, seconds."""
+Column = TypeVar("Column", float, np.ndarray)
+"""One candidate's value (a number) or every candidate's (an array): `time_terms` reads the same for both."""
 
-    prefill_s: np.ndarray
-    evict_s: np.ndarray
-    memory_s: np.ndarray
-    queue_s: np.ndarray
+
+class TimeTerms(NamedTuple, Generic[Column]):
+    """The three terms of the time cost, seconds: of one candidate, or of each (arrays aligned by candidate).
+    A named tuple, not a dataclass: built once per candidate per decision, at a quarter of the cost."""
+
+    prefill_s: Column
+    onboard_s: Column
+    """Copying the prefix's host and disk blocks back into the engine's cache."""
+    evict_s: Column
+    memory_s: Column
+    queue_s: Column
     """The part of prefill_s spent behind the prefills already queued there (Q / R): the only part that
     near-ties (point 5) may disregard."""
-    onboard_s: np.ndarray
-    """Copying the prefix's host and disk blocks back into the engine's cache."""
-    busy_s: np.ndarray | None = None
+    busy_s: Column | None = None
     """The fixed time T0 still to run of a prefill pass seen starting there (point 6); None: not known."""
 
     @property
-    def total(self) -> np.ndarray:
+    def total(self) -> Column:
         """The cost: lower wins."""
-        total: np.ndarray = self.prefill_s + self.onboard_s + self.evict_s + self.memory_s
+        total: Column = self.prefill_s + self.onboard_s + self.evict_s + self.memory_s
         return total
+
+
+@dataclass(frozen=True, slots=True)
+class Across:
+    """What the cost of one candidate reads from the others (the same for every candidate of a decision)."""
+
+    best_overlap: int
+    """The longest cached prefix among the candidates, blocks (point 4: what a copy computes beyond it)."""
+    prompt_in_flight: bool
+    """The prompt is active on some candidate (point 4: a copy may be free)."""
+    all_queued: bool
+    """Every candidate has a prefill queued (point 6 applies)."""
 
 
 def time_terms(
@@ -174,48 +191,48 @@ def time_terms(
     isl: int,
     num_blocks: int,
     block_size: int,
-    overlap: np.ndarray,
-    queued_prefill: np.ndarray,
-    active_blocks: np.ndarray,
-    active_overlap: np.ndarray,
-    in_flight: np.ndarray,
-    cached: np.ndarray,
-    capacity: np.ndarray,
+    overlap: Column,
+    queued_prefill: Column,
+    active_blocks: Column,
+    active_overlap: Column,
+    in_flight: Column,
+    cached: Column,
+    capacity: Column,
     speed: Speed,
-    host: np.ndarray | None = None,
-    disk: np.ndarray | None = None,
+    across: Across,
+    host: Column | None = None,
+    disk: Column | None = None,
     tiers: TierCosts = AS_DEVICE,
-    pass_elapsed: np.ndarray | None = None,
-) -> TimeTerms:
-    """The cost terms of every candidate (arrays aligned by candidate); capacity 0 = unknown; `host`, `disk`:
-    how many of the `overlap` blocks sit on those tiers (None: all on device); `pass_elapsed`: seconds
-    since a prefill pass was seen starting there (inf: none; None: not known)."""
-    rate = speed.prefill_tokens_per_s
-    uncached = np.maximum(0, isl - overlap * block_size)
-    if host is None or disk is None:
-        onboard_s, on_device = np.zeros(len(overlap)), overlap
-    else:
+    pass_elapsed: Column | None = None,
+) -> TimeTerms[Column]:
+    """The cost terms of one candidate (numbers) or of each (arrays aligned by candidate): written once, so
+    the two cannot differ; capacity 0 = unknown; `host`, `disk`: how many of the `overlap` blocks sit on
+    those tiers (None: all on device); `pass_elapsed`: seconds since a prefill pass was seen starting
+    there (inf: none; None: not known)."""
+    rate, at_least = speed.prefill_tokens_per_s, np.maximum if isinstance(overlap, np.ndarray) else max
+    uncached = at_least(0, isl - overlap * block_size)
+    onboard_s, on_device = overlap * 0.0, overlap
+    if host is not None and disk is not None:
         onboard_s = (host * tiers.host_block_s + (host > 0) * tiers.host_latency_s
                      + disk * tiers.disk_block_s + (disk > 0) * tiers.disk_latency_s)  # fmt: skip
         on_device = overlap - host - disk
     known = capacity > 0
-    new_blocks = np.maximum(0, num_blocks - on_device)
-    free = np.maximum(0, capacity - cached)  # approximate mode's guess can exceed the capacity
-    copied = uncached - np.maximum(0, isl - int(overlap.max(initial=0)) * block_size)
-    if active_overlap.max(initial=0) > 0:  # the prompt is in flight somewhere: a copy is free if roomy
+    new_blocks = at_least(0, num_blocks - on_device)
+    free = at_least(0, capacity - cached)  # approximate mode's guess can exceed the capacity
+    if across.prompt_in_flight:  # a copy is free if roomy: its tokens beyond the best holder's are not counted
+        copied = uncached - max(0, isl - across.best_overlap * block_size)
         uncached = uncached - copied * (known & (cached + new_blocks <= ROOMY_FILL * capacity))
     queue_s = queued_prefill / rate
     prefill_s = queue_s + uncached / rate
-    evicted = np.maximum(0, new_blocks - free) * known
-    evict_s = evicted * (block_size / rate)
+    evict_s = at_least(0, new_blocks - free) * known * (block_size / rate)
     held = active_blocks + in_flight
-    overflow = np.maximum(0, held + np.maximum(0, num_blocks - active_overlap) + 1 - capacity) * known
-    memory_s = overflow * speed.lifetime_s / np.maximum(1, held)
+    overflow = at_least(0, held + at_least(0, num_blocks - active_overlap) + 1 - capacity) * known
+    memory_s = overflow * speed.lifetime_s / at_least(1, held)
     busy_s = None
     if pass_elapsed is not None:  # point 6: only when every candidate has a prefill queued
-        left = np.maximum(0.0, speed.pass_s - pass_elapsed)
-        busy_s = np.where((left > speed.pass_s / 2) & bool((queued_prefill > 0).all()), left, 0.0)
-    return TimeTerms(prefill_s, evict_s, memory_s, queue_s, onboard_s, busy_s)
+        left = at_least(0.0, speed.pass_s - pass_elapsed)
+        busy_s = left * ((left > speed.pass_s / 2) & across.all_queued)
+    return TimeTerms(prefill_s, onboard_s, evict_s, memory_s, queue_s, busy_s)
 
 
 class SpeedEstimator:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
-from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, Reason, Rounds, select
+from dynamo_cli.router import cost
+from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, Reason, Rounds, cost_table, select
+from dynamo_cli.router.tiers import tier_costs
 from dynamo_cli.router.time_cost import MAX_PASS_S, PRIOR_PREFILL_TPS, Speed, SpeedEstimator
 
 TIME = CostConfig(block_size=64, cost="time")
@@ -106,7 +107,7 @@ def test_a_worker_seen_mid_pass_is_dealt_later_in_the_round_and_no_other_twice()
     band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
     rounds, picks = Rounds(), []
     loads = [CandidateLoad(w, overlap_blocks=31, active_prefill_tokens=116, **ROOMY) for w in (1, 2, 3)]
-    c = replace(Candidates.from_loads(loads), pass_elapsed_s=np.array([0.002, np.inf, np.inf]))
+    c = replace(Candidates.from_loads(loads), pass_elapsed_s=[0.002, float("inf"), float("inf")])
     for _ in range(4):
         picks.append(select(c, ISL, BLOCKS, TIME, random.Random(0), band, rounds).worker_id)
 
@@ -157,6 +158,38 @@ def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     expected = {"prefill_s": 0.15, "onboard_s": 0.0, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000,
                 "cost": 0.15}  # fmt: skip
     assert costs == pytest.approx(expected)
+
+
+def random_candidates(rng: random.Random, n: int) -> Candidates:
+    """n candidates drawn over the cost's branches: hits, host and disk hits, queues, full and unknown caches,
+    prompts in flight, passes seen running."""
+    loads, idle = [], rng.choice([0, 1])  # idle 0: every candidate has a prefill queued (point 6 applies)
+    for w in range(n):
+        overlap, capacity = rng.choice([0, 31, rng.randrange(32)]), rng.choice([0, 512, 16_384])
+        host = rng.randrange(overlap + 1)
+        loads.append(CandidateLoad(w, overlap, rng.choice([idle, 116, rng.randrange(1, 9000)]), rng.randrange(600),
+                                   rng.choice([0, 31, rng.randrange(32)]), rng.choice([capacity, rng.randrange(900)]),
+                                   rng.randrange(20), capacity, host, rng.randrange(overlap - host + 1)))  # fmt: skip
+    elapsed = [rng.choice([float("inf"), rng.random() * 0.03]) for _ in range(n)]
+    return replace(Candidates.from_loads(loads), pass_elapsed_s=rng.choice([None, elapsed]))
+
+
+@pytest.mark.parametrize("n", [1, 4, 40])
+def test_the_cost_per_candidate_and_per_column_agree_to_the_last_bit(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    # the same time_terms on numbers (few candidates) and on numpy arrays (many): identical floats
+    seeds = range(n * 1000, n * 1000 + 200)
+    tiers = tier_costs(block_size=64, bytes_per_block=1 << 20, host_gbs=10, disk_gbs=2, prefill_tps=20_000, weights={})
+    config, speed = replace(TIME, tiers=tiers), Speed(prefill_tokens_per_s=30_000, lifetime_s=2.0, pass_s=0.02)
+    tables = {}
+    for vector_min in (1, 10**9):
+        monkeypatch.setattr(cost, "VECTOR_MIN", vector_min)
+        tables[vector_min] = [cost_table(random_candidates(random.Random(seed), n), ISL, BLOCKS, config, speed)
+                              for seed in seeds]  # fmt: skip
+    columns, rows = tables[1], tables[10**9]
+
+    assert [(t.logits, t.times) for t in columns] == [(t.logits, t.times) for t in rows]
+    assert any("busy_s" in t.times and any(t.times["busy_s"]) for t in rows)  # every branch was reached
+    assert any(any(t.times["onboard_s"]) and any(t.times["evict_s"]) and any(t.times["memory_s"]) for t in rows)
 
 
 def test_the_prefill_speed_is_learned_from_time_to_first_token() -> None:
