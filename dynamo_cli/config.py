@@ -317,6 +317,9 @@ class FrontendConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    graceful_shutdown_s: float = 30.0
+    """On SIGTERM, seconds the HTTP server waits for the responses in flight to end before it cuts them
+    (Kubernetes' default grace period); idle connections are closed at once."""
     tool_call_parser: str = "auto"
     """How model text becomes `tool_calls` (frontend/tools/parsers.py); auto: per model, from its chat template."""
     reasoning_parser: str | None = None

@@ -148,8 +148,9 @@ class FrontendService:
                 yield
 
         tls = self.config.tls
-        config = uvicorn.Config(self.app, http="httptools", lifespan="off", access_log=False,
+        config = uvicorn.Config(self.app, http=_uvicorn_protocol(), lifespan="off", access_log=False,
                                 log_level="warning", timeout_keep_alive=30, backlog=2048,
+                                timeout_graceful_shutdown=max(1, round(self.config.graceful_shutdown_s)),
                                 ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.ca_file,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_file else ssl.CERT_NONE)  # fmt: skip
         server = _Server(config)
@@ -167,9 +168,26 @@ class FrontendService:
         config = Config()
         config.bind = [f"fd://{sock.fileno()}"]
         config.accesslog = None
+        config.graceful_timeout = self.config.graceful_shutdown_s
         tls = self.config.tls
         if tls.cert_file is not None:
             config.certfile, config.keyfile = tls.cert_file, tls.key_file
             if tls.ca_file is not None:
                 config.ca_certs, config.verify_mode = tls.ca_file, ssl.CERT_REQUIRED
         await serve(self.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+
+def _uvicorn_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, but an idle keep-alive connection is aborted at shutdown, not closed: a
+    TLS close waits for the client's close_notify, which an idle client never sends, so one such client
+    held `dyn serve`'s exit on SIGTERM for 30 s. Connections with a response in flight still finish it."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _Protocol(HttpToolsProtocol):
+        def shutdown(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.abort()
+            else:
+                super().shutdown()
+
+    return _Protocol
