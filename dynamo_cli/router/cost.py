@@ -27,9 +27,10 @@ only for the explanation, and only for the `EXPLAIN_LIMIT` best.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,39 +299,48 @@ def _time_rows(
     c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across
 ) -> TimeColumns:
     """The time cost evaluated per candidate, on numbers (few candidates)."""
-    elapsed, tiered, logits, rows = c.pass_elapsed_s, c.tiered, [], []
+    logits, rows = [], []
     for i in range(len(c.worker_ids)):
-        t = time_terms(
-            isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=c.overlap_blocks[i],
-            queued_prefill=c.active_prefill_tokens[i], active_blocks=c.active_blocks[i],
-            active_overlap=c.active_overlap_blocks[i], in_flight=c.num_requests[i], cached=c.cached_blocks[i],
-            capacity=c.capacity_blocks[i], speed=speed, across=across, tiers=config.tiers,
-            host=c.host_blocks[i] if tiered else None, disk=c.disk_blocks[i] if tiered else None,
-            pass_elapsed=None if elapsed is None else elapsed[i],
-        )  # fmt: skip
+        t = _time_terms(c, isl, num_blocks, config, speed, across, functools.partial(_entry, i))
         logits.append(t.total)
         rows.append(t)
     columns = zip(TimeTerms._fields, zip(*rows, strict=True), strict=True)
-    return logits, {name: list(column) for name, column in columns if elapsed is not None or name != "busy_s"}
+    known = c.pass_elapsed_s is not None
+    return logits, {name: list(column) for name, column in columns if known or name != "busy_s"}
 
 
 def _time_columns(
     c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across
 ) -> TimeColumns:
     """The time cost evaluated once per term, on numpy arrays (many candidates)."""
-    column, elapsed = _column, None if c.pass_elapsed_s is None else _column(c.pass_elapsed_s, np.float64)
-    t = time_terms(
-        isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=column(c.overlap_blocks),
-        queued_prefill=column(c.active_prefill_tokens), active_blocks=column(c.active_blocks),
-        active_overlap=column(c.active_overlap_blocks), in_flight=column(c.num_requests),
-        cached=column(c.cached_blocks), capacity=column(c.capacity_blocks), speed=speed, across=across,
-        tiers=config.tiers, host=column(c.host_blocks) if c.tiered else None,
-        disk=column(c.disk_blocks) if c.tiered else None, pass_elapsed=elapsed,
-    )  # fmt: skip
+    t = _time_terms(c, isl, num_blocks, config, speed, across, _column)
     return t.total.tolist(), {name: v.tolist() for name, v in zip(TimeTerms._fields, t, strict=True) if v is not None}
 
 
-def _column(values: Sequence[float], dtype: type = np.int64) -> np.ndarray:
+def _time_terms(
+    c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across,
+    pick: Callable[[Sequence[float], type], Any],
+) -> TimeTerms[Any]:  # fmt: skip
+    """`time_terms` over the columns of `c` as `pick(column, dtype)` gives them: one candidate's numbers or
+    every candidate's array."""
+    elapsed, tiered = c.pass_elapsed_s, c.tiered
+    return time_terms(
+        isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=pick(c.overlap_blocks, np.int64),
+        queued_prefill=pick(c.active_prefill_tokens, np.int64), active_blocks=pick(c.active_blocks, np.int64),
+        active_overlap=pick(c.active_overlap_blocks, np.int64), in_flight=pick(c.num_requests, np.int64),
+        cached=pick(c.cached_blocks, np.int64), capacity=pick(c.capacity_blocks, np.int64), speed=speed,
+        across=across, tiers=config.tiers, host=pick(c.host_blocks, np.int64) if tiered else None,
+        disk=pick(c.disk_blocks, np.int64) if tiered else None,
+        pass_elapsed=None if elapsed is None else pick(elapsed, np.float64),
+    )  # fmt: skip
+
+
+def _entry(index: int, values: Sequence[float], _dtype: type) -> float:
+    """Candidate `index`'s number of a column (`_time_terms`' pick per candidate)."""
+    return values[index]
+
+
+def _column(values: Sequence[float], dtype: type) -> np.ndarray:
     """A column as an array (np.fromiter: half np.asarray's time on a list of Python numbers)."""
     return np.fromiter(values, dtype=dtype, count=len(values))
 
