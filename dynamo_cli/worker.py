@@ -40,7 +40,7 @@ from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
-from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,7 @@ async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
                 tasks.spawn(worker.pump_load())
                 print(f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
                       f"model={card.display_name} engine={card.engine} role={card.role}", flush=True)  # fmt: skip
+                freeze_heap()  # the engine and its model are built: out of the collector's reach
                 await tasks.wait_stop(stop)
     finally:
         await worker.server.close()

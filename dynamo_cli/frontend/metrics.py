@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 
 from dynamo_cli.kv.handles import TransferReport
 from dynamo_cli.kv.tiers import KvTierStats
@@ -45,6 +45,7 @@ class FrontendMetrics:
 
     def __init__(self, prefix: str = "dynamo_frontend") -> None:
         self.registry = r = CollectorRegistry()
+        GCCollector(registry=r)  # python_gc_collections_total by generation: collections stall the event loop
         self.requests = Counter(
             f"{prefix}_requests", "Requests", ["model", "endpoint", "request_type", "status"], registry=r
         )

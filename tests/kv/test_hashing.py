@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import pytest
@@ -79,3 +80,28 @@ def test_hash_blocks_from_a_start_block_and_up_to_a_length_match_block_by_block_
     assert list(hash_blocks(tokens, 4, start=2, parent=expected[1][0])) == expected[2:]
     assert list(hash_blocks(tokens, 4, start=1, parent=expected[0][0], num_tokens=13)) == expected[1:3]
     assert list(hash_blocks(tokens, 4, start=5, parent=expected[4][0])) == []
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_hashing_a_whole_prompt_or_a_range_of_it_matches_the_block_by_block_definition(block_size: int) -> None:
+    rng = random.Random(block_size)
+    for _ in range(40):
+        tokens = [rng.randrange(2**32) for _ in range(rng.randrange(5 * block_size))]
+        expected, parent = [], None
+        for i in range(len(tokens) // block_size):
+            parent = chain_hash(parent, block_hash(tokens[i * block_size : (i + 1) * block_size]))
+            expected.append(parent)
+        assert sequence_hashes(tokens, block_size) == expected
+        assert sequence_hashes(tuple(tokens), block_size) == expected  # not a list: packed another way
+        start = rng.randrange(len(expected) + 1)
+        num_tokens = rng.randrange(start * block_size, len(tokens) + 1)
+        ranged = [seq for seq, _ in hash_blocks(tokens, block_size, start=start, num_tokens=num_tokens,
+                                                parent=expected[start - 1] if start else None)]  # fmt: skip
+        assert ranged == expected[start : num_tokens // block_size]
+
+
+def test_a_token_outside_u32_is_refused() -> None:
+    with pytest.raises(OverflowError):
+        sequence_hashes([1, 2, 3, 2**32], 4)
+    with pytest.raises(OverflowError):
+        sequence_hashes([1, 2, 3, -1], 4)
