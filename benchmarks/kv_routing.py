@@ -177,6 +177,7 @@ def start_serve(
     while time.monotonic() < deadline:
         match = re.search(r"dyn serve ready: (\S+)", log_path.read_text(errors="replace"))
         if match:
+            pin(proc.pid, knobs["pin"])
             return proc, match.group(1), argv
         if proc.poll() is not None:
             break
@@ -185,16 +186,37 @@ def start_serve(
     raise SystemExit(f"dyn serve did not start; log:\n{log_path.read_text(errors='replace')[-3000:]}")
 
 
+ALL_CPUS = sorted(os.sched_getaffinity(0))
+
+
+def pin(serve_pid: int, frontend_alone: bool) -> None:
+    """`pin`: the frontend (every thread of the serve process) on the first CPU, its workers and this load
+    generator on the others, as when the frontend has cores of its own and the engines' work is on GPUs;
+    else this load generator on every CPU again (a mode before may have pinned it)."""
+    rest = set(ALL_CPUS[1:]) if frontend_alone and len(ALL_CPUS) > 1 else set(ALL_CPUS)
+    os.sched_setaffinity(0, rest)  # this thread: the load generator's event loop (threads it starts inherit)
+    if not frontend_alone or rest == set(ALL_CPUS):
+        return
+    kids = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
+    for pid, cpus in [(serve_pid, {ALL_CPUS[0]}), *[(int(k), rest) for k in kids]]:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
+
+
 def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `kv:cost=dynamo`, `round-robin`, `random` -> router and kv
     knobs (`cost=` unset: the router's default cost); any mode may add `code=DIR`: its `dyn serve` runs the
-    checkout in DIR (PYTHONPATH), to compare two versions of the code in one run."""
+    checkout in DIR (PYTHONPATH), to compare two versions of the code in one run, and `pin`: the frontend
+    on a CPU of its own (`pin`)."""
     router, *parts = mode.split(":")
     knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
                              "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None),
-                             "code": None}  # fmt: skip
+                             "code": None, "pin": False}  # fmt: skip
     for part in parts:
-        if part.startswith("code="):
+        if part == "pin":
+            knobs["pin"] = True
+        elif part.startswith("code="):
             knobs["code"] = str(Path(part[5:]).resolve())
         elif part == "noguard":
             knobs["guard"] = False
@@ -205,7 +227,7 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
         elif part.startswith("cost="):
             knobs["cost"] = part[5:]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard, code=)")
+            raise SystemExit(f"mode {mode!r}: unknown knob {part!r} (use w=, t=, cost=, noguard, code=, pin)")
     return router, knobs
 
 

@@ -22,6 +22,8 @@ router's reachable hit rate.
     python benchmarks/kv_routing_matrix.py --modes kv,kv:cost=dynamo,round-robin --repeats 2
     git worktree add /tmp/before HEAD~1     # then: this checkout's kv against an earlier one's, in one run
     python benchmarks/kv_routing_matrix.py --modes kv,kv:code=/tmp/before,round-robin --repeats 2
+    python benchmarks/kv_routing_matrix.py --modes kv,round-robin,kv:pin,round-robin:pin   # `pin` modes: the
+        # frontend on a CPU of its own (kv_routing.py), each compared with round-robin:pin
 """
 
 from __future__ import annotations
@@ -112,13 +114,23 @@ def run_one(mode: str, work: kr.Workload, blocks: int | None, load: str, capacit
     return row
 
 
+PINNED = ":pin"
+
+
+def baseline(mode: str, modes: Iterable[str]) -> str:
+    """The round-robin mode `mode` is compared with: `round-robin:pin` for a pinned mode (kv_routing.py's
+    `pin`: the frontend on a CPU of its own) when it ran, else `round-robin`."""
+    return "round-robin" + PINNED if mode.endswith(PINNED) and "round-robin" + PINNED in modes else "round-robin"
+
+
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """For each mode but round-robin: round-robin's TTFT percentile / the mode's (>= 1: no worse)."""
-    rr = runs.get("round-robin")
-    if rr is None:
-        return {}
-    return {mode: {key: rr[key] / row[key] if row[key] else float("nan") for key in RATIO_KEYS}
-            for mode, row in runs.items() if mode != "round-robin"}  # fmt: skip
+    """For each mode but the baselines: its round-robin's TTFT percentile / the mode's (>= 1: no worse)."""
+    out = {}
+    for mode, row in runs.items():
+        rr = runs.get(baseline(mode, runs))
+        if rr is not None and mode != baseline(mode, runs):
+            out[mode] = {key: rr[key] / row[key] if row[key] else float("nan") for key in RATIO_KEYS}
+    return out
 
 
 PERCENTILES = (50, 90, 99)
@@ -146,12 +158,12 @@ def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> d
             for mode, a in arrays.items()}  # fmt: skip
     out: dict[str, Any] = {mode: {"n": len(a), **dict(zip(RATIO_KEYS, _percentiles(a).tolist(), strict=True))}
                            for mode, a in arrays.items()}  # fmt: skip
-    rr = boot.get("round-robin")
     for mode in arrays:
-        if mode == "round-robin" or rr is None:
+        base = baseline(mode, arrays)
+        if mode == base or base not in boot:
             continue
-        ratios = rr / boot[mode]  # (quantile, draw)
-        out[mode]["rr_over"] = {k: out["round-robin"][k] / out[mode][k] for k in RATIO_KEYS}
+        ratios = boot[base] / boot[mode]  # (quantile, draw)
+        out[mode]["rr_over"] = {k: out[base][k] / out[mode][k] for k in RATIO_KEYS}
         out[mode]["rr_over_90ci"] = {k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))]
                                      for i, k in enumerate(RATIO_KEYS)}  # fmt: skip
     return out
@@ -208,9 +220,9 @@ def print_table(results: dict[str, Any]) -> None:
     print("|" + "---|" * 13)
     for cache, reg in results["caches"].items():
         for cell in reg["cells"]:
-            rr = cell["runs"].get("round-robin")
             for mode, row in cell["runs"].items():
-                if mode == "round-robin":
+                rr = cell["runs"].get(baseline(mode, cell["runs"]))
+                if mode == baseline(mode, cell["runs"]):
                     continue
                 ratio = cell["rr_over"].get(mode, dict.fromkeys(RATIO_KEYS, float("nan")))
                 offered = "closed" if cell["load"] == "closed" else f"{row['rate']:.1f}"

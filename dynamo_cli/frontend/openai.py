@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import re
 from typing import Annotated, Any, Literal
 
@@ -98,8 +99,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True)
 
 
 class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[Any]
-    """A string, a list of token ids, or a one-element list of strings."""
+    prompt: str | list[str | int]
+    """A string, a list of token ids, or a one-element list of strings (a bool, a float or a list among the
+    items is refused at decoding, naming the item)."""
     echo: bool = False
     """Prepend the prompt's text to the completion."""
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
@@ -175,7 +177,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         if all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
-        elif not all(type(p) is int and 0 <= p <= INT32_MAX for p in prompt):
+        elif not _are_token_ids(prompt):
             bad = next((p for p in prompt if type(p) is int and not 0 <= p <= INT32_MAX), None)
             if bad is not None:
                 raise RequestError(f"token id {bad} in prompt is outside 0..{INT32_MAX}", param="prompt")
@@ -183,6 +185,17 @@ def parse_completion(body: bytes) -> CompletionRequest:
     elif not prompt:
         raise RequestError("prompt is empty", param="prompt")
     return request
+
+
+def _are_token_ids(items: list[Any]) -> bool:
+    """Every item an int in 0..INT32_MAX (msgspec has refused bools): at C speed, for a prompt of thousands
+    of ids sent with every request (a generator over them took 120 us of 2,100)."""
+    packed = array.array("I")
+    try:
+        packed.fromlist(items)  # TypeError: a string among them; OverflowError: outside 0..2**32-1
+    except (TypeError, OverflowError):
+        return False
+    return int(np.frombuffer(packed, dtype=np.uint32).max()) <= INT32_MAX
 
 
 def _check_common(request: _Sampling) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from dynamo_cli.engine import Guided, check_token_ids
 from dynamo_cli.frontend.dispatch import Sampling
@@ -26,10 +27,10 @@ def prompt_of(
         return tokenizer.encode(chat_prompt), request.max_completion_tokens or request.max_tokens, ""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-        prompt_ids = list(prompt)  # the client's ids: only these can be outside the vocabulary
-        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)
+        prompt_ids = cast(list[int], list(prompt))  # every item an int (parse_completion checked)
+        check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)  # a client's ids may lie outside it
     else:
-        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else cast(str, prompt[0]))
     echo = "" if not request.echo else prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
     return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
 

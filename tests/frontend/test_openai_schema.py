@@ -33,8 +33,16 @@ def test_invalid_chat_requests_name_the_field(body: str, param: str) -> None:
 
 def test_completion_prompt_may_be_token_ids_but_not_mixed() -> None:
     assert parse_completion(b'{"model": "m", "prompt": [1, 2, 3]}').prompt == [1, 2, 3]
+    assert parse_completion(b'{"model": "m", "prompt": [0, 2147483647]}').prompt == [0, 2**31 - 1]
     with pytest.raises(RequestError, match="token ids"):
         parse_completion(b'{"model": "m", "prompt": [1, "a"]}')
+
+
+@pytest.mark.parametrize("item", [b"true", b"2.5", b"null", b"[1]", b"{}"])
+def test_a_prompt_item_that_is_no_token_id_is_named(item: bytes) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_completion(b'{"model": "m", "prompt": [1, ' + item + b"]}")
+    assert info.value.param == "prompt[1]" and info.value.status == 400
 
 
 @pytest.mark.parametrize(
