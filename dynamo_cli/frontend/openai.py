@@ -188,8 +188,8 @@ def parse_completion(body: bytes) -> CompletionRequest:
 
 
 def _are_token_ids(items: list[Any]) -> bool:
-    """Every item an int in 0..INT32_MAX (msgspec has refused bools): at C speed, for a prompt of thousands
-    of ids sent with every request (a generator over them took 120 us of 2,100)."""
+    """Every item an int in 0..INT32_MAX (msgspec has refused bools), at C speed: a prompt of thousands of
+    ids comes with every request, and a generator over 2,100 of them took 120 us."""
     packed = array.array("I")
     try:
         packed.fromlist(items)  # TypeError: a string among them; OverflowError: outside 0..2**32-1

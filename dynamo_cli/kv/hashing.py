@@ -70,7 +70,8 @@ def _chain(
     if end <= start:
         return [], []
     # One pack for all blocks, then views: the same bytes as packing block by block, at a fifth the cost.
-    # A whole prompt is packed as it is (its partial last block too), which spares copying the list.
+    # A whole prompt is packed as it is, which spares copying the list: its partial last block is packed
+    # too, so an id outside u32 there raises as well.
     whole = start == 0 and len(tokens) - end * block_size < block_size
     data = memoryview(_pack_u32(tokens if whole else tokens[start * block_size : end * block_size]))
     width, xxh, pair = 4 * block_size, xxhash.xxh3_64_intdigest, _PAIR.pack
