@@ -197,8 +197,7 @@ def pin(serve_pid: int, frontend_alone: bool) -> None:
     os.sched_setaffinity(0, rest)  # this thread: the load generator's event loop (threads it starts inherit)
     if not frontend_alone or rest == set(ALL_CPUS):
         return
-    kids = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
-    for pid, cpus in [(serve_pid, {ALL_CPUS[0]}), *[(int(k), rest) for k in kids]]:
+    for pid, cpus in [(serve_pid, {ALL_CPUS[0]}), *[(k, rest) for k in workers_of(serve_pid)]]:
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(task.name), cpus)
@@ -208,7 +207,7 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
     """`kv`, `kv:w=4`, `kv:w=2:t=0.1:noguard`, `kv:cost=dynamo`, `round-robin`, `random` -> router and kv
     knobs (`cost=` unset: the router's default cost); any mode may add `code=DIR`: its `dyn serve` runs the
     checkout in DIR (PYTHONPATH), to compare two versions of the code in one run, and `pin`: the frontend
-    on a CPU of its own (`pin`)."""
+    on a CPU of its own."""
     router, *parts = mode.split(":")
     knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
                              "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None),
@@ -242,11 +241,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def workers_of(serve_pid: int) -> list[int]:
+    """The serve process's children: its workers."""
+    kids = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
+    return [int(k) for k in kids]
+
+
 def cpu_snapshot(serve_pid: int) -> dict[str, float]:
     """CPU seconds so far of the frontend (the serve process), its workers, and this load generator."""
-    kids = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"frontend": cpu_seconds(serve_pid), "workers": sum(cpu_seconds(int(k)) for k in kids),
+    return {"frontend": cpu_seconds(serve_pid), "workers": sum(cpu_seconds(k) for k in workers_of(serve_pid)),
             "loadgen": usage.ru_utime + usage.ru_stime}  # fmt: skip
 
 

@@ -127,8 +127,9 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """For each mode but the baselines: its round-robin's TTFT percentile / the mode's (>= 1: no worse)."""
     out = {}
     for mode, row in runs.items():
-        rr = runs.get(baseline(mode, runs))
-        if rr is not None and mode != baseline(mode, runs):
+        base = baseline(mode, runs)
+        if mode != base and base in runs:
+            rr = runs[base]
             out[mode] = {key: rr[key] / row[key] if row[key] else float("nan") for key in RATIO_KEYS}
     return out
 
@@ -221,9 +222,10 @@ def print_table(results: dict[str, Any]) -> None:
     for cache, reg in results["caches"].items():
         for cell in reg["cells"]:
             for mode, row in cell["runs"].items():
-                rr = cell["runs"].get(baseline(mode, cell["runs"]))
-                if mode == baseline(mode, cell["runs"]):
+                base = baseline(mode, cell["runs"])
+                if mode == base:
                     continue
+                rr = cell["runs"].get(base)
                 ratio = cell["rr_over"].get(mode, dict.fromkeys(RATIO_KEYS, float("nan")))
                 offered = "closed" if cell["load"] == "closed" else f"{row['rate']:.1f}"
                 ok = "-" if rr is None else "yes" if all(r >= 1 for r in ratio.values()) else "NO"
