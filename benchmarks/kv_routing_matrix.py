@@ -24,6 +24,12 @@ router's reachable hit rate.
     python benchmarks/kv_routing_matrix.py --modes kv,kv:code=/tmp/before,round-robin --repeats 2
     python benchmarks/kv_routing_matrix.py --modes kv,round-robin,kv:pin,round-robin:pin   # `pin` modes: the
         # frontend on a CPU of its own (kv_routing.py), each compared with round-robin:pin
+    python benchmarks/kv_routing_matrix.py --caches default --repeats 3 --modes kv,round-robin,round-robin:code=.
+        # with an A/A pair: round-robin:code=. is the same code as round-robin, so its ratios are the noise floor
+    python benchmarks/kv_routing_matrix.py --reprint benchmarks/out/kv_routing_matrix.json   # tables again
+
+With `--repeats` > 1 the cells are pooled per mode, with two 90 % bootstrap intervals for each ratio: over
+requests, and over runs then requests (`pool`); only the second carries the run-to-run swing.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-warmup", type=float, default=5.0)
     p.add_argument("--json", default="benchmarks/out/kv_routing_matrix.json")
     p.add_argument("--records", action="store_true", help="keep every measured request in the JSON")
+    p.add_argument("--reprint", type=Path, help="print the tables of an earlier run's JSON (pooled anew) and exit")
     args = p.parse_args(argv)
     # knobs kv_routing.py's deployment and summaries read
     args.kv_overlap_score_weight, args.router_temperature, args.hot_spot_guard = 1.0, 0.0, True
@@ -146,17 +153,26 @@ def _percentiles(values: np.ndarray) -> np.ndarray:
 
 def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Every repeat's TTFTs of a cell pooled per mode: the percentiles, round-robin / mode, and for each
-    ratio a 90 % bootstrap interval (each side's samples drawn again with replacement, `draws` times).
-    A per-run p99 rests on ~1 % of one run's requests, so one repeat's ratio swings by 10-20 %; pooling
-    the repeats gives the tail more samples and the interval says how far the ratio could still move."""
-    samples: dict[str, list[float]] = {}
+    ratio two 90 % bootstrap intervals. A per-run p99 rests on ~1 % of one run's requests, so one repeat's
+    ratio swings by 10-20 %; pooling the repeats gives the tail more samples.
+
+    - `rr_over_90ci`: each side's requests drawn again with replacement, `draws` times. It treats every
+      request as independent, so it misses what moves a whole run (the machine's other load, a slow start).
+    - `rr_over_90ci_runs`: the repeats drawn again first (the same repeat indices for both sides: the modes
+      of one repeat ran back to back), then the requests of each drawn run. It carries the run-to-run
+      swing, and is the one to read before calling a ratio below 1 a regression: an A/A pair (a mode such
+      as `round-robin:code=.`, the same code as its baseline) shows how wide it is."""
+    cells = list(cells)
+    runs: dict[str, list[np.ndarray]] = {}
     for cell in cells:
         for mode, row in cell["runs"].items():
-            samples.setdefault(mode, []).extend(row["ttft_ms"])
+            runs.setdefault(mode, []).append(np.asarray(row["ttft_ms"]))
     rng = np.random.default_rng(seed)
-    arrays = {mode: np.asarray(values) for mode, values in samples.items()}
+    arrays = {mode: np.concatenate(parts) for mode, parts in runs.items()}
     boot = {mode: np.array([_percentiles(rng.choice(a, len(a))) for _ in range(draws)]).T
             for mode, a in arrays.items()}  # fmt: skip
+    picks = rng.integers(0, len(cells), size=(draws, len(cells)))
+    boot_runs = {mode: _run_bootstrap(parts, picks, rng) for mode, parts in runs.items() if len(parts) == len(cells)}
     out: dict[str, Any] = {mode: {"n": len(a), **dict(zip(RATIO_KEYS, _percentiles(a).tolist(), strict=True))}
                            for mode, a in arrays.items()}  # fmt: skip
     for mode in arrays:
@@ -165,13 +181,29 @@ def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> d
             continue
         ratios = boot[base] / boot[mode]  # (quantile, draw)
         out[mode]["rr_over"] = {k: out[base][k] / out[mode][k] for k in RATIO_KEYS}
-        out[mode]["rr_over_90ci"] = {k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))]
-                                     for i, k in enumerate(RATIO_KEYS)}  # fmt: skip
+        out[mode]["rr_over_90ci"] = _interval(ratios)
+        if mode in boot_runs and base in boot_runs:
+            out[mode]["rr_over_90ci_runs"] = _interval(boot_runs[base] / boot_runs[mode])
     return out
+
+
+def _run_bootstrap(parts: list[np.ndarray], picks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """(quantile, draw) percentiles of one mode: per draw, the runs `picks` names, each resampled."""
+    draws = [np.concatenate([rng.choice(parts[i], len(parts[i])) for i in row]) for row in picks]
+    return np.array([_percentiles(d) for d in draws]).T
+
+
+def _interval(ratios: np.ndarray) -> dict[str, list[float]]:
+    """The 5th and 95th percentile of each (quantile, draw) row of ratios."""
+    return {k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))]
+            for i, k in enumerate(RATIO_KEYS)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.reprint is not None:
+        reprint(args.reprint)
+        return
     given = {cache: float(rate) for cache, _, rate in (c.partition("=") for c in args.capacity)}
     modes = args.modes.split(",")
     results: dict[str, Any] = {"args": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -205,6 +237,20 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.json}")
+
+
+def reprint(path: Path) -> None:
+    """The tables of an earlier run's JSON, its repeats pooled anew (with this version's intervals)."""
+    results = json.loads(path.read_text())
+    for reg in results["caches"].values():
+        loads = dict.fromkeys(cell["load"] for cell in reg["cells"])
+        if any(cell["repeat"] for cell in reg["cells"]):
+            reg["pooled"] = {load: pool(c for c in reg["cells"] if c["load"] == load) for load in loads}
+    print_table(results)
+
+
+def _span(interval: list[float]) -> str:
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]"
 
 
 def _ms(row: dict[str, Any]) -> str:
@@ -243,11 +289,14 @@ def print_table(results: dict[str, Any]) -> None:
         if "rr_over" in row
     ]
     if pooled:
-        print("\nPooled over the repeats (rr/kv with its 90 % bootstrap interval):")
+        print("\nPooled over the repeats: rr/kv with its 90 % bootstrap interval over requests [and over runs, then"
+              " requests]:")
         print("| cache | load | mode | TTFTs | TTFT p50/p90/p99 ms | rr/kv p50 | rr/kv p90 | rr/kv p99 |")
         print("|" + "---|" * 8)
         for cache, load, mode, row in pooled:
-            cis = [f"{row['rr_over'][k]:.2f} ({lo:.2f}-{hi:.2f})" for k, (lo, hi) in row["rr_over_90ci"].items()]
+            runs = row.get("rr_over_90ci_runs", {})
+            cis = [f"{row['rr_over'][k]:.2f} ({lo:.2f}-{hi:.2f})" + (_span(runs[k]) if k in runs else "")
+                   for k, (lo, hi) in row["rr_over_90ci"].items()]  # fmt: skip
             print(f"| {cache} | {load} | {mode} | {row['n']} | {_ms(row)} | " + " | ".join(cis) + " |")
 
 
