@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append(cell)
                 print(json.dumps({"cache": cache, "load": load, "repeat": repeat, "rr_over": cell["rr_over"]}),
                       flush=True)  # fmt: skip
-        pooled = {load: pool(c for c in cells if c["load"] == load) for load in loads} if args.repeats > 1 else {}
+        pooled = pool_loads(cells)
         results["caches"][cache] = {"num_prefixes": num_prefixes, "num_gpu_blocks": blocks or 16384,
                                     "rr_capacity_req_per_s": capacity, "probe": probe, "cells": cells,
                                     "pooled": pooled}  # fmt: skip
@@ -243,10 +243,16 @@ def reprint(path: Path) -> None:
     """The tables of an earlier run's JSON, its repeats pooled anew (with this version's intervals)."""
     results = json.loads(path.read_text())
     for reg in results["caches"].values():
-        loads = dict.fromkeys(cell["load"] for cell in reg["cells"])
-        if any(cell["repeat"] for cell in reg["cells"]):
-            reg["pooled"] = {load: pool(c for c in reg["cells"] if c["load"] == load) for load in loads}
+        reg["pooled"] = pool_loads(reg["cells"])
     print_table(results)
+
+
+def pool_loads(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each load's repeats pooled (`pool`), in the order the loads ran; {} when each cell ran once."""
+    if not any(cell["repeat"] for cell in cells):
+        return {}
+    loads = dict.fromkeys(cell["load"] for cell in cells)
+    return {load: pool(c for c in cells if c["load"] == load) for load in loads}
 
 
 def _span(interval: list[float]) -> str:

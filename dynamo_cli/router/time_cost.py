@@ -109,9 +109,10 @@ benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop
 (token ceiling 94.5 %; Dynamo's w = 1 had 63-67 %), 1 of 487 decisions left the best cache, TTFT
 round-robin / kv = 1.49 (p50), 1.40 (p90), 1.16 (p99), within the predicted pass-floor band. The whole
 matrix on 2026-11-27 (RESULTS.md, "the closing measurements"): hit 94.4-94.5 % in every cache-pressure
-cell (Dynamo's w = 1: 65.7 %), rr / kv p50 1.14-1.62 closed and at 0.7 x (predicted 1.4-1.7 below ~80 %),
-9.2 and 13.5 at 0.95 x (above: ~7 with w = 4 at 94 %); default cache p50 1.00-1.09, p90 0.98-1.00, and p99
-0.80-1.13 against 1.05-1.34 for round-robin against itself (an A/A pair: this machine's noise).
+cell (Dynamo's w = 1: 65.7 %); rr / kv p50 closed and at 0.7 x: 40 prompts 1.46-1.62, in the predicted
+1.4-1.7, 20 prompts 1.14-1.30, below it (round-robin itself hits 68-71 % there); 9.2 and 13.5 at 0.95 x
+(above: ~7 with w = 4 at 94 %); default cache p50 1.00-1.09, p90 0.98-1.00, and p99 0.80-1.13 against
+1.05-1.34 for round-robin against itself (an A/A pair: this machine's noise).
 """
 
 from __future__ import annotations
