@@ -57,7 +57,8 @@ test-gpu: setup
 	  if [ $$rc -eq 5 ]; then echo "no GPU tests selected"; exit 0; fi; exit $$rc
 
 lint:
-	ruff check dynamo_cli engines tests
+	ruff check dynamo_cli engines tests benchmarks scripts
+	ruff format --check dynamo_cli engines tests benchmarks scripts
 	mypy --strict dynamo_cli engines
 
 sz:

@@ -36,8 +36,9 @@ from dynamo_cli.bench.metrics import percentile  # noqa: E402
 def start_server() -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests/bench/sse_server.py"), "--ttft-ms", "0", "--gap-ms", "0"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("READY "):
@@ -60,8 +61,13 @@ async def dyn_cell(url: str, rate: float, seconds: float, osl: int) -> dict[str,
     errors = Counter(r.error for r in records if r.error)
     if errors:
         print(f"  errors ({client_label(osl)}): {dict(errors)}", file=sys.stderr)
-    return _cell(records_ok=sum(r.is_ok for r in records), n=len(records), times=(t0, t1), wall=wall,
-                 lags=[r.start - r.scheduled for r in records if r.scheduled is not None])  # fmt: skip
+    return _cell(
+        records_ok=sum(r.is_ok for r in records),
+        n=len(records),
+        times=(t0, t1),
+        wall=wall,
+        lags=[r.start - r.scheduled for r in records if r.scheduled is not None],
+    )
 
 
 def client_label(osl: int) -> str:
@@ -88,10 +94,13 @@ async def floor_cell(url: str, rate: float, seconds: float, osl: int) -> dict[st
     host, port = url.removeprefix("http://").split(":")
     loop = asyncio.get_running_loop()
     idle: list[_FloorProtocol] = []
-    body = json.dumps({"model": "test-model", "messages": [{"role": "user", "content": "x " * 64}],
-                       "max_tokens": osl, "stream": True}).encode()  # fmt: skip
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    body = json.dumps(
+        {"model": "test-model", "messages": [{"role": "user", "content": "x " * 64}], "max_tokens": osl, "stream": True}
+    ).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     lags: list[float] = []
 
     async def one(at: float) -> None:
@@ -125,8 +134,13 @@ async def httpx_cell(url: str, rate: float, seconds: float, osl: int) -> dict[st
     import httpx
 
     n = int(rate * seconds)
-    body = {"model": "test-model", "messages": [{"role": "user", "content": "x " * 64}], "max_tokens": osl,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": "x " * 64}],
+        "max_tokens": osl,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     ok = 0
     lags: list[float] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
@@ -154,16 +168,20 @@ async def httpx_cell(url: str, rate: float, seconds: float, osl: int) -> dict[st
     return _cell(records_ok=ok, n=n, times=(t0, t1), wall=wall, lags=lags)
 
 
-def _cell(
-    records_ok: int, n: int, times: tuple[Any, Any], wall: float, lags: list[float]
-) -> dict[str, float]:
+def _cell(records_ok: int, n: int, times: tuple[Any, Any], wall: float, lags: list[float]) -> dict[str, float]:
     lags.sort()
     user, system = times[1].user - times[0].user, times[1].system - times[0].system
     cpu = user + system
-    return {"requests": n, "ok": records_ok, "cpu_ms_per_request": cpu / n * 1e3,
-            "user_ms_per_request": user / n * 1e3, "sys_ms_per_request": system / n * 1e3,
-            "achieved_rps": n / wall, "cpu_util": cpu / wall,
-            "send_lag_p99_ms": percentile(lags, 99) * 1e3 if lags else float("nan")}  # fmt: skip
+    return {
+        "requests": n,
+        "ok": records_ok,
+        "cpu_ms_per_request": cpu / n * 1e3,
+        "user_ms_per_request": user / n * 1e3,
+        "sys_ms_per_request": system / n * 1e3,
+        "achieved_rps": n / wall,
+        "cpu_util": cpu / wall,
+        "send_lag_p99_ms": percentile(lags, 99) * 1e3 if lags else float("nan"),
+    }
 
 
 def run_cell(client: str, loop: str, url: str, rate: float, seconds: float, osl: int) -> dict[str, float]:
@@ -178,19 +196,20 @@ def run_cell(client: str, loop: str, url: str, rate: float, seconds: float, osl:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--seconds", type=float, default=4)
     parser.add_argument("--json", default="benchmarks/bench_client_overhead.json")
     parser.add_argument("--skip-httpx", action="store_true")
-    parser.add_argument(
-        "--repeat", type=int, default=1, help="Run every cell this many times; keep the least CPU."
-    )
+    parser.add_argument("--repeat", type=int, default=1, help="Run every cell this many times; keep the least CPU.")
     args = parser.parse_args()
-    cells = [("floor", "uvloop", 16), ("dyn", "uvloop", 16), ("dyn", "asyncio", 16),
-             ("floor", "uvloop", 128), ("dyn", "uvloop", 128)]  # fmt: skip
+    cells = [
+        ("floor", "uvloop", 16),
+        ("dyn", "uvloop", 16),
+        ("dyn", "asyncio", 16),
+        ("floor", "uvloop", 128),
+        ("dyn", "uvloop", 128),
+    ]
     if not args.skip_httpx:
         cells.append(("httpx", "uvloop", 16))
     proc, url = start_server()
@@ -209,12 +228,19 @@ def main() -> None:
     )
     print(header)
     for r in rows:
-        print(f"{r['client']:7} {r['loop']:8} {r['osl']:>4} {r['requests']:>6} {r['ok']:>6} "
-              f"{r['cpu_ms_per_request']:>11.3f} {r['achieved_rps']:>11.1f} {r['user_ms_per_request']:>6.3f} "
-              f"{r['sys_ms_per_request']:>6.3f} {r['cpu_util']:>9.2f} "
-              f"{r['send_lag_p99_ms']:>11.2f}")  # fmt: skip
-    document = {"benchmark": "bench_client_overhead", "python": platform.python_version(),
-                "machine": platform.machine(), "time": time.time(), "rows": rows}  # fmt: skip
+        print(
+            f"{r['client']:7} {r['loop']:8} {r['osl']:>4} {r['requests']:>6} {r['ok']:>6} "
+            f"{r['cpu_ms_per_request']:>11.3f} {r['achieved_rps']:>11.1f} {r['user_ms_per_request']:>6.3f} "
+            f"{r['sys_ms_per_request']:>6.3f} {r['cpu_util']:>9.2f} "
+            f"{r['send_lag_p99_ms']:>11.2f}"
+        )
+    document = {
+        "benchmark": "bench_client_overhead",
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "time": time.time(),
+        "rows": rows,
+    }
     Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {args.json}")
 

@@ -66,8 +66,9 @@ class Side:
         kv = importlib.import_module(f"{package}.router.kv")
         self.request = importlib.import_module(f"{package}.router.base").RouteRequest
         hashes = importlib.import_module(f"{package}.kv.hashing").sequence_hashes
-        self.policy = kv.KvRoutingPolicy(config.KvRouterConfig(block_size=BLOCK_SIZE, total_kv_blocks=16_384),
-                                         rng=random.Random(1))  # fmt: skip
+        self.policy = kv.KvRoutingPolicy(
+            config.KvRouterConfig(block_size=BLOCK_SIZE, total_kv_blocks=16_384), rng=random.Random(1)
+        )
         for n, prompt in enumerate(prompts):
             self.policy.indexer.store_blocks(n % workers, hashes(prompt, BLOCK_SIZE))
         self.workers, self.in_flight, self.sent = list(range(workers)), 8 * workers, 0
@@ -112,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.against:
             cells.append(f"{row[PACKAGE] / row[OTHER]:.2f}")
         print("| " + " | ".join(cells) + " |")
-    result: dict[str, Any] = {"against": str(args.against) if args.against else None, "rows": rows,
-                              "block_decisions": args.block_decisions, "blocks": args.blocks}  # fmt: skip
+    result: dict[str, Any] = {
+        "against": str(args.against) if args.against else None,
+        "rows": rows,
+        "block_decisions": args.block_decisions,
+        "blocks": args.blocks,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")

@@ -85,9 +85,15 @@ from dynamo_cli.bench.report import write_json  # noqa: E402
 MODEL = "smollm2"
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 POLICIES = ("adaptive", "isl", "load", "isl-or-load")
-FIGURES = (("req/s", "request_throughput"), ("tok/s", "output_token_throughput"), ("TTFT p50", "ttft.p50"),
-           ("TTFT p99", "ttft.p99"), ("ITL p50", "itl.p50"), ("ITL p99", "itl.p99"),
-           ("gap p99", "chunk_gap.p99"))  # fmt: skip
+FIGURES = (
+    ("req/s", "request_throughput"),
+    ("tok/s", "output_token_throughput"),
+    ("TTFT p50", "ttft.p50"),
+    ("TTFT p99", "ttft.p99"),
+    ("ITL p50", "itl.p50"),
+    ("ITL p99", "itl.p99"),
+    ("gap p99", "chunk_gap.p99"),
+)
 
 
 # ------------------------------------------------------------------------------------------ deployments
@@ -111,8 +117,19 @@ class Side:
 def start(side: Side, tmp: Path, timeout_s: float = 180.0) -> None:
     """Start `dyn serve` for `side` and wait for its ready line (the log is a file: a full pipe never blocks)."""
     side.log = tmp / f"{side.name}.log"
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", *side.flags, "--port", "0",
-            "--host", "127.0.0.1", "--discovery", f"file://{tmp}/{side.name}.d"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        *side.flags,
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--discovery",
+        f"file://{tmp}/{side.name}.d",
+    ]
     with side.log.open("wb") as log:
         side.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **side.env})
     deadline = time.monotonic() + timeout_s
@@ -167,15 +184,31 @@ def mocker_flags(args: argparse.Namespace, policy: str | None) -> list[str]:
 def bench(side: Side, tmp: Path, tag: str, flags: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
     """One `dyn bench` run against `side`: its --json summary plus the per-request rows of --jsonl."""
     out = tmp / f"{side.name}-{tag}"
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "bench", "--url", side.url, "--endpoint", "completions",
-            "--tokenizer", MODEL, "--no-progress", "--json", f"{out}.json", "--jsonl", f"{out}.jsonl",
-            *flags]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "bench",
+        "--url",
+        side.url,
+        "--endpoint",
+        "completions",
+        "--tokenizer",
+        MODEL,
+        "--no-progress",
+        "--json",
+        f"{out}.json",
+        "--jsonl",
+        f"{out}.jsonl",
+        *flags,
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         log = side.log.read_text(errors="replace")[-4000:] if side.log else ""
         print(f"dyn serve log of {side.name} (tail):\n{log}", file=sys.stderr)
-        raise SystemExit(f"dyn bench failed on {side.name} ({' '.join(flags)}):\n{done.stdout[-2000:]}"
-                         f"\n{done.stderr[-3000:]}")  # fmt: skip
+        raise SystemExit(
+            f"dyn bench failed on {side.name} ({' '.join(flags)}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
     document: dict[str, Any] = json.loads(Path(f"{out}.json").read_text())
     rows = [json.loads(line) for line in Path(f"{out}.jsonl").read_text().splitlines() if line.strip()]
     return {"summary": document["summary"], "rows": rows}
@@ -194,16 +227,22 @@ def figure(summary: dict[str, Any], key: str) -> float:
 def goodput(result: dict[str, Any], ttft_ms: float, itl_ms: float) -> float:
     """Requests that succeeded with TTFT <= ttft_ms and ITL <= itl_ms, per second of the run."""
     duration = result["summary"]["duration_s"] or float("nan")
-    good = sum(1 for r in result["rows"] if r["ok"] and (r["ttft_ms"] or 0) <= ttft_ms
-               and (r["itl_ms"] is None or r["itl_ms"] <= itl_ms))  # fmt: skip
+    good = sum(
+        1
+        for r in result["rows"]
+        if r["ok"] and (r["ttft_ms"] or 0) <= ttft_ms and (r["itl_ms"] is None or r["itl_ms"] <= itl_ms)
+    )
     return float(good / duration)
 
 
 def scrape(side: Side) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the frontend's /metrics, keyed by (name, sorted labels)."""
     text = httpx.get(f"{side.url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def delta(after: dict[Any, float], before: dict[Any, float], name: str, label: str) -> dict[str, float]:
@@ -263,9 +302,15 @@ def round_ratios(runs: dict[str, list[dict[str, Any]]], base: str) -> dict[str, 
     for name, side_runs in runs.items():
         if name == base:
             continue
-        ratios[name] = {key: median([figure(a["summary"], key) / figure(b["summary"], key)
-                                     for a, b in zip(side_runs, runs[base], strict=True)])
-                        for _, key in FIGURES}  # fmt: skip
+        ratios[name] = {
+            key: median(
+                [
+                    figure(a["summary"], key) / figure(b["summary"], key)
+                    for a, b in zip(side_runs, runs[base], strict=True)
+                ]
+            )
+            for _, key in FIGURES
+        }
     return ratios
 
 
@@ -305,8 +350,14 @@ def side_table(title: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, A
     rows: list[list[Any]] = []
     for name, m in medians.items():
         remote = median([r.get("remote_share", float("nan")) for r in runs[name]])
-        rows.append([name, *(m[k] for _, k in FIGURES), "" if remote != remote else f"{remote:.0%}",
-                     sum(r["summary"]["num_failed"] for r in runs[name])])  # fmt: skip
+        rows.append(
+            [
+                name,
+                *(m[k] for _, k in FIGURES),
+                "" if remote != remote else f"{remote:.0%}",
+                sum(r["summary"]["num_failed"] for r in runs[name]),
+            ]
+        )
     rows += [[f"{n}/agg", *(r[k] for _, k in FIGURES), "", ""] for n, r in ratios.items()]
     table(title, header, rows)
     return {"medians": medians, "ratios_vs_agg": ratios, "runs": strip_rows(runs)}
@@ -317,18 +368,34 @@ def side_table(title: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, A
 
 def part_mocker(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """ISL 3,000 / OSL 150 / c=16: agg vs 1P+1D (adaptive) vs 1P+1D (always), alternating by round."""
-    sides = [Side("agg", mocker_flags(args, None)), Side("disagg", mocker_flags(args, "adaptive")),
-             Side("always", mocker_flags(args, "always"))]  # fmt: skip
+    sides = [
+        Side("agg", mocker_flags(args, None)),
+        Side("disagg", mocker_flags(args, "adaptive")),
+        Side("always", mocker_flags(args, "always")),
+    ]
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
-    load = ["--isl", "3000", "--osl", "150", "--concurrency", "16", "--duration", str(args.seconds),
-            "--warmup", str(args.warmup)]  # fmt: skip
+    load = [
+        "--isl",
+        "3000",
+        "--osl",
+        "150",
+        "--concurrency",
+        "16",
+        "--duration",
+        str(args.seconds),
+        "--warmup",
+        str(args.warmup),
+    ]
     with deployed(sides, tmp):
         for rnd in range(args.repeats):
             for side in sides:
                 runs[side.name].append(bench_routed(side, tmp, f"mocker-r{rnd}", [*load, "--seed", str(rnd)]))
                 show(f"round {rnd} {side.name}", runs[side.name][-1])
-    out = side_table(f"mocker, speedup {args.speedup_ratio}: ISL 3000, OSL 150, c=16, {args.seconds:g} s x "
-                     f"{args.repeats} rounds (medians; ratios = median of per-round ratios; ms)", runs)  # fmt: skip
+    out = side_table(
+        f"mocker, speedup {args.speedup_ratio}: ISL 3000, OSL 150, c=16, {args.seconds:g} s x "
+        f"{args.repeats} rounds (medians; ratios = median of per-round ratios; ms)",
+        runs,
+    )
     print("  bar (Dynamo's mocker): req/s ratio >= 1.25, TTFT p50 ratio <= 0.33, ITL p99 ratio <= 0.5")
     return {**out, "sides": {s.name: s.flags for s in sides}}
 
@@ -347,8 +414,16 @@ def capacity(args: argparse.Namespace, always: Side, tmp: Path, prompts: Prompts
     prefill worker saturates."""
     n = int(args.capacity_concurrency * 2 + args.mixed_seconds * 60 * args.speedup_ratio)  # ~2x what it sends
     path = prompts.mixed("capacity", min(n, 6_000), seed=10_000)
-    flags = ["--prompts-file", str(path), "--osl", "150", "--concurrency", str(args.capacity_concurrency),
-             "--duration", str(args.mixed_seconds)]  # fmt: skip
+    flags = [
+        "--prompts-file",
+        str(path),
+        "--osl",
+        "150",
+        "--concurrency",
+        str(args.capacity_concurrency),
+        "--duration",
+        str(args.mixed_seconds),
+    ]
     result = bench(always, tmp, "capacity", flags)
     return figure(result["summary"], "request_throughput")
 
@@ -364,11 +439,24 @@ def bench_routed(side: Side, tmp: Path, tag: str, flags: list[str]) -> dict[str,
     return result
 
 
-def mixed_run(side: Side, tmp: Path, tag: str, prompts: Path, rate: float, seconds: float, seed: int,
-              slo: tuple[float, float]) -> dict[str, Any]:  # fmt: skip
+def mixed_run(
+    side: Side, tmp: Path, tag: str, prompts: Path, rate: float, seconds: float, seed: int, slo: tuple[float, float]
+) -> dict[str, Any]:
     """One open-loop run of `side` at `rate`: figures, goodput and where its prompts were prefilled."""
-    flags = ["--prompts-file", str(prompts), "--osl", "150", "--request-rate", f"{rate:g}", "--arrival", "poisson",
-             "--duration", str(seconds), "--seed", str(seed)]  # fmt: skip
+    flags = [
+        "--prompts-file",
+        str(prompts),
+        "--osl",
+        "150",
+        "--request-rate",
+        f"{rate:g}",
+        "--arrival",
+        "poisson",
+        "--duration",
+        str(seconds),
+        "--seed",
+        str(seed),
+    ]
     result = bench_routed(side, tmp, tag, flags)
     result["goodput"] = goodput(result, *slo)
     return result
@@ -376,8 +464,11 @@ def mixed_run(side: Side, tmp: Path, tag: str, prompts: Path, rate: float, secon
 
 def part_mixed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Half ISL 100, half ISL 3,000, OSL 150, Poisson arrivals: goodput of every side at every rate."""
-    sides = [Side("agg", mocker_flags(args, None)), Side("always", mocker_flags(args, "always")),
-             *(Side(p, mocker_flags(args, p)) for p in args.policies.split(","))]  # fmt: skip
+    sides = [
+        Side("agg", mocker_flags(args, None)),
+        Side("always", mocker_flags(args, "always")),
+        *(Side(p, mocker_flags(args, p)) for p in args.policies.split(",")),
+    ]
     slo = parse_slo(args.slo, args.speedup_ratio)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     prompts = Prompts(tmp)
@@ -394,17 +485,35 @@ def part_mixed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 count = int(rate * args.mixed_seconds * 1.3) + 20  # never cycles: no prompt repeats in a run
                 path = prompts.mixed(f"r{rnd}-{rate:g}", count, seed=rnd * 1000 + int(rate * 10))
                 for side in sides:
-                    result = mixed_run(side, tmp, f"mixed-r{rnd}-{rate:g}", path, rate, args.mixed_seconds,
-                                       rnd, slo)  # fmt: skip
+                    result = mixed_run(side, tmp, f"mixed-r{rnd}-{rate:g}", path, rate, args.mixed_seconds, rnd, slo)
                     runs.setdefault(f"{rate:g}", {}).setdefault(side.name, []).append(result)
                     show(f"round {rnd} rate {rate:g} {side.name}: goodput {fmt(result['goodput'])}", result)
     return report_mixed(args, runs, rates, slo, cap, sides)
 
 
-def report_mixed(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, Any]]]], rates: list[float],
-                 slo: tuple[float, float], cap: float, sides: list[Side]) -> dict[str, Any]:  # fmt: skip
-    header = ["rate", "side", "goodput", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "gap p99", "remote",
-              "good/agg", "good/always", "failed"]  # fmt: skip
+def report_mixed(
+    args: argparse.Namespace,
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    rates: list[float],
+    slo: tuple[float, float],
+    cap: float,
+    sides: list[Side],
+) -> dict[str, Any]:
+    header = [
+        "rate",
+        "side",
+        "goodput",
+        "req/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "gap p99",
+        "remote",
+        "good/agg",
+        "good/always",
+        "failed",
+    ]
     rows: list[list[Any]] = []
     out: dict[str, dict[str, Any]] = {}
     verdict: list[bool] = []
@@ -423,24 +532,52 @@ def report_mixed(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[s
                 for base in ("agg", "always")
             }
             figures = {key: median([figure(r["summary"], key) for r in side_runs]) for _, key in FIGURES}
-            entry = {"goodput": median(good), "remote_share": median([r["remote_share"] for r in side_runs]),
-                     "goodput_vs": vs, **figures, "decisions": [r["decisions"] for r in side_runs],
-                     "summaries": [r["summary"] for r in side_runs]}  # fmt: skip
+            entry = {
+                "goodput": median(good),
+                "remote_share": median([r["remote_share"] for r in side_runs]),
+                "goodput_vs": vs,
+                **figures,
+                "decisions": [r["decisions"] for r in side_runs],
+                "summaries": [r["summary"] for r in side_runs],
+            }
             out[f"{rate:g}"][name] = entry
-            rows.append([rate, name, entry["goodput"], figures["request_throughput"], figures["ttft.p50"],
-                         figures["ttft.p99"], figures["itl.p50"], figures["itl.p99"], figures["chunk_gap.p99"],
-                         f"{entry['remote_share']:.0%}", vs["agg"], vs["always"],
-                         sum(r["summary"]["num_failed"] for r in side_runs)])  # fmt: skip
+            rows.append(
+                [
+                    rate,
+                    name,
+                    entry["goodput"],
+                    figures["request_throughput"],
+                    figures["ttft.p50"],
+                    figures["ttft.p99"],
+                    figures["itl.p50"],
+                    figures["itl.p99"],
+                    figures["chunk_gap.p99"],
+                    f"{entry['remote_share']:.0%}",
+                    vs["agg"],
+                    vs["always"],
+                    sum(r["summary"]["num_failed"] for r in side_runs),
+                ]
+            )
         if "adaptive" in by_side:
             a = out[f"{rate:g}"]["adaptive"]["goodput"]
             verdict.append(a > out[f"{rate:g}"]["agg"]["goodput"] and a > out[f"{rate:g}"]["always"]["goodput"])
-    table(f"mixed (half ISL 100, half 3000; OSL 150; Poisson), speedup {args.speedup_ratio}, {args.mixed_seconds:g} s "
-          f"x {args.repeats} rounds; goodput = req/s with TTFT <= {slo[0]:g} ms and ITL <= {slo[1]:g} ms; "
-          "ratios = median of per-round ratios", header, rows)  # fmt: skip
+    table(
+        f"mixed (half ISL 100, half 3000; OSL 150; Poisson), speedup {args.speedup_ratio}, {args.mixed_seconds:g} s "
+        f"x {args.repeats} rounds; goodput = req/s with TTFT <= {slo[0]:g} ms and ITL <= {slo[1]:g} ms; "
+        "ratios = median of per-round ratios",
+        header,
+        rows,
+    )
     if verdict:
         print(f"  bar: adaptive beats agg and always at every rate: {all(verdict)} ({verdict})")
-    return {"capacity_req_s": cap, "rates": rates, "slo_ms": {"ttft": slo[0], "itl": slo[1], "spec": args.slo},
-            "by_rate": out, "adaptive_beats_both": verdict, "sides": {s.name: s.flags for s in sides}}  # fmt: skip
+    return {
+        "capacity_req_s": cap,
+        "rates": rates,
+        "slo_ms": {"ttft": slo[0], "itl": slo[1], "spec": args.slo},
+        "by_rate": out,
+        "adaptive_beats_both": verdict,
+        "sides": {s.name: s.flags for s in sides},
+    }
 
 
 # ---------------------------------------------------------------------------------- part 3: llamacpp
@@ -471,23 +608,42 @@ def transfer_run(side: Side, tmp: Path, tag: str, prompts: tuple[Path, Path], n:
     mean time and size by backend, from the growth of the frontend's /metrics over the measured prompts."""
     bench(side, tmp, f"{tag}-warm", ["--prompts-file", str(prompts[0]), "--osl", "4", "--num-requests", "1"])
     before = scrape(side)
-    result = bench_routed(side, tmp, tag, ["--prompts-file", str(prompts[1]), "--osl", "4", "--concurrency", "1",
-                                           "--num-requests", str(n)])  # fmt: skip
+    result = bench_routed(
+        side,
+        tmp,
+        tag,
+        ["--prompts-file", str(prompts[1]), "--osl", "4", "--concurrency", "1", "--num-requests", str(n)],
+    )
     after = scrape(side)
     total = delta(after, before, "dynamo_frontend_kv_transfer_seconds_sum", "backend")
     count = delta(after, before, "dynamo_frontend_kv_transfer_seconds_count", "backend")
     nbytes = delta(after, before, "dynamo_frontend_kv_transfer_bytes_total", "backend")
-    result["transfer"] = {b: {"count": c, "mean_ms": total[b] / c * 1e3 if c else float("nan"),
-                              "mib": nbytes.get(b, 0.0) / c / 2**20 if c else 0.0}
-                          for b, c in count.items()}  # fmt: skip
+    result["transfer"] = {
+        b: {
+            "count": c,
+            "mean_ms": total[b] / c * 1e3 if c else float("nan"),
+            "mib": nbytes.get(b, 0.0) / c / 2**20 if c else 0.0,
+        }
+        for b, c in count.items()
+    }
     return result
 
 
 def part_llamacpp(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """agg vs 1P+1D at ISL ~1,500 / OSL 64 / c=4, then the transfer of a 2,000-token state vs its prefill."""
     sides = llama_sides(args)
-    load = ["--isl", str(args.llama_isl), "--osl", "64", "--concurrency", "4", "--duration", str(args.llama_seconds),
-            "--warmup", str(min(args.warmup, 4))]  # fmt: skip
+    load = [
+        "--isl",
+        str(args.llama_isl),
+        "--osl",
+        "64",
+        "--concurrency",
+        "4",
+        "--duration",
+        str(args.llama_seconds),
+        "--warmup",
+        str(min(args.warmup, 4)),
+    ]
     runs: dict[str, list[dict[str, Any]]] = {"agg": [], "disagg": []}
     transfers: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
     prompts = Prompts(tmp)
@@ -497,20 +653,29 @@ def part_llamacpp(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 runs[name].append(bench_routed(side, tmp, f"llama-r{rnd}", [*load, "--seed", str(rnd)]))
                 show(f"round {rnd} {name} ({side.name})", runs[name][-1])
             n, tokens = args.transfer_requests, args.transfer_tokens
-            paths = (prompts.write(f"warm-r{rnd}", [tokens], seed=900 + rnd),
-                     prompts.write(f"transfer-r{rnd}", [tokens] * n, seed=500 + rnd))  # fmt: skip
+            paths = (
+                prompts.write(f"warm-r{rnd}", [tokens], seed=900 + rnd),
+                prompts.write(f"transfer-r{rnd}", [tokens] * n, seed=500 + rnd),
+            )
             for side in sides:
                 transfers[side.name].append(transfer_run(side, tmp, f"transfer-r{rnd}", paths, n))
-                show(f"round {rnd} transfer {side.name} {transfers[side.name][-1]['transfer']}",
-                     transfers[side.name][-1])  # fmt: skip
-    title = (f"llamacpp (SmolLM2): ISL {args.llama_isl}, OSL 64, c=4, {args.llama_seconds:g} s x {args.repeats} "
-             f"rounds; disagg = 1P+1D over {sides[-1].name} (medians; ms)")  # fmt: skip
-    return {**side_table(title, runs), "transfer": report_transfer(args, transfers, sides),
-            "sides": {s.name: s.flags for s in sides}}  # fmt: skip
+                show(
+                    f"round {rnd} transfer {side.name} {transfers[side.name][-1]['transfer']}", transfers[side.name][-1]
+                )
+    title = (
+        f"llamacpp (SmolLM2): ISL {args.llama_isl}, OSL 64, c=4, {args.llama_seconds:g} s x {args.repeats} "
+        f"rounds; disagg = 1P+1D over {sides[-1].name} (medians; ms)"
+    )
+    return {
+        **side_table(title, runs),
+        "transfer": report_transfer(args, transfers, sides),
+        "sides": {s.name: s.flags for s in sides},
+    }
 
 
-def report_transfer(args: argparse.Namespace, transfers: dict[str, list[dict[str, Any]]],
-                    sides: list[Side]) -> dict[str, Any]:  # fmt: skip
+def report_transfer(
+    args: argparse.Namespace, transfers: dict[str, list[dict[str, Any]]], sides: list[Side]
+) -> dict[str, Any]:
     """Mean pull time per backend against the prefill time (TTFT p50 on agg at c=1) of the same prompts."""
     prefill = [figure(r["summary"], "ttft.p50") for r in transfers["agg"]]
     out: dict[str, Any] = {"prefill_ttft_p50_ms": median(prefill), "tokens": args.transfer_tokens}
@@ -529,14 +694,26 @@ def report_transfer(args: argparse.Namespace, transfers: dict[str, list[dict[str
             "local_fallbacks": local,
             "ttft_p50_ms": median([figure(r["summary"], "ttft.p50") for r in transfers[side.name]]),
         }
-        rows.append([side.name, f"{pulls:g}/{args.transfer_requests * args.repeats}", row["mib"],
-                     row["transfer_mean_ms"], median(prefill), f"{share:.1%}", share <= 0.10, local])  # fmt: skip
+        rows.append(
+            [
+                side.name,
+                f"{pulls:g}/{args.transfer_requests * args.repeats}",
+                row["mib"],
+                row["transfer_mean_ms"],
+                median(prefill),
+                f"{share:.1%}",
+                share <= 0.10,
+                local,
+            ]
+        )
     if len(sides) < 3:
         rows.append(["nixl", "", "", "NIXL does not import here", "", "", "", ""])
-    table(f"KV transfer of a {args.transfer_tokens}-token state ({args.transfer_requests} prompts x {args.repeats} "
-          "rounds, c=1; 1 warm-up prompt untimed); prefill = TTFT p50 of the same prompts on agg",
-          ["backend", "pulls", "MiB", "pull ms", "prefill ms", "share", "<= 10 %", "local fallbacks"],
-          rows)  # fmt: skip
+    table(
+        f"KV transfer of a {args.transfer_tokens}-token state ({args.transfer_requests} prompts x {args.repeats} "
+        "rounds, c=1; 1 warm-up prompt untimed); prefill = TTFT p50 of the same prompts on agg",
+        ["backend", "pulls", "MiB", "pull ms", "prefill ms", "share", "<= 10 %", "local fallbacks"],
+        rows,
+    )
     return out
 
 

@@ -130,9 +130,15 @@ def figures(
     def pct(values: list[float], q: float) -> float:
         return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
-    return {"req/s": len(kept) / span, "TTFT p50": pct(ttft, 0.5), "TTFT p99": pct(ttft, 0.99),
-            "ITL p50": pct(itl, 0.5), "ITL p99": pct(itl, 0.99), "gap p99": pct(gaps, 0.99),
-            "goodput": good / span}  # fmt: skip
+    return {
+        "req/s": len(kept) / span,
+        "TTFT p50": pct(ttft, 0.5),
+        "TTFT p99": pct(ttft, 0.99),
+        "ITL p50": pct(itl, 0.5),
+        "ITL p99": pct(itl, 0.99),
+        "gap p99": pct(gaps, 0.99),
+        "goodput": good / span,
+    }
 
 
 def closed(mode: str, seconds: float, slo: tuple[float, float]) -> dict[str, float]:

@@ -91,9 +91,7 @@ asyncio.run(main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv
 """
 
 
-async def run_nats_phase(
-    url: str, count: int, rate_per_publisher: float, jetstream: bool
-) -> dict[str, float]:
+async def run_nats_phase(url: str, count: int, rate_per_publisher: float, jetstream: bool) -> dict[str, float]:
     """Start the publishers, release them together, and receive every event in this process."""
     router = NatsEventBus(url)
     await router.start()
@@ -229,9 +227,7 @@ async def measure_removal(url: str, ttl: float) -> float:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events-per-publisher", type=int, default=50_000)
     parser.add_argument(
         "--latency-rates", type=float, nargs="+", default=[5_000, 20_000], help="total events/s, paced phases"

@@ -36,8 +36,14 @@ sys.path.insert(0, str(ROOT))
 from dynamo_cli.bench.report import flatten  # noqa: E402
 from engines.hf_export import hf_model_dir  # noqa: E402
 
-ENGINE = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 16, "block_size": 32,
-          "kv_cache_memory_bytes": 1 << 30, "max_model_len": 4096}  # fmt: skip
+ENGINE = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_num_seqs": 16,
+    "block_size": 32,
+    "kv_cache_memory_bytes": 1 << 30,
+    "max_model_len": 4096,
+}
 """The vLLM engine arguments both servers get (the CPU needs float32 and block sizes in multiples of 32)."""
 SERVED_NAME = "smollm2"
 
@@ -53,8 +59,14 @@ class Server:
 
     def __init__(self, name: str, argv: list[str], url: str | None, ready: re.Pattern[str]) -> None:
         self.name, self.url, self.lines = name, url, []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         self._ready = threading.Event()
         threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
 
@@ -89,8 +101,19 @@ class Server:
 
 def start_vllm(model: str) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     for key, value in ENGINE.items():
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
@@ -99,19 +122,61 @@ def start_vllm(model: str) -> Server:
 
 def start_dyn(model: str) -> Server:
     extra = {k: v for k, v in ENGINE.items() if k not in ("block_size", "max_model_len")}
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "vllm", "--model", model,
-            "--served-model-name", SERVED_NAME, "--port", "0", "--block-size", str(ENGINE["block_size"]),
-            "--context-length", str(ENGINE["max_model_len"]), "--extra-engine-args", json.dumps(extra),
-            "--discovery", f"file://{tempfile.mkdtemp(prefix='dyn-bench-vllm-')}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        "0",
+        "--block-size",
+        str(ENGINE["block_size"]),
+        "--context-length",
+        str(ENGINE["max_model_len"]),
+        "--extra-engine-args",
+        json.dumps(extra),
+        "--discovery",
+        f"file://{tempfile.mkdtemp(prefix='dyn-bench-vllm-')}",
+    ]
     return Server("dyn serve", argv, None, re.compile(r"dyn serve ready: (http://\S+)"))
 
 
 def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     num_requests = max(args.min_requests, concurrency * args.requests_per_slot)
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "bench", "--url", url, "--model", SERVED_NAME,
-            "--tokenizer", "smollm2", "--concurrency", str(concurrency), "--num-requests", str(num_requests),
-            "--warmup", str(concurrency), "--isl", str(args.isl), "--osl", str(args.osl), "--ignore-eos",
-            "--seed", "7", "--no-progress", "--json", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "bench",
+        "--url",
+        url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        "smollm2",
+        "--concurrency",
+        str(concurrency),
+        "--num-requests",
+        str(num_requests),
+        "--warmup",
+        str(concurrency),
+        "--isl",
+        str(args.isl),
+        "--osl",
+        str(args.osl),
+        "--ignore-eos",
+        "--seed",
+        "7",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"dyn bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -142,14 +207,21 @@ def main() -> None:
                 assert server.url is not None
                 for c in levels:
                     figures = bench(server.url, c, args, work / f"{name}-{round_no}-{c}.json")
-                    cell = {"round": round_no, "server": name, "concurrency": c,
-                            "output_tok_s": figures["output_token_throughput"], "ttft_p50_ms": figures["ttft.p50"],
-                            "itl_p50_ms": figures.get("itl.p50"),
-                            "failed": figures.get("failed_requests", 0.0)}  # fmt: skip
+                    cell = {
+                        "round": round_no,
+                        "server": name,
+                        "concurrency": c,
+                        "output_tok_s": figures["output_token_throughput"],
+                        "ttft_p50_ms": figures["ttft.p50"],
+                        "itl_p50_ms": figures.get("itl.p50"),
+                        "failed": figures.get("failed_requests", 0.0),
+                    }
                     cells.append(cell)
-                    print(f"round {round_no} {name:4s} c={c:<3d} {cell['output_tok_s']:8.1f} out tok/s  "
-                          f"TTFT p50 {cell['ttft_p50_ms']:8.1f} ms  ITL p50 {cell['itl_p50_ms'] or 0:6.1f} ms",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"round {round_no} {name:4s} c={c:<3d} {cell['output_tok_s']:8.1f} out tok/s  "
+                        f"TTFT p50 {cell['ttft_p50_ms']:8.1f} ms  ITL p50 {cell['itl_p50_ms'] or 0:6.1f} ms",
+                        flush=True,
+                    )
             finally:
                 server.stop()
     rows = []
@@ -163,25 +235,43 @@ def main() -> None:
         def median(server: str, key: str, conc: int = c) -> float:
             return statistics.median(x[key] for x in cells if x["server"] == server and x["concurrency"] == conc)
 
-        rows.append({"concurrency": c,
-                     "vllm_tok_s": median("vllm", "output_tok_s"), "dyn_tok_s": median("dyn", "output_tok_s"),
-                     "tok_s_ratio": statistics.median(ratios_tps), "tok_s_ratios": ratios_tps,
-                     "vllm_ttft_p50_ms": median("vllm", "ttft_p50_ms"),
-                     "dyn_ttft_p50_ms": median("dyn", "ttft_p50_ms"),
-                     "ttft_ratio": statistics.median(ratios_ttft), "ttft_ratios": ratios_ttft})  # fmt: skip
-    print(f"\n{'c':>3} | {'vLLM tok/s':>10} | {'dyn tok/s':>10} | {'dyn/vLLM':>8} | "
-          f"{'vLLM TTFT p50':>13} | {'dyn TTFT p50':>12} | {'dyn/vLLM':>8} | bar >= 0.95")  # fmt: skip
+        rows.append(
+            {
+                "concurrency": c,
+                "vllm_tok_s": median("vllm", "output_tok_s"),
+                "dyn_tok_s": median("dyn", "output_tok_s"),
+                "tok_s_ratio": statistics.median(ratios_tps),
+                "tok_s_ratios": ratios_tps,
+                "vllm_ttft_p50_ms": median("vllm", "ttft_p50_ms"),
+                "dyn_ttft_p50_ms": median("dyn", "ttft_p50_ms"),
+                "ttft_ratio": statistics.median(ratios_ttft),
+                "ttft_ratios": ratios_ttft,
+            }
+        )
+    print(
+        f"\n{'c':>3} | {'vLLM tok/s':>10} | {'dyn tok/s':>10} | {'dyn/vLLM':>8} | "
+        f"{'vLLM TTFT p50':>13} | {'dyn TTFT p50':>12} | {'dyn/vLLM':>8} | bar >= 0.95"
+    )
     for r in rows:
-        print(f"{r['concurrency']:>3} | {r['vllm_tok_s']:>10.1f} | {r['dyn_tok_s']:>10.1f} | "
-              f"{r['tok_s_ratio']:>8.3f} | "
-              f"{r['vllm_ttft_p50_ms']:>11.1f}ms | {r['dyn_ttft_p50_ms']:>10.1f}ms | {r['ttft_ratio']:>8.3f} | "
-              f"{'met' if r['tok_s_ratio'] >= 0.95 else 'MISSED'}")  # fmt: skip
+        print(
+            f"{r['concurrency']:>3} | {r['vllm_tok_s']:>10.1f} | {r['dyn_tok_s']:>10.1f} | "
+            f"{r['tok_s_ratio']:>8.3f} | "
+            f"{r['vllm_ttft_p50_ms']:>11.1f}ms | {r['dyn_ttft_p50_ms']:>10.1f}ms | {r['ttft_ratio']:>8.3f} | "
+            f"{'met' if r['tok_s_ratio'] >= 0.95 else 'MISSED'}"
+        )
     print(f"startup s: vLLM {startups['vllm']}, dyn {startups['dyn']}")
-    document = {"benchmark": "engine_vllm", "args": vars(args), "engine_args": ENGINE,
-                "rows": rows, "cells": cells,
-                "startup_s": startups, "host": platform.node(), "cpus": os.cpu_count(),
-                "load_average": os.getloadavg(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    document = {
+        "benchmark": "engine_vllm",
+        "args": vars(args),
+        "engine_args": ENGINE,
+        "rows": rows,
+        "cells": cells,
+        "startup_s": startups,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(document, indent=2))
     print(f"wrote {args.json}")

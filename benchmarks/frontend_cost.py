@@ -170,8 +170,16 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the kv run's cProfile (own time)")
     p.add_argument("--json", default="benchmarks/out/frontend_cost.json")
     args = p.parse_args()
-    defaults = {"workers": 4, "clients_per_worker": 8, "warmup": 0.0, "prefix_tokens": 2000, "suffix_tokens": 100,
-                "max_tokens": 50, "block_size": 64, "trace": 0}  # fmt: skip
+    defaults = {
+        "workers": 4,
+        "clients_per_worker": 8,
+        "warmup": 0.0,
+        "prefix_tokens": 2000,
+        "suffix_tokens": 100,
+        "max_tokens": 50,
+        "block_size": 64,
+        "trace": 0,
+    }
     for name, value in defaults.items():
         setattr(args, name, value)
     rows = []
@@ -186,8 +194,11 @@ def main() -> None:
         us["total"] = sum(us[part] for part in PARTS)
         rows.append(row)
         us = row["us_per_request"]
-        print(f"{mode:14} {row['requests']:6d} " + " ".join(f"{us[k]:9.1f}" for k in (*PARTS, "total"))
-              + f"  {row['digest']}")  # fmt: skip
+        print(
+            f"{mode:14} {row['requests']:6d} "
+            + " ".join(f"{us[k]:9.1f}" for k in (*PARTS, "total"))
+            + f"  {row['digest']}"
+        )
         if args.profile and mode != "round-robin":
             profile_trace(args, mode, meter.trace)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

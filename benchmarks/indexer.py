@@ -49,22 +49,22 @@ class Workload:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--blocks-per-worker", type=int, default=100_000)
     parser.add_argument("--prefixes", type=int, default=512, help="shared system prompts in the pool")
     parser.add_argument("--prefix-blocks", type=int, default=32)
     parser.add_argument("--suffix-blocks", type=int, default=32)
     parser.add_argument("--event-blocks", type=int, default=16, help="blocks per BlockStored event")
-    parser.add_argument(
-        "--churn-chains", type=int, default=200, help="suffixes evicted and re-stored per worker"
-    )
+    parser.add_argument("--churn-chains", type=int, default=200, help="suffixes evicted and re-stored per worker")
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--selects", type=int, default=5_000, help="routing decisions timed per cost")
-    parser.add_argument("--offload-fraction", type=float, default=0.0,
-                        help="select: share of a system prompt's holders that keep its second half on host only")
+    parser.add_argument(
+        "--offload-fraction",
+        type=float,
+        default=0.0,
+        help="select: share of a system prompt's holders that keep its second half on host only",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="default: benchmarks/out/indexer.json")
     return parser.parse_args(argv)
@@ -101,8 +101,7 @@ def worker_batches(workload: Workload, worker: int, event_blocks: int) -> list[K
             blocks.extend(workload.prefix_blocks[index])
         blocks.extend(map(StoredBlock, suffix, suffix))
     events: list[KvEvent] = [
-        BlockStored(parent_hash=None, blocks=blocks[i : i + event_blocks])
-        for i in range(0, len(blocks), event_blocks)
+        BlockStored(parent_hash=None, blocks=blocks[i : i + event_blocks]) for i in range(0, len(blocks), event_blocks)
     ]
     per_batch = 8
     return [
@@ -280,13 +279,21 @@ def print_table(result: dict[str, Any]) -> None:
     rows = [
         ("ingest (fill)", f"{ingest['block_events_per_s']:,.0f} block events/s", _detail(ingest)),
         ("churn (remove+store)", f"{churn['block_events_per_s']:,.0f} block events/s", _detail(churn)),
-        ("query 64 blocks", f"p50 {query['p50_us']:.1f} us  p99 {query['p99_us']:.1f} us",
-         f"on-CPU p50 {query['cpu_p50_us']:.1f} us  p99 {query['cpu_p99_us']:.1f} us"),
-        *[(f"select ({workers} workers, {cost} cost)", f"p50 {select[cost]['p50_us']:.1f} us  p99 "
-           f"{select[cost]['p99_us']:.1f} us", f"on-CPU p50 {select[cost]['cpu_p50_us']:.1f} us  p99 "
-           f"{select[cost]['cpu_p99_us']:.1f} us") for cost in ("time", "dynamo")],
+        (
+            "query 64 blocks",
+            f"p50 {query['p50_us']:.1f} us  p99 {query['p99_us']:.1f} us",
+            f"on-CPU p50 {query['cpu_p50_us']:.1f} us  p99 {query['cpu_p99_us']:.1f} us",
+        ),
+        *[
+            (
+                f"select ({workers} workers, {cost} cost)",
+                f"p50 {select[cost]['p50_us']:.1f} us  p99 {select[cost]['p99_us']:.1f} us",
+                f"on-CPU p50 {select[cost]['cpu_p50_us']:.1f} us  p99 {select[cost]['cpu_p99_us']:.1f} us",
+            )
+            for cost in ("time", "dynamo")
+        ],
         ("hash 64 blocks", f"p50 {select['hash_64_blocks']['p50_us']:.1f} us", "(part of select)"),
-    ]  # fmt: skip
+    ]
     width = max(len(r[0]) for r in rows)
     for name, main, extra in rows:
         print(f"{name:<{width}}  {main:<34}  {extra}")

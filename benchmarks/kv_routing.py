@@ -94,8 +94,9 @@ class Workload:
     """Prompt tokens in full blocks that lie wholly inside the system prompt (the most that can hit)."""
 
 
-def build_workload(num_prefixes: int, prefix_tokens: int, suffix_tokens: int, max_tokens: int,
-                   block_size: int, seed: int) -> Workload:  # fmt: skip
+def build_workload(
+    num_prefixes: int, prefix_tokens: int, suffix_tokens: int, max_tokens: int, block_size: int, seed: int
+) -> Workload:
     from dynamo_cli.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(MODEL)
@@ -115,8 +116,14 @@ def build_workload(num_prefixes: int, prefix_tokens: int, suffix_tokens: int, ma
 
 def make_body(work: Workload, prefix: int, rng: random.Random) -> dict[str, Any]:
     suffix = [rng.choice(work.pool) for _ in range(work.suffix_tokens)]
-    return {"model": MODEL, "prompt": work.prefixes[prefix] + suffix, "max_tokens": work.max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": work.prefixes[prefix] + suffix,
+        "max_tokens": work.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
 
 
 # -------------------------------------------------------------------------------------------- client
@@ -151,13 +158,35 @@ class KvClient(HttpClient):
 
 
 def start_serve(
-    tmp: str, mode: str, args: argparse.Namespace, num_gpu_blocks: int | None, log_path: Path,
+    tmp: str,
+    mode: str,
+    args: argparse.Namespace,
+    num_gpu_blocks: int | None,
+    log_path: Path,
     workers: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], str, list[str]]:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers",
-            str(workers or args.workers), "--router", mode, "--port", "0", "--host", "127.0.0.1",
-            "--discovery", f"file://{tmp}/d", "--speedup-ratio", str(args.speedup),
-            "--block-size", str(args.block_size)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        "mocker",
+        "--workers",
+        str(workers or args.workers),
+        "--router",
+        mode,
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--discovery",
+        f"file://{tmp}/d",
+        "--speedup-ratio",
+        str(args.speedup),
+        "--block-size",
+        str(args.block_size),
+    ]
     if num_gpu_blocks:
         argv += ["--num-gpu-blocks", str(num_gpu_blocks)]
     router, knobs = parse_mode(mode, args)
@@ -209,9 +238,14 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
     checkout in DIR (PYTHONPATH), to compare two versions of the code in one run, and `pin`: the frontend
     on a CPU of its own."""
     router, *parts = mode.split(":")
-    knobs: dict[str, Any] = {"w": args.kv_overlap_score_weight, "t": args.router_temperature,
-                             "guard": args.hot_spot_guard, "cost": getattr(args, "router_cost", None),
-                             "code": None, "pin": False}  # fmt: skip
+    knobs: dict[str, Any] = {
+        "w": args.kv_overlap_score_weight,
+        "t": args.router_temperature,
+        "guard": args.hot_spot_guard,
+        "cost": getattr(args, "router_cost", None),
+        "code": None,
+        "pin": False,
+    }
     for part in parts:
         if part == "pin":
             knobs["pin"] = True
@@ -250,8 +284,11 @@ def workers_of(serve_pid: int) -> list[int]:
 def cpu_snapshot(serve_pid: int) -> dict[str, float]:
     """CPU seconds so far of the frontend (the serve process), its workers, and this load generator."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"frontend": cpu_seconds(serve_pid), "workers": sum(cpu_seconds(k) for k in workers_of(serve_pid)),
-            "loadgen": usage.ru_utime + usage.ru_stime}  # fmt: skip
+    return {
+        "frontend": cpu_seconds(serve_pid),
+        "workers": sum(cpu_seconds(k) for k in workers_of(serve_pid)),
+        "loadgen": usage.ru_utime + usage.ru_stime,
+    }
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> None:
@@ -325,24 +362,32 @@ def load_summary(samples: list[tuple[float, LoadMetrics]], a: float, b: float) -
         computed = after[-1].num_prefill_tokens_computed - before[-1].num_prefill_tokens_computed
         cached = after[-1].num_prefill_tokens_cached - before[-1].num_prefill_tokens_cached
         workers[f"{wid:x}"] = {k: v / span for k, v in acc.items()} | {
-            "prefill_tokens_computed": computed, "prefill_tokens_cached": cached,
-            "max_waiting": max((m.num_waiting for t, m in rows if a <= t <= b), default=0)}  # fmt: skip
+            "prefill_tokens_computed": computed,
+            "prefill_tokens_cached": cached,
+            "max_waiting": max((m.num_waiting for t, m in rows if a <= t <= b), default=0),
+        }
     vals = list(workers.values())
     mean = (lambda k: statistics.fmean(w[k] for w in vals)) if vals else (lambda k: float("nan"))
     comp = sum(w["prefill_tokens_computed"] for w in vals)
     cach = sum(w["prefill_tokens_cached"] for w in vals)
-    return {"busy_mean": mean("busy"), "busy_min": min((w["busy"] for w in vals), default=float("nan")),
-            "kv_usage_mean": mean("usage"), "running_mean": mean("running"), "waiting_mean": mean("waiting"),
-            "max_waiting": max((w["max_waiting"] for w in vals), default=0),
-            "worker_side_hit_rate": cach / (cach + comp) if cach + comp else float("nan"),
-            "workers": workers}  # fmt: skip
+    return {
+        "busy_mean": mean("busy"),
+        "busy_min": min((w["busy"] for w in vals), default=float("nan")),
+        "kv_usage_mean": mean("usage"),
+        "running_mean": mean("running"),
+        "waiting_mean": mean("waiting"),
+        "max_waiting": max((w["max_waiting"] for w in vals), default=0),
+        "worker_side_hit_rate": cach / (cach + comp) if cach + comp else float("nan"),
+        "workers": workers,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ run
 
 
-async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args: argparse.Namespace,
-                   seed: int, serve_pid: int) -> dict[str, Any]:  # fmt: skip
+async def run_mode(
+    url: str, discovery_url: str, mode: str, work: Workload, args: argparse.Namespace, seed: int, serve_pid: int
+) -> dict[str, Any]:
     """One deployment's window: open-loop arrivals at `args.rate`, or closed loop with `args.clients`."""
     samples: list[tuple[float, LoadMetrics]] = []
     ready = asyncio.Event()
@@ -386,8 +431,16 @@ async def run_mode(url: str, discovery_url: str, mode: str, work: Workload, args
     return row
 
 
-async def open_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int, records: list[KvRecord],
-                    tasks: set[asyncio.Task[Any]], measure_at: float, end_at: float) -> None:  # fmt: skip
+async def open_loop(
+    client: KvClient,
+    work: Workload,
+    args: argparse.Namespace,
+    seed: int,
+    records: list[KvRecord],
+    tasks: set[asyncio.Task[Any]],
+    measure_at: float,
+    end_at: float,
+) -> None:
     """Poisson (or constant) arrivals at `args.rate` until `end_at`; the same sequence for every mode."""
     rng = random.Random(seed)
     next_at = time.perf_counter()
@@ -400,8 +453,9 @@ async def open_loop(client: KvClient, work: Workload, args: argparse.Namespace, 
         now = time.perf_counter()
         if next_at > now:
             await asyncio.sleep(next_at - now)
-        record = KvRecord(prefix=prefix, measured=next_at >= measure_at, scheduled=next_at,
-                          input_tokens=len(body["prompt"]))  # fmt: skip
+        record = KvRecord(
+            prefix=prefix, measured=next_at >= measure_at, scheduled=next_at, input_tokens=len(body["prompt"])
+        )
         records.append(record)
         task = asyncio.get_running_loop().create_task(client.stream("/v1/completions", body, record))
         tasks.add(task)
@@ -409,9 +463,16 @@ async def open_loop(client: KvClient, work: Workload, args: argparse.Namespace, 
     await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
 
 
-async def closed_loop(client: KvClient, work: Workload, args: argparse.Namespace, seed: int,
-                      records: list[KvRecord], tasks: set[asyncio.Task[Any]], measure_at: float,
-                      end_at: float) -> None:  # fmt: skip
+async def closed_loop(
+    client: KvClient,
+    work: Workload,
+    args: argparse.Namespace,
+    seed: int,
+    records: list[KvRecord],
+    tasks: set[asyncio.Task[Any]],
+    measure_at: float,
+    end_at: float,
+) -> None:
     """`args.clients` clients, each sending its next request when the last one ends, until `end_at`.
     Client i draws its prompts from its own seeded rng, so every mode gets the same per-client sequence."""
 
@@ -420,8 +481,9 @@ async def closed_loop(client: KvClient, work: Workload, args: argparse.Namespace
         while (now := time.perf_counter()) < end_at:
             prefix = rng.randrange(len(work.prefixes))
             body = make_body(work, prefix, rng)
-            record = KvRecord(prefix=prefix, measured=now >= measure_at, scheduled=now,
-                              input_tokens=len(body["prompt"]))  # fmt: skip
+            record = KvRecord(
+                prefix=prefix, measured=now >= measure_at, scheduled=now, input_tokens=len(body["prompt"])
+            )
             records.append(record)
             await client.stream("/v1/completions", body, record)
 
@@ -452,11 +514,14 @@ async def run_capacity(url: str, work: Workload, args: argparse.Namespace, seed:
     done = [r for r in records if r.is_ok and measure_at <= r.end <= end_at]
     ok = [r for r in records if r.is_ok and r.measured]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
-    return {"concurrency": args.probe_concurrency, "req_per_s": len(done) / args.probe_seconds,
-            "out_tok_per_s": sum(r.completion_tokens or 0 for r in done) / args.probe_seconds,
-            "hit_rate": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else float("nan"),
-            "ttft_p50_ms": pct([r.ttft * 1000 for r in ok if r.ttft is not None], 50),
-            "failed": sum(1 for r in records if not r.is_ok)}  # fmt: skip
+    return {
+        "concurrency": args.probe_concurrency,
+        "req_per_s": len(done) / args.probe_seconds,
+        "out_tok_per_s": sum(r.completion_tokens or 0 for r in done) / args.probe_seconds,
+        "hit_rate": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else float("nan"),
+        "ttft_p50_ms": pct([r.ttft * 1000 for r in ok if r.ttft is not None], 50),
+        "failed": sum(1 for r in records if not r.is_ok),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -466,12 +531,24 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def summarize(mode: str, records: list[KvRecord], work: Workload, a: float, b: float, before: dict[str, float],
-              after: dict[str, float], load: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    mode: str,
+    records: list[KvRecord],
+    work: Workload,
+    a: float,
+    b: float,
+    before: dict[str, float],
+    after: dict[str, float],
+    load: dict[str, Any],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     measured = [r for r in records if r.measured]
     ok = [r for r in measured if r.is_ok and r.end > 0]
-    ttft = [(r.ttft if r.ttft is not None else r.first_event - r.start) * 1000 for r in ok
-            if r.ttft is not None or r.first_event is not None]  # fmt: skip
+    ttft = [
+        (r.ttft if r.ttft is not None else r.first_event - r.start) * 1000
+        for r in ok
+        if r.ttft is not None or r.first_event is not None
+    ]
     e2e = [(r.end - r.start) * 1000 for r in ok]
     mid = (a + b) / 2
     halves: tuple[list[float], list[float]] = ([], [])
@@ -488,27 +565,45 @@ def summarize(mode: str, records: list[KvRecord], work: Workload, a: float, b: f
     for r in ok:
         prefixes_per_worker[r.worker].add(r.prefix)
     if args.records:
-        out_records = [{"t": round(r.start - a, 4), "lag_ms": round((r.start - r.scheduled) * 1000, 2),
-                        "ttft_ms": round(r.ttft * 1000, 2) if r.ttft is not None else None,
-                        "e2e_ms": round((r.end - r.start) * 1000, 2), "worker": r.worker, "prefix": r.prefix,
-                        "cached": r.cached_tokens, "error": r.error, "route": r.route} for r in measured]  # fmt: skip
+        out_records = [
+            {
+                "t": round(r.start - a, 4),
+                "lag_ms": round((r.start - r.scheduled) * 1000, 2),
+                "ttft_ms": round(r.ttft * 1000, 2) if r.ttft is not None else None,
+                "e2e_ms": round((r.end - r.start) * 1000, 2),
+                "worker": r.worker,
+                "prefix": r.prefix,
+                "cached": r.cached_tokens,
+                "error": r.error,
+                "route": r.route,
+            }
+            for r in measured
+        ]
     out: dict[str, Any] = {
-        "mode": mode, "sent": len(measured), "ok": len(ok), "failed": len(measured) - len(ok),
+        "mode": mode,
+        "sent": len(measured),
+        "ok": len(ok),
+        "failed": len(measured) - len(ok),
         "errors": dict(Counter((r.error or "")[:80] for r in measured if not r.is_ok).most_common(3)),
         "offered_req_per_s": len(measured) / window,
         "req_per_s": len(done_in_window) / window,
         "out_tok_per_s": sum(r.completion_tokens or 0 for r in done_in_window) / window,
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p90_ms": pct(ttft, 90),
+        "ttft_p99_ms": pct(ttft, 99),
         "ttft_ms": sorted(round(x, 2) for x in ttft),
-        "e2e_p50_ms": pct(e2e, 50), "e2e_p90_ms": pct(e2e, 90),
-        "ttft_p50_1st_half_ms": pct(halves[0], 50), "ttft_p50_2nd_half_ms": pct(halves[1], 50),
+        "e2e_p50_ms": pct(e2e, 50),
+        "e2e_p90_ms": pct(e2e, 90),
+        "ttft_p50_1st_half_ms": pct(halves[0], 50),
+        "ttft_p50_2nd_half_ms": pct(halves[1], 50),
         "send_lag_p99_ms": pct(lag, 99),
         "hit_rate": cached / prompt if prompt else float("nan"),
         "cacheable_hit_share": cached / (work.cacheable_tokens * len(ok)) if ok else float("nan"),
         "requests_per_worker": sorted(per_worker.values(), reverse=True),
         "prefixes_per_worker": sorted((len(s) for s in prefixes_per_worker.values()), reverse=True),
-        **{k: v for k, v in load.items() if k != "workers"}, "load_per_worker": load["workers"],
-    }  # fmt: skip
+        **{k: v for k, v in load.items() if k != "workers"},
+        "load_per_worker": load["workers"],
+    }
     if args.records:
         out["records"] = out_records
     if after:
@@ -548,15 +643,23 @@ def explain_summary(ok: list[KvRecord], work: Workload, block_size: int) -> dict
                 lost_examples.append(route)
         if (r.cached_tokens or 0) < work.cacheable_tokens:
             missed += 1
-            kind = "router chose a worker without the prefix" if chosen["overlap_blocks"] < prefix_blocks else (
-                "router saw the prefix, the worker had evicted it")  # fmt: skip
+            kind = (
+                "router chose a worker without the prefix"
+                if chosen["overlap_blocks"] < prefix_blocks
+                else ("router saw the prefix, the worker had evicted it")
+            )
             if best < prefix_blocks:
                 kind = "no worker had the prefix (cold or evicted everywhere)"
             miss_reasons[kind] += 1
-    return {"reasons": dict(reasons), "decisions_best_cache_lost": lost,
-            "margin_p50": pct(margins, 50), "requests_missing_prefix": missed,
-            "miss_reasons": dict(miss_reasons), "lost_examples": lost_examples,
-            "prefill_tps_first_last": [round(speeds[0]), round(speeds[-1])] if speeds else None}  # fmt: skip
+    return {
+        "reasons": dict(reasons),
+        "decisions_best_cache_lost": lost,
+        "margin_p50": pct(margins, 50),
+        "requests_missing_prefix": missed,
+        "miss_reasons": dict(miss_reasons),
+        "lost_examples": lost_examples,
+        "prefill_tps_first_last": [round(speeds[0]), round(speeds[-1])] if speeds else None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -571,8 +674,11 @@ def regime_settings(name: str, args: argparse.Namespace) -> tuple[int, int | Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regimes", default="a,b")
-    p.add_argument("--modes-a", default="kv,kv:w=1,round-robin,random",
-                   help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard, kv:cost=dynamo")
+    p.add_argument(
+        "--modes-a",
+        default="kv,kv:w=1,round-robin,random",
+        help="router modes of regime a; kv knobs as kv:w=4, kv:t=0.1, kv:noguard, kv:cost=dynamo",
+    )
     p.add_argument("--modes-b", default="kv,kv:w=1,kv:w=4,round-robin,random", help="router modes of regime b")
     p.add_argument("--clients", type=int, default=0, help="closed loop with this many clients (0: open loop)")
     p.add_argument("--router-cost", default=None, help="cost of the kv modes without cost= (default: the router's)")
@@ -607,12 +713,18 @@ def main() -> None:
     import uvloop
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    results: dict[str, Any] = {"args": vars(args), "regimes": {}, "started": started,
-                               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}  # fmt: skip
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "regimes": {},
+        "started": started,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
     for regime in args.regimes.split(","):
         num_prefixes, blocks = regime_settings(regime, args)
-        work = build_workload(num_prefixes, args.prefix_tokens, args.suffix_tokens, args.max_tokens,
-                              args.block_size, args.seed)  # fmt: skip
+        work = build_workload(
+            num_prefixes, args.prefix_tokens, args.suffix_tokens, args.max_tokens, args.block_size, args.seed
+        )
         rate = args.rate_a if regime == "a" and args.rate_a else args.rate
         rargs = argparse.Namespace(**{**vars(args), "rate": rate})
         rows = []
@@ -642,12 +754,21 @@ def main() -> None:
             row["serve_argv"] = " ".join(argv[2:]).replace(tmp, "TMP")
             scale(row, args.speedup)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("load_per_worker", "explain", "records")},
-                             default=str), flush=True)  # fmt: skip
-        results["regimes"][regime] = {"num_prefixes": num_prefixes, "num_gpu_blocks": blocks or 16384,
-                                      "rate": rate, "cacheable_tokens": work.cacheable_tokens,
-                                      "prompt_tokens": args.prefix_tokens + args.suffix_tokens,
-                                      "capacity_probe": probe, "rows": rows}  # fmt: skip
+            print(
+                json.dumps(
+                    {k: v for k, v in row.items() if k not in ("load_per_worker", "explain", "records")}, default=str
+                ),
+                flush=True,
+            )
+        results["regimes"][regime] = {
+            "num_prefixes": num_prefixes,
+            "num_gpu_blocks": blocks or 16384,
+            "rate": rate,
+            "cacheable_tokens": work.cacheable_tokens,
+            "prompt_tokens": args.prefix_tokens + args.suffix_tokens,
+            "capacity_probe": probe,
+            "rows": rows,
+        }
     results["loadavg_end"] = os.getloadavg()
     results["bars"] = bars(results)
     print_tables(results)
@@ -691,32 +812,48 @@ def bars(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    cols = [("mode", "mode", "{}"), ("offered", "offered_req_per_s", "{:.1f}"), ("req/s", "req_per_s", "{:.1f}"),
-            ("out tok/s", "out_tok_per_s", "{:.0f}"), ("TTFT p50", "ttft_p50_ms", "{:.0f}"),
-            ("TTFT p90", "ttft_p90_ms", "{:.0f}"), ("e2e p50", "e2e_p50_ms", "{:.0f}"),
-            ("hit rate", "hit_rate", "{:.1%}"), ("prefix hit", "cacheable_hit_share", "{:.1%}"),
-            ("busy", "busy_mean", "{:.0%}"), ("KV use", "kv_usage_mean", "{:.0%}"),
-            ("running", "running_mean", "{:.1f}"), ("waiting", "waiting_mean", "{:.1f}"),
-            ("fe CPU", "cpu_frontend", "{:.2f}"), ("wk CPU", "cpu_workers", "{:.2f}"),
-            ("fail", "failed", "{}")]  # fmt: skip
+    cols = [
+        ("mode", "mode", "{}"),
+        ("offered", "offered_req_per_s", "{:.1f}"),
+        ("req/s", "req_per_s", "{:.1f}"),
+        ("out tok/s", "out_tok_per_s", "{:.0f}"),
+        ("TTFT p50", "ttft_p50_ms", "{:.0f}"),
+        ("TTFT p90", "ttft_p90_ms", "{:.0f}"),
+        ("e2e p50", "e2e_p50_ms", "{:.0f}"),
+        ("hit rate", "hit_rate", "{:.1%}"),
+        ("prefix hit", "cacheable_hit_share", "{:.1%}"),
+        ("busy", "busy_mean", "{:.0%}"),
+        ("KV use", "kv_usage_mean", "{:.0%}"),
+        ("running", "running_mean", "{:.1f}"),
+        ("waiting", "waiting_mean", "{:.1f}"),
+        ("fe CPU", "cpu_frontend", "{:.2f}"),
+        ("wk CPU", "cpu_workers", "{:.2f}"),
+        ("fail", "failed", "{}"),
+    ]
     for name, reg in results["regimes"].items():
-        print(f"\nregime ({name}): P={reg['num_prefixes']} prompts, {reg['num_gpu_blocks']} blocks/worker, "
-              f"{reg['rate']} req/s offered")  # fmt: skip
+        print(
+            f"\nregime ({name}): P={reg['num_prefixes']} prompts, {reg['num_gpu_blocks']} blocks/worker, "
+            f"{reg['rate']} req/s offered"
+        )
         if reg.get("capacity_probe"):
             cap = reg["capacity_probe"]
-            print(f"cache-blind capacity: 1 worker saturates at {cap['req_per_s']:.1f} req/s (closed loop, "
-                  f"c={cap['concurrency']}, hit rate {cap['hit_rate']:.0%}) -> 4 workers "
-                  f"{cap['cache_blind_capacity_req_per_s']:.1f} "
-                  f"req/s; offered = {cap['offered_over_capacity']:.0%} of it")  # fmt: skip
+            print(
+                f"cache-blind capacity: 1 worker saturates at {cap['req_per_s']:.1f} req/s (closed loop, "
+                f"c={cap['concurrency']}, hit rate {cap['hit_rate']:.0%}) -> 4 workers "
+                f"{cap['cache_blind_capacity_req_per_s']:.1f} "
+                f"req/s; offered = {cap['offered_over_capacity']:.0%} of it"
+            )
         print("| " + " | ".join(c[0] for c in cols) + " |")
         print("|" + "---|" * len(cols))
         for row in reg["rows"]:
             print("| " + " | ".join(fmt.format(row.get(key, float("nan"))) for _, key, fmt in cols) + " |")
         for row in reg["rows"]:
             if "router" in row:
-                print(f"kv router counters: hit blocks {row.get('router_hit_blocks_rate', float('nan')):.1%}, "
-                      f"reachable {row.get('router_reachable_blocks_rate', float('nan')):.1%}; "
-                      f"explain: {json.dumps({k: v for k, v in row['explain'].items() if k != 'lost_examples'})}")
+                print(
+                    f"kv router counters: hit blocks {row.get('router_hit_blocks_rate', float('nan')):.1%}, "
+                    f"reachable {row.get('router_reachable_blocks_rate', float('nan')):.1%}; "
+                    f"explain: {json.dumps({k: v for k, v in row['explain'].items() if k != 'lost_examples'})}"
+                )
     if results.get("bars"):
         print("\nbars (regime b):", json.dumps(results["bars"]))
 

@@ -99,8 +99,9 @@ def probe_capacity(work: kr.Workload, blocks: int | None, args: argparse.Namespa
     return probe
 
 
-def run_one(mode: str, work: kr.Workload, blocks: int | None, load: str, capacity: float | None,
-            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def run_one(
+    mode: str, work: kr.Workload, blocks: int | None, load: str, capacity: float | None, args: argparse.Namespace
+) -> dict[str, Any]:
     """One deployment of `mode` under `load` (closed, or a fraction of `capacity`)."""
     import uvloop
 
@@ -169,12 +170,13 @@ def pool(cells: Iterable[dict[str, Any]], draws: int = 1000, seed: int = 0) -> d
             runs.setdefault(mode, []).append(np.asarray(row["ttft_ms"]))
     rng = np.random.default_rng(seed)
     arrays = {mode: np.concatenate(parts) for mode, parts in runs.items()}
-    boot = {mode: np.array([_percentiles(rng.choice(a, len(a))) for _ in range(draws)]).T
-            for mode, a in arrays.items()}  # fmt: skip
+    boot = {mode: np.array([_percentiles(rng.choice(a, len(a))) for _ in range(draws)]).T for mode, a in arrays.items()}
     picks = rng.integers(0, len(cells), size=(draws, len(cells)))
     boot_runs = {mode: _run_bootstrap(parts, picks, rng) for mode, parts in runs.items() if len(parts) == len(cells)}
-    out: dict[str, Any] = {mode: {"n": len(a), **dict(zip(RATIO_KEYS, _percentiles(a).tolist(), strict=True))}
-                           for mode, a in arrays.items()}  # fmt: skip
+    out: dict[str, Any] = {
+        mode: {"n": len(a), **dict(zip(RATIO_KEYS, _percentiles(a).tolist(), strict=True))}
+        for mode, a in arrays.items()
+    }
     for mode in arrays:
         base = baseline(mode, arrays)
         if mode == base or base not in boot:
@@ -195,8 +197,9 @@ def _run_bootstrap(parts: list[np.ndarray], picks: np.ndarray, rng: np.random.Ge
 
 def _interval(ratios: np.ndarray) -> dict[str, list[float]]:
     """The 5th and 95th percentile of each (quantile, draw) row of ratios."""
-    return {k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))]
-            for i, k in enumerate(RATIO_KEYS)}  # fmt: skip
+    return {
+        k: [float(np.percentile(ratios[i], 5)), float(np.percentile(ratios[i], 95))] for i, k in enumerate(RATIO_KEYS)
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,12 +209,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     given = {cache: float(rate) for cache, _, rate in (c.partition("=") for c in args.capacity)}
     modes = args.modes.split(",")
-    results: dict[str, Any] = {"args": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "caches": {}}  # fmt: skip
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "caches": {},
+    }
     for cache in args.caches.split(","):
         num_prefixes, blocks = CACHES[cache]
-        work = kr.build_workload(num_prefixes, args.prefix_tokens, args.suffix_tokens, args.max_tokens,
-                                 args.block_size, args.seed)  # fmt: skip
+        work = kr.build_workload(
+            num_prefixes, args.prefix_tokens, args.suffix_tokens, args.max_tokens, args.block_size, args.seed
+        )
         loads = args.loads.split(",")
         probe = None
         capacity = given.get(cache)
@@ -226,12 +235,18 @@ def main(argv: list[str] | None = None) -> None:
                 runs = {mode: run_one(mode, work, blocks, load, capacity, args) for mode in order}
                 cell = {"load": load, "repeat": repeat, "runs": runs, "rr_over": compare(runs)}
                 cells.append(cell)
-                print(json.dumps({"cache": cache, "load": load, "repeat": repeat, "rr_over": cell["rr_over"]}),
-                      flush=True)  # fmt: skip
+                print(
+                    json.dumps({"cache": cache, "load": load, "repeat": repeat, "rr_over": cell["rr_over"]}), flush=True
+                )
         pooled = pool_loads(cells)
-        results["caches"][cache] = {"num_prefixes": num_prefixes, "num_gpu_blocks": blocks or 16384,
-                                    "rr_capacity_req_per_s": capacity, "probe": probe, "cells": cells,
-                                    "pooled": pooled}  # fmt: skip
+        results["caches"][cache] = {
+            "num_prefixes": num_prefixes,
+            "num_gpu_blocks": blocks or 16384,
+            "rr_capacity_req_per_s": capacity,
+            "probe": probe,
+            "cells": cells,
+            "pooled": pooled,
+        }
     results["loadavg_end"] = os.getloadavg()
     print_table(results)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -295,14 +310,18 @@ def print_table(results: dict[str, Any]) -> None:
         if "rr_over" in row
     ]
     if pooled:
-        print("\nPooled over the repeats: rr/kv with its 90 % bootstrap interval over requests [and over runs, then"
-              " requests]:")
+        print(
+            "\nPooled over the repeats: rr/kv with its 90 % bootstrap interval over requests [and over runs, then"
+            " requests]:"
+        )
         print("| cache | load | mode | TTFTs | TTFT p50/p90/p99 ms | rr/kv p50 | rr/kv p90 | rr/kv p99 |")
         print("|" + "---|" * 8)
         for cache, load, mode, row in pooled:
             runs = row.get("rr_over_90ci_runs", {})
-            cis = [f"{row['rr_over'][k]:.2f} ({lo:.2f}-{hi:.2f})" + (_span(runs[k]) if k in runs else "")
-                   for k, (lo, hi) in row["rr_over_90ci"].items()]  # fmt: skip
+            cis = [
+                f"{row['rr_over'][k]:.2f} ({lo:.2f}-{hi:.2f})" + (_span(runs[k]) if k in runs else "")
+                for k, (lo, hi) in row["rr_over_90ci"].items()
+            ]
             print(f"| {cache} | {load} | {mode} | {row['n']} | {_ms(row)} | " + " | ".join(cis) + " |")
 
 

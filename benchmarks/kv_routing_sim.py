@@ -148,8 +148,10 @@ class Replay:
         self.args, self.delays, self.trace = args, delays, bool(getattr(args, "trace", 0))
         self.rng, self.jitter_rng = random.Random(seed), random.Random(seed + 1_000_003)
         self.systems = [[self.rng.randrange(1000, 30000) for _ in range(args.prefix_tokens)] for _ in range(prompts)]
-        self.engines = [Scheduler(KvManager(self.blocks, args.block_size), SchedulerConfig(), TimingModel())
-                        for _ in range(args.workers)]  # fmt: skip
+        self.engines = [
+            Scheduler(KvManager(self.blocks, args.block_size), SchedulerConfig(), TimingModel())
+            for _ in range(args.workers)
+        ]
         self.ids, self.now = list(range(1, args.workers + 1)), 0.0
         self.policy = make_policy(mode, args.block_size, seed, lambda: self.now)
         self.running: list[tuple[PassResult, float] | None] = [None] * args.workers
@@ -166,9 +168,15 @@ class Replay:
         self.late = [0.0] * args.workers
         """Per worker: how late its last pass ended (the next one is that much shorter, up to MAX_CATCH_UP_S)."""
         self.handlers: dict[str, Callable[[Any], None]] = {
-            "send": self.send, "route": self.route, "arrive": self.arrive, "pass": self.end_pass,
-            "kv": self.policy.apply_kv_events, "first": self.first_token, "finish": self.finish, "load": self.load,
-        }  # fmt: skip
+            "send": self.send,
+            "route": self.route,
+            "arrive": self.arrive,
+            "pass": self.end_pass,
+            "kv": self.policy.apply_kv_events,
+            "first": self.first_token,
+            "finish": self.finish,
+            "load": self.load,
+        }
 
     def occupy(self, seconds: float) -> float:
         """Queue `seconds` of frontend work; how long from now until it is done."""
@@ -328,15 +336,16 @@ def delays_of(args: argparse.Namespace) -> Delays:
     """The delay flags as a `Delays` (all 0 with --ideal; a namespace without them: the defaults)."""
     if getattr(args, "ideal", False):
         return Delays()
-    values = {name: getattr(args, flag.replace("-", "_"), default) * unit
-              for flag, (name, unit, default) in DELAY_FLAGS.items()}  # fmt: skip
+    values = {
+        name: getattr(args, flag.replace("-", "_"), default) * unit
+        for flag, (name, unit, default) in DELAY_FLAGS.items()
+    }
     return Delays(kv_at_start=getattr(args, "kv_at", "start") == "start", **values)
 
 
 def capacity_of(args: argparse.Namespace, cache: str) -> float:
     """Round-robin's capacity as kv_routing_matrix.py probes it: one worker closed-loop at 32 clients, x N."""
-    probe = argparse.Namespace(**{**vars(args), "workers": 1, "clients_per_worker": 32, "seconds": 20.0,
-                                  "warmup": 5.0})  # fmt: skip
+    probe = argparse.Namespace(**{**vars(args), "workers": 1, "clients_per_worker": 32, "seconds": 20.0, "warmup": 5.0})
     run = replay(probe, cache, "closed", "round-robin", 1, 0.0)
     return len(run.ttft_ms) / (probe.seconds - probe.warmup) * args.workers
 
@@ -349,10 +358,14 @@ def print_trace(title: str, runs: list[Run], n: int) -> None:
     print(f"-- {title}: {n} slowest of {len(decisions)} (TTFT p50 {np.median([d.ttft_ms for d in decisions]):.1f} ms)")
     for d in decisions[:n]:
         e = d.explanation
-        costs = " ".join(f"w{c['worker_id']}:{c['logit'] * 1000:.1f}/q{c.get('queue_s', 0) * 1000:.1f}"
-                         for c in e.get("candidates", []))  # fmt: skip
-        print(f"{d.request_id:>7} t={d.sent:.4f} ttft {d.ttft_ms:.1f} -> w{d.worker + 1} {e.get('reason')} "
-              f"[cost/queue ms {costs}] busy: {'; '.join(d.busy)}")  # fmt: skip
+        costs = " ".join(
+            f"w{c['worker_id']}:{c['logit'] * 1000:.1f}/q{c.get('queue_s', 0) * 1000:.1f}"
+            for c in e.get("candidates", [])
+        )
+        print(
+            f"{d.request_id:>7} t={d.sent:.4f} ttft {d.ttft_ms:.1f} -> w{d.worker + 1} {e.get('reason')} "
+            f"[cost/queue ms {costs}] busy: {'; '.join(d.busy)}"
+        )
 
 
 def main() -> None:

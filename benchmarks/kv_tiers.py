@@ -141,14 +141,37 @@ def engine_cache(args: argparse.Namespace, messages: list[list[list[int]]]) -> t
 ##### Running one configuration #####
 
 
-def start_serve(tmp: str, config: TierConfig, args: argparse.Namespace, cache_tokens: int,
-                log_path: Path) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", args.engine, "--workers",
-            str(args.workers), "--router", "kv", "--port", "0", "--host", "127.0.0.1",
-            "--discovery", f"file://{tmp}/d", "--block-size", str(args.block_size), *config.argv(tmp)]  # fmt: skip
+def start_serve(
+    tmp: str, config: TierConfig, args: argparse.Namespace, cache_tokens: int, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        args.engine,
+        "--workers",
+        str(args.workers),
+        "--router",
+        "kv",
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--discovery",
+        f"file://{tmp}/d",
+        "--block-size",
+        str(args.block_size),
+        *config.argv(tmp),
+    ]
     if args.engine == "mocker":
-        argv += ["--num-gpu-blocks", str(math.ceil(cache_tokens / args.block_size)),
-                 "--speedup-ratio", str(args.speedup)]  # fmt: skip
+        argv += [
+            "--num-gpu-blocks",
+            str(math.ceil(cache_tokens / args.block_size)),
+            "--speedup-ratio",
+            str(args.speedup),
+        ]
     else:
         argv += ["--engine-arg", f"max_cached_tokens={cache_tokens}"]
     argv += args.serve_arg or []
@@ -163,20 +186,34 @@ def start_serve(tmp: str, config: TierConfig, args: argparse.Namespace, cache_to
             break
         time.sleep(0.2)
     kr.stop_serve(proc)
-    raise SystemExit(f"dyn serve ({' '.join(argv[3:])}) did not start; log:\n"
-                     f"{log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
+    raise SystemExit(
+        f"dyn serve ({' '.join(argv[3:])}) did not start; log:\n{log_path.read_text(errors='replace')[-3000:]}"
+    )
 
 
-async def converse(client: kr.KvClient, c: int, first: int, turns: list[list[int]], args: argparse.Namespace,
-                   records: list[Turn], encode: Callable[[str], list[int]]) -> None:  # fmt: skip
+async def converse(
+    client: kr.KvClient,
+    c: int,
+    first: int,
+    turns: list[list[int]],
+    args: argparse.Namespace,
+    records: list[Turn],
+    encode: Callable[[str], list[int]],
+) -> None:
     rng = random.Random(1000 + c)
     await asyncio.sleep(rng.uniform(0, args.think_s))
     prompt = [first]
     answer: list[int] = []
     for t, added in enumerate(turns, start=1):
         prompt = prompt + answer + added
-        body = {"model": kr.MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True,
-                "temperature": 0.0, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": kr.MODEL,
+            "prompt": prompt,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream_options": {"include_usage": True},
+        }
         record = Turn(conversation=c, turn=t, input_tokens=len(prompt))
         records.append(record)
         await client.stream("/v1/completions", body, record)
@@ -186,8 +223,14 @@ async def converse(client: kr.KvClient, c: int, first: int, turns: list[list[int
             await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
 
 
-async def run_config(url: str, discovery_url: str, firsts: list[int], messages: list[list[list[int]]],
-                     args: argparse.Namespace, encode: Callable[[str], list[int]]) -> dict[str, Any]:  # fmt: skip
+async def run_config(
+    url: str,
+    discovery_url: str,
+    firsts: list[int],
+    messages: list[list[list[int]]],
+    args: argparse.Namespace,
+    encode: Callable[[str], list[int]],
+) -> dict[str, Any]:
     samples: list[tuple[float, LoadMetrics]] = []
     ready = asyncio.Event()
     watcher = asyncio.get_running_loop().create_task(kr.watch_load(discovery_url, samples, ready))
@@ -245,14 +288,32 @@ def summarize(records: list[Turn], computed: int, kvbm: dict[str, float], elapse
     seconds = [kvbm[f"kvbm_onboard_seconds_{p}"] for p in ONBOARD_PATHS if f"kvbm_onboard_seconds_{p}" in kvbm]
     onboard_bytes = sum(nbytes) if nbytes else None
     gbps = onboard_bytes / sum(seconds) / 1e9 if onboard_bytes and seconds and sum(seconds) > 0 else None
-    return {"requests": len(records), "failed": len(records) - len(ok), "seconds": elapsed,
-            "ttft_p50_ms": kr.pct(ttft, 50), "ttft_p90_ms": kr.pct(ttft, 90), "ttft_per_turn": per_turn,
-            "prompt_tokens_turn2plus": prompt, "cached_tokens_turn2plus": cached,
-            "computed_tokens_turn2plus": prompt - cached,
-            "prompt_tokens_computed": computed or None, "onboard_blocks": blocks, "onboard_bytes": onboard_bytes,
-            "onboard_gb_per_s": gbps, "kvbm": kvbm,
-            "turns": [[r.conversation, r.turn, r.prompt_tokens or r.input_tokens, r.cached_tokens,
-                       None if r.ttft is None else round(r.ttft * 1000, 1)] for r in records]}  # fmt: skip
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "seconds": elapsed,
+        "ttft_p50_ms": kr.pct(ttft, 50),
+        "ttft_p90_ms": kr.pct(ttft, 90),
+        "ttft_per_turn": per_turn,
+        "prompt_tokens_turn2plus": prompt,
+        "cached_tokens_turn2plus": cached,
+        "computed_tokens_turn2plus": prompt - cached,
+        "prompt_tokens_computed": computed or None,
+        "onboard_blocks": blocks,
+        "onboard_bytes": onboard_bytes,
+        "onboard_gb_per_s": gbps,
+        "kvbm": kvbm,
+        "turns": [
+            [
+                r.conversation,
+                r.turn,
+                r.prompt_tokens or r.input_tokens,
+                r.cached_tokens,
+                None if r.ttft is None else round(r.ttft * 1000, 1),
+            ]
+            for r in records
+        ],
+    }
 
 
 ##### Report #####
@@ -266,13 +327,18 @@ def fmt(value: Any, spec: str = ".0f") -> str:
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     base = next(iter(results.values()))
-    print(f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'comp t>=2':>9} {'x fewer':>7} "
-          f"{'computed':>9} {'x fewer':>7} {'cached %':>8} "
-          f"{'onb h2d':>8} {'onb d2d':>8} {'onb GB':>7} {'GB/s':>6} {'router h/d':>11} {'fail':>4}")  # fmt: skip
+    print(
+        f"{'config':<16} {'TTFT p50':>9} {'p90':>9} {'x p50':>6} {'comp t>=2':>9} {'x fewer':>7} "
+        f"{'computed':>9} {'x fewer':>7} {'cached %':>8} "
+        f"{'onb h2d':>8} {'onb d2d':>8} {'onb GB':>7} {'GB/s':>6} {'router h/d':>11} {'fail':>4}"
+    )
     for name, row in results.items():
         speedup = base["ttft_p50_ms"] / row["ttft_p50_ms"] if row["ttft_p50_ms"] else None
-        fewer = (base["prompt_tokens_computed"] / row["prompt_tokens_computed"]
-                 if base["prompt_tokens_computed"] and row["prompt_tokens_computed"] else None)  # fmt: skip
+        fewer = (
+            base["prompt_tokens_computed"] / row["prompt_tokens_computed"]
+            if base["prompt_tokens_computed"] and row["prompt_tokens_computed"]
+            else None
+        )
         later = row["computed_tokens_turn2plus"]
         fewer_later = base["computed_tokens_turn2plus"] / later if later else None
         prompt = row["prompt_tokens_turn2plus"]
@@ -280,11 +346,13 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         gb = row["onboard_bytes"] / 1e9 if row["onboard_bytes"] is not None else None
         hits = row.get("router_hit_blocks", {})
         seen = f"{fmt(hits.get('host_'))}/{fmt(hits.get('disk_'))}"
-        print(f"{name:<16} {fmt(row['ttft_p50_ms']):>7}ms {fmt(row['ttft_p90_ms']):>7}ms {fmt(speedup, '.2f'):>6} "
-              f"{later:>9} {fmt(fewer_later, '.2f'):>7} {fmt(row['prompt_tokens_computed']):>9} "
-              f"{fmt(fewer, '.2f'):>7} {fmt(cached, '.1f'):>8} "
-              f"{fmt(row['onboard_blocks']['h2d']):>8} {fmt(row['onboard_blocks']['d2d']):>8} {fmt(gb, '.3f'):>7} "
-              f"{fmt(row['onboard_gb_per_s'], '.2f'):>6} {seen:>11} {row['failed']:>4}")  # fmt: skip
+        print(
+            f"{name:<16} {fmt(row['ttft_p50_ms']):>7}ms {fmt(row['ttft_p90_ms']):>7}ms {fmt(speedup, '.2f'):>6} "
+            f"{later:>9} {fmt(fewer_later, '.2f'):>7} {fmt(row['prompt_tokens_computed']):>9} "
+            f"{fmt(fewer, '.2f'):>7} {fmt(cached, '.1f'):>8} "
+            f"{fmt(row['onboard_blocks']['h2d']):>8} {fmt(row['onboard_blocks']['d2d']):>8} {fmt(gb, '.3f'):>7} "
+            f"{fmt(row['onboard_gb_per_s'], '.2f'):>6} {seen:>11} {row['failed']:>4}"
+        )
     print(
         "TTFT and tokens over turns >= 2; 'x' columns are against the first configuration; comp t>=2 = prompt - "
         "cached tokens over turns >= 2 (usage); computed = the worker's num_prefill_tokens_computed over the whole "
@@ -303,8 +371,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--user-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--answers", choices=("model", "synthetic"), default="model",
-                   help="what the next turn carries: the model's answer (its text, tokenized) or random tokens")
+    p.add_argument(
+        "--answers",
+        choices=("model", "synthetic"),
+        default="model",
+        help="what the next turn carries: the model's answer (its text, tokenized) or random tokens",
+    )
     p.add_argument("--think-s", type=float, default=3.0, help="mean think time between turns (exponential)")
     p.add_argument("--cache-fraction", type=float, default=0.25, help="engine cache / conversations' total KV")
     p.add_argument("--block-size", type=int, default=16)
@@ -327,8 +399,11 @@ def main() -> None:
     firsts = first_tokens(pool, args.conversations)
     messages = user_messages(args, pool, args.seed)
     cache_tokens, total_tokens = engine_cache(args, messages)
-    print(f"{args.conversations} conversations x {args.turns} turns: {total_tokens} KV tokens in all; engine cache "
-          f"{cache_tokens} tokens ({args.engine})", flush=True)  # fmt: skip
+    print(
+        f"{args.conversations} conversations x {args.turns} turns: {total_tokens} KV tokens in all; engine cache "
+        f"{cache_tokens} tokens ({args.engine})",
+        flush=True,
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
@@ -341,8 +416,9 @@ def main() -> None:
                 skipped[config.name] = str(exc)
                 continue
             try:
-                results[config.name] = asyncio.run(run_config(url, f"file://{tmp}/d", firsts, messages, args,
-                                                                tokenizer.encode))
+                results[config.name] = asyncio.run(
+                    run_config(url, f"file://{tmp}/d", firsts, messages, args, tokenizer.encode)
+                )
             finally:
                 kr.stop_serve(proc)
                 shutil.copy(Path(tmp) / "serve.log", args.json.with_suffix(f".{config.name}.log"))  # kept beside

@@ -41,8 +41,12 @@ async def serve(secret: bytes) -> None:
         nbytes = int(line)
         payload = bytearray(base * (nbytes // MiB) + base[: nbytes % MiB])  # a fresh buffer per offer
         offer = server.offer(payload)
-        print(json.dumps({"id": offer.transfer_id, "nbytes": offer.nbytes,
-                          "nixl": offer.nixl.hex() if offer.nixl else None}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {"id": offer.transfer_id, "nbytes": offer.nbytes, "nixl": offer.nixl.hex() if offer.nixl else None}
+            ),
+            flush=True,
+        )
     await server.close()
 
 
@@ -51,8 +55,9 @@ class Remote:
 
     def __init__(self, secret: bytes) -> None:
         env = {**UCX_ENV, **os.environ, "KV_BENCH_SECRET": secret.hex()}
-        self.process = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         self.address = str(self._read()["address"])
 
     def _read(self) -> dict[str, object]:
@@ -108,8 +113,14 @@ async def measure(sizes_mib: list[int], repeats: int) -> list[dict[str, object]]
 
 def row(backend: str, size_mib: int, seconds: list[float]) -> dict[str, object]:
     median = statistics.median(seconds)
-    return {"backend": backend, "mib": size_mib, "runs": len(seconds), "ms_median": round(median * 1e3, 1),
-            "ms_min": round(min(seconds) * 1e3, 1), "gb_per_s": round(size_mib * MiB / median / 1e9, 2)}  # fmt: skip
+    return {
+        "backend": backend,
+        "mib": size_mib,
+        "runs": len(seconds),
+        "ms_median": round(median * 1e3, 1),
+        "ms_min": round(min(seconds) * 1e3, 1),
+        "gb_per_s": round(size_mib * MiB / median / 1e9, 2),
+    }
 
 
 def main() -> None:

@@ -42,9 +42,12 @@ MODES = {
 async def timed(engine: LlamaCppEngine, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival time of every token of one greedy request."""
     request = GenerateRequest(
-        request_id=f"b-{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+        request_id=f"b-{time.monotonic_ns()}",
+        token_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
         ignore_eos=True,
-    )  # fmt: skip
+    )
     times = []
     async for chunk in engine.generate(request):
         times += [time.perf_counter()] * len(chunk.token_ids)
@@ -90,8 +93,10 @@ def print_table(result: dict[str, Any]) -> None:
         m = median[mode]
         print(f"{mode:14s} {m['prefill_tok_s']:14.0f} {m['decode_tok_s']:13.1f}   {per_round}")
     d, base = median["deterministic"], median["default"]
-    print(f"deterministic / default: prefill {d['prefill_tok_s'] / base['prefill_tok_s']:.2f}x, "
-          f"decode {d['decode_tok_s'] / base['decode_tok_s']:.2f}x")  # fmt: skip
+    print(
+        f"deterministic / default: prefill {d['prefill_tok_s'] / base['prefill_tok_s']:.2f}x, "
+        f"decode {d['decode_tok_s'] / base['decode_tok_s']:.2f}x"
+    )
 
 
 def main() -> None:
@@ -105,10 +110,16 @@ def main() -> None:
     load_before = os.getloadavg()
     result = asyncio.run(run(args.isl, args.osl, args.rounds, args.threads))
     result["info"] = {
-        "isl": args.isl, "osl": args.osl, "rounds": args.rounds, "threads": args.threads,
+        "isl": args.isl,
+        "osl": args.osl,
+        "rounds": args.rounds,
+        "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "time": time.time(),
-    }  # fmt: skip
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "time": time.time(),
+    }
     print_table(result)
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.json:

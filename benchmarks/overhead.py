@@ -55,8 +55,12 @@ async def run_level(url: str, concurrency: int, max_tokens: int, seconds: float)
     def body() -> dict[str, object]:
         # a unique prompt per request: the frontend really tokenizes every one (no cache hit on the user turn)
         content = f"Request {next(counter)}: {PROMPT}"
-        return {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        return {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True},
+        }
 
     deadline = time.perf_counter() + seconds
     async with HttpClient(url, max_connections=concurrency) as client:
@@ -76,19 +80,40 @@ def summarize(records: list[RequestRecord], wall: float, cpu: dict[str, float]) 
     tokens = sum(r.completion_tokens or 0 for r in ok)
     n = max(1, len(ok))
     return {
-        "requests": len(records), "failed": len(records) - len(ok), "req_per_s": len(ok) / wall,
-        "out_tok_per_s": tokens / wall, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-        "cpu_frontend_pct": cpu["frontend"] / wall * 100, "cpu_worker_pct": cpu["worker"] / wall * 100,
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "req_per_s": len(ok) / wall,
+        "out_tok_per_s": tokens / wall,
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50),
+        "itl_p99_ms": pct(itl, 99),
+        "cpu_frontend_pct": cpu["frontend"] / wall * 100,
+        "cpu_worker_pct": cpu["worker"] / wall * 100,
         "cpu_loadgen_pct": cpu["loadgen"] / wall * 100,
         "cpu_ms_per_req_fe_worker": (cpu["frontend"] + cpu["worker"]) / n * 1000,
-    }  # fmt: skip
+    }
 
 
 def start_serve(tmp: str, http_server: str) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers", "1",
-            "--speedup-ratio", "1000000", "--port", "0", "--discovery", f"file://{tmp}/d",
-            "--http-server", http_server]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        "mocker",
+        "--workers",
+        "1",
+        "--speedup-ratio",
+        "1000000",
+        "--port",
+        "0",
+        "--discovery",
+        f"file://{tmp}/d",
+        "--http-server",
+        http_server,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -125,8 +150,14 @@ def main() -> None:
         proc, url = start_serve(tmp, args.http_server)
         try:
             rows = run_all(proc.pid, url, args)
-            rows.append({"max_tokens": 16, "concurrency": 1, "client": "httpx",
-                         "ttft_p50_ms": asyncio.run(ordinary_client_ttft(url))})  # fmt: skip
+            rows.append(
+                {
+                    "max_tokens": 16,
+                    "concurrency": 1,
+                    "client": "httpx",
+                    "ttft_p50_ms": asyncio.run(ordinary_client_ttft(url)),
+                }
+            )
         finally:
             proc.terminate()
             proc.wait(20)
@@ -149,19 +180,40 @@ def run_all(serve_pid: int, url: str, args: argparse.Namespace) -> list[dict[str
             records = uvloop.run(run_level(url, concurrency, max_tokens, args.seconds))
             wall = time.perf_counter() - start
             usage = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = {"frontend": cpu_seconds(serve_pid) - before[0], "worker": cpu_seconds(worker_pid) - before[1],
-                   "loadgen": usage.ru_utime + usage.ru_stime - before[2].ru_utime - before[2].ru_stime}  # fmt: skip
-            row = {"max_tokens": max_tokens, "concurrency": concurrency, "client": "lean", "server": args.http_server,
-                   **summarize(records, wall, cpu)}  # fmt: skip
+            cpu = {
+                "frontend": cpu_seconds(serve_pid) - before[0],
+                "worker": cpu_seconds(worker_pid) - before[1],
+                "loadgen": usage.ru_utime + usage.ru_stime - before[2].ru_utime - before[2].ru_stime,
+            }
+            row = {
+                "max_tokens": max_tokens,
+                "concurrency": concurrency,
+                "client": "lean",
+                "server": args.http_server,
+                **summarize(records, wall, cpu),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def print_table(rows: list[dict[str, object]]) -> None:
-    cols = ["max_tokens", "concurrency", "client", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-            "itl_p50_ms", "itl_p99_ms", "cpu_frontend_pct", "cpu_worker_pct", "cpu_loadgen_pct",
-            "cpu_ms_per_req_fe_worker", "failed"]  # fmt: skip
+    cols = [
+        "max_tokens",
+        "concurrency",
+        "client",
+        "req_per_s",
+        "out_tok_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "cpu_frontend_pct",
+        "cpu_worker_pct",
+        "cpu_loadgen_pct",
+        "cpu_ms_per_req_fe_worker",
+        "failed",
+    ]
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols))

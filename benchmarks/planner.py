@@ -63,15 +63,22 @@ DYN = [sys.executable, "-m", "dynamo_cli.cli.main"]
 
 def curve(seconds: float, base: float, peak: float, step_s: float = 5.0) -> str:
     """`T:RATE,...` of base + (peak − base)·sin²(π t / seconds), piecewise constant every `step_s`."""
-    points = [f"{t:g}:{base + (peak - base) * math.sin(math.pi * t / seconds) ** 2:.2f}"
-              for t in (i * step_s for i in range(math.ceil(seconds / step_s)))]  # fmt: skip
+    points = [
+        f"{t:g}:{base + (peak - base) * math.sin(math.pi * t / seconds) ** 2:.2f}"
+        for t in (i * step_s for i in range(math.ceil(seconds / step_s)))
+    ]
     return ",".join([*points, f"{seconds:g}:0"])
 
 
 def write_trace(path: Path, requests: list[SimRequest]) -> None:
     """Mooncake JSONL, as `dyn bench --trace` and `dyn plan simulate --trace` read it."""
-    path.write_text("".join(json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.isl,
-                                        "output_length": r.osl}) + "\n" for r in requests))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.isl, "output_length": r.osl})
+            + "\n"
+            for r in requests
+        )
+    )
 
 
 def make_profile(args: argparse.Namespace, tmp: Path) -> Path:
@@ -79,9 +86,21 @@ def make_profile(args: argparse.Namespace, tmp: Path) -> Path:
         return Path(args.profile)
     path = tmp / "profile.json"
     started = time.monotonic()
-    argv = [*DYN, "plan", "profile", "--engine", "mocker", "--out", str(path), "--speedup-ratio",
-            str(args.profile_speedup), "--isls", "512,1024,2048,4096,8192", "--num-gpu-blocks",
-            str(args.num_gpu_blocks)]  # fmt: skip
+    argv = [
+        *DYN,
+        "plan",
+        "profile",
+        "--engine",
+        "mocker",
+        "--out",
+        str(path),
+        "--speedup-ratio",
+        str(args.profile_speedup),
+        "--isls",
+        "512,1024,2048,4096,8192",
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+    ]
     subprocess.run(argv, check=True, timeout=1800)
     print(f"  profile: {path} ({time.monotonic() - started:.0f} s at --speedup-ratio {args.profile_speedup})")
     return path
@@ -97,8 +116,11 @@ def sizes(args: argparse.Namespace, profile: Profile) -> tuple[float, int, int]:
 def attainment(result: dict[str, Any], ttft: float, itl: float) -> tuple[float, int, int]:
     """(fraction of all requests meeting both targets, requests, failed)."""
     rows = result["rows"]
-    met = sum(1 for r in rows if r["ok"] and (r["ttft_ms"] or math.inf) <= ttft
-              and (r["itl_ms"] is None or r["itl_ms"] <= itl))  # fmt: skip
+    met = sum(
+        1
+        for r in rows
+        if r["ok"] and (r["ttft_ms"] or math.inf) <= ttft and (r["itl_ms"] is None or r["itl_ms"] <= itl)
+    )
     return met / max(len(rows), 1), len(rows), sum(1 for r in rows if not r["ok"])
 
 
@@ -107,8 +129,18 @@ def load(side: Side, tmp: Path, trace: Path, minutes: float) -> dict[str, Any]:
 
 
 def serve_flags(args: argparse.Namespace, workers: int) -> list[str]:
-    return ["--engine", "mocker", "--speedup-ratio", str(args.speedup_ratio), "--router", "round-robin",
-            "--num-gpu-blocks", str(args.num_gpu_blocks), "--workers", str(workers)]  # fmt: skip
+    return [
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        str(args.speedup_ratio),
+        "--router",
+        "round-robin",
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+        "--workers",
+        str(workers),
+    ]
 
 
 def run_static(args: argparse.Namespace, tmp: Path, trace: Path, workers: int, name: str) -> dict[str, Any]:
@@ -123,13 +155,23 @@ def run_static(args: argparse.Namespace, tmp: Path, trace: Path, workers: int, n
     return summarize(name, result, args, workers * span, workers)
 
 
-def summarize(name: str, result: dict[str, Any], args: argparse.Namespace, worker_s: float,
-              most: int) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    name: str, result: dict[str, Any], args: argparse.Namespace, worker_s: float, most: int
+) -> dict[str, Any]:
     fraction, count, failed = attainment(result, args.ttft, args.itl)
-    row = {"side": name, "attainment": fraction, "requests": count, "failed": failed, "worker_seconds": worker_s,
-           "most_workers": most}  # fmt: skip
-    print(f"  {name:>12}: SLO attainment {fraction:6.1%}, worker-seconds {worker_s:8.0f}, failed {failed}, "
-          f"requests {count}, most workers {most}", flush=True)  # fmt: skip
+    row = {
+        "side": name,
+        "attainment": fraction,
+        "requests": count,
+        "failed": failed,
+        "worker_seconds": worker_s,
+        "most_workers": most,
+    }
+    print(
+        f"  {name:>12}: SLO attainment {fraction:6.1%}, worker-seconds {worker_s:8.0f}, failed {failed}, "
+        f"requests {count}, most workers {most}",
+        flush=True,
+    )
     return row
 
 
@@ -170,13 +212,43 @@ def routable_workers(url: str) -> float:
 
 
 def planner_argv(args: argparse.Namespace, side: Side, tmp: Path, profile: Path) -> list[str]:
-    return [*DYN, "plan", "run", "--profile", str(profile), "--ttft", str(args.ttft), "--itl", str(args.itl),
-            "--mode", "agg", "--interval", str(args.interval), "--load-interval", str(args.load_interval),
-            "--min-workers", "1", "--max-workers", str(args.max_workers), "--headroom", str(args.headroom),
-            "--startup", str(args.startup),
-            "--discovery", f"file://{tmp}/{side.name}.d", "--connector", "local", "--engine", "mocker",
-            "--speedup-ratio", str(args.speedup_ratio), "--engine-arg", f"num_gpu_blocks={args.num_gpu_blocks}",
-            "--duration", str(args.minutes * 60 + 600)]  # fmt: skip
+    return [
+        *DYN,
+        "plan",
+        "run",
+        "--profile",
+        str(profile),
+        "--ttft",
+        str(args.ttft),
+        "--itl",
+        str(args.itl),
+        "--mode",
+        "agg",
+        "--interval",
+        str(args.interval),
+        "--load-interval",
+        str(args.load_interval),
+        "--min-workers",
+        "1",
+        "--max-workers",
+        str(args.max_workers),
+        "--headroom",
+        str(args.headroom),
+        "--startup",
+        str(args.startup),
+        "--discovery",
+        f"file://{tmp}/{side.name}.d",
+        "--connector",
+        "local",
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        str(args.speedup_ratio),
+        "--engine-arg",
+        f"num_gpu_blocks={args.num_gpu_blocks}",
+        "--duration",
+        str(args.minutes * 60 + 600),
+    ]
 
 
 def run_planner(args: argparse.Namespace, tmp: Path, trace: Path, profile: Path) -> dict[str, Any]:
@@ -186,8 +258,12 @@ def run_planner(args: argparse.Namespace, tmp: Path, trace: Path, profile: Path)
     try:
         start(side, tmp)
         launched = time.monotonic()
-        planner = subprocess.Popen(planner_argv(args, side, tmp, profile), stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **SECRET_ENV})  # fmt: skip
+        planner = subprocess.Popen(
+            planner_argv(args, side, tmp, profile),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SECRET_ENV},
+        )
         while routable_workers(side.url) < 1:
             if planner.poll() is not None or time.monotonic() - launched > 120:
                 raise SystemExit(f"the planner started no worker; log:\n{(tmp / 'plan.log').read_text()[-3000:]}")
@@ -201,8 +277,9 @@ def run_planner(args: argparse.Namespace, tmp: Path, trace: Path, profile: Path)
             planner.wait(60)
         log.close()
         stop(side)
-    decisions = [line for line in (tmp / "plan.log").read_text(errors="replace").splitlines()
-                 if line.startswith("decision ")]  # fmt: skip
+    decisions = [
+        line for line in (tmp / "plan.log").read_text(errors="replace").splitlines() if line.startswith("decision ")
+    ]
     row = summarize("planner", result, args, clock.worker_s, clock.most)
     row.update(startup_s=startup, decisions=len(decisions), decision_log=decisions)
     print(f"  planner: first worker serving {startup:.1f} s after launch; {len(decisions)} decisions")
@@ -210,39 +287,61 @@ def run_planner(args: argparse.Namespace, tmp: Path, trace: Path, profile: Path)
 
 
 def planner_config(args: argparse.Namespace, max_workers: int) -> PlannerConfig:
-    return PlannerConfig(targets=Targets(args.ttft, args.itl), bounds=Bounds(1, max_workers), mode="agg",
-                         interval_s=args.interval, load_interval_s=args.load_interval,
-                         headroom=args.headroom, startup_s=args.startup)  # fmt: skip
+    return PlannerConfig(
+        targets=Targets(args.ttft, args.itl),
+        bounds=Bounds(1, max_workers),
+        mode="agg",
+        interval_s=args.interval,
+        load_interval_s=args.load_interval,
+        headroom=args.headroom,
+        startup_s=args.startup,
+    )
 
 
-def simulated(args: argparse.Namespace, trace: Path, profile: Profile, statics: list[int],
-              startup: float) -> dict[str, Any]:  # fmt: skip
+def simulated(
+    args: argparse.Namespace, trace: Path, profile: Profile, statics: list[int], startup: float
+) -> dict[str, Any]:
     started = time.monotonic()
-    results = run_simulation(load_trace(trace), profile, args.ttft, args.itl, statics,
-                             planner_config(args, args.max_workers), startup)  # fmt: skip
+    results = run_simulation(
+        load_trace(trace), profile, args.ttft, args.itl, statics, planner_config(args, args.max_workers), startup
+    )
     wall = time.monotonic() - started
-    rows = [{"side": r.policy, "attainment": r.attainment, "worker_seconds": r.worker_seconds,
-             "most_workers": r.max_workers, "requests": r.num_requests} for r in results]  # fmt: skip
+    rows = [
+        {
+            "side": r.policy,
+            "attainment": r.attainment,
+            "worker_seconds": r.worker_seconds,
+            "most_workers": r.max_workers,
+            "requests": r.num_requests,
+        }
+        for r in results
+    ]
     for r in rows:
-        print(f"  {'sim ' + r['side']:>12}: SLO attainment {r['attainment']:6.1%}, worker-seconds "
-              f"{r['worker_seconds']:8.0f}, most workers {r['most_workers']}")  # fmt: skip
+        print(
+            f"  {'sim ' + r['side']:>12}: SLO attainment {r['attainment']:6.1%}, worker-seconds "
+            f"{r['worker_seconds']:8.0f}, most workers {r['most_workers']}"
+        )
     return {"rows": rows, "wall_s": wall, "startup_s": startup}
 
 
 def day(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     """The simulator's wall time on `--day-hours` of sin² traffic: the planner (up to 128 workers), static 128."""
     seconds = args.day_hours * 3600
-    requests = rate_curve(curve(seconds, 0.05 * args.day_peak_rate, args.day_peak_rate, 60.0), args.isl,
-                          args.osl, seed=1)  # fmt: skip
+    requests = rate_curve(
+        curve(seconds, 0.05 * args.day_peak_rate, args.day_peak_rate, 60.0), args.isl, args.osl, seed=1
+    )
     config = replace(planner_config(args, 128), startup_s=30.0)  # the day's workers take 30 s to serve
     walls = {}
     for name, kwargs in (("planner", {"planner": config, "startup_s": 30.0}), ("static 128", {"static_workers": 128})):
         started = time.monotonic()
         result = asyncio.run(simulate(requests, profile, args.ttft, args.itl, **kwargs))  # type: ignore[arg-type]
         walls[name] = time.monotonic() - started
-        print(f"  day, {name}: {args.day_hours:g} h, {len(requests)} requests simulated in {walls[name]:.1f} s "
-              f"({seconds / walls[name]:.0f}× real time); attainment {result.attainment:.1%}, worker-seconds "
-              f"{result.worker_seconds:.0f}, most workers {result.max_workers}", flush=True)  # fmt: skip
+        print(
+            f"  day, {name}: {args.day_hours:g} h, {len(requests)} requests simulated in {walls[name]:.1f} s "
+            f"({seconds / walls[name]:.0f}× real time); attainment {result.attainment:.1%}, worker-seconds "
+            f"{result.worker_seconds:.0f}, most workers {result.max_workers}",
+            flush=True,
+        )
     return {"hours": args.day_hours, "requests": len(requests), "wall_s": walls}
 
 
@@ -256,10 +355,12 @@ def verdict(real: list[dict[str, Any]], sim: dict[str, Any]) -> dict[str, Any]:
         "sim_attainment_points": 100 * (sim_planner["attainment"] - planner["attainment"]),
         "sim_worker_seconds_pct": 100 * (sim_planner["worker_seconds"] / planner["worker_seconds"] - 1),
     }
-    print(f"\nbar: planner attainment {planner['attainment']:.1%} (>= 95 %), worker-seconds "
-          f"{out['planner_worker_share_of_peak']:.0%} of the peak side (<= 65 %), failed "
-          f"{sum(r['failed'] for r in real)} (0); simulate vs real: attainment {out['sim_attainment_points']:+.1f} "
-          f"points (within 5), worker-seconds {out['sim_worker_seconds_pct']:+.1f} % (within 10)")  # fmt: skip
+    print(
+        f"\nbar: planner attainment {planner['attainment']:.1%} (>= 95 %), worker-seconds "
+        f"{out['planner_worker_share_of_peak']:.0%} of the peak side (<= 65 %), failed "
+        f"{sum(r['failed'] for r in real)} (0); simulate vs real: attainment {out['sim_attainment_points']:+.1f} "
+        f"points (within 5), worker-seconds {out['sim_worker_seconds_pct']:+.1f} % (within 10)"
+    )
     return out
 
 
@@ -275,8 +376,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=15.0, help="planner throughput step (s)")
     p.add_argument("--load-interval", type=float, default=2.0, help="planner burst check (s)")
     p.add_argument("--headroom", type=float, default=0.8)
-    p.add_argument("--startup", type=float, default=5.0,
-                   help="the planner's --startup: how long a mocker worker takes to serve (measured: ~3.3 s)")
+    p.add_argument(
+        "--startup",
+        type=float,
+        default=5.0,
+        help="the planner's --startup: how long a mocker worker takes to serve (measured: ~3.3 s)",
+    )
     p.add_argument("--max-workers", type=int, default=12)
     p.add_argument("--speedup-ratio", type=float, default=1.0, help="the deployments' mocker (1: real time)")
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="mocker KV blocks of 64 tokens")
@@ -302,8 +407,11 @@ def main() -> None:
         seconds = args.minutes * 60
         trace = tmp / "trace.jsonl"
         write_trace(trace, rate_curve(curve(seconds, args.base_rate, args.peak_rate), args.isl, args.osl, args.seed))
-        print(f"  trace: {len(trace.read_text().splitlines())} requests over {seconds:g} s; one worker holds "
-              f"{per_worker:.2f} req/s → peak side {peak} workers, mean side {mean}", flush=True)  # fmt: skip
+        print(
+            f"  trace: {len(trace.read_text().splitlines())} requests over {seconds:g} s; one worker holds "
+            f"{per_worker:.2f} req/s → peak side {peak} workers, mean side {mean}",
+            flush=True,
+        )
         real = []
         wanted = args.sides.split(",")
         for side in wanted:

@@ -80,9 +80,26 @@ CAPACITY_SKIP_S = 2.0
 
 def serve_argv(side: str, tmp: str, args: argparse.Namespace) -> list[str]:
     max_inflight = max(1, args.max_inflight // args.routers) if args.routers else args.max_inflight
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers",
-            str(args.workers), "--max-inflight-per-worker", str(max_inflight), "--port", "0",
-            "--host", "127.0.0.1", "--discovery", f"file://{tmp}/d", "--speedup-ratio", str(args.speedup)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        "mocker",
+        "--workers",
+        str(args.workers),
+        "--max-inflight-per-worker",
+        str(max_inflight),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--discovery",
+        f"file://{tmp}/d",
+        "--speedup-ratio",
+        str(args.speedup),
+    ]
     if args.routers:
         argv += ["--router", "remote", "--routers", str(args.routers)]
     if side == "off":
@@ -97,8 +114,9 @@ class Serve:
     def __init__(self, side: str, args: argparse.Namespace) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="dyn-rq-")
         self.log = Path(self._tmp.name) / "serve.log"
-        self.proc = subprocess.Popen(serve_argv(side, self._tmp.name, args), stdout=self.log.open("wb"),
-                                     stderr=subprocess.STDOUT)  # fmt: skip
+        self.proc = subprocess.Popen(
+            serve_argv(side, self._tmp.name, args), stdout=self.log.open("wb"), stderr=subprocess.STDOUT
+        )
         self.url = self._wait_ready(60.0)
         self.children = _children(self.proc.pid)
 
@@ -169,12 +187,14 @@ async def sample_queue(url: str, peaks: list[float], stop: asyncio.Event) -> Non
                 pass
 
 
-async def run_load(url: str, load: LoadConfig, vocab: wl.Vocab, args: argparse.Namespace,
-                   headers: dict[str, str] | None, seed: int) -> tuple[list[RequestRecord], float, str]:  # fmt: skip
+async def run_load(
+    url: str, load: LoadConfig, vocab: wl.Vocab, args: argparse.Namespace, headers: dict[str, str] | None, seed: int
+) -> tuple[list[RequestRecord], float, str]:
     """One load phase; returns the records, the deepest queue sampled and the /metrics text after it."""
     connections = load.concurrency or 4096
-    async with HttpClient(url, max_connections=connections, request_timeout=args.request_timeout,
-                          headers=headers) as client:  # fmt: skip
+    async with HttpClient(
+        url, max_connections=connections, request_timeout=args.request_timeout, headers=headers
+    ) as client:
         runner = LoadRunner(client, RequestBuilder(MODEL))
         peaks: list[float] = []
         stop = asyncio.Event()
@@ -221,8 +241,16 @@ def histogram_quantiles(text: str, name: str, qs: tuple[float, ...]) -> tuple[in
     return int(total), out
 
 
-def phase_row(side: str, repeat: int, records: list[RequestRecord], peak: float, text: str,
-              vocab: wl.Vocab, args: argparse.Namespace, cpu_s: float) -> dict[str, Any]:  # fmt: skip
+def phase_row(
+    side: str,
+    repeat: int,
+    records: list[RequestRecord],
+    peak: float,
+    text: str,
+    vocab: wl.Vocab,
+    args: argparse.Namespace,
+    cpu_s: float,
+) -> dict[str, Any]:
     slo = Slo(ttft=args.slo_ttft_ms, e2e=args.slo_e2e_ms)
     metrics = [request_metrics(r, vocab.count_tokens) for r in records]
     s = summarize(metrics, slo)
@@ -231,15 +259,29 @@ def phase_row(side: str, repeat: int, records: list[RequestRecord], peak: float,
     queued, (wait_p50, wait_p99) = histogram_quantiles(text, "dynamo_frontend_queue_wait_seconds", (0.5, 0.99))
     ttft, e2e = s.latency["ttft"], s.latency["e2e"]
     return {
-        "side": side, "repeat": repeat, "sent": len(records), "offered_rps": len(records) / args.duration,
-        "completed": s.num_completed, "refused_503": refused, "errors": s.num_failed - refused,
-        "good": good, "goodput_rps": good / args.duration, "good_pct": 100 * good / max(len(records), 1),
+        "side": side,
+        "repeat": repeat,
+        "sent": len(records),
+        "offered_rps": len(records) / args.duration,
+        "completed": s.num_completed,
+        "refused_503": refused,
+        "errors": s.num_failed - refused,
+        "good": good,
+        "goodput_rps": good / args.duration,
+        "good_pct": 100 * good / max(len(records), 1),
         "throughput_rps": s.request_throughput,
-        "ttft_p50_ms": ttft.p50, "ttft_p90_ms": ttft.p90, "ttft_p99_ms": ttft.p99, "e2e_p99_ms": e2e.p99,
-        "queued": queued, "qwait_p50_ms": wait_p50, "qwait_p99_ms": wait_p99, "queue_peak": peak,
-        "duration_s": s.duration_s, "cpu_loadgen_pct": 100 * cpu_s / max(s.duration_s, 1e-9),
+        "ttft_p50_ms": ttft.p50,
+        "ttft_p90_ms": ttft.p90,
+        "ttft_p99_ms": ttft.p99,
+        "e2e_p99_ms": e2e.p99,
+        "queued": queued,
+        "qwait_p50_ms": wait_p50,
+        "qwait_p99_ms": wait_p99,
+        "queue_peak": peak,
+        "duration_s": s.duration_s,
+        "cpu_loadgen_pct": 100 * cpu_s / max(s.duration_s, 1e-9),
         "error_kinds": {k: v for k, v in s.errors.items()},
-    }  # fmt: skip
+    }
 
 
 def side_means(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, Any]]:
@@ -256,9 +298,26 @@ def side_means(rows: list[dict[str, Any]], sides: list[str]) -> list[dict[str, A
     return out
 
 
-COLUMNS = ("side", "repeat", "offered_rps", "sent", "completed", "refused_503", "errors", "good", "goodput_rps",
-           "good_pct", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p99_ms", "qwait_p50_ms", "qwait_p99_ms",
-           "queue_peak", "goodput_vs_off")  # fmt: skip
+COLUMNS = (
+    "side",
+    "repeat",
+    "offered_rps",
+    "sent",
+    "completed",
+    "refused_503",
+    "errors",
+    "good",
+    "goodput_rps",
+    "good_pct",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "e2e_p99_ms",
+    "qwait_p50_ms",
+    "qwait_p99_ms",
+    "queue_peak",
+    "goodput_vs_off",
+)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -293,8 +352,11 @@ def measure_capacity(vocab: wl.Vocab, args: argparse.Namespace) -> float:
     done = sum(1 for r in records if r.is_ok and start <= r.end <= stop)
     failed = sum(1 for r in records if not r.is_ok)
     capacity = float(done / (stop - start))
-    print(f"capacity: {capacity:.2f} req/s closed loop at {slots} clients ({done} completed in the "
-          f"{stop - start:.0f} s after the first {CAPACITY_SKIP_S:g} s; {failed} failed)", flush=True)  # fmt: skip
+    print(
+        f"capacity: {capacity:.2f} req/s closed loop at {slots} clients ({done} completed in the "
+        f"{stop - start:.0f} s after the first {CAPACITY_SKIP_S:g} s; {failed} failed)",
+        flush=True,
+    )
     return capacity
 
 
@@ -325,8 +387,11 @@ def main() -> None:
     vocab = wl.load_vocab(MODEL)
     capacity = args.capacity or measure_capacity(vocab, args)
     rate = args.overload * capacity
-    print(f"offered load: {rate:.2f} req/s Poisson ({args.overload:g} x capacity), {args.duration:g} s per phase; "
-          f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, e2e <= {args.slo_e2e_ms:g} ms", flush=True)  # fmt: skip
+    print(
+        f"offered load: {rate:.2f} req/s Poisson ({args.overload:g} x capacity), {args.duration:g} s per phase; "
+        f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, e2e <= {args.slo_e2e_ms:g} ms",
+        flush=True,
+    )
     rows = []
     for repeat in range(args.repeats):
         for side in sides if repeat % 2 == 0 else sides[::-1]:
@@ -338,8 +403,16 @@ def main() -> None:
     print_table(means)
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-    document = {"args": vars(args), "capacity_rps": capacity, "offered_rps": rate, "rows": rows, "means": means,
-                "loadavg_before": load_before, "loadavg_after": load_after, "time": time.time()}  # fmt: skip
+    document = {
+        "args": vars(args),
+        "capacity_rps": capacity,
+        "offered_rps": rate,
+        "rows": rows,
+        "means": means,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "time": time.time(),
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(document, indent=2, default=str))
     print(f"wrote {args.json}")

@@ -155,12 +155,20 @@ def reference(args: argparse.Namespace, requests: list[tuple[float, list[int]]])
         timeline.at(t, lambda n=n, tokens=tokens: arrive(n, tokens))  # type: ignore[misc]
     timeline.run(clock)
     c = router.counters
-    return {"decisions": decisions, "random_ties": random_ties, "stream": stream,
-            "hit_blocks_rate": c.num_hit_blocks / c.num_request_blocks}  # fmt: skip
+    return {
+        "decisions": decisions,
+        "random_ties": random_ties,
+        "stream": stream,
+        "hit_blocks_rate": c.num_hit_blocks / c.num_request_blocks,
+    }
 
 
-def replicas(args: argparse.Namespace, requests: list[tuple[float, list[int]]],
-             stream: list[tuple[float, KvEventBatch]], synced: bool) -> dict[str, Any]:  # fmt: skip
+def replicas(
+    args: argparse.Namespace,
+    requests: list[tuple[float, list[int]]],
+    stream: list[tuple[float, KvEventBatch]],
+    synced: bool,
+) -> dict[str, Any]:
     """Two replicas over the recorded KV stream; request i to replica i % 2."""
     clock, timeline = Clock(), Timeline()
     card = ModelCard(display_name=MODEL, tokenizer_source="-", engine="mocker", kv_cache_block_size=args.block_size)
@@ -225,9 +233,14 @@ def replicas(args: argparse.Namespace, requests: list[tuple[float, list[int]]],
     leftover = [p.sequences.num_requests() for _, p in pairs]
     hits = sum(p.counters.num_hit_blocks for _, p in pairs)
     blocks = sum(p.counters.num_request_blocks for _, p in pairs)
-    return {"decisions": decisions, "hit_blocks_rate": hits / blocks, "requests_left_in_flight": leftover,
-            "drift": {name: {"mean": statistics.fmean(v), "mean_abs": statistics.fmean(map(abs, v))}
-                      for name, v in drift.items()}}  # fmt: skip
+    return {
+        "decisions": decisions,
+        "hit_blocks_rate": hits / blocks,
+        "requests_left_in_flight": leftover,
+        "drift": {
+            name: {"mean": statistics.fmean(v), "mean_abs": statistics.fmean(map(abs, v))} for name, v in drift.items()
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,8 +268,11 @@ def main(argv: list[str] | None = None) -> None:
         world = replicas(args, requests, ref["stream"], synced)
         same = [a == b for a, b in zip(world.pop("decisions"), ref["decisions"], strict=True)]
         decided = [agree for agree, tie in zip(same, ref["random_ties"], strict=True) if not tie]
-        out[name] = {"agreement": sum(same) / len(same),
-                     "agreement_without_random_ties": sum(decided) / max(1, len(decided)), **world}  # fmt: skip
+        out[name] = {
+            "agreement": sum(same) / len(same),
+            "agreement_without_random_ties": sum(decided) / max(1, len(decided)),
+            **world,
+        }
     print(json.dumps(out, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))

@@ -52,9 +52,24 @@ def workers_of(pid: int) -> list[int]:
 
 
 def start_serve(tmp: str, workers: int) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers", str(workers),
-            "--port", "0", "--discovery", f"file://{tmp}/discovery", "--speedup-ratio", "20",
-            "--max-inflight-per-worker", "16"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "serve",
+        "--engine",
+        "mocker",
+        "--workers",
+        str(workers),
+        "--port",
+        "0",
+        "--discovery",
+        f"file://{tmp}/discovery",
+        "--speedup-ratio",
+        "20",
+        "--max-inflight-per-worker",
+        "16",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -151,13 +166,21 @@ async def soak(url: str, pids: dict[str, int], args: argparse.Namespace) -> dict
     samples: dict[str, list[float]] = {name: [] for name in pids}
     start = time.monotonic()
     deadline = start + args.minutes * 60
-    await asyncio.gather(sampler(pids, deadline, args.sample_s, samples),
-                         *(client_loop(url, seed, deadline, tally) for seed in range(args.clients)))  # fmt: skip
+    await asyncio.gather(
+        sampler(pids, deadline, args.sample_s, samples),
+        *(client_loop(url, seed, deadline, tally) for seed in range(args.clients)),
+    )
     warm = max(1, int(args.warmup_s / args.sample_s))
     memory = {name: growth(series, warm) for name, series in samples.items()}
-    return {"minutes": args.minutes, "clients": args.clients, "outcomes": dict(tally.outcomes), "lost": tally.lost,
-            "memory_mb": {k: {"after_warmup": v[0], "end": v[1], "growth_pct": v[2]} for k, v in memory.items()},
-            "samples_mb": samples, "load_average": os.getloadavg()}  # fmt: skip
+    return {
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "outcomes": dict(tally.outcomes),
+        "lost": tally.lost,
+        "memory_mb": {k: {"after_warmup": v[0], "end": v[1], "growth_pct": v[2]} for k, v in memory.items()},
+        "samples_mb": samples,
+        "load_average": os.getloadavg(),
+    }
 
 
 def main() -> None:

@@ -35,8 +35,9 @@ CLUSTER = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}
 def one_join(url: str, planes: list[str]) -> float:
     argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--speedup-ratio", "100"]
     argv += planes
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env={**os.environ, **CLUSTER})  # fmt: skip
+    worker = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, **CLUSTER}
+    )
     try:
         assert worker.stdout is not None
         for line in worker.stdout:

@@ -84,8 +84,12 @@ class KvRouterConfig:
             (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
             (self.cost in ROUTER_COSTS, "cost", self.cost, "use one of: " + ", ".join(ROUTER_COSTS)),
             (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
-            (self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0, "prefill_tokens_per_s",
-             self.prefill_tokens_per_s, "use a positive speed or leave it unset to learn it"),
+            (
+                self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0,
+                "prefill_tokens_per_s",
+                self.prefill_tokens_per_s,
+                "use a positive speed or leave it unset to learn it",
+            ),
             (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
             (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
             (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
@@ -93,8 +97,12 @@ class KvRouterConfig:
             (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
             (self.host_bandwidth_gbs > 0, "host_bandwidth_gbs", self.host_bandwidth_gbs, "use a positive GB/s"),
             (self.disk_bandwidth_gbs > 0, "disk_bandwidth_gbs", self.disk_bandwidth_gbs, "use a positive GB/s"),
-            (all(t in ("host", "disk") and 0 <= w <= 1 for t, w in self.tier_weights), "tier_weights",
-             self.tier_weights, "use host=W,disk=W with W in [0, 1]"),
+            (
+                all(t in ("host", "disk") and 0 <= w <= 1 for t, w in self.tier_weights),
+                "tier_weights",
+                self.tier_weights,
+                "use host=W,disk=W with W in [0, 1]",
+            ),
         ]
         for ok, name, value, fix in checks:
             if not ok:
@@ -137,13 +145,16 @@ class DisaggConfig:
         if self.policy not in DISAGG_POLICIES:
             raise ConfigError(f"--disagg-policy '{self.policy}' is unknown; use one of: {', '.join(DISAGG_POLICIES)}")
         if self.max_local_prefill_length < 0 or self.max_prefill_queue < 1:
-            raise ConfigError(f"--max-local-prefill-length ({self.max_local_prefill_length}) must be >= 0 and "
-                              f"--max-prefill-queue ({self.max_prefill_queue}) >= 1")  # fmt: skip
+            raise ConfigError(
+                f"--max-local-prefill-length ({self.max_local_prefill_length}) must be >= 0 and "
+                f"--max-prefill-queue ({self.max_prefill_queue}) >= 1"
+            )
         if not 0 < self.decode_busy_threshold <= 1:
             raise ConfigError(f"--decode-busy-threshold ({self.decode_busy_threshold}) must be in (0, 1]")
         if self.prefill_router_mode not in (None, "kv", "round-robin", "random"):
-            raise ConfigError(f"--prefill-router-mode '{self.prefill_router_mode}' is unknown; "
-                              "use kv, round-robin or random")  # fmt: skip
+            raise ConfigError(
+                f"--prefill-router-mode '{self.prefill_router_mode}' is unknown; use kv, round-robin or random"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +206,11 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:
-            raise ConfigError(f"--kv-transfer '{self.kv_transfer}' / --kv-transfer-ttl {self.kv_transfer_ttl_s} "
-                              f"is invalid; use one of {', '.join(KV_TRANSFERS)} and a positive number of "
-                              "seconds")  # fmt: skip
+            raise ConfigError(
+                f"--kv-transfer '{self.kv_transfer}' / --kv-transfer-ttl {self.kv_transfer_ttl_s} "
+                f"is invalid; use one of {', '.join(KV_TRANSFERS)} and a positive number of "
+                "seconds"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,13 +226,17 @@ class TlsConfig:
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
-            given, missing = ("--tls-cert-file", "--tls-key-file") if self.cert_file else ("--tls-key-file",
-                                                                                          "--tls-cert-file")
+            given, missing = (
+                ("--tls-cert-file", "--tls-key-file") if self.cert_file else ("--tls-key-file", "--tls-cert-file")
+            )
             raise ConfigError(f"{given} was given without {missing}; pass both (or neither, for plain HTTP)")
         if self.ca_file is not None and self.cert_file is None:
             raise ConfigError("--tls-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
-        for flag, path in (("--tls-cert-file", self.cert_file), ("--tls-key-file", self.key_file),
-                           ("--tls-ca-file", self.ca_file)):  # fmt: skip
+        for flag, path in (
+            ("--tls-cert-file", self.cert_file),
+            ("--tls-key-file", self.key_file),
+            ("--tls-ca-file", self.ca_file),
+        ):
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"{flag} '{path}' is not a readable file; check the path")
 
@@ -243,15 +260,20 @@ class AuthConfig:
 
     def __post_init__(self) -> None:
         if self.rps < 0 or self.max_inflight < 0:
-            raise ConfigError(f"--api-key-rps ({self.rps}) and --api-key-max-inflight ({self.max_inflight}) "
-                              "must be >= 0")  # fmt: skip
+            raise ConfigError(
+                f"--api-key-rps ({self.rps}) and --api-key-max-inflight ({self.max_inflight}) must be >= 0"
+            )
         if not self.api_keys and (self.rps or self.max_inflight or self.metrics_require_key):
-            raise ConfigError("--api-key-rps, --api-key-max-inflight and --metrics-require-key need API keys; "
-                              "pass --api-key, --api-key-file or DYN_API_KEYS")  # fmt: skip
+            raise ConfigError(
+                "--api-key-rps, --api-key-max-inflight and --metrics-require-key need API keys; "
+                "pass --api-key, --api-key-file or DYN_API_KEYS"
+            )
         for key in self.api_keys:
             if not key.isascii() or not key.isprintable() or " " in key:
-                raise ConfigError("an API key holds a space or a non-printable or non-ASCII character; "
-                                  "use printable ASCII keys (e.g. `openssl rand -hex 32`)")  # fmt: skip
+                raise ConfigError(
+                    "an API key holds a space or a non-printable or non-ASCII character; "
+                    "use printable ASCII keys (e.g. `openssl rand -hex 32`)"
+                )
 
 
 def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[str, str]) -> tuple[str, ...]:

@@ -74,14 +74,39 @@ def worker_argv(config: WorkerConfig) -> list[str]:
     credentials, travel in the environment (`planes_env`), not on the command line `ps` shows."""
     import json
 
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker",
-            "--engine", config.engine, "--model", config.model, "--role", config.role.value,
-            "--namespace", config.namespace, "--component", config.component, "--endpoint", config.endpoint,
-            "--host", config.host, "--lease-ttl", str(config.planes.lease_ttl),
-            "--graceful-shutdown", str(config.graceful_shutdown_s), "--kv-transfer", config.kv_transfer,
-            "--kv-transfer-ttl", str(config.kv_transfer_ttl_s)]  # fmt: skip
-    for flag, value in (("--served-model-name", config.served_model_name), ("--block-size", config.block_size),
-                        ("--context-length", config.context_length)):  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "worker",
+        "--engine",
+        config.engine,
+        "--model",
+        config.model,
+        "--role",
+        config.role.value,
+        "--namespace",
+        config.namespace,
+        "--component",
+        config.component,
+        "--endpoint",
+        config.endpoint,
+        "--host",
+        config.host,
+        "--lease-ttl",
+        str(config.planes.lease_ttl),
+        "--graceful-shutdown",
+        str(config.graceful_shutdown_s),
+        "--kv-transfer",
+        config.kv_transfer,
+        "--kv-transfer-ttl",
+        str(config.kv_transfer_ttl_s),
+    ]
+    for flag, value in (
+        ("--served-model-name", config.served_model_name),
+        ("--block-size", config.block_size),
+        ("--context-length", config.context_length),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if config.extra:
@@ -140,8 +165,10 @@ async def _wait_backends(
         if dead:
             raise WorkerFailed(f"worker pid {dead[0].pid} exited with code {dead[0].returncode} before registering")
         if time.monotonic() > deadline:
-            raise WorkerFailed(f"the {wanted} workers behind the routers did not all reach every router within "
-                               f"{config.ready_timeout_s:.0f} s")  # fmt: skip
+            raise WorkerFailed(
+                f"the {wanted} workers behind the routers did not all reach every router within "
+                f"{config.ready_timeout_s:.0f} s"
+            )
         await asyncio.sleep(0.2)
 
 
@@ -166,8 +193,10 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
-    pool = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), {PARENT_ENV: str(os.getpid()),
-                       **_secret_env(planes.cluster_secret)})  # fmt: skip
+    pool = ProcessPool(
+        RestartPolicy(max_restarts=config.max_restarts),
+        {PARENT_ENV: str(os.getpid()), **_secret_env(planes.cluster_secret)},
+    )
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         try:
             await _serve(config, discovery, bus, pool, stop, plan)
@@ -175,8 +204,14 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
             await pool.stop(config.worker.graceful_shutdown_s)
 
 
-async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool: ProcessPool,
-                 stop: asyncio.Event, plan: ServePlan | None) -> None:  # fmt: skip
+async def _serve(
+    config: ServeConfig,
+    discovery: Discovery,
+    bus: EventBus,
+    pool: ProcessPool,
+    stop: asyncio.Event,
+    plan: ServePlan | None,
+) -> None:
     planes = config.frontend.planes
     profile = await _profile(config, plan) if plan is not None else None
     sock = bind_socket(config.frontend.host, config.frontend.port)
@@ -185,8 +220,11 @@ async def _serve(config: ServeConfig, discovery: Discovery, bus: EventBus, pool:
     pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
     connector = await _start_workers(config, pool, planned=plan is not None)
     try:
-        planner = None if plan is None or profile is None else _planner(plan, profile, service, connector, discovery,
-                                                                        bus, config)  # fmt: skip
+        planner = (
+            None
+            if plan is None or profile is None
+            else _planner(plan, profile, service, connector, discovery, bus, config)
+        )
         await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner)
     finally:
         if connector is not None:
@@ -200,10 +238,16 @@ async def _start_workers(config: ServeConfig, pool: ProcessPool, planned: bool) 
     prefill_argv = worker_argv(prefill)
     if planned:
         if config.worker.kv_tiers.disk_dir is not None:  # one argv for every worker the planner starts
-            raise ConfigError("--planner starts workers from one command line: drop --kv-disk-cache-dir (each "
-                              "worker then gets a temporary disk tier of its own)")  # fmt: skip
-        connector = LocalConnector(argv, prefill_argv if config.num_prefill_workers else None, pool.env,
-                                   grace_s=config.worker.graceful_shutdown_s)  # fmt: skip
+            raise ConfigError(
+                "--planner starts workers from one command line: drop --kv-disk-cache-dir (each "
+                "worker then gets a temporary disk tier of its own)"
+            )
+        connector = LocalConnector(
+            argv,
+            prefill_argv if config.num_prefill_workers else None,
+            pool.env,
+            grace_s=config.worker.graceful_shutdown_s,
+        )
         await connector.apply(ScaleTarget(0, config.num_prefill_workers, config.num_workers))
         return connector
     for i in range(config.num_workers):
@@ -218,13 +262,24 @@ async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:
         return load_profile(plan.profile)
     worker = config.worker
     logger.info("profiling the mocker for the planner (no --planner-profile given)")
-    return await profile_mocker_as_deployed(EngineArgs(model=worker.model, block_size=worker.block_size,
-                                                       context_length=worker.context_length, extra=worker.extra))
+    return await profile_mocker_as_deployed(
+        EngineArgs(
+            model=worker.model, block_size=worker.block_size, context_length=worker.context_length, extra=worker.extra
+        )
+    )
 
 
-async def _serve_started(config: ServeConfig, discovery: Discovery, service: FrontendService, pool: ProcessPool,
-                         connector: LocalConnector | None, sock: socket.socket, url: str, stop: asyncio.Event,
-                         planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None) -> None:  # fmt: skip
+async def _serve_started(
+    config: ServeConfig,
+    discovery: Discovery,
+    service: FrontendService,
+    pool: ProcessPool,
+    connector: LocalConnector | None,
+    sock: socket.socket,
+    url: str,
+    stop: asyncio.Event,
+    planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None,
+) -> None:
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         from dynamo_cli.router.service import router_argv
@@ -249,23 +304,32 @@ async def _serve_started(config: ServeConfig, discovery: Discovery, service: Fro
                 tasks.spawn(planner[1]())  # the workers' load, from the event plane
                 tasks.spawn(planner[0].run(stop))
             # leased: a planner finds this frontend's /metrics here, and loses it when this process goes
-            await discovery.put(frontend_key(config.frontend.namespace, discovery.lease_id),
-                                msgspec.json.encode(FrontendRecord(url=url)))  # fmt: skip
+            await discovery.put(
+                frontend_key(config.frontend.namespace, discovery.lease_id),
+                msgspec.json.encode(FrontendRecord(url=url)),
+            )
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
         await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out
 
 
-def _planner(plan: ServePlan, profile: Profile, service: FrontendService, connector: LocalConnector | None,
-             discovery: Discovery, bus: EventBus,
-             config: ServeConfig) -> tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]:  # fmt: skip
+def _planner(
+    plan: ServePlan,
+    profile: Profile,
+    service: FrontendService,
+    connector: LocalConnector | None,
+    discovery: Discovery,
+    bus: EventBus,
+    config: ServeConfig,
+) -> tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]:
     """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
     and what follows their load."""
     namespace = config.frontend.namespace
     source = TextSnapshotter(lambda: generate_latest(service.metrics.registry).decode())
     loads = WorkerLoads()
-    planner = Planner(plan.config, profile, source, connector, lambda: count_workers(discovery, namespace),
-                      loads=loads.total)  # fmt: skip
+    planner = Planner(
+        plan.config, profile, source, connector, lambda: count_workers(discovery, namespace), loads=loads.total
+    )
     return planner, lambda: follow_worker_loads(bus, namespace, loads)
 
 

@@ -65,8 +65,9 @@ class Slot:
 class ProcessPool:
     """N copies of a command (plus any extra command lines), each restarted on unexpected exit."""
 
-    def __init__(self, policy: RestartPolicy, env: dict[str, str],
-                 on_restart: Callable[[int, int | None], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, policy: RestartPolicy, env: dict[str, str], on_restart: Callable[[int, int | None], None] | None = None
+    ) -> None:
         self.policy = policy
         self.slots: list[Slot] = []
         self.env = dict(env)
@@ -129,17 +130,30 @@ class ProcessPool:
             slot.exits.popleft()
         pid = slot.proc.pid if slot.proc is not None else 0
         if len(slot.exits) > self.policy.max_restarts:
-            logger.error("worker %d (pid %d) exited with code %s; restart budget (%d in %.0f s) spent, not "
-                         "restarting it", slot.index, pid, code, self.policy.max_restarts,
-                         self.policy.window_s)  # fmt: skip
+            logger.error(
+                "worker %d (pid %d) exited with code %s; restart budget (%d in %.0f s) spent, not restarting it",
+                slot.index,
+                pid,
+                code,
+                self.policy.max_restarts,
+                self.policy.window_s,
+            )
             return False
-        logger.warning("worker %d (pid %d) exited with code %s; restarting it (%d/%d in %.0f s)", slot.index, pid,
-                       code, len(slot.exits), self.policy.max_restarts, self.policy.window_s)  # fmt: skip
+        logger.warning(
+            "worker %d (pid %d) exited with code %s; restarting it (%d/%d in %.0f s)",
+            slot.index,
+            pid,
+            code,
+            len(slot.exits),
+            self.policy.max_restarts,
+            self.policy.window_s,
+        )
         return True
 
     async def _start(self, argv: list[str]) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(*argv, env={**os.environ, **self.env},
-                                                    stdin=asyncio.subprocess.DEVNULL)  # fmt: skip
+        return await asyncio.create_subprocess_exec(
+            *argv, env={**os.environ, **self.env}, stdin=asyncio.subprocess.DEVNULL
+        )
 
     async def stop(self, grace: float) -> None:
         """Terminate every process (SIGTERM, `grace` + 2 s, then SIGKILL); supervision ends. Idempotent."""

@@ -148,8 +148,15 @@ class Worker:
     async def kv_dump(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: the whole cached block set, per tier, and the event id it is current to."""
         device, host, disk = (sorted(self._blocks[tier]) for tier in TIERS)
-        yield msgspec.msgpack.encode(KvDump(worker_id=self.instance_id, last_event_id=self._last_event_id,
-                                            block_hashes=device, host_hashes=host, disk_hashes=disk))  # fmt: skip
+        yield msgspec.msgpack.encode(
+            KvDump(
+                worker_id=self.instance_id,
+                last_event_id=self._last_event_id,
+                block_hashes=device,
+                host_hashes=host,
+                disk_hashes=disk,
+            )
+        )
 
     async def pump_load(self) -> None:
         """Publish the engine's load when it changes (at most every LOAD_INTERVAL_S) and at least every
@@ -160,8 +167,11 @@ class Worker:
         while True:
             held, held_bytes = self.kv.server.held() if self.kv.server is not None else (0, 0)
             metrics = msgspec.structs.replace(
-                self.engine.load_metrics(), worker_id=self.instance_id, kv_event_id=self._last_event_id,
-                kv_transfer_held=held, kv_transfer_held_bytes=held_bytes,
+                self.engine.load_metrics(),
+                worker_id=self.instance_id,
+                kv_event_id=self._last_event_id,
+                kv_transfer_held=held,
+                kv_transfer_held_bytes=held_bytes,
             )
             if metrics != last or loop.time() - last_at >= LOAD_HEARTBEAT_S:
                 await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
@@ -196,13 +206,17 @@ async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
     try:
         async with ServiceTasks() as tasks:
             card = await worker.start_engine()
-            async with endpoint.serve_endpoint(worker.server, worker.generate, card, role=config.role.value,
-                                               grace_s=config.graceful_shutdown_s):  # fmt: skip
+            async with endpoint.serve_endpoint(
+                worker.server, worker.generate, card, role=config.role.value, grace_s=config.graceful_shutdown_s
+            ):
                 # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
                 tasks.spawn(worker.pump_kv_events())
                 tasks.spawn(worker.pump_load())
-                print(f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
-                      f"model={card.display_name} engine={card.engine} role={card.role}", flush=True)  # fmt: skip
+                print(
+                    f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
+                    f"model={card.display_name} engine={card.engine} role={card.role}",
+                    flush=True,
+                )
                 freeze_heap()  # the engine and its model are built: out of the collector's reach
                 await tasks.wait_stop(stop)
     finally:
@@ -218,18 +232,29 @@ class KvMover:
 
     def __init__(self, config: WorkerConfig) -> None:
         secret, backend = config.planes.cluster_secret, config.kv_transfer
-        self.server = (KvTransferServer(config.host, config.kv_transfer_port, secret=secret,
-                                        ttl_s=config.kv_transfer_ttl_s, use_nixl=backend != "tcp")
-                       if config.role is Role.PREFILL else None)  # fmt: skip
-        self.client = (KvTransferClient(secret=secret, use_nixl=backend != "tcp")
-                       if config.role is not Role.PREFILL else None)  # fmt: skip
+        self.server = (
+            KvTransferServer(
+                config.host,
+                config.kv_transfer_port,
+                secret=secret,
+                ttl_s=config.kv_transfer_ttl_s,
+                use_nixl=backend != "tcp",
+            )
+            if config.role is Role.PREFILL
+            else None
+        )
+        self.client = (
+            KvTransferClient(secret=secret, use_nixl=backend != "tcp") if config.role is not Role.PREFILL else None
+        )
         self.address = ""
         self._backend = backend
 
     async def start(self) -> None:
         if self._backend == "nixl" and load_agent_class() is None:
-            raise ConfigError("--kv-transfer nixl: NIXL does not import here; pip install 'dynamo-cli[nixl]' "
-                              "(or use --kv-transfer tcp)")  # fmt: skip
+            raise ConfigError(
+                "--kv-transfer nixl: NIXL does not import here; pip install 'dynamo-cli[nixl]' "
+                "(or use --kv-transfer tcp)"
+            )
         if self.server is not None:
             self.address = await self.server.start()
 
@@ -263,8 +288,9 @@ class KvMover:
         try:
             pulled = await self.client.pull(blob.address, blob.transfer_id, blob.nbytes, blob.nixl)
         except DynError as exc:
-            logger.warning("request %s: KV pull from %s failed (%s); prefilling locally",
-                           request.request_id, blob.address, exc)  # fmt: skip
+            logger.warning(
+                "request %s: KV pull from %s failed (%s); prefilling locally", request.request_id, blob.address, exc
+            )
             report = TransferReport(nbytes=0, seconds=time.perf_counter() - started, backend="local")
             return msgspec.structs.replace(request, kv_transfer=None), report
         taken = msgspec.structs.replace(handle, payload=bytes(pulled.payload), blob=None)
@@ -283,4 +309,3 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         host=config.host,
         kv_tiers=config.kv_tiers,
     )
-

@@ -153,8 +153,9 @@ def _pump(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event,
     ready.set()
 
 
-def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | None = None,
-              netns: str | None = None) -> DynProcess:  # fmt: skip
+def start_dyn(
+    args: list[str], *, timeout: float = 90.0, env: dict[str, str] | None = None, netns: str | None = None
+) -> DynProcess:
     """Start `dyn serve ...` (inside network namespace `netns` if given) and wait for its ready line."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
     env = {**os.environ, **(env or {})}
@@ -163,8 +164,12 @@ def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | N
         key = env["DYN_API_KEYS"] = API_KEY
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "dynamo_cli.cli.main", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     handle = DynProcess(proc, key=key)
     ready, box = threading.Event(), {}
     threading.Thread(target=_pump, args=(proc, handle.lines, ready, box), daemon=True).start()
@@ -179,9 +184,12 @@ def start_dyn(args: list[str], *, timeout: float = 90.0, env: dict[str, str] | N
 def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[no-untyped-def]
 
     def factory(
-        *flags: str, discovery: str | None = None, events: str = "embedded", timeout: float = 90.0,
+        *flags: str,
+        discovery: str | None = None,
+        events: str = "embedded",
+        timeout: float = 90.0,
         env: dict[str, str] | None = None,
-    ) -> DynProcess:  # fmt: skip
+    ) -> DynProcess:
         # One discovery directory per deployment: two deployments of a module-scoped factory must not see
         # each other's workers (a frontend would route to the other's, which hold another cluster secret).
         disc = discovery or f"file://{tmp_path}/discovery-{len(started)}"

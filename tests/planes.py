@@ -79,21 +79,39 @@ def make_tls_files(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path
     now = datetime.datetime.now(datetime.UTC)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dyn test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))  # fmt: skip
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     client_key = ec.generate_private_key(ec.SECP256R1())
-    client = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "root")]))
-              .issuer_name(ca_name).public_key(client_key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(now - datetime.timedelta(minutes=1))
-              .not_valid_after(now + datetime.timedelta(days=1)).sign(ca_key, hashes.SHA256()))  # fmt: skip
+    client = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "root")]))
+        .issuer_name(ca_name)
+        .public_key(client_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(ca_key, hashes.SHA256())
+    )
     directory.mkdir(parents=True, exist_ok=True)
     paths = directory / "ca.pem", directory / "server.pem", directory / "server-key.pem"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -101,8 +119,11 @@ def make_tls_files(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path
         (paths[1:], client_tls_files(directory)), ((cert, key), (client, client_key)), strict=True
     ):
         cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()))  # fmt: skip
+        key_path.write_bytes(
+            private.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return paths
 
 
@@ -194,13 +215,32 @@ class EtcdProcess(_Server):
         tls = ["--cert-file", str(self.tls_files[1]), "--key-file", str(self.tls_files[2])] if self.tls_files else []
         if self.tls_files and self.client_cert_auth:
             tls += ["--client-cert-auth", "--trusted-ca-file", str(self.tls_files[0])]
-        self._spawn([
-            self.binary, *tls, "--name", "dyn-test", "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"dyn-test={peer}",
-            "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn",
-        ])  # fmt: skip
+        self._spawn(
+            [
+                self.binary,
+                *tls,
+                "--name",
+                "dyn-test",
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"dyn-test={peer}",
+                "--heartbeat-interval",
+                "10",
+                "--election-timeout",
+                "100",
+                "--log-level",
+                "warn",
+            ]
+        )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_alive("etcd")
@@ -221,8 +261,12 @@ class EtcdProcess(_Server):
             base = [etcdctl, f"--endpoints=https://127.0.0.1:{self.client_port}", f"--cacert={self.tls_files[0]}"]
         steps = [["user", "add", "root", f"--new-user-password={password}"], ["user", "grant-role", "root", "root"]]
         if user != "root":
-            steps += [["role", "add", user], ["role", "grant-permission", user, "--prefix=true", "readwrite", "v1/"],
-                      ["user", "add", user, f"--new-user-password={password}"], ["user", "grant-role", user, user]]
+            steps += [
+                ["role", "add", user],
+                ["role", "grant-permission", user, "--prefix=true", "readwrite", "v1/"],
+                ["user", "add", user, f"--new-user-password={password}"],
+                ["user", "grant-role", user, user],
+            ]
         steps.append(["auth", "enable"])  # etcd enables auth only once a root user exists
         for step in steps:
             subprocess.run([*base, *step], check=True, capture_output=True, timeout=10)
@@ -263,8 +307,9 @@ class NatsProcess(_Server):
     def start(self) -> None:
         """Start (again) and wait for the ready line, reading the port the server chose."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self._spawn([self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir),
-                     *self.args])  # fmt: skip
+        self._spawn(
+            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir), *self.args]
+        )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_alive("nats-server")
@@ -284,14 +329,21 @@ class NatsProcess(_Server):
         self.start()
 
 
-def start_etcd(binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None, *,
-               client_cert_auth: bool = False) -> EtcdProcess:  # fmt: skip
+def start_etcd(
+    binary: str, root: Path, tls_files: tuple[Path, Path, Path] | None = None, *, client_cert_auth: bool = False
+) -> EtcdProcess:
     """An etcd on free ports (TLS for clients with `tls_files`, mutual with `client_cert_auth`); picks
     new ports when a race lost one (etcd cannot bind port 0)."""
     for attempt in range(START_ATTEMPTS):
-        server = EtcdProcess(binary, root / f"etcd-data-{attempt}", root / f"etcd-{attempt}.log",
-                             client_port=free_port(), peer_port=free_port(), tls_files=tls_files,
-                             client_cert_auth=client_cert_auth)  # fmt: skip
+        server = EtcdProcess(
+            binary,
+            root / f"etcd-data-{attempt}",
+            root / f"etcd-{attempt}.log",
+            client_port=free_port(),
+            peer_port=free_port(),
+            tls_files=tls_files,
+            client_cert_auth=client_cert_auth,
+        )
         try:
             server.start()
             return server

@@ -38,8 +38,19 @@ def test_a_missing_model_path_is_one_clear_line() -> None:
 
 
 def test_a_bad_router_mode_is_rejected() -> None:
-    result = dyn("serve", "--engine", "mocker", "--router", "best", "--port", "0", "--workers", "0",
-                 "--discovery", "file:///tmp/dyn-cli-test")  # fmt: skip
+    result = dyn(
+        "serve",
+        "--engine",
+        "mocker",
+        "--router",
+        "best",
+        "--port",
+        "0",
+        "--workers",
+        "0",
+        "--discovery",
+        "file:///tmp/dyn-cli-test",
+    )
     assert result.returncode == 2 and "--router 'best'" in result.stderr
 
 
@@ -83,15 +94,25 @@ def test_a_usage_error_is_one_red_line_with_the_usage_hint(args: list[str], expe
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python")
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_deterministic_reaches_the_engine_by_flag_or_environment(how: str, tmp_path: Path) -> None:
-    args = ["worker", "--engine", "llamacpp", "--context-length", "8192", "--max-num-seqs", "4096",
-            "--discovery", f"file://{tmp_path}"]  # fmt: skip
+    args = [
+        "worker",
+        "--engine",
+        "llamacpp",
+        "--context-length",
+        "8192",
+        "--max-num-seqs",
+        "4096",
+        "--discovery",
+        f"file://{tmp_path}",
+    ]
     env = None
     if how == "flag":
         args.append("--deterministic")
     else:
         env = {**os.environ, "DYN_DETERMINISTIC": "1"}
-    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True,
-                            timeout=60, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60, env=env
+    )
     # Deterministic mode gives each of the 4100 sequence ids its own 8192-token KV stream: far too big.
     assert result.returncode != 0 and "GiB of KV cache" in result.stderr
 

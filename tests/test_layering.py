@@ -29,9 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _CONTRACT = {"errors", "config", "engine", "kv", "model_card"}
 _EVERYTHING = {
-    "dynamo_cli", "errors", "config", "engine", "kv", "model", "model_card", "runtime", "router", "frontend",
-    "worker", "launcher", "bench", "supervise", "planner",
-}  # fmt: skip
+    "dynamo_cli",
+    "errors",
+    "config",
+    "engine",
+    "kv",
+    "model",
+    "model_card",
+    "runtime",
+    "router",
+    "frontend",
+    "worker",
+    "launcher",
+    "bench",
+    "supervise",
+    "planner",
+}
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),

@@ -37,9 +37,13 @@ class RestartedEngine:
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
         yield KvEventBatch(event_id=0, events=[BlockStored(parent_hash=None, blocks=blocks(HASHES), tier="disk")])
-        yield KvEventBatch(event_id=1, events=[BlockStored(parent_hash=None, blocks=blocks(HASHES[:4])),
-                                               BlockStored(parent_hash=None, blocks=blocks(HASHES[:2]),
-                                                           tier="host")])  # fmt: skip
+        yield KvEventBatch(
+            event_id=1,
+            events=[
+                BlockStored(parent_hash=None, blocks=blocks(HASHES[:4])),
+                BlockStored(parent_hash=None, blocks=blocks(HASHES[:2]), tier="host"),
+            ],
+        )
         for event_id in range(2, KV_HISTORY + 3):  # unrelated churn: the first batches leave the ring
             yield KvEventBatch(event_id=event_id, events=[BlockRemoved(block_hashes=[event_id])])
 
@@ -57,8 +61,9 @@ async def test_a_router_that_missed_a_restarted_workers_disk_tier_repairs_it_fro
     server.add_endpoint("kv_dump", worker.kv_dump)
     client = RequestClient(await server.start())
     try:
-        dump = msgspec.msgpack.decode(b"".join([raw async for raw in await client.open_stream("kv_dump", b"\x00")]),
-                                      type=KvDump)  # fmt: skip
+        dump = msgspec.msgpack.decode(
+            b"".join([raw async for raw in await client.open_stream("kv_dump", b"\x00")]), type=KvDump
+        )
         assert (dump.block_hashes, dump.host_hashes) == (sorted(HASHES[:4]), sorted(HASHES[:2]))
         assert dump.disk_hashes == sorted(HASHES) and dump.last_event_id == KV_HISTORY + 2
 

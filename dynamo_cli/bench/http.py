@@ -267,9 +267,7 @@ class HttpClient:
     ) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme != "http" or not parts.hostname:
-            raise EndpointError(
-                f"--url must look like http://host:port, got {url!r} (https is not supported)"
-            )
+            raise EndpointError(f"--url must look like http://host:port, got {url!r} (https is not supported)")
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or 80
@@ -419,9 +417,7 @@ class HttpClient:
         elif response.status != 200:
             record.error = f"HTTP {response.status}: {_body_message(response.body)}"
         elif not response.is_sse:
-            record.error = (
-                f"not an SSE stream (content-type {response.headers.get('content-type', 'missing')!r})"
-            )
+            record.error = f"not an SSE stream (content-type {response.headers.get('content-type', 'missing')!r})"
         elif response.is_sse and not response.events and not response.saw_done:
             record.error = "the SSE stream carried no data events"
 

@@ -66,8 +66,12 @@ class RequestBuilder:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def body(self, history: list[dict[str, str]], turn: Turn) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": turn.output_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": turn.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
             body["messages"] = [*history, {"role": "user", "content": turn.text}]
         else:
@@ -85,9 +89,7 @@ OnRecord = Callable[[RequestRecord], None]
 class LoadRunner:
     """Runs one load phase; `records` holds every finished request in completion order."""
 
-    def __init__(
-        self, client: HttpClient, builder: RequestBuilder, on_record: OnRecord | None = None
-    ) -> None:
+    def __init__(self, client: HttpClient, builder: RequestBuilder, on_record: OnRecord | None = None) -> None:
         self.client = client
         self.builder = builder
         self.on_record = on_record
@@ -97,9 +99,12 @@ class LoadRunner:
         self._stop_at = float("inf")
 
     async def run(
-        self, config: LoadConfig, conversations: Iterator[Conversation],
-        warmup: Iterator[Conversation] | None = None, is_replay: bool = False,
-    ) -> list[RequestRecord]:  # fmt: skip
+        self,
+        config: LoadConfig,
+        conversations: Iterator[Conversation],
+        warmup: Iterator[Conversation] | None = None,
+        is_replay: bool = False,
+    ) -> list[RequestRecord]:
         """Warm up (if asked), then run the measured phase and return its records.
 
         With `is_replay`, each conversation starts at its `at` seconds after the phase starts (trace
@@ -171,9 +176,7 @@ class LoadRunner:
         async with cap:
             await self._conversation(conversation, at, reserved)
 
-    async def _conversation(
-        self, conversation: Conversation, at: float | None, reserved: bool = False
-    ) -> None:
+    async def _conversation(self, conversation: Conversation, at: float | None, reserved: bool = False) -> None:
         history: list[dict[str, str]] = []
         for number, turn in enumerate(conversation.turns):
             if not (reserved and number == 0):

@@ -107,11 +107,19 @@ def request_metrics(record: RequestRecord, count_tokens: Callable[[str], int] | 
     gaps = tuple((b - a) * 1e3 for a, b in zip(times, times[1:], strict=False))
     itl = (e2e - ttft) / (output_tokens - 1) if ttft is not None and output_tokens > 1 else None
     return RequestMetrics(
-        is_ok=ok, error=error, start=record.start, end=record.end, ttft=ttft, e2e=e2e, itl=itl,
-        tpot=e2e / output_tokens if output_tokens > 0 else None, chunk_gaps=gaps,
+        is_ok=ok,
+        error=error,
+        start=record.start,
+        end=record.end,
+        ttft=ttft,
+        e2e=e2e,
+        itl=itl,
+        tpot=e2e / output_tokens if output_tokens > 0 else None,
+        chunk_gaps=gaps,
         input_tokens=record.prompt_tokens if record.prompt_tokens is not None else record.input_tokens,
-        output_tokens=output_tokens, has_usage=has_usage,
-    )  # fmt: skip
+        output_tokens=output_tokens,
+        has_usage=has_usage,
+    )
 
 
 def meets_slo(m: RequestMetrics, slo: Slo) -> bool:
@@ -163,10 +171,16 @@ def distribution(values: Iterable[float]) -> Distribution:
     mean = math.fsum(ordered) / n
     variance = math.fsum((v - mean) ** 2 for v in ordered) / n
     return Distribution(
-        count=n, mean=mean, stddev=math.sqrt(variance), min=ordered[0], max=ordered[-1],
-        p50=percentile(ordered, 50), p90=percentile(ordered, 90),
-        p95=percentile(ordered, 95), p99=percentile(ordered, 99),
-    )  # fmt: skip
+        count=n,
+        mean=mean,
+        stddev=math.sqrt(variance),
+        min=ordered[0],
+        max=ordered[-1],
+        p50=percentile(ordered, 50),
+        p90=percentile(ordered, 90),
+        p95=percentile(ordered, 95),
+        p99=percentile(ordered, 99),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,15 @@ import msgspec
 from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, RequestMetrics, Summary
 from dynamo_cli.errors import ConfigError
 
-UNITS = {"ttft": "ms", "itl": "ms", "tpot": "ms", "e2e": "ms", "chunk_gap": "ms",
-         "input_tokens": "tokens", "output_tokens": "tokens"}  # fmt: skip
+UNITS = {
+    "ttft": "ms",
+    "itl": "ms",
+    "tpot": "ms",
+    "e2e": "ms",
+    "chunk_gap": "ms",
+    "input_tokens": "tokens",
+    "output_tokens": "tokens",
+}
 
 SCALARS = (
     ("num_requests", "requests", ""),
@@ -45,9 +52,7 @@ def _clean(value: Any) -> Any:
 
 def run_document(summary: Summary, info: dict[str, Any]) -> dict[str, Any]:
     """The JSON document of one run: what was run, the summary, and the metric definitions."""
-    document: dict[str, Any] = _clean(
-        {"info": info, "summary": summary.to_dict(), "definitions": dict(DEFINITIONS)}
-    )
+    document: dict[str, Any] = _clean({"info": info, "summary": summary.to_dict(), "definitions": dict(DEFINITIONS)})
     return document
 
 
@@ -84,12 +89,19 @@ def write_jsonl(path: str, metrics: Sequence[RequestMetrics], chunk_times: Seque
     with open(path, "wb") as f:
         for m, times in zip(metrics, chunk_times, strict=True):
             row = {
-                "start_s": m.start - origin, "end_s": m.end - origin, "ok": m.is_ok, "error": m.error,
-                "ttft_ms": m.ttft, "itl_ms": m.itl, "tpot_ms": m.tpot, "e2e_ms": m.e2e,
-                "input_tokens": m.input_tokens, "output_tokens": m.output_tokens,
+                "start_s": m.start - origin,
+                "end_s": m.end - origin,
+                "ok": m.is_ok,
+                "error": m.error,
+                "ttft_ms": m.ttft,
+                "itl_ms": m.itl,
+                "tpot_ms": m.tpot,
+                "e2e_ms": m.e2e,
+                "input_tokens": m.input_tokens,
+                "output_tokens": m.output_tokens,
                 "output_tokens_from": "usage" if m.has_usage else "tokenizer",
                 "chunk_ms": [round((t - m.start) * 1e3, 3) for t in times],
-            }  # fmt: skip
+            }
             f.write(encoder.encode(row) + b"\n")
 
 
@@ -111,9 +123,7 @@ def flatten(document: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
-def compare(
-    a: dict[str, Any], b: dict[str, Any]
-) -> list[tuple[str, float | None, float | None, float | None]]:
+def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, A, B, B/A) for every figure of either run; the ratio is None where A is 0 or missing."""
     fa, fb = flatten(a), flatten(b)
     rows = []

@@ -173,8 +173,9 @@ async def run_bench(
     is_open = config.workload.trace is not None or any(c.request_rate is not None for _, c in loads)
     most = max(c.concurrency or (_UNBOUNDED_CONNECTIONS if is_open else 1) for _, c in loads)
     auth = {"authorization": f"Bearer {config.api_key}"} if config.api_key else None
-    async with HttpClient(config.url, max_connections=most, request_timeout=config.request_timeout,
-                          headers=auth) as client:  # fmt: skip
+    async with HttpClient(
+        config.url, max_connections=most, request_timeout=config.request_timeout, headers=auth
+    ) as client:
         model = await resolve_model(client, config.model)
         builder = RequestBuilder(model, config.endpoint, config.ignore_eos)
         await probe(client, builder)
@@ -185,22 +186,28 @@ async def run_bench(
                 on_phase(label, load)
             runner = LoadRunner(client, builder, on_record)
             records = await runner.run(
-                load, build_workload(config, vocab), build_workload(config, vocab, seed_offset=1_000_003),
+                load,
+                build_workload(config, vocab),
+                build_workload(config, vocab, seed_offset=1_000_003),
                 is_replay=config.workload.trace is not None,
-            )  # fmt: skip
+            )
             runs.append(_result(label, records, vocab, config.slo))
     info = {
-        "url": config.url, "model": model, "endpoint": config.endpoint, "tokenizer": vocab.source,
-        "is_tokenizer_exact": vocab.is_exact, "ignore_eos": config.ignore_eos, "time": time.time(),
-        "load": dataclasses.asdict(config.load), "workload": dataclasses.asdict(config.workload),
+        "url": config.url,
+        "model": model,
+        "endpoint": config.endpoint,
+        "tokenizer": vocab.source,
+        "is_tokenizer_exact": vocab.is_exact,
+        "ignore_eos": config.ignore_eos,
+        "time": time.time(),
+        "load": dataclasses.asdict(config.load),
+        "workload": dataclasses.asdict(config.workload),
         "sweep": list(config.sweep) if config.sweep else None,
-    }  # fmt: skip
+    }
     return BenchResult(runs, info)
 
 
 def _result(label: str, records: list[RequestRecord], vocab: wl.Vocab, slo: Slo) -> RunResult:
     metrics = [request_metrics(r, vocab.count_tokens) for r in records]
     fallback = "tokenizer" if vocab.is_exact else "approximate word count"
-    return RunResult(
-        label, summarize(metrics, slo, fallback), metrics, [list(r.chunk_times) for r in records]
-    )
+    return RunResult(label, summarize(metrics, slo, fallback), metrics, [list(r.chunk_times) for r in records])

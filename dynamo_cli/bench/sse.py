@@ -34,8 +34,20 @@ def _chunk_size(line: bytes) -> int:
 class Response:
     """Incremental parser of one HTTP/1.1 response whose body may be an SSE stream."""
 
-    __slots__ = ("status", "headers", "is_sse", "keep_alive", "events", "body", "saw_done",
-                 "_framing", "_rest", "_left", "_in_trailer", "_line")  # fmt: skip
+    __slots__ = (
+        "status",
+        "headers",
+        "is_sse",
+        "keep_alive",
+        "events",
+        "body",
+        "saw_done",
+        "_framing",
+        "_rest",
+        "_left",
+        "_in_trailer",
+        "_line",
+    )
 
     def __init__(self) -> None:
         self.status = 0

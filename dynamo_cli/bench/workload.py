@@ -144,9 +144,15 @@ def marker(vocab: Vocab, index: int) -> list[str]:
 
 
 def synthetic(
-    vocab: Vocab, isl: float, isl_stddev: float, osl: float, osl_stddev: float,
-    turns: int = 1, seed: int = 0, offset: int = 0,
-) -> Iterator[Conversation]:  # fmt: skip
+    vocab: Vocab,
+    isl: float,
+    isl_stddev: float,
+    osl: float,
+    osl_stddev: float,
+    turns: int = 1,
+    seed: int = 0,
+    offset: int = 0,
+) -> Iterator[Conversation]:
     """Endless random prompts of ISL ± stddev tokens; each starts with its own marker so none share."""
     rng = random.Random(seed)
     pool = _WordPool(vocab, rng)
@@ -163,9 +169,14 @@ def synthetic(
 
 
 def shared_prefix(
-    vocab: Vocab, num_prefixes: int, prefix_len: int, suffix_len: int, osl: float, osl_stddev: float,
+    vocab: Vocab,
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    osl: float,
+    osl_stddev: float,
     seed: int = 0,
-) -> Iterator[Conversation]:  # fmt: skip
+) -> Iterator[Conversation]:
     """Prompt i = prefix of group i mod num_prefixes + a suffix; exactly `prefix_len` tokens are shared.
 
     Each prefix starts with a marker unique to its group and each suffix with a marker unique to its
@@ -222,9 +233,12 @@ def trace_block(vocab: Vocab, hash_id: int, block_size: int, seed: int) -> list[
 
 
 def trace_replay(
-    vocab: Vocab, entries: Sequence[TraceEntry], time_scale: float = 1.0, block_size: int = 512,
+    vocab: Vocab,
+    entries: Sequence[TraceEntry],
+    time_scale: float = 1.0,
+    block_size: int = 512,
     seed: int = 0,
-) -> Iterator[Conversation]:  # fmt: skip
+) -> Iterator[Conversation]:
     """Replay a trace: request i is sent at timestamp_i × time_scale (ms → s) after the first entry."""
     if not entries:
         return
@@ -245,9 +259,7 @@ def trace_replay(
         yield Conversation((turn,), at=(entry.timestamp - origin) / 1e3 * time_scale)
 
 
-def prompts_file(
-    path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0
-) -> Iterator[Conversation]:
+def prompts_file(path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0) -> Iterator[Conversation]:
     """Cycle through a file of prompts: JSONL with "text"/"prompt" fields, or one prompt per line."""
     try:
         lines = [line for line in Path(path).read_text().splitlines() if line.strip()]

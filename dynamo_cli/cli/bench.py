@@ -32,9 +32,7 @@ def bench(
     model: Annotated[
         str | None, _Opt(envvar="DYN_BENCH_MODEL", help="Model name; default: the first of GET /v1/models.")
     ] = None,
-    endpoint: Annotated[
-        str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")
-    ] = "chat",
+    endpoint: Annotated[str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")] = "chat",
     api_key: Annotated[
         str | None, _Opt("--api-key", envvar="DYN_BENCH_API_KEY", help="Key of a frontend started with --api-key.")
     ] = None,
@@ -59,22 +57,14 @@ def bench(
     turns: Annotated[int, _Opt(help="User turns per session (multi-turn when > 1).")] = 1,
     num_prefixes: Annotated[int, _Opt(help="Shared-prefix workload: number of distinct prefixes.")] = 0,
     prefix_len: Annotated[int, _Opt(help="Shared-prefix workload: tokens per prefix.")] = 0,
-    suffix_len: Annotated[
-        int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")
-    ] = 0,
+    suffix_len: Annotated[int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")] = 0,
     trace: Annotated[str | None, _Opt(help="Mooncake JSONL trace to replay (timestamp in ms).")] = None,
-    trace_time_scale: Annotated[
-        float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")
-    ] = 1.0,
+    trace_time_scale: Annotated[float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")] = 1.0,
     trace_block_size: Annotated[int, _Opt(help="Tokens per trace hash id.")] = 512,
     prompts_file: Annotated[str | None, _Opt(help="Prompts, one per line or JSONL with 'text'.")] = None,
     ignore_eos: Annotated[bool, _Opt(help="Send ignore_eos/min_tokens so the output length is met.")] = True,
-    slo: Annotated[
-        list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")
-    ] = None,
-    sweep: Annotated[
-        str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")
-    ] = None,
+    slo: Annotated[list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")] = None,
+    sweep: Annotated[str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")] = None,
     seed: Annotated[int, _Opt(help="Seed of every random choice.")] = 0,
     timeout: Annotated[float, _Opt(help="Per-request timeout in seconds.")] = 600.0,
     json_path: Annotated[str | None, _Opt("--json", help="Write the summary as JSON.")] = None,
@@ -95,15 +85,42 @@ def bench(
     if trace and not (num_requests or duration):
         num_requests = len(read_trace(trace))  # replay the whole trace
     load = LoadConfig(
-        concurrency=concurrency, request_rate=request_rate, arrival=arrival,  # type: ignore[arg-type]
+        concurrency=concurrency,
+        request_rate=request_rate,
+        arrival=arrival,  # type: ignore[arg-type]
         num_requests=num_requests if num_requests or duration else 100,
-        duration_s=duration, warmup=warmup, seed=seed,
-    )  # fmt: skip
-    workload = WorkloadConfig(isl, isl_stddev, osl, osl_stddev, turns, num_prefixes, prefix_len, suffix_len,
-                              trace, trace_time_scale, trace_block_size, prompts_file, seed)  # fmt: skip
-    config = BenchConfig(url=url, load=load, workload=workload, model=model, endpoint=endpoint,  # type: ignore[arg-type]
-                         tokenizer=tokenizer, ignore_eos=ignore_eos, slo=parse_slo(slo or []),
-                         request_timeout=timeout, sweep=parse_sweep(sweep), api_key=api_key)  # fmt: skip
+        duration_s=duration,
+        warmup=warmup,
+        seed=seed,
+    )
+    workload = WorkloadConfig(
+        isl,
+        isl_stddev,
+        osl,
+        osl_stddev,
+        turns,
+        num_prefixes,
+        prefix_len,
+        suffix_len,
+        trace,
+        trace_time_scale,
+        trace_block_size,
+        prompts_file,
+        seed,
+    )
+    config = BenchConfig(
+        url=url,
+        load=load,
+        workload=workload,
+        model=model,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        ignore_eos=ignore_eos,
+        slo=parse_slo(slo or []),
+        request_timeout=timeout,
+        sweep=parse_sweep(sweep),
+        api_key=api_key,
+    )
     result = _run(config, progress)
     _print(result, config)
     _write(result, json_path, csv_path, jsonl_path, plot)
@@ -170,8 +187,13 @@ def _run(config: BenchConfig, show: bool) -> BenchResult:
     console = Console(stderr=True)
     if not show:
         return run_async(run_bench(config))  # type: ignore[no-any-return]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[stats]}"))  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         live = _Live(progress)
         return run_async(run_bench(config, live.record, live.phase))  # type: ignore[no-any-return]
@@ -217,9 +239,7 @@ def _console() -> Console:
 def _print(result: BenchResult, config: BenchConfig) -> None:
     console = _console()
     info = result.info
-    console.print(
-        f"[bold]{info['model']}[/] at {info['url']} ({info['endpoint']}); prompts: {info['tokenizer']}"
-    )
+    console.print(f"[bold]{info['model']}[/] at {info['url']} ({info['endpoint']}); prompts: {info['tokenizer']}")
     if config.sweep is not None:
         console.print(_sweep_table(config.sweep[0], result))
     for run in result.runs:
@@ -228,9 +248,7 @@ def _print(result: BenchResult, config: BenchConfig) -> None:
         if config.sweep is None:
             console.print(_summary_table(s, title))
             console.print(_scalars_table(s))
-        console.print(
-            f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else "")
-        )
+        console.print(f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else ""))
         for error, count in s.errors.items():
             console.print(f"[red]{count} failed:[/] {error}", highlight=False)
     console.print("[dim]definitions:[/]")
@@ -256,28 +274,37 @@ def _sweep_table(parameter: str, result: BenchResult) -> Table:
         table.add_column(column, justify="right")
     for run in result.runs:
         s, lat = run.summary, run.summary.latency
-        figures = (s.request_throughput, s.output_token_throughput, lat["ttft"].p50, lat["ttft"].p99,
-                   lat["itl"].p50, lat["itl"].p99, lat["e2e"].p50, s.goodput)  # fmt: skip
+        figures = (
+            s.request_throughput,
+            s.output_token_throughput,
+            lat["ttft"].p50,
+            lat["ttft"].p99,
+            lat["itl"].p50,
+            lat["itl"].p99,
+            lat["e2e"].p50,
+            s.goodput,
+        )
         table.add_row(run.label, *(_num(f) for f in figures), str(s.num_failed))
     return table
 
 
-def _write(result: BenchResult, json_path: str | None, csv_path: str | None, jsonl_path: str | None,
-           plot: str | None) -> None:  # fmt: skip
+def _write(
+    result: BenchResult, json_path: str | None, csv_path: str | None, jsonl_path: str | None, plot: str | None
+) -> None:
     runs = result.runs
     if json_path:
         if len(runs) == 1:
             document = report.run_document(runs[0].summary, result.info)
         else:
-            document = {"info": result.info, "sweep": [
-                {"label": r.label, **report.run_document(r.summary, {})} for r in runs]}  # fmt: skip
+            document = {
+                "info": result.info,
+                "sweep": [{"label": r.label, **report.run_document(r.summary, {})} for r in runs],
+            }
         report.write_json(json_path, document)
     if csv_path:
         report.write_csv(csv_path, [(r.label, r.summary) for r in runs])
     if jsonl_path:
-        report.write_jsonl(
-            jsonl_path, [m for r in runs for m in r.metrics], [t for r in runs for t in r.chunk_times]
-        )
+        report.write_jsonl(jsonl_path, [m for r in runs for m in r.metrics], [t for r in runs for t in r.chunk_times])
     if plot:
         if len(runs) == 1:
             report.plot_run(plot, runs[0].metrics, runs[0].chunk_times)

@@ -42,9 +42,17 @@ def command(
         name, instance_id = parse_instance_key(key)
         record = msgspec.json.decode(value, type=InstanceRecord)
         card = card_by_id.get(instance_id)
-        rows.append({"instance": f"{name}/{instance_id:x}", "address": record.address, "role": record.role,
-                     "model": card.display_name if card else "-", "engine": card.engine if card else "-",
-                     "pid": record.pid, "host": record.hostname})  # fmt: skip
+        rows.append(
+            {
+                "instance": f"{name}/{instance_id:x}",
+                "address": record.address,
+                "role": record.role,
+                "model": card.display_name if card else "-",
+                "engine": card.engine if card else "-",
+                "pid": record.pid,
+                "host": record.hostname,
+            }
+        )
     if as_json:
         typer.echo(msgspec.json.encode(rows).decode())
         return

@@ -94,25 +94,40 @@ KV_ROUTER = KvRouterConfig()
 _KV_TIERS = "KV tiers (host memory and disk below the engine's cache)"
 KvHostCacheGb = Annotated[
     float,
-    typer.Option("--kv-host-cache-gb", envvar="DYN_KV_HOST_CACHE_GB", rich_help_panel=_KV_TIERS,
-                 help="KV tier in host memory below the engine's cache, GB (0: off)."),
-]  # fmt: skip
+    typer.Option(
+        "--kv-host-cache-gb",
+        envvar="DYN_KV_HOST_CACHE_GB",
+        rich_help_panel=_KV_TIERS,
+        help="KV tier in host memory below the engine's cache, GB (0: off).",
+    ),
+]
 KvDiskCacheGb = Annotated[
     float,
-    typer.Option("--kv-disk-cache-gb", envvar="DYN_KV_DISK_CACHE_GB", rich_help_panel=_KV_TIERS,
-                 help="KV tier on local disk below host memory, GB (0: off)."),
-]  # fmt: skip
+    typer.Option(
+        "--kv-disk-cache-gb",
+        envvar="DYN_KV_DISK_CACHE_GB",
+        rich_help_panel=_KV_TIERS,
+        help="KV tier on local disk below host memory, GB (0: off).",
+    ),
+]
 KvDiskCacheDir = Annotated[
     str | None,
-    typer.Option("--kv-disk-cache-dir", envvar="DYN_KV_DISK_CACHE_DIR", rich_help_panel=_KV_TIERS,
-                 help="Directory of the disk KV tier; kept across restarts (default: a temporary one)."),
-]  # fmt: skip
+    typer.Option(
+        "--kv-disk-cache-dir",
+        envvar="DYN_KV_DISK_CACHE_DIR",
+        rich_help_panel=_KV_TIERS,
+        help="Directory of the disk KV tier; kept across restarts (default: a temporary one).",
+    ),
+]
 KvDiskOffloadFilter = Annotated[
     bool,
-    typer.Option("--kv-disk-offload-filter/--no-kv-disk-offload-filter", envvar="DYN_KV_DISK_OFFLOAD_FILTER",
-                 rich_help_panel=_KV_TIERS,
-                 help="Move host→disk only KV blocks reused at least once (Dynamo's default)."),
-]  # fmt: skip
+    typer.Option(
+        "--kv-disk-offload-filter/--no-kv-disk-offload-filter",
+        envvar="DYN_KV_DISK_OFFLOAD_FILTER",
+        rich_help_panel=_KV_TIERS,
+        help="Move host→disk only KV blocks reused at least once (Dynamo's default).",
+    ),
+]
 
 
 def kv_tiers(host_gb: float, disk_gb: float, disk_dir: str | None, offload_filter: bool) -> KvTierConfig:
@@ -209,44 +224,76 @@ RouterTtl = Annotated[
 
 RouterCost = Annotated[
     str,
-    typer.Option("--router-cost", envvar="DYN_ROUTER_COST",
-                 help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode)."),
-]  # fmt: skip
+    typer.Option(
+        "--router-cost",
+        envvar="DYN_ROUTER_COST",
+        help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode).",
+    ),
+]
 RouterPrefillTps = Annotated[
     float | None,
-    typer.Option("--router-prefill-tps", envvar="DYN_ROUTER_PREFILL_TPS",
-                 help="KV router, time cost: a worker's prefill tokens/s (default: learned from first tokens)."),
-]  # fmt: skip
+    typer.Option(
+        "--router-prefill-tps",
+        envvar="DYN_ROUTER_PREFILL_TPS",
+        help="KV router, time cost: a worker's prefill tokens/s (default: learned from first tokens).",
+    ),
+]
 
 
 RouterTierWeights = Annotated[
     str,
-    typer.Option("--router-tier-weights", envvar="DYN_ROUTER_TIER_WEIGHTS",
-                 help="KV router, dynamo cost: worth of a host/disk hit vs a device hit, host=W,disk=W "
-                      "(default: from the bandwidths).")
-]  # fmt: skip
+    typer.Option(
+        "--router-tier-weights",
+        envvar="DYN_ROUTER_TIER_WEIGHTS",
+        help="KV router, dynamo cost: worth of a host/disk hit vs a device hit, host=W,disk=W "
+        "(default: from the bandwidths).",
+    ),
+]
 RouterHostGbs = Annotated[
     float,
-    typer.Option("--router-host-bandwidth-gbs", envvar="DYN_ROUTER_HOST_BANDWIDTH_GBS",
-                 help="KV router: GB/s of an onboard from the host-memory tier."),
-]  # fmt: skip
+    typer.Option(
+        "--router-host-bandwidth-gbs",
+        envvar="DYN_ROUTER_HOST_BANDWIDTH_GBS",
+        help="KV router: GB/s of an onboard from the host-memory tier.",
+    ),
+]
 RouterDiskGbs = Annotated[
     float,
-    typer.Option("--router-disk-bandwidth-gbs", envvar="DYN_ROUTER_DISK_BANDWIDTH_GBS",
-                 help="KV router: GB/s of an onboard from the disk tier."),
-]  # fmt: skip
+    typer.Option(
+        "--router-disk-bandwidth-gbs",
+        envvar="DYN_ROUTER_DISK_BANDWIDTH_GBS",
+        help="KV router: GB/s of an onboard from the disk tier.",
+    ),
+]
 
 
 def kv_router(
-    block_size: int | None, weight: float, temperature: float, kv_events: bool, hot_spot_guard: bool, ttl: float,
-    cost: str = KV_ROUTER.cost, prefill_tps: float | None = KV_ROUTER.prefill_tokens_per_s, tier_weights: str = "",
-    host_gbs: float = KV_ROUTER.host_bandwidth_gbs, disk_gbs: float = KV_ROUTER.disk_bandwidth_gbs,
-) -> KvRouterConfig:  # fmt: skip
+    block_size: int | None,
+    weight: float,
+    temperature: float,
+    kv_events: bool,
+    hot_spot_guard: bool,
+    ttl: float,
+    cost: str = KV_ROUTER.cost,
+    prefill_tps: float | None = KV_ROUTER.prefill_tokens_per_s,
+    tier_weights: str = "",
+    host_gbs: float = KV_ROUTER.host_bandwidth_gbs,
+    disk_gbs: float = KV_ROUTER.disk_bandwidth_gbs,
+) -> KvRouterConfig:
     """The KV router's settings from its flags, checked now (a bad value is a ConfigError at start)."""
-    return KvRouterConfig(block_size=block_size, overlap_score_weight=weight, temperature=temperature,
-                          use_kv_events=kv_events, hot_spot_guard=hot_spot_guard, approx_ttl_s=ttl,
-                          cost=cost, prefill_tokens_per_s=prefill_tps, tier_weights=parse_tier_weights(tier_weights),
-                          host_bandwidth_gbs=host_gbs, disk_bandwidth_gbs=disk_gbs)  # fmt: skip
+    return KvRouterConfig(
+        block_size=block_size,
+        overlap_score_weight=weight,
+        temperature=temperature,
+        use_kv_events=kv_events,
+        hot_spot_guard=hot_spot_guard,
+        approx_ttl_s=ttl,
+        cost=cost,
+        prefill_tokens_per_s=prefill_tps,
+        tier_weights=parse_tier_weights(tier_weights),
+        host_bandwidth_gbs=host_gbs,
+        disk_bandwidth_gbs=disk_gbs,
+    )
 
 
 ##### Disaggregation (shared by `dyn serve` and `dyn router`) #####
@@ -254,45 +301,69 @@ def kv_router(
 _D = DisaggConfig()
 DisaggPolicy = Annotated[
     str,
-    typer.Option("--disagg-policy", envvar="DYN_DISAGG_POLICY",
-                 help="When a prompt is prefilled on a prefill worker: " + " | ".join(DISAGG_POLICIES)),
-]  # fmt: skip
+    typer.Option(
+        "--disagg-policy",
+        envvar="DYN_DISAGG_POLICY",
+        help="When a prompt is prefilled on a prefill worker: " + " | ".join(DISAGG_POLICIES),
+    ),
+]
 MaxLocalPrefill = Annotated[
     int,
-    typer.Option("--max-local-prefill-length", envvar="DYN_MAX_LOCAL_PREFILL_LENGTH",
-                 help="Uncached prompt tokens a decode worker prefills itself."),
-]  # fmt: skip
+    typer.Option(
+        "--max-local-prefill-length",
+        envvar="DYN_MAX_LOCAL_PREFILL_LENGTH",
+        help="Uncached prompt tokens a decode worker prefills itself.",
+    ),
+]
 MaxPrefillQueue = Annotated[
     int,
-    typer.Option("--max-prefill-queue", envvar="DYN_MAX_PREFILL_QUEUE",
-                 help="Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated."),
-]  # fmt: skip
+    typer.Option(
+        "--max-prefill-queue",
+        envvar="DYN_MAX_PREFILL_QUEUE",
+        help="Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated.",
+    ),
+]
 DecodeBusy = Annotated[
     float,
-    typer.Option("--decode-busy-threshold", envvar="DYN_DECODE_BUSY_THRESHOLD",
-                 help="KV usage of a decode worker above which long prompts always go to a prefill worker."),
-]  # fmt: skip
+    typer.Option(
+        "--decode-busy-threshold",
+        envvar="DYN_DECODE_BUSY_THRESHOLD",
+        help="KV usage of a decode worker above which long prompts always go to a prefill worker.",
+    ),
+]
 EnforceDisagg = Annotated[
     bool,
-    typer.Option("--enforce-disagg", envvar="DYN_ENFORCE_DISAGG",
-                 help="Never prefill on a decode worker: no prefill worker → 503."),
-]  # fmt: skip
+    typer.Option(
+        "--enforce-disagg",
+        envvar="DYN_ENFORCE_DISAGG",
+        help="Never prefill on a decode worker: no prefill worker → 503.",
+    ),
+]
 KvTransfer = Annotated[
     str, typer.Option("--kv-transfer", envvar="DYN_KV_TRANSFER", help="How KV is pulled: " + " | ".join(KV_TRANSFERS))
 ]
 PrefillRouterMode = Annotated[
     str | None,
-    typer.Option("--prefill-router-mode", envvar="DYN_PREFILL_ROUTER_MODE",
-                 help="kv | round-robin | random for the prefill hop (default: --router's)."),
-]  # fmt: skip
+    typer.Option(
+        "--prefill-router-mode",
+        envvar="DYN_PREFILL_ROUTER_MODE",
+        help="kv | round-robin | random for the prefill hop (default: --router's).",
+    ),
+]
 
 
-def disagg(policy: str, max_local: int, max_queue: int, decode_busy: float, enforce: bool,
-           prefill_mode: str | None) -> DisaggConfig:  # fmt: skip
+def disagg(
+    policy: str, max_local: int, max_queue: int, decode_busy: float, enforce: bool, prefill_mode: str | None
+) -> DisaggConfig:
     """Disaggregation's settings from its flags, checked now."""
-    return DisaggConfig(policy=policy, max_local_prefill_length=max_local, max_prefill_queue=max_queue,
-                        decode_busy_threshold=decode_busy, enforce=enforce,
-                        prefill_router_mode=prefill_mode)  # fmt: skip
+    return DisaggConfig(
+        policy=policy,
+        max_local_prefill_length=max_local,
+        max_prefill_queue=max_queue,
+        decode_busy_threshold=decode_busy,
+        enforce=enforce,
+        prefill_router_mode=prefill_mode,
+    )
 
 
 ##### The wait queue (every worker busy) #####
@@ -300,31 +371,46 @@ def disagg(policy: str, max_local: int, max_queue: int, decode_busy: float, enfo
 _Q = QueueConfig()
 QueueSize = Annotated[
     int,
-    typer.Option("--router-queue-size", envvar="DYN_ROUTER_QUEUE_SIZE",
-                 help="Requests that may wait per model when every worker is busy (0: 503 at once)."),
-]  # fmt: skip
+    typer.Option(
+        "--router-queue-size",
+        envvar="DYN_ROUTER_QUEUE_SIZE",
+        help="Requests that may wait per model when every worker is busy (0: 503 at once).",
+    ),
+]
 QueueTimeout = Annotated[
     float,
-    typer.Option("--router-queue-timeout", envvar="DYN_ROUTER_QUEUE_TIMEOUT",
-                 help="Seconds a request waits for a worker before its 503."),
-]  # fmt: skip
+    typer.Option(
+        "--router-queue-timeout",
+        envvar="DYN_ROUTER_QUEUE_TIMEOUT",
+        help="Seconds a request waits for a worker before its 503.",
+    ),
+]
 QueuePolicyOption = Annotated[
     str,
-    typer.Option("--router-queue-policy", envvar="DYN_ROUTER_QUEUE_POLICY",
-                 help="Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline."),
-]  # fmt: skip
+    typer.Option(
+        "--router-queue-policy",
+        envvar="DYN_ROUTER_QUEUE_POLICY",
+        help="Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline.",
+    ),
+]
 
 
 MaxInflightPerWorker = Annotated[
     int,
-    typer.Option("--max-inflight-per-worker", envvar="DYN_MAX_INFLIGHT_PER_WORKER",
-                 help="Busy threshold: streams per worker (0: none); all workers busy → the wait queue, then 503."),
-]  # fmt: skip
+    typer.Option(
+        "--max-inflight-per-worker",
+        envvar="DYN_MAX_INFLIGHT_PER_WORKER",
+        help="Busy threshold: streams per worker (0: none); all workers busy → the wait queue, then 503.",
+    ),
+]
 ActiveBlocksThreshold = Annotated[
     float,
-    typer.Option("--active-decode-blocks-threshold", envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-                 help="Busy threshold: KV usage fraction (1.0: off)."),
-]  # fmt: skip
+    typer.Option(
+        "--active-decode-blocks-threshold",
+        envvar="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+        help="Busy threshold: KV usage fraction (1.0: off).",
+    ),
+]
 
 
 def queue(size: int, timeout: float, policy: str) -> QueueConfig:
@@ -372,8 +458,9 @@ def _read_private(path: Path) -> str:
     except OSError as exc:
         raise ConfigError(f"--cluster-secret-file {path} cannot be read: {exc.strerror or exc}") from None
     if mode & 0o077:
-        raise ConfigError(f"--cluster-secret-file {path} is open to other users (mode {mode & 0o777:o});"
-                          f" run: chmod 600 {path}")  # fmt: skip
+        raise ConfigError(
+            f"--cluster-secret-file {path} is open to other users (mode {mode & 0o777:o}); run: chmod 600 {path}"
+        )
     return text
 
 
@@ -383,6 +470,8 @@ def _parse_secret(text: str, source: str) -> bytes:
     except ValueError:
         raise ConfigError(f"the cluster secret from {source} is not hex; make one with: openssl rand -hex 32") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"the cluster secret from {source} has {len(secret)} bytes, fewer than"
-                          f" {MIN_SECRET_BYTES}; make one with: openssl rand -hex 32")  # fmt: skip
+        raise ConfigError(
+            f"the cluster secret from {source} has {len(secret)} bytes, fewer than"
+            f" {MIN_SECRET_BYTES}; make one with: openssl rand -hex 32"
+        )
     return secret

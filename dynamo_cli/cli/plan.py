@@ -27,8 +27,10 @@ from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
 from dynamo_cli.runtime.supervisor import PARENT_ENV
 from dynamo_cli.runtime.supervisor import run as run_loop
 
-app = typer.Typer(help="SLA planner: profile an engine, then scale prefill and decode workers to TTFT/ITL targets.",
-                  no_args_is_help=True)  # fmt: skip
+app = typer.Typer(
+    help="SLA planner: profile an engine, then scale prefill and decode workers to TTFT/ITL targets.",
+    no_args_is_help=True,
+)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -68,15 +70,27 @@ async def _profile(args: EngineArgs, engine_name: str, speedup: float, sweep: Sw
     engine = load_engine(engine_name)(args)
     info = await engine.start()
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      console=Console(stderr=True), transient=False) as bar:  # fmt: skip
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            console=Console(stderr=True),
+            transient=False,
+        ) as bar:
             task = bar.add_task("profiling", total=None)
 
             def step(what: str, done: int, total: int) -> None:
                 bar.update(task, description=what, completed=done, total=total)
 
-            return await profile_engine(engine, info, engine_name=engine_name, model=args.model,
-                                        speedup_ratio=speedup, sweep=sweep, progress=step)  # fmt: skip
+            return await profile_engine(
+                engine,
+                info,
+                engine_name=engine_name,
+                model=args.model,
+                speedup_ratio=speedup,
+                sweep=sweep,
+                progress=step,
+            )
     finally:
         await engine.stop()
 
@@ -87,8 +101,11 @@ def profile_command(
     engine: o.Engine = "mocker",
     model: o.Model = o.DEFAULTS["model"],
     speedup_ratio: Annotated[
-        float | None, typer.Option("--speedup-ratio", help="mocker: run this much faster; times are multiplied "
-                                   "back (default 10 for the mocker, else 1).")
+        float | None,
+        typer.Option(
+            "--speedup-ratio",
+            help="mocker: run this much faster; times are multiplied back (default 10 for the mocker, else 1).",
+        ),
     ] = None,
     num_gpu_blocks: o.NumGpuBlocks = None,
     max_num_seqs: o.MaxNumSeqs = None,
@@ -101,10 +118,16 @@ def profile_command(
 ) -> None:
     """Sweep one engine in this process (prefill TTFT vs ISL, decode ITL vs KV usage and context) into a profile."""
     speedup = speedup_ratio if speedup_ratio is not None else (10.0 if engine == "mocker" else 1.0)
-    sweep = Sweep(isls=_ints(isls, "--isls"), contexts=_ints(contexts, "--contexts"),
-                  usages=_floats(usages, "--usages"))  # fmt: skip
-    extra = o.engine_extra(engine_arg, None, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                           speedup_ratio=speedup if engine == "mocker" else None)  # fmt: skip
+    sweep = Sweep(
+        isls=_ints(isls, "--isls"), contexts=_ints(contexts, "--contexts"), usages=_floats(usages, "--usages")
+    )
+    extra = o.engine_extra(
+        engine_arg,
+        None,
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_seqs=max_num_seqs,
+        speedup_ratio=speedup if engine == "mocker" else None,
+    )
     args = EngineArgs(model=model, context_length=context_length, extra=extra)
     profile = asyncio.run(_profile(args, engine, speedup, sweep))
     save_profile(profile, out)
@@ -118,8 +141,11 @@ def profile_command(
 def _report(step: Step) -> None:
     state = {True: "applied", False: "NOT acknowledged", None: "not applied"}[step.applied]
     decision = step.decision
-    print(f"decision {step.decision_id} ({step.kind}): prefill {step.current[0]}→{decision.num_prefill}, "
-          f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}", flush=True)  # fmt: skip
+    print(
+        f"decision {step.decision_id} ({step.kind}): prefill {step.current[0]}→{decision.num_prefill}, "
+        f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}",
+        flush=True,
+    )
 
 
 _opt = o.planner_option
@@ -159,21 +185,47 @@ def run_command(
 ) -> None:
     """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
     secret = o.cluster_secret(cluster_secret_file)
-    worker = WorkerConfig(engine=engine, model=model, namespace=namespace, role=Role.BOTH if mode == "agg" else
-                          Role.DECODE, graceful_shutdown_s=graceful_shutdown,
-                          planes=o.planes(discovery, events, lease_ttl, secret),
-                          extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio))  # fmt: skip
+    worker = WorkerConfig(
+        engine=engine,
+        model=model,
+        namespace=namespace,
+        role=Role.BOTH if mode == "agg" else Role.DECODE,
+        graceful_shutdown_s=graceful_shutdown,
+        planes=o.planes(discovery, events, lease_ttl, secret),
+        extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio),
+    )
     prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
-    env = {**planes_env(discovery, events), PARENT_ENV: str(os.getpid()),
-           **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {})}  # fmt: skip
-    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers, gpu_budget), mode=mode,
-                           interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom, startup_s=startup)  # fmt: skip
-    plan = PlanRun(planner=config, frontends=tuple(frontend or ()), namespace=namespace, discovery=discovery,
-                   events=events, lease_ttl=lease_ttl, connector=connector, dry_run=dry_run,
-                   decode_argv=worker_argv(worker), prefill_argv=worker_argv(prefill), worker_env=env,
-                   grace_s=graceful_shutdown,
-                   ack_timeout_s=ack_timeout, duration_s=duration)  # fmt: skip
+    env = {
+        **planes_env(discovery, events),
+        PARENT_ENV: str(os.getpid()),
+        **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {}),
+    }
+    config = PlannerConfig(
+        targets=Targets(ttft, itl),
+        bounds=Bounds(min_workers, max_workers, gpu_budget),
+        mode=mode,
+        interval_s=interval,
+        load_interval_s=load_interval,
+        predictor=predictor,
+        headroom=headroom,
+        startup_s=startup,
+    )
+    plan = PlanRun(
+        planner=config,
+        frontends=tuple(frontend or ()),
+        namespace=namespace,
+        discovery=discovery,
+        events=events,
+        lease_ttl=lease_ttl,
+        connector=connector,
+        dry_run=dry_run,
+        decode_argv=worker_argv(worker),
+        prefill_argv=worker_argv(prefill),
+        worker_env=env,
+        grace_s=graceful_shutdown,
+        ack_timeout_s=ack_timeout,
+        duration_s=duration,
+    )
     run_loop(serve_planner(plan, load_profile(profile), _report))
     sys.stdout.flush()
 
@@ -210,12 +262,21 @@ def simulate_command(
     if (trace is None) == (rate_curve is None):
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
-    config = PlannerConfig(targets=Targets(ttft, itl), bounds=Bounds(min_workers, max_workers), mode=mode,
-                           interval_s=interval, load_interval_s=load_interval, predictor=predictor,
-                           headroom=headroom, startup_s=startup)  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(ttft, itl),
+        bounds=Bounds(min_workers, max_workers),
+        mode=mode,
+        interval_s=interval,
+        load_interval_s=load_interval,
+        predictor=predictor,
+        headroom=headroom,
+        startup_s=startup,
+    )
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
     results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
     for result in results:
-        print(f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
-              f"{result.worker_seconds:10.0f}, most workers {result.max_workers}")  # fmt: skip
+        print(
+            f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
+            f"{result.worker_seconds:10.0f}, most workers {result.max_workers}"
+        )

@@ -23,12 +23,8 @@ def command(
             help="Component of the backend workers to route to.",
         ),
     ] = "backend",
-    host: Annotated[
-        str, typer.Option("--host", envvar="DYN_ROUTER_HOST", help="Request-plane address.")
-    ] = "127.0.0.1",
-    port: Annotated[
-        int, typer.Option("--port", envvar="DYN_ROUTER_PORT", help="Request-plane port (0: any).")
-    ] = 0,
+    host: Annotated[str, typer.Option("--host", envvar="DYN_ROUTER_HOST", help="Request-plane address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", envvar="DYN_ROUTER_PORT", help="Request-plane port (0: any).")] = 0,
     block_size: o.BlockSize = None,
     router_cost: o.RouterCost = o.KV_ROUTER.cost,
     router_prefill_tps: o.RouterPrefillTps = o.KV_ROUTER.prefill_tokens_per_s,
@@ -48,8 +44,12 @@ def command(
     lease_ttl: o.LeaseTtl = 10.0,
     cluster_secret_file: o.ClusterSecretFile = None,
     prefill_component: Annotated[
-        str, typer.Option("--prefill-component", envvar="DYN_ROUTER_PREFILL_COMPONENT",
-                          help="Component of the prefill workers (disaggregation).")
+        str,
+        typer.Option(
+            "--prefill-component",
+            envvar="DYN_ROUTER_PREFILL_COMPONENT",
+            help="Component of the prefill workers (disaggregation).",
+        ),
     ] = "prefill",
     disagg_policy: o.DisaggPolicy = o._D.policy,
     max_local_prefill_length: o.MaxLocalPrefill = o._D.max_local_prefill_length,
@@ -67,16 +67,32 @@ def command(
     secret = o.cluster_secret(cluster_secret_file)
     check_exposure(host, secret)
     weight, temperature = kv_overlap_score_weight, router_temperature
-    kv_router = o.kv_router(block_size, weight, temperature, kv_events, hot_spot_guard, router_ttl, router_cost,
-                            router_prefill_tps, router_tier_weights, router_host_bandwidth_gbs,
-                            router_disk_bandwidth_gbs)  # fmt: skip
-    config = RouterServiceConfig(namespace=namespace, component=component, host=host, port=port,
-                                 kv_router=kv_router, graceful_shutdown_s=graceful_shutdown,
-                                 planes=o.planes(discovery, events, lease_ttl, secret),
-                                 prefill_component=prefill_component,
-                                 disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
-                                                 decode_busy_threshold, enforce_disagg, None),
-                                 busy=BusyThresholds(max_inflight_per_worker, active_blocks_threshold),
-                                 queue=o.queue(router_queue_size, router_queue_timeout,
-                                               router_queue_policy))  # fmt: skip
+    kv_router = o.kv_router(
+        block_size,
+        weight,
+        temperature,
+        kv_events,
+        hot_spot_guard,
+        router_ttl,
+        router_cost,
+        router_prefill_tps,
+        router_tier_weights,
+        router_host_bandwidth_gbs,
+        router_disk_bandwidth_gbs,
+    )
+    config = RouterServiceConfig(
+        namespace=namespace,
+        component=component,
+        host=host,
+        port=port,
+        kv_router=kv_router,
+        graceful_shutdown_s=graceful_shutdown,
+        planes=o.planes(discovery, events, lease_ttl, secret),
+        prefill_component=prefill_component,
+        disagg=o.disagg(
+            disagg_policy, max_local_prefill_length, max_prefill_queue, decode_busy_threshold, enforce_disagg, None
+        ),
+        busy=BusyThresholds(max_inflight_per_worker, active_blocks_threshold),
+        queue=o.queue(router_queue_size, router_queue_timeout, router_queue_policy),
+    )
     run(serve_router(config, lambda line: typer.echo(line)))

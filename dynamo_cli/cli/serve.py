@@ -35,8 +35,11 @@ def command(
     ] = 0,
     disagg: Annotated[
         bool,
-        typer.Option("--disagg", envvar="DYN_DISAGG",
-                     help="Disaggregated serving: prefill workers and decode workers (see --disagg-policy)."),
+        typer.Option(
+            "--disagg",
+            envvar="DYN_DISAGG",
+            help="Disaggregated serving: prefill workers and decode workers (see --disagg-policy).",
+        ),
     ] = False,
     prefill_workers: Annotated[
         int, typer.Option("--prefill-workers", envvar="DYN_PREFILL_WORKERS", help="With --disagg (default 1).")
@@ -104,8 +107,11 @@ def command(
     ] = 0.0,
     api_key_max_inflight: Annotated[
         int,
-        typer.Option("--api-key-max-inflight", envvar="DYN_API_KEY_MAX_INFLIGHT",
-                     help="Requests in flight per key (0: no limit)."),
+        typer.Option(
+            "--api-key-max-inflight",
+            envvar="DYN_API_KEY_MAX_INFLIGHT",
+            help="Requests in flight per key (0: no limit).",
+        ),
     ] = 0,
     metrics_require_key: Annotated[
         bool, typer.Option("--metrics-require-key", envvar="DYN_METRICS_REQUIRE_KEY", help="/metrics needs a key.")
@@ -124,24 +130,39 @@ def command(
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", envvar="DYN_READY_TIMEOUT")] = 300.0,
     max_restarts: Annotated[
         int,
-        typer.Option("--max-restarts", envvar="DYN_MAX_RESTARTS",
-                     help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never)."),
+        typer.Option(
+            "--max-restarts",
+            envvar="DYN_MAX_RESTARTS",
+            help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never).",
+        ),
     ] = 5,
     cluster_secret_file: o.ClusterSecretFile = None,
     tool_call_parser: Annotated[
         str,
-        typer.Option("--tool-call-parser", envvar="DYN_TOOL_CALL_PARSER",
-                     help="auto | hermes | llama3_json | mistral | pythonic | json: model text → tool_calls."),
+        typer.Option(
+            "--tool-call-parser",
+            envvar="DYN_TOOL_CALL_PARSER",
+            help="auto | hermes | llama3_json | mistral | pythonic | json: model text → tool_calls.",
+        ),
     ] = "auto",
     planner: Annotated[
-        bool, typer.Option("--planner", envvar="DYN_PLANNER", help="Run the SLA planner in this process: it "
-                           "scales the workers to --planner-ttft/--planner-itl (--workers: the initial count).")
+        bool,
+        typer.Option(
+            "--planner",
+            envvar="DYN_PLANNER",
+            help="Run the SLA planner in this process: it "
+            "scales the workers to --planner-ttft/--planner-itl (--workers: the initial count).",
+        ),
     ] = False,
     planner_ttft: Annotated[float, o.planner_option("--ttft", "TTFT target (ms).", prefix="planner-")] = 0.0,
     planner_itl: Annotated[float, o.planner_option("--itl", "ITL target (ms).", prefix="planner-")] = 0.0,
     planner_profile: Annotated[
-        Path | None, o.planner_option("--profile", "Profile JSON (`dyn plan profile`; default for the mocker: "
-                                      "profiled at startup, a few seconds).", prefix="planner-")
+        Path | None,
+        o.planner_option(
+            "--profile",
+            "Profile JSON (`dyn plan profile`; default for the mocker: profiled at startup, a few seconds).",
+            prefix="planner-",
+        ),
     ] = None,
     planner_min_workers: Annotated[int, o.planner_option("--min-workers", "Per pool.", prefix="planner-")] = 1,
     planner_max_workers: Annotated[int, o.planner_option("--max-workers", "Per pool.", prefix="planner-")] = 8,
@@ -154,16 +175,21 @@ def command(
     planner_startup: Annotated[float, o.planner_option("--startup", STARTUP_HELP, prefix="planner-")] = STARTUP_S,
     reasoning_parser: Annotated[
         str | None,
-        typer.Option("--reasoning-parser", envvar="DYN_REASONING_PARSER",
-                     help="basic | qwen3 | deepseek_r1: <think> text → reasoning_content (default: none)."),
+        typer.Option(
+            "--reasoning-parser",
+            envvar="DYN_REASONING_PARSER",
+            help="basic | qwen3 | deepseek_r1: <think> text → reasoning_content (default: none).",
+        ),
     ] = None,
 ) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
     if disagg and (prefill_workers < 1 or (decode_workers is not None and decode_workers < 1)):
-        raise ConfigError(f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got "
-                          f"{prefill_workers} and {decode_workers}")  # fmt: skip
+        raise ConfigError(
+            f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got "
+            f"{prefill_workers} and {decode_workers}"
+        )
     num_decode = (decode_workers if decode_workers is not None else workers) if disagg else workers
     if routers < 0 or (routers and router != "remote"):
         raise ConfigError(f"--routers {routers} needs --router remote and a count >= 0")
@@ -174,38 +200,86 @@ def command(
     check_parsers(tool_call_parser, reasoning_parser)
     plan = None
     if planner:
-        plan = _plan(engine, disagg, routers, planner_ttft, planner_itl, planner_profile,
-                     Bounds(planner_min_workers, planner_max_workers), planner_interval, planner_load_interval,
-                     planner_startup)
+        plan = _plan(
+            engine,
+            disagg,
+            routers,
+            planner_ttft,
+            planner_itl,
+            planner_profile,
+            Bounds(planner_min_workers, planner_max_workers),
+            planner_interval,
+            planner_load_interval,
+            planner_startup,
+        )
         clamp = (max(planner_min_workers, min(planner_max_workers, n)) for n in (num_decode, prefill_workers))
         num_decode, prefill_workers = clamp
     # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
     planes = o.planes(discovery, events, lease_ttl, o.cluster_secret(cluster_secret_file, make=True))
-    extra = o.engine_extra(engine_arg, extra_engine_args, speedup_ratio=speedup_ratio,
-                           num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-                           deterministic=deterministic or None)  # fmt: skip
-    worker = WorkerConfig(engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
-                          role=Role.DECODE if disagg else Role.BOTH, block_size=block_size,
-                          context_length=context_length,
-                          planes=planes, extra=extra, kv_transfer=kv_transfer,
-                          kv_tiers=o.kv_tiers(kv_host_cache_gb, kv_disk_cache_gb, kv_disk_cache_dir,
-                                              kv_disk_offload_filter))  # fmt: skip
-    frontend = FrontendConfig(host=host, port=port, namespace=namespace, router=router, http_server=http_server,
-                              migration_limit=migration_limit, planes=planes,
-                              kv_router=o.kv_router(block_size, kv_overlap_score_weight, router_temperature,
-                                                    kv_events, hot_spot_guard, router_ttl, router_cost,
-                                                    router_prefill_tps, router_tier_weights,
-                                                    router_host_bandwidth_gbs, router_disk_bandwidth_gbs),
-                              max_body_bytes=int(body_limit_mb * 1024 * 1024),
-                              max_inflight_per_worker=max_inflight_per_worker,
-                              disagg=o.disagg(disagg_policy, max_local_prefill_length, max_prefill_queue,
-                                              decode_busy_threshold, enforce_disagg, prefill_router_mode),
-                              active_blocks_threshold=active_blocks_threshold,
-                              queue=o.queue(router_queue_size, router_queue_timeout, router_queue_policy),
-                              auth=AuthConfig(read_api_keys(api_key or [], api_key_file, os.environ),
-                                              api_key_rps, api_key_max_inflight, metrics_require_key),
-                              tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file),
-                              tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
+    extra = o.engine_extra(
+        engine_arg,
+        extra_engine_args,
+        speedup_ratio=speedup_ratio,
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_seqs=max_num_seqs,
+        deterministic=deterministic or None,
+    )
+    worker = WorkerConfig(
+        engine=engine,
+        model=model,
+        served_model_name=served_model_name,
+        namespace=namespace,
+        role=Role.DECODE if disagg else Role.BOTH,
+        block_size=block_size,
+        context_length=context_length,
+        planes=planes,
+        extra=extra,
+        kv_transfer=kv_transfer,
+        kv_tiers=o.kv_tiers(kv_host_cache_gb, kv_disk_cache_gb, kv_disk_cache_dir, kv_disk_offload_filter),
+    )
+    frontend = FrontendConfig(
+        host=host,
+        port=port,
+        namespace=namespace,
+        router=router,
+        http_server=http_server,
+        migration_limit=migration_limit,
+        planes=planes,
+        kv_router=o.kv_router(
+            block_size,
+            kv_overlap_score_weight,
+            router_temperature,
+            kv_events,
+            hot_spot_guard,
+            router_ttl,
+            router_cost,
+            router_prefill_tps,
+            router_tier_weights,
+            router_host_bandwidth_gbs,
+            router_disk_bandwidth_gbs,
+        ),
+        max_body_bytes=int(body_limit_mb * 1024 * 1024),
+        max_inflight_per_worker=max_inflight_per_worker,
+        disagg=o.disagg(
+            disagg_policy,
+            max_local_prefill_length,
+            max_prefill_queue,
+            decode_busy_threshold,
+            enforce_disagg,
+            prefill_router_mode,
+        ),
+        active_blocks_threshold=active_blocks_threshold,
+        queue=o.queue(router_queue_size, router_queue_timeout, router_queue_policy),
+        auth=AuthConfig(
+            read_api_keys(api_key or [], api_key_file, os.environ),
+            api_key_rps,
+            api_key_max_inflight,
+            metrics_require_key,
+        ),
+        tls=TlsConfig(tls_cert_file, tls_key_file, tls_ca_file),
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     run(
         serve_all(
             ServeConfig(
@@ -222,15 +296,33 @@ def command(
     )
 
 
-def _plan(engine: str, disagg: bool, routers: int, ttft: float, itl: float, profile: Path | None, bounds: Bounds,
-          interval: float, load_interval: float, startup: float) -> ServePlan:  # fmt: skip
+def _plan(
+    engine: str,
+    disagg: bool,
+    routers: int,
+    ttft: float,
+    itl: float,
+    profile: Path | None,
+    bounds: Bounds,
+    interval: float,
+    load_interval: float,
+    startup: float,
+) -> ServePlan:
     """`--planner`'s flags checked as `dyn plan run` checks its own."""
     if profile is None and engine != "mocker":
-        raise ConfigError(f"--planner with --engine {engine} needs --planner-profile FILE (from `dyn plan profile "
-                          f"--engine {engine}`); only the mocker is profiled on the fly")  # fmt: skip
+        raise ConfigError(
+            f"--planner with --engine {engine} needs --planner-profile FILE (from `dyn plan profile "
+            f"--engine {engine}`); only the mocker is profiled on the fly"
+        )
     if routers:
         raise ConfigError("--planner does not run with --routers yet; use `dyn plan run` beside the deployment")
-    config = PlannerConfig(targets=Targets(ttft, itl), bounds=bounds, mode="disagg" if disagg else "agg",
-                           interval_s=interval, load_interval_s=load_interval, startup_s=startup)  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(ttft, itl),
+        bounds=bounds,
+        mode="disagg" if disagg else "agg",
+        interval_s=interval,
+        load_interval_s=load_interval,
+        startup_s=startup,
+    )
     check_run(PlanRun(planner=config, frontends=("in-process",), namespace="serve", discovery="embedded"))
     return ServePlan(config=config, profile=profile)

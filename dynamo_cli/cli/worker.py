@@ -50,8 +50,9 @@ def command(
     ] = 0,
     kv_transfer_ttl: Annotated[
         float,
-        typer.Option("--kv-transfer-ttl", envvar="DYN_KV_TRANSFER_TTL",
-                     help="Prefill role: seconds unpulled KV is kept."),
+        typer.Option(
+            "--kv-transfer-ttl", envvar="DYN_KV_TRANSFER_TTL", help="Prefill role: seconds unpulled KV is kept."
+        ),
     ] = 30.0,
 ) -> None:
     """Run one worker: an engine that registers itself and serves `generate` until SIGTERM."""
@@ -68,12 +69,23 @@ def command(
         deterministic=deterministic or None,
     )
     config = WorkerConfig(
-        engine=engine, model=model, served_model_name=served_model_name, namespace=namespace,
+        engine=engine,
+        model=model,
+        served_model_name=served_model_name,
+        namespace=namespace,
         component=component or ("backend" if parsed_role.value == "both" else parsed_role.value),
-        endpoint=endpoint, role=parsed_role, host=host, port=port, block_size=block_size,
-        context_length=context_length, graceful_shutdown_s=graceful_shutdown,
-        planes=o.planes(discovery, events, lease_ttl, secret), extra=extra, kv_transfer=kv_transfer,
-        kv_transfer_port=kv_transfer_port, kv_transfer_ttl_s=kv_transfer_ttl,
+        endpoint=endpoint,
+        role=parsed_role,
+        host=host,
+        port=port,
+        block_size=block_size,
+        context_length=context_length,
+        graceful_shutdown_s=graceful_shutdown,
+        planes=o.planes(discovery, events, lease_ttl, secret),
+        extra=extra,
+        kv_transfer=kv_transfer,
+        kv_transfer_port=kv_transfer_port,
+        kv_transfer_ttl_s=kv_transfer_ttl,
         kv_tiers=o.kv_tiers(kv_host_cache_gb, kv_disk_cache_gb, kv_disk_cache_dir, kv_disk_offload_filter),
-    )  # fmt: skip
+    )
     run(serve_worker(config))

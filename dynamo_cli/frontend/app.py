@@ -58,7 +58,6 @@ from dynamo_cli.runtime.supervisor import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 
-
 class Frontend:
     """The OpenAI-compatible HTTP service over a model registry."""
 
@@ -71,8 +70,13 @@ class Frontend:
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
         self._openapi = msgspec.json.encode(openapi_document())
         self._gate = Gate(config.auth) if config.auth.api_keys else None
-        self.rules = DispatchRules(config.migration_limit, registry.busy, is_remote=config.router == "remote",
-                                   disagg=config.disagg, queue=config.queue)  # fmt: skip
+        self.rules = DispatchRules(
+            config.migration_limit,
+            registry.busy,
+            is_remote=config.router == "remote",
+            disagg=config.disagg,
+            queue=config.queue,
+        )
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
@@ -165,13 +169,16 @@ class Frontend:
         tokenizer = await entry.tokenizer
         chat = None
         if isinstance(request, ChatCompletionRequest):
-            chat = prepare_chat(request, entry.card, tokenizer, self.config.tool_call_parser,
-                                self.config.reasoning_parser)  # fmt: skip
+            chat = prepare_chat(
+                request, entry.card, tokenizer, self.config.tool_call_parser, self.config.reasoning_parser
+            )
             if chat.output is not None and (request.n > 1 or request.logprobs):
                 what = "n > 1" if request.n > 1 else "logprobs"
-                raise RequestError(f"{what} together with tools, response_format or a reasoning parser is not "
-                                   "supported yet; send them in separate requests", param="n" if request.n > 1
-                                   else "logprobs")  # fmt: skip
+                raise RequestError(
+                    f"{what} together with tools, response_format or a reasoning parser is not "
+                    "supported yet; send them in separate requests",
+                    param="n" if request.n > 1 else "logprobs",
+                )
         prompt_ids, max_tokens, echo = prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
         sampling = sampling_of(request, max_tokens, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
@@ -188,10 +195,17 @@ class Frontend:
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
-                plan = plan_request(entry, request_id if index == 0 else f"{request_id}-{index}", prompt_ids,
-                                    nth_seed(sampling, index), pinned_worker=pinned, client_request_id=client_id,
-                                    is_explained=explain in (b"1", b"true", b"yes"), priority=priority or 0,
-                                    deadline=deadline)  # fmt: skip
+                plan = plan_request(
+                    entry,
+                    request_id if index == 0 else f"{request_id}-{index}",
+                    prompt_ids,
+                    nth_seed(sampling, index),
+                    pinned_worker=pinned,
+                    client_request_id=client_id,
+                    is_explained=explain in (b"1", b"true", b"yes"),
+                    priority=priority or 0,
+                    deadline=deadline,
+                )
                 generations.append(Generation(Dispatch(entry, plan, self.rules, self.metrics), tokenizer, echo=echo))
                 generations[-1].output = chat.output if chat is not None else None
                 await generations[-1].dispatch.start()
@@ -214,8 +228,7 @@ class Frontend:
         d = gen.dispatch
         fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE, *id_headers(gen)]})  # fmt: skip
+        await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *id_headers(gen)]})
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
         status = "success"
         head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
@@ -264,8 +277,9 @@ class Frontend:
     async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
         d = gens[0].dispatch
-        response = ChoicesResponse(d.plan.request_id, d.entry.name, gens, is_chat=is_chat,
-                                   wants_logprobs=d.plan.sampling.logprobs is not None)  # fmt: skip
+        response = ChoicesResponse(
+            d.plan.request_id, d.entry.name, gens, is_chat=is_chat, wants_logprobs=d.plan.sampling.logprobs is not None
+        )
         if not request.stream:
             return await reply_json(send, response.body, lambda: id_headers(gens[0]), d.plan.request_id)
         started: set[int] = set()
@@ -286,8 +300,9 @@ class Frontend:
         def error_tail(exc: DynError) -> bytes:
             return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), getattr(exc, "code", None))
 
-        return await stream_sse(send, receive, id_headers(gens[0]), produce, abort, error_tail, d.plan.request_id,
-                                done=DONE)
+        return await stream_sse(
+            send, receive, id_headers(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE
+        )
 
     async def _translated(self, scope: Scope, receive: Receive, send: Send, api: Translation) -> None:
         """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
@@ -313,8 +328,9 @@ class Frontend:
                     await write(event)
                 return b""
 
-            status = await stream_sse(send, receive, id_headers(generation), produce, d.abort, writer.error_event,
-                                      d.plan.request_id, done=b"")  # fmt: skip
+            status = await stream_sse(
+                send, receive, id_headers(generation), produce, d.abort, writer.error_event, d.plan.request_id, done=b""
+            )
         finally:
             await d.aclose()
             self._observe(generation)
@@ -373,17 +389,24 @@ class Frontend:
     async def list_models(self, request: Request) -> Response:
         # servable(): a model only prefill workers serve has nothing to decode on, so it is not listed
         data = [
-            {"id": e.name, "object": "model", "created": 0, "owned_by": "dyn",
-             "max_model_len": e.card.context_length, "num_workers": len(e.workers) + len(e.prefill_workers)}
+            {
+                "id": e.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dyn",
+                "max_model_len": e.card.context_length,
+                "num_workers": len(e.workers) + len(e.prefill_workers),
+            }
             for e in self.registry.servable()
-        ]  # fmt: skip
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
         instances = [
             {"model": e.name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
-            for e in self.registry.servable() for wid, w in {**e.workers, **e.prefill_workers}.items()
-        ]  # fmt: skip
+            for e in self.registry.servable()
+            for wid, w in {**e.workers, **e.prefill_workers}.items()
+        ]
         healthy = bool(instances)
         body = {"status": "healthy" if healthy else "unhealthy", "instances": instances}
         if not healthy:
@@ -410,11 +433,17 @@ class Frontend:
 
     async def _server_error(self, request: Request, exc: Exception) -> Response:
         error = _internal(exc, f"serving {request.method} {request.url.path}")
-        return Response(error_body(str(error), "internal_error", None, "internal_error"), status_code=500,
-                        media_type="application/json")  # fmt: skip
+        return Response(
+            error_body(str(error), "internal_error", None, "internal_error"),
+            status_code=500,
+            media_type="application/json",
+        )
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
-        return Response(error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
-                        status_code=status, media_type="application/json")  # fmt: skip
+        return Response(
+            error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
+            status_code=status,
+            media_type="application/json",
+        )

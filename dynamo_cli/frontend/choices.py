@@ -100,8 +100,9 @@ async def fan_in(generations: list[Generation], on_piece: OnPiece) -> None:
 class ChoicesResponse:
     """Builds the body (or SSE events) of a request with n choices and/or logprobs."""
 
-    def __init__(self, request_id: str, model: str, generations: list[Generation], *, is_chat: bool,
-                 wants_logprobs: bool) -> None:  # fmt: skip
+    def __init__(
+        self, request_id: str, model: str, generations: list[Generation], *, is_chat: bool, wants_logprobs: bool
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.generations = generations
@@ -144,9 +145,16 @@ class ChoicesResponse:
             choice["logprobs"] = self._logprobs(index, logprobs[index])
             choice["finish_reason"] = reason
             choices.append(choice)
-        return _json({"id": self.request_id, "object": "chat.completion" if self.is_chat else "text_completion",
-                      "created": self.created, "model": self.model, "choices": choices,
-                      "usage": self.usage()})  # fmt: skip
+        return _json(
+            {
+                "id": self.request_id,
+                "object": "chat.completion" if self.is_chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                "usage": self.usage(),
+            }
+        )
 
     def event(self, index: int, piece: str | None, items: list[tuple[int, TokenLogprob]], *, is_first: bool) -> bytes:
         """One SSE chunk of choice `index`: a text piece, or (piece None) its finish."""

@@ -104,10 +104,17 @@ class RequestPlan:
 
 
 def plan_request(
-    entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: Sampling,
-    *, pinned_worker: int | None = None, is_explained: bool = False, client_request_id: str | None = None,
-    priority: int = 0, deadline: float | None = None,
-) -> RequestPlan:  # fmt: skip
+    entry: ModelEntry,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    *,
+    pinned_worker: int | None = None,
+    is_explained: bool = False,
+    client_request_id: str | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+) -> RequestPlan:
     """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context."""
     context = entry.card.context_length
     room = context - len(prompt_ids)
@@ -115,8 +122,7 @@ def plan_request(
     if room < 1 or wanted > room:
         raise ContextOverflow(len(prompt_ids), wanted, context)
     queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
-    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id,
-                       queued)  # fmt: skip
+    return RequestPlan(request_id, prompt_ids, sampling, wanted, pinned_worker, is_explained, client_request_id, queued)
 
 
 def queue_annotations(queued: QueuedRequest) -> dict[str, str]:
@@ -313,8 +319,14 @@ class Dispatch:
         self._excluded.add(worker.instance_id)
         kind = "ongoing_request" if self.output_ids else "new_request"
         self.metrics.migrations.labels(self.entry.name, kind).inc()
-        logger.warning("request %s: worker %x failed (%s); migrating (%d/%d)", self.plan.request_id,
-                       worker.instance_id, exc, self.num_migrations, self.rules.migration_limit)  # fmt: skip
+        logger.warning(
+            "request %s: worker %x failed (%s); migrating (%d/%d)",
+            self.plan.request_id,
+            worker.instance_id,
+            exc,
+            self.num_migrations,
+            self.rules.migration_limit,
+        )
         return self._choose()
 
     async def _prefill_stage(self) -> None:
@@ -347,8 +359,9 @@ class Dispatch:
                 raise RequestError(str(exc), code=exc.code) from None
             if not falls_back(self.rules.disagg, exc):
                 raise
-            logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
-                           self.plan.request_id, exc)  # fmt: skip
+            logger.warning(
+                "request %s: remote prefill failed (%s); prefilling on the decode worker", self.plan.request_id, exc
+            )
             self._excluded.update(hop.failed)
             outcome = "local_fallback"
         else:

@@ -26,6 +26,7 @@ MAX_INPUTS = 2048
 EMBED_TIMEOUT_S = 120.0
 """Longest wait for a worker's embeddings."""
 
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's embeddings request, as far as this server honours it."""
 
@@ -51,8 +52,11 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
         is_text = isinstance(item, str)
         is_ids = isinstance(item, list) and all(type(x) is int and 0 <= x <= INT32_MAX for x in item)
         if not (is_text or is_ids) or not item:
-            raise RequestError("input must be a non-empty string, a list of them, a list of token ids (0.."
-                               f"{INT32_MAX}) or a list of such lists", param="input")  # fmt: skip
+            raise RequestError(
+                "input must be a non-empty string, a list of them, a list of token ids (0.."
+                f"{INT32_MAX}) or a list of such lists",
+                param="input",
+            )
     return request
 
 
@@ -60,9 +64,12 @@ async def embed(entry: ModelEntry, request: EmbeddingRequest) -> bytes:
     """The response body for `request` on `entry`'s model."""
     card = entry.card
     if Feature.EMBEDDINGS.value not in card.features:
-        raise RequestError(f"model '{entry.name}' ({card.engine} engine) serves no embeddings; serve an engine "
-                           "with embeddings (llamacpp: --engine-arg embeddings=true)", param="model",
-                           code="unsupported_parameter")  # fmt: skip
+        raise RequestError(
+            f"model '{entry.name}' ({card.engine} engine) serves no embeddings; serve an engine "
+            "with embeddings (llamacpp: --engine-arg embeddings=true)",
+            param="model",
+            code="unsupported_parameter",
+        )
     tokenizer = await entry.tokenizer
     raw = request.input
     items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
@@ -70,11 +77,19 @@ async def embed(entry: ModelEntry, request: EmbeddingRequest) -> bytes:
     for ids in inputs:
         check_token_ids(ids, "input", tokenizer.vocab_size)
     vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs))
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
-            for i, v in enumerate(vectors)]  # fmt: skip
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
     tokens = sum(len(ids) for ids in inputs)
-    return msgspec.json.encode({"object": "list", "data": data, "model": entry.name,
-                                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
+    return msgspec.json.encode(
+        {
+            "object": "list",
+            "data": data,
+            "model": entry.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
 
 
 async def _on_worker(entry: ModelEntry, request: EmbedRequest) -> list[list[float]]:

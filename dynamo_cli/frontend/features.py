@@ -46,11 +46,7 @@ FIELD_FEATURES: tuple[tuple[str, Feature, Callable[[Any], bool]], ...] = (
 
 def asked(request: Any) -> list[tuple[str, Feature]]:
     """The (field, feature) pairs `request` asks for."""
-    return [
-        (name, feature)
-        for name, feature, is_asking in FIELD_FEATURES
-        if is_asking(getattr(request, name, None))
-    ]
+    return [(name, feature) for name, feature, is_asking in FIELD_FEATURES if is_asking(getattr(request, name, None))]
 
 
 def check_features(request: Any, card: ModelCard) -> None:

@@ -61,8 +61,10 @@ def plan_tools(request: ChatCompletionRequest, features: Collection[str], engine
         raise RequestError(f"tool_choice names function '{named}', which is not among the tools", param="tool_choice")
     guided = _format_guided(request)
     if guided is not None and mode in ("required", "named"):
-        raise RequestError("response_format and tool_choice required/named both constrain the output; send one",
-                           param="response_format")  # fmt: skip
+        raise RequestError(
+            "response_format and tool_choice required/named both constrain the output; send one",
+            param="response_format",
+        )
     if mode == "required":
         schema = _required_schema(tools, request.parallel_tool_calls)
         guided = Guided(kind="json_schema", schema=json.dumps(schema), param="tool_choice")
@@ -71,9 +73,12 @@ def plan_tools(request: ChatCompletionRequest, features: Collection[str], engine
         guided = Guided(kind="json_schema", schema=json.dumps(_parameters(tool)), param="tool_choice")
     if guided is not None and Feature.GUIDED_JSON.value not in features:
         field = "response_format" if mode not in ("required", "named") else "tool_choice"
-        raise RequestError(f"{field} needs guided decoding (guided_json), which engine '{engine}' serving model "
-                           f"'{model}' does not support; serve the model with an engine that has it (llamacpp, "
-                           "vllm) or leave the field out", param=field)  # fmt: skip
+        raise RequestError(
+            f"{field} needs guided decoding (guided_json), which engine '{engine}' serving model "
+            f"'{model}' does not support; serve the model with an engine that has it (llamacpp, "
+            "vllm) or leave the field out",
+            param=field,
+        )
     return ToolPlan(mode, () if mode == "none" else tools, named, guided)
 
 
@@ -129,10 +134,13 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 def _required_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
     branches = [
-        {"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
-         "required": ["name", "parameters"]}
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+        }
         for t in tools
-    ]  # fmt: skip
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1

@@ -19,8 +19,9 @@ def client_request_id(header: bytes | None) -> str | None:
     if not header:
         return None
     if len(header) > MAX_REQUEST_ID or not all(0x20 < byte < 0x7F for byte in header):
-        raise RequestError(f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters",
-                           param="x-request-id")  # fmt: skip
+        raise RequestError(
+            f"header x-request-id must be 1-{MAX_REQUEST_ID} printable ASCII characters", param="x-request-id"
+        )
     return header.decode("ascii")
 
 
@@ -51,8 +52,10 @@ def pinned_header(header: bytes | None) -> int | None:
 def id_headers(gen: Generation) -> list[tuple[bytes, bytes]]:
     """x-request-id, the backend that serves and, behind `dyn router`s, the router that routed."""
     d = gen.dispatch
-    headers = [(b"x-request-id", (d.plan.client_request_id or d.plan.request_id).encode()),
-               (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode())]  # fmt: skip
+    headers = [
+        (b"x-request-id", (d.plan.client_request_id or d.plan.request_id).encode()),
+        (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode()),
+    ]
     if d.rules.is_remote and d.worker is not None:
         headers.append((b"x-dyn-router-instance-id", f"{d.worker.instance_id:x}".encode()))
     if d.plan.is_explained and d.decision is not None:

@@ -22,7 +22,7 @@ from dynamo_cli.frontend.openai import (
     MaxTokens,
     Message,
     TopP,
-        decode_body,
+    decode_body,
 )
 from dynamo_cli.frontend.pipeline import Generation
 
@@ -76,9 +76,15 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     messages = [Message(role="system", content=_text(request.system))] if request.system else []
     messages += [Message(role=m.role, content=_text(m.content)) for m in request.messages]
     return ChatCompletionRequest(
-        model=request.model, messages=messages, max_tokens=request.max_tokens, temperature=request.temperature,
-        top_p=request.top_p, top_k=request.top_k, stop=request.stop_sequences, stream=request.stream,
-    )  # fmt: skip
+        model=request.model,
+        messages=messages,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        stop=request.stop_sequences,
+        stream=request.stream,
+    )
 
 
 class MessageWriter:
@@ -96,12 +102,18 @@ class MessageWriter:
         if reason == "end_turn" and g.is_stopped:
             reason = "stop_sequence"
         return {
-            "id": self.id, "type": "message", "role": "assistant", "model": g.dispatch.entry.name,
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": g.dispatch.entry.name,
             "content": [] if text is None else [{"type": "text", "text": text}],
-            "stop_reason": reason, "stop_sequence": None,
-            "usage": {"input_tokens": len(g.dispatch.plan.prompt_ids),
-                      "output_tokens": 0 if text is None else g.completion_tokens},
-        }  # fmt: skip
+            "stop_reason": reason,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": len(g.dispatch.plan.prompt_ids),
+                "output_tokens": 0 if text is None else g.completion_tokens,
+            },
+        }
 
     async def body(self) -> bytes:
         return _json(self.message("".join([piece async for piece in self.generation.text()])))
@@ -115,8 +127,11 @@ class MessageWriter:
             yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
         yield _event("content_block_stop", index=0)
         final = self.message("".join(pieces))
-        yield _event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
-                     usage={"output_tokens": final["usage"]["output_tokens"]})  # fmt: skip
+        yield _event(
+            "message_delta",
+            delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+            usage={"output_tokens": final["usage"]["output_tokens"]},
+        )
         yield _event("message_stop")
 
     def error_event(self, exc: Exception) -> bytes:

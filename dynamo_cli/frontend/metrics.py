@@ -64,19 +64,33 @@ class FrontendMetrics:
         self.refused = Counter(f"{prefix}_auth_refused", "Refused by API key or per-key limit", ["code"], registry=r)
         self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)
         self.queued = Gauge(f"{prefix}_queued_requests", "Requests waiting for a free worker", ["model"], registry=r)
-        self.queue_wait = Histogram(f"{prefix}_queue_wait_seconds", "Time queued for a free worker (the queued "
-                                    "only)", ["model"], buckets=_LATENCY, registry=r)  # fmt: skip
+        self.queue_wait = Histogram(
+            f"{prefix}_queue_wait_seconds",
+            "Time queued for a free worker (the queued only)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.kv_repairs = Counter("dynamo_router_kv_gap_repairs", "KV event gaps repaired", ["kind"], registry=r)
         self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
-        self.disagg = Counter(f"{prefix}_disagg_decisions", "Where prompts were prefilled, by outcome of the "
-                              "local-or-remote rule", ["model", "outcome"], registry=r)  # fmt: skip
+        self.disagg = Counter(
+            f"{prefix}_disagg_decisions",
+            "Where prompts were prefilled, by outcome of the local-or-remote rule",
+            ["model", "outcome"],
+            registry=r,
+        )
         labels = ["model", "backend"]
-        self.transfer_seconds = Histogram(f"{prefix}_kv_transfer_seconds", "KV pulls by decode workers", labels,
-                                          buckets=_LATENCY, registry=r)  # fmt: skip
+        self.transfer_seconds = Histogram(
+            f"{prefix}_kv_transfer_seconds", "KV pulls by decode workers", labels, buckets=_LATENCY, registry=r
+        )
         self.transfer_bytes = Counter(f"{prefix}_kv_transfer_bytes", "KV bytes pulled", labels, registry=r)
         self.transfer_gbps = Gauge(f"{prefix}_kv_transfer_gbps", "Last KV pull's GB/s", labels, registry=r)
-        self.kvbm = {name: Gauge(name, f"KV tiers: {field} (cumulative unless a holding or rate)", ["model", "worker"],
-                                 registry=r) for name, field in KVBM_SERIES.items()}  # fmt: skip
+        self.kvbm = {
+            name: Gauge(
+                name, f"KV tiers: {field} (cumulative unless a holding or rate)", ["model", "worker"], registry=r
+            )
+            for name, field in KVBM_SERIES.items()
+        }
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
         """One decode worker's KV pull: time, bytes and rate by backend (`local`: it failed and prefilled)."""

@@ -33,5 +33,10 @@ class ModelRegistry(registry.Registry[ModelEntry]):
     def _new_entry(self, card: ModelCard) -> ModelEntry:
         tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, card.tokenizer_source)
         tokenizer.add_done_callback(lambda _: freeze_heap())  # a vocabulary: long-lived, and many objects
-        return ModelEntry(name=card.display_name, card=card, tokenizer=tokenizer, policy=self._policy_factory(card),
-                          prefill_policy=self._prefill_policy_factory(card))  # fmt: skip
+        return ModelEntry(
+            name=card.display_name,
+            card=card,
+            tokenizer=tokenizer,
+            policy=self._policy_factory(card),
+            prefill_policy=self._prefill_policy_factory(card),
+        )

@@ -141,8 +141,9 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 def decode_error(exc: Exception) -> RequestError:
     """The 400 for a body msgspec could not decode into its request type, naming the field when it can."""
     if isinstance(exc, UnicodeDecodeError):
-        return RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
-                            code="invalid_json")  # fmt: skip
+        return RequestError(
+            f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}", code="invalid_json"
+        )
     if isinstance(exc, RecursionError):
         return RequestError("the request body is nested too deeply", code="invalid_json")
     text = str(exc)
@@ -151,8 +152,9 @@ def decode_error(exc: Exception) -> RequestError:
     unknown, match = _UNKNOWN.search(text), _PATH.search(text)
     if unknown:
         name = f"{match.group(1)}.{unknown.group(1)}" if match and match.group(1) else unknown.group(1)
-        return RequestError(f"'{name}' is not a parameter this server accepts; remove it", param=name,
-                            code="unsupported_parameter")  # fmt: skip
+        return RequestError(
+            f"'{name}' is not a parameter this server accepts; remove it", param=name, code="unsupported_parameter"
+        )
     param = match.group(1) if match and match.group(1) else None
     detail = text.split(" - at ")[0]
     where = f"'{param}'" if param else "the request body"
@@ -205,15 +207,21 @@ def _check_common(request: _Sampling) -> None:
     if any(not s for s in stops):
         raise RequestError("stop sequences must be non-empty strings", param="stop")
     if request.stream_options is not None and request.stream_options.continuous_usage_stats:
-        raise RequestError("stream_options.continuous_usage_stats is not supported; ask for include_usage",
-                           param="stream_options.continuous_usage_stats", code="unsupported_parameter")  # fmt: skip
+        raise RequestError(
+            "stream_options.continuous_usage_stats is not supported; ask for include_usage",
+            param="stream_options.continuous_usage_stats",
+            code="unsupported_parameter",
+        )
     if request.logit_bias:
         logit_bias(request.logit_bias)
     if isinstance(request, ChatCompletionRequest) and request.top_logprobs and not request.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
-        raise RequestError("echo with logprobs (the prompt's logprobs) is not supported; drop one", param="echo",
-                           code="unsupported_parameter")  # fmt: skip
+        raise RequestError(
+            "echo with logprobs (the prompt's logprobs) is not supported; drop one",
+            param="echo",
+            code="unsupported_parameter",
+        )
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:

@@ -34,12 +34,20 @@ GET_ROUTES: dict[str, str] = {
 
 _ERROR = {
     "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
-    }, "required": ["message", "type"]}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
     "required": ["error"],
-}  # fmt: skip
+}
 
 
 def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | None = None) -> dict[str, Any]:
@@ -50,18 +58,24 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
     components["Error"] = _ERROR
     paths: dict[str, Any] = {}
     for (path, (summary, _)), ref in zip(routes.items(), refs, strict=True):
-        paths[path] = {"post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-            "responses": {
-                "200": {"description": "The result (JSON), or with stream: true an SSE stream ending in [DONE]",
-                        "content": {"application/json": {"schema": {"type": "object"}},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
-                "400": _error_response("A field is invalid, unknown, or not honoured by the serving engine"),
-                "404": _error_response("No such model"),
-                "503": _error_response("No worker can take the request now (Retry-After)"),
-            },
-        }}  # fmt: skip
+        paths[path] = {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+                "responses": {
+                    "200": {
+                        "description": "The result (JSON), or with stream: true an SSE stream ending in [DONE]",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    "400": _error_response("A field is invalid, unknown, or not honoured by the serving engine"),
+                    "404": _error_response("No such model"),
+                    "503": _error_response("No worker can take the request now (Retry-After)"),
+                },
+            }
+        }
     for path, summary in GET_ROUTES.items():
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
     return {

@@ -35,8 +35,9 @@ def prompt_of(
     return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
 
 
-def sampling_of(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-              guided: Guided | None) -> Sampling:  # fmt: skip
+def sampling_of(
+    request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, guided: Guided | None
+) -> Sampling:
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,

@@ -48,9 +48,16 @@ async def reply_json(
 
 
 async def stream_sse(
-    send: Send, receive: Receive, headers: Headers, produce: Callable[[Write], Awaitable[bytes]],
-    abort: Callable[[], None], error_event: Callable[[DynError], bytes], request_id: str, *, done: bytes,
-) -> str:  # fmt: skip
+    send: Send,
+    receive: Receive,
+    headers: Headers,
+    produce: Callable[[Write], Awaitable[bytes]],
+    abort: Callable[[], None],
+    error_event: Callable[[DynError], bytes],
+    request_id: str,
+    *,
+    done: bytes,
+) -> str:
     """Start an SSE response, let `produce` write its events (returning its last ones), and end with those
     and `done`; an error becomes `error_event(exc)` and the stream still ends cleanly. The client leaving
     calls `abort`. Returns the status for the metrics: success, cancelled or error."""

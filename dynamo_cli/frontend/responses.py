@@ -23,7 +23,7 @@ from dynamo_cli.frontend.openai import (
     Message,
     Temperature,
     TopP,
-        decode_body,
+    decode_body,
 )
 from dynamo_cli.frontend.pipeline import Generation
 
@@ -67,8 +67,11 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     """Decode and check a /v1/responses body."""
     request: ResponsesRequest = decode_body(_decoder, body)
     if request.store:
-        raise RequestError("store: true is not supported; this server keeps no responses (send store: false)",
-                           param="store", code="unsupported_parameter")  # fmt: skip
+        raise RequestError(
+            "store: true is not supported; this server keeps no responses (send store: false)",
+            param="store",
+            code="unsupported_parameter",
+        )
     return request
 
 
@@ -82,9 +85,13 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append(Message(role=item.role, content=text))
     return ChatCompletionRequest(
-        model=request.model, messages=messages, max_tokens=request.max_output_tokens,
-        temperature=request.temperature, top_p=request.top_p, stream=request.stream,
-    )  # fmt: skip
+        model=request.model,
+        messages=messages,
+        max_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+    )
 
 
 class ResponseWriter:
@@ -108,16 +115,33 @@ class ResponseWriter:
             status = "incomplete" if is_cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if is_cut else None
             prompt, completion = len(g.dispatch.plan.prompt_ids), g.completion_tokens
-            usage = {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-                     "input_tokens_details": {"cached_tokens": g.dispatch.cached_tokens or 0},
-                     "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+            usage = {
+                "input_tokens": prompt,
+                "output_tokens": completion,
+                "total_tokens": prompt + completion,
+                "input_tokens_details": {"cached_tokens": g.dispatch.cached_tokens or 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": g.dispatch.entry.name, "output": output, "usage": usage, "error": None,
-            "incomplete_details": incomplete, "instructions": r.instructions, "metadata": r.metadata or {},
-            "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "store": False,
-        }  # fmt: skip
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": g.dispatch.entry.name,
+            "output": output,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": r.instructions,
+            "metadata": r.metadata or {},
+            "max_output_tokens": r.max_output_tokens,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "store": False,
+        }
 
     def item(self, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
@@ -143,8 +167,9 @@ class ResponseWriter:
         yield self._event("response.content_part.done", **where, part={**part, "text": text})
         yield self._event("response.output_item.done", output_index=0, item=self.item(text, "completed"))
         final = self.response(text)
-        yield self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
-                          response=final)  # fmt: skip
+        yield self._event(
+            "response.completed" if final["status"] == "completed" else "response.incomplete", response=final
+        )
 
     def error_event(self, exc: Exception) -> bytes:
         return self._event("error", message=str(exc), code=getattr(exc, "code", None), param=None)

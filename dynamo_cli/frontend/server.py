@@ -77,8 +77,10 @@ def check_tls(tls: TlsConfig) -> None:
             flag, files = "--tls-ca-file", tls.ca_file
             context.load_verify_locations(tls.ca_file)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"{flag} ({files}) cannot be loaded: {exc}; pass PEM files (a certificate "
-                          "chain, its matching private key and a CA bundle)") from None  # fmt: skip
+        raise ConfigError(
+            f"{flag} ({files}) cannot be loaded: {exc}; pass PEM files (a certificate "
+            "chain, its matching private key and a CA bundle)"
+        ) from None
 
 
 def _no_password() -> bytes:
@@ -94,13 +96,22 @@ class FrontendService:
         self.config = config
         self.metrics = FrontendMetrics()
         is_remote = config.router == "remote"  # then the routers apply the busy thresholds and queue (service.py)
-        busy = BusyThresholds() if is_remote else BusyThresholds(config.max_inflight_per_worker,
-                                                                 config.active_blocks_threshold)  # fmt: skip
+        busy = (
+            BusyThresholds()
+            if is_remote
+            else BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
+        )
         accept = (lambda name: name.component == ROUTER_COMPONENT) if is_remote else None
         prefill_mode = config.disagg.prefill_router_mode
-        self.registry = ModelRegistry(discovery, config.namespace, policy_factory(config), busy, accept,
-                                      secret=config.planes.cluster_secret,
-                                      prefill_policy_factory=policy_factory(config, prefill_mode))  # fmt: skip
+        self.registry = ModelRegistry(
+            discovery,
+            config.namespace,
+            policy_factory(config),
+            busy,
+            accept,
+            secret=config.planes.cluster_secret,
+            prefill_policy_factory=policy_factory(config, prefill_mode),
+        )
         self.app = Frontend(config, self.registry, self.metrics)
         self._bus = bus
         self._tasks = ServiceTasks()
@@ -148,11 +159,20 @@ class FrontendService:
                 yield
 
         tls = self.config.tls
-        config = uvicorn.Config(self.app, http=_uvicorn_protocol(), lifespan="off", access_log=False,
-                                log_level="warning", timeout_keep_alive=30, backlog=2048,
-                                timeout_graceful_shutdown=max(1, round(self.config.graceful_shutdown_s)),
-                                ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_ca_certs=tls.ca_file,
-                                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_file else ssl.CERT_NONE)  # fmt: skip
+        config = uvicorn.Config(
+            self.app,
+            http=_uvicorn_protocol(),
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=30,
+            backlog=2048,
+            timeout_graceful_shutdown=max(1, round(self.config.graceful_shutdown_s)),
+            ssl_certfile=tls.cert_file,
+            ssl_keyfile=tls.key_file,
+            ssl_ca_certs=tls.ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_file else ssl.CERT_NONE,
+        )
         server = _Server(config)
         watcher = asyncio.get_running_loop().create_task(stop.wait())  # owned here: awaited below
         watcher.add_done_callback(lambda _: setattr(server, "should_exit", True))

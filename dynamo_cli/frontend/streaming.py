@@ -26,9 +26,16 @@ class ChunkFormatter:
         self._created = int(time.time())
         kind = "chat.completion.chunk" if is_chat else "text_completion"
         self._prefix = (
-            b'data: {"id":' + _json(request_id) + b',"object":"' + kind.encode() + b'","created":'
-            + str(self._created).encode() + b',"model":' + _json(model) + b',"choices":[{"index":0,'
-        )  # fmt: skip
+            b'data: {"id":'
+            + _json(request_id)
+            + b',"object":"'
+            + kind.encode()
+            + b'","created":'
+            + str(self._created).encode()
+            + b',"model":'
+            + _json(model)
+            + b',"choices":[{"index":0,'
+        )
 
     def role(self) -> bytes:
         """The first chat chunk, announcing the assistant role."""
@@ -50,29 +57,43 @@ class ChunkFormatter:
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
         kind = "chat.completion.chunk" if self._is_chat else "text_completion"
         payload = {
-            "id": self.request_id, "object": kind, "created": self._created, "model": self._model,
-            "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-        }  # fmt: skip
+            "id": self.request_id,
+            "object": kind,
+            "created": self._created,
+            "model": self._model,
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
         return b"data: " + _json(payload) + b"\n\n"
 
     def error(self, message: str, error_type: str, code: str | None) -> bytes:
         return b"data: " + _json({"error": {"message": message, "type": error_type, "code": code}}) + b"\n\n"
 
     def full(
-        self, text: str, reason: str, prompt_tokens: int, completion_tokens: int, cached: int | None,
+        self,
+        text: str,
+        reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached: int | None,
         message: dict[str, Any] | None = None,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """The non-streaming response (chat: `message` when given, else `text` as the content)."""
         if self._is_chat:
             choice: dict[str, Any] = {"index": 0, "message": message or {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = reason
-        return _json({
-            "id": self.request_id, "object": "chat.completion" if self._is_chat else "text_completion",
-            "created": self._created, "model": self._model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens, cached),
-        })  # fmt: skip
+        return _json(
+            {
+                "id": self.request_id,
+                "object": "chat.completion" if self._is_chat else "text_completion",
+                "created": self._created,
+                "model": self._model,
+                "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens, cached),
+            }
+        )
 
 
 DONE = b"data: [DONE]\n\n"

@@ -33,9 +33,12 @@ class ChatTemplate:
         self._eos = eos_token
 
     def render(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Prompt text for `messages`; a template that rejects them is the client's error (400)."""
         try:
             return self._template.render(

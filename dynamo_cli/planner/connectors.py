@@ -85,8 +85,9 @@ def ack_key(namespace: str) -> str:
 class VirtualConnector:
     """Writes decisions under discovery and waits for the orchestrator's acknowledgement."""
 
-    def __init__(self, discovery: Discovery, namespace: str, *, ack_timeout_s: float = 1800.0,
-                 poll_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self, discovery: Discovery, namespace: str, *, ack_timeout_s: float = 1800.0, poll_s: float = 1.0
+    ) -> None:
         self.discovery = discovery
         self.namespace = namespace
         self.ack_timeout_s = ack_timeout_s
@@ -111,8 +112,9 @@ class VirtualConnector:
         return stored.decision_id + 1 if isinstance(stored, VirtualDecision) else 1
 
     async def apply(self, target: ScaleTarget) -> bool:
-        record = VirtualDecision(decision_id=target.decision_id, num_prefill_workers=target.num_prefill,
-                                 num_decode_workers=target.num_decode)  # fmt: skip
+        record = VirtualDecision(
+            decision_id=target.decision_id, num_prefill_workers=target.num_prefill, num_decode_workers=target.num_decode
+        )
         async with asyncio.timeout(DISCOVERY_TIMEOUT_S):
             # not leased: the last decision outlives this planner, for the orchestrator and the next planner
             await self.discovery.put(decision_key(self.namespace), msgspec.json.encode(record), leased=False)
@@ -122,8 +124,13 @@ class VirtualConnector:
             if isinstance(ack, VirtualAck) and ack.scaled_decision_id >= target.decision_id:
                 return True
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
-        logger.warning("decision %d (prefill %d, decode %d) not acknowledged within %.0f s", target.decision_id,
-                       target.num_prefill, target.num_decode, self.ack_timeout_s)  # fmt: skip
+        logger.warning(
+            "decision %d (prefill %d, decode %d) not acknowledged within %.0f s",
+            target.decision_id,
+            target.num_prefill,
+            target.num_decode,
+            self.ack_timeout_s,
+        )
         return False
 
     async def close(self) -> None:
@@ -139,8 +146,9 @@ class _Pool:
 class LocalConnector:
     """Starts and drains `dyn worker` processes on this host, one pool per role."""
 
-    def __init__(self, decode_argv: list[str], prefill_argv: list[str] | None, env: dict[str, str], *,
-                 grace_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self, decode_argv: list[str], prefill_argv: list[str] | None, env: dict[str, str], *, grace_s: float = 5.0
+    ) -> None:
         self._pools = {"decode": _Pool(decode_argv), "prefill": _Pool(prefill_argv or [])}
         self.env = dict(env)
         """Added to every worker's environment (the planes' URLs, the cluster secret, the parent pid)."""
@@ -178,8 +186,9 @@ class LocalConnector:
         if wanted > 0 and not pool.argv:
             raise ValueError(f"no command line for {role} workers")
         while len(self._alive(role)) < wanted:
-            proc = await asyncio.create_subprocess_exec(*pool.argv, env={**os.environ, **self.env},
-                                                        stdin=asyncio.subprocess.DEVNULL)  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                *pool.argv, env={**os.environ, **self.env}, stdin=asyncio.subprocess.DEVNULL
+            )
             pool.procs.append(proc)
             logger.info("started %s worker pid %d", role, proc.pid)
         surplus = self._alive(role)[wanted:]

@@ -36,8 +36,13 @@ from dynamo_cli.runtime.names import component_subject
 logger = logging.getLogger(__name__)
 
 PREFIX = "dynamo_frontend_"
-HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "input_sequence_tokens",
-              "output_sequence_tokens", "request_duration_seconds")  # fmt: skip
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "input_sequence_tokens",
+    "output_sequence_tokens",
+    "request_duration_seconds",
+)
 SCRAPE_TIMEOUT_S = 5.0
 ROUTER_COMPONENT = "router"  # `dyn router` replicas register beside workers; they are not workers
 
@@ -114,9 +119,16 @@ def observation_between(before: Snapshot, now: Snapshot) -> Observation:
     if num_requests < 0:
         num_requests = duration = ttft = itl = isl = osl = 0.0
     arrived = max(0.0, num_requests + now.inflight - before.inflight)
-    return Observation(interval_s=max(now.at - before.at, 1e-3), num_requests=num_requests, isl=isl, osl=osl,
-                       ttft_ms=ttft * 1000, itl_ms=itl * 1000, request_duration_s=duration,
-                       arrived=arrived)  # fmt: skip
+    return Observation(
+        interval_s=max(now.at - before.at, 1e-3),
+        num_requests=num_requests,
+        isl=isl,
+        osl=osl,
+        ttft_ms=ttft * 1000,
+        itl_ms=itl * 1000,
+        request_duration_s=duration,
+        arrived=arrived,
+    )
 
 
 class FrontendScraper:
@@ -142,8 +154,11 @@ class FrontendScraper:
             self.urls = [url.rstrip("/") for url in await self.find()]
         texts = await asyncio.gather(*(self._one(url) for url in self.urls))
         if all(text is None for text in texts):
-            raise PlaneUnavailable("frontend /metrics", ", ".join(self.urls) or "discovery",
-                                   "no frontend answered; start `dyn serve` or pass --frontend URL")  # fmt: skip
+            raise PlaneUnavailable(
+                "frontend /metrics",
+                ", ".join(self.urls) or "discovery",
+                "no frontend answered; start `dyn serve` or pass --frontend URL",
+            )
         sums: dict[str, float] = {}
         inflight = 0.0
         for text in texts:
@@ -226,10 +241,13 @@ class WorkerLoads:
             if now - at > self.stale_s:
                 del self._latest[worker]
         loads = [metrics for _, metrics in self._latest.values()]
-        return PoolLoad(num_workers=len(loads), num_running=sum(m.num_running for m in loads),
-                        num_waiting=sum(m.num_waiting for m in loads),
-                        active_blocks=sum(m.active_blocks for m in loads),
-                        total_blocks=sum(m.total_blocks for m in loads))  # fmt: skip
+        return PoolLoad(
+            num_workers=len(loads),
+            num_running=sum(m.num_running for m in loads),
+            num_waiting=sum(m.num_waiting for m in loads),
+            active_blocks=sum(m.active_blocks for m in loads),
+            total_blocks=sum(m.total_blocks for m in loads),
+        )
 
 
 async def follow_worker_loads(bus: EventBus, namespace: str, loads: WorkerLoads) -> None:

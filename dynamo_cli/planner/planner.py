@@ -60,8 +60,10 @@ LOAD_INTERVAL_S = 2.0
 this long, plus a worker's startup, for capacity."""
 STARTUP_S = 30.0
 """A new worker's default time to serve (`--startup`)."""
-STARTUP_HELP = ("Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the "
-                "load's trend this far ahead (0: off).")
+STARTUP_HELP = (
+    "Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the "
+    "load's trend this far ahead (0: off)."
+)
 TREND_SPAN_S = 60.0
 """The burst check fits the arrival rate's trend over the load windows of this many latest seconds."""
 SIGMAS = 2.0
@@ -130,9 +132,16 @@ Reporter = Callable[[Step], None]
 class Planner:
     """Owns the predictors and the last decision; the connector and metric source are passed in."""
 
-    def __init__(self, config: PlannerConfig, profile: Profile, source: Snapshotter, connector: Connector | None,
-                 counter: WorkerCounter | None = None, report: Reporter | None = None,
-                 loads: LoadReader | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: PlannerConfig,
+        profile: Profile,
+        source: Snapshotter,
+        connector: Connector | None,
+        counter: WorkerCounter | None = None,
+        report: Reporter | None = None,
+        loads: LoadReader | None = None,
+    ) -> None:
         self.config, self.profile, self.source, self.connector = config, profile, source, connector
         self.counter, self.report, self.loads = counter, report, loads
         self._waiting = 0
@@ -221,10 +230,12 @@ class Planner:
             return None
         need = self._at_rate(sized)
         wanted = (max(base[0], need.num_prefill), max(base[1], need.num_decode))
-        why = (f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
-               f"{snapshot.inflight:.0f} in flight); {rates}: >= {sure:.2f} req/s needs more than prefill "
-               f"{base[0]}, decode {base[1]}; sized for {sized:.2f} req/s → prefill {wanted[0]}, "
-               f"decode {wanted[1]}: {need.why}")  # fmt: skip
+        why = (
+            f"burst: {arrived:.0f} arrived in {window.interval_s:.1f} s ({window.num_requests:.0f} completed, "
+            f"{snapshot.inflight:.0f} in flight); {rates}: >= {sure:.2f} req/s needs more than prefill "
+            f"{base[0]}, decode {base[1]}; sized for {sized:.2f} req/s → prefill {wanted[0]}, "
+            f"decode {wanted[1]}: {need.why}"
+        )
         decision = replace(need, num_prefill=wanted[0], num_decode=wanted[1], why=why)
         return await self._take("burst", decision, None, current)
 
@@ -259,8 +270,14 @@ class Planner:
             return 0.0, 0.0, f", {load.num_waiting} queued at {load.num_workers} workers"
         sure = (window.num_requests + growth) / window.interval_s
         drain = load.num_waiting / (self.startup_s + self.config.load_interval_s)
-        return sure, sure + drain, (f", queues grew by {growth} to {load.num_waiting} at {load.num_workers} "
-                                    f"workers: >= {sure:.2f} req/s, + {drain:.2f} to drain")  # fmt: skip
+        return (
+            sure,
+            sure + drain,
+            (
+                f", queues grew by {growth} to {load.num_waiting} at {load.num_workers} "
+                f"workers: >= {sure:.2f} req/s, + {drain:.2f} to drain"
+            ),
+        )
 
     def _at_rate(self, rate: float) -> Decision:
         """The pools `rate` req/s of the forecast's ISL and OSL need, as profiled."""
@@ -281,8 +298,17 @@ class Planner:
             if self._capacity is None or self._capacity[0] != key:
                 self._capacity = (key, agg_capacity(self.profile, *key, self.config.targets, self.config.headroom))
             capacity = self._capacity[1]
-        return plan_replicas(self.profile, forecast, self.config.interval_s, corrections, self.config.targets,
-                             self.config.bounds, self.config.mode, self.config.headroom, capacity)  # fmt: skip
+        return plan_replicas(
+            self.profile,
+            forecast,
+            self.config.interval_s,
+            corrections,
+            self.config.targets,
+            self.config.bounds,
+            self.config.mode,
+            self.config.headroom,
+            capacity,
+        )
 
     def _hold(self, decision: Decision) -> Decision:
         """Scale down no lower than the latest windows and the trend need (an interval's mean lags a step up)."""
@@ -312,8 +338,11 @@ class Planner:
         if self._rising is not None and current[0] >= self._rising[1][0] and current[1] >= self._rising[1][1]:
             self.startup_s = self._now - self._rising[0]
             self._rising = None
-            logger.info("new workers served %.1f s after the scale-up: bursts project %.1f s ahead from now on",
-                        self.startup_s, self.startup_s + self.config.load_interval_s)  # fmt: skip
+            logger.info(
+                "new workers served %.1f s after the scale-up: bursts project %.1f s ahead from now on",
+                self.startup_s,
+                self.startup_s + self.config.load_interval_s,
+            )
         return current
 
     def _time_startup(self, previous: tuple[int, int], current: tuple[int, int], wanted: tuple[int, int]) -> None:
@@ -327,8 +356,9 @@ class Planner:
         if self._rising is None and self._grows_tuple(wanted, floor):
             self._rising = (self._now, wanted)
 
-    async def _take(self, kind: str, decision: Decision, observation: Observation | None,
-                    current: tuple[int, int]) -> Step:  # fmt: skip
+    async def _take(
+        self, kind: str, decision: Decision, observation: Observation | None, current: tuple[int, int]
+    ) -> Step:
         if self._next_id == 0 and self.connector is not None:
             self._next_id = await self.connector.next_decision_id()
         self._next_id = max(self._next_id, 1)
@@ -338,14 +368,29 @@ class Planner:
             applied = await self.connector.apply(ScaleTarget(self._next_id, *wanted))
             self._time_startup(self._wanted, current, wanted)
         self._wanted = wanted
-        step = Step(decision_id=self._next_id, kind=kind, decision=decision, observation=observation,
-                    current=current, applied=applied)  # fmt: skip
+        step = Step(
+            decision_id=self._next_id,
+            kind=kind,
+            decision=decision,
+            observation=observation,
+            current=current,
+            applied=applied,
+        )
         self._next_id += 1
         self.steps.append(step)
-        logger.info("decision %d (%s): prefill %d→%d, decode %d→%d; %s; observed %s; forecast %s; %s",
-                    step.decision_id, kind, current[0], wanted[0], current[1], wanted[1], decision.why, observation,
-                    decision.forecast, decision.corrections.why)  # fmt: skip
+        logger.info(
+            "decision %d (%s): prefill %d→%d, decode %d→%d; %s; observed %s; forecast %s; %s",
+            step.decision_id,
+            kind,
+            current[0],
+            wanted[0],
+            current[1],
+            wanted[1],
+            decision.why,
+            observation,
+            decision.forecast,
+            decision.corrections.why,
+        )
         if self.report is not None:
             self.report(step)
         return step
-

@@ -151,9 +151,13 @@ def best_decode_throughput(profile: Profile, itl_ms: float, context_length: floa
         usage = top * step / USAGE_STEPS
         concurrency = usage * profile.max_kv_tokens / context
         itl = decode_itl_ms(profile, usage, context)
-        point = DecodePoint(kv_usage=usage, concurrency=concurrency, itl_ms=itl,
-                            throughput_per_gpu=concurrency / (itl / 1000.0) / profile.num_gpus_per_engine,
-                            meets_itl=itl <= itl_ms)  # fmt: skip
+        point = DecodePoint(
+            kv_usage=usage,
+            concurrency=concurrency,
+            itl_ms=itl,
+            throughput_per_gpu=concurrency / (itl / 1000.0) / profile.num_gpus_per_engine,
+            meets_itl=itl <= itl_ms,
+        )
         if point.meets_itl:
             return point
         fallback = point

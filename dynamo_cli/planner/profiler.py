@@ -58,8 +58,9 @@ async def _run(engine: Engine, request: GenerateRequest) -> list[tuple[float, in
 async def measure_ttft_ms(engine: Engine, info: EngineInfo, rng: random.Random, isl: int, sweep: Sweep) -> float:
     best = float("inf")
     for i in range(sweep.repeats):
-        request = GenerateRequest(request_id=f"profile-prefill-{isl}-{i}", token_ids=_prompt(rng, info, isl),
-                                  max_tokens=1, ignore_eos=True)  # fmt: skip
+        request = GenerateRequest(
+            request_id=f"profile-prefill-{isl}-{i}", token_ids=_prompt(rng, info, isl), max_tokens=1, ignore_eos=True
+        )
         started = time.perf_counter()
         async with asyncio.timeout(sweep.timeout_s):
             stamps = await _run(engine, request)
@@ -72,14 +73,22 @@ def admission_passes(info: EngineInfo, context: int, n: int) -> int:
     return -(-n * context // max(info.max_num_batched_tokens, 1)) + 1
 
 
-async def measure_itl_ms(engine: Engine, info: EngineInfo, rng: random.Random, context: int, n: int,
-                         sweep: Sweep) -> float:  # fmt: skip
+async def measure_itl_ms(
+    engine: Engine, info: EngineInfo, rng: random.Random, context: int, n: int, sweep: Sweep
+) -> float:
     """Mean token gap once all `n` requests decode (the admission, whose passes interleave prefill, is left
     out; requests run long enough to outlast it). A mean over the window, not a median of gaps: an engine
     that catches up on a late pass (the mocker keeps its schedule) has short and long gaps that average out."""
     max_tokens = sweep.decode_tokens + admission_passes(info, context, n)
-    requests = [GenerateRequest(request_id=f"profile-decode-{context}-{n}-{i}", token_ids=_prompt(rng, info, context),
-                                max_tokens=max_tokens, ignore_eos=True) for i in range(n)]  # fmt: skip
+    requests = [
+        GenerateRequest(
+            request_id=f"profile-decode-{context}-{n}-{i}",
+            token_ids=_prompt(rng, info, context),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
     async with asyncio.timeout(sweep.timeout_s):
         runs = await asyncio.gather(*(_run(engine, r) for r in requests))
     all_started = max((run[0][0] for run in runs if run), default=0.0)
@@ -107,8 +116,16 @@ def decode_points(info: EngineInfo, sweep: Sweep) -> list[tuple[int, int]]:
     return points
 
 
-async def profile_engine(engine: Engine, info: EngineInfo, *, engine_name: str, model: str, speedup_ratio: float,
-                         sweep: Sweep = Sweep(), progress: Progress | None = None) -> Profile:  # fmt: skip
+async def profile_engine(
+    engine: Engine,
+    info: EngineInfo,
+    *,
+    engine_name: str,
+    model: str,
+    speedup_ratio: float,
+    sweep: Sweep = Sweep(),
+    progress: Progress | None = None,
+) -> Profile:
     """Sweep a started engine; times in model time (measured × speedup_ratio)."""
     rng = random.Random(0)
     isls = [isl for isl in sweep.isls if isl + 1 <= info.context_length]
@@ -127,13 +144,21 @@ async def profile_engine(engine: Engine, info: EngineInfo, *, engine_name: str, 
         itl = await measure_itl_ms(engine, info, rng, context, n, sweep) * speedup_ratio
         resident = context + admission_passes(info, context, n) + sweep.decode_tokens / 2
         usage = n * resident / max_kv
-        decode.append(DecodeSample(kv_usage=round(usage, 4), context_length=context, itl_ms=round(itl, 3),
-                                   concurrency=n))  # fmt: skip
+        decode.append(
+            DecodeSample(kv_usage=round(usage, 4), context_length=context, itl_ms=round(itl, 3), concurrency=n)
+        )
         done += 1
         if progress is not None:
             progress(f"decode context {context} × {n}: ITL {itl:.1f} ms", done, total)
-    return Profile(engine=engine_name, model=model, max_kv_tokens=max_kv, max_num_seqs=info.max_num_seqs,
-                   speedup_ratio=speedup_ratio, prefill=prefill, decode=decode)  # fmt: skip
+    return Profile(
+        engine=engine_name,
+        model=model,
+        max_kv_tokens=max_kv,
+        max_num_seqs=info.max_num_seqs,
+        speedup_ratio=speedup_ratio,
+        prefill=prefill,
+        decode=decode,
+    )
 
 
 QUICK_SWEEP = Sweep(isls=(256, 1024, 4096), contexts=(1024, 4096), usages=(0.05, 0.5, 0.9), repeats=1)
@@ -147,12 +172,18 @@ async def profile_mocker_as_deployed(args: EngineArgs) -> Profile:
     applied, unlike `dyn plan profile`'s model time): run at >= PROFILE_SPEEDUP, times × (that / deployed)."""
     deployed = float(args.extra.get("speedup_ratio", 1.0))
     fast = max(deployed, PROFILE_SPEEDUP)
-    engine = load_engine("mocker")(EngineArgs(model=args.model, block_size=args.block_size,
-                                              context_length=args.context_length,
-                                              extra={**args.extra, "speedup_ratio": fast}))  # fmt: skip
+    engine = load_engine("mocker")(
+        EngineArgs(
+            model=args.model,
+            block_size=args.block_size,
+            context_length=args.context_length,
+            extra={**args.extra, "speedup_ratio": fast},
+        )
+    )
     info = await engine.start()
     try:
-        return await profile_engine(engine, info, engine_name="mocker", model=args.model,
-                                    speedup_ratio=fast / deployed, sweep=QUICK_SWEEP)  # fmt: skip
+        return await profile_engine(
+            engine, info, engine_name="mocker", model=args.model, speedup_ratio=fast / deployed, sweep=QUICK_SWEEP
+        )
     finally:
         await engine.stop()

@@ -141,8 +141,9 @@ class Decision:
 NO_CORRECTION = Corrections(prefill=1.0, decode=1.0, why="no traffic observed: factors 1.0")
 
 
-def correction_factors(profile: Profile, observed: Observation, num_decode_workers: int,
-                       mode: str = "disagg") -> Corrections:  # fmt: skip
+def correction_factors(
+    profile: Profile, observed: Observation, num_decode_workers: int, mode: str = "disagg"
+) -> Corrections:
     """Dynamo's p_corr and d_corr (agg mode: against `agg_point`); 1.0 for a phase with nothing observed."""
     if observed.num_requests <= 0:
         return NO_CORRECTION
@@ -154,9 +155,11 @@ def correction_factors(profile: Profile, observed: Observation, num_decode_worke
     context = observed.isl + observed.osl / 2
     expected_itl = decode_itl_ms(profile, kv_usage_of(profile, concurrency, context), context)
     decode = observed.itl_ms / expected_itl if observed.itl_ms > 0 else 1.0
-    why = (f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{expected_ttft:.1f} ms at ISL {observed.isl:.0f}; "
-           f"d_corr {decode:.2f} = ITL {observed.itl_ms:.1f}/{expected_itl:.1f} ms at {concurrency:.1f} req × "
-           f"{context:.0f} tok")  # fmt: skip
+    why = (
+        f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{expected_ttft:.1f} ms at ISL {observed.isl:.0f}; "
+        f"d_corr {decode:.2f} = ITL {observed.itl_ms:.1f}/{expected_itl:.1f} ms at {concurrency:.1f} req × "
+        f"{context:.0f} tok"
+    )
     return Corrections(prefill=prefill, decode=decode, why=why)
 
 
@@ -166,8 +169,10 @@ def agg_corrections(profile: Profile, observed: Observation, num_workers: int) -
     point = agg_point(profile, rate, observed.isl, observed.osl)
     prefill = observed.ttft_ms / point.ttft_ms if observed.ttft_ms > 0 and 0 < point.ttft_ms < math.inf else 1.0
     decode = observed.itl_ms / point.itl_ms if observed.itl_ms > 0 and 0 < point.itl_ms < math.inf else 1.0
-    why = (f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{point.ttft_ms:.1f} ms, d_corr {decode:.2f} = ITL "
-           f"{observed.itl_ms:.1f}/{point.itl_ms:.1f} ms at {rate:.2f} req/s per agg worker")  # fmt: skip
+    why = (
+        f"p_corr {prefill:.2f} = TTFT {observed.ttft_ms:.1f}/{point.ttft_ms:.1f} ms, d_corr {decode:.2f} = ITL "
+        f"{observed.itl_ms:.1f}/{point.itl_ms:.1f} ms at {rate:.2f} req/s per agg worker"
+    )
     return Corrections(prefill=prefill, decode=decode, why=why)
 
 
@@ -179,8 +184,9 @@ def prefill_utilization(unloaded_ttft_ms: float, ttft_target_ms: float) -> float
     return 2 * k / (1 + 2 * k)
 
 
-def prefill_need(profile: Profile, forecast: Forecast, interval_s: float, p_corr: float,
-                 ttft_ms: float) -> tuple[float, str]:  # fmt: skip
+def prefill_need(
+    profile: Profile, forecast: Forecast, interval_s: float, p_corr: float, ttft_ms: float
+) -> tuple[float, str]:
     """Fractional prefill workers the forecast needs, with its one-line reason."""
     demand = forecast.num_requests * forecast.isl / interval_s * min(1.0, p_corr)
     per_gpu = prefill_throughput_per_gpu(profile, forecast.isl)
@@ -188,22 +194,27 @@ def prefill_need(profile: Profile, forecast: Forecast, interval_s: float, p_corr
     rho = prefill_utilization(unloaded, ttft_ms)
     need = demand / (per_gpu * rho) / profile.num_gpus_per_engine
     reach = "" if unloaded < ttft_ms else f" (TTFT target {ttft_ms:.0f} ms < unloaded {unloaded:.0f} ms: unreachable)"
-    why = (f"prefill {demand:.0f} tok/s = {forecast.num_requests:.0f} req × {forecast.isl:.0f} tok / "
-           f"{interval_s:g} s × min(1, {p_corr:.2f}) over {per_gpu:.0f} tok/s/GPU × ρ {rho:.2f} "
-           f"→ {need:.2f}{reach}")  # fmt: skip
+    why = (
+        f"prefill {demand:.0f} tok/s = {forecast.num_requests:.0f} req × {forecast.isl:.0f} tok / "
+        f"{interval_s:g} s × min(1, {p_corr:.2f}) over {per_gpu:.0f} tok/s/GPU × ρ {rho:.2f} "
+        f"→ {need:.2f}{reach}"
+    )
     return need, why
 
 
-def decode_need(profile: Profile, forecast: Forecast, interval_s: float, d_corr: float,
-                itl_ms: float) -> tuple[float, DecodePoint, str]:  # fmt: skip
+def decode_need(
+    profile: Profile, forecast: Forecast, interval_s: float, d_corr: float, itl_ms: float
+) -> tuple[float, DecodePoint, str]:
     """Fractional decode workers the forecast needs, the operating point used, and the reason."""
     corrected_itl = itl_ms / d_corr if d_corr > 0 else itl_ms
     point = best_decode_throughput(profile, corrected_itl, forecast.isl + forecast.osl / 2)
     demand = forecast.num_requests * forecast.osl / interval_s
     need = demand / point.throughput_per_gpu / profile.num_gpus_per_engine
     reach = "" if point.meets_itl else " (ITL target unreachable even at the lowest usage)"
-    why = (f"decode {demand:.0f} tok/s over {point.throughput_per_gpu:.0f} tok/s/GPU at ITL {corrected_itl:.1f} ms "
-           f"(usage {point.kv_usage:.2f}, {point.concurrency:.0f} req) → {need:.2f}{reach}")  # fmt: skip
+    why = (
+        f"decode {demand:.0f} tok/s over {point.throughput_per_gpu:.0f} tok/s/GPU at ITL {corrected_itl:.1f} ms "
+        f"(usage {point.kv_usage:.2f}, {point.concurrency:.0f} req) → {need:.2f}{reach}"
+    )
     return need, point, why
 
 
@@ -255,8 +266,14 @@ def agg_capacity(profile: Profile, isl: float, osl: float, targets: Targets, hea
     return agg_point(profile, low, isl, osl)
 
 
-def agg_need(profile: Profile, forecast: Forecast, interval_s: float, targets: Targets, headroom: float,
-             capacity: AggPoint | None = None) -> tuple[float, str]:  # fmt: skip
+def agg_need(
+    profile: Profile,
+    forecast: Forecast,
+    interval_s: float,
+    targets: Targets,
+    headroom: float,
+    capacity: AggPoint | None = None,
+) -> tuple[float, str]:
     """Fractional agg workers the forecast needs, with its one-line reason (`capacity`: agg_capacity's answer
     for these arguments, when the caller already has it)."""
     rate = forecast.num_requests / interval_s
@@ -267,9 +284,11 @@ def agg_need(profile: Profile, forecast: Forecast, interval_s: float, targets: T
     else:
         reach = ""
     need = rate / point.rate
-    why = (f"agg {rate:.2f} req/s of {forecast.isl:.0f}+{forecast.osl:.0f} tok over {point.rate:.2f} req/s per "
-           f"worker (φ {point.prefill_share:.2f}, TTFT {point.ttft_ms:.0f} ms, ITL {point.itl_ms:.1f} ms, "
-           f"{point.concurrency:.0f} streams; targets × {headroom:g}) → {need:.2f}{reach}")  # fmt: skip
+    why = (
+        f"agg {rate:.2f} req/s of {forecast.isl:.0f}+{forecast.osl:.0f} tok over {point.rate:.2f} req/s per "
+        f"worker (φ {point.prefill_share:.2f}, TTFT {point.ttft_ms:.0f} ms, ITL {point.itl_ms:.1f} ms, "
+        f"{point.concurrency:.0f} streams; targets × {headroom:g}) → {need:.2f}{reach}"
+    )
     return need, why
 
 
@@ -304,22 +323,35 @@ def _ceil(x: float) -> int:
     return max(0, math.ceil(x - _EPS))
 
 
-def plan_replicas(profile: Profile, forecast: Forecast, interval_s: float, corrections: Corrections,
-                  targets: Targets, bounds: Bounds, mode: str = "disagg", headroom: float = 1.0,
-                  capacity: AggPoint | None = None) -> Decision:  # fmt: skip
+def plan_replicas(
+    profile: Profile,
+    forecast: Forecast,
+    interval_s: float,
+    corrections: Corrections,
+    targets: Targets,
+    bounds: Bounds,
+    mode: str = "disagg",
+    headroom: float = 1.0,
+    capacity: AggPoint | None = None,
+) -> Decision:
     """Worker counts for the next interval (prefill and decode pools, or one agg pool; `capacity`: see agg_need,
     valid only with no correction)."""
     if mode == "agg":
-        corrected = Targets(targets.ttft_ms / _within(corrections.prefill),
-                            targets.itl_ms / _within(corrections.decode))  # fmt: skip
-        need, why = agg_need(profile, forecast, interval_s, corrected, headroom,
-                             capacity if corrections == NO_CORRECTION else None)  # fmt: skip
+        corrected = Targets(
+            targets.ttft_ms / _within(corrections.prefill), targets.itl_ms / _within(corrections.decode)
+        )
+        need, why = agg_need(
+            profile, forecast, interval_s, corrected, headroom, capacity if corrections == NO_CORRECTION else None
+        )
         raw_d = _ceil(need)
         num_p, num_d = fit_budget(0, clamp(raw_d, bounds), profile, bounds)
-        why = (f"agg {num_d} (ceil {raw_d}) within [{bounds.min_workers}, {bounds.max_workers}]: {why}; targets / "
-               f"corrections clamped to [{_CORRECTION[0]:g}, {_CORRECTION[1]:g}]")  # fmt: skip
-        return Decision(mode=mode, num_prefill=num_p, num_decode=num_d, forecast=forecast,
-                        corrections=corrections, why=why)  # fmt: skip
+        why = (
+            f"agg {num_d} (ceil {raw_d}) within [{bounds.min_workers}, {bounds.max_workers}]: {why}; targets / "
+            f"corrections clamped to [{_CORRECTION[0]:g}, {_CORRECTION[1]:g}]"
+        )
+        return Decision(
+            mode=mode, num_prefill=num_p, num_decode=num_d, forecast=forecast, corrections=corrections, why=why
+        )
     p_need, p_why = prefill_need(profile, forecast, interval_s, corrections.prefill, targets.ttft_ms)
     d_need, _, d_why = decode_need(profile, forecast, interval_s, corrections.decode, targets.itl_ms)
     raw_p, raw_d = _ceil(p_need), _ceil(d_need)
@@ -329,5 +361,4 @@ def plan_replicas(profile: Profile, forecast: Forecast, interval_s: float, corre
     if bounds.gpu_budget >= 0:
         limits += f", {bounds.gpu_budget} GPUs"
     why = f"{counts} within {limits}: {p_why}; {d_why}"
-    return Decision(mode=mode, num_prefill=num_p, num_decode=num_d, forecast=forecast,
-                    corrections=corrections, why=why)  # fmt: skip
+    return Decision(mode=mode, num_prefill=num_p, num_decode=num_d, forecast=forecast, corrections=corrections, why=why)

@@ -74,12 +74,15 @@ def check_run(run: PlanRun) -> None:
     if config.mode not in ("agg", "disagg"):
         raise ConfigError(f"--mode '{config.mode}' is invalid; use agg or disagg")
     if config.interval_s <= 0 or config.load_interval_s < 0:
-        raise ConfigError(f"--interval must be > 0 and --load-interval >= 0, got {config.interval_s} and "
-                          f"{config.load_interval_s}")  # fmt: skip
+        raise ConfigError(
+            f"--interval must be > 0 and --load-interval >= 0, got {config.interval_s} and {config.load_interval_s}"
+        )
     bounds = config.bounds
     if bounds.min_workers < 0 or bounds.max_workers < max(bounds.min_workers, 1):
-        raise ConfigError(f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
-                          f"{bounds.min_workers} and {bounds.max_workers}")  # fmt: skip
+        raise ConfigError(
+            f"need 0 <= --min-workers <= --max-workers and --max-workers >= 1, got "
+            f"{bounds.min_workers} and {bounds.max_workers}"
+        )
     if config.startup_s < 0:
         raise ConfigError(f"--startup must be >= 0, got {config.startup_s}")
     if not 0 < config.headroom <= 1:
@@ -114,8 +117,15 @@ async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None 
         async with httpx.AsyncClient() as client:
             urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
             loads = WorkerLoads()
-            planner = Planner(run.planner, profile, FrontendScraper(urls, client), connector,
-                              lambda: count_workers(discovery, run.namespace), report, loads.total)  # fmt: skip
+            planner = Planner(
+                run.planner,
+                profile,
+                FrontendScraper(urls, client),
+                connector,
+                lambda: count_workers(discovery, run.namespace),
+                report,
+                loads.total,
+            )
             async with asyncio.TaskGroup() as group:
                 follow = group.create_task(follow_worker_loads(bus, run.namespace, loads))
                 if run.duration_s > 0:

@@ -85,8 +85,10 @@ def load_trace(path: str | Path) -> list[SimRequest]:
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(f"trace '{path}' cannot be read: {exc}") from exc
     origin = min((e.timestamp for e in entries), default=0.0)
-    return sorted((SimRequest((e.timestamp - origin) / 1000, max(e.input_length, 1), max(e.output_length, 1))
-                   for e in entries), key=lambda r: r.arrival_s)  # fmt: skip
+    return sorted(
+        (SimRequest((e.timestamp - origin) / 1000, max(e.input_length, 1), max(e.output_length, 1)) for e in entries),
+        key=lambda r: r.arrival_s,
+    )
 
 
 def rate_curve(spec: str, isl: int, osl: int, seed: int = 0) -> list[SimRequest]:
@@ -213,10 +215,13 @@ class Stats:
         self.finished += 1
         self.met += ttft * 1000 <= self.ttft_ms and itl * 1000 <= self.itl_ms
         decoded = request.osl - 1
-        for name, value, count in (("time_to_first_token_seconds", ttft, 1), ("input_sequence_tokens", request.isl, 1),
-                                   ("output_sequence_tokens", request.osl, 1),
-                                   ("request_duration_seconds", end_s - request.arrival_s, 1),
-                                   ("inter_token_latency_seconds", itl * decoded, decoded)):  # fmt: skip
+        for name, value, count in (
+            ("time_to_first_token_seconds", ttft, 1),
+            ("input_sequence_tokens", request.isl, 1),
+            ("output_sequence_tokens", request.osl, 1),
+            ("request_duration_seconds", end_s - request.arrival_s, 1),
+            ("inter_token_latency_seconds", itl * decoded, decoded),
+        ):
             self.sums[name] = self.sums.get(name, 0.0) + value
             self.sums[f"{name}:count"] = self.sums.get(f"{name}:count", 0.0) + count
 
@@ -261,8 +266,7 @@ class SimCluster:
     def scale(self, wanted: int, now: float) -> None:
         wanted = max(wanted, 1)
         while self.size() < wanted:
-            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s, role=self.role,
-                               handoffs=self.handoffs)  # fmt: skip
+            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s, role=self.role, handoffs=self.handoffs)
             self.allocated[id(worker)] = now
             self.starting.append(worker)
         while self.size() > wanted:  # the newest go first; one still starting is simply released
@@ -380,8 +384,11 @@ class _Source:
     def load(self) -> PoolLoad:
         """The workers' per-step load, as their LoadMetrics would say (they were just advanced to `now`)."""
         workers = [w for pool in self.cluster.pools() for w in (*pool.live, *pool.draining)]
-        return PoolLoad(num_workers=len(workers), num_running=sum(len(w.running) for w in workers),
-                        num_waiting=sum(len(w.waiting) for w in workers))  # fmt: skip
+        return PoolLoad(
+            num_workers=len(workers),
+            num_running=sum(len(w.running) for w in workers),
+            num_waiting=sum(len(w.waiting) for w in workers),
+        )
 
 
 class _Connector:
@@ -399,13 +406,15 @@ class _Connector:
         return None
 
 
-def _cluster(disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int],
-             startup_s: float) -> SimCluster | DisaggCluster:  # fmt: skip
+def _cluster(
+    disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int], startup_s: float
+) -> SimCluster | DisaggCluster:
     """The pools, with the `first` (prefill, decode) workers already serving; later ones take `startup_s`."""
     cluster: SimCluster | DisaggCluster = SimCluster(kv_tokens, stats)
     if disagg:
-        cluster = DisaggCluster(SimCluster(kv_tokens, stats, role="prefill"),
-                                SimCluster(kv_tokens, stats, role="decode"))  # fmt: skip
+        cluster = DisaggCluster(
+            SimCluster(kv_tokens, stats, role="prefill"), SimCluster(kv_tokens, stats, role="decode")
+        )
     cluster.apply(*first, 0.0)
     for pool in cluster.pools():
         pool._promote(0.0)
@@ -413,19 +422,29 @@ def _cluster(disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int],
     return cluster
 
 
-async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float, *,
-                   static_workers: int = 0, static_prefill: int = 0, planner: PlannerConfig | None = None,
-                   startup_s: float = 30.0) -> SimResult:  # fmt: skip
+async def simulate(
+    requests: list[SimRequest],
+    profile: Profile,
+    ttft_ms: float,
+    itl_ms: float,
+    *,
+    static_workers: int = 0,
+    static_prefill: int = 0,
+    planner: PlannerConfig | None = None,
+    startup_s: float = 30.0,
+) -> SimResult:
     """Replay `requests` on `static_workers` workers (with `static_prefill` > 0: that many prefill workers and
     `static_workers` decode workers), or on as many as `planner` asks for (its mode: agg or disagg)."""
     stats = Stats(ttft_ms=ttft_ms, itl_ms=itl_ms)
     disagg = planner.mode == "disagg" if planner else static_prefill > 0
     first = planner.bounds.min_workers if planner else 1
-    cluster = _cluster(disagg, profile.max_kv_tokens, stats, (static_prefill or first, static_workers or first),
-                       startup_s)  # fmt: skip
+    cluster = _cluster(
+        disagg, profile.max_kv_tokens, stats, (static_prefill or first, static_workers or first), startup_s
+    )
     source = _Source(cluster)
     brain = None
     if planner is not None:
+
         async def count() -> tuple[int, int]:
             return cluster.counts(serving=True)
 
@@ -447,22 +466,36 @@ async def simulate(requests: list[SimRequest], profile: Profile, ttft_ms: float,
         cluster.route(request)
     end = requests[-1].arrival_s if requests else 0.0
     worker_seconds = cluster.finish(end)
-    policy = "planner" if planner else f"static {static_prefill}+{static_workers}" if disagg else \
-        f"static {static_workers}"  # fmt: skip
-    return SimResult(policy=policy, num_requests=stats.finished, attainment=stats.met / max(stats.finished, 1),
-                     worker_seconds=worker_seconds, max_workers=cluster.peak)  # fmt: skip
+    policy = (
+        "planner" if planner else f"static {static_prefill}+{static_workers}" if disagg else f"static {static_workers}"
+    )
+    return SimResult(
+        policy=policy,
+        num_requests=stats.finished,
+        attainment=stats.met / max(stats.finished, 1),
+        worker_seconds=worker_seconds,
+        max_workers=cluster.peak,
+    )
 
 
-def run_simulation(requests: list[SimRequest], profile: Profile, ttft_ms: float, itl_ms: float,
-                   statics: Sequence[int | tuple[int, int]], planner: PlannerConfig,
-                   startup_s: float) -> list[SimResult]:  # fmt: skip
+def run_simulation(
+    requests: list[SimRequest],
+    profile: Profile,
+    ttft_ms: float,
+    itl_ms: float,
+    statics: Sequence[int | tuple[int, int]],
+    planner: PlannerConfig,
+    startup_s: float,
+) -> list[SimResult]:
     """Every static size (N workers, or (prefill, decode) workers), then the planner, on the same requests."""
+
     async def all_policies() -> list[SimResult]:
         results = []
         for size in statics:
             prefill, decode = size if isinstance(size, tuple) else (0, size)
-            results.append(await simulate(requests, profile, ttft_ms, itl_ms, static_workers=decode,
-                                          static_prefill=prefill))  # fmt: skip
+            results.append(
+                await simulate(requests, profile, ttft_ms, itl_ms, static_workers=decode, static_prefill=prefill)
+            )
         results.append(await simulate(requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s))
         return results
 

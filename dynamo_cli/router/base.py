@@ -130,9 +130,13 @@ class RepairsKvGaps(Protocol):
     def apply_kv_events(self, batch: KvEventBatch) -> None: ...
 
     def load_dump(
-        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        self,
+        worker_id: int,
+        hashes: Iterable[int],
+        last_event_id: int,
+        host: Iterable[int] = (),
         disk: Iterable[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Replace what the policy knows of a worker's cache (device, host and disk tiers) by its own dump."""
         ...
 

@@ -97,8 +97,17 @@ class CandidateLoad:
     """Of `overlap_blocks`, those held only on disk."""
 
 
-_COLUMNS = ("overlap_blocks", "active_prefill_tokens", "active_blocks", "active_overlap_blocks", "cached_blocks",
-            "num_requests", "capacity_blocks", "host_blocks", "disk_blocks")  # fmt: skip
+_COLUMNS = (
+    "overlap_blocks",
+    "active_prefill_tokens",
+    "active_blocks",
+    "active_overlap_blocks",
+    "cached_blocks",
+    "num_requests",
+    "capacity_blocks",
+    "host_blocks",
+    "disk_blocks",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +138,20 @@ class Candidates:
         tiered = len(columns) == len(_COLUMNS)
         full = [*columns, *[[0] * len(worker_ids)] * (len(_COLUMNS) - len(columns))]
         overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = full
-        return cls(worker_ids, overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk, tiered,
-                   pass_elapsed_s)  # fmt: skip
+        return cls(
+            worker_ids,
+            overlap,
+            prefill,
+            active,
+            active_overlap,
+            cached,
+            requests,
+            capacity,
+            host,
+            disk,
+            tiered,
+            pass_elapsed_s,
+        )
 
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
@@ -194,13 +215,29 @@ class CostTable:
         c, bs, rows = self.candidates, self.block_size, []
         for i in indices:
             overlap, host, disk = c.overlap_blocks[i], c.host_blocks[i], c.disk_blocks[i]
-            prefill = (_prefill_blocks(c.active_prefill_tokens[i], overlap, self.isl, bs)
-                       if self.prefill_blocks is None else self.prefill_blocks[i])  # fmt: skip
-            decode = (_decode_blocks(c.active_blocks[i], c.active_overlap_blocks[i], self.num_blocks)
-                      if self.decode_blocks is None else self.decode_blocks[i])  # fmt: skip
-            rows.append(CandidateCost(c.worker_ids[i], overlap, prefill, decode, self.logits[i], c.active_blocks[i],
-                                      c.cached_blocks[i], {name: column[i] for name, column in self.times.items()},
-                                      {"device": overlap - host - disk, "host": host, "disk": disk}))  # fmt: skip
+            prefill = (
+                _prefill_blocks(c.active_prefill_tokens[i], overlap, self.isl, bs)
+                if self.prefill_blocks is None
+                else self.prefill_blocks[i]
+            )
+            decode = (
+                _decode_blocks(c.active_blocks[i], c.active_overlap_blocks[i], self.num_blocks)
+                if self.decode_blocks is None
+                else self.decode_blocks[i]
+            )
+            rows.append(
+                CandidateCost(
+                    c.worker_ids[i],
+                    overlap,
+                    prefill,
+                    decode,
+                    self.logits[i],
+                    c.active_blocks[i],
+                    c.cached_blocks[i],
+                    {name: column[i] for name, column in self.times.items()},
+                    {"device": overlap - host - disk, "host": host, "disk": disk},
+                )
+            )
         return rows
 
 
@@ -270,8 +307,9 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
             h, d = 1 - config.tiers.host_weight, 1 - config.tiers.disk_weight
             overlap = [o - x * h - y * d for o, x, y in zip(overlap, c.host_blocks, c.disk_blocks, strict=True)]
         prefill = [_prefill_blocks(q, o, isl, bs) for q, o in zip(c.active_prefill_tokens, overlap, strict=True)]
-        decode = [_decode_blocks(a, x, num_blocks)
-                  for a, x in zip(c.active_blocks, c.active_overlap_blocks, strict=True)]  # fmt: skip
+        decode = [
+            _decode_blocks(a, x, num_blocks) for a, x in zip(c.active_blocks, c.active_overlap_blocks, strict=True)
+        ]
         w = config.overlap_score_weight
         logits = [w * p + d for p, d in zip(prefill, decode, strict=True)]
         return CostTable(c, logits, {}, isl, num_blocks, bs, prefill, decode)
@@ -318,21 +356,35 @@ def _time_columns(
 
 
 def _time_terms(
-    c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed, across: Across,
+    c: Candidates,
+    isl: int,
+    num_blocks: int,
+    config: CostConfig,
+    speed: Speed,
+    across: Across,
     pick: Callable[[Sequence[float], type], Any],
-) -> TimeTerms[Any]:  # fmt: skip
+) -> TimeTerms[Any]:
     """`time_terms` over the columns of `c` as `pick(column, dtype)` gives them: one candidate's numbers or
     every candidate's array."""
     elapsed, tiered = c.pass_elapsed_s, c.tiered
     return time_terms(
-        isl=isl, num_blocks=num_blocks, block_size=config.block_size, overlap=pick(c.overlap_blocks, np.int64),
-        queued_prefill=pick(c.active_prefill_tokens, np.int64), active_blocks=pick(c.active_blocks, np.int64),
-        active_overlap=pick(c.active_overlap_blocks, np.int64), in_flight=pick(c.num_requests, np.int64),
-        cached=pick(c.cached_blocks, np.int64), capacity=pick(c.capacity_blocks, np.int64), speed=speed,
-        across=across, tiers=config.tiers, host=pick(c.host_blocks, np.int64) if tiered else None,
+        isl=isl,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        overlap=pick(c.overlap_blocks, np.int64),
+        queued_prefill=pick(c.active_prefill_tokens, np.int64),
+        active_blocks=pick(c.active_blocks, np.int64),
+        active_overlap=pick(c.active_overlap_blocks, np.int64),
+        in_flight=pick(c.num_requests, np.int64),
+        cached=pick(c.cached_blocks, np.int64),
+        capacity=pick(c.capacity_blocks, np.int64),
+        speed=speed,
+        across=across,
+        tiers=config.tiers,
+        host=pick(c.host_blocks, np.int64) if tiered else None,
         disk=pick(c.disk_blocks, np.int64) if tiered else None,
         pass_elapsed=None if elapsed is None else pick(elapsed, np.float64),
-    )  # fmt: skip
+    )
 
 
 def _entry(index: int, values: Sequence[float], _dtype: type) -> float:
@@ -360,9 +412,14 @@ def is_hot_spot(active_blocks: Sequence[int], config: CostConfig) -> bool:
 
 
 def select(
-    c: Candidates, isl: int, num_blocks: int, config: CostConfig, rng: random.Random, speed: Speed = DEFAULT_SPEED,
+    c: Candidates,
+    isl: int,
+    num_blocks: int,
+    config: CostConfig,
+    rng: random.Random,
+    speed: Speed = DEFAULT_SPEED,
     rounds: Rounds | None = None,
-) -> Selection:  # fmt: skip
+) -> Selection:
     """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks;
     `rounds` is the caller's dealer of near-ties (time cost; None: a fresh one, which takes the first)."""
     table = cost_table(c, isl, num_blocks, config, speed)
@@ -392,9 +449,13 @@ def select_worker(
 
 
 def explain_pinned(
-    worker_id: int, loads: Sequence[CandidateLoad] | Candidates, isl: int, num_blocks: int, config: CostConfig,
+    worker_id: int,
+    loads: Sequence[CandidateLoad] | Candidates,
+    isl: int,
+    num_blocks: int,
+    config: CostConfig,
     speed: Speed = DEFAULT_SPEED,
-) -> Selection:  # fmt: skip
+) -> Selection:
     """The explanation of a pinned request: the candidates' costs, the caller's worker chosen."""
     c = loads if isinstance(loads, Candidates) else Candidates.from_loads(loads)
     table = cost_table(c, isl, num_blocks, config, speed)
@@ -434,9 +495,13 @@ class Rounds:
         """Workers dealt a near-tie in the current round."""
 
     def deal(
-        self, worker_ids: Sequence[int], scores: Sequence[float], queue: Sequence[float], band: float,
+        self,
+        worker_ids: Sequence[int],
+        scores: Sequence[float],
+        queue: Sequence[float],
+        band: float,
         busy: Sequence[float] | None,
-    ) -> tuple[int, Reason]:  # fmt: skip
+    ) -> tuple[int, Reason]:
         """The lowest score; the candidates within `band` of it that differ from it only in their `queue`
         (the same score less queue: own cost) are near-ties: the first not dealt this round (in candidate
         order) wins, or, when some of those have `busy` time left of a prefill pass seen running, the least

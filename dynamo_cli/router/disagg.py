@@ -37,8 +37,15 @@ in the mocker's model (benchmarks/disagg_model.py, mixed traffic past saturation
 prompts onto busy decode workers and broke ITL for every stream there (goodput 10.6 vs 19.6 req/s at
 40 req/s), while 4 and 8 did not, 8 holding best at 48 req/s."""
 
-OUTCOMES = ("remote", "local_short", "local_prefill_busy", "local_cheaper", "local_no_prefill_worker",
-            "remote_decode_busy", "local_fallback")  # fmt: skip
+OUTCOMES = (
+    "remote",
+    "local_short",
+    "local_prefill_busy",
+    "local_cheaper",
+    "local_no_prefill_worker",
+    "remote_decode_busy",
+    "local_fallback",
+)
 """Every outcome `decide` (and the prefill hop's fallback) can report: the `/metrics` label values."""
 
 
@@ -68,11 +75,17 @@ class DisaggChoice:
     outcome: str
 
     def explain(self, inputs: DisaggInputs, policy: str) -> dict[str, Any]:
-        return {"prefill": "remote" if self.is_remote else "local", "outcome": self.outcome, "policy": policy,
-                "effective_isl": inputs.effective_isl, "decode_pending_tokens": inputs.decode_pending_tokens,
-                "decode_running": inputs.decode_running, "decode_kv_usage": round(inputs.decode_kv_usage, 3),
-                "prefill_pending_tokens": inputs.prefill_pending_tokens,
-                "prefill_queue": inputs.prefill_queue}  # fmt: skip
+        return {
+            "prefill": "remote" if self.is_remote else "local",
+            "outcome": self.outcome,
+            "policy": policy,
+            "effective_isl": inputs.effective_isl,
+            "decode_pending_tokens": inputs.decode_pending_tokens,
+            "decode_running": inputs.decode_running,
+            "decode_kv_usage": round(inputs.decode_kv_usage, 3),
+            "prefill_pending_tokens": inputs.prefill_pending_tokens,
+            "prefill_queue": inputs.prefill_queue,
+        }
 
 
 def decide(config: DisaggConfig, inputs: DisaggInputs) -> DisaggChoice:

@@ -228,9 +228,7 @@ class KvIndexer:
     def gaps(self) -> list[Gap]:
         """The gaps still open: for each worker with held-back batches, what it must resend."""
         return [
-            Gap(worker, self._next_event.get(worker, 0), max(held) - 1)
-            for worker, held in self._held.items()
-            if held
+            Gap(worker, self._next_event.get(worker, 0), max(held) - 1) for worker, held in self._held.items() if held
         ]
 
     ##### Events #####
@@ -252,9 +250,13 @@ class KvIndexer:
         return None
 
     def load_dump(
-        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        self,
+        worker_id: int,
+        hashes: Iterable[int],
+        last_event_id: int,
+        host: Iterable[int] = (),
         disk: Iterable[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Replace the worker's whole block set (device `hashes`, `host`, `disk`) by a dump taken after
         event `last_event_id`."""
         self.clear_worker(worker_id)

@@ -59,10 +59,14 @@ def cost_config(config: KvRouterConfig) -> CostConfig:
 def config_tier_costs(config: KvRouterConfig) -> TierCosts:
     """What host and disk hits cost under a resolved config (router/tiers.py)."""
     assert config.block_size is not None
-    return tier_costs(block_size=config.block_size, bytes_per_block=config.kv_bytes_per_block or 0,
-                      host_gbs=config.host_bandwidth_gbs, disk_gbs=config.disk_bandwidth_gbs,
-                      prefill_tps=config.prefill_tokens_per_s or PRIOR_PREFILL_TPS,
-                      weights=dict(config.tier_weights))  # fmt: skip
+    return tier_costs(
+        block_size=config.block_size,
+        bytes_per_block=config.kv_bytes_per_block or 0,
+        host_gbs=config.host_bandwidth_gbs,
+        disk_gbs=config.disk_bandwidth_gbs,
+        prefill_tps=config.prefill_tokens_per_s or PRIOR_PREFILL_TPS,
+        weights=dict(config.tier_weights),
+    )
 
 
 def approx_config(config: KvRouterConfig) -> ApproxConfig:
@@ -221,9 +225,13 @@ class KvRoutingPolicy:
         return list(merged.values())
 
     def load_dump(
-        self, worker_id: int, hashes: Iterable[int], last_event_id: int, host: Iterable[int] = (),
+        self,
+        worker_id: int,
+        hashes: Iterable[int],
+        last_event_id: int,
+        host: Iterable[int] = (),
         disk: Iterable[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Replace a worker's cached blocks (device `hashes`, `host`, `disk`) by its dump taken after event
         `last_event_id`."""
         self.indexer.load_dump(worker_id, hashes, last_event_id, host, disk)
@@ -292,9 +300,17 @@ class KvRoutingPolicy:
         w = self.config.overlap_score_weight
         for c in selection.candidates:
             if c.times:
-                logger.debug("route %s: formula for worker %d: %.6f s = %.6f prefill + %.6f evict + %.6f memory "
-                             "(overlap %d blocks)", request_id, c.worker_id, c.logit, c.times["prefill_s"],
-                             c.times["evict_s"], c.times["memory_s"], c.overlap_blocks)  # fmt: skip
+                logger.debug(
+                    "route %s: formula for worker %d: %.6f s = %.6f prefill + %.6f evict + %.6f memory "
+                    "(overlap %d blocks)",
+                    request_id,
+                    c.worker_id,
+                    c.logit,
+                    c.times["prefill_s"],
+                    c.times["evict_s"],
+                    c.times["memory_s"],
+                    c.overlap_blocks,
+                )
                 continue
             logger.debug(
                 "route %s: formula for worker %d: %.3f = %.2f * %.3f prefill + %d decode (overlap %d blocks)",

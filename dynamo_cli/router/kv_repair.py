@@ -56,8 +56,9 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
             stream = await worker.client.open_stream("kv_dump", _encode(0))
             async for raw in stream:
                 dump = _decode_dump(raw)
-                policy.load_dump(worker.instance_id, dump.block_hashes, dump.last_event_id, dump.host_hashes,
-                                 dump.disk_hashes)
+                policy.load_dump(
+                    worker.instance_id, dump.block_hashes, dump.last_event_id, dump.host_hashes, dump.disk_hashes
+                )
             logger.info("KV router: reloaded worker %x from a dump", worker.instance_id)
             return "dump"
     except (TransportError, TimeoutError) as exc:

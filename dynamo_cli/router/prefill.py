@@ -90,8 +90,12 @@ class PrefillHop:
                 if not exc.is_migratable or self._is_cancelled or len(self.failed) + 1 >= self.attempts:
                     raise
                 self.failed.append(worker.instance_id)
-                logger.warning("request %s: prefill worker %x failed (%s); trying another",
-                               self.request.request_id, worker.instance_id, exc)  # fmt: skip
+                logger.warning(
+                    "request %s: prefill worker %x failed (%s); trying another",
+                    self.request.request_id,
+                    worker.instance_id,
+                    exc,
+                )
 
     def cancel(self) -> None:
         """The client left: abort the prefill (the worker frees its KV)."""
@@ -124,12 +128,15 @@ class PrefillHop:
             worker.pending_prefill_tokens -= prompt_tokens
             policy.on_finish(self.request.request_id)
 
-
     async def _start_rendezvous(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:
         host, _, port = (worker.card.bootstrap or "").rpartition(":")
-        handle = SglangKv(num_tokens=len(self.request.token_ids), first_token=UNKNOWN_FIRST_TOKEN,
-                          bootstrap_host=host, bootstrap_port=int(port),
-                          bootstrap_room=secrets.randbits(63))  # fmt: skip
+        handle = SglangKv(
+            num_tokens=len(self.request.token_ids),
+            first_token=UNKNOWN_FIRST_TOKEN,
+            bootstrap_host=host,
+            bootstrap_port=int(port),
+            bootstrap_room=secrets.randbits(63),
+        )
         request = msgspec.structs.replace(self.request, kv_transfer=handle)
         held = Rendezvous(worker, self.entry.prefill_policy, self.request.request_id, len(self.request.token_ids))
         try:

@@ -143,9 +143,11 @@ class WaitQueue:
         position = 1 + sum(1 for t in self._heap if not t.is_gone and t < ticket)
         wait = self.expected_wait(position, now)
         if wait is not None and wait > budget:
-            raise Overloaded(f"{position - 1} requests wait ahead of this one, about {wait:.1f} s at the rate workers"
-                             f" free up, more than the {max(budget, 0):.1f} s it may wait",
-                             retry_after=max(RETRY_AFTER_S, wait))  # fmt: skip
+            raise Overloaded(
+                f"{position - 1} requests wait ahead of this one, about {wait:.1f} s at the rate workers"
+                f" free up, more than the {max(budget, 0):.1f} s it may wait",
+                retry_after=max(RETRY_AFTER_S, wait),
+            )
 
     def _key(self, request: QueuedRequest, policy: QueuePolicy) -> tuple[float, ...]:
         arrival = float(next(self._arrivals))

@@ -107,19 +107,24 @@ class Registry(Generic[EntryT]):
     """Live view of models and workers, fed by discovery watches; `_new_entry` makes a model's entry."""
 
     def __init__(
-        self, discovery: Discovery, namespace: str, policy_factory: PolicyFactory,
+        self,
+        discovery: Discovery,
+        namespace: str,
+        policy_factory: PolicyFactory,
         busy: BusyThresholds | None = None,
-        accept: Callable[[EndpointName], bool] | None = None, secret: bytes | None = None,
+        accept: Callable[[EndpointName], bool] | None = None,
+        secret: bytes | None = None,
         prefill_policy_factory: PolicyFactory | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.busy = busy or BusyThresholds()
         self._policy_factory = policy_factory
         self._prefill_policy_factory = prefill_policy_factory or policy_factory
         """Routing of the prefill pool (`--prefill-router-mode`); by default the same as the decode pool's."""
         self.models: dict[str, EntryT] = {}
         self._placed: dict[int, EntryT] = {}
-        self._watch = InstanceWatch(discovery, f"{namespace}/", ModelCard,
-                                    accept or (lambda name: name.component != ROUTER_COMPONENT))  # fmt: skip
+        self._watch = InstanceWatch(
+            discovery, f"{namespace}/", ModelCard, accept or (lambda name: name.component != ROUTER_COMPONENT)
+        )
         self._watch.on_join, self._watch.on_leave = self._add, self._remove
         self._connections = Connections(secret)
         """One request-plane connection per worker address, authenticated with the cluster `secret`."""

@@ -90,8 +90,11 @@ class ReplicaSync:
         active = policy.sequences.describe(request_id)
         if active is not None:
             worker_id, hashes, prefill_tokens = active
-            self._send(model, request_id, SequenceAdded(worker_id=worker_id, block_hashes=list(hashes),
-                                                        prefill_tokens=prefill_tokens))  # fmt: skip
+            self._send(
+                model,
+                request_id,
+                SequenceAdded(worker_id=worker_id, block_hashes=list(hashes), prefill_tokens=prefill_tokens),
+            )
 
     def prefill_completed(self, model: str, request_id: str) -> None:
         """Announce a request's first token."""
@@ -108,8 +111,7 @@ class ReplicaSync:
         except asyncio.QueueFull:
             self.num_dropped += 1
             if self.num_dropped == 1:
-                logger.warning("replica sync: outbox full (%d events); dropping, peers' load views drift",
-                               OUTBOX_SIZE)  # fmt: skip
+                logger.warning("replica sync: outbox full (%d events); dropping, peers' load views drift", OUTBOX_SIZE)
 
     async def publish_loop(self) -> None:
         """Send queued events in order; runs until cancelled."""
@@ -161,13 +163,17 @@ class ReplicaSync:
     def peer_loops(self, discovery: Discovery) -> list[Coroutine[Any, Any, None]]:
         """The watches of the router instances (their cards are not read): a replica that leaves has
         its load freed. Each runs until cancelled."""
-        peers: InstanceWatch[msgspec.Raw] = InstanceWatch(discovery, f"{self._namespace}/{ROUTER_COMPONENT}/",
-                                                          msgspec.Raw)  # fmt: skip
+        peers: InstanceWatch[msgspec.Raw] = InstanceWatch(
+            discovery, f"{self._namespace}/{ROUTER_COMPONENT}/", msgspec.Raw
+        )
         peers.on_leave = self._on_peer_leave
         return peers.loops()
 
     def _on_peer_leave(self, peer: Instance[msgspec.Raw]) -> None:
         if peer.instance_id != self.router_id:
-            logger.info("router replica %x left; freeing its %d requests in flight", peer.instance_id,
-                        len(self._peers.get(peer.instance_id, ())))  # fmt: skip
+            logger.info(
+                "router replica %x left; freeing its %d requests in flight",
+                peer.instance_id,
+                len(self._peers.get(peer.instance_id, ())),
+            )
             self.peer_left(peer.instance_id)

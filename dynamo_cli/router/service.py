@@ -108,10 +108,14 @@ class RouterService:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, "generate")
         secret = config.planes.cluster_secret
-        self.registry = ModelRegistry(discovery, config.namespace, kv_policy_factory(config.kv_router),
-                                      accept=lambda name: name.component in (config.component,
-                                                                             config.prefill_component),
-                                      busy=config.busy, secret=secret)  # fmt: skip
+        self.registry = ModelRegistry(
+            discovery,
+            config.namespace,
+            kv_policy_factory(config.kv_router),
+            accept=lambda name: name.component in (config.component, config.prefill_component),
+            busy=config.busy,
+            secret=secret,
+        )
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.model: str | None = None
@@ -176,8 +180,12 @@ class RouterService:
                 if is_relayed or not exc.is_migratable or len(excluded) + 1 >= MAX_REROUTES:
                     raise
                 excluded.add(worker.instance_id)
-                logger.warning("request %s: backend %x failed before its first token (%s); rerouting",
-                               request.request_id, worker.instance_id, exc)  # fmt: skip
+                logger.warning(
+                    "request %s: backend %x failed before its first token (%s); rerouting",
+                    request.request_id,
+                    worker.instance_id,
+                    exc,
+                )
             finally:
                 self._release(entry, worker, request.request_id)
 
@@ -193,13 +201,20 @@ class RouterService:
         entry = self._entry()
         policy = entry.policy
         assert isinstance(policy, KvRoutingPolicy)
-        decision = policy.peek(RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id),
-                               list(entry.workers))  # fmt: skip
-        reply = {"worker_id": decision.worker_id, "overlap_blocks": decision.overlap_blocks,
-                 "explanation": decision.explanation, "router_id": self.instance_id, "model": entry.name,
-                 "in_flight": in_flight_view(policy, list(entry.workers)), "queued": len(entry.queue),
-                 "indexed_workers": sorted(policy.indexer.workers()),
-                 "prefill_workers": sorted(entry.prefill_workers)}  # fmt: skip
+        decision = policy.peek(
+            RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id), list(entry.workers)
+        )
+        reply = {
+            "worker_id": decision.worker_id,
+            "overlap_blocks": decision.overlap_blocks,
+            "explanation": decision.explanation,
+            "router_id": self.instance_id,
+            "model": entry.name,
+            "in_flight": in_flight_view(policy, list(entry.workers)),
+            "queued": len(entry.queue),
+            "indexed_workers": sorted(policy.indexer.workers()),
+            "prefill_workers": sorted(entry.prefill_workers),
+        }
         yield msgspec.msgpack.encode(reply)
 
     def _entry(self) -> ModelEntry:
@@ -224,16 +239,18 @@ class RouterService:
         except (NoWorkers, Overloaded, TransportError) as exc:
             if not falls_back(config, exc):
                 raise
-            logger.warning("request %s: remote prefill failed (%s); prefilling on the decode worker",
-                           request.request_id, exc)  # fmt: skip
+            logger.warning(
+                "request %s: remote prefill failed (%s); prefilling on the decode worker", request.request_id, exc
+            )
             return None, body, None
         finally:
             hop.cancel()  # a no-op once it ended; aborts the prefill if this stream was closed meanwhile
         if hop.rendezvous is not None:  # SGLang: the decode meets the running prefill; it brings every token
             rendezvous = msgspec.structs.replace(request, kv_transfer=result.handle)
             return None, msgspec.Raw(msgspec.msgpack.encode(rendezvous)), hop.rendezvous
-        first = GenerateChunk(token_ids=[result.first_token], finish_reason=result.finish_reason,
-                              num_cached_tokens=result.cached_tokens)  # fmt: skip
+        first = GenerateChunk(
+            token_ids=[result.first_token], finish_reason=result.finish_reason, num_cached_tokens=result.cached_tokens
+        )
         entry.policy.on_first_token(request.request_id)
         self.sync.prefill_completed(entry.name, request.request_id)
         if result.finish_reason is not None or result.handle is None:
@@ -241,9 +258,12 @@ class RouterService:
                 await prefill.release(entry.prefill_workers[result.worker_id], result.handle)
             return first, body, None
         decode = msgspec.structs.replace(
-            request, token_ids=[*request.token_ids, result.first_token], max_tokens=request.max_tokens - 1,
-            min_tokens=max(0, request.min_tokens - 1), kv_transfer=result.handle,
-        )  # fmt: skip
+            request,
+            token_ids=[*request.token_ids, result.first_token],
+            max_tokens=request.max_tokens - 1,
+            min_tokens=max(0, request.min_tokens - 1),
+            kv_transfer=result.handle,
+        )
         return first, msgspec.Raw(msgspec.msgpack.encode(decode)), None
 
     async def _route_or_wait(
@@ -258,9 +278,7 @@ class RouterService:
                 raise
         return await entry.queue.take(lambda: self._route(entry, request, excluded), queued, self.config.queue)
 
-    def _route(
-        self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]
-    ) -> tuple[Worker, RouteDecision]:
+    def _route(self, entry: ModelEntry, request: GenerateRequest, excluded: set[int]) -> tuple[Worker, RouteDecision]:
         """Pick a backend that is not busy and has not failed this request (the pinned one, if any); hold it."""
         candidates = [w for w in entry.workers if w not in excluded]
         if not candidates:
@@ -284,9 +302,7 @@ class RouterService:
         self.sync.freed(entry.name, request_id)
         entry.queue.freed()
 
-    async def _relay(
-        self, entry: ModelEntry, worker: Worker, request_id: str, body: bytes
-    ) -> AsyncIterator[bytes]:
+    async def _relay(self, entry: ModelEntry, worker: Worker, request_id: str, body: bytes) -> AsyncIterator[bytes]:
         """The backend's chunks, as received; the policy learns the first token (`_release`, the end)."""
         stream = None
         is_prefilled = False
@@ -320,8 +336,10 @@ class RouterService:
                     self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
                 ):
                     backends = f"{self.config.namespace}/{self.config.component}"
-                    announce(f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
-                             f"model={card.display_name} backends={backends}")  # fmt: skip
+                    announce(
+                        f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
+                        f"model={card.display_name} backends={backends}"
+                    )
                     freeze_heap()
                     await tasks.wait_stop(stop)
         finally:
@@ -334,8 +352,13 @@ class RouterService:
         ns, component = self.config.namespace, self.config.component
         if self.config.kv_router.use_kv_events:  # before the discovery watch runs: no join is missed
             self.registry.on_join = lambda entry, worker: _catch_up(tasks, entry, worker)
-        for loop in [*self.registry.loops(), self.sync.publish_loop(), self.sync.subscribe_loop(),
-                     *self.sync.peer_loops(self._discovery), self._expire_loop()]:  # fmt: skip
+        for loop in [
+            *self.registry.loops(),
+            self.sync.publish_loop(),
+            self.sync.subscribe_loop(),
+            *self.sync.peer_loops(self._discovery),
+            self._expire_loop(),
+        ]:
             tasks.spawn(loop)
         load = await self._bus.subscribe(component_subject(ns, component, "kv-metrics"))
         tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
@@ -364,15 +387,21 @@ class RouterService:
             for entry in list(self.registry.models.values()):
                 stale = entry.policy.expire_stale() if isinstance(entry.policy, ExpiresStale) else []
                 if stale:
-                    logger.warning("freed %d requests in flight for too long on model %s",
-                                   len(stale), entry.name)  # fmt: skip
+                    logger.warning("freed %d requests in flight for too long on model %s", len(stale), entry.name)
 
 
 def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[dict[str, int]]:
     """Per worker: requests in flight, unique active blocks, outstanding prefill tokens (this replica)."""
     s = policy.sequences
-    return [{"worker_id": w, "num_requests": s.num_requests(w), "active_blocks": s.active_blocks(w),
-             "active_prefill_tokens": s.active_prefill_tokens(w)} for w in sorted(workers)]  # fmt: skip
+    return [
+        {
+            "worker_id": w,
+            "num_requests": s.num_requests(w),
+            "active_blocks": s.active_blocks(w),
+            "active_prefill_tokens": s.active_prefill_tokens(w),
+        }
+        for w in sorted(workers)
+    ]
 
 
 def _queued(request: GenerateRequest) -> QueuedRequest:
@@ -416,28 +445,67 @@ def router_argv(config: ServeConfig) -> list[str]:
     """The `dyn router` command line a `dyn serve --router remote --routers N` spawns (its planes' URLs
     come in the environment, as for workers)."""
     frontend, kv = config.frontend, config.frontend.kv_router
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "router", "--namespace", frontend.namespace,
-            "--component", config.worker.component, "--host", config.worker.host,
-            "--lease-ttl", str(frontend.planes.lease_ttl),
-            "--graceful-shutdown", str(config.worker.graceful_shutdown_s),
-            "--kv-overlap-score-weight", str(kv.overlap_score_weight), "--router-temperature", str(kv.temperature),
-            "--router-ttl", str(kv.approx_ttl_s), "--kv-events" if kv.use_kv_events else "--no-kv-events",
-            "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard", "--router-cost", kv.cost]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "router",
+        "--namespace",
+        frontend.namespace,
+        "--component",
+        config.worker.component,
+        "--host",
+        config.worker.host,
+        "--lease-ttl",
+        str(frontend.planes.lease_ttl),
+        "--graceful-shutdown",
+        str(config.worker.graceful_shutdown_s),
+        "--kv-overlap-score-weight",
+        str(kv.overlap_score_weight),
+        "--router-temperature",
+        str(kv.temperature),
+        "--router-ttl",
+        str(kv.approx_ttl_s),
+        "--kv-events" if kv.use_kv_events else "--no-kv-events",
+        "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard",
+        "--router-cost",
+        kv.cost,
+    ]
     if kv.block_size is not None:
         argv += ["--block-size", str(kv.block_size)]
     if kv.prefill_tokens_per_s is not None:
         argv += ["--router-prefill-tps", str(kv.prefill_tokens_per_s)]
-    argv += ["--router-host-bandwidth-gbs", str(kv.host_bandwidth_gbs),
-             "--router-disk-bandwidth-gbs", str(kv.disk_bandwidth_gbs)]  # fmt: skip
+    argv += [
+        "--router-host-bandwidth-gbs",
+        str(kv.host_bandwidth_gbs),
+        "--router-disk-bandwidth-gbs",
+        str(kv.disk_bandwidth_gbs),
+    ]
     if kv.tier_weights:
         argv += ["--router-tier-weights", ",".join(f"{tier}={weight}" for tier, weight in kv.tier_weights)]
     d = frontend.disagg
     q = frontend.queue  # the busy thresholds and the queue act in the routers (the frontend sees no load there)
-    argv += ["--router-queue-size", str(q.max_size), "--router-queue-timeout", str(q.max_wait_s),
-             "--router-queue-policy", q.policy.value, "--max-inflight-per-worker",
-             str(frontend.max_inflight_per_worker), "--active-decode-blocks-threshold",
-             str(frontend.active_blocks_threshold)]  # fmt: skip
-    argv += ["--disagg-policy", d.policy, "--max-local-prefill-length", str(d.max_local_prefill_length),
-             "--max-prefill-queue", str(d.max_prefill_queue), "--decode-busy-threshold", str(d.decode_busy_threshold),
-             *(["--enforce-disagg"] if d.enforce else [])]  # fmt: skip
+    argv += [
+        "--router-queue-size",
+        str(q.max_size),
+        "--router-queue-timeout",
+        str(q.max_wait_s),
+        "--router-queue-policy",
+        q.policy.value,
+        "--max-inflight-per-worker",
+        str(frontend.max_inflight_per_worker),
+        "--active-decode-blocks-threshold",
+        str(frontend.active_blocks_threshold),
+    ]
+    argv += [
+        "--disagg-policy",
+        d.policy,
+        "--max-local-prefill-length",
+        str(d.max_local_prefill_length),
+        "--max-prefill-queue",
+        str(d.max_prefill_queue),
+        "--decode-busy-threshold",
+        str(d.decode_busy_threshold),
+        *(["--enforce-disagg"] if d.enforce else []),
+    ]
     return argv

@@ -62,9 +62,14 @@ AS_DEVICE = TierCosts()
 
 
 def tier_costs(
-    *, block_size: int, bytes_per_block: int, host_gbs: float, disk_gbs: float, prefill_tps: float,
+    *,
+    block_size: int,
+    bytes_per_block: int,
+    host_gbs: float,
+    disk_gbs: float,
+    prefill_tps: float,
     weights: Mapping[str, float] | None = None,
-) -> TierCosts:  # fmt: skip
+) -> TierCosts:
     """The tier costs of a model with `bytes_per_block` of KV per `block_size` tokens (see the docstring)."""
     host_s, disk_s = bytes_per_block / (host_gbs * 1e9), bytes_per_block / (disk_gbs * 1e9)
     recompute_s = block_size / prefill_tps

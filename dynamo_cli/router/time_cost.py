@@ -218,8 +218,12 @@ def time_terms(
     uncached = at_least(0, isl - overlap * block_size)
     onboard_s, on_device = overlap * 0.0, overlap
     if host is not None and disk is not None:
-        onboard_s = (host * tiers.host_block_s + (host > 0) * tiers.host_latency_s
-                     + disk * tiers.disk_block_s + (disk > 0) * tiers.disk_latency_s)  # fmt: skip
+        onboard_s = (
+            host * tiers.host_block_s
+            + (host > 0) * tiers.host_latency_s
+            + disk * tiers.disk_block_s
+            + (disk > 0) * tiers.disk_latency_s
+        )
         on_device = overlap - host - disk
     known = capacity > 0
     new_blocks = at_least(0, num_blocks - on_device)

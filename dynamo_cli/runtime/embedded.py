@@ -168,8 +168,10 @@ class FileDiscovery:
         if self._owned:  # another process found the lease stale and removed it with our keys: put them back
             logger.warning(
                 "embedded discovery: lease %x expired (this process stalled over %.0f s); re-registering %d keys",
-                self._lease_id, self._ttl, len(self._owned),
-            )  # fmt: skip
+                self._lease_id,
+                self._ttl,
+                len(self._owned),
+            )
             for key, value in self._owned.items():
                 self._write_atomic(self._key_path(key), msgspec.msgpack.encode(_KeyRecord(self._lease_id, value)))
 

@@ -90,10 +90,16 @@ class Endpoint:
         when the body returns, deregister first, then drain in-flight streams for up to `grace_s`.
         If the body raises, nothing is waited for: the lease takes the keys when the process closes it."""
         server.add_endpoint(self.name.endpoint, handler)
-        record = InstanceRecord(namespace=self.name.namespace, component=self.name.component,
-                                endpoint=self.name.endpoint, instance_id=self.instance_id,
-                                transport={"tcp": server.address}, role=role, pid=os.getpid(),
-                                hostname=socket.gethostname())  # fmt: skip
+        record = InstanceRecord(
+            namespace=self.name.namespace,
+            component=self.name.component,
+            endpoint=self.name.endpoint,
+            instance_id=self.instance_id,
+            transport={"tcp": server.address},
+            role=role,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
         await self.discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
         await self.discovery.put(self.name.instance_key(self.instance_id), msgspec.json.encode(record))
         yield record
@@ -122,9 +128,12 @@ class InstanceWatch(Generic[CardT]):
     """
 
     def __init__(
-        self, discovery: Discovery, scope: str, card_type: type[CardT],
+        self,
+        discovery: Discovery,
+        scope: str,
+        card_type: type[CardT],
         accept: Callable[[EndpointName], bool] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.instances: dict[int, Instance[CardT]] = {}
         """The live instances by id."""
         self.changed = asyncio.Event()
@@ -139,8 +148,10 @@ class InstanceWatch(Generic[CardT]):
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:
         """The two watch loops (records, cards); each runs until cancelled."""
-        return [self._follow("v1/instances", InstanceRecord, self._records),
-                self._follow("v1/mdc", self._card_type, self._cards)]  # fmt: skip
+        return [
+            self._follow("v1/instances", InstanceRecord, self._records),
+            self._follow("v1/mdc", self._card_type, self._cards),
+        ]
 
     async def _follow(self, root: str, kind: type[Any], store: dict[int, Any]) -> None:
         decode = msgspec.json.Decoder(kind).decode
@@ -242,8 +253,9 @@ class Client(Generic[CardT]):
 
     def __post_init__(self) -> None:
         self.connections = Connections(self.secret)
-        self.watch = InstanceWatch(self.discovery, f"{self.name.path}/", self.card_type,
-                                   accept=lambda name: name == self.name)  # fmt: skip
+        self.watch = InstanceWatch(
+            self.discovery, f"{self.name.path}/", self.card_type, accept=lambda name: name == self.name
+        )
         self.watch.on_leave = self._left
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:

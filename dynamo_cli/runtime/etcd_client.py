@@ -33,21 +33,30 @@ _AUTH_FAILURES = (
 def new_client(target: EtcdTarget, host: str, port: int, *, timeout: int, options: dict[str, Any]) -> aetcd.Client:
     """An aetcd client for `target`'s credentials and TLS (not connected yet: the first call connects)."""
     if target.tls is None:
-        return aetcd.Client(host, port, username=target.user, password=target.password,
-                            timeout=timeout, options=options)  # fmt: skip
+        return aetcd.Client(
+            host, port, username=target.user, password=target.password, timeout=timeout, options=options
+        )
     if len(target.endpoints) > 1:
         # The ipv4: multi-address target carries no name; verify the certificate against the first host's.
         options = {**options, "grpc.ssl_target_name_override": target.endpoints[0][0]}
-    return TlsClient(host, port, username=target.user, password=target.password, timeout=timeout,
-                     options=options, credentials=channel_credentials(target.tls))  # fmt: skip
+    return TlsClient(
+        host,
+        port,
+        username=target.user,
+        password=target.password,
+        timeout=timeout,
+        options=options,
+        credentials=channel_credentials(target.tls),
+    )
 
 
 def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     """gRPC TLS credentials from the URL's `ca`, `cert` and `key` files; ConfigError names an unreadable one."""
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls.ca, "ca"), private_key=_read(tls.key, "key"),
+        root_certificates=_read(tls.ca, "ca"),
+        private_key=_read(tls.key, "key"),
         certificate_chain=_read(tls.cert, "cert"),
-    )  # fmt: skip
+    )
 
 
 def is_auth_failure(exc: BaseException) -> bool:
@@ -95,8 +104,7 @@ class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
-                                            metadata=self.metadata)  # fmt: skip
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
             self._connected.set()
         finally:
             self._is_connecting = False

@@ -66,8 +66,9 @@ def _new_agent(agent_class: Any) -> Any:
     # No progress thread: NIXL's polls without pause (pthrDelay 0), a fifth of a core per idle agent on
     # this CPU. The puller progresses its own reads (check_xfer_state); the source progresses only while
     # a read of its memory is in flight (NixlSource.progress, between the claim and the ack).
-    config = importlib.import_module(agent_class.__module__).nixl_agent_config(enable_prog_thread=False,
-                                                                               backends=["UCX"])
+    config = importlib.import_module(agent_class.__module__).nixl_agent_config(
+        enable_prog_thread=False, backends=["UCX"]
+    )
     return agent_class(name, config)
 
 

@@ -239,9 +239,7 @@ class NatsEventBus:
         except nats.errors.OutboundBufferLimitError:
             self.num_publish_dropped += 1
             if self.num_publish_dropped == 1:
-                logger.warning(
-                    "nats at %s: outbound buffer full while disconnected; dropping events", self.address
-                )
+                logger.warning("nats at %s: outbound buffer full while disconnected; dropping events", self.address)
 
     async def subscribe(self, subject: str) -> NatsSubscription:
         """Receive every message published on `subject` from now on (`*` and trailing `>` allowed)."""

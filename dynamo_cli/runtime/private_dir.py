@@ -30,8 +30,10 @@ def ensure_private_dir(path: Path, *, strict: bool) -> None:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path) if strict else os.stat(path)
     except OSError as exc:
-        raise ConfigError(f"discovery directory {path} cannot be created or read: {exc.strerror}; "
-                          "fix the path or its parent's permissions") from None  # fmt: skip
+        raise ConfigError(
+            f"discovery directory {path} cannot be created or read: {exc.strerror}; "
+            "fix the path or its parent's permissions"
+        ) from None
     if strict and _is_own_readable_only(st, os.getuid()):
         os.chmod(path, 0o700)  # e.g. 0755 from an older dyn: readable by others, never writable by them
         st = os.lstat(path)
@@ -58,8 +60,10 @@ def refusal(st: os.stat_result, uid: int, *, strict: bool) -> tuple[str, str] | 
         return "is not a directory", "remove it (`rm {path}`) or choose another --discovery file:///DIR"
     owners = (uid,) if strict else (uid, 0)
     if st.st_uid not in owners:
-        return (f"is owned by uid {st.st_uid}, not by you (uid {uid})",
-                "remove it (`rm -rf {path}`) or choose a directory of your own with --discovery file:///DIR")
+        return (
+            f"is owned by uid {st.st_uid}, not by you (uid {uid})",
+            "remove it (`rm -rf {path}`) or choose a directory of your own with --discovery file:///DIR",
+        )
     loose = 0o077 if strict else (0o002 if st.st_uid == uid else 0o022)
     if mode & loose:
         wanted = "700" if strict else ("o-w" if st.st_uid == uid else "go-w")

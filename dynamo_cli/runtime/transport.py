@@ -278,8 +278,11 @@ class RequestServer:
         host = self._host if self._host not in ("0.0.0.0", "::", "") else socket.gethostname()
         self._address = f"{host}:{port}"
         if self._secret is None:
-            logger.warning("request plane %s: no cluster secret, so any process on this host may use it; pass"
-                           " --cluster-secret-file PATH or DYN_CLUSTER_SECRET", self._address)  # fmt: skip
+            logger.warning(
+                "request plane %s: no cluster secret, so any process on this host may use it; pass"
+                " --cluster-secret-file PATH or DYN_CLUSTER_SECRET",
+                self._address,
+            )
         return self._address
 
     @property
@@ -292,8 +295,13 @@ class RequestServer:
         now = time.monotonic()
         if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
             self._refusal_logged_at = now
-            logger.warning("request plane %s: refused a connection from %s: %s (%d refused so far)",
-                           self._address, peer, reason, self._num_refused)  # fmt: skip
+            logger.warning(
+                "request plane %s: refused a connection from %s: %s (%d refused so far)",
+                self._address,
+                peer,
+                reason,
+                self._num_refused,
+            )
 
     @property
     def num_inflight(self) -> int:
@@ -573,4 +581,3 @@ class RequestClient:
         if not self._closed:
             self._closed = True
             self._lost(WorkerDisconnected(f"client for {self.address} closed"))
-

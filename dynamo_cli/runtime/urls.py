@@ -120,16 +120,20 @@ def parse_nats_target(url: str) -> NatsTarget:
     if password is not None and not user:
         raise ConfigError(f"--events '{_redact(url)}' has a password but no user; use nats://USER:PASSWORD@HOST")
     if sum(x is not None for x in (password, token, creds)) > 1:
-        raise ConfigError(
-            f"--events '{_redact(url)}' gives more than one of user/password, token and creds; keep one"
-        )
+        raise ConfigError(f"--events '{_redact(url)}' gives more than one of user/password, token and creds; keep one")
     tls_first = _flag(options, "tls-first", url)
     tls = _tls(options, url, "--events", is_on=scheme == "tls" or tls_first)
-    servers = tuple(
-        "{}://{}:{}".format(scheme, *_host_port(part, NATS_PORT, url, "--events")) for part in hosts
+    servers = tuple("{}://{}:{}".format(scheme, *_host_port(part, NATS_PORT, url, "--events")) for part in hosts)
+    return NatsTarget(
+        servers=servers,
+        user=user or None,
+        password=password,
+        token=token,
+        creds=creds,
+        tls=tls,
+        tls_first=tls_first,
+        redacted=_redact(url),
     )
-    return NatsTarget(servers=servers, user=user or None, password=password, token=token, creds=creds,
-                      tls=tls, tls_first=tls_first, redacted=_redact(url))  # fmt: skip
 
 
 def redact_url(url: str) -> str:
@@ -156,9 +160,7 @@ def _query(query: str, url: str, flag: str, known: tuple[str, ...]) -> dict[str,
     options: dict[str, str] = {}
     for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
         if key not in known:
-            raise ConfigError(
-                f"{flag} '{_redact(url)}': unknown option '{key}'; known options: {', '.join(known)}"
-            )
+            raise ConfigError(f"{flag} '{_redact(url)}': unknown option '{key}'; known options: {', '.join(known)}")
         if not value:
             raise ConfigError(f"{flag} '{_redact(url)}': option '{key}' needs a value ({key}=PATH)")
         options[key] = value

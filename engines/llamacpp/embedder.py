@@ -39,8 +39,9 @@ class Embedder:
     def embed(self, token_ids: list[int]) -> list[float]:
         """The unit-length mean-pooled embedding of `token_ids` (RequestError when they do not fit)."""
         if not token_ids or len(token_ids) > self.n_ctx:
-            raise RequestError(f"an input has {len(token_ids)} tokens; embeddings take 1..{self.n_ctx} each",
-                               param="input")  # fmt: skip
+            raise RequestError(
+                f"an input has {len(token_ids)} tokens; embeddings take 1..{self.n_ctx} each", param="input"
+            )
         llama_cpp.llama_memory_clear(self._memory, True)
         batch = self._batch
         for i, token in enumerate(token_ids):

@@ -128,8 +128,14 @@ class LlamaCppEngine:
             self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
-        self._tiers = await KvTiering.open(self._tier_config(runner), opts.model_path, runner.state_layout,
-                                           opts.block_size, runner.n_ctx_seq, self._publish_tier_events)  # fmt: skip
+        self._tiers = await KvTiering.open(
+            self._tier_config(runner),
+            opts.model_path,
+            runner.state_layout,
+            opts.block_size,
+            runner.n_ctx_seq,
+            self._publish_tier_events,
+        )
         self._scheduler = Scheduler(
             block_size=opts.block_size,
             capacity=n_ctx,
@@ -153,8 +159,10 @@ class LlamaCppEngine:
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
-            features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P,
-                                Feature.GUIDED_JSON} | ({Feature.EMBEDDINGS} if opts.embeddings else set())),
+            features=frozenset(
+                {Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P, Feature.GUIDED_JSON}
+                | ({Feature.EMBEDDINGS} if opts.embeddings else set())
+            ),
             extra=self._info_extra(runner, n_ctx),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
@@ -228,8 +236,9 @@ class LlamaCppEngine:
         """Embeddings in the step thread, between steps (option embeddings=true)."""
         embedder, info = self._embedder, self._info
         if embedder is None or info is None:
-            raise RequestError("this llamacpp worker serves no embeddings; start it with --engine-arg embeddings=true",
-                               param="model")  # fmt: skip
+            raise RequestError(
+                "this llamacpp worker serves no embeddings; start it with --engine-arg embeddings=true", param="model"
+            )
         for ids in request.inputs:
             check_token_ids(ids, "input", info.vocab_size)
         loop = asyncio.get_running_loop()

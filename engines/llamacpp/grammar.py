@@ -56,15 +56,49 @@ def gbnf_for(guided: Guided) -> str:
     return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR, 1)
 
 
-UNENFORCED = frozenset({
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "contains",
-    "minContains", "maxContains", "minProperties", "maxProperties", "patternProperties", "propertyNames",
-    "dependentRequired", "dependentSchemas", "dependencies", "if", "then", "else", "not", "unevaluatedProperties",
-    "unevaluatedItems",
-})  # fmt: skip
+UNENFORCED = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "minProperties",
+        "maxProperties",
+        "patternProperties",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "if",
+        "then",
+        "else",
+        "not",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
 """Keywords the converter would silently drop: a schema using one is refused rather than half enforced."""
-_SHAPING = frozenset({"properties", "items", "prefixItems", "enum", "const", "pattern", "minLength", "maxLength",
-                      "minItems", "maxItems", "required", "additionalProperties"})  # fmt: skip
+_SHAPING = frozenset(
+    {
+        "properties",
+        "items",
+        "prefixItems",
+        "enum",
+        "const",
+        "pattern",
+        "minLength",
+        "maxLength",
+        "minItems",
+        "maxItems",
+        "required",
+        "additionalProperties",
+    }
+)
 """Keywords the converter ignores beside a union (`anyOf`, `oneOf`, a list of types) or beside `pattern`."""
 
 
@@ -75,8 +109,11 @@ def _refuse_unenforced(schema_text: str, param: str) -> None:
     except ValueError:
         raise RequestError(f"{param}: the JSON schema is not JSON", param) from None
     for path, keyword in _unenforced(schema, "#"):
-        raise RequestError(f"{param}: llama.cpp's grammar cannot enforce '{keyword}' (at {path}) of the JSON "
-                           "schema; remove it, or serve with an engine that can (vllm)", param)  # fmt: skip
+        raise RequestError(
+            f"{param}: llama.cpp's grammar cannot enforce '{keyword}' (at {path}) of the JSON "
+            "schema; remove it, or serve with an engine that can (vllm)",
+            param,
+        )
 
 
 def _unenforced(schema: Any, path: str) -> Iterator[tuple[str, str]]:

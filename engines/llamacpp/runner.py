@@ -199,8 +199,13 @@ class Runner:
             add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(request.logit_bias), biases))
         if request.repetition_penalty != 1.0 or request.frequency_penalty or request.presence_penalty:
             generated = request.token_ids[len(request.token_ids) - request.num_generated :]
-            penalties = llama_cpp.llama_sampler_init_penalties(self.n_vocab, request.max_tokens + len(generated),
-                request.repetition_penalty, request.frequency_penalty, request.presence_penalty)  # fmt: skip
+            penalties = llama_cpp.llama_sampler_init_penalties(
+                self.n_vocab,
+                request.max_tokens + len(generated),
+                request.repetition_penalty,
+                request.frequency_penalty,
+                request.presence_penalty,
+            )
             for token in generated:  # an earlier hop's output counts too (migration, remote prefill)
                 llama_cpp.llama_sampler_accept(penalties, token)
             add(penalties)

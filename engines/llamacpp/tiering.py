@@ -63,9 +63,14 @@ class KvTiering:
 
     @classmethod
     async def open(
-        cls, config: KvTierConfig, model_path: str, layout: StateLayout | None, block_size: int, max_cells: int,
+        cls,
+        config: KvTierConfig,
+        model_path: str,
+        layout: StateLayout | None,
+        block_size: int,
+        max_cells: int,
         publish: Callable[[], None],
-    ) -> KvTiering | None:  # fmt: skip
+    ) -> KvTiering | None:
         """Tiers for this engine, started (a warm restart announces the disk's blocks); None when off or
         this model's states cannot be cut into blocks."""
         if not config.enabled:
@@ -158,8 +163,9 @@ class KvTiering:
         try:
             seq.kv_state = await asyncio.to_thread(self._joined, found)
         except kv_state.StateFormatError as exc:
-            logger.warning("llamacpp: onboarded KV for request %s failed its check (%s); recomputing",
-                           seq.request.request_id, exc)  # fmt: skip
+            logger.warning(
+                "llamacpp: onboarded KV for request %s failed its check (%s); recomputing", seq.request.request_id, exc
+            )
             return
         seq.num_onboarded = len(found) * bs
 

@@ -101,14 +101,10 @@ class MockerConfig:
             context_length=_positive_int("context_length", context_length),
             num_gpu_blocks=_positive_int("num_gpu_blocks", extra.get("num_gpu_blocks", 16384)),
             max_num_seqs=_positive_int("max_num_seqs", extra.get("max_num_seqs", 256)),
-            max_num_batched_tokens=_positive_int(
-                "max_num_batched_tokens", extra.get("max_num_batched_tokens", 8192)
-            ),
+            max_num_batched_tokens=_positive_int("max_num_batched_tokens", extra.get("max_num_batched_tokens", 8192)),
             enable_prefix_caching=_boolean("enable_prefix_caching", extra.get("enable_prefix_caching", True)),
             speedup_ratio=_positive_float("speedup_ratio", extra.get("speedup_ratio", 1.0)),
-            decode_speedup_ratio=_positive_float(
-                "decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)
-            ),
+            decode_speedup_ratio=_positive_float("decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)),
             kv_bytes_per_token=_positive_int(
                 "kv_bytes_per_token", extra.get("kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN)
             ),

@@ -253,8 +253,13 @@ class MockerEngine:
 
     def _make_tiers(self, args: EngineArgs) -> MockerTiers:
         config = self.config
-        timing = TierTiming(config.kv_host_bandwidth, config.kv_disk_bandwidth, config.kv_host_latency_ms,
-                            config.kv_disk_latency_ms, config.speedup_ratio)  # fmt: skip
+        timing = TierTiming(
+            config.kv_host_bandwidth,
+            config.kv_disk_bandwidth,
+            config.kv_host_latency_ms,
+            config.kv_disk_latency_ms,
+            config.speedup_ratio,
+        )
         block_bytes = config.kv_bytes_per_token * config.block_size
         fingerprint = f"mocker:{config.model}:{config.block_size}:{config.kv_bytes_per_token}"
         return MockerTiers(args.kv_tiers, self._kv, timing=timing, block_bytes=block_bytes, fingerprint=fingerprint)

@@ -67,9 +67,7 @@ class EventRing:
             next_id = first
         elif next_id < first:
             if self.num_skipped == 0:
-                logger.warning(
-                    "a KV event subscriber fell %d batches behind; events were lost", first - next_id
-                )
+                logger.warning("a KV event subscriber fell %d batches behind; events were lost", first - next_id)
             self.num_skipped += first - next_id
             next_id = first
         return list(itertools.islice(batches, next_id - first, None))

@@ -212,11 +212,14 @@ class VllmEngine:
         if tiers.disk_bytes > 0:
             raise ConfigError("the vllm engine offloads KV to host memory only: drop --kv-disk-cache-gb")
         if self.lib.is_cpu:
-            raise ConfigError("vLLM offloads KV only from a CUDA or XPU GPU, not on its CPU build: "
-                              "drop --kv-host-cache-gb")  # fmt: skip
+            raise ConfigError(
+                "vLLM offloads KV only from a CUDA or XPU GPU, not on its CPU build: drop --kv-host-cache-gb"
+            )
         if self.role is not Role.BOTH or kwargs.get("kv_transfer_config") is not None:
-            raise ConfigError("--kv-host-cache-gb on the vllm engine needs --role both and no kv_transfer_config "
-                              "(vLLM's offloading is a KV connector of its own)")  # fmt: skip
+            raise ConfigError(
+                "--kv-host-cache-gb on the vllm engine needs --role both and no kv_transfer_config "
+                "(vLLM's offloading is a KV connector of its own)"
+            )
         return {"kv_offloading_size": tiers.host_bytes / (1 << 30), "kv_offloading_backend": "native"}
 
     def _kv_transfer_config(self, config: Any) -> Any:
@@ -449,8 +452,9 @@ class VllmEngine:
         if cls is None:
             raise RequestError(f"{guided.param}: this vLLM has no structured outputs; leave it out", guided.param)
         if guided.num_accepted > (1 if request.kv_transfer is not None else 0):
-            raise RequestError(f"{guided.param}: vllm cannot resume guided decoding over output made elsewhere",
-                               guided.param)  # fmt: skip
+            raise RequestError(
+                f"{guided.param}: vllm cannot resume guided decoding over output made elsewhere", guided.param
+            )
         if guided.kind == "json_object":
             return cls(json_object=True)
         return cls(json=msgspec.json.decode(guided.schema))

@@ -38,8 +38,17 @@ from dynamo_cli.kv.hashing import hash_blocks
 
 logger = logging.getLogger(__name__)
 
-TIER_OF: dict[str | None, Tier] = {None: DEVICE, "GPU": DEVICE, "DEVICE": DEVICE, "CUDA": DEVICE, "CPU": HOST,
-                                    "HOST": HOST, "DISK": DISK, "SSD": DISK, "LOCAL_DISK": DISK}  # fmt: skip
+TIER_OF: dict[str | None, Tier] = {
+    None: DEVICE,
+    "GPU": DEVICE,
+    "DEVICE": DEVICE,
+    "CUDA": DEVICE,
+    "CPU": HOST,
+    "HOST": HOST,
+    "DISK": DISK,
+    "SSD": DISK,
+    "LOCAL_DISK": DISK,
+}
 """An engine's storage medium (upper-cased) -> our tier; None = the engine sent no medium (its own cache)."""
 _QUEUE_SIZE = 4096
 

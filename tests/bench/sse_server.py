@@ -59,13 +59,12 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] 
 def _json_response(status: int, doc: object) -> bytes:
     body = json.dumps(doc).encode()
     reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}[status]
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
-async def _stream(
-    writer: asyncio.StreamWriter, rhythm: Rhythm, body: dict, index: int, is_chat: bool
-) -> None:
+async def _stream(writer: asyncio.StreamWriter, rhythm: Rhythm, body: dict, index: int, is_chat: bool) -> None:
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
     if is_chat:
         writer.write(_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
@@ -101,18 +100,14 @@ async def _handle(rhythm: Rhythm, reader: asyncio.StreamReader, writer: asyncio.
         while (request := await _read_request(reader)) is not None:
             method, path, raw = request
             if method == "GET" and path == "/v1/models":
-                writer.write(
-                    _json_response(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-                )
+                writer.write(_json_response(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
                 continue
             rhythm.arrivals.append(time.perf_counter())
             index = len(rhythm.arrivals) - 1
             body = json.loads(raw)
             rhythm.bodies.append(body)
             if body.get("model") != MODEL:
-                writer.write(
-                    _json_response(404, {"error": {"message": f"model {body.get('model')} not found"}})
-                )
+                writer.write(_json_response(404, {"error": {"message": f"model {body.get('model')} not found"}}))
             elif rhythm.fail_every and (index + 1) % rhythm.fail_every == 0:
                 writer.write(_json_response(500, {"error": {"message": "injected failure"}}))
             elif rhythm.not_sse:
@@ -149,9 +144,7 @@ async def stop(server: asyncio.Server, rhythm: Rhythm) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    rhythm = Rhythm(
-        ttft_s=args.ttft_ms / 1e3, gap_s=args.gap_ms / 1e3, tokens_per_chunk=args.tokens_per_chunk
-    )
+    rhythm = Rhythm(ttft_s=args.ttft_ms / 1e3, gap_s=args.gap_ms / 1e3, tokens_per_chunk=args.tokens_per_chunk)
     server, url = await start(rhythm)
     print(f"READY {url.removeprefix('http://')}", flush=True)
     async with server:

@@ -17,19 +17,31 @@ from dynamo_cli.errors import ModelNotFound
 FAST = ["--isl", "8", "--osl", "4", "--no-progress", "--tokenizer", "none"]
 
 
-def test_a_run_prints_the_table_and_definitions_and_writes_json_csv_and_jsonl(
-    serve_in_thread, tmp_path
-) -> None:
+def test_a_run_prints_the_table_and_definitions_and_writes_json_csv_and_jsonl(serve_in_thread, tmp_path) -> None:
     out = tmp_path / "a.json"
     with serve_in_thread(Rhythm(ttft_s=0.0, gap_s=0.0)) as url:
-        result = CliRunner().invoke(app, ["--url", url, "-c", "2", "-n", "6", *FAST, "--slo", "ttft=1000",
-                                          "--json", str(out), "--csv", str(tmp_path / "a.csv"),
-                                          "--jsonl", str(tmp_path / "a.jsonl")])  # fmt: skip
+        result = CliRunner().invoke(
+            app,
+            [
+                "--url",
+                url,
+                "-c",
+                "2",
+                "-n",
+                "6",
+                *FAST,
+                "--slo",
+                "ttft=1000",
+                "--json",
+                str(out),
+                "--csv",
+                str(tmp_path / "a.csv"),
+                "--jsonl",
+                str(tmp_path / "a.jsonl"),
+            ],
+        )
     assert result.exit_code == 0, result.output
-    assert (
-        "ttft (ms)" in result.output
-        and "TTFT: send → first SSE event with non-empty content" in result.output
-    )
+    assert "ttft (ms)" in result.output and "TTFT: send → first SSE event with non-empty content" in result.output
     assert "output tokens from: usage" in result.output and "approximate" in result.output
     summary = json.loads(out.read_text())["summary"]
     assert (summary["num_completed"], summary["good_fraction"]) == (6, 1.0)
@@ -60,15 +72,11 @@ def test_a_concurrency_sweep_prints_one_table_with_a_row_per_value(serve_in_thre
 @pytest.mark.parametrize(
     ("rhythm", "args", "error", "message"),
     [
-        pytest.param(
-            Rhythm(), ["--model", "nope"], ModelNotFound, "the model 'nope' does not exist", id="wrong-model"
-        ),
+        pytest.param(Rhythm(), ["--model", "nope"], ModelNotFound, "the model 'nope' does not exist", id="wrong-model"),
         pytest.param(Rhythm(not_sse=True), [], EndpointError, "not an SSE stream", id="no-sse"),
     ],
 )
-def test_a_broken_endpoint_fails_before_the_run_with_the_reason(
-    serve_in_thread, rhythm, args, error, message
-) -> None:
+def test_a_broken_endpoint_fails_before_the_run_with_the_reason(serve_in_thread, rhythm, args, error, message) -> None:
     with serve_in_thread(rhythm) as url:
         result = CliRunner().invoke(app, ["--url", url, "-n", "2", *FAST, *args])
     assert isinstance(result.exception, error) and message in str(result.exception)
@@ -77,10 +85,21 @@ def test_a_broken_endpoint_fails_before_the_run_with_the_reason(
 def test_an_unreachable_url_prints_one_red_line_and_exits_non_zero() -> None:
     assert issubclass(EndpointUnreachable, Exception)
     proc = subprocess.run(
-        [sys.executable, "-c", "from dynamo_cli.cli.main import main; main()",
-         "bench", "--url", "http://127.0.0.1:1", "-n", "1", "--no-progress"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "from dynamo_cli.cli.main import main; main()",
+            "bench",
+            "--url",
+            "http://127.0.0.1:1",
+            "-n",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "error: cannot reach http://127.0.0.1:1: cannot connect to 127.0.0.1:1: "

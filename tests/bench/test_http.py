@@ -56,8 +56,9 @@ def test_a_content_length_error_body_is_kept_for_the_message() -> None:
 async def test_the_client_reuses_one_connection_per_slot_across_requests(serve) -> None:
     rhythm = Rhythm(ttft_s=0.0, gap_s=0.0)
     async with serve(rhythm) as url, HttpClient(url, max_connections=2) as client:
-        records = await asyncio.gather(*(client.stream_chat({"model": "test-model", "max_tokens": 3})
-                                         for _ in range(6)))  # fmt: skip
+        records = await asyncio.gather(
+            *(client.stream_chat({"model": "test-model", "max_tokens": 3}) for _ in range(6))
+        )
         assert [r.error for r in records] == [None] * 6
         assert all(r.text == " tok tok tok" and r.completion_tokens == 3 for r in records)
         assert len(rhythm.writers) == 2  # two keep-alive connections served all six requests

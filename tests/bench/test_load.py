@@ -55,12 +55,17 @@ async def test_requests_follow_the_constant_request_rate(serve) -> None:
 async def test_trace_replay_sends_requests_at_the_scaled_timestamps(serve, tmp_path) -> None:
     trace = tmp_path / "trace.jsonl"
     stamps = [5000, 5100, 5300, 5600]  # ms; scaled by 0.5 → 0, 50, 150, 300 ms after the start
-    trace.write_text("\n".join(json.dumps({"timestamp": t, "input_length": 20, "output_length": 2,
-                                           "hash_ids": [1]}) for t in stamps))  # fmt: skip
+    trace.write_text(
+        "\n".join(json.dumps({"timestamp": t, "input_length": 20, "output_length": 2, "hash_ids": [1]}) for t in stamps)
+    )
     rhythm = Rhythm(ttft_s=0.0, gap_s=0.0)
     async with serve(rhythm) as url:
-        config = BenchConfig(url=url, load=LoadConfig(num_requests=4), tokenizer="none",
-                             workload=WorkloadConfig(trace=str(trace), trace_time_scale=0.5))  # fmt: skip
+        config = BenchConfig(
+            url=url,
+            load=LoadConfig(num_requests=4),
+            tokenizer="none",
+            workload=WorkloadConfig(trace=str(trace), trace_time_scale=0.5),
+        )
         await run_bench(config)
     arrivals = rhythm.arrivals[1:]
     offsets = [(t - arrivals[0]) * 1e3 for t in arrivals]
@@ -98,8 +103,12 @@ async def test_warmup_requests_are_sent_but_not_measured(serve) -> None:
 async def test_multi_turn_sessions_send_the_previous_answers_as_history(serve) -> None:
     rhythm = Rhythm(ttft_s=0.0, gap_s=0.0)
     async with serve(rhythm) as url:
-        config = BenchConfig(url=url, load=LoadConfig(concurrency=1, num_requests=3), tokenizer="none",
-                             workload=WorkloadConfig(isl=5, osl=2, turns=3))  # fmt: skip
+        config = BenchConfig(
+            url=url,
+            load=LoadConfig(concurrency=1, num_requests=3),
+            tokenizer="none",
+            workload=WorkloadConfig(isl=5, osl=2, turns=3),
+        )
         await run_bench(config)
     roles = [[m["role"] for m in body["messages"]] for body in rhythm.bodies[1:]]
     assert roles == [
@@ -108,9 +117,7 @@ async def test_multi_turn_sessions_send_the_previous_answers_as_history(serve) -
         ["user", "assistant", "user", "assistant", "user"],
     ]
     assert rhythm.bodies[2]["messages"][1]["content"] == " tok tok"
-    assert rhythm.bodies[1]["ignore_eos"] is True and rhythm.bodies[1]["stream_options"] == {
-        "include_usage": True
-    }
+    assert rhythm.bodies[1]["ignore_eos"] is True and rhythm.bodies[1]["stream_options"] == {"include_usage": True}
 
 
 async def test_a_duration_stops_issuing_requests_in_time(serve) -> None:

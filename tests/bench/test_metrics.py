@@ -14,8 +14,14 @@ from dynamo_cli.errors import ConfigError
 
 def _record(start: float, ttft: float, gap: float, tokens: int, usage: bool = True) -> RequestRecord:
     times = [start + ttft + i * gap for i in range(tokens)]
-    return RequestRecord(start=start, end=times[-1], chunk_times=times, pieces=["x"] * tokens,
-                         completion_tokens=tokens if usage else None, input_tokens=100)  # fmt: skip
+    return RequestRecord(
+        start=start,
+        end=times[-1],
+        chunk_times=times,
+        pieces=["x"] * tokens,
+        completion_tokens=tokens if usage else None,
+        input_tokens=100,
+    )
 
 
 def test_ttft_itl_tpot_and_e2e_follow_their_definitions() -> None:
@@ -70,9 +76,7 @@ def test_goodput_counts_exactly_the_requests_within_every_slo_and_failures_again
     assert summary.total_token_throughput == pytest.approx((20 + 400) / 0.5)
 
 
-@pytest.mark.parametrize(
-    "spec", ["ttft", "speed=3", "ttft=fast"], ids=["no-value", "unknown-key", "not-a-number"]
-)
+@pytest.mark.parametrize("spec", ["ttft", "speed=3", "ttft=fast"], ids=["no-value", "unknown-key", "not-a-number"])
 def test_a_malformed_slo_is_a_config_error_naming_the_item(spec: str) -> None:
     with pytest.raises(ConfigError, match="--slo"):
         parse_slo([spec])

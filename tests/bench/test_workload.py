@@ -49,10 +49,7 @@ def test_shared_prefix_is_exact_in_the_models_own_tokens(model_vocab: wl.Vocab) 
     from dynamo_cli.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path("smollm2"))
-    ids = [
-        tok.encode(c.turns[0].text)
-        for c in itertools.islice(wl.shared_prefix(model_vocab, 2, 64, 32, 8, 0), 4)
-    ]
+    ids = [tok.encode(c.turns[0].text) for c in itertools.islice(wl.shared_prefix(model_vocab, 2, 64, 32, 8, 0), 4)]
     assert [len(x) for x in ids] == [96] * 4
     assert (_shared(ids[0], ids[2]), _shared(ids[1], ids[3]), _shared(ids[0], ids[1])) == (64, 64, 0)
 

@@ -31,8 +31,13 @@ LONG = " ".join(["word"] * 1500)  # ~1,500 tokens: over the default --max-local-
 
 
 def chat(content: str, **extra: object) -> dict[str, object]:
-    return {"model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": 8,
-            "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -50,8 +55,13 @@ def disagg(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
 
 
 def test_ls_shows_the_roles(disagg: DynProcess) -> None:
-    out = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", disagg.discovery],
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", disagg.discovery],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert sorted(row["role"] for row in json.loads(out.stdout)) == ["decode", "prefill"]
 
 
@@ -86,15 +96,22 @@ def test_streaming_a_remotely_prefilled_request_counts_every_token(disagg: DynPr
     import openai
 
     c = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key=disagg.api_key, max_retries=0, timeout=60)
-    chunks = list(c.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=12, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))  # fmt: skip
+    chunks = list(
+        c.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     # max_tokens 1: the prefill's token is the whole answer and the decode worker is never asked
-    one = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=1,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    one = c.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=1, extra_body={"ignore_eos": True}
+    )
     assert one.usage is not None and one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
 
 
@@ -142,8 +159,9 @@ async def test_a_hundred_clients_that_leave_mid_request_leave_no_kv_held(dyn_ser
             await asyncio.gather(*(leave_after(http, 0.01 * (i % 20) + 0.005) for i in range(start, start + 20)))
 
     def drained(loads: dict[int, LoadMetrics]) -> bool:
-        return len(loads) == 2 and all(m.active_blocks == 0 and m.kv_transfer_held == 0 and m.num_running == 0
-                                       for m in loads.values())  # fmt: skip
+        return len(loads) == 2 and all(
+            m.active_blocks == 0 and m.kv_transfer_held == 0 and m.num_running == 0 for m in loads.values()
+        )
 
     loads: dict[int, LoadMetrics] = {}
     for _ in range(20):  # the frontend releases unused handles at once; the workers' loads follow
@@ -154,8 +172,19 @@ async def test_a_hundred_clients_that_leave_mid_request_leave_no_kv_held(dyn_ser
 
 
 def test_a_prefill_worker_killed_mid_prefill_costs_no_request(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve("--engine", "mocker", "--speedup-ratio", "0.2", "--lease-ttl", "2", "--max-restarts", "0",
-                  "--disagg", "--disagg-policy", "always")  # fmt: skip
+    d = dyn_serve(
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        "0.2",
+        "--lease-ttl",
+        "2",
+        "--max-restarts",
+        "0",
+        "--disagg",
+        "--disagg-policy",
+        "always",
+    )
     [victim] = d.worker_pids("prefill")
     results: list[httpx.Response] = []
 
@@ -172,8 +201,9 @@ def test_a_prefill_worker_killed_mid_prefill_costs_no_request(dyn_serve) -> None
     assert r.json()["usage"]["completion_tokens"] == 8
     # with no prefill worker left, the decode worker prefills (until the pool is back)
     assert wait_until(lambda: not d.worker_pids("prefill"), timeout=6)
-    r = httpx.post(f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=60,
-                   headers={**d.auth, "x-dyn-explain-route": "1"})
+    r = httpx.post(
+        f"{d.url}/v1/chat/completions", json=chat(LONG), timeout=60, headers={**d.auth, "x-dyn-explain-route": "1"}
+    )
     assert r.status_code == 200
     assert json.loads(r.headers["x-dyn-prefill-route"])["outcome"] == "local_no_prefill_worker"
 
@@ -186,10 +216,18 @@ def test_enforce_disagg_without_a_prefill_worker_is_a_503_naming_the_pool(dyn_se
 
 
 def test_bad_disagg_flags_exit_2_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    for flags in (["--disagg", "--prefill-workers", "0"], ["--disagg-policy", "sometimes"],
-                  ["--max-prefill-queue", "0"], ["--kv-transfer", "carrier-pigeon"]):  # fmt: skip
-        out = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", *flags],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    for flags in (
+        ["--disagg", "--prefill-workers", "0"],
+        ["--disagg-policy", "sometimes"],
+        ["--max-prefill-queue", "0"],
+        ["--kv-transfer", "carrier-pigeon"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2, (flags, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
@@ -201,16 +239,30 @@ def test_dyn_router_replicas_run_the_prefill_stage_too(dyn_serve) -> None:  # ty
     c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=60)
     for stream in (False, True):
         if stream:
-            chunks = list(c.chat.completions.create(
-                model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=6, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+            chunks = list(
+                c.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": LONG}],
+                    max_tokens=6,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+            )
             usage = chunks[-1].usage
         else:
-            usage = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": LONG}],
-                                              max_tokens=6, extra_body={"ignore_eos": True}).usage  # fmt: skip
+            usage = c.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": LONG}],
+                max_tokens=6,
+                extra_body={"ignore_eos": True},
+            ).usage
         assert usage is not None and usage.completion_tokens == 6
     page = httpx.get(f"{d.url}/metrics", timeout=10).text
     # the decode workers' pulls reach the frontend's /metrics through the router
     why = [line for line in (*page.splitlines(), *d.lines) if "kv_transfer_seconds_count" in line or "WARNING" in line]
-    assert metric(page, "dynamo_frontend_kv_transfer_seconds_count", backend="tcp") + metric(
-        page, "dynamo_frontend_kv_transfer_seconds_count", backend="nixl") >= 2, why
+    assert (
+        metric(page, "dynamo_frontend_kv_transfer_seconds_count", backend="tcp")
+        + metric(page, "dynamo_frontend_kv_transfer_seconds_count", backend="nixl")
+        >= 2
+    ), why

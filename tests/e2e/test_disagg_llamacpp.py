@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
 
 FIXED = ("--engine-arg", "max_cached_seqs=0")
 LENGTHS = [50, 2000, 1000, *random.Random(7).sample(range(60, 600), 17)]
-TEXT = ("The river bends past the old mill, where the miller keeps a ledger of every sack of grain. "
-        "Travellers ask about the weather, the road to the coast and the price of bread. ") * 200  # fmt: skip
+TEXT = (
+    "The river bends past the old mill, where the miller keeps a ledger of every sack of grain. "
+    "Travellers ask about the weather, the road to the coast and the price of bread. "
+) * 200
 
 
 def prompts() -> list[list[int]]:
@@ -42,8 +44,12 @@ def prompts() -> list[list[int]]:
 
 def answers(d: DynProcess, prompt_ids: list[list[int]]) -> list[str]:
     def one(ids: list[int]) -> str:
-        r = httpx.post(f"{d.url}/v1/completions", timeout=300, headers=d.auth, json={
-            "model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True})  # fmt: skip
+        r = httpx.post(
+            f"{d.url}/v1/completions",
+            timeout=300,
+            headers=d.auth,
+            json={"model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 24
         return str(r.json()["choices"][0]["text"])

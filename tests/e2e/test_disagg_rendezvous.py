@@ -22,8 +22,21 @@ from dynamo_cli.engine import LoadMetrics
 from tests.conftest import DynProcess, wait_until
 from tests.e2e.test_disagg import _loads, chat
 
-RENDEZVOUS = ("--engine", "mocker", "--speedup-ratio", "5", "--lease-ttl", "2", "--max-restarts", "0",
-              "--disagg", "--disagg-policy", "always", "--engine-arg", "kv_transfer_mode=rendezvous")  # fmt: skip
+RENDEZVOUS = (
+    "--engine",
+    "mocker",
+    "--speedup-ratio",
+    "5",
+    "--lease-ttl",
+    "2",
+    "--max-restarts",
+    "0",
+    "--disagg",
+    "--disagg-policy",
+    "always",
+    "--engine-arg",
+    "kv_transfer_mode=rendezvous",
+)
 LONG = " ".join(["word"] * 1500)
 COMPONENTS = ("backend", "prefill")
 
@@ -47,8 +60,12 @@ def client(d: DynProcess) -> openai.OpenAI:
 
 def ask(c: openai.OpenAI, max_tokens: int, *, stream: bool) -> tuple[int, str | None]:
     """completion_tokens and the last finish_reason of one chat request on the long prompt."""
-    kwargs: dict[str, Any] = {"model": "smollm2", "messages": [{"role": "user", "content": LONG}],
-                              "max_tokens": max_tokens, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": LONG}],
+        "max_tokens": max_tokens,
+        "extra_body": {"ignore_eos": True},
+    }
     if not stream:
         answer = c.chat.completions.create(**kwargs)
         assert answer.usage is not None
@@ -73,8 +90,12 @@ def settled_loads(d: DynProcess, *, wait_s: float = 1.2, tries: int = 15) -> dic
 
 def test_a_rendezvous_prefill_is_remote_explained_and_its_stream_drained(rendezvous: DynProcess) -> None:
     raw = client(rendezvous).chat.completions.with_raw_response.create(
-        model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=8,
-        extra_body={"ignore_eos": True}, extra_headers={"x-dyn-explain-route": "1"})  # fmt: skip
+        model="smollm2",
+        messages=[{"role": "user", "content": LONG}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-dyn-explain-route": "1"},
+    )
     answer = raw.parse()
     assert answer.usage is not None and answer.usage.completion_tokens == 8
     assert answer.choices[0].finish_reason == "length"
@@ -115,8 +136,12 @@ async def test_clients_that_leave_mid_stream_leave_nothing_running_on_either_wor
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 stream = await c.chat.completions.create(
-                    model="smollm2", messages=[{"role": "user", "content": LONG}], max_tokens=300, stream=True,
-                    extra_body={"ignore_eos": True})  # fmt: skip
+                    model="smollm2",
+                    messages=[{"role": "user", "content": LONG}],
+                    max_tokens=300,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 async for _ in stream:
                     pass
 

@@ -15,13 +15,22 @@ import httpx
 from tests.conftest import DynProcess
 
 SLOW = ("--engine", "mocker", "--speedup-ratio", "1", "--lease-ttl", "2")
-CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "tell me a story"}], "stream": True,
-        "stream_options": {"include_usage": True}}  # fmt: skip
+CHAT = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "tell me a story"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def pid_of(d: DynProcess, instance_hex: str) -> int:
-    out = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", d.discovery],
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "ls", "--json", "--discovery", d.discovery],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     rows = json.loads(out.stdout)
     return next(r["pid"] for r in rows if r["instance"].endswith("/" + instance_hex))
 
@@ -93,8 +102,17 @@ def test_sigterm_deregisters_first_then_finishes_in_flight_streams(dyn_serve, pl
 
 
 def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, planes) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "0",
-                  discovery=planes[0], events=planes[1])  # fmt: skip
+    d = dyn_serve(
+        *SLOW,
+        "--workers",
+        "1",
+        "--max-inflight-per-worker",
+        "1",
+        "--router-queue-size",
+        "0",
+        discovery=planes[0],
+        events=planes[1],
+    )
     with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200}) as r:
             assert r.status_code == 200
@@ -108,14 +126,24 @@ def test_every_worker_busy_gets_a_503_with_a_reason_within_100_ms(dyn_serve, pla
 
 
 def test_every_worker_busy_queues_then_serves_in_priority_order_and_a_full_queue_gets_a_503(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    d = dyn_serve(*SLOW, "--workers", "1", "--max-inflight-per-worker", "1", "--router-queue-size", "2",
-                  "--router-queue-timeout", "30")
+    d = dyn_serve(
+        *SLOW,
+        "--workers",
+        "1",
+        "--max-inflight-per-worker",
+        "1",
+        "--router-queue-size",
+        "2",
+        "--router-queue-timeout",
+        "30",
+    )
     unary = {**CHAT, "stream": False, "max_tokens": 2}
     finished: list[str] = []
 
     def ask(name: str, priority: int) -> httpx.Response:
-        reply = httpx.post(f"{d.url}/v1/chat/completions", json=unary, timeout=60,
-                           headers={**d.auth, "x-dyn-priority": str(priority)})  # fmt: skip
+        reply = httpx.post(
+            f"{d.url}/v1/chat/completions", json=unary, timeout=60, headers={**d.auth, "x-dyn-priority": str(priority)}
+        )
         finished.append(name)
         return reply
 

@@ -23,6 +23,7 @@ def test_four_hundred_long_prompts_cost_the_frontend_almost_no_young_collections
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 30_000) for _ in range(2_000)] for _ in range(8)]
     with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
+
         def ask(i: int) -> int:
             body = {"model": "smollm2", "prompt": prompts[i % 8] + [i + 1], "max_tokens": 8, "stream": True}
             return http.post("/v1/completions", json=body).status_code

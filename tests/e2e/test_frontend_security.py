@@ -46,9 +46,7 @@ def serve(tmp_path: Path) -> Iterator[object]:
 
 
 def chat(client: openai.OpenAI) -> str:
-    reply = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-    )
+    reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     return reply.choices[0].finish_reason
 
 
@@ -90,9 +88,18 @@ def test_keys_from_env_and_file_with_keyed_metrics_and_per_key_limits(serve, tmp
     # --speedup-ratio 0.05 (the last one given wins): the open stream below must still be generating on
     # the server when the next request comes (20x slower than the modelled GPU, its 2,000 tokens take
     # minutes), not finished into the socket buffers already while this client waited for the CPU.
-    d = serve("--api-key-file", str(key_file), "--metrics-require-key", "--api-key-rps", "1",
-              "--api-key-max-inflight", "1", "--speedup-ratio", "0.05",
-              env={"DYN_API_KEYS": "sk-env-a,sk-env-b"})  # fmt: skip
+    d = serve(
+        "--api-key-file",
+        str(key_file),
+        "--metrics-require-key",
+        "--api-key-rps",
+        "1",
+        "--api-key-max-inflight",
+        "1",
+        "--speedup-ratio",
+        "0.05",
+        env={"DYN_API_KEYS": "sk-env-a,sk-env-b"},
+    )
     with httpx.Client(base_url=d.url, timeout=30) as http:
         assert_unauthorized(http.get("/metrics"))
         assert http.get("/metrics", headers={"authorization": "Bearer sk-file-key"}).status_code == 200
@@ -132,13 +139,23 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
-          | None, *, is_client: bool = False) -> x509.Certificate:  # fmt: skip
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
+    *,
+    is_client: bool = False,
+) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     now, minute = datetime.datetime.now(datetime.UTC), datetime.timedelta(minutes=1)
-    builder = (x509.CertificateBuilder().subject_name(name).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - 5 * minute).not_valid_after(now + 60 * minute))  # fmt: skip
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - 5 * minute)
+        .not_valid_after(now + 60 * minute)
+    )
     if issuer is None:  # the CA itself
         builder = builder.issuer_name(name).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         return builder.sign(key, hashes.SHA256())
@@ -154,8 +171,9 @@ def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Cert
 def _write(directory: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str, str]:
     cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)
 
 
@@ -211,8 +229,9 @@ def test_an_idle_tls_client_does_not_hold_the_exit_on_sigterm(serve, pki) -> Non
 @pytest.mark.parametrize("http_server", ["uvicorn", "hypercorn"])
 def test_mutual_tls_refuses_a_client_without_a_certificate(serve, pki, http_server: str) -> None:  # type: ignore[no-untyped-def]
     cert, key = pki["server"]
-    d = serve("--http-server", http_server, "--tls-cert-file", cert, "--tls-key-file", key,
-              "--tls-ca-file", pki["ca"][0])  # fmt: skip
+    d = serve(
+        "--http-server", http_server, "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-file", pki["ca"][0]
+    )
     with pytest.raises(httpx.TransportError), httpx.Client(verify=trusting(pki), timeout=10) as http:
         http.get(f"{d.url}/health")
     with httpx.Client(verify=trusting(pki, with_cert=True)) as tls:
@@ -223,21 +242,38 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(serve, pki, http_serv
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        pytest.param(("--tls-cert-file", "/nonexistent/cert.pem", "--tls-key-file", "/nonexistent/key.pem"),
-                     "--tls-cert-file '/nonexistent/cert.pem' is not a readable file", id="missing-file"),
-        pytest.param(("--tls-cert-file", __file__), "--tls-cert-file was given without --tls-key-file",
-                     id="cert-without-key"),
+        pytest.param(
+            ("--tls-cert-file", "/nonexistent/cert.pem", "--tls-key-file", "/nonexistent/key.pem"),
+            "--tls-cert-file '/nonexistent/cert.pem' is not a readable file",
+            id="missing-file",
+        ),
+        pytest.param(
+            ("--tls-cert-file", __file__), "--tls-cert-file was given without --tls-key-file", id="cert-without-key"
+        ),
         pytest.param(("--tls-cert-file", __file__, "--tls-key-file", __file__), "cannot be loaded", id="not-pem"),
         pytest.param(("--api-key-rps", "5"), "need API keys", id="limits-without-keys"),
     ],
-)  # fmt: skip
-def test_bad_tls_or_key_settings_fail_at_start_with_one_line(flags: tuple[str, ...], message: str,
-                                                             tmp_path: Path) -> None:  # fmt: skip
+)
+def test_bad_tls_or_key_settings_fail_at_start_with_one_line(
+    flags: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dynamo_cli.cli.main", "serve", *MOCKER, "--port", "0",
-         "--discovery", f"file://{tmp_path}/discovery", *flags],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "serve",
+            *MOCKER,
+            "--port",
+            "0",
+            "--discovery",
+            f"file://{tmp_path}/discovery",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stdout + done.stderr
 
@@ -245,13 +281,34 @@ def test_bad_tls_or_key_settings_fail_at_start_with_one_line(flags: tuple[str, .
 def test_an_encrypted_tls_key_fails_at_start_instead_of_prompting(pki, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     key = serialization.load_pem_private_key(Path(pki["server"][1]).read_bytes(), None)
     encrypted = tmp_path / "encrypted.key"
-    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "dynamo_cli.cli.main", "serve", *MOCKER, "--port", "0", "--discovery",
-         f"file://{tmp_path}/discovery", "--tls-cert-file", pki["server"][0], "--tls-key-file", str(encrypted)],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "serve",
+            *MOCKER,
+            "--port",
+            "0",
+            "--discovery",
+            f"file://{tmp_path}/discovery",
+            "--tls-cert-file",
+            pki["server"][0],
+            "--tls-key-file",
+            str(encrypted),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--tls-key-file is encrypted" in done.stderr
 

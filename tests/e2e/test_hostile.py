@@ -20,9 +20,31 @@ from hypothesis import strategies as st
 from tests.conftest import DynProcess
 
 INT_EDGES = [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, -(2**63) - 1, 2**64, -(2**64), 10**40]
-FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed",
-          "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos", "presence_penalty",
-          "frequency_penalty", "user", "logprobs", "top_logprobs", "echo", "messages", "prompt", "unknown"]  # fmt: skip
+FIELDS = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "n",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "messages",
+    "prompt",
+    "unknown",
+]
 
 
 DEEP = {'"@deep40"': b"[" * 40 + b"]" * 40, '"@deep5000"': b"[" * 5000 + b"]" * 5000}
@@ -37,12 +59,19 @@ def encode(body: dict[str, Any]) -> bytes:
 
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.sampled_from(INT_EDGES), st.integers(),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.sampled_from(INT_EDGES),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
     st.sampled_from(["\ud800", "\udfff", "\x00", "smollm2", ""]),
-)  # fmt: skip
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
-                      max_size=3), max_leaves=10) | st.sampled_from(["@deep40", "@deep5000"])  # fmt: skip
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+) | st.sampled_from(["@deep40", "@deep5000"])
 token_ids = st.lists(st.one_of(st.integers(0, 49151), st.sampled_from(INT_EDGES)), min_size=1, max_size=8)
 
 
@@ -82,14 +111,21 @@ def _workers(url: str) -> int:
     return len(httpx.get(f"{url}/health", timeout=10).json().get("instances", []))
 
 
-@settings(max_examples=300, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=bodies())
 def test_generated_bodies_get_openai_shaped_answers(deployment: DynProcess, case: tuple[str, dict[str, Any]]) -> None:
     path, body = case
-    response = httpx.post(deployment.url + path, content=encode(body),
-                          headers={**deployment.auth, "content-type": "application/json"},
-                          timeout=30)  # fmt: skip
+    response = httpx.post(
+        deployment.url + path,
+        content=encode(body),
+        headers={**deployment.auth, "content-type": "application/json"},
+        timeout=30,
+    )
     check_answer(response, stream=body.get("stream") is True)
 
 
@@ -97,8 +133,9 @@ def test_generated_bodies_get_openai_shaped_answers(deployment: DynProcess, case
     "raw",
     [
         pytest.param(b'{"model": "smollm2", "prompt": "\xff\xfe"}', id="invalid-utf8"),
-        pytest.param(b'{"model": "smollm2", "prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-                     id="nested-100k"),  # fmt: skip
+        pytest.param(
+            b'{"model": "smollm2", "prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", id="nested-100k"
+        ),
         pytest.param(b'{"model": "smollm2", "prompt": ', id="truncated"),
         pytest.param(b"\x00\x01\x02", id="binary"),
     ],
@@ -111,8 +148,13 @@ def test_malformed_bodies_are_400s(deployment: DynProcess, raw: bytes, stream: b
 
 
 def test_poison_requests_amid_streams_harm_no_one(deployment: DynProcess) -> None:
-    poison = [{"prompt": [4294967296]}, {"prompt": [2**31 - 1]}, {"prompt": "x", "seed": -(2**63) - 1},
-              {"prompt": "x", "top_k": 2**64}, {"prompt": "x", "stop_token_ids": [2**40]}]  # fmt: skip
+    poison = [
+        {"prompt": [4294967296]},
+        {"prompt": [2**31 - 1]},
+        {"prompt": "x", "seed": -(2**63) - 1},
+        {"prompt": "x", "top_k": 2**64},
+        {"prompt": "x", "stop_token_ids": [2**40]},
+    ]
 
     def stream() -> str:
         body = {"model": "smollm2", "prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
@@ -121,8 +163,12 @@ def test_poison_requests_amid_streams_harm_no_one(deployment: DynProcess) -> Non
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(stream) for _ in range(4)]
         for extra in poison:
-            response = httpx.post(f"{deployment.url}/v1/completions", json={"model": "smollm2", **extra}, timeout=30,
-                                  headers=deployment.auth)
+            response = httpx.post(
+                f"{deployment.url}/v1/completions",
+                json={"model": "smollm2", **extra},
+                timeout=30,
+                headers=deployment.auth,
+            )
             assert response.status_code == 400, response.text[:300]
             assert response.json()["error"]["param"], response.text[:300]
         for future in streams:
@@ -135,8 +181,12 @@ def test_client_chosen_request_ids_never_collide(deployment: DynProcess) -> None
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
 
     def stream() -> httpx.Response:
-        return httpx.post(f"{deployment.url}/v1/completions", json=body,
-                          headers={**deployment.auth, "x-request-id": "same"}, timeout=60)
+        return httpx.post(
+            f"{deployment.url}/v1/completions",
+            json=body,
+            headers={**deployment.auth, "x-request-id": "same"},
+            timeout=60,
+        )
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda _: stream(), range(2)))
@@ -148,7 +198,10 @@ def test_client_chosen_request_ids_never_collide(deployment: DynProcess) -> None
 
 def test_a_non_utf8_request_id_header_is_not_a_500(deployment: DynProcess) -> None:
     body = {"model": "smollm2", "prompt": "hello", "max_tokens": 4}
-    response = httpx.post(f"{deployment.url}/v1/completions", json=body,
-                          headers=[*deployment.auth.items(), ("x-request-id", b"\xff\xfe")],
-                          timeout=30)  # fmt: skip
+    response = httpx.post(
+        f"{deployment.url}/v1/completions",
+        json=body,
+        headers=[*deployment.auth.items(), ("x-request-id", b"\xff\xfe")],
+        timeout=30,
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-request-id", response.text[:300]

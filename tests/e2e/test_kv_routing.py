@@ -15,8 +15,11 @@ FLAGS = ("--engine", "mocker", "--workers", "2", "--router", "kv", "--speedup-ra
 
 
 def ask(http: httpx.Client, question: str) -> tuple[str, dict]:  # type: ignore[type-arg]
-    body = {"model": "smollm2", "max_tokens": 2,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}  # fmt: skip
+    body = {
+        "model": "smollm2",
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
     r = http.post("/v1/chat/completions", json=body, headers={"x-dyn-explain-route": "1"})
     assert r.status_code == 200, r.text
     return r.headers["x-worker-instance-id"], json.loads(r.headers["x-dyn-route"])
@@ -41,8 +44,11 @@ def test_a_router_that_starts_late_knows_what_the_workers_cached(dyn_serve, plan
     d: DynProcess = dyn_serve(*FLAGS, discovery=planes[0], events=planes[1], env=shared)
     with httpx.Client(base_url=d.url, headers=d.auth, timeout=30) as http:
         holder, _ = ask(http, "warm the cache")
-    late = start_dyn(["serve", "--workers", "0", "--router", "kv", "--port", "0",
-                      "--discovery", d.discovery, "--events", d.events], timeout=60, env=shared)  # fmt: skip
+    late = start_dyn(
+        ["serve", "--workers", "0", "--router", "kv", "--port", "0", "--discovery", d.discovery, "--events", d.events],
+        timeout=60,
+        env=shared,
+    )
     try:
         with httpx.Client(base_url=late.url, headers=late.auth, timeout=30) as http:
             for _ in range(50):  # the late frontend discovers the workers within a poll or two

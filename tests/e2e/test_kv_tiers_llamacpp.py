@@ -28,8 +28,16 @@ def series(metrics: str, name: str) -> float:
 
 def test_a_repeated_prompt_is_onboarded_from_host_and_counted_in_metrics(dyn_serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     disk_dir = tmp_path / "kv"
-    d: DynProcess = dyn_serve("--kv-host-cache-gb", "0.2", "--kv-disk-cache-gb", "0.1", "--kv-disk-cache-dir",
-                              str(disk_dir), "--engine-arg", "n_threads=1")  # fmt: skip
+    d: DynProcess = dyn_serve(
+        "--kv-host-cache-gb",
+        "0.2",
+        "--kv-disk-cache-gb",
+        "0.1",
+        "--kv-disk-cache-dir",
+        str(disk_dir),
+        "--engine-arg",
+        "n_threads=1",
+    )
     client = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=120)
     ask = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
     client.chat.completions.create(**ask)  # type: ignore[call-overload]

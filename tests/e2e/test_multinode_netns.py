@@ -37,12 +37,16 @@ def namespaces() -> Iterator[tuple[str, str]]:
     if sh("ip", "netns", "add", a).returncode != 0:
         pytest.skip("this machine does not permit creating network namespaces")
     try:
-        steps = [("ip", "netns", "add", b),
-                 ("ip", "link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b),
-                 ("ip", "-n", a, "addr", "add", f"{A_ADDR}/24", "dev", f"va{tag}"),
-                 ("ip", "-n", b, "addr", "add", f"{B_ADDR}/24", "dev", f"vb{tag}"),
-                 ("ip", "-n", a, "link", "set", f"va{tag}", "up"), ("ip", "-n", b, "link", "set", f"vb{tag}", "up"),
-                 ("ip", "-n", a, "link", "set", "lo", "up"), ("ip", "-n", b, "link", "set", "lo", "up")]  # fmt: skip
+        steps = [
+            ("ip", "netns", "add", b),
+            ("ip", "link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b),
+            ("ip", "-n", a, "addr", "add", f"{A_ADDR}/24", "dev", f"va{tag}"),
+            ("ip", "-n", b, "addr", "add", f"{B_ADDR}/24", "dev", f"vb{tag}"),
+            ("ip", "-n", a, "link", "set", f"va{tag}", "up"),
+            ("ip", "-n", b, "link", "set", f"vb{tag}", "up"),
+            ("ip", "-n", a, "link", "set", "lo", "up"),
+            ("ip", "-n", b, "link", "set", "lo", "up"),
+        ]
         for step in steps:
             result = sh(*step)
             if result.returncode != 0:
@@ -64,8 +68,12 @@ def fetch(ns: str, url: str, body: str | None = None) -> subprocess.CompletedPro
 
 
 def in_ns(ns: str, *argv: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def start_planes(ns: str, tmp_path: Path) -> list[subprocess.Popen[bytes]]:
@@ -74,13 +82,29 @@ def start_planes(ns: str, tmp_path: Path) -> list[subprocess.Popen[bytes]]:
     if etcd is None or nats is None:
         pytest.skip("etcd or nats-server missing: run .ci/install-planes.sh")
     return [
-        in_ns(ns, etcd, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", f"http://{A_ADDR}:2379",
-              "--advertise-client-urls", f"http://{A_ADDR}:2379", "--listen-peer-urls", f"http://{A_ADDR}:2380",
-              "--initial-advertise-peer-urls", f"http://{A_ADDR}:2380",
-              "--initial-cluster", f"default=http://{A_ADDR}:2380",
-              "--heartbeat-interval", "10", "--election-timeout", "100", log=tmp_path / "etcd.log"),
+        in_ns(
+            ns,
+            etcd,
+            "--data-dir",
+            str(tmp_path / "etcd"),
+            "--listen-client-urls",
+            f"http://{A_ADDR}:2379",
+            "--advertise-client-urls",
+            f"http://{A_ADDR}:2379",
+            "--listen-peer-urls",
+            f"http://{A_ADDR}:2380",
+            "--initial-advertise-peer-urls",
+            f"http://{A_ADDR}:2380",
+            "--initial-cluster",
+            f"default=http://{A_ADDR}:2380",
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+            log=tmp_path / "etcd.log",
+        ),
         in_ns(ns, nats, "-a", A_ADDR, "-p", "4222", "-js", "-sd", str(tmp_path / "nats"), log=tmp_path / "nats.log"),
-    ]  # fmt: skip
+    ]
 
 
 PLANES = ["--discovery", f"etcd://{A_ADDR}:2379", "--events", f"nats://{A_ADDR}:4222"]
@@ -103,13 +127,26 @@ def test_a_frontend_and_a_worker_in_separate_namespaces_find_each_other(namespac
     a, b = namespaces
     servers = start_planes(a, tmp_path)
     cluster = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}  # one secret for the nodes of this deployment
-    worker = in_ns(b, *DYN, "worker", "--engine", "mocker", "--host", B_ADDR, "--speedup-ratio", "50", *PLANES,
-                   log=tmp_path / "worker.log", env=cluster)  # fmt: skip
+    worker = in_ns(
+        b,
+        *DYN,
+        "worker",
+        "--engine",
+        "mocker",
+        "--host",
+        B_ADDR,
+        "--speedup-ratio",
+        "50",
+        *PLANES,
+        log=tmp_path / "worker.log",
+        env=cluster,
+    )
     frontend: DynProcess | None = None
     try:
         wait_ready(tmp_path / "worker.log")
-        frontend = start_dyn(["serve", "--workers", "0", "--host", A_ADDR, "--port", "0", *PLANES],
-                             netns=a, env=cluster)  # fmt: skip
+        frontend = start_dyn(
+            ["serve", "--workers", "0", "--host", A_ADDR, "--port", "0", *PLANES], netns=a, env=cluster
+        )
         assert ask(a, frontend.url)["usage"]["completion_tokens"] == 4
         assert B_ADDR in (tmp_path / "worker.log").read_text()
     finally:
@@ -125,16 +162,32 @@ def test_a_prefill_worker_in_one_namespace_hands_kv_to_a_decode_worker_in_the_ot
     servers = start_planes(a, tmp_path)
     cluster = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}
     mocker = ["--engine", "mocker", "--speedup-ratio", "50", *PLANES]
-    prefill = in_ns(b, *DYN, "worker", "--role", "prefill", "--host", B_ADDR, "--kv-transfer", "tcp", *mocker,
-                    log=tmp_path / "prefill.log", env=cluster)  # fmt: skip
-    decode = in_ns(a, *DYN, "worker", "--role", "decode", "--host", A_ADDR, *mocker,
-                   log=tmp_path / "decode.log", env=cluster)  # fmt: skip
+    prefill = in_ns(
+        b,
+        *DYN,
+        "worker",
+        "--role",
+        "prefill",
+        "--host",
+        B_ADDR,
+        "--kv-transfer",
+        "tcp",
+        *mocker,
+        log=tmp_path / "prefill.log",
+        env=cluster,
+    )
+    decode = in_ns(
+        a, *DYN, "worker", "--role", "decode", "--host", A_ADDR, *mocker, log=tmp_path / "decode.log", env=cluster
+    )
     frontend: DynProcess | None = None
     try:
         wait_ready(tmp_path / "prefill.log")
         wait_ready(tmp_path / "decode.log")
-        frontend = start_dyn(["serve", "--workers", "0", "--host", A_ADDR, "--port", "0", "--enforce-disagg",
-                              *PLANES], netns=a, env=cluster)  # fmt: skip
+        frontend = start_dyn(
+            ["serve", "--workers", "0", "--host", A_ADDR, "--port", "0", "--enforce-disagg", *PLANES],
+            netns=a,
+            env=cluster,
+        )
         assert ask(a, frontend.url, "word " * 600)["usage"]["completion_tokens"] == 4
         metrics = fetch(a, f"{frontend.url}/metrics").stdout
         count = "dynamo_frontend_kv_transfer_seconds_count"

@@ -28,13 +28,31 @@ def served(dyn_serve_module, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """`dyn serve` of model alpha, and a `dyn worker` of model beta joining its planes."""
     disc = f"file://{tmp_path_factory.mktemp('disc')}"
     env = {"DYN_CLUSTER_SECRET": SECRET}
-    d: DynProcess = dyn_serve_module("--engine", "mocker", "--served-model-name", "alpha", "--speedup-ratio", "100",
-                                     discovery=disc, env=env)  # fmt: skip
+    d: DynProcess = dyn_serve_module(
+        "--engine", "mocker", "--served-model-name", "alpha", "--speedup-ratio", "100", discovery=disc, env=env
+    )
     beta = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--served-model-name", "beta",
-         "--speedup-ratio", "100", "--discovery", disc, "--events", "embedded"],
-        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "worker",
+            "--engine",
+            "mocker",
+            "--served-model-name",
+            "beta",
+            "--speedup-ratio",
+            "100",
+            "--discovery",
+            disc,
+            "--events",
+            "embedded",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert wait_until(lambda: len(models(d)) == 2, timeout=60), models(d)
         yield d
@@ -66,8 +84,9 @@ def test_n_three_returns_three_choices_unary_and_streamed(served: DynProcess) ->
     reply = client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, n=3)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert reply.usage is not None and reply.usage.completion_tokens == 12
-    stream = client(served).completions.create(model="alpha", prompt="x", max_tokens=4, n=3, stream=True,
-                                               stream_options={"include_usage": True})  # fmt: skip
+    stream = client(served).completions.create(
+        model="alpha", prompt="x", max_tokens=4, n=3, stream=True, stream_options={"include_usage": True}
+    )
     texts, finished, usage = ["", "", ""], set(), None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -79,8 +98,9 @@ def test_n_three_returns_three_choices_unary_and_streamed(served: DynProcess) ->
 
 
 def test_mocker_logprobs_are_deterministic_fakes_in_openai_shape(served: DynProcess) -> None:
-    reply = client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, logprobs=True,
-                                                   top_logprobs=2)  # fmt: skip
+    reply = client(served).chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2
+    )
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert all(e.logprob == e.top_logprobs[0].logprob and len(e.top_logprobs) == 2 for e in content)
@@ -88,31 +108,38 @@ def test_mocker_logprobs_are_deterministic_fakes_in_openai_shape(served: DynProc
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1),
-     ("logit_bias", {"42": 3})],
-)  # fmt: skip
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("repetition_penalty", 1.2),
+        ("min_p", 0.1),
+        ("logit_bias", {"42": 3}),
+    ],
+)
 def test_a_field_the_engine_does_not_honour_is_a_400_naming_it_and_the_engine(
     served: DynProcess, field: str, value: object
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=2,
-                                               extra_body={field: value})  # fmt: skip
+        client(served).chat.completions.create(
+            model="alpha", messages=MESSAGES, max_tokens=2, extra_body={field: value}
+        )
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == field and "mocker" in error["message"]
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
     # the no-op value asks nothing, so any engine takes it
-    client(served).chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=2,
-                                           extra_body={field: neutral[field]})  # fmt: skip
+    client(served).chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=2, extra_body={field: neutral[field]}
+    )
 
 
 def test_responses_unary_and_streamed(served: DynProcess) -> None:
-    reply = client(served).responses.create(model="alpha", input="Say hi", instructions="Be brief",
-                                            max_output_tokens=5)  # fmt: skip
+    reply = client(served).responses.create(model="alpha", input="Say hi", instructions="Be brief", max_output_tokens=5)
     assert reply.status == "incomplete" and reply.output_text and reply.usage is not None
     assert reply.usage.output_tokens == 5
     kinds, deltas = [], []
-    for event in client(served).responses.create(model="beta", input=[{"role": "user", "content": "Say hi"}],
-                                                 max_output_tokens=4, stream=True):  # fmt: skip
+    for event in client(served).responses.create(
+        model="beta", input=[{"role": "user", "content": "Say hi"}], max_output_tokens=4, stream=True
+    ):
         kinds.append(event.type)
         if event.type == "response.output_text.delta":
             deltas.append(event.delta)
@@ -128,8 +155,9 @@ def test_anthropic_messages_unary_and_streamed(served: DynProcess) -> None:
     assert reply["type"] == "message" and reply["role"] == "assistant" and reply["stop_reason"] == "max_tokens"
     assert reply["content"][0]["type"] == "text" and reply["content"][0]["text"]
     assert reply["usage"]["output_tokens"] == 4 and reply["usage"]["input_tokens"] > 0
-    with httpx.stream("POST", f"{served.url}/v1/messages", headers=served.auth, json={**body, "stream": True},
-                      timeout=30) as stream:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{served.url}/v1/messages", headers=served.auth, json={**body, "stream": True}, timeout=30
+    ) as stream:
         events = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
     assert events[:2] == ["message_start", "content_block_start"] and events[-2:] == ["message_delta", "message_stop"]
     assert events.count("content_block_delta") >= 1
@@ -171,8 +199,11 @@ def schema_strategy(schema: dict[str, Any], components: dict[str, Any], depth: i
         return st.lists(items, min_size=schema.get("minItems", 0), max_size=3)
     if kind == "object" and "properties" in schema:
         required = {k: schema_strategy(schema["properties"][k], components, depth + 1) for k in schema["required"]}
-        optional = {k: schema_strategy(v, components, depth + 1) for k, v in schema["properties"].items()
-                    if k not in schema["required"]}  # fmt: skip
+        optional = {
+            k: schema_strategy(v, components, depth + 1)
+            for k, v in schema["properties"].items()
+            if k not in schema["required"]
+        }
         return st.fixed_dictionaries(required, optional=optional)
     if kind == "object":
         values = schema_strategy(schema.get("additionalProperties", {"type": "string"}), components, depth + 1)
@@ -187,8 +218,16 @@ def document(served: DynProcess) -> dict[str, Any]:
 
 def test_openapi_describes_every_route_the_server_accepts(served: DynProcess, document: dict[str, Any]) -> None:
     paths = document["paths"]
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
-            "/v1/models", "/health", "/openapi.json"} <= set(paths)  # fmt: skip
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/models",
+        "/health",
+        "/openapi.json",
+    } <= set(paths)
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and "logit_bias" in chat["properties"]
     for path, item in paths.items():  # every documented route exists: a body-less POST is a 400, not a 404
@@ -201,8 +240,12 @@ UNHONOURED = {"presence_penalty", "frequency_penalty", "repetition_penalty", "mi
 NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_bodies_from_the_openapi_document_never_5xx_and_unhonoured_fields_are_refused(
     served: DynProcess, document: dict[str, Any], data: st.DataObject
@@ -226,7 +269,10 @@ def test_bodies_from_the_openapi_document_never_5xx_and_unhonoured_fields_are_re
 
 
 def test_unknown_fields_are_refused_by_name(served: DynProcess) -> None:
-    reply = httpx.post(f"{served.url}/v1/chat/completions", headers=served.auth,
-                       json={"model": "alpha", "messages": MESSAGES,
-                       "best_of": 2}, timeout=10)  # fmt: skip
+    reply = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        headers=served.auth,
+        json={"model": "alpha", "messages": MESSAGES, "best_of": 2},
+        timeout=10,
+    )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "best_of"

@@ -28,15 +28,20 @@ def auth_planes(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 def _dyn(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_dyn_serve_with_credentials_for_both_planes_answers_a_request(dyn_serve, auth_planes) -> None:  # type: ignore[no-untyped-def]
     discovery, events = auth_planes
     d: DynProcess = dyn_serve("--engine", "mocker", "--workers", "1", discovery=discovery, events=events)
-    reply = httpx.post(f"{d.url}/v1/chat/completions", timeout=30, headers=d.auth, json={
-        "model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    reply = httpx.post(
+        f"{d.url}/v1/chat/completions",
+        timeout=30,
+        headers=d.auth,
+        json={"model": "smollm2", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 5
     assert all(ETCD_USER[1] not in line and NATS_USER[1] not in line for line in d.lines)
@@ -93,9 +98,12 @@ def test_dyn_ls_shows_the_discovery_url_with_the_password_hidden(auth_planes: tu
 def test_dyn_serve_without_nats_credentials_stops_at_start_with_one_line(auth_planes: tuple[str, str]) -> None:
     discovery, events = auth_planes
     plain = "nats://" + events.rpartition("@")[2]
-    done = _dyn("serve", "--engine", "mocker", "--workers", "1", "--port", "0", "--discovery", discovery,
-                "--events", plain)  # fmt: skip
+    done = _dyn(
+        "serve", "--engine", "mocker", "--workers", "1", "--port", "0", "--discovery", discovery, "--events", plain
+    )
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines == [f"error: nats at {plain}: authentication failed: check the user/password/token in --events "
-                     "(the server requires them)"], done.stderr  # fmt: skip
+    assert lines == [
+        f"error: nats at {plain}: authentication failed: check the user/password/token in --events "
+        "(the server requires them)"
+    ], done.stderr

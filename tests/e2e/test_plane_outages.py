@@ -45,8 +45,11 @@ def test_serving_continues_while_etcd_restarts_and_workers_re_register(
 
 def holder_overlap(http: httpx.Client, prefix: str) -> int:
     """Send `prefix` + a question twice; the overlap the router saw for the second on the first's worker."""
-    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "system", "content": prefix},
-                                                             {"role": "user", "content": "q"}]}  # fmt: skip
+    body = {
+        "model": "smollm2",
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": "q"}],
+    }
     first = http.post("/v1/chat/completions", json=body).headers["x-worker-instance-id"]
     time.sleep(0.5)
     route = http.post("/v1/chat/completions", json=body, headers={"x-dyn-explain-route": "1"}).headers["x-dyn-route"]

@@ -26,8 +26,9 @@ from tests.conftest import DynProcess, wait_until
 
 FLAGS = ("--engine", "mocker", "--workers", "1", "--speedup-ratio", "100")
 BODY = {
-    "generate": msgspec.msgpack.encode(GenerateRequest(request_id="stranger", token_ids=list(range(1, 200)),
-                                                       max_tokens=20, ignore_eos=True)),  # fmt: skip
+    "generate": msgspec.msgpack.encode(
+        GenerateRequest(request_id="stranger", token_ids=list(range(1, 200)), max_tokens=20, ignore_eos=True)
+    ),
     "kv_dump": msgspec.msgpack.encode(None),
 }
 
@@ -101,16 +102,23 @@ def test_a_client_with_the_deployments_secret_file_is_served(dyn_serve, tmp_path
     address = worker_address(d)
     chunks = [msgspec.msgpack.decode(raw, type=GenerateChunk) for raw in asyncio.run(call(address, secret, "generate"))]
     assert sum(len(c.token_ids) for c in chunks) == 20
-    assert wait_until(lambda: msgspec.msgpack.decode(asyncio.run(call(address, secret, "kv_dump"))[0],
-                                                     type=KvDump).block_hashes, timeout=10)  # the prompt is cached
+    assert wait_until(
+        lambda: msgspec.msgpack.decode(asyncio.run(call(address, secret, "kv_dump"))[0], type=KvDump).block_hashes,
+        timeout=10,
+    )  # the prompt is cached
     with pytest.raises(AuthenticationFailed):
         asyncio.run(call(address, os.urandom(32), "kv_dump"))
 
 
 def dyn(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DYN_CLUSTER_SECRET")}
-    return subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True,
-                          timeout=60, env={**environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**environ, **(env or {})},
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -133,8 +141,9 @@ def test_a_secret_file_other_users_can_read_is_refused(tmp_path: Path) -> None:
     assert f"chmod 600 {path}" in line
 
 
-@pytest.mark.parametrize(("value", "expected"), [("not-hex", "not hex"), ("ab" * 8 + "c", "not hex"),
-                                                 ("ab" * 8, "fewer than 16")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "expected"), [("not-hex", "not hex"), ("ab" * 8 + "c", "not hex"), ("ab" * 8, "fewer than 16")]
+)
 def test_a_malformed_secret_is_refused_saying_how_to_make_one(value: str, expected: str) -> None:
     line = one_error_line(dyn("worker", "--host", "0.0.0.0", env={"DYN_CLUSTER_SECRET": value}))
     assert expected in line and "openssl rand -hex 32" in line

@@ -21,9 +21,26 @@ from tests.conftest import DynProcess, wait_until
 from tests.e2e.test_router_service import CALL_TIMEOUT_S, ENV, SECRET, best_worker, of, request
 
 QUEUE_SIZE = 3
-FLAGS = ("--engine", "mocker", "--speedup-ratio", "1", "--workers", "1", "--router", "remote", "--routers", "1",
-         "--lease-ttl", "2", "--max-inflight-per-worker", "1", "--router-queue-size", str(QUEUE_SIZE),
-         "--router-queue-timeout", "30")  # fmt: skip
+FLAGS = (
+    "--engine",
+    "mocker",
+    "--speedup-ratio",
+    "1",
+    "--workers",
+    "1",
+    "--router",
+    "remote",
+    "--routers",
+    "1",
+    "--lease-ttl",
+    "2",
+    "--max-inflight-per-worker",
+    "1",
+    "--router-queue-size",
+    str(QUEUE_SIZE),
+    "--router-queue-timeout",
+    "30",
+)
 UNARY = {"model": "smollm2", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 8}
 
 
@@ -72,8 +89,9 @@ async def ask(http: httpx.AsyncClient, name: str, finished: list[str], **headers
     return reply
 
 
-async def queue_up(http: httpx.AsyncClient, router: str, finished: list[str],
-                   requests: list[tuple[str, int]]) -> list[asyncio.Task[httpx.Response]]:  # fmt: skip
+async def queue_up(
+    http: httpx.AsyncClient, router: str, finished: list[str], requests: list[tuple[str, int]]
+) -> list[asyncio.Task[httpx.Response]]:
     """Send one request per (name, priority), each once the one before waits in the router's queue."""
     tasks = []
     for n, (name, priority) in enumerate(requests):

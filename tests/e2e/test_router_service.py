@@ -34,8 +34,9 @@ ENV = {"DYN_CLUSTER_SECRET": SECRET.hex()}
 
 def instances(d: DynProcess) -> list[dict[str, Any]]:
     dyn = [sys.executable, "-m", "dynamo_cli.cli.main"]
-    out = subprocess.run([*dyn, "ls", "--json", "--discovery", d.discovery],
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [*dyn, "ls", "--json", "--discovery", d.discovery], capture_output=True, text=True, timeout=30, check=True
+    )
     rows: list[dict[str, Any]] = json.loads(out.stdout)
     return rows
 
@@ -69,8 +70,9 @@ def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-
 
 def request(request_id: str, token_ids: list[int], max_tokens: int, pin: int | None = None) -> bytes:
     annotations = {"worker_instance_id": f"{pin:x}"} if pin is not None else {}
-    body = GenerateRequest(request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, ignore_eos=True,
-                           annotations=annotations)  # fmt: skip
+    body = GenerateRequest(
+        request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, ignore_eos=True, annotations=annotations
+    )
     return msgspec.msgpack.encode(body)
 
 
@@ -122,7 +124,8 @@ def test_serve_with_two_router_replicas_answers_the_openai_client(deployment: Dy
     seen = set()
     for _ in range(4):
         raw = c.chat.completions.with_raw_response.create(
-            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=5)  # fmt: skip
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
         reply = raw.parse()
         assert reply.choices[0].message.content and reply.usage is not None and reply.usage.completion_tokens == 5
         seen.add(raw.headers["x-dyn-router-instance-id"])
@@ -193,7 +196,8 @@ async def test_two_replicas_agree_on_the_in_flight_load(deployment: DynProcess) 
             view_a, view_b = [await best_worker(r, PREFIX) for r in (replica_a, replica_b)]
             in_flight = view_a["in_flight"]
             busy = sum(w["num_requests"] for w in in_flight) == 3 and all(
-                w["active_prefill_tokens"] == 0 for w in in_flight)  # fmt: skip
+                w["active_prefill_tokens"] == 0 for w in in_flight
+            )
             return in_flight if busy and view_b["in_flight"] == in_flight else None
 
         agreed = await eventually(views_agree)
@@ -226,9 +230,9 @@ async def test_a_killed_workers_blocks_vanish_from_both_routers(own_deployment: 
 
     async def forgotten() -> bool:
         views = [await best_worker(r, PREFIX) for r in routers]
-        return all(victim not in v["indexed_workers"] and victim not in overlaps(v)
-                   and v["overlap_blocks"] == 0
-                   for v in views)  # fmt: skip
+        return all(
+            victim not in v["indexed_workers"] and victim not in overlaps(v) and v["overlap_blocks"] == 0 for v in views
+        )
 
     assert await eventually(forgotten, timeout=2 + 4)
     chunks = await generate(routers[0], "after-the-loss", PREFIX + [9] * 10)
@@ -245,7 +249,8 @@ def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_se
     c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=30)
     for _ in range(3):
         raw = c.chat.completions.with_raw_response.create(
-            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)  # fmt: skip
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
         assert raw.headers["x-dyn-router-instance-id"] == f"{instance_id(staying):x}"
 
@@ -287,7 +292,11 @@ async def test_a_router_asked_directly_refuses_a_pin_naming_no_backend(deploymen
 
 def test_routers_without_the_remote_router_mode_is_refused_with_the_fix() -> None:
     dyn = [sys.executable, "-m", "dynamo_cli.cli.main"]
-    out = subprocess.run([*dyn, "serve", "--engine", "mocker", "--router", "kv",
-                          "--routers", "2"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [*dyn, "serve", "--engine", "mocker", "--router", "kv", "--routers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2
     assert "--routers 2 needs --router remote" in out.stderr

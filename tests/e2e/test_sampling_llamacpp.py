@@ -53,32 +53,39 @@ def test_chat_logprobs_have_openai_shape_and_the_greedy_token_is_the_most_likely
 def test_streamed_logprobs_match_the_unary_ones(served: DynProcess) -> None:
     unary = greedy(served, logprobs=True, top_logprobs=2).choices[0].logprobs
     stream = greedy(served, logprobs=True, top_logprobs=2, stream=True)
-    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs and c.logprobs.content
-                for e in c.logprobs.content]  # fmt: skip
+    streamed = [
+        e for chunk in stream for c in chunk.choices if c.logprobs and c.logprobs.content for e in c.logprobs.content
+    ]
     assert unary is not None and unary.content
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in unary.content]
 
 
 def test_completion_logprobs_are_parallel_lists_with_text_offsets(served: DynProcess) -> None:
-    reply = client(served).completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
-                                              temperature=0, logprobs=2)  # fmt: skip
+    reply = client(served).completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
     lp = reply.choices[0].logprobs
     assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
-    assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:],
-                                                                                 lp.tokens, strict=False))  # fmt: skip
-    assert all(len(top) == 2 and max(top.values()) == pytest.approx(p, abs=1e-4)
-               for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True))  # fmt: skip
+    assert lp.text_offset[0] == 0 and all(
+        b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens, strict=False)
+    )
+    assert all(
+        len(top) == 2 and max(top.values()) == pytest.approx(p, abs=1e-4)
+        for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
 
 
 def test_n_three_returns_three_indexed_choices_with_summed_usage(served: DynProcess) -> None:
-    reply = client(served).chat.completions.create(model="smollm2", messages=REPEAT, max_tokens=8, n=3, seed=1,
-                                                   temperature=1.0)  # fmt: skip
+    reply = client(served).chat.completions.create(
+        model="smollm2", messages=REPEAT, max_tokens=8, n=3, seed=1, temperature=1.0
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert all(c.message.content is not None for c in reply.choices)
     assert reply.usage is not None and reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 10
-    again = client(served).chat.completions.create(model="smollm2", messages=REPEAT, max_tokens=8, n=3, seed=1,
-                                                   temperature=1.0)  # fmt: skip
+    again = client(served).chat.completions.create(
+        model="smollm2", messages=REPEAT, max_tokens=8, n=3, seed=1, temperature=1.0
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]  # seed + i
 
 

@@ -37,8 +37,12 @@ def test_the_default_deployment_answers_with_real_text_and_correct_usage(served:
 
 
 def test_temperature_zero_is_deterministic(served: DynProcess) -> None:
-    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
-           "temperature": 0}  # fmt: skip
+    ask = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Name three colors."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     first = client(served).chat.completions.create(**ask).choices[0].message.content
     second = client(served).chat.completions.create(**ask).choices[0].message.content
     assert first and first == second
@@ -49,9 +53,13 @@ def test_eight_concurrent_streams_complete_and_overlap_in_time(served: DynProces
 
     def one(i: int) -> None:
         stream = client(served).completions.create(
-            model="smollm2", prompt=f"Story number {i}:", max_tokens=48, stream=True,
-            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-        )  # fmt: skip
+            model="smollm2",
+            prompt=f"Story number {i}:",
+            max_tokens=48,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
         first = last = 0.0
         tokens = 0
         for chunk in stream:

@@ -47,16 +47,23 @@ class Stack:
 STACKS = [
     pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5"), "embedded"), id="mocker-embedded"),
     pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5"), "etcd-nats"), id="mocker-etcd-nats"),
-    pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "embedded"),
-                 id="mocker-disagg-embedded"),
-    pytest.param(Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "etcd-nats"),
-                 id="mocker-disagg-etcd-nats"),
     pytest.param(
-        Stack(("--engine", "vllm", "--block-size", "32", "--extra-engine-args", json.dumps(VLLM_TEST_EXTRA)),
-              "embedded", needs="vllm", ready_timeout=420.0),
-        id="vllm-embedded", marks=pytest.mark.timeout(900),
+        Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "embedded"), id="mocker-disagg-embedded"
     ),
-]  # fmt: skip
+    pytest.param(
+        Stack(("--engine", "mocker", "--speedup-ratio", "5", *DISAGG), "etcd-nats"), id="mocker-disagg-etcd-nats"
+    ),
+    pytest.param(
+        Stack(
+            ("--engine", "vllm", "--block-size", "32", "--extra-engine-args", json.dumps(VLLM_TEST_EXTRA)),
+            "embedded",
+            needs="vllm",
+            ready_timeout=420.0,
+        ),
+        id="vllm-embedded",
+        marks=pytest.mark.timeout(900),
+    ),
+]
 
 
 def _serve(factory, stack: Stack, root: Path, *flags: str) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
@@ -64,8 +71,9 @@ def _serve(factory, stack: Stack, root: Path, *flags: str) -> Iterator[DynProces
         pytest.skip(f"needs {stack.needs}: pip install 'dynamo-cli[{stack.needs}]'")
     (discovery, events), servers = open_planes_for_test(stack.planes, root)
     try:
-        yield factory(*stack.engine_flags, *COMMON, *flags, discovery=discovery, events=events,
-                      timeout=stack.ready_timeout)  # fmt: skip
+        yield factory(
+            *stack.engine_flags, *COMMON, *flags, discovery=discovery, events=events, timeout=stack.ready_timeout
+        )
     finally:
         for server in servers:
             server.stop()  # type: ignore[attr-defined]
@@ -105,9 +113,13 @@ def test_chat_and_completions_answer_streaming_and_not(deployment: DynProcess) -
 
 def test_streamed_usage_counts_equal_the_tokens_streamed(deployment: DynProcess) -> None:
     stream = client(deployment).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "count"}], max_tokens=12, stream=True,
-        stream_options={"include_usage": True}, extra_body=NO_EOS,
-    )  # fmt: skip
+        model="smollm2",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
     chunks = list(stream)
     content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
     usage = chunks[-1].usage
@@ -120,8 +132,10 @@ def test_requests_spread_over_both_workers(deployment: DynProcess) -> None:
     seen = set()
     with httpx.Client(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
         for _ in range(6):
-            r = http.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 2,
-                                                         "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+            r = http.post(
+                "/v1/chat/completions",
+                json={"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            )
             assert r.status_code == 200
             seen.add(r.headers["x-worker-instance-id"])
     assert len(seen) == 2
@@ -136,8 +150,9 @@ def test_a_pinned_request_goes_to_its_worker_and_an_unknown_pin_gets_a_400_namin
         assert len(known) == 2
         for pin in sorted(known):
             for stream in (False, True):
-                r = http.post("/v1/chat/completions", json={**body, "stream": stream},
-                              headers={"x-worker-instance-id": pin})  # fmt: skip
+                r = http.post(
+                    "/v1/chat/completions", json={**body, "stream": stream}, headers={"x-worker-instance-id": pin}
+                )
                 assert (r.status_code, r.headers["x-worker-instance-id"]) == (200, pin)
         r = http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "abc"})
     assert r.status_code == 400
@@ -153,21 +168,40 @@ def test_a_pinned_request_goes_to_its_worker_and_an_unknown_pin_gets_a_400_namin
         pytest.param(
             b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "nope", id="unknown-model"
         ),
-        pytest.param(b'{"model": "smollm2", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}',
-                     400, "max_tokens", id="negative-max-tokens"),
-        pytest.param(b'{"model": "smollm2", "temperature": 9, "messages": [{"role": "user", "content": "x"}]}',
-                     400, "temperature", id="temperature-out-of-range"),
-        pytest.param(b'{"model": "smollm2", "max_tokens": 9000, "messages": [{"role": "user", "content": "x"}]}',
-                     400, "context", id="context-overflow"),
-        pytest.param(b'{"model": "smollm2", "messages": [{"role": "user", "content": "' + b"x" * 2_000_000 + b'"}]}',
-                     413, "limit", id="oversize-body"),
+        pytest.param(
+            b'{"model": "smollm2", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "max_tokens",
+            id="negative-max-tokens",
+        ),
+        pytest.param(
+            b'{"model": "smollm2", "temperature": 9, "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "temperature",
+            id="temperature-out-of-range",
+        ),
+        pytest.param(
+            b'{"model": "smollm2", "max_tokens": 9000, "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "context",
+            id="context-overflow",
+        ),
+        pytest.param(
+            b'{"model": "smollm2", "messages": [{"role": "user", "content": "' + b"x" * 2_000_000 + b'"}]}',
+            413,
+            "limit",
+            id="oversize-body",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_a_4xx_naming_the_problem(
     deployment: DynProcess, body: bytes, status: int, needle: str
 ) -> None:
-    r = httpx.post(f"{deployment.url}/v1/chat/completions", content=body,
-                   headers={**deployment.auth, "content-type": "application/json"})
+    r = httpx.post(
+        f"{deployment.url}/v1/chat/completions",
+        content=body,
+        headers={**deployment.auth, "content-type": "application/json"},
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"]
@@ -216,8 +250,13 @@ async def _until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-
 
 
 async def test_a_client_that_disconnects_frees_the_worker_within_a_second(deployment: DynProcess) -> None:
-    body = {"model": "smollm2", "max_tokens": 7000, "stream": True, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "long story"}]}  # fmt: skip
+    body = {
+        "model": "smollm2",
+        "max_tokens": 7000,
+        "stream": True,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "long story"}],
+    }
     async with _load_watch(deployment) as latest:
         assert await _until(lambda: len(latest) == 2, timeout=10), latest  # both workers heard from
         async with httpx.AsyncClient(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:

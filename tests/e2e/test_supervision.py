@@ -11,8 +11,13 @@ import httpx
 
 from tests.conftest import DynProcess, descendants, wait_until
 
-CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
-        "stream": True, "ignore_eos": True}  # fmt: skip
+CHAT = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 300,
+    "stream": True,
+    "ignore_eos": True,
+}
 
 
 def _stream(d: DynProcess) -> str:
@@ -45,7 +50,8 @@ def test_a_killed_single_worker_under_64_streams_is_restarted_and_serve_serves_a
     assert wait_until(served, timeout=30, interval=0.2), answers[-1].text
     waiting = [a for a in answers if a.status_code != 200]
     assert all(a.status_code == 503 and int(a.headers["retry-after"]) >= 1 for a in waiting), [
-        (a.status_code, a.text[:200]) for a in waiting]  # fmt: skip
+        (a.status_code, a.text[:200]) for a in waiting
+    ]
     (replacement,) = descendants(d.proc.pid)
     assert replacement != worker
     metrics = httpx.get(f"{d.url}/metrics", timeout=10).text

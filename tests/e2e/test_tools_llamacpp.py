@@ -22,11 +22,15 @@ pytestmark = pytest.mark.llamacpp
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
 ZONE = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 24}}, "required": ["tz"]}
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": CITY}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
-                                      "parameters": ZONE}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": CITY},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Current time in a time zone", "parameters": ZONE},
+    },
+]
 PARAMETERS = {"get_weather": CITY, "get_time": ZONE}
 PERSON = {
     "type": "object",
@@ -58,18 +62,22 @@ def test_a_tool_call_round_trip(served: DynProcess) -> None:
     c = client(served)
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    first = c.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice=named,
-                                      max_tokens=40, temperature=0.7)  # fmt: skip
+    first = c.chat.completions.create(
+        model="smollm2", messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40, temperature=0.7
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_weather"
     check_call(call)
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees Celsius."}]  # fmt: skip
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees Celsius."},
+    ]
     # The tiny model would call again if allowed; "none" keeps the tools out of the prompt, not the history.
-    final = c.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice="none",
-                                      max_tokens=24, temperature=0)  # fmt: skip
+    final = c.chat.completions.create(
+        model="smollm2", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=24, temperature=0
+    )
     answer = final.choices[0]
     assert answer.message.tool_calls is None and (answer.message.content or "").strip()
     assert answer.finish_reason in ("stop", "length")
@@ -81,8 +89,14 @@ def test_a_tool_call_round_trip(served: DynProcess) -> None:
 
 def test_required_tool_calls_stream_as_deltas_the_client_assembles(served: DynProcess) -> None:
     c = client(served)
-    ask: dict[str, Any] = {"model": "smollm2", "messages": [{"role": "user", "content": "Weather in Rome and Oslo?"}],
-                           "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0}  # fmt: skip
+    ask: dict[str, Any] = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Weather in Rome and Oslo?"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+    }
     with c.chat.completions.stream(**ask) as stream:
         final = stream.get_final_completion()
     choice = final.choices[0]
@@ -100,9 +114,14 @@ def test_required_tool_calls_stream_as_deltas_the_client_assembles(served: DynPr
 def test_a_named_call_streams_its_arguments_as_they_are_generated(served: DynProcess) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     stream = client(served).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
-        tool_choice=named, max_tokens=40, temperature=0, stream=True,
-    )  # fmt: skip
+        model="smollm2",
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
     pieces, header, reasons = [], None, []
     for chunk in stream:
         for delta_call in chunk.choices[0].delta.tool_calls or []:
@@ -122,11 +141,19 @@ def test_auto_mode_streams_what_it_answers_whole(served: DynProcess) -> None:
     c = client(served)
     messages: list[Any] = [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny and 24 degrees Celsius."},
         {"role": "user", "content": "And in Oslo?"},
-    ]  # fmt: skip
+    ]
     ask: dict[str, Any] = {"model": "smollm2", "messages": messages, "tools": TOOLS, "max_tokens": 48, "temperature": 0}
     whole = c.chat.completions.create(**ask).choices[0]
     with c.chat.completions.stream(**ask) as stream:
@@ -141,18 +168,40 @@ def test_auto_mode_streams_what_it_answers_whole(served: DynProcess) -> None:
 def test_response_format_json_schema_always_validates_at_temperature_0_7(served: DynProcess) -> None:
     c = client(served)
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    topics = ["a chef", "a pilot", "a child", "a painter", "a farmer", "a doctor", "a sailor", "a poet", "a judge",
-              "a nurse", "a baker", "a miner", "a dancer", "a monk", "a coach", "a tailor", "a clown", "a spy",
-              "a king", "a robot"]  # fmt: skip
+    topics = [
+        "a chef",
+        "a pilot",
+        "a child",
+        "a painter",
+        "a farmer",
+        "a doctor",
+        "a sailor",
+        "a poet",
+        "a judge",
+        "a nurse",
+        "a baker",
+        "a miner",
+        "a dancer",
+        "a monk",
+        "a coach",
+        "a tailor",
+        "a clown",
+        "a spy",
+        "a king",
+        "a robot",
+    ]
 
     # max_tokens above the longest text PERSON's grammar admits, so "length" would be a bug, not a long sample:
     # 48 chars of strings at <= 6 tokens each (a \uXXXX escape), 16 digits, <= 1 space per gap, ~30 of syntax
     # (96 was too few once: a 24-char Japanese name and a 16-digit age hit it)
     def one(topic: str) -> tuple[str | None, str | None]:
         reply = c.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
-            response_format=fmt, max_tokens=400, temperature=0.7,
-        )  # fmt: skip
+            model="smollm2",
+            messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
+            response_format=fmt,
+            max_tokens=400,
+            temperature=0.7,
+        )
         return reply.choices[0].message.content, reply.choices[0].finish_reason
 
     with ThreadPoolExecutor(8) as pool:
@@ -165,9 +214,12 @@ def test_response_format_json_schema_always_validates_at_temperature_0_7(served:
 
 def test_response_format_json_object_is_an_object(served: DynProcess) -> None:
     reply = client(served).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "List two fruits."}],
-        response_format={"type": "json_object"}, max_tokens=60, temperature=0,
-    )  # fmt: skip
+        model="smollm2",
+        messages=[{"role": "user", "content": "List two fruits."}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+    )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
     else:  # cut by max_tokens: still the start of an object
@@ -177,19 +229,22 @@ def test_response_format_json_object_is_an_object(served: DynProcess) -> None:
 def test_a_bad_schema_is_a_400_naming_the_field(served: DynProcess) -> None:
     bad: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}
     with pytest.raises(openai.BadRequestError) as info:
-        client(served).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
-                                               response_format=bad)  # fmt: skip
+        client(served).chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], response_format=bad
+        )
     assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
     # a schema that is valid but that llama.cpp's converter cannot take is the engine's 400, not a crash
     odd: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "abc"}}}
     with pytest.raises(openai.BadRequestError, match="grammar"):
-        client(served).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
-                                               response_format=odd)  # fmt: skip
+        client(served).chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], response_format=odd
+        )
     # a keyword llama.cpp's grammar would drop is refused, not half enforced
     bounded: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": 9}}}
     with pytest.raises(openai.BadRequestError, match="response_format: .*'maximum'"):
-        client(served).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
-                                               response_format=bounded)  # fmt: skip
+        client(served).chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], response_format=bounded
+        )
 
 
 def test_an_engine_without_guided_decoding_refuses_naming_field_and_engine(dyn_serve) -> None:  # type: ignore[no-untyped-def]

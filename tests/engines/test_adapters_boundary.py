@@ -260,12 +260,26 @@ def test_vllm_sampling_params_map_every_field_and_ask_for_deltas_without_detoken
 
 def test_vllm_sampling_params_map_penalties_logit_bias_min_p_and_logprobs_when_set() -> None:
     engine = VllmEngine(EngineArgs(model="m"), library=FAKE_VLLM)
-    req = request(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.3, logit_bias={7: -100.0},
-                  min_p=0.2, logprobs=3)  # fmt: skip
+    req = request(
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.3,
+        logit_bias={7: -100.0},
+        min_p=0.2,
+        logprobs=3,
+    )
     kwargs = engine.sampling_params(req).kwargs
-    assert {k: kwargs[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                                   "min_p", "logprobs")} == {"presence_penalty": 0.5, "frequency_penalty": -1.0,
-            "repetition_penalty": 1.3, "logit_bias": {7: -100.0}, "min_p": 0.2, "logprobs": 3}  # fmt: skip
+    assert {
+        k: kwargs[k]
+        for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "logprobs")
+    } == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.3,
+        "logit_bias": {7: -100.0},
+        "min_p": 0.2,
+        "logprobs": 3,
+    }
 
 
 async def test_vllm_streams_delta_outputs_as_chunks_and_reports_engine_info() -> None:
@@ -515,10 +529,17 @@ def test_the_rehasher_maps_media_to_tiers_and_keeps_a_block_until_its_last_tier_
     stored = rehasher.convert([["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "GPU"]])
     assert [e.tier for e in stored] == ["device"]  # type: ignore[union-attr]
     # vLLM's offloading connector: the blocks are stored on CPU, then leave the GPU
-    moved = rehasher.convert([["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "CPU"],
-                              ["BlockRemoved", [1, 2], "GPU"]])  # fmt: skip
-    assert moved[0] == BlockStored(parent_hash=None, blocks=[StoredBlock(ours[0], block_hashes(TOKENS[:32], 16)[0]),
-                                   StoredBlock(ours[1], block_hashes(TOKENS[:32], 16)[1])], tier="host")  # fmt: skip
+    moved = rehasher.convert(
+        [["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "CPU"], ["BlockRemoved", [1, 2], "GPU"]]
+    )
+    assert moved[0] == BlockStored(
+        parent_hash=None,
+        blocks=[
+            StoredBlock(ours[0], block_hashes(TOKENS[:32], 16)[0]),
+            StoredBlock(ours[1], block_hashes(TOKENS[:32], 16)[1]),
+        ],
+        tier="host",
+    )
     assert moved[1] == BlockRemoved(block_hashes=ours, tier="device")
     assert rehasher.convert([["BlockRemoved", [1], "GPU"]]) == []  # no longer on device: nothing to say
     chained = rehasher.convert([["BlockStored", [3], 2, TOKENS[32:48], 16, None, "disk"]])  # parent known via host

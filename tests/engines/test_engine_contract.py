@@ -358,9 +358,16 @@ async def test_logprobs_come_one_per_token_with_the_alternatives_asked_for(runni
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("presence_penalty", 3.0), ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("min_p", 1.5),
-     ("logprobs", 21), ("logit_bias", {5: 101.0}), ("logit_bias", {2**31 - 1: 1.0})],
-)  # fmt: skip
+    [
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("logprobs", 21),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {2**31 - 1: 1.0}),
+    ],
+)
 async def test_a_sampling_value_out_of_range_is_refused_naming_it(running: Running, field: str, value: object) -> None:
     with pytest.raises(RequestError) as info:
         await collect(running.engine, make_request(prompt_of(21), max_tokens=2, **{field: value}))

@@ -60,7 +60,10 @@ def test_a_request_without_a_key_or_with_a_wrong_one_is_unauthorized() -> None:
     with pytest.raises(Unauthorized, match="missing API key") as missing:
         gate.admit([(b"host", b"x")], 0.0)
     assert (missing.value.status, missing.value.code, missing.value.error_type) == (
-        401, "invalid_api_key", "invalid_request_error")  # fmt: skip
+        401,
+        "invalid_api_key",
+        "invalid_request_error",
+    )
     with pytest.raises(Unauthorized, match="invalid API key"):
         gate.admit(bearer("key-four"), 0.0)
     gate.admit(bearer("key-two"), 0.0).release()
@@ -76,8 +79,17 @@ def test_a_request_without_a_key_or_with_a_wrong_one_is_unauthorized() -> None:
 )
 def test_only_the_probes_and_maybe_metrics_are_open(metrics_require_key: bool, open_paths: set[str]) -> None:
     gate = Gate(AuthConfig(KEYS, metrics_require_key=metrics_require_key))
-    paths = ["/health", "/live", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/",
-             "/health/", "/nope"]  # fmt: skip
+    paths = [
+        "/health",
+        "/live",
+        "/metrics",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/",
+        "/health/",
+        "/nope",
+    ]
     assert {p for p in paths if gate.is_open(p)} == open_paths
 
 
@@ -98,7 +110,10 @@ def test_each_key_has_its_own_request_rate() -> None:
     with pytest.raises(RateLimited, match=r"over 1 requests/s") as limited:
         gate.admit(bearer("key-one"), 10.2)
     assert (limited.value.status, limited.value.code, limited.value.retry_after) == (
-        429, "rate_limit_exceeded", pytest.approx(0.8))  # fmt: skip
+        429,
+        "rate_limit_exceeded",
+        pytest.approx(0.8),
+    )
     gate.admit(bearer("key-two"), 10.2).release()  # another key is not slowed
     gate.admit(bearer("key-one"), 11.0).release()
 

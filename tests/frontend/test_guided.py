@@ -45,22 +45,40 @@ def test_tool_choice_defaults_to_auto_with_tools_and_none_without() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "frobnicate"}}}]},
-         "tools[0].function.parameters"),
+        (
+            {"tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "frobnicate"}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"messages": [{"role": "tool", "content": "24 C"}]}, "messages[0].tool_call_id"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": "low"}}}},
-         "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"},
-         "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "string", "description": "x" * 70_000}}}}}},
-         "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": "low"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"},
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "description": "x" * 70_000}},
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_and_format_fields_are_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     error = refused(chat(**fields))
     assert error.param == param and param.split(".")[0] in str(error)
@@ -101,8 +119,12 @@ def test_required_becomes_an_array_schema_of_the_tools_and_named_the_tools_param
     one_only = chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     single = plan_tools(one_only, GUIDED, "x", "m")
     assert single.guided is not None and json.loads(single.guided.schema)["maxItems"] == 1
-    named = plan_tools(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                       GUIDED, "llamacpp", "m")  # fmt: skip
+    named = plan_tools(
+        chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        GUIDED,
+        "llamacpp",
+        "m",
+    )
     assert named.mode == "named" and named.named == "get_weather"
     assert named.guided is not None and json.loads(named.guided.schema) == WEATHER["function"]["parameters"]
 
@@ -110,17 +132,24 @@ def test_required_becomes_an_array_schema_of_the_tools_and_named_the_tools_param
 ##### Rendering #####
 
 PLAIN = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
-NATIVE = ("{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
-          "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-          "{% for c in m.get('tool_calls', []) %}"
-          "CALL {{ c['function']['name'] }} {{ c['function']['arguments']['city'] }}"
-          "{% endfor %}{% if m.get('tool_call_id') %}[{{ m['tool_call_id'] }}]{% endif %}\n{% endfor %}")  # fmt: skip
+NATIVE = (
+    "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}"
+    "CALL {{ c['function']['name'] }} {{ c['function']['arguments']['city'] }}"
+    "{% endfor %}{% if m.get('tool_call_id') %}[{{ m['tool_call_id'] }}]{% endif %}\n{% endfor %}"
+)
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
-]  # fmt: skip
+]
 
 
 def test_a_template_without_tools_gets_the_fallback_system_block_and_flattened_turns() -> None:

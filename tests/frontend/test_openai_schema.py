@@ -55,8 +55,11 @@ def test_a_prompt_item_that_is_no_token_id_is_named(item: bytes) -> None:
         pytest.param(b'{"model": "m", "prompt": "x", "top_k": 18446744073709551616}', "top_k", id="top-k-2^64"),
         pytest.param(b'{"model": "m", "prompt": "x", "min_tokens": 2147483648}', "min_tokens", id="min-tokens"),
         pytest.param(b'{"model": "m", "prompt": "x", "max_tokens": 1e400}', "max_tokens", id="max-tokens-inf"),
-        pytest.param(b'{"model": "m", "prompt": "x", "stop_token_ids": [18446744073709551616]}', "stop_token_ids[0]",
-                     id="stop-token-id-2^64"),  # fmt: skip
+        pytest.param(
+            b'{"model": "m", "prompt": "x", "stop_token_ids": [18446744073709551616]}',
+            "stop_token_ids[0]",
+            id="stop-token-id-2^64",
+        ),
     ],
 )
 def test_integers_beyond_what_an_engine_takes_are_400s_naming_the_field(body: bytes, param: str) -> None:

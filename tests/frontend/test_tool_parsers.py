@@ -19,24 +19,50 @@ TIME = ParsedCall("get_time", '{"tz": "Europe/Paris"}')
 # (parser, model output, content expected, calls expected): outputs in the shapes these families emit
 # (Hermes 2 Pro / Qwen 2.5, Llama 3.1 JSON tool calling, Mistral v3 and v11 tokenizers, Llama 3.2 pythonic).
 RECORDED = [
-    ("hermes", 'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-     '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
-     "I will check.", [WEATHER, TIME]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-     "", [WEATHER]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
-     "", [WEATHER]),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-     '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}', "", [WEATHER, TIME]),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-     '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "", [WEATHER, TIME]),
+    (
+        "hermes",
+        'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
+        "I will check.",
+        [WEATHER, TIME],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        "",
+        [WEATHER],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        "",
+        [WEATHER],
+    ),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
+        "",
+        [WEATHER, TIME],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        "",
+        [WEATHER, TIME],
+    ),
     ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', "Sure.", [WEATHER]),
     ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(tz="Europe/Paris")]', "", [WEATHER, TIME]),
     ("pythonic", '<|python_start|>[get_weather(city="Paris", unit="celsius")]<|python_end|>', "", [WEATHER]),
     ("json", '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', "", [WEATHER]),
-    ("json", '```json\n[{"name": "get_weather", "arguments": '
-     '"{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}]\n```', "", [WEATHER]),
-]  # fmt: skip
+    (
+        "json",
+        '```json\n[{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}]\n```',
+        "",
+        [WEATHER],
+    ),
+]
 
 NOT_CALLS = [
     ("hermes", "The weather tool needs a city. Which one?"),
@@ -179,8 +205,10 @@ def test_streamed_auto_output_with_reasoning_assembles_to_the_whole_message() ->
         got = assemble(deltas)
         assert got["reasoning_content"] == "Need the weather." and str(got["content"]).strip() == "I will check."
         calls = got["tool_calls"]
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == [(WEATHER.name, WEATHER.arguments),  # type: ignore[attr-defined]
-                                                                          (TIME.name, TIME.arguments)]  # fmt: skip
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (WEATHER.name, WEATHER.arguments),  # type: ignore[attr-defined]
+            (TIME.name, TIME.arguments),
+        ]
         assert output.finish_reason("stop") == "tool_calls" and output.finish_reason("length") == "length"
     message = ChatOutput("auto", tool_parser("hermes"), "basic").message(text)
     assert message["content"] == "I will check." and message["reasoning_content"] == "Need the weather."

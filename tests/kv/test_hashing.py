@@ -95,8 +95,12 @@ def test_hashing_a_whole_prompt_or_a_range_of_it_matches_the_block_by_block_defi
         assert sequence_hashes(tuple(tokens), block_size) == expected  # not a list: packed another way
         start = rng.randrange(len(expected) + 1)
         num_tokens = rng.randrange(start * block_size, len(tokens) + 1)
-        ranged = [seq for seq, _ in hash_blocks(tokens, block_size, start=start, num_tokens=num_tokens,
-                                                parent=expected[start - 1] if start else None)]  # fmt: skip
+        ranged = [
+            seq
+            for seq, _ in hash_blocks(
+                tokens, block_size, start=start, num_tokens=num_tokens, parent=expected[start - 1] if start else None
+            )
+        ]
         assert ranged == expected[start : num_tokens // block_size]
 
 

@@ -59,8 +59,10 @@ async def test_the_virtual_connector_writes_decisions_and_waits_for_their_ack(di
         assert await connector.apply(ScaleTarget(1, num_prefill=2, num_decode=3))
         assert await connector.apply(ScaleTarget(2, num_prefill=1, num_decode=5))
         orchestrator.cancel()
-    assert seen == [VirtualDecision(decision_id=1, num_prefill_workers=2, num_decode_workers=3),
-                    VirtualDecision(decision_id=2, num_prefill_workers=1, num_decode_workers=5)]  # fmt: skip
+    assert seen == [
+        VirtualDecision(decision_id=1, num_prefill_workers=2, num_decode_workers=3),
+        VirtualDecision(decision_id=2, num_prefill_workers=1, num_decode_workers=5),
+    ]
     # a planner started later continues the ids, so an orchestrator never sees an id twice
     assert await VirtualConnector(discovery, "ns1").next_decision_id() == 3
 
@@ -80,8 +82,14 @@ def _serves_model(url: str) -> bool:
 
 def _stream(url: str, box: dict[str, object]) -> None:
     """One long streamed completion; records how many chunks came and how it ended."""
-    body = {"model": "smollm2", "prompt": "hello", "max_tokens": 300, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2",
+        "prompt": "hello",
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = 0
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60, headers=auth) as response:
@@ -101,8 +109,13 @@ def _stream(url: str, box: dict[str, object]) -> None:
 async def test_the_local_connector_starts_a_worker_and_drains_it_under_a_request(dyn_serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     secret = os.urandom(32).hex()
     frontend: DynProcess = dyn_serve("--engine", "mocker", "--workers", "0", env={CLUSTER_SECRET_ENV: secret})
-    config = WorkerConfig(engine="mocker", model="smollm2", planes=PlanesConfig(discovery=frontend.discovery),
-                          extra={"speedup_ratio": 1.0}, graceful_shutdown_s=20.0)  # fmt: skip
+    config = WorkerConfig(
+        engine="mocker",
+        model="smollm2",
+        planes=PlanesConfig(discovery=frontend.discovery),
+        extra={"speedup_ratio": 1.0},
+        graceful_shutdown_s=20.0,
+    )
     env = {**planes_env(frontend.discovery, "embedded"), CLUSTER_SECRET_ENV: secret}
     connector = LocalConnector(worker_argv(config), None, env, grace_s=20.0)
     store = open_discovery(frontend.discovery)

@@ -19,16 +19,22 @@ from tests.conftest import API_KEY, DynProcess, wait_until
 # Slow prefill on purpose: ~30-token prompts take ~120 ms, ~250 tokens/s per worker, so a few requests a
 # second need more than one worker; decode is cheap and never the bottleneck here.
 STEP_PROFILE = Profile(
-    engine="mocker", model="smollm2", max_kv_tokens=1_000_000, max_num_seqs=256,
+    engine="mocker",
+    model="smollm2",
+    max_kv_tokens=1_000_000,
+    max_num_seqs=256,
     prefill=[PrefillSample(isl=10, ttft_ms=100.0), PrefillSample(isl=1000, ttft_ms=1000.0)],
-    decode=[DecodeSample(kv_usage=0.0, context_length=100, itl_ms=5.0),
-            DecodeSample(kv_usage=1.0, context_length=100, itl_ms=10.0)],
-)  # fmt: skip
+    decode=[
+        DecodeSample(kv_usage=0.0, context_length=100, itl_ms=5.0),
+        DecodeSample(kv_usage=1.0, context_length=100, itl_ms=10.0),
+    ],
+)
 
 
 def dyn(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_cli.cli.main", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -57,8 +63,18 @@ def test_bad_plan_run_flags_are_one_red_line(flags: list[str], expected: str, pr
 
 
 def test_a_missing_profile_is_one_red_line(tmp_path: Path) -> None:
-    result = dyn("plan", "run", "--profile", str(tmp_path / "none.json"), "--ttft", "500", "--itl", "50",
-                 "--frontend", "http://x")  # fmt: skip
+    result = dyn(
+        "plan",
+        "run",
+        "--profile",
+        str(tmp_path / "none.json"),
+        "--ttft",
+        "500",
+        "--itl",
+        "50",
+        "--frontend",
+        "http://x",
+    )
     assert result.returncode != 0 and "cannot be read" in result.stderr and "dyn plan profile" in result.stderr
 
 
@@ -69,8 +85,22 @@ def test_bad_sweep_flags_are_one_red_line(tmp_path: Path) -> None:
 
 def test_profiling_the_mocker_writes_a_profile_that_rises_with_isl_and_usage(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    result = dyn("plan", "profile", "--engine", "mocker", "--out", str(out), "--isls", "256,4096",
-                 "--contexts", "1024", "--usages", "0.01,0.2", "--speedup-ratio", "10")  # fmt: skip
+    result = dyn(
+        "plan",
+        "profile",
+        "--engine",
+        "mocker",
+        "--out",
+        str(out),
+        "--isls",
+        "256,4096",
+        "--contexts",
+        "1024",
+        "--usages",
+        "0.01,0.2",
+        "--speedup-ratio",
+        "10",
+    )
     assert result.returncode == 0, result.stderr
     profile = load_profile(out)
     assert [s.isl for s in profile.prefill] == [256, 4096] and profile.max_kv_tokens > 0
@@ -82,6 +112,7 @@ def test_profiling_the_mocker_writes_a_profile_that_rises_with_isl_and_usage(tmp
 
 def _load(url: str, seconds: float, stop: threading.Event, failures: list[int] | None = None) -> None:
     """Closed-loop load of short completions from 8 threads for `seconds`; failed statuses go to `failures`."""
+
     def client() -> None:
         deadline = time.monotonic() + seconds
         with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
@@ -100,8 +131,11 @@ def _load(url: str, seconds: float, stop: threading.Event, failures: list[int] |
 
 def _decode_counts(stdout: str) -> list[int]:
     """The decode (agg: pool) target of every printed decision."""
-    return [int(line.split("decode ")[1].split("→")[1].split(" ")[0]) for line in stdout.splitlines()
-            if line.startswith("decision ")]  # fmt: skip
+    return [
+        int(line.split("decode ")[1].split("→")[1].split(" ")[0])
+        for line in stdout.splitlines()
+        if line.startswith("decision ")
+    ]
 
 
 def _wait_lines(lines: list[str], count: int, timeout: float) -> None:
@@ -113,11 +147,34 @@ def _wait_lines(lines: list[str], count: int, timeout: float) -> None:
 def test_a_dry_run_planner_scales_up_under_a_load_step_and_back_down(dyn_serve, profile_file: Path) -> None:  # type: ignore[no-untyped-def]
     frontend: DynProcess = dyn_serve("--engine", "mocker", "--workers", "1", "--speedup-ratio", "50")
     planner = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "run", "--profile", str(profile_file), "--ttft", "1000",
-         "--itl", "50", "--mode", "agg", "--interval", "1", "--load-interval", "0", "--max-workers", "16",
-         "--discovery", frontend.discovery, "--dry-run"],  # no --frontend: found in discovery
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "plan",
+            "run",
+            "--profile",
+            str(profile_file),
+            "--ttft",
+            "1000",
+            "--itl",
+            "50",
+            "--mode",
+            "agg",
+            "--interval",
+            "1",
+            "--load-interval",
+            "0",
+            "--max-workers",
+            "16",
+            "--discovery",
+            frontend.discovery,
+            "--dry-run",
+        ],  # no --frontend: found in discovery
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     assert planner.stdout is not None
     threading.Thread(target=lambda: lines.extend(planner.stdout), daemon=True).start()  # type: ignore[arg-type]
@@ -136,7 +193,7 @@ def test_a_dry_run_planner_scales_up_under_a_load_step_and_back_down(dyn_serve, 
     counts = _decode_counts("".join(lines))
     assert planner.returncode == 0, err
     assert counts[0] == 1, lines  # idle: the minimum
-    assert max(counts[before:during + 1]) >= 2, lines  # the step: more workers within the loaded intervals
+    assert max(counts[before : during + 1]) >= 2, lines  # the step: more workers within the loaded intervals
     assert counts[-1] == 1, lines  # idle again: back to the minimum
 
 
@@ -144,11 +201,40 @@ def test_a_local_planner_starts_workers_for_a_load_step_and_drains_them_after(dy
     secret = {"DYN_CLUSTER_SECRET": "ab" * 32}
     frontend: DynProcess = dyn_serve("--engine", "mocker", "--workers", "0", env=secret)
     planner = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "run", "--profile", str(profile_file), "--ttft", "1000",
-         "--itl", "50", "--mode", "agg", "--interval", "1", "--load-interval", "0", "--max-workers", "3",
-         "--discovery", frontend.discovery, "--connector", "local", "--engine", "mocker", "--speedup-ratio", "50"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **secret},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "plan",
+            "run",
+            "--profile",
+            str(profile_file),
+            "--ttft",
+            "1000",
+            "--itl",
+            "50",
+            "--mode",
+            "agg",
+            "--interval",
+            "1",
+            "--load-interval",
+            "0",
+            "--max-workers",
+            "3",
+            "--discovery",
+            frontend.discovery,
+            "--connector",
+            "local",
+            "--engine",
+            "mocker",
+            "--speedup-ratio",
+            "50",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **secret},
+    )
     sizes: list[int] = []
     try:
         assert wait_until(lambda: len(frontend.serving_pids()) == 1, 60), "the planner did not start the minimum"

@@ -25,12 +25,20 @@ dynamo_frontend_input_sequence_tokens_sum{model="b"} 5000.0
 
 def snap(at: float, requests: float, inflight: float = 0.0) -> Snapshot:
     """Cumulative counters as if every request had ISL 2000, OSL 200, TTFT 0.2 s, ITL 28.1 ms, 6 s long."""
-    sums = {"request_duration_seconds": 6.0 * requests, "time_to_first_token_seconds": 0.2 * requests,
-            "inter_token_latency_seconds": 0.0281 * requests * 199, "input_sequence_tokens": 2000.0 * requests,
-            "output_sequence_tokens": 200.0 * requests}  # fmt: skip
-    counts = {"request_duration_seconds": requests, "time_to_first_token_seconds": requests,
-              "inter_token_latency_seconds": requests * 199, "input_sequence_tokens": requests,
-              "output_sequence_tokens": requests}  # fmt: skip
+    sums = {
+        "request_duration_seconds": 6.0 * requests,
+        "time_to_first_token_seconds": 0.2 * requests,
+        "inter_token_latency_seconds": 0.0281 * requests * 199,
+        "input_sequence_tokens": 2000.0 * requests,
+        "output_sequence_tokens": 200.0 * requests,
+    }
+    counts = {
+        "request_duration_seconds": requests,
+        "time_to_first_token_seconds": requests,
+        "inter_token_latency_seconds": requests * 199,
+        "input_sequence_tokens": requests,
+        "output_sequence_tokens": requests,
+    }
     return Snapshot(at=at, sums={**sums, **{f"{k}:count": v for k, v in counts.items()}}, inflight=inflight)
 
 
@@ -94,14 +102,21 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
 async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_holds_it() -> None:
     # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example).
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
-                           startup_s=0.0)  # no trend projection: the windows alone  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=0.0
+    )  # no trend projection: the windows alone
 
     async def counts() -> tuple[int, int]:
         return (0, 2)  # discovery: the burst's workers are still starting
 
-    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62), snap(64.0, 62, inflight=30),
-                 snap(66.0, 62, inflight=46), snap(90.0, 92)]  # fmt: skip
+    snapshots = [
+        snap(0.0, 0),
+        snap(60.0, 60),
+        snap(62.0, 62),
+        snap(64.0, 62, inflight=30),
+        snap(66.0, 62, inflight=46),
+        snap(90.0, 92),
+    ]
     planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
     await planner.baseline()
     await planner.plan_once()  # 60 req in 60 s: 1 req/s → 0.775 → 1 worker
@@ -121,16 +136,24 @@ async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_hold
     assert held.decision.num_decode == 7 and "held at prefill 0, decode 7" in held.decision.why
 
 
-@pytest.mark.parametrize(("startup_s", "expected"), [pytest.param(10.0, 8, id="projected 12 s ahead"),
-                                                     pytest.param(0.0, None, id="no projection")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("startup_s", "expected"),
+    [pytest.param(10.0, 8, id="projected 12 s ahead"), pytest.param(0.0, None, id="no projection")],
+)
 async def test_a_rising_trend_scales_up_before_any_window_alone_is_sure(startup_s: float, expected: int | None) -> None:
     # 1, 2, 3 req/s in three 2 s windows (midpoints 61, 63, 65): slope 0.5 req/s², projected startup 10 + load 2 s
     # past 66 (t = 78): 2 + 0.5·15 = 9.5 req/s; pooled 2 req/s, variance 2/2·(1/3 + 15²/8) = 28.458 → σ 5.335;
     # surely 9.5 − 5.335 = 4.165 req/s → 3.23 → 4 workers > 2: sized for 9.5 req/s → 7.36 → 8. The last window
     # alone is surely only (6 − 2·√6) / 2 = 0.55 req/s.
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
-                           load_interval_s=2.0, startup_s=startup_s)  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(1000.0, 30.0),
+        bounds=Bounds(1, 20),
+        mode="agg",
+        headroom=1.0,
+        load_interval_s=2.0,
+        startup_s=startup_s,
+    )
 
     async def counts() -> tuple[int, int]:
         return (0, 2)
@@ -151,15 +174,21 @@ async def test_a_rising_trend_scales_up_before_any_window_alone_is_sure(startup_
 
 async def test_the_startup_the_bursts_project_over_is_measured_from_the_first_scale_up_seen_through() -> None:
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
-                           startup_s=30.0)  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=30.0
+    )
     serving = [(0, 1)]
 
     async def counts() -> tuple[int, int]:
         return serving[-1]  # discovery: workers show once they serve
 
-    snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62, inflight=30), snap(70.0, 70, inflight=30),
-                 snap(75.0, 75, inflight=30)]  # fmt: skip
+    snapshots = [
+        snap(0.0, 0),
+        snap(60.0, 60),
+        snap(62.0, 62, inflight=30),
+        snap(70.0, 70, inflight=30),
+        snap(75.0, 75, inflight=30),
+    ]
     planner = Planner(config, PROFILE, Source(snapshots), recorder, counts)
     await planner.baseline()
     await planner.plan_once()

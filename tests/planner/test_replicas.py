@@ -37,13 +37,18 @@ from dynamo_cli.planner.replicas import (
 )
 
 PROFILE = Profile(
-    engine="test", model="m", max_kv_tokens=100_000, max_num_seqs=1000,
+    engine="test",
+    model="m",
+    max_kv_tokens=100_000,
+    max_num_seqs=1000,
     prefill=[PrefillSample(isl=1000, ttft_ms=100.0), PrefillSample(isl=2000, ttft_ms=200.0)],
-    decode=[DecodeSample(kv_usage=0.0, context_length=1000, itl_ms=10.0),
-            DecodeSample(kv_usage=1.0, context_length=1000, itl_ms=50.0),
-            DecodeSample(kv_usage=0.0, context_length=3000, itl_ms=20.0),
-            DecodeSample(kv_usage=1.0, context_length=3000, itl_ms=60.0)],
-)  # fmt: skip
+    decode=[
+        DecodeSample(kv_usage=0.0, context_length=1000, itl_ms=10.0),
+        DecodeSample(kv_usage=1.0, context_length=1000, itl_ms=50.0),
+        DecodeSample(kv_usage=0.0, context_length=3000, itl_ms=20.0),
+        DecodeSample(kv_usage=1.0, context_length=3000, itl_ms=60.0),
+    ],
+)
 TARGETS = Targets(ttft_ms=1000.0, itl_ms=30.0)
 WIDE = Bounds(min_workers=1, max_workers=100)
 
@@ -109,18 +114,36 @@ def test_decode_replicas(d_corr: float, expected: int) -> None:
 
 
 def test_counts_are_clamped_to_min_and_max_workers() -> None:
-    light = plan_replicas(PROFILE, Forecast(num_requests=60, isl=2000, osl=200), 60.0, NO_CORRECTION,
-                          TARGETS, Bounds(min_workers=2, max_workers=6))  # fmt: skip
-    heavy = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, corr(decode=1.5),
-                          TARGETS, Bounds(min_workers=2, max_workers=6))  # fmt: skip
+    light = plan_replicas(
+        PROFILE,
+        Forecast(num_requests=60, isl=2000, osl=200),
+        60.0,
+        NO_CORRECTION,
+        TARGETS,
+        Bounds(min_workers=2, max_workers=6),
+    )
+    heavy = plan_replicas(
+        PROFILE,
+        Forecast(num_requests=600, isl=2000, osl=200),
+        60.0,
+        corr(decode=1.5),
+        TARGETS,
+        Bounds(min_workers=2, max_workers=6),
+    )
     assert (light.num_prefill, light.num_decode) == (2, 2)  # raw 1 and 1
     assert (heavy.num_prefill, heavy.num_decode) == (3, 6)  # raw 3 and 8
 
 
 def test_the_gpu_budget_scales_prefill_and_gives_decode_the_rest() -> None:
     # raw 3 + 4 = 7 GPUs over a budget of 5: scale 5/7; prefill round(3 × 0.714) = 2, decode 5 − 2 = 3
-    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
-                             TARGETS, Bounds(min_workers=1, max_workers=100, gpu_budget=5))  # fmt: skip
+    decision = plan_replicas(
+        PROFILE,
+        Forecast(num_requests=600, isl=2000, osl=200),
+        60.0,
+        NO_CORRECTION,
+        TARGETS,
+        Bounds(min_workers=1, max_workers=100, gpu_budget=5),
+    )
     assert (decision.num_prefill, decision.num_decode) == (2, 3)
     assert "5 GPUs" in decision.why
 
@@ -142,29 +165,52 @@ def test_agg_mode_sizes_one_pool_for_the_rate_a_worker_holds_at_both_targets() -
     # φ = 0.25807, TTFT = 0.2 + 0.25807·0.2 / (2·0.74193) = 0.234784 s, n = 1.2904·(0.234784 + 200·0.030) =
     # 8.0451, u = 0.021·8.0451 = 0.16895, ITL = (15.5 + 40·0.16895) / 0.74193 = 30.00 ms.
     # 600 req / 60 s = 10 req/s → 10 / 1.2904 = 7.75 → 8 workers (summing the disagg fractions gave 6).
-    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
-                             TARGETS, WIDE, mode="agg")  # fmt: skip
+    decision = plan_replicas(
+        PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION, TARGETS, WIDE, mode="agg"
+    )
     assert (decision.num_prefill, decision.num_decode) == (0, 8)
     assert "1.29 req/s per worker" in decision.why and "→ 7.75" in decision.why
     # headroom 0.8 sizes for ITL 24 ms: 0.9424 req/s per worker → 10.61 → 11
-    assert plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION, TARGETS,
-                         WIDE, mode="agg", headroom=0.8).num_decode == 11  # fmt: skip
+    assert (
+        plan_replicas(
+            PROFILE,
+            Forecast(num_requests=600, isl=2000, osl=200),
+            60.0,
+            NO_CORRECTION,
+            TARGETS,
+            WIDE,
+            mode="agg",
+            headroom=0.8,
+        ).num_decode
+        == 11
+    )
     # d_corr 2 is clamped to 1.25: sized for ITL 30 / 1.25 = 24 ms, the same 11
-    assert plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, corr(decode=2.0), TARGETS,
-                         WIDE, mode="agg").num_decode == 11  # fmt: skip
+    assert (
+        plan_replicas(
+            PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, corr(decode=2.0), TARGETS, WIDE, mode="agg"
+        ).num_decode
+        == 11
+    )
 
 
 def test_agg_corrections_compare_with_the_interference_model() -> None:
     # 240 req / 60 s over 2 workers = 2 req/s each: agg_point says TTFT 266.667 ms, ITL 60.409 ms.
-    observed = Observation(interval_s=60.0, num_requests=240, isl=2000, osl=200, ttft_ms=400.0, itl_ms=60.409,
-                           request_duration_s=12.0)  # fmt: skip
+    observed = Observation(
+        interval_s=60.0, num_requests=240, isl=2000, osl=200, ttft_ms=400.0, itl_ms=60.409, request_duration_s=12.0
+    )
     factors = correction_factors(PROFILE, observed, 2, mode="agg")
     assert factors.prefill == pytest.approx(1.5) and factors.decode == pytest.approx(1.0, abs=1e-4)
 
 
 def test_an_unreachable_ttft_target_is_said_in_the_decision() -> None:
-    decision = plan_replicas(PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION,
-                             Targets(ttft_ms=150.0, itl_ms=30.0), WIDE)  # fmt: skip
+    decision = plan_replicas(
+        PROFILE,
+        Forecast(num_requests=600, isl=2000, osl=200),
+        60.0,
+        NO_CORRECTION,
+        Targets(ttft_ms=150.0, itl_ms=30.0),
+        WIDE,
+    )
     assert decision.num_prefill == 2  # ρ = 1: 20000 / 10000
     assert "unreachable" in decision.why
 
@@ -172,8 +218,9 @@ def test_an_unreachable_ttft_target_is_said_in_the_decision() -> None:
 def test_correction_factors_compare_observed_latency_with_the_profile() -> None:
     # TTFT 300 vs 200 ms at ISL 2000: 1.5. Concurrency 600/4 × 6 s/60 s = 15 req of 2100 tok:
     # usage 0.315, profile ITL 15.5 + 12.6 = 28.1 ms; observed 31 → 31/28.1 = 1.1032
-    observed = Observation(interval_s=60.0, num_requests=600, isl=2000, osl=200, ttft_ms=300.0, itl_ms=31.0,
-                           request_duration_s=6.0)  # fmt: skip
+    observed = Observation(
+        interval_s=60.0, num_requests=600, isl=2000, osl=200, ttft_ms=300.0, itl_ms=31.0, request_duration_s=6.0
+    )
     factors = correction_factors(PROFILE, observed, num_decode_workers=4)
     assert factors.prefill == pytest.approx(1.5)
     assert factors.decode == pytest.approx(31 / 28.1)

@@ -11,13 +11,31 @@ from tests.conftest import DynProcess, descendants, wait_until
 from tests.planner.test_plan_cli import _load, dyn, profile_file  # noqa: F401  (profile_file: a fixture)
 
 
-def test_serve_with_the_planner_adds_workers_under_a_load_step_and_drains_them_after(dyn_serve,  # type: ignore[no-untyped-def]
-                                                                                    profile_file: Path) -> None:  # noqa: F811
+def test_serve_with_the_planner_adds_workers_under_a_load_step_and_drains_them_after(
+    dyn_serve,  # type: ignore[no-untyped-def]
+    profile_file: Path,  # noqa: F811
+) -> None:
     deployment: DynProcess = dyn_serve(
-        "--engine", "mocker", "--speedup-ratio", "50", "--workers", "1", "--planner", "--planner-profile",
-        str(profile_file), "--planner-ttft", "1000", "--planner-itl", "50", "--planner-interval", "1",
-        "--planner-load-interval", "0", "--planner-max-workers", "3",
-    )  # fmt: skip
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        "50",
+        "--workers",
+        "1",
+        "--planner",
+        "--planner-profile",
+        str(profile_file),
+        "--planner-ttft",
+        "1000",
+        "--planner-itl",
+        "50",
+        "--planner-interval",
+        "1",
+        "--planner-load-interval",
+        "0",
+        "--planner-max-workers",
+        "3",
+    )
     assert len(deployment.serving_pids()) == 1
     failures: list[int] = []
     loader = threading.Thread(target=_load, args=(deployment.url, 6.0, threading.Event(), failures))
@@ -35,13 +53,24 @@ def test_serve_with_the_planner_adds_workers_under_a_load_step_and_drains_them_a
 
 
 def test_the_planner_needs_a_profile_for_an_engine_it_cannot_profile_on_the_fly(tmp_path: Path) -> None:
-    result = dyn("serve", "--engine", "llamacpp", "--planner", "--planner-ttft", "500", "--planner-itl", "50",
-                 "--discovery", f"file://{tmp_path}/d")  # fmt: skip
+    result = dyn(
+        "serve",
+        "--engine",
+        "llamacpp",
+        "--planner",
+        "--planner-ttft",
+        "500",
+        "--planner-itl",
+        "50",
+        "--discovery",
+        f"file://{tmp_path}/d",
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0 and len(lines) == 1 and "--planner-profile FILE" in lines[0], result.stderr
 
 
 def test_the_planners_targets_are_checked_as_dyn_plan_run_checks_them(tmp_path: Path) -> None:
-    result = dyn("serve", "--engine", "mocker", "--planner", "--planner-itl", "50",
-                 "--discovery", f"file://{tmp_path}/d")  # fmt: skip
+    result = dyn(
+        "serve", "--engine", "mocker", "--planner", "--planner-itl", "50", "--discovery", f"file://{tmp_path}/d"
+    )
     assert result.returncode != 0 and "--ttft and --itl must be positive" in result.stderr, result.stderr

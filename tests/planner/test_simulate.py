@@ -29,11 +29,14 @@ from dynamo_cli.planner.simulate import (
 
 KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
 MOCKER = Profile(
-    engine="mocker", model="m", max_kv_tokens=KV,
+    engine="mocker",
+    model="m",
+    max_kv_tokens=KV,
     prefill=[PrefillSample(isl=i, ttft_ms=prefill_ms(i) + decode_ms(0)) for i in (128, 1024, 2048, 4096, 8192)],
-    decode=[DecodeSample(kv_usage=u, context_length=c, itl_ms=decode_ms(u)) for c in (512, 8192)
-            for u in (0.0, 0.5, 1.0)],
-)  # fmt: skip
+    decode=[
+        DecodeSample(kv_usage=u, context_length=c, itl_ms=decode_ms(u)) for c in (512, 8192) for u in (0.0, 0.5, 1.0)
+    ],
+)
 
 
 def test_one_request_takes_the_mockers_pass_times() -> None:
@@ -56,8 +59,10 @@ def test_a_rate_curve_is_poisson_within_its_segments() -> None:
 
 def test_a_mooncake_trace_is_read_relative_to_its_first_entry(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 5000, "input_length": 10, "output_length": 2}\n'
-                    '{"timestamp": 7500, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n')  # fmt: skip
+    path.write_text(
+        '{"timestamp": 5000, "input_length": 10, "output_length": 2}\n'
+        '{"timestamp": 7500, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n'
+    )
     assert load_trace(path) == [SimRequest(0.0, 10, 2), SimRequest(2.5, 20, 4)]
 
 
@@ -83,8 +88,9 @@ def test_the_planner_meets_both_targets_on_a_5x_swing_with_under_65_percent_of_t
     # holds ~7.5 req/s at TTFT 500 ms / ITL 40 ms, so the peak needs 6
     curve = ",".join(f"{t}:{5 + 35 * math.sin(math.pi * t / 600) ** 2:.1f}" for t in range(0, 600, 5)) + ",600:0"
     requests = rate_curve(curve, 2000, 150)
-    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg", interval_s=15.0,
-                           load_interval_s=2.0)  # fmt: skip
+    config = PlannerConfig(
+        targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg", interval_s=15.0, load_interval_s=2.0
+    )
 
     async def both() -> tuple[SimResult, SimResult]:
         peak = await simulate(requests, MOCKER, 500.0, 40.0, static_workers=6)
@@ -148,18 +154,53 @@ def test_the_disagg_planner_sizes_both_pools_on_the_swing_with_under_65_percent_
 
 def test_simulate_needs_exactly_one_source_of_load(tmp_path: Path) -> None:
     save_profile(MOCKER, tmp_path / "p.json")
-    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile",
-                             str(tmp_path / "p.json"), "--ttft", "500", "--itl", "50"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "plan",
+            "simulate",
+            "--profile",
+            str(tmp_path / "p.json"),
+            "--ttft",
+            "500",
+            "--itl",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "exactly one of --trace" in result.stderr
 
 
 def test_simulate_prints_each_policy(tmp_path: Path) -> None:
     save_profile(MOCKER, tmp_path / "p.json")
-    result = subprocess.run([sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile",
-                             str(tmp_path / "p.json"), "--ttft", "500", "--itl", "50", "--rate-curve", "0:5,60:0",
-                             "--static", "1,2", "--interval", "10"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "plan",
+            "simulate",
+            "--profile",
+            str(tmp_path / "p.json"),
+            "--ttft",
+            "500",
+            "--itl",
+            "50",
+            "--rate-curve",
+            "0:5,60:0",
+            "--static",
+            "1,2",
+            "--interval",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
     assert policies == ["static 1", "static 2", "planner"]
@@ -167,8 +208,25 @@ def test_simulate_prints_each_policy(tmp_path: Path) -> None:
 
 def test_simulate_compares_prefill_and_decode_pairs_in_disagg_mode(tmp_path: Path) -> None:
     save_profile(MOCKER, tmp_path / "p.json")
-    base = [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "simulate", "--profile", str(tmp_path / "p.json"),
-            "--ttft", "500", "--itl", "50", "--rate-curve", "0:5,60:0", "--mode", "disagg", "--interval", "10"]
+    base = [
+        sys.executable,
+        "-m",
+        "dynamo_cli.cli.main",
+        "plan",
+        "simulate",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--ttft",
+        "500",
+        "--itl",
+        "50",
+        "--rate-curve",
+        "0:5,60:0",
+        "--mode",
+        "disagg",
+        "--interval",
+        "10",
+    ]
     result = subprocess.run([*base, "--static", "1+1,2+3"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]

@@ -46,26 +46,32 @@ def test_a_worker_not_heard_from_lately_is_left_out() -> None:
     assert loads.total() == PoolLoad(num_workers=1, num_waiting=1, total_blocks=100)
 
 
-@pytest.mark.parametrize(("waiting", "expected"), [pytest.param(6, 6, id="queues grew past the noise"),
-                                                   pytest.param(5, None, id="within the noise"),
-                                                   pytest.param(None, None, id="no load signal")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("waiting", "expected"),
+    [
+        pytest.param(6, 6, id="queues grew past the noise"),
+        pytest.param(5, None, id="within the noise"),
+        pytest.param(None, None, id="no load signal"),
+    ],
+)
 async def test_queue_growth_past_the_arrivals_noise_scales_up_when_the_count_alone_would_not(
-        waiting: int | None, expected: int | None) -> None:  # fmt: skip
+    waiting: int | None, expected: int | None
+) -> None:
     # an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example). In 2 s, 2 completed and in flight
     # went 0 → W: the window alone is surely (2 + W − 2·√(2 + W)) / 2 <= 1.17 req/s → 1 worker, not more than 2.
     # Queues grew by 6 > 2·√8 = 5.66: surely (2 + 6) / 2 = 4 req/s → 3.1 → 4 > 2 workers; sized for 4 + 6 / (0 + 2)
     # = 7 req/s (the backlog drained within a load interval) → 5.42 → 6. Growth 5 <= 2·√7 = 5.29 is noise.
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0,
-                           startup_s=0.0)  # fmt: skip
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=0.0)
 
     async def counts() -> tuple[int, int]:
         return (0, 2)
 
     queue = PoolLoad(num_workers=2, num_waiting=waiting or 0)
     snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62, inflight=waiting or 6)]
-    planner = Planner(config, PROFILE, Source(snapshots), recorder, counts, loads=None if waiting is None else
-                      (lambda: queue))  # fmt: skip
+    planner = Planner(
+        config, PROFILE, Source(snapshots), recorder, counts, loads=None if waiting is None else (lambda: queue)
+    )
     await planner.baseline()
     await planner.plan_once()
     step = await planner.check_burst()

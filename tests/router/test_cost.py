@@ -108,9 +108,7 @@ def test_a_full_tie_is_broken_at_random_reproducibly_from_the_seed() -> None:
 
 
 def test_temperature_zero_is_deterministic_whatever_the_seed() -> None:
-    chosen = {
-        select_worker(WORKED_EXAMPLE, 64, 4, CONFIG, random.Random(seed)).worker_id for seed in range(50)
-    }
+    chosen = {select_worker(WORKED_EXAMPLE, 64, 4, CONFIG, random.Random(seed)).worker_id for seed in range(50)}
 
     assert chosen == {2}
 
@@ -176,9 +174,7 @@ GUARD = CostConfig(block_size=16, hot_spot_min_blocks=100, hot_spot_ratio=0.5)
         pytest.param([5000], False, id="single-candidate"),
     ],
 )
-def test_the_hot_spot_guard_triggers_exactly_at_its_thresholds(
-    active_blocks: list[int], expected: bool
-) -> None:
+def test_the_hot_spot_guard_triggers_exactly_at_its_thresholds(active_blocks: list[int], expected: bool) -> None:
     assert is_hot_spot(active_blocks, GUARD) is expected
 
 

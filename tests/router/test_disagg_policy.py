@@ -10,8 +10,14 @@ from dynamo_cli.router.disagg import OUTCOMES, STALL_WEIGHT, DisaggInputs, decid
 
 
 def inputs(**changes: object) -> DisaggInputs:
-    base: dict[str, object] = dict(effective_isl=3000, decode_pending_tokens=0, decode_running=4,
-                                   decode_kv_usage=0.2, prefill_pending_tokens=0, prefill_queue=0)  # fmt: skip
+    base: dict[str, object] = dict(
+        effective_isl=3000,
+        decode_pending_tokens=0,
+        decode_running=4,
+        decode_kv_usage=0.2,
+        prefill_pending_tokens=0,
+        prefill_queue=0,
+    )
     base.update(changes)
     return DisaggInputs(**base)  # type: ignore[arg-type]
 

@@ -27,9 +27,7 @@ def prompt(suffix: int, blocks: int = 2) -> list[int]:
 def stored_batch(worker: int, event_id: int, tokens: list[int]) -> KvEventBatch:
     seq, local = sequence_hashes(tokens, BLOCK), block_hashes(tokens, BLOCK)
     blocks = [StoredBlock(s, t) for s, t in zip(seq, local, strict=True)]
-    return KvEventBatch(
-        event_id=event_id, worker_id=worker, events=[BlockStored(parent_hash=None, blocks=blocks)]
-    )
+    return KvEventBatch(event_id=event_id, worker_id=worker, events=[BlockStored(parent_hash=None, blocks=blocks)])
 
 
 class Clock:
@@ -143,9 +141,7 @@ def test_temperature_zero_routes_the_same_way_whatever_the_seed() -> None:
         kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(seed))
         for worker in (1, 2, 3):
             kv.apply_kv_events(stored_batch(worker, 0, prompt(worker, blocks=worker)))
-        return [
-            kv.select(RouteRequest(f"r{n}", prompt(n % 4, blocks=3)), [1, 2, 3]).worker_id for n in range(12)
-        ]
+        return [kv.select(RouteRequest(f"r{n}", prompt(n % 4, blocks=3)), [1, 2, 3]).worker_id for n in range(12)]
 
     assert route(1) == route(2) == route(3)
 
@@ -178,7 +174,8 @@ def test_removing_a_worker_drops_its_blocks_and_load() -> None:
 def test_approximate_mode_remembers_its_own_decisions_for_the_ttl() -> None:
     clock = Clock()
     kv = KvRoutingPolicy(
-        KvRouterConfig(block_size=BLOCK, use_kv_events=False, prefill_tokens_per_s=1000.0), rng=random.Random(5),
+        KvRouterConfig(block_size=BLOCK, use_kv_events=False, prefill_tokens_per_s=1000.0),
+        rng=random.Random(5),
         clock=clock,
     )
     kv.apply_kv_events(stored_batch(3, 0, prompt(1)))  # ignored: no events in approximate mode
@@ -294,8 +291,7 @@ def test_when_every_worker_has_a_prefill_queued_it_joins_one_still_waiting_not_o
     # Issue 15's closed-loop p99: with a prefill queued everywhere, turns sent a request to a worker whose
     # queued prefill had already started its pass (its KV event came), so it waited that whole pass too.
     clock = Clock()
-    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1e6), rng=random.Random(0),
-                         clock=clock)  # fmt: skip
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1e6), rng=random.Random(0), clock=clock)
     for worker in (1, 2):
         kv.apply_kv_events(stored_batch(worker, 0, SYSTEM))
     first = kv.select(RouteRequest("a", prompt(1)), [1, 2]).worker_id

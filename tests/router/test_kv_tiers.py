@@ -123,11 +123,15 @@ def test_the_time_cost_charges_the_onboard_time_instead_of_the_recompute() -> No
     rows = select(Candidates.from_loads(LOADS), 8 * BLOCK, 8, config, random.Random(0), SPEED).candidates
 
     # 8 blocks of 2 MiB: 8 * 2097152 / 20e9 + 20 us from host, / 4e9 + 200 us from disk; a miss recomputes 128 tokens
-    assert [r.times["onboard_s"] for r in rows] == pytest.approx([0, 8 * 2097152 / 20e9 + 20e-6,
-                                                                  8 * 2097152 / 4e9 + 200e-6, 0])  # fmt: skip
+    assert [r.times["onboard_s"] for r in rows] == pytest.approx(
+        [0, 8 * 2097152 / 20e9 + 20e-6, 8 * 2097152 / 4e9 + 200e-6, 0]
+    )
     assert rows[3].times["prefill_s"] == pytest.approx(128 / 20_000)
-    assert [r.hits for r in rows[:3]] == [{"device": 8, "host": 0, "disk": 0}, {"device": 0, "host": 8, "disk": 0},
-                                          {"device": 0, "host": 0, "disk": 8}]  # fmt: skip
+    assert [r.hits for r in rows[:3]] == [
+        {"device": 8, "host": 0, "disk": 0},
+        {"device": 0, "host": 8, "disk": 0},
+        {"device": 0, "host": 0, "disk": 8},
+    ]
 
 
 def test_weights_derive_from_bandwidths_and_a_flag_overrides_them() -> None:
@@ -178,8 +182,9 @@ def test_a_restarted_worker_announcing_its_disk_tier_is_routable_at_once() -> No
     kv.apply_kv_events(KvEventBatch(event_id=0, worker_id=1, events=[stored(*hashes)]))
     kv.remove_worker(1)  # the worker died; it comes back as a new instance on the same disk directory
     blocks = [StoredBlock(h, 0) for h in hashes]
-    kv.apply_kv_events(KvEventBatch(event_id=0, worker_id=9, events=[BlockStored(parent_hash=None, blocks=blocks,
-                                                                                 tier="disk")]))  # fmt: skip
+    kv.apply_kv_events(
+        KvEventBatch(event_id=0, worker_id=9, events=[BlockStored(parent_hash=None, blocks=blocks, tier="disk")])
+    )
 
     decision = kv.select(RouteRequest("r", tokens), [8, 9])  # 8: a fresh worker with an empty cache
     assert decision.worker_id == 9 and decision.overlap_blocks == 16

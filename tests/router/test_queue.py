@@ -33,8 +33,9 @@ class Slots:
         return take
 
 
-async def _queue_up(queue: WaitQueue, slots: Slots, requests: dict[str, QueuedRequest],
-                    config: QueueConfig) -> list[asyncio.Task[str]]:  # fmt: skip
+async def _queue_up(
+    queue: WaitQueue, slots: Slots, requests: dict[str, QueuedRequest], config: QueueConfig
+) -> list[asyncio.Task[str]]:
     tasks = []
     for name, request in requests.items():
         tasks.append(asyncio.create_task(queue.take(slots.taker(name), request, config)))
@@ -62,8 +63,11 @@ async def _release_one_at_a_time(queue: WaitQueue, slots: Slots, tasks: list[asy
 )
 async def test_freed_workers_go_in_policy_order(policy: QueuePolicy, expected: list[str]) -> None:
     queue, slots, now = WaitQueue(), Slots(), time.monotonic()
-    requests = {"a": QueuedRequest(job_tokens=100, deadline=now + 9),
-                "b": QueuedRequest(job_tokens=400, deadline=now + 5), "c": QueuedRequest(job_tokens=50)}  # fmt: skip
+    requests = {
+        "a": QueuedRequest(job_tokens=100, deadline=now + 9),
+        "b": QueuedRequest(job_tokens=400, deadline=now + 5),
+        "c": QueuedRequest(job_tokens=50),
+    }
     tasks = await _queue_up(queue, slots, requests, QueueConfig(policy=policy))
     await _release_one_at_a_time(queue, slots, tasks)
     assert slots.order == expected
@@ -72,8 +76,12 @@ async def test_freed_workers_go_in_policy_order(policy: QueuePolicy, expected: l
 
 async def test_priority_comes_before_the_policy() -> None:
     queue, slots = WaitQueue(), Slots()
-    requests = {"early": QueuedRequest(), "urgent": QueuedRequest(priority=5), "low": QueuedRequest(priority=-1),
-                "late": QueuedRequest()}  # fmt: skip
+    requests = {
+        "early": QueuedRequest(),
+        "urgent": QueuedRequest(priority=5),
+        "low": QueuedRequest(priority=-1),
+        "late": QueuedRequest(),
+    }
     tasks = await _queue_up(queue, slots, requests, QueueConfig())
     await _release_one_at_a_time(queue, slots, tasks)
     assert slots.order == ["urgent", "early", "late", "low"]

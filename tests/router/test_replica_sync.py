@@ -65,18 +65,36 @@ async def test_a_peers_added_prefilled_and_freed_events_move_the_load_exactly() 
 
 async def test_a_replica_ignores_its_own_echoes_and_unknown_workers() -> None:
     sync, policy = replica(router_id=0xA)
-    sync.apply(ActiveSequenceEvent(router_id=0xA, model="m", request_id="r", data=SequenceAdded(
-        worker_id=1, block_hashes=[1], prefill_tokens=16)))  # fmt: skip
-    sync.apply(ActiveSequenceEvent(router_id=0xC, model="m", request_id="r", data=SequenceAdded(
-        worker_id=99, block_hashes=[1], prefill_tokens=16)))  # fmt: skip
+    sync.apply(
+        ActiveSequenceEvent(
+            router_id=0xA,
+            model="m",
+            request_id="r",
+            data=SequenceAdded(worker_id=1, block_hashes=[1], prefill_tokens=16),
+        )
+    )
+    sync.apply(
+        ActiveSequenceEvent(
+            router_id=0xC,
+            model="m",
+            request_id="r",
+            data=SequenceAdded(worker_id=99, block_hashes=[1], prefill_tokens=16),
+        )
+    )
     assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)} and sync.num_applied == 0
 
 
 async def test_a_departed_peers_requests_are_freed() -> None:
     sync, policy = replica(router_id=0xB)
     for n, worker in enumerate((1, 2, 2)):
-        sync.apply(ActiveSequenceEvent(router_id=0xA, model="m", request_id=f"r{n}", data=SequenceAdded(
-            worker_id=worker, block_hashes=[100 + n], prefill_tokens=0)))  # fmt: skip
+        sync.apply(
+            ActiveSequenceEvent(
+                router_id=0xA,
+                model="m",
+                request_id=f"r{n}",
+                data=SequenceAdded(worker_id=worker, block_hashes=[100 + n], prefill_tokens=0),
+            )
+        )
     assert loads(policy) == {1: (1, 1, 0), 2: (2, 2, 0)}
     sync.peer_left(0xA)
     assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)}

@@ -114,8 +114,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 _OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 7), st.integers(0, 2),
-                  st.lists(st.integers(0, 9), max_size=6), st.integers(0, 300)),  # fmt: skip
+        st.tuples(
+            st.just("add"),
+            st.integers(0, 7),
+            st.integers(0, 2),
+            st.lists(st.integers(0, 9), max_size=6),
+            st.integers(0, 300),
+        ),
         st.tuples(st.just("first"), st.integers(0, 7)),
         st.tuples(st.just("free"), st.integers(0, 7)),
         st.tuples(st.just("remove"), st.integers(0, 2)),
@@ -146,8 +151,9 @@ def test_incremental_totals_equal_a_recount_after_any_history(ops: list[tuple]) 
             sequences.remove_worker(op[1])
         expected = [recount(sequences, ids, w) for w in workers]
         assert list(zip(*sequences.totals(workers), strict=True)) == expected
-        assert [(sequences.active_prefill_tokens(w), sequences.active_blocks(w), sequences.num_requests(w))
-                for w in workers] == expected  # fmt: skip
+        assert [
+            (sequences.active_prefill_tokens(w), sequences.active_blocks(w), sequences.num_requests(w)) for w in workers
+        ] == expected
         assert sequences.active_overlaps(QUERY) == recount_overlaps(sequences, ids)
 
 

@@ -20,8 +20,15 @@ ISL, BLOCKS = 2100, 32  # a 2,000-token system prompt (31 full blocks) + 100 uni
 
 def holder(queued: int = 0, **fields: int) -> CandidateLoad:
     """Caches the prompt's 31 blocks (active there too); a full cache of 512 blocks; 300 + 10 held."""
-    base = dict(overlap_blocks=31, active_prefill_tokens=queued, active_blocks=300, active_overlap_blocks=31,
-                cached_blocks=512, num_requests=10, capacity_blocks=512)  # fmt: skip
+    base = dict(
+        overlap_blocks=31,
+        active_prefill_tokens=queued,
+        active_blocks=300,
+        active_overlap_blocks=31,
+        cached_blocks=512,
+        num_requests=10,
+        capacity_blocks=512,
+    )
     return CandidateLoad(1, **{**base, **fields})
 
 
@@ -39,8 +46,14 @@ def test_the_holder_costs_its_suffix_and_one_evicted_block() -> None:
     # held 310 + 1 needed + 1 <= 512 -> no KV wait
     _, (costs, _) = choose(holder(), COLD)
 
-    expected = {"prefill_s": 0.0058, "onboard_s": 0.0, "evict_s": 0.0032, "memory_s": 0.0, "queue_s": 0.0,
-                "cost": 0.009}  # fmt: skip
+    expected = {
+        "prefill_s": 0.0058,
+        "onboard_s": 0.0,
+        "evict_s": 0.0032,
+        "memory_s": 0.0,
+        "queue_s": 0.0,
+        "cost": 0.009,
+    }
     assert costs == pytest.approx(expected)
 
 
@@ -48,8 +61,14 @@ def test_a_cold_worker_pays_the_prompt_twice_under_cache_pressure() -> None:
     # U = 2100 -> 0.105 s; 32 new blocks, none free -> 32*64/20000 = 0.1024 s; 206 + 32 + 1 <= 512 -> 0
     chosen, (_, cold) = choose(holder(), COLD)
 
-    expected = {"prefill_s": 0.105, "onboard_s": 0.0, "evict_s": 0.1024, "memory_s": 0.0, "queue_s": 0.0,
-                "cost": 0.2074}  # fmt: skip
+    expected = {
+        "prefill_s": 0.105,
+        "onboard_s": 0.0,
+        "evict_s": 0.1024,
+        "memory_s": 0.0,
+        "queue_s": 0.0,
+        "cost": 0.2074,
+    }
     assert cold == pytest.approx(expected)
     assert chosen == 1
 
@@ -74,8 +93,10 @@ ROOMY = dict(cached_blocks=4000, capacity_blocks=16_384)
 
 def test_without_pressure_a_copy_is_free_and_equal_costs_are_dealt_in_rounds() -> None:
     # nothing evicted, nothing waits; equal hits and queues tie -> one each per round, whatever the load
-    loads = [CandidateLoad(1, active_blocks=90, overlap_blocks=31, **ROOMY),
-             CandidateLoad(2, active_blocks=40, overlap_blocks=31, **ROOMY)]  # fmt: skip
+    loads = [
+        CandidateLoad(1, active_blocks=90, overlap_blocks=31, **ROOMY),
+        CandidateLoad(2, active_blocks=40, overlap_blocks=31, **ROOMY),
+    ]
     candidates, rounds = Candidates.from_loads(loads), Rounds()
     picks = [select(candidates, ISL, BLOCKS, TIME, random.Random(0), SPEED, rounds) for _ in range(4)]
 
@@ -89,8 +110,10 @@ def test_costs_within_one_pass_are_ties_and_costs_beyond_are_not() -> None:
     band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
 
     def pick(queued: int, rounds: Rounds) -> tuple[int, Reason]:
-        loads = [CandidateLoad(1, overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
-                 CandidateLoad(2, overlap_blocks=31, **ROOMY)]  # fmt: skip
+        loads = [
+            CandidateLoad(1, overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
+            CandidateLoad(2, overlap_blocks=31, **ROOMY),
+        ]
         chosen = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), band, rounds)
         return chosen.worker_id, chosen.reason
 
@@ -118,8 +141,10 @@ def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_i
     # a non-holder's U = 2,100, of which 1,984 beyond the holder's 116: free while the prompt is active
     # on some worker (a collision can happen), counted in full when it is not (a finished conversation)
     def cold_prefill(active_overlap: int) -> float:
-        loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
-                 CandidateLoad(2, **ROOMY)]  # fmt: skip
+        loads = [
+            CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
+            CandidateLoad(2, **ROOMY),
+        ]
         selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
         return selection.candidates[1].times["prefill_s"]
 
@@ -128,8 +153,10 @@ def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_i
 
 def test_a_copy_that_would_fill_the_cache_past_half_costs_its_whole_prompt() -> None:
     # 8,170 cached + 32 new > 8,192 = half of 16,384: not roomy, the copy's 2,100 tokens count in full
-    loads = [CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
-             CandidateLoad(2, cached_blocks=8170, capacity_blocks=16_384)]  # fmt: skip
+    loads = [
+        CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
+        CandidateLoad(2, cached_blocks=8170, capacity_blocks=16_384),
+    ]
     selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
 
     assert selection.candidates[1].times["prefill_s"] == pytest.approx(2100 / 20_000)
@@ -155,8 +182,14 @@ def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
     _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
 
-    expected = {"prefill_s": 0.15, "onboard_s": 0.0, "evict_s": 0.0, "memory_s": 0.0, "queue_s": 900 / 20_000,
-                "cost": 0.15}  # fmt: skip
+    expected = {
+        "prefill_s": 0.15,
+        "onboard_s": 0.0,
+        "evict_s": 0.0,
+        "memory_s": 0.0,
+        "queue_s": 900 / 20_000,
+        "cost": 0.15,
+    }
     assert costs == pytest.approx(expected)
 
 
@@ -167,9 +200,20 @@ def random_candidates(rng: random.Random, n: int) -> Candidates:
     for w in range(n):
         overlap, capacity = rng.choice([0, 31, rng.randrange(32)]), rng.choice([0, 512, 16_384])
         host = rng.randrange(overlap + 1)
-        loads.append(CandidateLoad(w, overlap, rng.choice([idle, 116, rng.randrange(1, 9000)]), rng.randrange(600),
-                                   rng.choice([0, 31, rng.randrange(32)]), rng.choice([capacity, rng.randrange(900)]),
-                                   rng.randrange(20), capacity, host, rng.randrange(overlap - host + 1)))  # fmt: skip
+        loads.append(
+            CandidateLoad(
+                w,
+                overlap,
+                rng.choice([idle, 116, rng.randrange(1, 9000)]),
+                rng.randrange(600),
+                rng.choice([0, 31, rng.randrange(32)]),
+                rng.choice([capacity, rng.randrange(900)]),
+                rng.randrange(20),
+                capacity,
+                host,
+                rng.randrange(overlap - host + 1),
+            )
+        )
     elapsed = [rng.choice([float("inf"), rng.random() * 0.03]) for _ in range(n)]
     return replace(Candidates.from_loads(loads), pass_elapsed_s=rng.choice([None, elapsed]))
 
@@ -183,8 +227,9 @@ def test_the_cost_per_candidate_and_per_column_agree_to_the_last_bit(monkeypatch
     tables = {}
     for vector_min in (1, 10**9):
         monkeypatch.setattr(cost, "VECTOR_MIN", vector_min)
-        tables[vector_min] = [cost_table(random_candidates(random.Random(seed), n), ISL, BLOCKS, config, speed)
-                              for seed in seeds]  # fmt: skip
+        tables[vector_min] = [
+            cost_table(random_candidates(random.Random(seed), n), ISL, BLOCKS, config, speed) for seed in seeds
+        ]
     columns, rows = tables[1], tables[10**9]
 
     assert [(t.logits, t.times) for t in columns] == [(t.logits, t.times) for t in rows]

@@ -89,7 +89,10 @@ async def test_a_served_endpoint_is_visible_to_a_client_with_its_card_until_it_s
             await wait_for(client, 1)
             [instance] = client.instances()
             assert (instance.instance_id, instance.card, instance.record.address) == (
-                server_side.lease_id, Card(label="a"), server.address)  # fmt: skip
+                server_side.lease_id,
+                Card(label="a"),
+                server.address,
+            )
             _, stream = await client.open_stream(msgspec.msgpack.encode("hello"))
             assert [msgspec.msgpack.decode(raw) async for raw in stream] == ["hello"]
         await wait_for(client, 0)

@@ -117,8 +117,18 @@ def test_proofs_depend_on_every_input() -> None:
 
 @pytest.mark.parametrize(
     ("host", "expected"),
-    [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True), ("localhost", True),
-     ("0.0.0.0", False), ("", False), ("::", False), ("10.0.0.1", False), ("example.com", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("example.com", False),
+    ],
+)
 def test_only_loopback_addresses_count_as_loopback(host: str, expected: bool) -> None:
     assert is_loopback(host) is expected

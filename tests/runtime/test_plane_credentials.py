@@ -35,7 +35,6 @@ def etcd_auth(etcd_process: EtcdProcess) -> str:
     return etcd_process.enable_auth("root", "root-pw")
 
 
-
 async def _registers_and_reads_back(url: str) -> None:
     """A process with these credentials puts its instance key and reads it back."""
     discovery = EtcdDiscovery(url, ttl=3)
@@ -45,6 +44,7 @@ async def _registers_and_reads_back(url: str) -> None:
         assert await discovery.get_prefix("v1/instances/") == {KEY: b"worker"}
     finally:
         await discovery.close()
+
 
 @pytest.mark.etcd
 async def test_etcd_with_the_right_password_registers_and_reads_back(etcd_auth: str) -> None:
@@ -70,8 +70,10 @@ async def test_etcd_refuses_wrong_or_missing_credentials_at_start_in_one_line(
         await discovery.start()
     assert time.monotonic() - started_at < 3.5
     message = str(caught.value)
-    assert message.startswith(f"etcd at etcd://{shown}127.0.0.1:{etcd_process.client_port}: authentication failed: "
-                              "check the user/password/token in --discovery (")  # fmt: skip
+    assert message.startswith(
+        f"etcd at etcd://{shown}127.0.0.1:{etcd_process.client_port}: authentication failed: "
+        "check the user/password/token in --discovery ("
+    )
     assert "\n" not in message and "wrong-pw" not in message and "root-pw" not in message
     assert isinstance(caught.value, PlaneUnavailable)
     await discovery.close()
@@ -243,8 +245,11 @@ async def test_etcd_over_tls_with_a_password_verifies_the_server_against_the_giv
 @pytest.mark.etcd
 async def test_an_etcd_user_without_access_to_dyns_keys_is_refused_at_start(etcd_process: EtcdProcess) -> None:
     etcd_process.enable_auth("root", "root-pw")
-    etcdctl = [tests.planes.find_etcdctl() or "etcdctl", f"--endpoints=127.0.0.1:{etcd_process.client_port}",
-               "--user=root:root-pw"]  # fmt: skip
+    etcdctl = [
+        tests.planes.find_etcdctl() or "etcdctl",
+        f"--endpoints=127.0.0.1:{etcd_process.client_port}",
+        "--user=root:root-pw",
+    ]
     subprocess.run([*etcdctl, "user", "add", "stranger", "--new-user-password=pw"], check=True, capture_output=True)
     discovery = EtcdDiscovery(with_credentials(etcd_process.url, "stranger:pw"), ttl=3)
     with pytest.raises(PlaneAuthFailed, match=r"etcd at etcd://stranger:\*\*\*@.*permission denied"):

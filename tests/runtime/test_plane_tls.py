@@ -73,8 +73,10 @@ async def test_tls_first_speaks_tls_from_the_first_byte(tmp_path: Path) -> None:
     pytest.importorskip("cryptography")
     ca, cert, key = tests.planes.make_tls_files(tmp_path / "tls")
     config = tmp_path / "nats.conf"
-    config.write_text(f'tls {{\n cert_file: "{cert}"\n key_file: "{key}"\n handshake_first: true\n}}\n'
-                      'authorization { user: dyn, password: nats-pw }\n')  # fmt: skip
+    config.write_text(
+        f'tls {{\n cert_file: "{cert}"\n key_file: "{key}"\n handshake_first: true\n}}\n'
+        "authorization { user: dyn, password: nats-pw }\n"
+    )
     servers = _nats(tmp_path, "-c", str(config))
     port = next(servers).port
     try:
@@ -143,8 +145,13 @@ def _jwt(issuer: object, subject: str, claims: dict[str, object]) -> str:
     def b64(data: bytes) -> str:
         return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
-    body = {"iat": int(time.time()), "iss": issuer.public_key.decode(), "sub": subject, "name": subject[:8],  # type: ignore[attr-defined]
-            "nats": {**claims, "version": 2}}  # fmt: skip
+    body = {
+        "iat": int(time.time()),
+        "iss": issuer.public_key.decode(),
+        "sub": subject,
+        "name": subject[:8],  # type: ignore[attr-defined]
+        "nats": {**claims, "version": 2},
+    }
     body["jti"] = base64.b32encode(hashlib.sha256(json.dumps(body).encode()).digest()).decode().rstrip("=")
     head = b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode()) + "." + b64(json.dumps(body).encode())
     return head + "." + b64(issuer.sign(head.encode()))  # type: ignore[attr-defined]
@@ -166,24 +173,42 @@ def _operator_setup(directory: Path) -> tuple[Path, Path, Path]:
     operator, system, account, foreign = (
         _keypair(p) for p in (nkeys.PREFIX_BYTE_OPERATOR, *[nkeys.PREFIX_BYTE_ACCOUNT] * 3)
     )
-    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "conn": -1, "leaf": -1,
-                 "wildcards": True, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}  # fmt: skip
+    unlimited = {
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+        "imports": -1,
+        "exports": -1,
+        "conn": -1,
+        "leaf": -1,
+        "wildcards": True,
+        "mem_storage": -1,
+        "disk_storage": -1,
+        "streams": -1,
+        "consumer": -1,
+    }
     system_pub, account_pub = (key.public_key.decode() for key in (system, account))  # type: ignore[attr-defined]
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "op.jwt").write_text(_jwt(operator, operator.public_key.decode(), {"type": "operator"}))  # type: ignore[attr-defined]
     no_jetstream = {**unlimited, "mem_storage": 0, "disk_storage": 0, "streams": 0, "consumer": 0}
-    preload = "".join(f' {pub}: "{_jwt(operator, pub, {"type": "account", "limits": limits})}"\n'
-                      for pub, limits in ((system_pub, no_jetstream), (account_pub, unlimited)))  # fmt: skip
+    preload = "".join(
+        f' {pub}: "{_jwt(operator, pub, {"type": "account", "limits": limits})}"\n'
+        for pub, limits in ((system_pub, no_jetstream), (account_pub, unlimited))
+    )
     config = directory / "nats.conf"
-    config.write_text(f'operator: "{directory / "op.jwt"}"\nsystem_account: {system_pub}\nresolver: MEMORY\n'
-                      f"resolver_preload: {{\n{preload}}}\n")  # fmt: skip
+    config.write_text(
+        f'operator: "{directory / "op.jwt"}"\nsystem_account: {system_pub}\nresolver: MEMORY\n'
+        f"resolver_preload: {{\n{preload}}}\n"
+    )
     creds = []
     for name, issuer in (("good", account), ("foreign", foreign)):
         user = _keypair(nkeys.PREFIX_BYTE_USER)
         jwt = _jwt(issuer, user.public_key.decode(), {"type": "user", "subs": -1, "data": -1, "payload": -1})  # type: ignore[attr-defined]
         path = directory / f"{name}.creds"
-        path.write_text(f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
-                        f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n")  # type: ignore[attr-defined]  # fmt: skip
+        path.write_text(
+            f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n"
+        )  # type: ignore[attr-defined]
         creds.append(path)
     return config, creds[0], creds[1]
 

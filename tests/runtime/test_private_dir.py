@@ -48,8 +48,9 @@ def test_the_default_directory_is_created_0700_under_xdg_runtime_dir(runtime_dir
     assert [mode(p) for p in (root.parent, root, root / "kv", root / "leases")] == [0o700] * 4
 
 
-def test_without_a_runtime_dir_of_ours_the_default_is_tmp_dyn_uid(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_without_a_runtime_dir_of_ours_the_default_is_tmp_dyn_uid(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("DYN_HOME", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     assert default_base() == (Path(f"/tmp/dyn-{os.getuid()}"), True)

@@ -64,8 +64,9 @@ def test_a_sigkilled_workers_processes_are_stopped_even_outside_its_tree(code: s
 def test_the_reaper_finds_exactly_the_processes_carrying_its_token() -> None:
     env = {**os.environ, TOKEN_ENV: "feedface"}
     mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ, TOKEN_ENV: "feedfacf"})  # fmt: skip
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, TOKEN_ENV: "feedfacf"}
+    )
     try:
         assert wait_until(lambda: mine.pid in marked("feedface"), timeout=5)
         assert set(marked("feedface")) == {mine.pid}

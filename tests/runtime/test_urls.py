@@ -13,8 +13,11 @@ from dynamo_cli.runtime.urls import EtcdTarget, NatsTarget, TlsFiles, parse_etcd
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        pytest.param("etcd://a:1,b", EtcdTarget(endpoints=(("a", 1), ("b", 2379)), redacted="etcd://a:1,b"),
-                     id="plain-two-members"),  # fmt: skip
+        pytest.param(
+            "etcd://a:1,b",
+            EtcdTarget(endpoints=(("a", 1), ("b", 2379)), redacted="etcd://a:1,b"),
+            id="plain-two-members",
+        ),
         pytest.param(
             "etcd://root:p%40ss@h:2379",
             EtcdTarget(endpoints=(("h", 2379),), user="root", password="p@ss", redacted="etcd://root:***@h:2379"),
@@ -27,8 +30,11 @@ from dynamo_cli.runtime.urls import EtcdTarget, NatsTarget, TlsFiles, parse_etcd
         ),
         pytest.param(
             "etcd://h?ca=/c.pem&cert=/me.pem&key=/me.key",
-            EtcdTarget(endpoints=(("h", 2379),), tls=TlsFiles(ca="/c.pem", cert="/me.pem", key="/me.key"),
-                       redacted="etcd://h?ca=/c.pem&cert=/me.pem&key=/me.key"),  # fmt: skip
+            EtcdTarget(
+                endpoints=(("h", 2379),),
+                tls=TlsFiles(ca="/c.pem", cert="/me.pem", key="/me.key"),
+                redacted="etcd://h?ca=/c.pem&cert=/me.pem&key=/me.key",
+            ),
             id="query-files-turn-mutual-tls-on",
         ),
     ],
@@ -40,8 +46,11 @@ def test_etcd_urls_parse_into_targets(url: str, expected: EtcdTarget) -> None:
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        pytest.param("nats://a,b:5", NatsTarget(servers=("nats://a:4222", "nats://b:5"), redacted="nats://a,b:5"),
-                     id="plain-two-servers"),  # fmt: skip
+        pytest.param(
+            "nats://a,b:5",
+            NatsTarget(servers=("nats://a:4222", "nats://b:5"), redacted="nats://a,b:5"),
+            id="plain-two-servers",
+        ),
         pytest.param(
             "nats://u:pw@h:4222",
             NatsTarget(servers=("nats://h:4222",), user="u", password="pw", redacted="nats://u:***@h:4222"),
@@ -89,14 +98,26 @@ def test_secrets_stay_out_of_repr() -> None:
         pytest.param(parse_etcd_target, "etcd://h:xx", "'h:xx' is not HOST:PORT", id="etcd-bad-port"),
         pytest.param(parse_etcd_target, "etcd://root@h", "names user 'root' without a password", id="etcd-no-pw"),
         pytest.param(parse_etcd_target, "etcd://:pw@h", "has a password but no user", id="etcd-no-user"),
-        pytest.param(parse_etcd_target, "etcd://h?cafile=/x", "unknown option 'cafile'; known options: ca, cert",
-                     id="unknown-option"),  # fmt: skip
+        pytest.param(
+            parse_etcd_target,
+            "etcd://h?cafile=/x",
+            "unknown option 'cafile'; known options: ca, cert",
+            id="unknown-option",
+        ),
         pytest.param(parse_etcd_target, "etcd://h?cert=/c", "give cert and key together", id="cert-without-key"),
         pytest.param(parse_nats_target, "nats://h?ca=", "option 'ca' needs a value", id="empty-option"),
-        pytest.param(parse_nats_target, "nats://u:p@h?creds=/c", "more than one of user/password, token and creds",
-                     id="two-kinds-of-credentials"),  # fmt: skip
-        pytest.param(parse_nats_target, "nats://h?token-file=/no/such/file", "cannot read token-file '/no/such/file'",
-                     id="unreadable-file"),  # fmt: skip
+        pytest.param(
+            parse_nats_target,
+            "nats://u:p@h?creds=/c",
+            "more than one of user/password, token and creds",
+            id="two-kinds-of-credentials",
+        ),
+        pytest.param(
+            parse_nats_target,
+            "nats://h?token-file=/no/such/file",
+            "cannot read token-file '/no/such/file'",
+            id="unreadable-file",
+        ),
     ],
 )
 def test_bad_urls_are_config_errors_that_say_what_to_fix(parse, url: str, message: str) -> None:  # type: ignore[no-untyped-def]

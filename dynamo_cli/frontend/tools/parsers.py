@@ -149,7 +149,7 @@ class PythonicParser(ToolParser):
     name = "pythonic"
     markers = ("<|python_start|>",)
     leading = ("[",)
-    example = '[<function name>(<argument>=<value>, ...), ...]'
+    example = "[<function name>(<argument>=<value>, ...), ...]"
 
     def parse_calls(self, text: str) -> list[ParsedCall]:
         body = text.removeprefix("<|python_start|>").split("<|python_end|>")[0].strip()
@@ -179,8 +179,12 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 """Every `--tool-call-parser` name."""
 
-_FAMILY_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"),
-                 ("<|python_start|>", "pythonic"))  # fmt: skip
+_FAMILY_MARKS = (
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_start|>", "pythonic"),
+)
 
 
 def tool_parser(name: str, template_source: str = "") -> ToolParser:

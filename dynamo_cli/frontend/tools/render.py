@@ -25,9 +25,13 @@ from dynamo_cli.model.chat_template import ChatTemplate
 
 
 def render_inputs(
-    messages: list[Message], tools: tuple[Tool, ...], mode: str, named: str, parser: ToolParser,
+    messages: list[Message],
+    tools: tuple[Tool, ...],
+    mode: str,
+    named: str,
+    parser: ToolParser,
     template: ChatTemplate | None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:  # fmt: skip
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template."""
     has_turns = any(m.role == "tool" or m.tool_calls for m in messages)
     if not tools and not has_turns:
@@ -46,8 +50,11 @@ def render_inputs(
 
 def _function(tool: Tool) -> dict[str, Any]:
     f = tool.function
-    body: dict[str, Any] = {"name": f.name, "description": f.description or "",
-                            "parameters": f.parameters or {"type": "object", "properties": {}}}  # fmt: skip
+    body: dict[str, Any] = {
+        "name": f.name,
+        "description": f.description or "",
+        "parameters": f.parameters or {"type": "object", "properties": {}},
+    }
     return {"type": "function", "function": body}
 
 
@@ -55,10 +62,13 @@ def _native(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": message_text(m)}
     if m.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
             for c in m.tool_calls
-        ]  # fmt: skip
+        ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
@@ -82,8 +92,10 @@ def _system_block(tools: tuple[Tool, ...], mode: str, named: str, parser: ToolPa
         how = f"Call {named}: answer with its arguments as one JSON object."
     else:
         how = f"To call a function, answer with:\n{parser.example}\nOtherwise answer normally."
-    return (f"You can call these functions:\n<tools>\n{listing}\n</tools>\n{how}\n"
-            "Function results come back in <tool_response></tool_response> blocks.")  # fmt: skip
+    return (
+        f"You can call these functions:\n<tools>\n{listing}\n</tools>\n{how}\n"
+        "Function results come back in <tool_response></tool_response> blocks."
+    )
 
 
 def _arguments(text: str) -> Any:

@@ -114,5 +114,6 @@ def header_delta(index: int, name: str) -> dict[str, Any]:
 
 def message_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     """`calls` as a response message's `tool_calls`."""
-    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]  # fmt: skip
+    return [
+        {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]

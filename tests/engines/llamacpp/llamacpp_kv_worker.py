@@ -59,8 +59,9 @@ async def main() -> None:
     assert last is not None
     handle = last.kv_transfer
     assert handle is None or isinstance(handle, LlamaCppKv)
-    outcome = Outcome(token_ids=tokens, finish_reason=last.finish_reason, kv_transfer=handle,
-                      num_prefill_tokens_computed=computed)  # fmt: skip
+    outcome = Outcome(
+        token_ids=tokens, finish_reason=last.finish_reason, kv_transfer=handle, num_prefill_tokens_computed=computed
+    )
     sys.stdout.buffer.write(msgspec.msgpack.encode(outcome))
 
 

@@ -71,9 +71,13 @@ async def greedy(
 ) -> tuple[list[int], int]:
     """The tokens of a greedy request, and how many prompt tokens came from the prefix cache."""
     request = GenerateRequest(
-        request_id=f"det-{time.monotonic_ns()}", token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-        ignore_eos=True, **sampling,
-    )  # fmt: skip
+        request_id=f"det-{time.monotonic_ns()}",
+        token_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        **sampling,
+    )
     tokens: list[int] = []
     cached = 0
     async with asyncio.timeout(120):

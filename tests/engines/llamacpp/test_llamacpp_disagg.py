@@ -72,9 +72,13 @@ def prompts() -> list[list[int]]:
 async def run(engine: Any, token_ids: list[int], max_tokens: int, handle: Any = None) -> tuple[list[int], Any]:
     """The tokens one greedy request streams, and its first chunk."""
     request = GenerateRequest(
-        request_id=f"r{time.monotonic_ns()}", token_ids=token_ids, max_tokens=max_tokens, temperature=0.0,
-        ignore_eos=True, kv_transfer=handle,
-    )  # fmt: skip
+        request_id=f"r{time.monotonic_ns()}",
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        kv_transfer=handle,
+    )
     tokens: list[int] = []
     first = None
     async with asyncio.timeout(240):

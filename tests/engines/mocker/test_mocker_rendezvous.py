@@ -27,8 +27,13 @@ async def prefill(model_dir: str) -> AsyncIterator[MockerEngine]:
 
 
 def handle(num_tokens: int, first_token: int = UNKNOWN_FIRST_TOKEN) -> SglangKv:
-    return SglangKv(num_tokens=num_tokens, first_token=first_token, bootstrap_host="10.0.0.7",
-                    bootstrap_port=8998, bootstrap_room=12345)  # fmt: skip
+    return SglangKv(
+        num_tokens=num_tokens,
+        first_token=first_token,
+        bootstrap_host="10.0.0.7",
+        bootstrap_port=8998,
+        bootstrap_room=12345,
+    )
 
 
 def request(request_id: str, num_prompt: int, max_tokens: int, **kw: Any) -> GenerateRequest:
@@ -68,8 +73,11 @@ async def test_only_a_rendezvous_prefill_publishes_a_bootstrap_address(model_dir
     ("req", "words"),
     [
         pytest.param(request("a", 300, 1), "needs kv_transfer.*got none", id="no-handle"),
-        pytest.param(request("a", 300, 1, kv_transfer=MockerKv(num_tokens=299, first_token=1, nbytes=0)),
-                     "got MockerKv", id="pulled-kind"),  # fmt: skip
+        pytest.param(
+            request("a", 300, 1, kv_transfer=MockerKv(num_tokens=299, first_token=1, nbytes=0)),
+            "got MockerKv",
+            id="pulled-kind",
+        ),
         pytest.param(request("a", 300, 1, kv_transfer=handle(300, first_token=7)), "first_token -1", id="first-token"),
         pytest.param(request("a", 300, 1, kv_transfer=handle(200)), "covers 200 tokens", id="num-tokens"),
     ],

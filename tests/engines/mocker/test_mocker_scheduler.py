@@ -20,9 +20,7 @@ def make_scheduler(
     return Scheduler(KvManager(num_blocks, BS), config, TimingModel())
 
 
-def add(
-    scheduler: Scheduler, request_id: str, tokens: list[int], max_tokens: int, **kw: object
-) -> MockRequest:
+def add(scheduler: Scheduler, request_id: str, tokens: list[int], max_tokens: int, **kw: object) -> MockRequest:
     request = MockRequest(request_id, tokens, max_tokens, BS, seed=7, **kw)  # type: ignore[arg-type]
     scheduler.add(request)
     return request

@@ -71,9 +71,7 @@ def test_evicted_blocks_are_kept_with_their_names_and_come_back_as_cached() -> N
 
     assert kv.num_prefix_hits(seq) == 3
     stored = [e for e in kv.take_events().events if isinstance(e, BlockStored)]  # type: ignore[union-attr]
-    assert [(e.parent_hash, [b.block_hash for b in e.blocks], e.tier) for e in stored] == [
-        (seq[0], seq[1:3], DEVICE)
-    ]
+    assert [(e.parent_hash, [b.block_hash for b in e.blocks], e.tier) for e in stored] == [(seq[0], seq[1:3], DEVICE)]
 
 
 def test_the_onboard_time_is_bytes_over_bandwidth_plus_latency_per_tier() -> None:

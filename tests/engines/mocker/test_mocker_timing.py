@@ -44,9 +44,7 @@ def test_a_pass_without_prefill_pays_no_prefill_overhead() -> None:
 
 
 def test_a_pass_that_emits_nothing_pays_no_decode_time() -> None:
-    assert TimingModel().pass_ms(num_prefill_tokens=512, num_decoding=0, kv_usage=0.9) == pytest.approx(
-        prefill_ms(512)
-    )
+    assert TimingModel().pass_ms(num_prefill_tokens=512, num_decoding=0, kv_usage=0.9) == pytest.approx(prefill_ms(512))
 
 
 def test_an_idle_pass_takes_no_time() -> None:
