@@ -1,6 +1,6 @@
 """What the mocker's own timing model predicts for benchmarks/disagg.py, with no process, socket or clock.
 
-The mocker's pure scheduler (`engines.mocker.scheduler.Scheduler`, vLLM-style passes with an 8,192-token
+The mocker's pure scheduler (`dyn_engines.mocker.scheduler.Scheduler`, vLLM-style passes with an 8,192-token
 budget and chunked prefill) and its polynomial timing model are driven by a discrete-event loop: a pass
 starts when its engine has work, lasts `pass_ms` of simulated time, and emits its tokens at its end, as
 the engine's step loop does. A remote prefill emits the first token on the prefill engine; the request
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
+from dyn_engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig  # noqa: E402
+from dyn_engines.mocker.timing import TimingModel  # noqa: E402
+
 from dynamo_cli.router.disagg import STALL_WEIGHT  # noqa: E402
-from engines.mocker.kv_manager import KvManager  # noqa: E402
-from engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig  # noqa: E402
-from engines.mocker.timing import TimingModel  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS, OSL, KV_BYTES_PER_TOKEN, BANDWIDTH = 64, 16384, 150, 131072, 64e9
 MAX_LOCAL_PREFILL = 512

@@ -37,8 +37,9 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.planes starts the servers; dynamo_cli from the checkout
 
-from dynamo_cli.runtime.discovery import WatchKind, open_discovery  # noqa: E402
+from dynamo_cli.runtime.discovery import WatchKind  # noqa: E402
 from dynamo_cli.runtime.nats import NatsEventBus  # noqa: E402
+from dynamo_cli.runtime.planes import open_discovery  # noqa: E402
 from tests import planes  # noqa: E402
 
 NUM_PUBLISHERS = 8
@@ -189,7 +190,7 @@ async def run_replay_phase(url: str, expected: int) -> dict[str, float]:
 OWNER = """
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
-from dynamo_cli.runtime.discovery import open_discovery
+
 
 async def main():
     discovery = open_discovery(sys.argv[2], ttl=float(sys.argv[3]))

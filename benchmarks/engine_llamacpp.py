@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
+from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
+from dyn_engines.llamacpp.runner import default_threads  # noqa: E402
 
 from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
 from dynamo_cli.kv.tiers import KvTierConfig  # noqa: E402
 from dynamo_cli.model.paths import resolve_model_path  # noqa: E402
-from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
-from engines.llamacpp.runner import default_threads  # noqa: E402
 
 CONCURRENCY = (1, 4, 8, 16)
 

@@ -33,8 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dyn_engines.hf_export import hf_model_dir  # noqa: E402
+
 from dynamo_cli.bench.report import flatten  # noqa: E402
-from engines.hf_export import hf_model_dir  # noqa: E402
 
 ENGINE = {
     "dtype": "float32",

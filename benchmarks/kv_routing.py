@@ -63,9 +63,8 @@ import msgspec
 from dynamo_cli.bench.http import HttpClient, RequestRecord
 from dynamo_cli.bench.sse import Response
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.events import open_event_bus
 from dynamo_cli.runtime.names import component_subject
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 
 MODEL = "smollm2"
 CORPUS = (

@@ -30,8 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
+
 from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
-from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
 MODES = {
     "default": {"n_ctx": 4096, "max_num_seqs": 4},

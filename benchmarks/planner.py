@@ -54,8 +54,8 @@ from disagg import Side, bench, start, stop  # noqa: E402
 from dynamo_cli.bench.report import write_json  # noqa: E402
 from dynamo_cli.planner.planner import PlannerConfig  # noqa: E402
 from dynamo_cli.planner.profile import Profile, load_profile  # noqa: E402
-from dynamo_cli.planner.replicas import Bounds, Targets, agg_capacity  # noqa: E402
 from dynamo_cli.planner.simulate import SimRequest, load_trace, rate_curve, run_simulation, simulate  # noqa: E402
+from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity  # noqa: E402
 
 SECRET_ENV = {"DYN_CLUSTER_SECRET": "5e" * 32}
 DYN = [sys.executable, "-m", "dynamo_cli.cli.main"]

@@ -24,7 +24,7 @@ DynError
 ├── WorkerFailed           launcher.py: a `dyn serve` worker exited before registering
 ├── EndpointUnreachable    bench/http.py: the benchmarked URL refuses connections
 ├── EndpointError          bench/http.py: it answers, but not as a streaming OpenAI server
-└── LlamaCppError          engines/llamacpp/runner.py: llama.cpp refused a load, decode or state import
+└── LlamaCppError          engines/llamacpp/errors.py: llama.cpp refused a load, decode or state import
 """
 
 from __future__ import annotations

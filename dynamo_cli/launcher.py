@@ -2,7 +2,7 @@
 
 Workers are `dyn worker` processes started with this process's planes; each asks the kernel to
 SIGTERM it if this process dies (no orphans even on SIGKILL). Once every worker registered, a worker
-that exits unexpectedly is started again (supervise.py: backoff, `--max-restarts` budget), and
+that exits unexpectedly is started again (process_pool.py: backoff, `--max-restarts` budget), and
 meanwhile requests for its model get 503 with Retry-After rather than 404. Stop order on
 SIGINT/SIGTERM: HTTP server, then workers (SIGTERM, grace period, SIGKILL), then the planes.
 
@@ -45,12 +45,12 @@ from dynamo_cli.planner.observe import (
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
 from dynamo_cli.planner.profiler import profile_mocker_as_deployed
+from dynamo_cli.process_pool import ProcessPool, RestartPolicy
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
-from dynamo_cli.supervise import ProcessPool, RestartPolicy
 
 logger = logging.getLogger(__name__)
 

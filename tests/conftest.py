@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_cli.runtime.endpoint import InstanceRecord
+from dynamo_cli.runtime.planes import open_discovery
 from tests.planes import (  # noqa: F401  (fixtures)
     etcd_process,
     etcd_server,
@@ -118,8 +119,6 @@ class DynProcess:
         import asyncio
 
         import msgspec
-
-        from dynamo_cli.runtime.discovery import open_discovery
 
         async def read() -> list[InstanceRecord]:
             discovery = open_discovery(self.discovery)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _NAME = re.compile(r"^([A-Za-z0-9_.-]+)")
@@ -42,3 +44,42 @@ def test_make_setup_and_ci_install_through_the_constraints_file() -> None:
     setup = makefile.split("\nsetup:")[1].split("\n\n")[0]
     assert "$(CONSTRAINTS)" in setup
     assert "make setup" in (ROOT / ".ci" / "run").read_text()
+
+
+def _setup_packages() -> tuple[list[str], dict[str, str]]:
+    """The packages and package_dir setup.py hands setuptools (its `setup` call captured, nothing built)."""
+    import setuptools
+
+    captured: dict[str, Any] = {}
+    source = (ROOT / "setup.py").read_text()
+    original, setuptools.setup = setuptools.setup, lambda **kwargs: captured.update(kwargs)
+    try:
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        exec(compile(source, "setup.py", "exec"), {"__name__": "__main__"})
+    finally:
+        os.chdir(cwd)
+        setuptools.setup = original
+    return captured["packages"], captured["package_dir"]
+
+
+def test_the_engines_folder_installs_under_an_import_name_of_its_own() -> None:
+    packages, package_dir = _setup_packages()
+    assert package_dir == {"dyn_engines": "engines"}
+    assert not [p for p in packages if p.split(".")[0] not in ("dynamo_cli", "dyn_engines")]
+    folders = sorted(p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("engines/**/__init__.py"))
+    assert (
+        sorted(p.replace("dyn_engines", "engines", 1).replace(".", "/") for p in packages if "engines" in p) == folders
+    )
+    assert sorted(p.replace(".", "/") for p in packages if p.startswith("dynamo_cli")) == sorted(
+        p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("dynamo_cli/**/__init__.py")
+    )
+
+
+def test_every_engine_entry_point_names_a_module_of_the_installed_package() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    targets = project["entry-points"]["dyn.engines"]
+    for name, target in targets.items():
+        module = target.split(":")[0]
+        assert module.startswith("dyn_engines."), (name, target)
+        assert (ROOT / "engines" / Path(*module.split(".")[1:])).with_suffix(".py").is_file(), (name, target)

@@ -15,7 +15,7 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     bench                       an HTTP load generator (errors, model for token counts)
     planner                     SLA planner: reads frontends' /metrics over HTTP and discovery, drives an
                                 engine through the contract to profile it (the contract, runtime)
-    supervise                   restarts `dyn serve`'s child processes (nothing of dyn)
+    process_pool                restarts `dyn serve`'s child processes (nothing of dyn)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
 
@@ -42,7 +42,7 @@ _EVERYTHING = {
     "worker",
     "launcher",
     "bench",
-    "supervise",
+    "process_pool",
     "planner",
 }
 
@@ -63,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
     # nor frontend; the processes it starts are command lines the CLI builds for it.
     "planner": _CONTRACT | {"runtime"},
-    "supervise": set(),  # child-process restarts for `dyn serve`: asyncio only
+    "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
     "dynamo_cli": {"errors", "engine", "kv"},  # the package's curated __all__
     "launcher": _EVERYTHING,
     "cli": _EVERYTHING | {"cli"},
@@ -149,3 +149,59 @@ def test_from_package_imports_resolve_to_the_module() -> None:
 def test_dynamo_cli_never_imports_the_engine_plugins() -> None:
     source = "import engines.mocker\n"
     assert violations("dynamo_cli.worker", source) == {("dynamo_cli.worker", "engines.mocker")}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_modules_import_each_other_even_inside_functions() -> None:
+    sources = dict(first_party_modules())
+    graph = {
+        name: {m for m in imported_modules(source, name) if m in sources and m != name}
+        for name, source in sources.items()
+    }
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

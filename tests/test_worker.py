@@ -12,13 +12,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from dyn_engines.mocker.engine import MockerEngine
 
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import EngineArgs, GenerateRequest
 from dynamo_cli.errors import RemoteError
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
 from dynamo_cli.worker import Worker
-from engines.mocker.engine import MockerEngine
 
 
 @pytest.mark.parametrize("bad", [32000, 2**32, 2**63], ids=["vocab-size", "2^32", "2^63"])

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.runtime.discovery import open_discovery
 from dynamo_cli.runtime.endpoint import InstanceRecord
 from dynamo_cli.runtime.names import parse_instance_key
+from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.supervisor import run
 from dynamo_cli.runtime.urls import redact_url
 

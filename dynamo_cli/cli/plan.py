@@ -22,8 +22,8 @@ from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
-from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
+from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.supervisor import PARENT_ENV
 from dynamo_cli.runtime.supervisor import run as run_loop
 

@@ -15,8 +15,8 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import ServePlan, serve_all
 from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig
-from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.service import PlanRun, check_run
+from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.supervisor import run
 
 

@@ -1,7 +1,7 @@
 """The planner loop: each interval observe the frontends, forecast, size the pools, apply.
 
 NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
-runs the SLA planner (replicas.py) on the interval's traffic. Every `load_interval_s` in between, the
+runs the SLA planner (sizing.py) on the interval's traffic. Every `load_interval_s` in between, the
 burst check counts the requests that arrived in that short window (completed plus the growth of requests
 in flight, so a queue building up counts) and fits a line through the windows of the last minute
 (predictors.RateTrend). It scales up at once when a rate is surely reached that needs more workers:
@@ -36,7 +36,7 @@ from dynamo_cli.planner.connectors import Connector, ScaleTarget
 from dynamo_cli.planner.observe import PoolLoad, Snapshot, observation_between
 from dynamo_cli.planner.predictors import RateTrend, make_predictor
 from dynamo_cli.planner.profile import Profile
-from dynamo_cli.planner.replicas import (
+from dynamo_cli.planner.sizing import (
     NO_CORRECTION,
     AggPoint,
     Bounds,

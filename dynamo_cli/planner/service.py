@@ -21,8 +21,8 @@ from dynamo_cli.planner.observe import (
 from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.events import open_event_bus
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from dynamo_cli.runtime.supervisor import stop_on_signals
 
 logger = logging.getLogger(__name__)

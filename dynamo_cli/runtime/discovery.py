@@ -14,8 +14,6 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from dynamo_cli.errors import ConfigError
-
 DEFAULT_TTL_S = 10.0
 """Lease time-to-live, as Dynamo's etcd lease (seconds)."""
 
@@ -77,17 +75,3 @@ class HostLocal(Protocol):
     def root(self) -> Path:
         """The store's directory."""
         ...
-
-
-def open_discovery(url: str, *, ttl: float = DEFAULT_TTL_S) -> Discovery:
-    """Build the backend a `--discovery` URL names: `embedded[:///dir]`, `file:///dir` or
-    `etcd[s]://[user:password@]h:p[,h:p][?ca=…]` (runtime/urls.py)."""
-    if url.startswith(("etcd://", "etcds://")):
-        from dynamo_cli.runtime.etcd import EtcdDiscovery
-
-        return EtcdDiscovery(url, ttl=ttl)
-    if url in ("embedded", "") or url.startswith(("file://", "embedded://")):
-        from dynamo_cli.runtime.embedded import FileDiscovery, embedded_root
-
-        return FileDiscovery(embedded_root(url), ttl=ttl)
-    raise ConfigError(f"--discovery '{url}' is not understood; use embedded, file:///DIR or etcd://HOST:PORT")

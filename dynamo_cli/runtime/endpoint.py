@@ -1,6 +1,8 @@
-"""Endpoints on the planes: serve one (register it in discovery), or follow one's instances as a client.
+"""Endpoints on the planes: serve one (register it in discovery), or watch instances and connect to them.
 
-NOTE: after Dynamo's `component.endpoint(name).serve_endpoint(handler)` and `endpoint.client()`. An
+NOTE: after Dynamo's `component.endpoint(name).serve_endpoint(handler)`; the client side is `InstanceWatch`
+(which instances are live) and `Connections` (one request-plane connection per address), which the routers' registry
+and the replicas' sync compose. An
 instance is two leased keys: its record `v1/instances/{ns}/{comp}/{ep}/{id:x}` (where to reach it)
 and its card `v1/mdc/{ns}/{comp}/{ep}/{id:x}` (what it serves: a msgspec Struct the runtime does not
 read). Serving writes the card, then the record; stopping removes the record first (no new request
@@ -15,17 +17,16 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from dynamo_cli.errors import NoWorkers
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.names import EndpointName, parse_instance_key
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.runtime.transport import Handler, RequestClient, RequestServer, ResponseStream
+from dynamo_cli.runtime.transport import Handler, RequestClient, RequestServer
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,6 @@ class Endpoint:
         """Remove this instance's record, then its card, so callers stop sending here."""
         await self.discovery.delete(self.name.instance_key(self.instance_id))
         await self.discovery.delete(self.name.card_key(self.instance_id))
-
-    def client(self, card_type: type[CardT], secret: bytes | None = None) -> Client[CardT]:
-        """A client of this endpoint's instances, their cards decoded as `card_type`; `secret`: the cluster's."""
-        return Client(self.discovery, self.name, card_type, secret)
 
 
 ##### Watching #####
@@ -221,72 +218,3 @@ async def _close_when_idle(client: RequestClient) -> None:
     while client.num_streams and loop.time() < deadline:
         await asyncio.sleep(0.1)
     await client.close()
-
-
-##### Client #####
-
-Pick = Callable[[Sequence[Instance[Any]]], Instance[Any]]
-"""A policy: which of the live instances gets the next stream."""
-
-
-def _first(instances: Sequence[Instance[Any]]) -> Instance[Any]:
-    return instances[0]
-
-
-@dataclass(slots=True)
-class Client(Generic[CardT]):
-    """Watches one endpoint's instances and opens streams to the one a policy picks.
-
-    Run `loops()` as tasks of the owner; `close()` drops the connections.
-    """
-
-    discovery: Discovery
-    """The process's discovery."""
-    name: EndpointName
-    """The endpoint called."""
-    card_type: type[CardT]
-    """How the instances' cards decode."""
-    secret: bytes | None = field(default=None, repr=False)
-    """The cluster secret the connections authenticate with (None: none, loopback only)."""
-    watch: InstanceWatch[CardT] = field(init=False)
-    connections: Connections = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.connections = Connections(self.secret)
-        self.watch = InstanceWatch(
-            self.discovery, f"{self.name.path}/", self.card_type, accept=lambda name: name == self.name
-        )
-        self.watch.on_leave = self._left
-
-    def loops(self) -> list[Coroutine[Any, Any, None]]:
-        """The discovery watches that keep `instances()` current; each runs until cancelled."""
-        return self.watch.loops()
-
-    def instances(self) -> list[Instance[CardT]]:
-        """The live instances, by id."""
-        return [self.watch.instances[i] for i in sorted(self.watch.instances)]
-
-    async def wait_for_instances(self, timeout: float) -> list[Instance[CardT]]:
-        """The live instances once there is one; TimeoutError after `timeout` s."""
-        async with asyncio.timeout(timeout):
-            while not self.watch.instances:
-                self.watch.changed.clear()
-                await self.watch.changed.wait()
-        return self.instances()
-
-    async def open_stream(self, body: bytes, pick: Pick = _first) -> tuple[Instance[CardT], ResponseStream]:
-        """Open a stream to the instance `pick` chooses; NoWorkers when none is live."""
-        instances = self.instances()
-        if not instances:
-            raise NoWorkers(f"endpoint '{self.name}'")
-        instance: Instance[CardT] = pick(instances)
-        client = self.connections.get(instance.record.address)
-        return instance, await client.open_stream(self.name.endpoint, body)
-
-    def _left(self, instance: Instance[CardT]) -> None:
-        if all(i.record.address != instance.record.address for i in self.watch.instances.values()):
-            self.connections.retire(instance.record.address)
-
-    async def close(self) -> None:
-        """Close the connections. Idempotent."""
-        await self.connections.close()

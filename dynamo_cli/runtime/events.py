@@ -14,8 +14,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from dynamo_cli.errors import ConfigError
-
 logger = logging.getLogger(__name__)
 
 SUBSCRIBER_QUEUE = 65_536
@@ -91,19 +89,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if i >= len(sub) or (part != "*" and part != sub[i]):
             return False
     return len(pat) == len(sub)
-
-
-def open_event_bus(url: str, discovery: object) -> EventBus:
-    """Build the backend an `--events` URL names: `embedded` (ZMQ, advertised via discovery) or `nats://h:p`."""
-    if url.startswith(("nats://", "tls://")):
-        from dynamo_cli.runtime.nats import NatsEventBus
-
-        return NatsEventBus(url)
-    if url in ("embedded", "", "zmq"):
-        from dynamo_cli.runtime.embedded import ZmqEventBus
-
-        return ZmqEventBus(discovery)  # type: ignore[arg-type]
-    raise ConfigError(f"--events '{url}' is not understood; use embedded or nats://HOST:PORT")
 
 
 def kv_stream_name(namespace: str) -> str:

@@ -14,7 +14,8 @@ import llama_cpp
 import numpy as np
 
 from dynamo_cli.errors import RequestError
-from engines.llamacpp.runner import LlamaCppError
+
+from .errors import LlamaCppError
 
 
 class Embedder:

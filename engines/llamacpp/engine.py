@@ -59,14 +59,15 @@ from dynamo_cli.engine import (
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
-from engines.llamacpp import kv_blocks, kv_state
-from engines.llamacpp.embedder import Embedder
-from engines.llamacpp.grammar import GrammarDeadEnd, gbnf_for
-from engines.llamacpp.options import LlamaCppOptions
-from engines.llamacpp.plan import StepPlan, StepResult
-from engines.llamacpp.runner import Runner, RunnerOptions
-from engines.llamacpp.scheduler import Scheduled, Scheduler, Sequence
-from engines.llamacpp.tiering import KvTiering
+
+from . import kv_blocks, kv_state
+from .embedder import Embedder
+from .grammar import GrammarDeadEnd, gbnf_for
+from .options import LlamaCppOptions
+from .plan import StepPlan, StepResult
+from .runner import Runner, RunnerOptions
+from .scheduler import Scheduled, Scheduler, Sequence
+from .tiering import KvTiering
 
 logger = logging.getLogger(__name__)
 

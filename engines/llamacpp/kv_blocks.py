@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from engines.llamacpp.kv_state import MAGIC, StateFormatError, StateLayout
+from .kv_state import MAGIC, StateFormatError, StateLayout
 
 _HEADER = struct.Struct("<IiI")
 _CELL = struct.Struct("<iIi")

@@ -21,7 +21,8 @@ from typing import Any
 from dynamo_cli.engine import DETERMINISTIC, EngineArgs, Role, is_deterministic
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
-from engines.llamacpp.runner import default_threads
+
+from .runner import default_threads
 
 DETERMINISTIC_CONTEXT = 4096
 """Deterministic mode: each sequence's KV stream, in tokens, when no context length is given."""

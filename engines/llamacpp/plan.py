@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.llamacpp.kv_state import CheckedState
+from .kv_state import CheckedState
 
 
 @dataclass(slots=True)

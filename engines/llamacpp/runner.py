@@ -18,22 +18,15 @@ import llama_cpp
 import numpy as np
 
 from dynamo_cli.engine import GenerateRequest, TokenLogprob
-from dynamo_cli.errors import ConfigError, DynError, RequestError
-from engines.llamacpp.grammar import GrammarDeadEnd, GuidedSampler
-from engines.llamacpp.kv_state import CheckedState, StateLayout, rebased
-from engines.llamacpp.plan import MemoryOp, StepPlan, StepResult
+from dynamo_cli.errors import ConfigError, RequestError
+
+from .embedder import Embedder
+from .errors import LlamaCppError
+from .grammar import GrammarDeadEnd, GuidedSampler
+from .kv_state import CheckedState, StateLayout, rebased
+from .plan import MemoryOp, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-class LlamaCppError(DynError):
-    """llama.cpp refused an operation (load, decode, state import)."""
-
-    def __init__(self, what: str, code: int | None = None) -> None:
-        self.what = what
-        self.code = code
-        suffix = f" (llama.cpp returned {code})" if code is not None else ""
-        super().__init__(f"llama.cpp: {what}{suffix}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +149,8 @@ class Runner:
     def n_vocab(self) -> int:
         return int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
-    def embedder(self, n_ctx: int) -> Any:
+    def embedder(self, n_ctx: int) -> Embedder:
         """A second context over this model, in embedding mode (engines.llamacpp.embedder)."""
-        from engines.llamacpp.embedder import Embedder  # the embedder imports this module's error
-
         return Embedder(self._model, n_ctx, self.options.n_threads)
 
     def eos_token_ids(self) -> tuple[int, ...]:

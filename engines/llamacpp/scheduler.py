@@ -28,8 +28,9 @@ from typing import Any
 from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, StoredBlock
 from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, sequence_hashes
-from engines.llamacpp.kv_state import CheckedState
-from engines.llamacpp.plan import MemoryOp, StepPlan
+
+from .kv_state import CheckedState
+from .plan import MemoryOp, StepPlan
 
 
 @dataclass(slots=True)

@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dynamo_cli.kv.events import KvEvent
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.kv.tiers import KvTierConfig, KvTierStats, OffloadBlock, TieredBlockStore
-from engines.llamacpp import kv_blocks, kv_state
-from engines.llamacpp.kv_state import StateLayout
-from engines.llamacpp.plan import StepResult
-from engines.llamacpp.scheduler import PendingOffload, Scheduler, Sequence
+
+from . import kv_blocks, kv_state
+from .kv_state import StateLayout
+from .plan import StepResult
+from .scheduler import PendingOffload, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Dynamo's GPU-free simulated engine: vLLM-style scheduling, paged KV blocks, polynomial timing."""
 
-from engines.mocker.engine import MockerEngine
+from .engine import MockerEngine
 
 __all__ = ["MockerEngine"]

@@ -36,13 +36,14 @@ from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
 from dynamo_cli.kv.hashing import blocks_needed
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
-from engines.mocker.config import MockerConfig
-from engines.mocker.events import EventRing
-from engines.mocker.handoff import Handoff, bootstrap_address, pulled_handle, read_handle
-from engines.mocker.kv_manager import KvManager
-from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
-from engines.mocker.tiers import MockerTiers, TierTiming
-from engines.mocker.timing import TimingModel
+
+from .config import MockerConfig
+from .events import EventRing
+from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
+from .kv_manager import KvManager
+from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
+from .tiers import MockerTiers, TierTiming
+from .timing import TimingModel
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from dynamo_cli.engine import GenerateRequest, Role
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, MockerKv, SglangKv
-from engines.mocker.config import MockerConfig
-from engines.mocker.scheduler import MockRequest
-from engines.mocker.timing import TimingModel
+
+from .config import MockerConfig
+from .scheduler import MockRequest
+from .timing import TimingModel
 
 BOOTSTRAP_PORT = 8998
 """SGLang's default bootstrap port: the port of the address a rendezvous prefill publishes (unserved)."""

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dynamo_cli.kv.hashing import hash_blocks
-from engines.mocker.kv_manager import KvManager
-from engines.mocker.timing import TimingModel
+
+from .kv_manager import KvManager
+from .timing import TimingModel
 
 TOKEN_ID_LOW = 1000
 TOKEN_ID_HIGH = 2000

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from dynamo_cli.config import TIER_DISK_GBS, TIER_HOST_GBS
 from dynamo_cli.kv.events import DISK, HOST, KvEvent, Tier
 from dynamo_cli.kv.tiers import KvTierConfig, KvTierStats, OffloadBlock, TieredBlockStore
-from engines.mocker.config import DISK_MS, HOST_MS
-from engines.mocker.kv_manager import KvManager
+
+from .config import DISK_MS, HOST_MS
+from .kv_manager import KvManager
 
 
 @dataclass(frozen=True, slots=True)

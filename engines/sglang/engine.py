@@ -34,8 +34,9 @@ from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChun
 from dynamo_cli.errors import EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import SglangKv
-from engines.adapter import RequestBook, free_port, local_or_hub, split_deterministic
-from engines.vllm.kv_events import ZmqKvRelay
+
+from ..adapter import RequestBook, free_port, local_or_hub, split_deterministic
+from ..vllm.kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,9 @@ from dynamo_cli.engine import (
 from dynamo_cli.errors import DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import TrtllmKv
-from engines.adapter import checked_handle, local_or_hub, split_deterministic
-from engines.vllm.kv_events import KvEventRehasher
+
+from ..adapter import checked_handle, local_or_hub, split_deterministic
+from ..vllm.kv_events import KvEventRehasher
 
 logger = logging.getLogger(__name__)
 

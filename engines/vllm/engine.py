@@ -53,9 +53,10 @@ from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import VllmKv
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
-from engines.adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
-from engines.hf_export import export_path, hf_model_dir, needs_export
-from engines.vllm.kv_events import ZmqKvRelay
+
+from ..adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
+from ..hf_export import export_path, hf_model_dir, needs_export
+from .kv_events import ZmqKvRelay
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ import msgspec
 import pytest
 
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.events import open_event_bus
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from tests.conftest import DynProcess, wait_until
 
 MOCKER = ("--engine", "mocker", "--speedup-ratio", "5", "--lease-ttl", "2", "--max-restarts", "0")

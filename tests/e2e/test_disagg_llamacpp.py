@@ -20,8 +20,7 @@ import pytest
 
 from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.model.tokenizer import load_tokenizer
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.events import open_event_bus
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from tests.conftest import DynProcess
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'dynamo-cli[llamacpp]'")

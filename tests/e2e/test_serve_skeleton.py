@@ -26,8 +26,7 @@ import openai
 import pytest
 
 from dynamo_cli.engine import LoadMetrics
-from dynamo_cli.runtime.discovery import open_discovery
-from dynamo_cli.runtime.events import open_event_bus
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from tests.conftest import VLLM_TEST_EXTRA, DynProcess, descendants, open_planes_for_test, wait_until
 
 COMMON = ("--workers", "2", "--lease-ttl", "2", "--body-limit-mb", "1")

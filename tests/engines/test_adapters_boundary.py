@@ -23,18 +23,18 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from dyn_engines.hf_export import export_path, hf_model_dir
+from dyn_engines.sglang.engine import SglangEngine
+from dyn_engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
+from dyn_engines.vllm import engine as vllm_engine_module
+from dyn_engines.vllm.engine import VllmEngine, VllmLibrary
+from dyn_engines.vllm.kv_events import KvEventRehasher, tier_of
 
 from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, KvTierConfig, Role, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from engines.hf_export import export_path, hf_model_dir
-from engines.sglang.engine import SglangEngine
-from engines.trtllm.engine import ContextState, TrtllmEngine, TrtllmLibrary
-from engines.vllm import engine as vllm_engine_module
-from engines.vllm.engine import VllmEngine, VllmLibrary
-from engines.vllm.kv_events import KvEventRehasher, tier_of
 
 PROMPT = list(range(1000, 1040))
 TOKENS = list(range(64))
@@ -1007,8 +1007,9 @@ async def test_vllm_maps_guided_json_to_structured_outputs_and_publishes_the_fea
 def test_vllm_structured_outputs_params_take_our_mapping() -> None:
     """At the library boundary: the installed vLLM builds SamplingParams from what the adapter passes."""
     pytest.importorskip("vllm", reason="needs vLLM")
+    from dyn_engines.vllm.engine import load_library
+
     from dynamo_cli.engine import Guided
-    from engines.vllm.engine import load_library
 
     library = load_library()
     assert library.structured_outputs_cls is not None

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+from dyn_engines.hf_export import MARKER, export_path, hf_model_dir, needs_export
 
 from dynamo_cli.errors import ConfigError
-from engines.hf_export import MARKER, export_path, hf_model_dir, needs_export
 
 
 def test_only_aliases_and_gguf_files_need_an_export(tmp_path: Path) -> None:

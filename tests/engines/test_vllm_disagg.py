@@ -12,10 +12,10 @@ import importlib.util
 from collections.abc import AsyncIterator
 
 import pytest
+from dyn_engines.vllm.engine import VllmEngine
 
 from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role
 from dynamo_cli.kv.handles import VllmKv
-from engines.vllm.engine import VllmEngine
 from tests.conftest import VLLM_TEST_EXTRA
 
 _MISSING = [module for module in ("vllm", "nixl") if importlib.util.find_spec(module) is None]

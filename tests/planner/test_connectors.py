@@ -25,7 +25,8 @@ from dynamo_cli.planner.connectors import (
     decision_key,
 )
 from dynamo_cli.planner.observe import count_workers
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.planes import open_discovery
 from tests.conftest import API_KEY, DynProcess
 
 

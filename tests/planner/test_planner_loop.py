@@ -7,8 +7,8 @@ import pytest
 from dynamo_cli.planner.connectors import ScaleTarget
 from dynamo_cli.planner.observe import Snapshot, observation_between, parse_metrics
 from dynamo_cli.planner.planner import Planner, PlannerConfig
-from dynamo_cli.planner.replicas import Bounds, Targets
-from tests.planner.test_replicas import PROFILE
+from dynamo_cli.planner.sizing import Bounds, Targets
+from tests.planner.test_sizing import PROFILE
 
 METRICS = """\
 # TYPE dynamo_frontend_inflight_requests gauge
@@ -83,7 +83,7 @@ def test_an_interval_is_the_difference_of_two_snapshots() -> None:
 
 async def test_a_throughput_step_applies_the_worked_example() -> None:
     # 600 req/60 s of ISL 2000, OSL 200, TTFT as profiled (p_corr 1), ITL 28.1 ms at 4 decode workers (d_corr 1):
-    # test_replicas' worked example, 3 prefill and 4 decode workers.
+    # test_sizing' worked example, 3 prefill and 4 decode workers.
     recorder = Recorder()
     config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 100), interval_s=60.0)
 
@@ -100,7 +100,7 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
 
 
 async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_holds_it() -> None:
-    # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example).
+    # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_sizing' example).
     recorder = Recorder()
     config = PlannerConfig(
         targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=0.0

@@ -12,7 +12,6 @@ import pytest
 
 from dynamo_cli.planner.planner import PlannerConfig
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, save_profile
-from dynamo_cli.planner.replicas import Bounds, Targets
 from dynamo_cli.planner.simulate import (
     DisaggCluster,
     SimCluster,
@@ -26,6 +25,7 @@ from dynamo_cli.planner.simulate import (
     rate_curve,
     simulate,
 )
+from dynamo_cli.planner.sizing import Bounds, Targets
 
 KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
 MOCKER = Profile(

@@ -11,11 +11,11 @@ import pytest
 from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.planner.observe import PoolLoad, WorkerLoads, follow_worker_loads
 from dynamo_cli.planner.planner import Planner, PlannerConfig
-from dynamo_cli.planner.replicas import Bounds, Targets
+from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.planes import open_planes
 from tests.conftest import DynProcess
 from tests.planner.test_planner_loop import Recorder, Source, snap
-from tests.planner.test_replicas import PROFILE
+from tests.planner.test_sizing import PROFILE
 
 
 async def test_the_planner_hears_every_workers_load_over_the_embedded_event_plane(dyn_serve) -> None:  # type: ignore[no-untyped-def]
@@ -57,7 +57,7 @@ def test_a_worker_not_heard_from_lately_is_left_out() -> None:
 async def test_queue_growth_past_the_arrivals_noise_scales_up_when_the_count_alone_would_not(
     waiting: int | None, expected: int | None
 ) -> None:
-    # an agg worker holds 1.2904 req/s at ITL 30 ms (test_replicas' example). In 2 s, 2 completed and in flight
+    # an agg worker holds 1.2904 req/s at ITL 30 ms (test_sizing' example). In 2 s, 2 completed and in flight
     # went 0 → W: the window alone is surely (2 + W − 2·√(2 + W)) / 2 <= 1.17 req/s → 1 worker, not more than 2.
     # Queues grew by 6 > 2·√8 = 5.66: surely (2 + 6) / 2 = 4 req/s → 3.1 → 4 > 2 workers; sized for 4 + 6 / (0 + 2)
     # = 7 req/s (the backlog drained within a load interval) → 5.42 → 6. Growth 5 <= 2·√7 = 5.29 is noise.

@@ -14,9 +14,10 @@ from dynamo_cli.errors import ModelNotFound
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RoundRobinPolicy
 from dynamo_cli.router.registry import ModelRegistry
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
+from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.names import EndpointName
+from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.supervisor import ServiceTasks
 from dynamo_cli.runtime.transport import RequestServer
 

@@ -15,8 +15,9 @@ import pytest
 
 import tests.planes
 from dynamo_cli.errors import PlaneUnavailable
-from dynamo_cli.runtime.discovery import Discovery, WatchEvent, WatchKind, open_discovery
+from dynamo_cli.runtime.discovery import Discovery, WatchEvent, WatchKind
 from dynamo_cli.runtime.etcd import EtcdDiscovery, diff_snapshots, parse_etcd_url
+from dynamo_cli.runtime.planes import open_discovery
 
 # The plane fixtures; tests/conftest.py may register tests.planes too, which is harmless.
 etcd_process = tests.planes.etcd_process
@@ -29,7 +30,7 @@ Opener = Callable[..., Awaitable[Discovery]]
 
 OWNER = """
 import asyncio, sys
-from dynamo_cli.runtime.discovery import open_discovery
+
 
 async def main():
     discovery = open_discovery(sys.argv[1], ttl=float(sys.argv[2]))
@@ -44,7 +45,7 @@ asyncio.run(main())
 
 STALLER = """
 import asyncio, sys, time
-from dynamo_cli.runtime.discovery import open_discovery
+
 
 async def main():
     discovery = open_discovery(sys.argv[1], ttl=float(sys.argv[2]))

@@ -12,11 +12,12 @@ import pytest
 
 import tests.planes
 from dynamo_cli.errors import NoWorkers
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.endpoint import Client, Endpoint, InstanceWatch
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.endpoint import Connections, Endpoint, Instance, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
+from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.supervisor import ServiceTasks
-from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.runtime.transport import RequestServer, ResponseStream
 
 etcd_process = tests.planes.etcd_process
 etcd_server = tests.planes.etcd_server
@@ -57,7 +58,25 @@ async def echo(body: msgspec.Raw) -> AsyncIterator[bytes]:
     yield bytes(body)
 
 
-async def wait_for(client: Client[Card], count: int) -> None:
+class Client:
+    """The client side as production composes it: a watch of NAME's instances and a connection per address."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self.watch = InstanceWatch(discovery, f"{NAME.path}/", Card, accept=lambda name: name == NAME)
+        self.connections = Connections()
+
+    def instances(self) -> list[Instance[Card]]:
+        return [self.watch.instances[i] for i in sorted(self.watch.instances)]
+
+    async def open_stream(self, body: bytes) -> tuple[Instance[Card], ResponseStream]:
+        instances = self.instances()
+        if not instances:
+            raise NoWorkers(f"endpoint '{NAME}'")
+        client = self.connections.get(instances[0].record.address)
+        return instances[0], await client.open_stream(NAME.endpoint, body)
+
+
+async def wait_for(client: Client, count: int) -> None:
     async with asyncio.timeout(WAIT_S):
         while len(client.instances()) != count:
             client.watch.changed.clear()
@@ -65,18 +84,18 @@ async def wait_for(client: Client[Card], count: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def server_and_client(client_side: Discovery) -> AsyncIterator[tuple[RequestServer, Client[Card]]]:
+async def server_and_client(client_side: Discovery) -> AsyncIterator[tuple[RequestServer, Client]]:
     """A started request server, and a running Client of NAME on another process's discovery."""
     server = RequestServer()
     await server.start()
-    client = Endpoint(NAME, client_side).client(Card)
+    client = Client(client_side)
     try:
         async with ServiceTasks() as tasks:
-            for loop in client.loops():
+            for loop in client.watch.loops():
                 tasks.spawn(loop)
             yield server, client
     finally:
-        await client.close()
+        await client.connections.close()
         await server.close()
 
 

@@ -11,9 +11,10 @@ import pytest
 
 import tests.planes
 from dynamo_cli.errors import ConfigError, PlaneUnavailable
-from dynamo_cli.runtime.discovery import Discovery, open_discovery
-from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE, EventBus, Subscription, open_event_bus
+from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE, EventBus, Subscription
 from dynamo_cli.runtime.nats import NatsEventBus, parse_nats_url
+from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 
 # The plane fixtures; tests/conftest.py may register tests.planes too, which is harmless.
 nats_process = tests.planes.nats_process

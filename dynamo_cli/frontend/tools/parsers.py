@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.frontend.tools.reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,22 +199,10 @@ def tool_parser(name: str, template_source: str = "") -> ToolParser:
 
 def check_parsers(tool_call_parser: str, reasoning_parser: str | None) -> None:
     """ConfigError for a parser name that does not exist (checked once, at startup)."""
-    from dynamo_cli.frontend.tools.reasoning import REASONING_PARSERS
-
     if tool_call_parser != "auto" and tool_call_parser not in PARSERS:
         raise ConfigError(f"--tool-call-parser {tool_call_parser}: choose auto or one of {', '.join(PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"--reasoning-parser {reasoning_parser}: choose one of {', '.join(REASONING_PARSERS)}")
-
-
-def partial_marker(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `markers` (held back)."""
-    longest = max((len(m) for m in markers), default=0)
-    for size in range(min(longest - 1, len(text)), 0, -1):
-        tail = text[-size:]
-        if any(m.startswith(tail) for m in markers):
-            return size
-    return 0
 
 
 def _unfence(text: str) -> str:

@@ -9,7 +9,7 @@ Two rules (`--reasoning-parser`):
 from __future__ import annotations
 
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.frontend.tools.parsers import partial_marker
+from dynamo_cli.frontend.tools.text import partial_marker
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("basic", "qwen3", "deepseek_r1")

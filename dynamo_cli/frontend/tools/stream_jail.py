@@ -15,7 +15,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from dynamo_cli.frontend.tools.parsers import ParsedCall, ToolParser, partial_marker
+from dynamo_cli.frontend.tools.parsers import ParsedCall, ToolParser
+from dynamo_cli.frontend.tools.text import partial_marker
 
 
 class ToolCallJail:

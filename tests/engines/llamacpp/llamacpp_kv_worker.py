@@ -14,9 +14,10 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, installed or not
 
+from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
+
 from dynamo_cli.engine import EngineArgs, GenerateRequest, Role  # noqa: E402
 from dynamo_cli.kv.handles import LlamaCppKv  # noqa: E402
-from engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):

@@ -52,7 +52,7 @@ OTHERS = [f"Tell me about the number {i} and why it matters in history and scien
 
 
 async def started(args: EngineArgs = DETERMINISTIC) -> Any:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(args)
     await engine.start()
@@ -161,7 +161,7 @@ async def test_a_kv_cache_too_big_for_the_machine_is_refused_with_the_numbers() 
 
 
 async def test_deterministic_sizes_a_kv_stream_of_the_context_length_per_sequence_id() -> None:
-    from engines.llamacpp.options import LlamaCppOptions
+    from dyn_engines.llamacpp.options import LlamaCppOptions
 
     options = LlamaCppOptions.from_args(DETERMINISTIC)
     assert (options.kv_unified, options.deterministic, options.context_length) == (False, True, 1024)

@@ -45,7 +45,7 @@ def args(role: Role, deterministic: bool = True) -> EngineArgs:
 
 
 async def started(engine_args: EngineArgs) -> Any:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(engine_args)
     await engine.start()

@@ -38,7 +38,7 @@ PROMPT = "Write a short poem about the sea and the sky, in four lines."
 
 @pytest.fixture
 async def engine() -> AsyncIterator[object]:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(EngineArgs(model="smollm2", extra={"n_ctx": 2048, "max_num_seqs": 8}))
     await engine.start()
@@ -196,7 +196,7 @@ async def test_kv_state_prefilled_in_one_process_and_decoded_in_another_gives_th
 async def test_per_sequence_kv_streams_give_the_same_tokens_and_still_reuse_prefixes(
     engine: object, prompt_ids: list[int]
 ) -> None:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     extra = {"kv_unified": False, "n_ctx": 4096, "max_num_seqs": 2, "max_cached_seqs": 2}
     streams = LlamaCppEngine(EngineArgs(model="smollm2", extra=extra))

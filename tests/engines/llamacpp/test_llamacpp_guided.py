@@ -37,7 +37,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture
 async def engine() -> AsyncIterator[Any]:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(EngineArgs(model="smollm2", extra={"n_ctx": 2048, "max_num_seqs": 4}))
     info = await engine.start()
@@ -66,7 +66,7 @@ def prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 def test_the_grammar_keeps_json_strings_free_of_control_characters() -> None:
-    from engines.llamacpp.grammar import gbnf_for
+    from dyn_engines.llamacpp.grammar import gbnf_for
 
     assert r"\x00-\x1F" in gbnf_for(GUIDED) and r"\x00-\x1F" in gbnf_for(Guided(kind="json_object"))
 
@@ -82,7 +82,7 @@ def test_the_grammar_keeps_json_strings_free_of_control_characters() -> None:
     ],
 )
 def test_a_keyword_the_grammar_would_drop_is_refused_not_half_enforced(schema: dict[str, Any], keyword: str) -> None:
-    from engines.llamacpp.grammar import gbnf_for
+    from dyn_engines.llamacpp.grammar import gbnf_for
 
     with pytest.raises(RequestError, match=re.escape(keyword)) as info:
         gbnf_for(Guided(kind="json_schema", schema=json.dumps(schema)))

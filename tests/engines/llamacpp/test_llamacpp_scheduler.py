@@ -3,11 +3,12 @@ eviction and preemption, with exact memory ops and hashes."""
 
 from __future__ import annotations
 
+from dyn_engines.llamacpp.plan import MemoryOp
+from dyn_engines.llamacpp.scheduler import Scheduler, Sequence
+
 from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from engines.llamacpp.plan import MemoryOp
-from engines.llamacpp.scheduler import Scheduler, Sequence
 
 BS = 16
 
@@ -170,7 +171,7 @@ def test_a_reset_after_a_failed_step_drops_everything_and_clears_the_cache() -> 
 
 def imported_seq(prompt: list[int], first_token: int) -> Sequence:
     """A decode request of prompt + [first_token] whose prompt's KV comes with a (checked) state."""
-    from engines.llamacpp.kv_state import CheckedState
+    from dyn_engines.llamacpp.kv_state import CheckedState
 
     seq = make_seq([*prompt, first_token])
     seq.kv_state, seq.num_imported = CheckedState(b"state", 0, len(prompt), 12, 5), len(prompt)

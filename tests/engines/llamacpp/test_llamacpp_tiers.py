@@ -46,7 +46,7 @@ def chat(text: str) -> list[int]:
 
 
 async def started(tiers: KvTierConfig) -> Any:
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(dataclasses.replace(BASE, kv_tiers=tiers))
     await engine.start()
@@ -178,7 +178,7 @@ async def test_a_client_leaving_during_an_onboard_frees_everything() -> None:
 async def test_with_tiers_the_unified_cache_keeps_no_finished_prefix_and_a_hit_comes_from_host() -> None:
     """Every cached cell widens each decode step's attention window: with tiers, finished prefixes go to
     host at once, and a prompt sharing one gets it back from there."""
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(
         EngineArgs(
@@ -203,10 +203,11 @@ async def test_with_tiers_the_unified_cache_keeps_no_finished_prefix_and_a_hit_c
 def test_blocks_cut_from_a_state_join_back_into_the_same_bytes(flash_attn: bool) -> None:
     import random
 
+    from dyn_engines.llamacpp import kv_blocks
+    from dyn_engines.llamacpp.plan import StepPlan
+    from dyn_engines.llamacpp.runner import Runner, RunnerOptions
+
     from dynamo_cli.model.paths import resolve_model_path
-    from engines.llamacpp import kv_blocks
-    from engines.llamacpp.plan import StepPlan
-    from engines.llamacpp.runner import Runner, RunnerOptions
 
     runner = Runner(
         RunnerOptions(
@@ -238,7 +239,7 @@ async def test_a_next_turn_right_after_the_last_waits_for_its_blocks_on_their_wa
     """With tiers on the device keeps no finished prefix: it is exported in the next step and stored in a
     thread. A turn arriving at once waits for those blocks (up to LANDING_WAIT_S) instead of recomputing
     them (without the wait this request found none of its prefix, run here)."""
-    from engines.llamacpp.engine import LlamaCppEngine
+    from dyn_engines.llamacpp.engine import LlamaCppEngine
 
     args = EngineArgs(model="smollm2", extra={"n_threads": 1}, kv_tiers=KvTierConfig(host_bytes=10**8))
     engine = LlamaCppEngine(args)

@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dyn_engines.mocker.config import MockerConfig
+from dyn_engines.mocker.engine import MockerEngine
+from dyn_engines.mocker.timing import decode_ms, prefill_ms
 
 from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
 from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv, MockerKv
-from engines.mocker.config import MockerConfig
-from engines.mocker.engine import MockerEngine
-from engines.mocker.timing import decode_ms, prefill_ms
 
 FAST = {"speedup_ratio": 1e6}
 

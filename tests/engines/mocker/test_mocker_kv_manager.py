@@ -1,8 +1,9 @@
 """The paged KV cache: exact block counts, prefix hits, LRU and tail-first eviction, KV events."""
 
+from dyn_engines.mocker.kv_manager import KvManager
+
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from engines.mocker.kv_manager import KvManager
 
 BS = 4
 

@@ -3,12 +3,12 @@
 import random
 
 import pytest
+from dyn_engines.mocker.kv_manager import KvManager
+from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
+from dyn_engines.mocker.timing import TimingModel, decode_ms, prefill_ms
 
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from engines.mocker.kv_manager import KvManager
-from engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
-from engines.mocker.timing import TimingModel, decode_ms, prefill_ms
 
 BS = 4
 

@@ -1,8 +1,7 @@
 """The polynomial timing model against the worked values of reference/dynamo.md §3.2."""
 
 import pytest
-
-from engines.mocker.timing import TimingModel, decode_ms, prefill_ms
+from dyn_engines.mocker.timing import TimingModel, decode_ms, prefill_ms
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from dynamo_cli.planner.profile import (
     prefill_ttft_ms,
     save_profile,
 )
-from dynamo_cli.planner.replicas import (
+from dynamo_cli.planner.sizing import (
     NO_CORRECTION,
     Bounds,
     Corrections,

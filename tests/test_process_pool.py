@@ -7,7 +7,7 @@ import contextlib
 import sys
 import time
 
-from dynamo_cli.supervise import ProcessPool, RestartPolicy, SlotState
+from dynamo_cli.process_pool import ProcessPool, RestartPolicy, SlotState
 
 FAST = RestartPolicy(max_restarts=2, window_s=60.0, backoff_initial_s=0.05, backoff_max_s=0.2)
 EXIT_3 = [sys.executable, "-c", "import sys; sys.exit(3)"]
