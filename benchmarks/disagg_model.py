@@ -27,9 +27,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
 from dyn_engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig  # noqa: E402
-from dyn_engines.mocker.timing import TimingModel  # noqa: E402
 
 from dynamo_cli.router.disagg import STALL_WEIGHT  # noqa: E402
+from dynamo_cli.timing import TimingModel  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS, OSL, KV_BYTES_PER_TOKEN, BANDWIDTH = 64, 16384, 150, 131072, 64e9
 MAX_LOCAL_PREFILL = 512

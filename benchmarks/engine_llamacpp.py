@@ -38,9 +38,10 @@ import llama_cpp  # noqa: E402
 from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 from dyn_engines.llamacpp.runner import default_threads  # noqa: E402
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
+from dynamo_cli.engine import EngineArgs  # noqa: E402
 from dynamo_cli.kv.tiers import KvTierConfig  # noqa: E402
 from dynamo_cli.model.paths import resolve_model_path  # noqa: E402
+from dynamo_cli.wire import GenerateRequest, SamplingParams  # noqa: E402
 
 CONCURRENCY = (1, 4, 8, 16)
 
@@ -115,7 +116,10 @@ class Raw:
 async def engine_cell(engine: LlamaCppEngine, concurrency: int, isl: int, osl: int, seed: int) -> dict[str, float]:
     async def one(i: int, prompt: list[int]) -> list[float]:
         request = GenerateRequest(
-            request_id=f"{seed}-{i}", token_ids=prompt, max_tokens=osl, temperature=0.0, ignore_eos=True
+            request_id=f"{seed}-{i}",
+            token_ids=prompt,
+            max_tokens=osl,
+            sampling=SamplingParams(temperature=0.0, ignore_eos=True),
         )
         times = []
         async for chunk in engine.generate(request):

@@ -43,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kv_routing_sim as sim  # noqa: E402
 
-from dynamo_cli.engine import LoadMetrics  # noqa: E402
 from dynamo_cli.frontend.headers import _hexid_headers  # noqa: E402
 from dynamo_cli.kv.events import KvEventBatch  # noqa: E402
 from dynamo_cli.router.base import RouteDecision, RouteRequest  # noqa: E402
+from dynamo_cli.wire import LoadMetrics
 
 PARTS = ("route", "explain", "kv_ingest", "load", "first", "finish")
 _encode = msgspec.msgpack.Encoder().encode
@@ -84,7 +84,7 @@ class TimedPolicy:
         self.meter.trace.append((self.replay.now, hook, argument))
 
     def select(self, request: RouteRequest, workers: list[int]) -> RouteDecision:
-        def route() -> RouteDecision:  # dispatch.py `_choose`: the prompt plus what was generated so far
+        def route() -> RouteDecision:  # router/core.py `_choose`: the prompt plus what was generated so far
             return self.policy.select(RouteRequest(request.request_id, list(request.token_ids) + []), workers)
 
         self._record("select", (request.request_id, list(request.token_ids), list(workers)))

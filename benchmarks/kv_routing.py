@@ -62,9 +62,9 @@ import msgspec
 
 from dynamo_cli.bench.http import HttpClient, RequestRecord
 from dynamo_cli.bench.sse import Response
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.runtime.names import component_subject
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
+from dynamo_cli.wire import LoadMetrics
 
 MODEL = "smollm2"
 CORPUS = (

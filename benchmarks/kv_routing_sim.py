@@ -63,12 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dyn_engines.mocker.engine import MAX_CATCH_UP_S  # noqa: E402
 from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
 from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig  # noqa: E402
-from dyn_engines.mocker.timing import TimingModel  # noqa: E402
 
 from dynamo_cli.config import KvRouterConfig  # noqa: E402
-from dynamo_cli.engine import LoadMetrics  # noqa: E402
 from dynamo_cli.router.base import RoundRobinPolicy, RouteRequest  # noqa: E402
 from dynamo_cli.router.kv import KvRoutingPolicy  # noqa: E402
+from dynamo_cli.timing import TimingModel  # noqa: E402
+from dynamo_cli.wire import LoadMetrics
 
 CACHES = {"default": (20, 16384), "p20": (20, 512), "p40": (40, 512)}
 """Cache regime -> (system prompts, KV blocks per worker), as in kv_routing_matrix.py."""

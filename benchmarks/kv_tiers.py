@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 import kv_routing as kr  # benchmarks/ is the script's directory, so on sys.path
 
-from dynamo_cli.engine import LoadMetrics
+from dynamo_cli.wire import LoadMetrics
 
 ONBOARD_PATHS = ("h2d", "d2d")
 """Dynamo's KVBM onboard directions: host -> device, disk -> device."""

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest  # noqa: E402
+from dynamo_cli.engine import EngineArgs  # noqa: E402
+from dynamo_cli.wire import GenerateRequest, SamplingParams  # noqa: E402
 
 MODES = {
     "default": {"n_ctx": 4096, "max_num_seqs": 4},
@@ -46,8 +47,7 @@ async def timed(engine: LlamaCppEngine, prompt: list[int], max_tokens: int) -> l
         request_id=f"b-{time.monotonic_ns()}",
         token_ids=prompt,
         max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True),
     )
     times = []
     async for chunk in engine.generate(request):

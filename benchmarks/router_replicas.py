@@ -45,7 +45,7 @@ from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
-from dynamo_cli.router.registry import ModelEntry, ModelRegistry
+from dynamo_cli.router.registry import ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import ActiveSequenceEvent, ReplicaSync
 from dynamo_cli.router.sequences import ActiveSequences
 
@@ -176,7 +176,7 @@ def replicas(
     pairs = []
     for router_id in (0xA, 0xB):
         p = policy(args, clock)
-        registry = ModelRegistry(None, "ns", lambda card, p=p: p)  # type: ignore[arg-type,misc]
+        registry = RouterRegistry(None, "ns", lambda card, p=p: p)  # type: ignore[arg-type,misc]
         registry.models[MODEL] = ModelEntry(MODEL, card, p, p, workers=dict.fromkeys(workers))  # type: ignore[arg-type]
         pairs.append((ReplicaSync(None, "ns", router_id, registry), p))  # type: ignore[arg-type]
     truth = ActiveSequences()

@@ -51,6 +51,7 @@ from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
+from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery, BestWorkerReply
 
 logger = logging.getLogger(__name__)
 
@@ -177,15 +178,16 @@ def _routers(service: FrontendService) -> list[Worker]:
 
 
 async def _backends_seen(router: Worker) -> int:
-    """How many workers `router` routes to: its `best_worker_id` answer has a row of `in_flight` per decode
+    """How many workers `router` routes to: its `best_worker_id` reply has a row of `in_flight` per decode
     worker and lists `prefill_workers`; 0 while it cannot answer yet."""
     try:
         async with asyncio.timeout(10):
-            stream = await router.client.open_stream("best_worker_id", msgspec.msgpack.encode({"token_ids": []}))
-            replies = [msgspec.msgpack.decode(raw) async for raw in stream]
+            query = msgspec.msgpack.encode(BestWorkerQuery(token_ids=[]))
+            stream = await router.client.open_stream(BEST_WORKER_ENDPOINT, query)
+            replies = [msgspec.msgpack.decode(raw, type=BestWorkerReply) async for raw in stream]
     except (TransportError, TimeoutError):
         return 0
-    return sum(len(reply.get("in_flight", [])) + len(reply.get("prefill_workers", [])) for reply in replies)
+    return sum(len(reply.in_flight) + len(reply.prefill_workers) for reply in replies)
 
 
 async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:

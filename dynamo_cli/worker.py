@@ -12,22 +12,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import msgspec
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import (
-    EMBED_ENDPOINT,
-    EmbedRequest,
-    Embeds,
-    Engine,
-    EngineArgs,
-    GenerateChunk,
-    GenerateRequest,
-    Role,
-    SpawnsProcesses,
-    load_engine,
-)
+from dynamo_cli.engine import Embeds, Engine, EngineArgs, Role, SpawnsProcesses, load_engine
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
@@ -42,8 +32,22 @@ from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.wire import (
+    EMBED_ENDPOINT,
+    KV_DUMP_ENDPOINT,
+    KV_EVENTS_SINCE_ENDPOINT,
+    KV_RELEASE_ENDPOINT,
+    EmbedRequest,
+    GenerateChunk,
+    GenerateRequest,
+    KvDumpQuery,
+    KvEventsSince,
+    KvRelease,
+)
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LOAD_INTERVAL_S = 0.05
 """How often a changed load snapshot is published."""
@@ -80,7 +84,7 @@ class Worker:
         KV handle has its payload pulled first; a prefill's exported payload is held for its decode worker."""
         try:
             request = self._request_decoder.decode(body)
-        except msgspec.ValidationError as exc:
+        except msgspec.DecodeError as exc:  # ValidationError included
             raise RequestError(f"malformed generate request: {exc}") from exc
         encode = self._chunk_encoder.encode
         request, report = await self.kv.take(request)
@@ -94,17 +98,14 @@ class Worker:
 
     async def embed(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: the embeddings of tokenized inputs, when the engine serves them (Feature.EMBEDDINGS)."""
-        try:
-            request = msgspec.msgpack.decode(body, type=EmbedRequest)
-        except msgspec.ValidationError as exc:
-            raise RequestError(f"malformed embed request: {exc}") from exc
+        request = _decode(body, EmbedRequest, EMBED_ENDPOINT)
         if not isinstance(self.engine, Embeds):
             raise RequestError(f"the {self.config.engine} engine serves no embeddings", param="model")
         yield msgspec.msgpack.encode(await self.engine.embed(request))
 
     async def kv_release(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
-        transfer_id = msgspec.msgpack.decode(body, type=str)
+        transfer_id = _decode(body, KvRelease, KV_RELEASE_ENDPOINT).transfer_id
         yield msgspec.msgpack.encode(self.kv.server is not None and self.kv.server.release(transfer_id))
 
     async def start_engine(self) -> ModelCard:
@@ -136,17 +137,18 @@ class Worker:
                 self._blocks[DEVICE].clear()
 
     async def kv_events_since(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """Endpoint: replay kept KV event batches from event id `body` on; `too_old` if they are gone."""
-        since = msgspec.msgpack.decode(body, type=int)
+        """Endpoint: replay kept KV event batches from `first_event_id` on; `too_old` if they are gone."""
+        since = _decode(body, KvEventsSince, KV_EVENTS_SINCE_ENDPOINT).first_event_id
         if not self._history or since < self._history[0][0]:
             oldest = self._history[0][0] if self._history else self._last_event_id + 1
-            raise RequestError(f"KV events before {oldest} are no longer kept; ask kv_dump", code="too_old")
+            raise RequestError(f"KV events before {oldest} are no longer kept; ask {KV_DUMP_ENDPOINT}", code="too_old")
         for event_id, payload in list(self._history):
             if event_id >= since:
                 yield payload
 
     async def kv_dump(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: the whole cached block set, per tier, and the event id it is current to."""
+        _decode(body, KvDumpQuery, KV_DUMP_ENDPOINT)
         device, host, disk = (sorted(self._blocks[tier]) for tier in TIERS)
         yield msgspec.msgpack.encode(
             KvDump(
@@ -196,9 +198,9 @@ async def serve_worker(config: WorkerConfig) -> None:
 
 async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
     config = worker.config
-    worker.server.add_endpoint("kv_events_since", worker.kv_events_since)
-    worker.server.add_endpoint("kv_dump", worker.kv_dump)
-    worker.server.add_endpoint("kv_release", worker.kv_release)
+    worker.server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)
+    worker.server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)
+    worker.server.add_endpoint(KV_RELEASE_ENDPOINT, worker.kv_release)
     worker.server.add_endpoint(EMBED_ENDPOINT, worker.embed)
     address = await worker.server.start()
     await worker.kv.start()
@@ -296,6 +298,14 @@ class KvMover:
         taken = msgspec.structs.replace(handle, payload=bytes(pulled.payload), blob=None)
         report = TransferReport(nbytes=blob.nbytes, seconds=pulled.seconds, backend=pulled.backend)
         return msgspec.structs.replace(request, kv_transfer=taken), report
+
+
+def _decode(body: msgspec.Raw, kind: type[T], endpoint: str) -> T:
+    """A side endpoint's body as its wire struct; a body that is not one is the caller's error (RequestError)."""
+    try:
+        return msgspec.msgpack.decode(body, type=kind)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise RequestError(f"malformed {endpoint} request ({kind.__name__}): {exc}") from exc
 
 
 def _engine_args(config: WorkerConfig) -> EngineArgs:

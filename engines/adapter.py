@@ -7,17 +7,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from dynamo_cli.engine import (
-    DETERMINISTIC,
-    EngineArgs,
-    EngineInfo,
-    GenerateRequest,
-    LoadMetrics,
-    check_request,
-    is_deterministic,
-)
+from dynamo_cli.engine import DETERMINISTIC, EngineArgs, EngineInfo, check_request, is_deterministic
 from dynamo_cli.errors import DynError, RequestError
 from dynamo_cli.kv.handles import KvHandle, check_handle
+from dynamo_cli.wire import GenerateRequest, LoadMetrics
 
 H = TypeVar("H", bound=KvHandle)
 

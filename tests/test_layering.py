@@ -4,17 +4,20 @@ TYPE_CHECKING imports included), so a layer that reaches up is caught before it 
 Layers, lowest first; each may import the ones listed for it in ALLOWED and its own modules:
 
     errors                      the DynError tree; imports nothing
+    timing                      the simulated engine's pass times and batch limits; imports nothing
     kv, model                   KV hashing and events; a model's files and tokenizer (errors only)
-    engine                      the engine contract (errors, kv)
+    wire                        every request-plane endpoint name and message (errors, kv)
+    engine                      the engine contract (errors, kv, wire)
     config, model_card          per-role config and the published model card (the contract)
     runtime                     distributed planes; knows nothing about LLMs (errors, config)
     router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
     frontend                    the OpenAI server (router, model, runtime ...)
     worker                      one engine behind the request plane (the contract, kv, runtime)
-    engines/                    plugins: only the contract, kv, model, errors and config
+    engines/                    plugins: only the contract, kv, model, errors, config and timing
     bench                       an HTTP load generator (errors, model for token counts)
     planner                     SLA planner: reads frontends' /metrics over HTTP and discovery, drives an
-                                engine through the contract to profile it (the contract, runtime)
+                                engine through the contract to profile it (the contract, runtime); its
+                                simulator takes the mocker's pass times (timing)
     process_pool                restarts `dyn serve`'s child processes (nothing of dyn)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
@@ -27,10 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_CONTRACT = {"errors", "config", "engine", "kv", "model_card"}
+_CONTRACT = {"errors", "config", "engine", "kv", "model_card", "wire"}
 _EVERYTHING = {
     "dynamo_cli",
     "errors",
+    "timing",
+    "wire",
     "config",
     "engine",
     "kv",
@@ -48,23 +53,25 @@ _EVERYTHING = {
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "timing": set(),
     "kv": {"errors"},
     "model": {"errors"},
-    "engine": {"errors", "kv"},
-    "config": {"errors", "engine", "model_card"},
+    "wire": {"errors", "kv"},
+    "engine": {"errors", "kv", "wire"},
+    "config": {"errors", "engine", "model_card", "wire"},
     "model_card": {"errors", "engine"},
     "runtime": {"errors", "config"},
     "router": _CONTRACT | {"runtime"},
     "frontend": _CONTRACT | {"model", "runtime", "router"},
     "worker": _CONTRACT | {"runtime"},
-    "engines": {"errors", "config", "engine", "kv", "model"},
+    "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},
     "bench": {"errors", "model"},
     # The planner sees frontends only through their HTTP /metrics and workers only through discovery
     # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
     # nor frontend; the processes it starts are command lines the CLI builds for it.
-    "planner": _CONTRACT | {"runtime"},
+    "planner": _CONTRACT | {"runtime", "timing"},
     "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
-    "dynamo_cli": {"errors", "engine", "kv"},  # the package's curated __all__
+    "dynamo_cli": {"errors", "engine", "kv", "wire"},  # the package's curated __all__
     "launcher": _EVERYTHING,
     "cli": _EVERYTHING | {"cli"},
 }

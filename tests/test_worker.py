@@ -1,23 +1,33 @@
-"""The worker's `generate` endpoint over the real request plane: what an engine refuses is not migrated.
+"""The worker's endpoints over the real request plane: what an engine refuses is not migrated.
 
 A request the engine refuses (RequestError: here a token id outside the vocabulary) reaches the caller as
 a RemoteError with the engine's 400 and `is_migratable` False, so the frontend never retries it on another
-worker (where it would be refused, or worse, again).
+worker (where it would be refused, or worse, again). A side endpoint's body that is not its wire struct is
+refused the same way, never as a handler crash.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 from dyn_engines.mocker.engine import MockerEngine
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import EngineArgs, GenerateRequest
+from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import RemoteError
+from dynamo_cli.kv.events import KvDump
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.wire import (
+    KV_DUMP_ENDPOINT,
+    KV_EVENTS_SINCE_ENDPOINT,
+    KV_RELEASE_ENDPOINT,
+    GenerateRequest,
+    KvDumpQuery,
+)
 from dynamo_cli.worker import Worker
 
 
@@ -42,3 +52,40 @@ async def test_a_request_the_engine_refuses_fails_as_not_migratable(tmp_path: Pa
         await client.close()
         await server.close()
         await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        pytest.param(KV_EVENTS_SINCE_ENDPOINT, msgspec.msgpack.encode(3), id="kv_events_since-bare-int"),
+        pytest.param(
+            KV_EVENTS_SINCE_ENDPOINT, msgspec.msgpack.encode({"first_event_id": "3"}), id="kv_events_since-string-id"
+        ),
+        pytest.param(KV_DUMP_ENDPOINT, b"\x00", id="kv_dump-bare-int"),
+        pytest.param(KV_RELEASE_ENDPOINT, msgspec.msgpack.encode("t-1"), id="kv_release-bare-string"),
+        pytest.param(KV_RELEASE_ENDPOINT, msgspec.msgpack.encode({}), id="kv_release-no-transfer-id"),
+    ],
+)
+async def test_a_malformed_side_endpoint_body_is_refused_as_a_request_error(endpoint: str, body: bytes) -> None:
+    config = WorkerConfig(engine="mocker", model="m")
+    worker = Worker(config, None, SimpleNamespace(lease_id=0x9), None)  # type: ignore[arg-type]  # side endpoints only
+    server = RequestServer()
+    for name, handler in [
+        (KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since),
+        (KV_DUMP_ENDPOINT, worker.kv_dump),
+        (KV_RELEASE_ENDPOINT, worker.kv_release),
+    ]:
+        server.add_endpoint(name, handler)
+    client = RequestClient(await server.start())
+    try:
+        with pytest.raises(RemoteError, match=f"malformed {endpoint} request") as refused:
+            [item async for item in await client.open_stream(endpoint, body)]
+        assert refused.value.status == 400 and not refused.value.is_migratable
+        query = msgspec.msgpack.encode(KvDumpQuery())
+        dump = [
+            msgspec.msgpack.decode(raw, type=KvDump) async for raw in await client.open_stream(KV_DUMP_ENDPOINT, query)
+        ]
+        assert [d.worker_id for d in dump] == [0x9]  # the worker still serves
+    finally:
+        await client.close()
+        await server.close()

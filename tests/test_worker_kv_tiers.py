@@ -20,6 +20,7 @@ from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.kv_repair import repair_gap
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery
 from dynamo_cli.worker import KV_HISTORY, Worker
 
 BLOCK = 16
@@ -57,12 +58,13 @@ async def test_a_router_that_missed_a_restarted_workers_disk_tier_repairs_it_fro
     worker = Worker(WorkerConfig(engine="mocker", model="m"), RestartedEngine(), SimpleNamespace(lease_id=0x9), Bus())  # type: ignore[arg-type]
     await worker.pump_kv_events()
     server = RequestServer()
-    server.add_endpoint("kv_events_since", worker.kv_events_since)
-    server.add_endpoint("kv_dump", worker.kv_dump)
+    server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)
+    server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)
     client = RequestClient(await server.start())
     try:
+        query = msgspec.msgpack.encode(KvDumpQuery())
         dump = msgspec.msgpack.decode(
-            b"".join([raw async for raw in await client.open_stream("kv_dump", b"\x00")]), type=KvDump
+            b"".join([raw async for raw in await client.open_stream(KV_DUMP_ENDPOINT, query)]), type=KvDump
         )
         assert (dump.block_hashes, dump.host_hashes) == (sorted(HASHES[:4]), sorted(HASHES[:2]))
         assert dump.disk_hashes == sorted(HASHES) and dump.last_event_id == KV_HISTORY + 2

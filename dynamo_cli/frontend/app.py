@@ -28,12 +28,11 @@ from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
-from dynamo_cli.frontend.dispatch import Dispatch, DispatchRules, plan_request
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, id_headers, int_header, pinned_header, too_large
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
+from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +42,7 @@ from dynamo_cli.frontend.openai import (
 )
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
-from dynamo_cli.frontend.prompts import nth_seed, prompt_of, sampling_of
+from dynamo_cli.frontend.prompts import nth_seed, plan_request, prompt_of, sampling_of, stops_of
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
 from dynamo_cli.frontend.replies import ClientGone, Write, reply_json, stream_sse, unless_gone
 from dynamo_cli.frontend.replies import error_type as _error_type
@@ -53,6 +52,7 @@ from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
+from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ logger = logging.getLogger(__name__)
 class Frontend:
     """The OpenAI-compatible HTTP service over a model registry."""
 
-    def __init__(self, config: FrontendConfig, registry: ModelRegistry, metrics: FrontendMetrics) -> None:
+    def __init__(
+        self, config: FrontendConfig, registry: FrontendRegistry, metrics: FrontendMetrics, rules: DispatchRules
+    ) -> None:
         self.config = config
         self.registry = registry
         self.metrics = metrics
@@ -70,13 +72,7 @@ class Frontend:
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
         self._openapi = msgspec.json.encode(openapi_document())
         self._gate = Gate(config.auth) if config.auth.api_keys else None
-        self.rules = DispatchRules(
-            config.migration_limit,
-            registry.busy,
-            is_remote=config.router == "remote",
-            disagg=config.disagg,
-            queue=config.queue,
-        )
+        self.rules = rules
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
@@ -137,7 +133,7 @@ class Frontend:
         self.metrics.inflight.labels(model).inc()
         status = "success"
         try:
-            if len(generations) > 1 or generation.dispatch.plan.sampling.logprobs is not None:
+            if len(generations) > 1 or generation.dispatch.plan.request.sampling.logprobs is not None:
                 status = await self._choices(generations, request, send, receive, is_chat)
             elif request.stream:
                 status = await self._stream(generation, request, send, receive, is_chat)
@@ -180,9 +176,10 @@ class Frontend:
                     param="n" if request.n > 1 else "logprobs",
                 )
         prompt_ids, max_tokens, echo = prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
-        sampling = sampling_of(request, max_tokens, chat.guided if chat is not None else None)
+        sampling = sampling_of(request, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
-        check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias", tokenizer.vocab_size)
+        check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
+        stop = stops_of(request)
         headers = dict(scope["headers"])
         prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
@@ -199,6 +196,7 @@ class Frontend:
                     entry,
                     request_id if index == 0 else f"{request_id}-{index}",
                     prompt_ids,
+                    max_tokens,
                     nth_seed(sampling, index),
                     pinned_worker=pinned,
                     client_request_id=client_id,
@@ -206,7 +204,7 @@ class Frontend:
                     priority=priority or 0,
                     deadline=deadline,
                 )
-                generations.append(Generation(Dispatch(entry, plan, self.rules, self.metrics), tokenizer, echo=echo))
+                generations.append(Generation(Dispatch(entry, plan, self.rules), tokenizer, echo=echo, stop=stop))
                 generations[-1].output = chat.output if chat is not None else None
                 await generations[-1].dispatch.start()
         except BaseException:
@@ -215,7 +213,7 @@ class Frontend:
             raise
         return generations
 
-    def _entry(self, model: str) -> ModelEntry:
+    def _entry(self, model: str) -> ServedModel:
         try:
             return self.registry.get(model)
         except ModelNotFound:
@@ -278,7 +276,11 @@ class Frontend:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""
         d = gens[0].dispatch
         response = ChoicesResponse(
-            d.plan.request_id, d.entry.name, gens, is_chat=is_chat, wants_logprobs=d.plan.sampling.logprobs is not None
+            d.plan.request_id,
+            d.entry.name,
+            gens,
+            is_chat=is_chat,
+            wants_logprobs=d.plan.request.sampling.logprobs is not None,
         )
         if not request.stream:
             return await reply_json(send, response.body, lambda: id_headers(gens[0]), d.plan.request_id)
@@ -308,7 +310,7 @@ class Frontend:
         """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
         try:
             request = api.parse(await self._read_body(scope, receive))
-            generation = (await self._prepare(api.to_chat(request), scope))[0]
+            generation = (await self._prepare_unless_gone(api.to_chat(request), scope, receive))[0]
         except ClientGone:
             return
         except DynError as exc:

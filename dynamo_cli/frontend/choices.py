@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import TokenLogprob
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.streaming import usage
 from dynamo_cli.model.tokenizer import Tokenizer
+from dynamo_cli.wire import TokenLogprob
 
 _json = msgspec.json.encode
 

@@ -17,10 +17,11 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from dynamo_cli.engine import EMBED_ENDPOINT, EmbedRequest, EmbedResponse, Feature, check_token_ids
+from dynamo_cli.engine import Feature, check_token_ids
 from dynamo_cli.errors import NoWorkers, RemoteError, RequestError
-from dynamo_cli.frontend.models import ModelEntry
+from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
+from dynamo_cli.wire import EMBED_ENDPOINT, EmbedRequest, EmbedResponse
 
 MAX_INPUTS = 2048
 EMBED_TIMEOUT_S = 120.0
@@ -60,7 +61,7 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
     return request
 
 
-async def embed(entry: ModelEntry, request: EmbeddingRequest) -> bytes:
+async def embed(entry: ServedModel, request: EmbeddingRequest) -> bytes:
     """The response body for `request` on `entry`'s model."""
     card = entry.card
     if Feature.EMBEDDINGS.value not in card.features:
@@ -92,7 +93,7 @@ async def embed(entry: ModelEntry, request: EmbeddingRequest) -> bytes:
     )
 
 
-async def _on_worker(entry: ModelEntry, request: EmbedRequest) -> list[list[float]]:
+async def _on_worker(entry: ServedModel, request: EmbedRequest) -> list[list[float]]:
     if not entry.workers:
         raise NoWorkers(f"model '{entry.name}'")
     worker = min(entry.workers.values(), key=lambda w: w.num_inflight)

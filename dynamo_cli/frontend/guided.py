@@ -20,10 +20,11 @@ from typing import Any
 import jsonschema
 import msgspec
 
-from dynamo_cli.engine import Feature, Guided
+from dynamo_cli.engine import Feature
 from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.openai import ChatCompletionRequest
 from dynamo_cli.frontend.tools.types import NamedToolChoice, Tool
+from dynamo_cli.wire import Guided
 
 MAX_SCHEMA_BYTES = 64 * 1024
 """Largest JSON schema (encoded) a request may carry, per tool and for response_format."""

@@ -99,6 +99,15 @@ class FrontendMetrics:
         if report.seconds > 0:
             self.transfer_gbps.labels(model, report.backend).set(report.nbytes / report.seconds / 1e9)
 
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
+
+    def count_migration(self, model: str, kind: str) -> None:
+        self.migrations.labels(model, kind).inc()
+
+    def count_disagg(self, model: str, outcome: str) -> None:
+        self.disagg.labels(model, outcome).inc()
+
     def count_repair(self, kind: str) -> None:
         self.kv_repairs.labels(kind).inc()
 

@@ -16,24 +16,24 @@ from dynamo_cli.router import registry
 from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, PolicyFactory, Worker
 from dynamo_cli.runtime.supervisor import freeze_heap
 
-__all__ = ["ROUTER_COMPONENT", "BusyThresholds", "ModelEntry", "ModelRegistry", "PolicyFactory", "Worker"]
+__all__ = ["ROUTER_COMPONENT", "BusyThresholds", "FrontendRegistry", "PolicyFactory", "ServedModel", "Worker"]
 
 
 @dataclass(slots=True, kw_only=True)
-class ModelEntry(registry.ModelEntry):
+class ServedModel(registry.ModelEntry):
     """A served model, with its tokenizer."""
 
     tokenizer: asyncio.Future[Tokenizer]
     """Loading in an executor thread; await it."""
 
 
-class ModelRegistry(registry.Registry[ModelEntry]):
+class FrontendRegistry(registry.Registry[ServedModel]):
     """The frontend's live view of models and workers."""
 
-    def _new_entry(self, card: ModelCard) -> ModelEntry:
+    def _new_entry(self, card: ModelCard) -> ServedModel:
         tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, card.tokenizer_source)
         tokenizer.add_done_callback(lambda _: freeze_heap())  # a vocabulary: long-lived, and many objects
-        return ModelEntry(
+        return ServedModel(
             name=card.display_name,
             card=card,
             tokenizer=tokenizer,

@@ -1,6 +1,6 @@
 """One request's text: the dispatched token stream, detokenized and cut at stop strings.
 
-NOTE: workers speak token ids and dispatch.py moves them (routing, migration); everything textual
+NOTE: workers speak token ids and the request core (router/core.py) moves them (routing, migration); everything textual
 happens here, so the text side is the same whatever hops the request takes.
 """
 
@@ -9,21 +9,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from dynamo_cli.engine import TokenLogprob
-from dynamo_cli.frontend.dispatch import Dispatch
 from dynamo_cli.frontend.stops import StopMatcher
 from dynamo_cli.frontend.tools.output import ChatOutput
 from dynamo_cli.model.tokenizer import Tokenizer
+from dynamo_cli.router.core import Dispatch
+from dynamo_cli.wire import TokenLogprob
 
 
 class Generation:
     """Iterate `text()` for text pieces, then read `finish_reason` and the dispatch's counters."""
 
-    def __init__(self, dispatch: Dispatch, tokenizer: Tokenizer, *, echo: str = "") -> None:
+    def __init__(self, dispatch: Dispatch, tokenizer: Tokenizer, *, echo: str = "", stop: tuple[str, ...] = ()) -> None:
         self.dispatch = dispatch
         self.tokenizer = tokenizer
         self.echo = echo
         """Text sent before the generated text (completions' `echo`: the prompt)."""
+        self.stop = stop
+        """Stop strings: the text ends before the first one (the workers see stop token ids only)."""
         self.is_stopped = False
         """A stop string ended the text."""
         self.output: ChatOutput | None = None
@@ -49,7 +51,7 @@ class Generation:
         if self.echo:
             yield self.echo
         detok = self.tokenizer.detokenizer()
-        stops = StopMatcher(list(self.dispatch.plan.sampling.stop))
+        stops = StopMatcher(list(self.stop))
         async with contextlib.aclosing(self.dispatch.tokens()) as tokens:  # a stop string aborts the worker now
             async for token_ids in tokens:
                 piece = stops.push(detok.push(token_ids))

@@ -1,12 +1,13 @@
-"""What an OpenAI request asks the engines for: its prompt's token ids and its sampling settings."""
+"""What an OpenAI request asks the engines for: its prompt's token ids, its sampling settings, its plan."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import cast
 
-from dynamo_cli.engine import Guided, check_token_ids
-from dynamo_cli.frontend.dispatch import Sampling
+import msgspec
+
+from dynamo_cli.engine import check_token_ids
+from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -15,6 +16,9 @@ from dynamo_cli.frontend.openai import (
     stop_list,
 )
 from dynamo_cli.model.tokenizer import Tokenizer
+from dynamo_cli.router.core import RequestPlan, check_context
+from dynamo_cli.router.queue import QueuedRequest
+from dynamo_cli.wire import GenerateRequest, Guided, SamplingParams
 
 
 def prompt_of(
@@ -35,31 +39,53 @@ def prompt_of(
     return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
 
 
-def sampling_of(
-    request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, guided: Guided | None
-) -> Sampling:
-    return Sampling(
-        max_tokens=max_tokens,
+def sampling_of(request: ChatCompletionRequest | CompletionRequest, guided: Guided | None) -> SamplingParams:
+    """The request's sampling settings, built once here and carried unchanged to every worker it reaches."""
+    return SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=max(0, request.top_k or 0),
         seed=request.seed,
-        stop=tuple(stop_list(request.stop)),
-        stop_token_ids=tuple(request.stop_token_ids or ()),
+        stop_token_ids=list(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        logit_bias=tuple(logit_bias(request.logit_bias).items()) if request.logit_bias else (),
+        logit_bias=logit_bias(request.logit_bias) if request.logit_bias else {},
         min_p=request.min_p or 0.0,
         logprobs=requested_logprobs(request),
         guided=guided,
     )
 
 
-def nth_seed(sampling: Sampling, index: int) -> Sampling:
+def stops_of(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, ...]:
+    """The stop strings: the text side's (the workers see `stop_token_ids` only)."""
+    return tuple(stop_list(request.stop))
+
+
+def nth_seed(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice `index`'s sampling: seed + index (kept in int64), so seeded choices differ yet repeat."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index + 2**63) % 2**64 - 2**63)
+
+
+def plan_request(
+    entry: ServedModel,
+    request_id: str,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    sampling: SamplingParams,
+    *,
+    pinned_worker: int | None = None,
+    is_explained: bool = False,
+    client_request_id: str | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+) -> RequestPlan:
+    """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context."""
+    wanted = check_context(len(prompt_ids), max_tokens, entry.card.context_length)
+    request = GenerateRequest(request_id=request_id, token_ids=prompt_ids, max_tokens=wanted, sampling=sampling)
+    queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
+    return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued)

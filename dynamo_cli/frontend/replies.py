@@ -4,18 +4,17 @@ client's disconnect. Shared by the routes of app.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.types import Receive, Send
 
 from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
 from dynamo_cli.frontend.openai import error_body
+from dynamo_cli.router.waits import INTERRUPTIBLE, Interruptible
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -94,40 +93,6 @@ def internal(exc: Exception, doing: str) -> DynError:
     return DynError(f"internal error while {doing} (error id {error_id} in the frontend's log)")
 
 
-class Interruptible:
-    """A request being prepared whose client may leave. Only the waits inside `interruptible()` blocks (in
-    a queue for a worker, for a router's report) are cancelled when it does; anywhere else it is only noted
-    (`is_gone`) and the caller closes what the preparation returned. A remote prefill cut off mid-transfer
-    would leak its KV on the prefill worker (Dynamo's rule), and a task cancelled just before it returns
-    loses its result, so nothing else is cancelled. The blocks find it in the `INTERRUPTIBLE` context var."""
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[Any] | None = None
-        self.is_gone = False
-        """The client left."""
-        self._depth = 0
-
-    def interrupt(self) -> None:
-        """The client left: cancel the task if it waits in an interruptible block."""
-        self.is_gone = True
-        if self._depth and self.task is not None:
-            self.task.cancel()
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        if self.is_gone:
-            raise asyncio.CancelledError()  # it left before the wait began
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-
-
-INTERRUPTIBLE: contextvars.ContextVar[Interruptible | None] = contextvars.ContextVar("interruptible", default=None)
-"""The Interruptible of the request being prepared in this task, if any."""
-
-
 T = TypeVar("T")
 
 
@@ -161,12 +126,6 @@ async def unless_gone(prepare: Callable[[], Coroutine[Any, Any, T]], receive: Re
     finally:
         guard.task = None
         await cancel_and_wait(watcher)
-
-
-def interruptible() -> contextlib.AbstractContextManager[None]:
-    """The current request's `Interruptible.interruptible()`, or nothing outside one."""
-    guard = INTERRUPTIBLE.get()
-    return guard.interruptible() if guard is not None else contextlib.nullcontext()
 
 
 async def watch_disconnect(receive: Receive, on_disconnect: Any) -> None:

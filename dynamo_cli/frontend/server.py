@@ -17,20 +17,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dynamo_cli.config import FrontendConfig, TlsConfig
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import ModelEntry, ModelRegistry
-from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.frontend.models import FrontendRegistry
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import RandomPolicy, RepairsKvGaps, RoundRobinPolicy, RoutingPolicy
+from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
+from dynamo_cli.router.core import DispatchRules, ToRouters, ToWorkers
+from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.kv import kv_policy_factory
-from dynamo_cli.router.kv_repair import repair_gap, repair_loop
-from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, Worker
+from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds
 from dynamo_cli.runtime.discovery import Discovery
-from dynamo_cli.runtime.events import EventBus, pump, subscribe_kv_events
-from dynamo_cli.runtime.names import component_subject, kv_events_subject
+from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
 
 logger = logging.getLogger(__name__)
@@ -95,15 +93,15 @@ class FrontendService:
         check_tls(config.tls)
         self.config = config
         self.metrics = FrontendMetrics()
-        is_remote = config.router == "remote"  # then the routers apply the busy thresholds and queue (service.py)
+        behind_routers = config.router == "remote"  # then the routers choose, queue and apply the busy thresholds
         busy = (
             BusyThresholds()
-            if is_remote
+            if behind_routers
             else BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
         )
-        accept = (lambda name: name.component == ROUTER_COMPONENT) if is_remote else None
+        accept = (lambda name: name.component == ROUTER_COMPONENT) if behind_routers else None
         prefill_mode = config.disagg.prefill_router_mode
-        self.registry = ModelRegistry(
+        self.registry = FrontendRegistry(
             discovery,
             config.namespace,
             policy_factory(config),
@@ -112,7 +110,15 @@ class FrontendService:
             secret=config.planes.cluster_secret,
             prefill_policy_factory=policy_factory(config, prefill_mode),
         )
-        self.app = Frontend(config, self.registry, self.metrics)
+        rules = DispatchRules(
+            config.migration_limit,
+            busy,
+            upstream=ToRouters() if behind_routers else ToWorkers(),
+            disagg=config.disagg,
+            queue=config.queue,
+            metrics=self.metrics,
+        )
+        self.app = Frontend(config, self.registry, self.metrics, rules)
         self._bus = bus
         self._tasks = ServiceTasks()
         """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
@@ -120,17 +126,16 @@ class FrontendService:
 
     async def run(self, sock: socket.socket, stop: asyncio.Event, on_ready: Callable[[], Awaitable[None]]) -> None:
         """Serve until `stop` is set."""
-        ns = self.config.namespace
         try:
-            for loop in self.registry.loops():
-                self._tasks.spawn(loop)
-            load = await self._bus.subscribe(component_subject(ns, "*", "kv-metrics"))
-            self._tasks.spawn(pump(load, self.registry.apply_load, LoadMetrics))
-            if "kv" in (self.config.router, self.config.disagg.prefill_router_mode):
-                kv = await subscribe_kv_events(self._bus, ns, kv_events_subject(ns))
-                self._tasks.spawn(pump(kv, self.registry.apply_kv_events, KvEventBatch))
-                self._tasks.spawn(repair_loop(self.registry, self.metrics.count_repair))
-                self.registry.on_join = self._catch_up
+            kv_events = "kv" in (self.config.router, self.config.disagg.prefill_router_mode)
+            await follow_workers(
+                self.registry,
+                self._bus,
+                self.config.namespace,
+                self._tasks,
+                kv_events=kv_events,
+                on_repair=self.metrics.count_repair,
+            )
             server = self._tasks.spawn(self._serve_http(sock, stop))
             await on_ready()
             freeze_heap()
@@ -138,13 +143,6 @@ class FrontendService:
         finally:
             await self._tasks.close()
             await self.registry.close()
-
-    def _catch_up(self, entry: ModelEntry, worker: Worker) -> None:
-        """A worker joined: replay its kept KV events from 0 (or load its dump), so a router that
-        starts after the workers, or a worker that restarts, is known at once."""
-        policy = entry.prefill_policy if worker.instance_id in entry.prefill_workers else entry.policy
-        if isinstance(policy, RepairsKvGaps):
-            self._tasks.spawn(repair_gap(policy, worker, 0))
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":

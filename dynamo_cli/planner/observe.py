@@ -26,12 +26,12 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.sizing import Observation
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, pump
 from dynamo_cli.runtime.names import component_subject
+from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, GenerateRequest, load_engine
+from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, load_engine
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 Progress = Callable[[str, int, int], None]
 """(what, done, total): called after each sweep point."""
@@ -59,7 +60,10 @@ async def measure_ttft_ms(engine: Engine, info: EngineInfo, rng: random.Random, 
     best = float("inf")
     for i in range(sweep.repeats):
         request = GenerateRequest(
-            request_id=f"profile-prefill-{isl}-{i}", token_ids=_prompt(rng, info, isl), max_tokens=1, ignore_eos=True
+            request_id=f"profile-prefill-{isl}-{i}",
+            token_ids=_prompt(rng, info, isl),
+            max_tokens=1,
+            sampling=SamplingParams(ignore_eos=True),
         )
         started = time.perf_counter()
         async with asyncio.timeout(sweep.timeout_s):
@@ -85,7 +89,7 @@ async def measure_itl_ms(
             request_id=f"profile-decode-{context}-{n}-{i}",
             token_ids=_prompt(rng, info, context),
             max_tokens=max_tokens,
-            ignore_eos=True,
+            sampling=SamplingParams(ignore_eos=True),
         )
         for i in range(n)
     ]

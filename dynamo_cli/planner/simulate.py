@@ -1,12 +1,13 @@
 """`dyn plan simulate`: a trace through N simulated workers in virtual time, static or planner-driven.
 
 NOTE: each worker is the mocker's scheduler reduced to its events: a pass prefills up to 8192 prompt tokens
-(the mocker's prefill time) while every running request decodes one token (its decode time at the current
-KV usage); stretches of pure decode are jumped over to the next finish, so the cost is a few events per
-request, not one per pass. Requests are routed round-robin to the live workers (dyn serve's default), a
-worker is advanced only when it receives a request or at a planner tick, and a worker the planner removes
-stops receiving requests and counts its worker-seconds until its last stream ends. The planner is the real
-one (`Planner.plan_once` and `check_burst`) fed with the frontend counters the simulated requests produce.
+while every running request decodes one token, and lasts what the mocker's timing model (dynamo_cli/timing.py)
+gives that pass at the current KV usage; stretches of pure decode are jumped over to the next finish, so the
+cost is a few events per request, not one per pass. Requests are routed round-robin to the live workers (dyn
+serve's default), a worker is advanced only when it receives a request or at a planner tick, and a worker the
+planner removes stops receiving requests and counts its worker-seconds until its last stream ends. The planner
+is the real one (`Planner.plan_once` and `check_burst`) fed with the frontend counters the simulated requests
+produce.
 """
 
 from __future__ import annotations
@@ -27,11 +28,7 @@ from dynamo_cli.planner.connectors import ScaleTarget
 from dynamo_cli.planner.observe import PoolLoad, Snapshot
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile
-
-PREFILL = (4.209989e-07, 1.518344e-02, 1.650142e01)  # Dynamo's mocker polynomial (engines/mocker/timing.py)
-DECODE = (-25.74, 54.01, 5.74)
-TOKEN_BUDGET = 8192
-MAX_NUM_SEQS = 256
+from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, TimingModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +57,6 @@ class SimResult:
     """Sum over workers of the time each was up."""
     max_workers: int
     """Most workers up at once."""
-
-
-def prefill_ms(tokens: int) -> float:
-    a, b, c = PREFILL
-    return max(0.0, a * tokens * tokens + b * tokens + c)
-
-
-def decode_ms(usage: float) -> float:
-    a, b, c = DECODE
-    return max(1.0, a * usage * usage + b * usage + c)
 
 
 class _Trace(msgspec.Struct):
@@ -131,6 +118,8 @@ class SimWorker:
     active_kv: int = 0
     handoffs: list[tuple[float, SimRequest]] = field(default_factory=list)
     """prefill: (first token time, request) of each prompt done, for a decode worker."""
+    timing: TimingModel = field(default_factory=TimingModel)
+    """The mocker's pass times (its default: no speedup)."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -142,7 +131,7 @@ class SimWorker:
     def advance(self, until: float, stats: Stats) -> None:
         """Run passes until `until` (or until idle)."""
         while self.now < until and self.busy():
-            if self.waiting and len(self.running) < MAX_NUM_SEQS:
+            if self.waiting and len(self.running) < DEFAULT_MAX_NUM_SEQS:
                 self._prefill_pass(stats)
             elif self.running:
                 self._decode_until(until, stats)
@@ -151,9 +140,16 @@ class SimWorker:
         if until != math.inf:
             self.now = max(self.now, until)
 
+    def pass_ms(self, num_prefill_tokens: int, num_decoding: int) -> float:
+        """Duration of a pass computing `num_prefill_tokens` prompt tokens while `num_decoding` running
+        requests emit a token, at the worker's KV usage: the mocker scheduler's pass time for that pass."""
+        return self.timing.pass_ms(num_prefill_tokens, num_decoding, self.active_kv / self.kv_tokens)
+
     def _prefill_pass(self, stats: Stats) -> None:
-        budget, admitted = TOKEN_BUDGET, list[object]()
-        while self.waiting and budget > 0 and len(self.running) + len(admitted) < MAX_NUM_SEQS:
+        # The prompts that complete in this pass emit their first token at its end but add no decode term:
+        # only the requests running before it do (the mocker counts both: tests/planner/test_timing_shared.py).
+        budget, admitted = DEFAULT_MAX_NUM_BATCHED_TOKENS, list[object]()
+        while self.waiting and budget > 0 and len(self.running) + len(admitted) < DEFAULT_MAX_NUM_SEQS:
             entry = self.waiting[0]
             left = int(entry[1])  # type: ignore[call-overload]
             take = min(left, budget)
@@ -161,8 +157,7 @@ class SimWorker:
             entry[1] = left - take
             if left - take == 0:
                 admitted.append(self.waiting.popleft()[0])
-        usage = self.active_kv / self.kv_tokens
-        self.now += (prefill_ms(TOKEN_BUDGET - budget) + (decode_ms(usage) if self.running else 0.0)) / 1000
+        self.now += self.pass_ms(DEFAULT_MAX_NUM_BATCHED_TOKENS - budget, len(self.running)) / 1000
         self.passes += 1
         for request in admitted:
             assert isinstance(request, SimRequest)
@@ -183,7 +178,7 @@ class SimWorker:
             self._finish(stats)
 
     def _decode_until(self, until: float, stats: Stats) -> None:
-        step = decode_ms(self.active_kv / self.kv_tokens) / 1000
+        step = self.pass_ms(0, len(self.running)) / 1000
         to_finish = self.running[0][0] - self.passes
         fits = to_finish if until == math.inf else max(1, math.ceil((until - self.now) / step))
         n = max(1, min(to_finish, fits))

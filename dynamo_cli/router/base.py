@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.router.indexer import Gap
+from dynamo_cli.wire import LoadMetrics
 
 
 @dataclass(frozen=True, slots=True)

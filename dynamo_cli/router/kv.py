@@ -26,7 +26,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dynamo_cli.config import KvRouterConfig
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.kv.events import DEVICE, BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
@@ -37,6 +36,7 @@ from dynamo_cli.router.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
 from dynamo_cli.router.tiers import TierCosts, tier_costs
 from dynamo_cli.router.time_cost import PRIOR_PREFILL_TPS, SpeedEstimator
+from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
 

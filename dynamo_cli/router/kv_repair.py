@@ -13,6 +13,7 @@ from dynamo_cli.errors import TransportError
 from dynamo_cli.kv.events import KvDump, KvEventBatch
 from dynamo_cli.router.base import RepairsKvGaps
 from dynamo_cli.router.registry import Registry, Worker
+from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery, KvEventsSince
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
     try:
         async with asyncio.timeout(REPAIR_TIMEOUT_S):
             try:
-                stream = await worker.client.open_stream("kv_events_since", _encode(first_missing))
+                stream = await worker.client.open_stream(
+                    KV_EVENTS_SINCE_ENDPOINT, _encode(KvEventsSince(first_event_id=first_missing))
+                )
                 async for raw in stream:
                     policy.apply_kv_events(_decode_batch(raw))
                 logger.info("KV router: replayed events of worker %x from %d", worker.instance_id, first_missing)
@@ -53,7 +56,7 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
             except TransportError as exc:
                 if getattr(exc, "code", None) != "too_old":
                     raise
-            stream = await worker.client.open_stream("kv_dump", _encode(0))
+            stream = await worker.client.open_stream(KV_DUMP_ENDPOINT, _encode(KvDumpQuery()))
             async for raw in stream:
                 dump = _decode_dump(raw)
                 policy.load_dump(

@@ -24,18 +24,16 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import GenerateChunk, GenerateRequest, TokenLogprob
 from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
+from dynamo_cli.wire import KV_RELEASE_ENDPOINT, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
-RELEASE_ENDPOINT = "kv_release"
-"""A prefill worker's endpoint freeing a held KV payload (body: msgpack transfer id)."""
 RELEASE_TIMEOUT_S = 2.0
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -63,7 +61,8 @@ class PrefillHop:
 
     def __init__(self, entry: ModelEntry, request: GenerateRequest, busy: BusyThresholds, attempts: int) -> None:
         self.entry = entry
-        self.request = msgspec.structs.replace(request, max_tokens=1, min_tokens=0, kv_transfer=None)
+        sampling = msgspec.structs.replace(request.sampling, min_tokens=0)
+        self.request = msgspec.structs.replace(request, max_tokens=1, sampling=sampling, kv_transfer=None)
         self.busy = busy
         self.attempts = max(1, attempts)
         self.failed: list[int] = []
@@ -225,6 +224,8 @@ async def release(worker: Worker, handle: KvHandle) -> None:
         return
     with contextlib.suppress(TransportError, TimeoutError):
         async with asyncio.timeout(RELEASE_TIMEOUT_S):
-            stream = await worker.client.open_stream(RELEASE_ENDPOINT, _encode(handle.blob.transfer_id))
+            stream = await worker.client.open_stream(
+                KV_RELEASE_ENDPOINT, _encode(KvRelease(transfer_id=handle.blob.transfer_id))
+            )
             while await stream.next_batch():
                 pass

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from dynamo_cli.engine import LoadMetrics, Role
+from dynamo_cli.engine import Role
 from dynamo_cli.errors import ModelNotFound, Overloaded
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
@@ -27,6 +27,7 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Connections, Instance, InstanceRecord, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class ModelEntry:
     def pool(self, role: Role) -> dict[int, Worker]:
         return self.prefill_workers if role is Role.PREFILL else self.workers
 
+    def policy_of(self, worker_id: int) -> RoutingPolicy:
+        """The policy of the pool `worker_id` is in: what that worker's KV events and load feed."""
+        return self.prefill_policy if worker_id in self.prefill_workers else self.policy
+
 
 EntryT = TypeVar("EntryT", bound=ModelEntry)
 
@@ -159,18 +164,19 @@ class Registry(Generic[EntryT]):
     ##### Event ingestion #####
 
     def apply_kv_events(self, batch: KvEventBatch) -> None:
+        """A worker's KV cache changes, to the policy of its pool."""
         entry = self._placed.get(batch.worker_id)
         if entry is not None:
-            pool_policy = entry.prefill_policy if batch.worker_id in entry.prefill_workers else entry.policy
-            pool_policy.apply_kv_events(batch)
+            entry.policy_of(batch.worker_id).apply_kv_events(batch)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
+        """A worker's published load: kept on the worker (busy thresholds) and given to its pool's policy."""
         entry = self._placed.get(metrics.worker_id)
         if entry is not None:
             worker = entry.workers.get(metrics.worker_id) or entry.prefill_workers.get(metrics.worker_id)
             if worker is not None:
                 worker.load = metrics
-            entry.policy.apply_load(metrics)
+            entry.policy_of(metrics.worker_id).apply_load(metrics)
             entry.queue.notify()
 
     ##### Discovery #####
@@ -213,7 +219,7 @@ class Registry(Generic[EntryT]):
         await self._connections.close()
 
 
-class ModelRegistry(Registry[ModelEntry]):
+class RouterRegistry(Registry[ModelEntry]):
     """The registry of `dyn router`: plain entries (it sees token ids only, no tokenizer)."""
 
     def _new_entry(self, card: ModelCard) -> ModelEntry:

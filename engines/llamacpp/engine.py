@@ -42,16 +42,11 @@ from typing import Any, TypeVar
 
 from dynamo_cli.engine import (
     DETERMINISTIC,
-    EmbedRequest,
-    EmbedResponse,
     EngineArgs,
     EngineInfo,
     Feature,
     FinishReason,
-    GenerateChunk,
-    GenerateRequest,
     KvTierConfig,
-    LoadMetrics,
     Role,
     check_request,
     check_token_ids,
@@ -59,6 +54,7 @@ from dynamo_cli.engine import (
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
+from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, LoadMetrics
 
 from . import kv_blocks, kv_state
 from .embedder import Embedder
@@ -306,7 +302,7 @@ class LlamaCppEngine:
     @staticmethod
     def _sampler(request: GenerateRequest, runner: Runner) -> Any:
         """The request's sampler; a guided one replays the output a migrated request already has."""
-        guided = request.guided
+        guided = request.sampling.guided
         if guided is None:
             return runner.new_sampler(request)
         sampler = runner.new_sampler(request, gbnf_for(guided), guided.param)
@@ -451,13 +447,14 @@ class LlamaCppEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         request = seq.request
+        s = request.sampling
         if seq.num_output_tokens >= request.max_tokens:
             return FinishReason.LENGTH.value
-        if seq.num_output_tokens <= request.min_tokens:
+        if seq.num_output_tokens <= s.min_tokens:
             return None
-        if token in request.stop_token_ids:
+        if token in s.stop_token_ids:
             return FinishReason.STOP.value
-        if not request.ignore_eos and self._runner is not None and self._runner.is_eog(token):
+        if not s.ignore_eos and self._runner is not None and self._runner.is_eog(token):
             return FinishReason.STOP.value
         return None
 

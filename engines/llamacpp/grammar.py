@@ -24,8 +24,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from dynamo_cli.engine import Guided
 from dynamo_cli.errors import RequestError
+from dynamo_cli.wire import Guided
 
 ANY_OBJECT = '{"type": "object"}'
 _LOOSE_CHAR = r'char ::= [^"\\] |'

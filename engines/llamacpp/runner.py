@@ -17,8 +17,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from dynamo_cli.engine import GenerateRequest, TokenLogprob
 from dynamo_cli.errors import ConfigError, RequestError
+from dynamo_cli.wire import GenerateRequest, TokenLogprob
 
 from .embedder import Embedder
 from .errors import LlamaCppError
@@ -178,39 +178,40 @@ class Runner:
         """A sampler chain for one request, in llama.cpp's usual order: logit bias, penalties (over the
         request's output: the tokens this chain samples and the `num_generated` it came with), then greedy
         at temperature 0, else top-k, top-p, min-p, temperature and a seeded draw."""
+        s = request.sampling
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
 
         def add(sampler: Any) -> None:
             llama_cpp.llama_sampler_chain_add(chain, sampler)
 
-        if request.logit_bias:
-            biases = (llama_cpp.llama_logit_bias * len(request.logit_bias))(
-                *(llama_cpp.llama_logit_bias(token, bias) for token, bias in request.logit_bias.items())
+        if s.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(s.logit_bias))(
+                *(llama_cpp.llama_logit_bias(token, bias) for token, bias in s.logit_bias.items())
             )
-            add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(request.logit_bias), biases))
-        if request.repetition_penalty != 1.0 or request.frequency_penalty or request.presence_penalty:
+            add(llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(s.logit_bias), biases))
+        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
             generated = request.token_ids[len(request.token_ids) - request.num_generated :]
             penalties = llama_cpp.llama_sampler_init_penalties(
                 self.n_vocab,
                 request.max_tokens + len(generated),
-                request.repetition_penalty,
-                request.frequency_penalty,
-                request.presence_penalty,
+                s.repetition_penalty,
+                s.frequency_penalty,
+                s.presence_penalty,
             )
             for token in generated:  # an earlier hop's output counts too (migration, remote prefill)
                 llama_cpp.llama_sampler_accept(penalties, token)
             add(penalties)
-        if request.temperature <= 0.0:
+        if s.temperature <= 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
             return chain
-        if request.top_k > 0:
-            add(llama_cpp.llama_sampler_init_top_k(request.top_k))
-        if request.top_p < 1.0:
-            add(llama_cpp.llama_sampler_init_top_p(request.top_p, 1))
-        if request.min_p > 0.0:
-            add(llama_cpp.llama_sampler_init_min_p(request.min_p, 1))
-        add(llama_cpp.llama_sampler_init_temp(request.temperature))
-        seed = request.seed
+        if s.top_k > 0:
+            add(llama_cpp.llama_sampler_init_top_k(s.top_k))
+        if s.top_p < 1.0:
+            add(llama_cpp.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0.0:
+            add(llama_cpp.llama_sampler_init_min_p(s.min_p, 1))
+        add(llama_cpp.llama_sampler_init_temp(s.temperature))
+        seed = s.seed
         add(llama_cpp.llama_sampler_init_dist(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF))
         return chain
 

@@ -25,9 +25,9 @@ from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, StoredBlock
 from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, sequence_hashes
+from dynamo_cli.wire import GenerateRequest
 
 from .kv_state import CheckedState
 from .plan import MemoryOp, StepPlan
@@ -171,7 +171,7 @@ class Scheduler:
             if part.is_sampled:
                 plan.logits_rows.append(len(plan.tokens) - 1)
                 plan.samplers.append(seq.sampler)
-                plan.logprobs.append(seq.request.logprobs)
+                plan.logprobs.append(seq.request.sampling.logprobs)
         return plan, scheduled
 
     def commit(self, part: Scheduled) -> None:

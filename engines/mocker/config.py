@@ -9,6 +9,7 @@ from typing import Any
 from dynamo_cli.config import TIER_DISK_GBS, TIER_DISK_LATENCY_S, TIER_HOST_GBS, TIER_HOST_LATENCY_S
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,9 @@ class MockerConfig:
     """Largest prompt + max_tokens accepted."""
     num_gpu_blocks: int = 16384
     """KV capacity in blocks."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Most requests running at once."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """Token budget of one pass."""
     enable_prefix_caching: bool = True
     """Reuse cached prefix blocks and publish KV events."""
@@ -100,8 +101,10 @@ class MockerConfig:
             block_size=_positive_int("block_size", block_size),
             context_length=_positive_int("context_length", context_length),
             num_gpu_blocks=_positive_int("num_gpu_blocks", extra.get("num_gpu_blocks", 16384)),
-            max_num_seqs=_positive_int("max_num_seqs", extra.get("max_num_seqs", 256)),
-            max_num_batched_tokens=_positive_int("max_num_batched_tokens", extra.get("max_num_batched_tokens", 8192)),
+            max_num_seqs=_positive_int("max_num_seqs", extra.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
+            max_num_batched_tokens=_positive_int(
+                "max_num_batched_tokens", extra.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+            ),
             enable_prefix_caching=_boolean("enable_prefix_caching", extra.get("enable_prefix_caching", True)),
             speedup_ratio=_positive_float("speedup_ratio", extra.get("speedup_ratio", 1.0)),
             decode_speedup_ratio=_positive_float("decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)),

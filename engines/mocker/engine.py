@@ -19,23 +19,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from dynamo_cli.engine import (
-    EngineArgs,
-    EngineInfo,
-    Feature,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    LoadMetrics,
-    Role,
-    TokenLogprob,
-    check_request,
-)
+from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Role, check_request
 from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
 from dynamo_cli.kv.hashing import blocks_needed
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
+from dynamo_cli.timing import TimingModel
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
 
 from .config import MockerConfig
 from .events import EventRing
@@ -43,7 +34,6 @@ from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from .kv_manager import KvManager
 from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 from .tiers import MockerTiers, TierTiming
-from .timing import TimingModel
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +58,7 @@ class _Stream:
     def __init__(self, request: MockRequest, rendezvous: SglangKv | None, logprobs: int | None = None) -> None:
         self.request = request
         self.logprobs = logprobs
-        """GenerateRequest.logprobs: None, or the alternatives each (fake) logprob comes with."""
+        """SamplingParams.logprobs: None, or the alternatives each (fake) logprob comes with."""
         self.rendezvous = rendezvous
         """A rendezvous prefill: its token travels with the KV, the stream ends with this handle alone."""
         self.token_ids: list[int] = []
@@ -135,7 +125,7 @@ class MockerEngine:
         """Stream exactly `max_tokens` random tokens (a prefill: see handoff.py); closing or cancelling the
         iterator aborts it."""
         mock, handoff = self._admit(request)
-        stream = _Stream(mock, handoff.rendezvous, request.logprobs)
+        stream = _Stream(mock, handoff.rendezvous, request.sampling.logprobs)
         self._streams[request.request_id] = stream
         try:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
@@ -287,7 +277,7 @@ class MockerEngine:
             request.token_ids,
             max_tokens,
             self.config.block_size,
-            seed=request.seed,
+            seed=request.sampling.seed,
             is_prefilled=handoff.is_prefilled,
         )
         return mock, handoff

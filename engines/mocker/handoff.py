@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamo_cli.engine import GenerateRequest, Role
+from dynamo_cli.engine import Role
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, MockerKv, SglangKv
+from dynamo_cli.timing import TimingModel
+from dynamo_cli.wire import GenerateRequest
 
 from .config import MockerConfig
 from .scheduler import MockRequest
-from .timing import TimingModel
 
 BOOTSTRAP_PORT = 8998
 """SGLang's default bootstrap port: the port of the address a rendezvous prefill publishes (unserved)."""

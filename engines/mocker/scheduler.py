@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dynamo_cli.kv.hashing import hash_blocks
+from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, TimingModel
 
 from .kv_manager import KvManager
-from .timing import TimingModel
 
 TOKEN_ID_LOW = 1000
 TOKEN_ID_HIGH = 2000
@@ -114,9 +114,9 @@ class PassResult:
 class SchedulerConfig:
     """Batch limits of the simulated engine."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Most requests running at once."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """Token budget of one pass."""
     is_prefill_only: bool = False
     """Prefill role: passes have no decode time."""

@@ -30,10 +30,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, GenerateChunk, GenerateRequest, LoadMetrics, Role
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, Role
 from dynamo_cli.errors import EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import SglangKv
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import RequestBook, free_port, local_or_hub, split_deterministic
 from ..vllm.kv_events import ZmqKvRelay
@@ -243,7 +244,8 @@ class SglangEngine:
 
     def sampling_params(self, request: GenerateRequest) -> dict[str, Any]:
         """Our sampling fields as SGLang's sampling-params dict."""
-        if request.min_tokens > 0:  # SGLang needs its tokenizer (for the EOS id) to hold EOS back
+        s = request.sampling
+        if s.min_tokens > 0:  # SGLang needs its tokenizer (for the EOS id) to hold EOS back
             raise RequestError(
                 "min_tokens is not supported by the sglang engine: it runs with skip_tokenizer_init, and SGLang "
                 "then rejects min_new_tokens",
@@ -251,15 +253,15 @@ class SglangEngine:
             )
         params: dict[str, Any] = {
             "max_new_tokens": 1 if self.role is Role.PREFILL else request.max_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "top_k": request.top_k if request.top_k > 0 else -1,
-            "ignore_eos": request.ignore_eos,
-            "stop_token_ids": list(request.stop_token_ids),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,
+            "ignore_eos": s.ignore_eos,
+            "stop_token_ids": list(s.stop_token_ids),
             "skip_special_tokens": False,
         }
-        if request.seed is not None:
-            params["sampling_seed"] = request.seed
+        if s.seed is not None:
+            params["sampling_seed"] = s.seed
         return params
 
     def _chunk(self, request: GenerateRequest, output: dict[str, Any], is_first: bool) -> GenerateChunk:

@@ -29,19 +29,11 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import (
-    EngineArgs,
-    EngineInfo,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    LoadMetrics,
-    Role,
-    check_request,
-)
+from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, Role, check_request
 from dynamo_cli.errors import DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import TrtllmKv
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import checked_handle, local_or_hub, split_deterministic
 from ..vllm.kv_events import KvEventRehasher
@@ -226,7 +218,8 @@ class TrtllmEngine:
     def _request(self, request: GenerateRequest, handle: TrtllmKv | None) -> tuple[list[int], Any, dict[str, Any]]:
         """Prompt ids, sampling params and `disaggregated_params` for this role and request."""
         if self.role is Role.PREFILL:
-            one = msgspec.structs.replace(request, max_tokens=1, min_tokens=min(request.min_tokens, 1))
+            sampling = msgspec.structs.replace(request.sampling, min_tokens=min(request.sampling.min_tokens, 1))
+            one = msgspec.structs.replace(request, max_tokens=1, sampling=sampling)
             params = self.lib.disaggregated_params_cls(request_type="context_only")
             return list(request.token_ids), self.sampling_params(one), {"disaggregated_params": params}
         if handle is None:
@@ -241,9 +234,9 @@ class TrtllmEngine:
             ctx_dp_rank=state.ctx_dp_rank,
             ctx_info_endpoint=state.ctx_info_endpoint,
         )
-        more = msgspec.structs.replace(
-            request, max_tokens=request.max_tokens + 1, min_tokens=request.min_tokens + 1 if request.min_tokens else 0
-        )
+        min_tokens = request.sampling.min_tokens
+        sampling = msgspec.structs.replace(request.sampling, min_tokens=min_tokens + 1 if min_tokens else 0)
+        more = msgspec.structs.replace(request, max_tokens=request.max_tokens + 1, sampling=sampling)
         prompt = list(request.token_ids[: handle.num_tokens])
         return prompt, self.sampling_params(more), {"disaggregated_params": params}
 
@@ -268,15 +261,16 @@ class TrtllmEngine:
 
     def sampling_params(self, request: GenerateRequest) -> Any:
         """Our sampling fields as TensorRT-LLM `SamplingParams`, token ids only."""
+        s = request.sampling
         return self.lib.sampling_params_cls(
             max_tokens=request.max_tokens,
-            min_tokens=request.min_tokens or None,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k if request.top_k > 0 else None,
-            seed=request.seed,
-            stop_token_ids=list(request.stop_token_ids) or None,
-            ignore_eos=request.ignore_eos,
+            min_tokens=s.min_tokens or None,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else None,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
             detokenize=False,
         )
 

@@ -37,22 +37,12 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.engine import (
-    EngineArgs,
-    EngineInfo,
-    Feature,
-    FinishReason,
-    GenerateChunk,
-    GenerateRequest,
-    KvTierConfig,
-    LoadMetrics,
-    Role,
-    TokenLogprob,
-)
+from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, KvTierConfig, Role
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import VllmKv
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, SamplingParams, TokenLogprob
 
 from ..adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
 from ..hf_export import export_path, hf_model_dir, needs_export
@@ -424,21 +414,22 @@ class VllmEngine:
     ) -> Any:
         """Our sampling fields as vLLM `SamplingParams`: token ids only, new tokens per output; `extra`
         tokens more (a decode's first token, generated again and dropped) and the connector's params."""
-        kwargs: dict[str, Any] = _breadth(request)
+        s = request.sampling
+        kwargs: dict[str, Any] = _breadth(s)
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {"kv_transfer_params": kv_transfer_params}
-        if request.guided is not None:
+        if s.guided is not None:
             kwargs["structured_outputs"] = self._structured_outputs(request)
         return self.lib.sampling_params_cls(
             n=1,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k if request.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
-            seed=request.seed,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
+            seed=s.seed,
             max_tokens=request.max_tokens + extra,
-            min_tokens=request.min_tokens + extra if request.min_tokens else 0,
-            stop_token_ids=list(request.stop_token_ids),
-            ignore_eos=request.ignore_eos,
+            min_tokens=s.min_tokens + extra if s.min_tokens else 0,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
             detokenize=False,
             output_kind=self.lib.delta_output_kind,
             **kwargs,
@@ -448,7 +439,7 @@ class VllmEngine:
         """`Guided` as vLLM's `StructuredOutputsParams`. vLLM cannot resume a grammar over output made
         elsewhere, so a guided request migrated mid-output is refused (a decode's first token is generated
         again here, so a remote prefill's one token is fine)."""
-        guided, cls = request.guided, self.lib.structured_outputs_cls
+        guided, cls = request.sampling.guided, self.lib.structured_outputs_cls
         assert guided is not None
         if cls is None:
             raise RequestError(f"{guided.param}: this vLLM has no structured outputs; leave it out", guided.param)
@@ -463,7 +454,8 @@ class VllmEngine:
     def prefill_params(self, request: GenerateRequest) -> Any:
         """A prefill role's request: one token (EOS allowed, as aggregated: the client sees this token),
         and the connector asked to keep the prompt's blocks for a remote decode."""
-        one = msgspec.structs.replace(request, max_tokens=1, min_tokens=min(request.min_tokens, 1))
+        sampling = msgspec.structs.replace(request.sampling, min_tokens=min(request.sampling.min_tokens, 1))
+        one = msgspec.structs.replace(request, max_tokens=1, sampling=sampling)
         return self.sampling_params(one, kv_transfer_params=dict(PREFILL_PARAMS))
 
     def _chunk(self, request: GenerateRequest, output: Any, is_first: bool) -> GenerateChunk:
@@ -478,8 +470,8 @@ class VllmEngine:
             self._book.count_prefill(request, num_cached)
         token_ids = list(completion.token_ids)
         logprobs = None
-        if request.logprobs is not None:
-            logprobs = _logprobs(token_ids, getattr(completion, "logprobs", None) or [], request.logprobs)
+        if request.sampling.logprobs is not None:
+            logprobs = _logprobs(token_ids, getattr(completion, "logprobs", None) or [], request.sampling.logprobs)
         return GenerateChunk(
             token_ids=token_ids, finish_reason=finish_reason, num_cached_tokens=num_cached, logprobs=logprobs
         )
@@ -518,21 +510,21 @@ class VllmEngine:
         yield  # an async generator that ends at stop()
 
 
-def _breadth(request: GenerateRequest) -> dict[str, Any]:
-    """SamplingParams for penalties, logit_bias, min_p and logprobs, where the request sets them."""
+def _breadth(sampling: SamplingParams) -> dict[str, Any]:
+    """SamplingParams for penalties, logit_bias, min_p and logprobs, where they are set."""
     kwargs: dict[str, Any] = {}
-    if request.presence_penalty:
-        kwargs["presence_penalty"] = request.presence_penalty
-    if request.frequency_penalty:
-        kwargs["frequency_penalty"] = request.frequency_penalty
-    if request.repetition_penalty != 1.0:
-        kwargs["repetition_penalty"] = request.repetition_penalty
-    if request.logit_bias:
-        kwargs["logit_bias"] = dict(request.logit_bias)
-    if request.min_p:
-        kwargs["min_p"] = request.min_p
-    if request.logprobs is not None:
-        kwargs["logprobs"] = request.logprobs
+    if sampling.presence_penalty:
+        kwargs["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        kwargs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
+    if sampling.min_p:
+        kwargs["min_p"] = sampling.min_p
+    if sampling.logprobs is not None:
+        kwargs["logprobs"] = sampling.logprobs
     return kwargs
 
 

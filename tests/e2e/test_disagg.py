@@ -21,8 +21,8 @@ import httpx
 import msgspec
 import pytest
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
+from dynamo_cli.wire import LoadMetrics
 from tests.conftest import DynProcess, wait_until
 
 MOCKER = ("--engine", "mocker", "--speedup-ratio", "5", "--lease-ttl", "2", "--max-restarts", "0")

@@ -18,9 +18,9 @@ import httpx
 import msgspec
 import pytest
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.model.tokenizer import load_tokenizer
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
+from dynamo_cli.wire import LoadMetrics
 from tests.conftest import DynProcess
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'dynamo-cli[llamacpp]'")

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from dynamo_cli.engine import LoadMetrics
+from dynamo_cli.wire import LoadMetrics
 from tests.conftest import DynProcess, wait_until
 from tests.e2e.test_disagg import _loads, chat
 

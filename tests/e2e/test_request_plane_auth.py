@@ -16,18 +16,23 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo_cli.engine import GenerateChunk, GenerateRequest
 from dynamo_cli.errors import AuthenticationFailed
 from dynamo_cli.kv.events import KvDump
 from dynamo_cli.runtime.handshake import HELLO_BYTES, MAGIC
 from dynamo_cli.runtime.transport import RequestClient
 from dynamo_cli.runtime.wire import FrameCodec, Open
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import DynProcess, wait_until
 
 FLAGS = ("--engine", "mocker", "--workers", "1", "--speedup-ratio", "100")
 BODY = {
     "generate": msgspec.msgpack.encode(
-        GenerateRequest(request_id="stranger", token_ids=list(range(1, 200)), max_tokens=20, ignore_eos=True)
+        GenerateRequest(
+            request_id="stranger",
+            token_ids=list(range(1, 200)),
+            max_tokens=20,
+            sampling=SamplingParams(ignore_eos=True),
+        )
     ),
     "kv_dump": msgspec.msgpack.encode(None),
 }

@@ -14,9 +14,9 @@ import httpx
 import msgspec
 import pytest
 
-from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.errors import RemoteError
 from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.wire import GenerateRequest
 from tests.conftest import DynProcess, wait_until
 from tests.e2e.test_router_service import CALL_TIMEOUT_S, ENV, SECRET, best_worker, of, request
 
@@ -171,6 +171,31 @@ async def test_an_http_client_that_leaves_while_queued_leaves_the_router_queue(d
     async with busy_backend(router):
         async with httpx.AsyncClient(base_url=deployment.url, headers=deployment.auth, timeout=60) as http:
             leaving = asyncio.create_task(http.post("/v1/chat/completions", json=UNARY))
+            await until_queued(router, 1)
+            leaving.cancel()  # closes its connection: the frontend sees the disconnect
+            with contextlib.suppress(asyncio.CancelledError):
+                await leaving
+        await until_queued(router, 0)  # while the backend is still busy: it left, it was not served
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param(
+            "/v1/responses", {"model": "smollm2", "input": "tell me a story", "max_output_tokens": 8}, id="responses"
+        ),
+        pytest.param(
+            "/v1/messages", {"model": "smollm2", "max_tokens": 8, "messages": UNARY["messages"]}, id="messages"
+        ),
+    ],
+)
+async def test_a_client_of_the_translated_apis_that_leaves_while_queued_leaves_the_queue(
+    deployment: DynProcess, path: str, body: dict[str, object]
+) -> None:
+    router = router_of(deployment)
+    async with busy_backend(router):
+        async with httpx.AsyncClient(base_url=deployment.url, headers=deployment.auth, timeout=60) as http:
+            leaving = asyncio.create_task(http.post(path, json=body))
             await until_queued(router, 1)
             leaving.cancel()  # closes its connection: the frontend sees the disconnect
             with contextlib.suppress(asyncio.CancelledError):

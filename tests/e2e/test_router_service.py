@@ -16,9 +16,9 @@ import msgspec
 import openai
 import pytest
 
-from dynamo_cli.engine import GenerateChunk, GenerateRequest
 from dynamo_cli.errors import RemoteError
 from dynamo_cli.runtime.transport import RequestClient, ResponseStream
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import DynProcess, wait_until
 
 FLAGS = ("--engine", "mocker", "--workers", "2", "--router", "remote", "--routers", "2", "--lease-ttl", "2")
@@ -71,7 +71,11 @@ def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-
 def request(request_id: str, token_ids: list[int], max_tokens: int, pin: int | None = None) -> bytes:
     annotations = {"worker_instance_id": f"{pin:x}"} if pin is not None else {}
     body = GenerateRequest(
-        request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, ignore_eos=True, annotations=annotations
+        request_id=request_id,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(ignore_eos=True),
+        annotations=annotations,
     )
     return msgspec.msgpack.encode(body)
 

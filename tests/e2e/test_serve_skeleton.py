@@ -25,8 +25,8 @@ import msgspec
 import openai
 import pytest
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
+from dynamo_cli.wire import LoadMetrics
 from tests.conftest import VLLM_TEST_EXTRA, DynProcess, descendants, open_planes_for_test, wait_until
 
 COMMON = ("--workers", "2", "--lease-ttl", "2", "--body-limit-mb", "1")

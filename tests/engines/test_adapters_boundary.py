@@ -30,19 +30,27 @@ from dyn_engines.vllm import engine as vllm_engine_module
 from dyn_engines.vllm.engine import VllmEngine, VllmLibrary
 from dyn_engines.vllm.kv_events import KvEventRehasher, tier_of
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, KvTierConfig, Role, load_engine
+from dynamo_cli.engine import EngineArgs, KvTierConfig, Role, load_engine
 from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
-from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, SglangKv, TrtllmKv, VllmKv
+from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, KvHandle, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 
 PROMPT = list(range(1000, 1040))
 TOKENS = list(range(64))
 
 
-def request(max_tokens: int = 4, **kwargs: Any) -> GenerateRequest:
-    kwargs.setdefault("token_ids", PROMPT)
-    return GenerateRequest(request_id=f"r-{time.monotonic_ns()}", max_tokens=max_tokens, **kwargs)
+def request(
+    max_tokens: int = 4, token_ids: list[int] = PROMPT, kv_transfer: KvHandle | None = None, **sampling: Any
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=f"r-{time.monotonic_ns()}",
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(**sampling),
+        kv_transfer=kv_transfer,
+    )
 
 
 async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
@@ -984,7 +992,8 @@ class FakeStructuredOutputs:
 
 
 async def test_vllm_maps_guided_json_to_structured_outputs_and_publishes_the_feature() -> None:
-    from dynamo_cli.engine import Feature, Guided
+    from dynamo_cli.engine import Feature
+    from dynamo_cli.wire import Guided
 
     library = dataclasses.replace(FAKE_VLLM, structured_outputs_cls=FakeStructuredOutputs)
     engine = VllmEngine(EngineArgs(model="m"), library=library)
@@ -1009,7 +1018,7 @@ def test_vllm_structured_outputs_params_take_our_mapping() -> None:
     pytest.importorskip("vllm", reason="needs vLLM")
     from dyn_engines.vllm.engine import load_library
 
-    from dynamo_cli.engine import Guided
+    from dynamo_cli.wire import Guided
 
     library = load_library()
     assert library.structured_outputs_cls is not None

@@ -26,19 +26,11 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import (
-    MAX_TOKEN_ID,
-    Engine,
-    EngineArgs,
-    EngineInfo,
-    Feature,
-    GenerateChunk,
-    GenerateRequest,
-    load_engine,
-)
+from dynamo_cli.engine import MAX_TOKEN_ID, Engine, EngineArgs, EngineInfo, Feature, load_engine
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import VLLM_TEST_EXTRA
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -139,8 +131,7 @@ def make_request(prompt: list[int], max_tokens: int = 8, **kwargs: Any) -> Gener
         request_id=f"contract-{time.monotonic_ns()}",
         token_ids=prompt,
         max_tokens=max_tokens,
-        temperature=0.0,
-        **kwargs,
+        sampling=SamplingParams(temperature=0.0, **kwargs),
     )
 
 

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 import pytest
 from dyn_engines.vllm.engine import VllmEngine
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role
+from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.kv.handles import VllmKv
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import VLLM_TEST_EXTRA
 
 _MISSING = [module for module in ("vllm", "nixl") if importlib.util.find_spec(module) is None]
@@ -71,5 +72,9 @@ def request(
     request_id: str, token_ids: list[int], *, temperature: float, max_tokens: int = MAX_TOKENS, kv: VllmKv | None = None
 ) -> GenerateRequest:
     return GenerateRequest(
-        request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, temperature=temperature, kv_transfer=kv
+        request_id=request_id,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature),
+        kv_transfer=kv,
     )

@@ -19,13 +19,12 @@ from dynamo_cli.planner.simulate import (
     SimResult,
     SimWorker,
     Stats,
-    decode_ms,
     load_trace,
-    prefill_ms,
     rate_curve,
     simulate,
 )
 from dynamo_cli.planner.sizing import Bounds, Targets
+from dynamo_cli.timing import decode_ms, prefill_ms
 
 KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
 MOCKER = Profile(

@@ -8,11 +8,11 @@ import contextlib
 
 import pytest
 
-from dynamo_cli.engine import LoadMetrics
 from dynamo_cli.planner.observe import PoolLoad, WorkerLoads, follow_worker_loads
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.planes import open_planes
+from dynamo_cli.wire import LoadMetrics
 from tests.conftest import DynProcess
 from tests.planner.test_planner_loop import Recorder, Source, snap
 from tests.planner.test_sizing import PROFILE

@@ -237,8 +237,8 @@ def test_an_invalid_setting_names_itself_and_its_value(field: str, value: object
 
 
 def test_an_event_id_reported_twice_but_never_received_queues_a_gap_for_repair() -> None:
-    from dynamo_cli.engine import LoadMetrics
     from dynamo_cli.router.kv import KvRouterConfig, KvRoutingPolicy
+    from dynamo_cli.wire import LoadMetrics
 
     policy = KvRoutingPolicy(KvRouterConfig(block_size=4))
     policy.apply_load(LoadMetrics(worker_id=7, kv_event_id=-1))

@@ -11,15 +11,17 @@ import pytest
 
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ModelNotFound
+from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RoundRobinPolicy
-from dynamo_cli.router.registry import ModelRegistry
+from dynamo_cli.router.registry import RouterRegistry
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.supervisor import ServiceTasks
 from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.wire import LoadMetrics
 
 WAIT_S = 5.0
 
@@ -54,7 +56,7 @@ async def _never(body: msgspec.Raw) -> AsyncIterator[bytes]:
     yield b""
 
 
-async def wait_until(registry: ModelRegistry, num_workers: int) -> None:
+async def wait_until(registry: RouterRegistry, num_workers: int) -> None:
     async with asyncio.timeout(WAIT_S):
         while registry.num_workers() != num_workers:
             registry.changed.clear()
@@ -65,7 +67,7 @@ async def test_a_model_served_only_by_prefill_workers_is_known_but_not_advertise
     discoveries: list[Discovery],
 ) -> None:
     mine, prefill, decode = discoveries
-    registry = ModelRegistry(mine, "ns", lambda card: RoundRobinPolicy())
+    registry = RouterRegistry(mine, "ns", lambda card: RoundRobinPolicy())
     async with ServiceTasks() as tasks:
         for loop in registry.loops():
             tasks.spawn(loop)
@@ -80,4 +82,44 @@ async def test_a_model_served_only_by_prefill_workers_is_known_but_not_advertise
         await wait_until(registry, 2)
         assert [e.name for e in registry.servable()] == ["m"]
         assert list(registry.get("m").workers) == [decode.lease_id]
+    await registry.close()
+
+
+class Recording(RoundRobinPolicy):
+    """A round-robin policy that records the loads and KV events it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[int] = []
+        self.kv: list[int] = []
+
+    def apply_load(self, metrics: LoadMetrics) -> None:
+        self.loads.append(metrics.worker_id)
+
+    def apply_kv_events(self, batch: KvEventBatch) -> None:
+        self.kv.append(batch.worker_id)
+
+
+async def test_each_workers_load_and_kv_events_reach_the_policy_of_its_own_pool(
+    discoveries: list[Discovery],
+) -> None:
+    mine, prefill, decode = discoveries
+    decode_policy, prefill_policy = Recording(), Recording()
+    registry = RouterRegistry(
+        mine, "ns", lambda card: decode_policy, prefill_policy_factory=lambda card: prefill_policy
+    )
+    async with ServiceTasks() as tasks:
+        for loop in registry.loops():
+            tasks.spawn(loop)
+        await register(prefill, "prefill", Role.PREFILL)
+        await register(decode, "backend", Role.DECODE)
+        await wait_until(registry, 2)
+        for worker in (prefill.lease_id, decode.lease_id):
+            registry.apply_load(LoadMetrics(worker_id=worker, num_running=1))
+            registry.apply_kv_events(KvEventBatch(worker_id=worker, event_id=0, events=[]))
+        assert (prefill_policy.loads, prefill_policy.kv) == ([prefill.lease_id], [prefill.lease_id])
+        assert (decode_policy.loads, decode_policy.kv) == ([decode.lease_id], [decode.lease_id])
+        assert registry.get("m").prefill_workers[prefill.lease_id].load == LoadMetrics(
+            worker_id=prefill.lease_id, num_running=1
+        )
     await registry.close()

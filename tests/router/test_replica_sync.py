@@ -11,7 +11,7 @@ from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
-from dynamo_cli.router.registry import ModelEntry, ModelRegistry
+from dynamo_cli.router.registry import ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import (
     ActiveSequenceEvent,
     PrefillCompleted,
@@ -37,7 +37,7 @@ class Bus:
 
 def replica(router_id: int, bus: Any = None) -> tuple[ReplicaSync, KvRoutingPolicy]:
     policy = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK))
-    registry = ModelRegistry(None, "ns", lambda card: policy)  # type: ignore[arg-type]
+    registry = RouterRegistry(None, "ns", lambda card: policy)  # type: ignore[arg-type]
     registry.models["m"] = ModelEntry("m", CARD, policy, policy, workers={1: None, 2: None})  # type: ignore[dict-item]
     return ReplicaSync(bus or Bus(), "ns", router_id, registry), policy
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamo_cli.engine import Guided
 from dynamo_cli.frontend.guided import plan_tools
 from dynamo_cli.frontend.openai import ChatCompletionRequest
 from dynamo_cli.frontend.tools.output import ChatOutput
@@ -13,6 +12,7 @@ from dynamo_cli.frontend.tools.parsers import tool_parser
 from dynamo_cli.frontend.tools.render import render_inputs
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.model_card import ModelCard
+from dynamo_cli.wire import Guided
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository r
 
 from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest, Role  # noqa: E402
+from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.kv.handles import LlamaCppKv  # noqa: E402
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,8 +48,7 @@ async def main() -> None:
         request_id="transfer",
         token_ids=job.token_ids,
         max_tokens=job.max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True),
         kv_transfer=job.kv_transfer,
     )
     tokens, last = [], None

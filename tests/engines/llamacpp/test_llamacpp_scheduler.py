@@ -6,9 +6,9 @@ from __future__ import annotations
 from dyn_engines.llamacpp.plan import MemoryOp
 from dyn_engines.llamacpp.scheduler import Scheduler, Sequence
 
-from dynamo_cli.engine import GenerateRequest
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.wire import GenerateRequest
 
 BS = 16
 

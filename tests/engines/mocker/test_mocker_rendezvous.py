@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 from dyn_engines.mocker.engine import MockerEngine
 from dyn_engines.mocker.handoff import prefill_s
-from dyn_engines.mocker.timing import TimingModel
 
-from dynamo_cli.engine import EngineArgs, GenerateChunk, GenerateRequest, Role
+from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, RequestError
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, MockerKv, SglangKv
 from dynamo_cli.model_card import ModelCard
+from dynamo_cli.timing import TimingModel
+from dynamo_cli.wire import GenerateChunk, GenerateRequest
 
 RENDEZVOUS = {"speedup_ratio": 1e6, "kv_transfer_mode": "rendezvous"}
 

@@ -5,10 +5,10 @@ import random
 import pytest
 from dyn_engines.mocker.kv_manager import KvManager
 from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
-from dyn_engines.mocker.timing import TimingModel, decode_ms, prefill_ms
 
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.timing import TimingModel, decode_ms, prefill_ms
 
 BS = 4
 

@@ -9,10 +9,11 @@ from dyn_engines.mocker.engine import MockerEngine
 from dyn_engines.mocker.kv_manager import KvManager
 from dyn_engines.mocker.tiers import TierTiming
 
-from dynamo_cli.engine import EngineArgs, GenerateRequest
+from dynamo_cli.engine import EngineArgs
 from dynamo_cli.kv.events import DEVICE, DISK, HOST, BlockRemoved, BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from dynamo_cli.kv.tiers import KvTierConfig
+from dynamo_cli.wire import GenerateRequest
 
 BS = 16
 BLOCK_BYTES = 1024 * BS  # kv_bytes_per_token 1024

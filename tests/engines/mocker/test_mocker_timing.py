@@ -1,7 +1,8 @@
 """The polynomial timing model against the worked values of reference/dynamo.md §3.2."""
 
 import pytest
-from dyn_engines.mocker.timing import TimingModel, decode_ms, prefill_ms
+
+from dynamo_cli.timing import TimingModel, decode_ms, prefill_ms
 
 
 @pytest.mark.parametrize(

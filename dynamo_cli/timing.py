@@ -2,7 +2,9 @@
 
 Fitted by Dynamo on a real GPU (`lib/mocker/src/common/perf_model.rs`). Prefill time depends only on
 the new prompt tokens computed in the pass; decode time only on KV-cache usage, not on batch size.
-Both are divided by the speedup ratio so that a laptop can simulate hundreds of workers.
+Both are divided by the speedup ratio so that a laptop can simulate hundreds of workers. The one model
+of the mocker engine (engines/mocker) and of the planner's simulator (planner/simulate.py), with the
+mocker scheduler's default batch limits; it imports nothing of dyn.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ DECODE_A = -25.74
 DECODE_B = 54.01
 DECODE_C = 5.74
 MIN_DECODE_MS = 1.0
+
+DEFAULT_MAX_NUM_SEQS = 256
+"""Most requests running at once in a simulated engine."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""Token budget of one simulated pass (prompt chunks plus one token per decoding request)."""
 
 
 def prefill_ms(num_tokens: int) -> float:

@@ -1,0 +1,587 @@
+"""The request core: one request's token stream across workers, as named hops, for the frontend and `dyn router`.
+
+    route    choose a worker by policy among the live, not busy, not failed ones (or wait in the model's queue)
+    prepare  disaggregation: prefill remotely (router/prefill.py) or on the chosen worker (router/disagg.py)
+    open     send the request (what is left of it) to the held worker
+    relay    its chunks as they come; the policy learns the first token
+    migrate  the worker failed: let it go and choose another, the tokens so far appended to the prompt
+    release  the end of the held worker's part, for any reason: policy, replicas and queue hear it
+
+NOTE: the core sees token ids only; text (detokenizing, stop strings) is the frontend's. So a request migrated
+to another worker mid-stream continues seamlessly: the tokens generated so far join the prompt and
+`max_tokens` shrinks by as many (`GenerateRequest.continued`). Each chosen worker is held from `route` to
+`release`: that is the one place the policy hears `on_finish`, as `relay` is the one place it hears
+`on_first_token`. What a "worker" is, is the upstream's business (`Upstream`): the workers themselves, or
+`dyn router` replicas that choose one and report which; the hops do not branch on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from dynamo_cli.config import DisaggConfig, QueueConfig
+from dynamo_cli.errors import (
+    ContextOverflow,
+    NoWorkers,
+    Overloaded,
+    RemoteError,
+    RequestError,
+    TransportError,
+    UnknownInstance,
+)
+from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle, TransferReport
+from dynamo_cli.router import prefill
+from dynamo_cli.router.base import RouteDecision, RouteRequest
+from dynamo_cli.router.disagg import falls_back, prefill_choice
+from dynamo_cli.router.queue import QueuedRequest
+from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker, not_busy
+from dynamo_cli.router.replicas import ReplicaSync
+from dynamo_cli.router.waits import interruptible
+from dynamo_cli.runtime.transport import ResponseStream
+from dynamo_cli.wire import (
+    DEADLINE_ANNOTATION,
+    PIN_ANNOTATION,
+    PRIORITY_ANNOTATION,
+    REPORT_WORKER_ANNOTATION,
+    GenerateChunk,
+    GenerateRequest,
+    TokenLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """What one request asks of the workers, fixed before it is dispatched."""
+
+    request: GenerateRequest
+    """The request as the first worker gets it (prompt, max_tokens checked against the context, sampling)."""
+    pinned_worker: int | None = None
+    """The backend the caller asked for (header `x-worker-instance-id`, annotation `worker_instance_id`)."""
+    is_explained: bool = False
+    """The caller asked to see the routing decision (header `x-dyn-explain-route`)."""
+    client_request_id: str | None = None
+    """The caller's `x-request-id`, echoed back; `request_id` is always the frontend's own."""
+    queued: QueuedRequest = QueuedRequest()
+    """Its place in the wait queue when every worker is busy: priority and deadline, job size."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.token_ids
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
+    """The output tokens allowed (`max_tokens`, or as many as the context leaves when None); ContextOverflow
+    when the prompt leaves no room or `max_tokens` asks for more than it leaves."""
+    room = context_length - prompt_tokens
+    wanted = max_tokens if max_tokens is not None else room
+    if room < 1 or wanted > room:
+        raise ContextOverflow(prompt_tokens, wanted, context_length)
+    return wanted
+
+
+class DispatchMetrics(Protocol):
+    """What the core reports as it goes (the frontend's Prometheus series; nothing for a `dyn router` yet)."""
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None: ...
+
+    def count_migration(self, model: str, kind: str) -> None: ...
+
+    def count_disagg(self, model: str, outcome: str) -> None: ...
+
+    def observe_transfer(self, model: str, report: TransferReport) -> None: ...
+
+
+class NoMetrics:
+    """DispatchMetrics that record nothing."""
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        pass
+
+    def count_migration(self, model: str, kind: str) -> None:
+        pass
+
+    def count_disagg(self, model: str, outcome: str) -> None:
+        pass
+
+    def observe_transfer(self, model: str, report: TransferReport) -> None:
+        pass
+
+
+##### Upstreams: what "a worker" is #####
+
+
+class Upstream(Protocol):
+    """The transport to a worker, as the hops see it."""
+
+    def pin(self, plan: RequestPlan) -> int | None:
+        """The worker the policy must choose, if the caller pinned one that this side chooses among."""
+        ...
+
+    def annotations(self, plan: RequestPlan) -> dict[str, str]:
+        """What the request carries besides the generation itself."""
+        ...
+
+    async def settle(self, dispatch: Dispatch) -> None:
+        """After the first choice: learn who serves (a router reports the backend it chose)."""
+        ...
+
+    async def prepare(self, dispatch: Dispatch) -> None:
+        """After settling, before the first `open`: the prefill stage where this side runs it."""
+        ...
+
+    def router_id(self, dispatch: Dispatch) -> int | None:
+        """The router replica that routed the request, if a router chooses the backend."""
+        ...
+
+
+class ToWorkers:
+    """The workers themselves: a pin names one of them, and the prefill stage runs here."""
+
+    def pin(self, plan: RequestPlan) -> int | None:
+        return plan.pinned_worker
+
+    def annotations(self, plan: RequestPlan) -> dict[str, str]:
+        return {}
+
+    async def settle(self, dispatch: Dispatch) -> None:
+        assert dispatch.worker is not None
+        dispatch.served_by = dispatch.worker.instance_id
+
+    async def prepare(self, dispatch: Dispatch) -> None:
+        await dispatch.prefill_stage()
+
+    def router_id(self, dispatch: Dispatch) -> int | None:
+        return None
+
+
+class ToRouters:
+    """`dyn router` replicas, which choose the backend (and run the prefill stage, and queue): a pin and the
+    queue's priority and deadline travel to them as annotations, and each first reports the backend chosen."""
+
+    def pin(self, plan: RequestPlan) -> int | None:
+        return None
+
+    def annotations(self, plan: RequestPlan) -> dict[str, str]:
+        annotations = {REPORT_WORKER_ANNOTATION: "1"}
+        if plan.pinned_worker is not None:
+            annotations[PIN_ANNOTATION] = f"{plan.pinned_worker:x}"
+        queued = plan.queued
+        if queued.priority:
+            annotations[PRIORITY_ANNOTATION] = str(queued.priority)
+        if queued.deadline is not None:
+            annotations[DEADLINE_ANNOTATION] = str(max(0, round((queued.deadline - time.monotonic()) * 1000)))
+        return annotations
+
+    async def settle(self, dispatch: Dispatch) -> None:
+        while dispatch.served_by is None:
+            try:
+                await dispatch.await_report()
+            except TransportError as exc:
+                dispatch.migrate(exc)
+
+    async def prepare(self, dispatch: Dispatch) -> None:
+        pass
+
+    def router_id(self, dispatch: Dispatch) -> int | None:
+        return dispatch.worker.instance_id if dispatch.worker is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRules:
+    """How one process dispatches every request."""
+
+    migration_limit: int
+    """Re-dispatches of a stream whose worker died; 0 disables migration."""
+    busy: BusyThresholds
+    """When a worker counts as busy; a request finding every worker busy waits in the queue, then 503."""
+    upstream: Upstream = field(default_factory=ToWorkers)
+    disagg: DisaggConfig = DisaggConfig()
+    """When a model with prefill workers has its prompt prefilled remotely."""
+    queue: QueueConfig = QueueConfig()
+    """How long, in what order and how many requests wait when every worker is busy."""
+    migrates_after_output: bool = True
+    """False (`dyn router`): once tokens went out, a failure goes back to the caller, which migrates."""
+    metrics: DispatchMetrics = field(default_factory=NoMetrics)
+    replicas: ReplicaSync | None = None
+    """`dyn router` replicas share each decision, first token and end with their peers."""
+
+
+class Dispatch:
+    """Runs one plan on the workers: `start()` (or `route()` then `prepare()`) before the response, then
+    iterate `tokens()` (token ids) or `frames()` (encoded chunks); `aclose()` last."""
+
+    def __init__(self, entry: ModelEntry, plan: RequestPlan, rules: DispatchRules) -> None:
+        self.entry = entry
+        self.plan = plan
+        self.rules = rules
+        self.worker: Worker | None = None
+        """The worker (or router) the request is on now."""
+        self.served_by: int | None = None
+        """The backend instance serving the request: the worker, or the one a router reports."""
+        self.decision: RouteDecision | None = None
+        self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """With `sampling.logprobs` set: one per output id, as the workers sent them."""
+        self.finish_reason: str | None = None
+        self.cached_tokens: int | None = None
+        self.started_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.num_migrations = 0
+        self.is_aborted = False
+        self.prefill: dict[str, object] | None = None
+        """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
+        self._excluded: set[int] = set()
+        self._stream: ResponseStream | None = None
+        self._pending: list[msgspec.Raw] = []
+        """A first batch read by `await_report` (a router's report), relayed first."""
+        self._is_held = False
+        self._is_prefilled = False
+        self._handle: KvHandle | None = None
+        """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
+        on to the next); still set at the end, it is released on the prefill worker."""
+        self._prefill_worker: Worker | None = None
+        self._rendezvous: prefill.Rendezvous | None = None
+        """NOTE: SGLang's prefill, drained beside the decode; owned here, closed in `close`/`aclose`."""
+        self._local_prefill_tokens = 0
+        """Tokens the held worker prefills itself, counted in its queue until its first token."""
+
+    @property
+    def router_id(self) -> int | None:
+        """Behind `dyn router`s: the replica that routed (the backend is `served_by`)."""
+        return self.rules.upstream.router_id(self)
+
+    ##### Public API #####
+
+    async def start(self) -> None:
+        """`route()` then `prepare()`."""
+        await self.route()
+        await self.prepare()
+
+    async def route(self) -> None:
+        """Choose the worker now, so "no worker" or a bad pin is a clean 4xx/503 and the response can name the
+        worker (behind a router: its report of the backend)."""
+        try:
+            self._check_pin()
+            await self._choose_or_wait()
+            await self.rules.upstream.settle(self)
+        except BaseException:
+            self.close()
+            raise
+
+    async def prepare(self) -> None:
+        """The prefill stage (disaggregation), where this side runs it."""
+        try:
+            await self.rules.upstream.prepare(self)
+        except BaseException:
+            self.close()
+            raise
+
+    async def tokens(self) -> AsyncGenerator[list[int], None]:
+        """Token ids as the workers send them, across migrations; ends with `finish_reason` set."""
+        if self.output_ids and not self.is_aborted:
+            yield list(self.output_ids)  # the remote prefill's first token
+        async with contextlib.aclosing(self._batches()) as batches:
+            async for _, token_ids in batches:
+                if token_ids:
+                    yield token_ids
+
+    async def frames(self) -> AsyncGenerator[bytes, None]:
+        """The stream as encoded GenerateChunks (`dyn router`'s relay): the prefill's first token, then the
+        worker's chunks as received."""
+        if self.output_ids and not self.is_aborted:
+            yield _encode(
+                GenerateChunk(
+                    token_ids=list(self.output_ids),
+                    finish_reason=self.finish_reason,
+                    num_cached_tokens=self.cached_tokens,
+                    logprobs=list(self.logprobs) or None,
+                )
+            )
+        async with contextlib.aclosing(self._batches()) as batches:
+            async for batch, _ in batches:
+                for raw in batch:
+                    yield bytes(raw)
+
+    def abort(self) -> None:
+        """The client left: cancel the worker's stream (freeing its KV) and end the iteration."""
+        self.is_aborted = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def close(self) -> None:
+        """Let go of the worker, whatever happened (idempotent): load never leaks."""
+        self._release()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+
+    async def aclose(self) -> None:
+        """`close()`, and free on its prefill worker a prefilled KV no decode worker was sent (the client left)."""
+        self._release()
+        if self._rendezvous is not None:
+            await self._rendezvous.aclose()
+        if self._handle is not None and self._prefill_worker is not None:
+            handle, self._handle = self._handle, None
+            await prefill.release(self._prefill_worker, handle)
+
+    ##### Hops #####
+
+    def _choose(self) -> Worker:
+        """Hop 1: pick a worker by policy among the live, not busy, not failed ones; hold it."""
+        entry, workers = self.entry, self.entry.workers
+        candidates = [w for w in workers if w not in self._excluded]
+        if not candidates:
+            raise NoWorkers(f"model '{entry.name}'")
+        pinned = self.rules.upstream.pin(self.plan)
+        if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
+            candidates = [pinned]
+        candidates = not_busy(candidates, workers, self.rules.busy, f"workers of '{entry.name}'")
+        route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned)
+        self.decision = entry.policy.select(route, candidates)
+        if self.rules.replicas is not None:
+            self.rules.replicas.added(entry.name, self.plan.request_id, entry.policy)  # type: ignore[arg-type]
+        worker = self.worker = workers[self.decision.worker_id]
+        worker.num_inflight += 1
+        self._is_held, self._is_prefilled = True, False
+        return worker
+
+    async def _choose_or_wait(self) -> Worker:
+        """Hop 1, at the start: every worker busy, wait in the model's queue for one (503 when the queue is
+        full or the wait too long; at once with `--router-queue-size 0`)."""
+        try:
+            return self._choose()
+        except Overloaded:
+            if not self.rules.queue.max_size:
+                raise
+        queued_at = time.perf_counter()
+        try:
+            with interruptible():  # a client that leaves meanwhile leaves the queue
+                return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
+        finally:
+            self.rules.metrics.observe_queue_wait(self.entry.name, time.perf_counter() - queued_at)
+
+    async def _open(self) -> ResponseStream:
+        """Hop 2: send the request (what is left of it) to the held worker."""
+        assert self.worker is not None and self._is_held, "open only a chosen worker"
+        worker, request = self.worker, self._request()
+        if not self._is_prefilled:
+            self._local_prefill_tokens = len(request.token_ids)
+            worker.pending_prefill_tokens += self._local_prefill_tokens
+        self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+        return self._stream
+
+    async def _batches(self) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
+        """Hop 3 across hop 4: each batch the workers send and its token ids, until the stream ends."""
+        try:
+            while not self.is_aborted and self.finish_reason is None:
+                try:
+                    stream = self._stream or await self._open()
+                    async for batch in self._relay(stream):
+                        yield batch
+                    return
+                except TransportError as exc:
+                    self.migrate(exc)
+        finally:
+            self._release()
+
+    async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
+        """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker."""
+        batch, self._pending = self._pending or await stream.next_batch(), []
+        while batch:
+            token_ids = self._absorb(batch)
+            if token_ids:
+                self._handle = None  # the decode worker has pulled the KV: nothing left to release
+                if not self._is_prefilled:
+                    self._prefilled()
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self.output_ids += token_ids
+            yield batch, token_ids
+            batch = await stream.next_batch()
+        if self.is_aborted:
+            self.finish_reason = "cancelled"
+        self._stream = None  # ended cleanly: nothing to cancel
+
+    def migrate(self, exc: TransportError) -> Worker:
+        """Hop 4: the worker failed; let it go and choose another, up to the migration limit."""
+        worker = self.worker
+        self._release()
+        rules = self.rules
+        if (
+            not exc.is_migratable
+            or worker is None
+            or self.num_migrations >= rules.migration_limit
+            or (self.output_ids and not rules.migrates_after_output)
+        ):
+            raise exc
+        self.num_migrations += 1
+        self._excluded.add(worker.instance_id)
+        kind = "ongoing_request" if self.output_ids else "new_request"
+        rules.metrics.count_migration(self.entry.name, kind)
+        logger.warning(
+            "request %s: worker %x failed (%s); migrating (%d/%d)",
+            self.plan.request_id,
+            worker.instance_id,
+            exc,
+            self.num_migrations,
+            rules.migration_limit,
+        )
+        return self._choose()
+
+    async def prefill_stage(self) -> None:
+        """Disaggregation, between choosing the decode worker and opening it: prefill remotely or locally
+        (router/disagg.py), and if remotely run the prefill hop now; its first token is the stream's first.
+
+        The hop is not tied to the client (Dynamo's rule: a prefill cut off mid-transfer leaks KV); a
+        client gone by then has the handle released in `aclose()`. No prefill worker left, or all busy:
+        the decode worker prefills (503 with `--enforce-disagg`)."""
+        entry, config, worker = self.entry, self.rules.disagg, self.worker
+        assert worker is not None
+        pool = [w for w in entry.prefill_workers.values() if w.instance_id not in self._excluded]
+        overlap = self.decision.overlap_blocks if self.decision is not None else 0
+        chosen = prefill_choice(config, entry.name, worker, pool, len(self.plan.prompt_ids), overlap)
+        if chosen is None:
+            return
+        choice, inputs = chosen
+        self.prefill = choice.explain(inputs, config.policy)
+        if choice.is_remote:
+            await self._run_prefill(choice.outcome)
+        else:
+            self.rules.metrics.count_disagg(entry.name, choice.outcome)
+
+    async def _run_prefill(self, outcome: str) -> None:
+        attempts = self.rules.migration_limit + 1
+        hop = prefill.PrefillHop(self.entry, self._request(), self.rules.busy, attempts=attempts)
+        try:
+            result = await hop.run()
+        except (NoWorkers, Overloaded, TransportError) as exc:
+            if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
+                raise RequestError(str(exc), code=exc.code) from None
+            if not falls_back(self.rules.disagg, exc):
+                raise
+            logger.warning(
+                "request %s: remote prefill failed (%s); prefilling on the decode worker", self.plan.request_id, exc
+            )
+            self._excluded.update(hop.failed)
+            outcome = "local_fallback"
+        else:
+            if hop.rendezvous is not None:  # SGLang: the prefill runs on while the decode meets it
+                self._rendezvous = hop.rendezvous
+                self._rendezvous.start()
+            self._take_prefill(result)
+        finally:
+            hop.cancel()  # a no-op once it ended; aborts the prefill if this request was cancelled meanwhile
+            self.rules.metrics.count_disagg(self.entry.name, outcome)
+            if self.prefill is not None:
+                self.prefill["outcome"] = outcome
+
+    def _take_prefill(self, result: prefill.PrefillResult) -> None:
+        """The prefill's first token is the stream's; the decode worker gets its handle and no prefill."""
+        assert self.prefill is not None
+        self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
+        self._handle = result.handle
+        self.prefill.update(prefill_worker_id=result.worker_id, prefill_route=result.explanation)
+        if result.first_token == UNKNOWN_FIRST_TOKEN:
+            return  # a rendezvous: the decode stream brings every token
+        self.output_ids = [result.first_token]
+        self.logprobs = list(result.logprobs)
+        self.first_token_at = time.perf_counter()
+        self.cached_tokens = result.cached_tokens
+        self.finish_reason = result.finish_reason
+        if not self._is_prefilled:
+            self._prefilled()
+
+    ##### Internals #####
+
+    def _check_pin(self) -> None:
+        pinned = self.rules.upstream.pin(self.plan)
+        if pinned is not None and pinned not in self.entry.workers:
+            raise UnknownInstance(pinned, self.entry.name, list(self.entry.workers))
+
+    async def await_report(self) -> None:
+        """Behind a router: its first batch names the backend (an older router's does not: the router then
+        stands for it); a 4xx from the router, such as an unknown pin, is the client's error."""
+        stream = self._stream or await self._open()
+        try:
+            with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
+                self._pending = await stream.next_batch()
+        except RemoteError as exc:
+            if 400 <= exc.status < 500:
+                raise RequestError(str(exc), code=exc.code) from None
+            if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
+                raise Overloaded.relayed(str(exc), exc.retry_after) from None
+            raise
+        self._absorb(self._pending, count=False)
+        if self.served_by is None and self.worker is not None:
+            self.served_by = self.worker.instance_id
+
+    def _absorb(self, batch: list[msgspec.Raw], *, count: bool = True) -> list[int]:
+        token_ids: list[int] = []
+        for raw in batch:
+            chunk = _decode_chunk(raw)
+            if chunk.worker_id is not None and self.served_by is None:
+                self.served_by = chunk.worker_id
+            if not count:
+                continue
+            token_ids += chunk.token_ids
+            if chunk.logprobs:
+                self.logprobs += chunk.logprobs
+            if chunk.num_cached_tokens is not None and self.cached_tokens is None:
+                self.cached_tokens = chunk.num_cached_tokens
+            if chunk.finish_reason is not None:
+                self.finish_reason = chunk.finish_reason
+            if chunk.transfer is not None:
+                self.rules.metrics.observe_transfer(self.entry.name, chunk.transfer)
+        return token_ids
+
+    def _prefilled(self) -> None:
+        """The held worker's first token (or the prefill hop's): the policy and the replicas hear it."""
+        self._is_prefilled = True
+        self._unqueue_local_prefill()
+        self.entry.policy.on_first_token(self.plan.request_id)
+        if self.rules.replicas is not None:
+            self.rules.replicas.prefill_completed(self.entry.name, self.plan.request_id)
+
+    def _release(self) -> None:
+        """The end of the held worker's part, for any reason: done, failed, migrated, client gone."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()  # the consumer left (client gone, stop string) or the stream failed: abort it
+        self._unqueue_local_prefill()
+        if self._is_held and self.worker is not None:
+            self._is_held = False
+            self.worker.num_inflight -= 1
+            self.entry.policy.on_finish(self.plan.request_id)
+            if self.rules.replicas is not None:
+                self.rules.replicas.freed(self.entry.name, self.plan.request_id)
+            self.entry.queue.freed()
+
+    def _unqueue_local_prefill(self) -> None:
+        if self._local_prefill_tokens and self.worker is not None:
+            self.worker.pending_prefill_tokens -= self._local_prefill_tokens
+        self._local_prefill_tokens = 0
+
+    def _request(self) -> GenerateRequest:
+        """What the held worker gets now: the plan's request, carried on after the output so far."""
+        request = self.plan.request
+        if self.output_ids:
+            request = request.continued(self.output_ids, self._handle)
+        elif self._handle is not None:
+            request = msgspec.structs.replace(request, kv_transfer=self._handle)
+        annotations = self.rules.upstream.annotations(self.plan)
+        return msgspec.structs.replace(request, annotations=annotations) if annotations else request

@@ -1,0 +1,260 @@
+"""Every request-plane endpoint of dyn and every message it carries, in one place (Dynamo's `protocols.rs`).
+
+A worker serves `generate` (and `embed`, and the KV side endpoints a router uses to repair its view or free a
+prefill's payload); a `dyn router` serves `generate` and `best_worker_id`. Each endpoint's name, request and
+reply are declared here, and both sides of every call import them from here. Messages are msgspec structs
+(msgpack on the wire): per-token ones are `array_like` and untracked by the collector, as vLLM's
+`EngineCoreOutput`. `GenerateRequest` nests one `SamplingParams`, built once at the HTTP edge and carried
+unchanged through the frontend, a `dyn router`, migration and the prefill hop.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo_cli.kv.handles import KvHandle, TransferReport
+from dynamo_cli.kv.tiers import KvTierStats
+
+##### Endpoint names #####
+
+GENERATE_ENDPOINT = "generate"
+"""Worker and `dyn router`: GenerateRequest in, a stream of GenerateChunk out; closing the stream aborts it."""
+EMBED_ENDPOINT = "embed"
+"""Worker (engines with `Feature.EMBEDDINGS`): EmbedRequest in, one EmbedResponse out."""
+KV_EVENTS_SINCE_ENDPOINT = "kv_events_since"
+"""Worker: KvEventsSince in, the kept KvEventBatch messages from that id on; error code `too_old` when gone."""
+KV_DUMP_ENDPOINT = "kv_dump"
+"""Worker: KvDumpQuery in, one KvDump (kv/events.py) out: the whole cached block set."""
+KV_RELEASE_ENDPOINT = "kv_release"
+"""Prefill worker: KvRelease in, one bool out (whether a held payload was freed)."""
+BEST_WORKER_ENDPOINT = "best_worker_id"
+"""`dyn router`: BestWorkerQuery in, one BestWorkerReply out; routes nothing."""
+
+##### GenerateRequest annotations (frontend -> `dyn router`) #####
+
+PIN_ANNOTATION = "worker_instance_id"
+"""Names (hex) the backend a `dyn router` must route the request to."""
+REPORT_WORKER_ANNOTATION = "report_worker"
+""""1": a `dyn router` first sends an empty chunk naming the backend it chose."""
+PRIORITY_ANNOTATION = "priority"
+"""An integer (`x-dyn-priority`): higher waits less in a `dyn router`'s wait queue."""
+DEADLINE_ANNOTATION = "deadline_ms"
+"""`x-dyn-deadline-ms`: milliseconds left, when sent, for the request to start."""
+
+
+##### generate #####
+
+
+class Guided(msgspec.Struct, frozen=True, kw_only=True):
+    """Constrained decoding: the output must be JSON (`json_object`) or JSON valid against `schema`
+    (`json_schema`); engines with `Feature.GUIDED_JSON` enforce it in their sampler."""
+
+    kind: str
+    """`json_object` or `json_schema`."""
+    schema: str = ""
+    """The JSON schema, as JSON text (empty for `json_object`)."""
+    param: str = "response_format"
+    """The request field the constraint comes from (`response_format`, `tool_choice`): errors name it."""
+    num_accepted: int = 0
+    """Output tokens already generated (the tail of `token_ids`, after a migration or a remote prefill):
+    the engine replays them through its grammar before sampling."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the next tokens are chosen; the defaults are no-ops, so an engine without a feature
+    (Feature.PENALTIES, LOGIT_BIAS, MIN_P, LOGPROBS) serves a request that leaves it alone."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut."""
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    """Output tokens before EOS or a stop token may end the stream (of this hop: shrunk after a migration)."""
+    guided: Guided | None = None
+    """Constrained decoding (response_format, tool_choice required/named); None: free text."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtract this from the logit of every token generated at least once so far."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtract this times the token's count among the tokens generated so far."""
+    repetition_penalty: float = 1.0
+    """CTRL's: divide a positive logit of a token already seen by this (multiply a negative one); "seen" is
+    the output for llamacpp, prompt and output for vLLM (each library's own rule)."""
+    logit_bias: dict[int, float] = {}
+    """Token id -> bias added to its logit (-100 bans it, +100 all but forces it)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is under min_p times the most likely token's."""
+    logprobs: int | None = None
+    """None: no logprobs; N: each token's logprob and the N most likely alternatives' (GenerateChunk.logprobs)."""
+
+    def after(self, num_generated: int) -> SamplingParams:
+        """These settings for a hop that continues `num_generated` tokens in (a migration, a remote prefill's
+        decode): min_tokens counts what is left, a grammar replays what was accepted."""
+        if not num_generated:
+            return self
+        guided = self.guided
+        if guided is not None:
+            guided = msgspec.structs.replace(guided, num_accepted=guided.num_accepted + num_generated)
+        return msgspec.structs.replace(self, min_tokens=max(0, self.min_tokens - num_generated), guided=guided)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A preprocessed request: the frontend has already applied the template and tokenized."""
+
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    kv_transfer: KvHandle | None = None
+    """Disaggregation: the prefill worker's handle to the KV of the first `num_tokens` ids, which the
+    decode worker takes over instead of computing them (kv/handles.py)."""
+    annotations: dict[str, str] = {}
+    num_generated: int = 0
+    """The last `num_generated` of token_ids were generated by an earlier hop (a migration, a remote
+    prefill's first token): penalties count them as output, as if this engine had sampled them."""
+
+    def continued(self, token_ids: list[int], kv_transfer: KvHandle | None = None) -> GenerateRequest:
+        """This request carried on after `token_ids` were generated (by a failed worker, or a prefill hop):
+        they join the prompt, max_tokens and min_tokens shrink by as many, and `kv_transfer` comes along."""
+        n = len(token_ids)
+        return msgspec.structs.replace(
+            self,
+            token_ids=self.token_ids + token_ids,
+            max_tokens=self.max_tokens - n,
+            sampling=self.sampling.after(n),
+            kv_transfer=kv_transfer,
+            num_generated=self.num_generated + n,
+        )
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The logprob of one generated token and of the most likely alternatives at its position."""
+
+    logprob: float
+    """log P(chosen token) under the model's distribution before sampling (raw logits, log-softmax)."""
+    top: list[tuple[int, float]] = []
+    """The `SamplingParams.logprobs` most likely (token id, logprob), most likely first."""
+
+
+class GenerateChunk(msgspec.Struct, array_like=True, gc=False, kw_only=True):
+    """One or more new tokens of a stream; the last chunk carries `finish_reason`."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None
+    """Set on the first chunk: prompt tokens served from the prefix cache."""
+    kv_transfer: KvHandle | None = None
+    """Prefill role, on the last chunk: the handle to this prompt's KV for a decode worker."""
+    worker_id: int | None = None
+    """Only on a `dyn router`'s first, empty chunk, when asked (REPORT_WORKER_ANNOTATION): the backend it chose."""
+    transfer: TransferReport | None = None
+    """Decode side, on the first chunk of a request that came with a handle: how its KV pull went."""
+    logprobs: list[TokenLogprob] | None = None
+    """With SamplingParams.logprobs set: one per entry of token_ids."""
+
+
+##### embed #####
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Inputs to embed, already tokenized by the frontend (one list of ids per input)."""
+
+    request_id: str
+    inputs: list[list[int]]
+
+
+class EmbedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """One unit-length vector per input, in order."""
+
+    embeddings: list[list[float]]
+
+
+##### The KV side endpoints (router -> worker) #####
+
+
+class KvEventsSince(msgspec.Struct, frozen=True, kw_only=True):
+    """`kv_events_since`: replay the kept KV event batches from `first_event_id` on."""
+
+    first_event_id: int
+
+
+class KvDumpQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """`kv_dump`: the worker's whole cached block set (no parameters yet)."""
+
+
+class KvRelease(msgspec.Struct, frozen=True, kw_only=True):
+    """`kv_release`: free the held KV payload `transfer_id` no decode worker will pull (the client left)."""
+
+    transfer_id: str
+
+
+##### best_worker_id (a `dyn router`'s explanation of its next choice) #####
+
+
+class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompt's token ids, optionally a pinned worker."""
+
+    token_ids: list[int]
+    worker_instance_id: int | None = None
+
+
+class InFlight(msgspec.Struct, frozen=True, kw_only=True):
+    """One backend's load as one router replica sees it."""
+
+    worker_id: int
+    num_requests: int
+    """Requests in flight."""
+    active_blocks: int
+    """Unique KV blocks those requests hold."""
+    active_prefill_tokens: int
+    """Prompt tokens sent and not yet prefilled."""
+
+
+class BestWorkerReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The backend `generate` would choose now, and why; with the router's view of its pools."""
+
+    worker_id: int
+    overlap_blocks: int
+    explanation: dict[str, object]
+    """The decision explained: candidates, their cost terms and the margin (router/kv.py)."""
+    router_id: int
+    """The answering replica's instance id."""
+    model: str
+    in_flight: list[InFlight]
+    """Per decode backend, this replica's in-flight view."""
+    queued: int
+    """Requests waiting in this replica's queue for a backend."""
+    indexed_workers: list[int]
+    """Backends whose KV events this replica has indexed."""
+    prefill_workers: list[int]
+    """The prefill pool this replica routes prefill hops to."""
+    settings: dict[str, object] = {}
+    """The replica's routing settings, as its configuration document gave them (config.py)."""
+
+
+##### The event plane #####
+
+
+class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's load after a step (subject `…kv-metrics`); routers use it for busy detection, planners for scaling."""
+
+    worker_id: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    active_blocks: int = 0
+    total_blocks: int = 0
+    active_prefill_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    """Cumulative prompt tokens actually computed (excludes prefix-cache hits)."""
+    num_prefill_tokens_cached: int = 0
+    """Cumulative prompt tokens served from the prefix cache."""
+    kv_event_id: int = -1
+    """Id of the last KV event batch the worker published (-1: none): lets a router notice events it
+    lost even when no later event arrives (anti-entropy)."""
+    kv_transfer_held: int = 0
+    """Prefill role: KV payloads exported and not yet pulled by a decode worker (nor expired)."""
+    kv_transfer_held_bytes: int = 0
+    kv_tiers: KvTierStats | None = None
+    """The host/disk KV tiers' counters and holdings (None: tiers off or not supported by the engine)."""
