@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
@@ -29,7 +28,7 @@ from typing import Any
 import msgspec
 from prometheus_client import generate_latest
 
-from dynamo_cli.config import CLUSTER_SECRET_ENV, ServeConfig, WorkerConfig
+from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
@@ -70,67 +69,12 @@ class ServePlan:
     """The engine's profile JSON (`dyn plan profile`); None: profile the mocker on the fly (a few seconds)."""
 
 
-def worker_argv(config: WorkerConfig) -> list[str]:
-    """The `dyn worker` command line equivalent to `config`; the planes' URLs, which may carry
-    credentials, travel in the environment (`planes_env`), not on the command line `ps` shows."""
-    import json
-
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "worker",
-        "--engine",
-        config.engine,
-        "--model",
-        config.model,
-        "--role",
-        config.role.value,
-        "--namespace",
-        config.namespace,
-        "--component",
-        config.component,
-        "--endpoint",
-        config.endpoint,
-        "--host",
-        config.host,
-        "--lease-ttl",
-        str(config.planes.lease_ttl),
-        "--graceful-shutdown",
-        str(config.graceful_shutdown_s),
-        "--kv-transfer",
-        config.kv_transfer,
-        "--kv-transfer-ttl",
-        str(config.kv_transfer_ttl_s),
-    ]
-    for flag, value in (
-        ("--served-model-name", config.served_model_name),
-        ("--block-size", config.block_size),
-        ("--context-length", config.context_length),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if config.extra:
-        argv += ["--extra-engine-args", json.dumps(config.extra)]
-    return argv + _kv_tier_argv(config)
-
-
 def _own_disk_dir(config: WorkerConfig, name: str) -> WorkerConfig:
     """Each worker its own subdirectory of `--kv-disk-cache-dir` (the same one when it is restarted)."""
     tiers = config.kv_tiers
     if tiers.disk_dir is None:
         return config
     return replace(config, kv_tiers=replace(tiers, disk_dir=os.path.join(tiers.disk_dir, name)))
-
-
-def _kv_tier_argv(config: WorkerConfig) -> list[str]:
-    tiers = config.kv_tiers
-    if not tiers.enabled:
-        return []
-    argv = ["--kv-host-cache-gb", repr(tiers.host_bytes / 1e9), "--kv-disk-cache-gb", repr(tiers.disk_bytes / 1e9)]
-    if tiers.disk_dir is not None:
-        argv += ["--kv-disk-cache-dir", tiers.disk_dir]
-    return argv + ([] if tiers.disk_filter else ["--no-kv-disk-offload-filter"])
 
 
 async def _wait_ready(
@@ -197,7 +141,7 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
     planes = config.frontend.planes
     pool = ProcessPool(
         RestartPolicy(max_restarts=config.max_restarts),
-        {PARENT_ENV: str(os.getpid()), **_secret_env(planes.cluster_secret)},
+        {PARENT_ENV: str(os.getpid())},
     )
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         try:
@@ -219,44 +163,51 @@ async def _serve(
     sock = bind_socket(config.frontend.host, config.frontend.port)
     url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
     service = FrontendService(config.frontend, discovery, bus)
-    pool.env.update(planes_env(_shared_discovery(planes.discovery, discovery), planes.events))
-    connector = await _start_workers(config, pool, planned=plan is not None)
+    # the children share this process's planes: the embedded discovery's directory made explicit
+    shared = replace(planes, discovery=_shared_discovery(planes.discovery, discovery))
+    connector = await _start_workers(config, pool, shared, planned=plan is not None)
     try:
         planner = (
             None
             if plan is None or profile is None
             else _planner(plan, profile, service, connector, discovery, bus, config)
         )
-        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner)
+        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner, shared)
     finally:
         if connector is not None:
             await connector.close()
 
 
-async def _start_workers(config: ServeConfig, pool: ProcessPool, planned: bool) -> LocalConnector | None:
+async def _start_workers(
+    config: ServeConfig, pool: ProcessPool, planes: PlanesConfig, planned: bool
+) -> LocalConnector | None:
     """The initial workers: supervised by the pool, or (`--planner`) owned by the planner's connector."""
-    argv = worker_argv(config.worker)
-    prefill = replace(config.worker, role=Role.PREFILL, component=Role.PREFILL.value)
-    prefill_argv = worker_argv(prefill)
+    decode = replace(config.worker, planes=planes)
+    prefill = replace(decode, role=Role.PREFILL, component=Role.PREFILL.value)
     if planned:
-        if config.worker.kv_tiers.disk_dir is not None:  # one argv for every worker the planner starts
+        if decode.kv_tiers.disk_dir is not None:  # one config for every worker the planner starts
             raise ConfigError(
-                "--planner starts workers from one command line: drop --kv-disk-cache-dir (each "
+                "--planner starts every worker with one config: drop --kv-disk-cache-dir (each "
                 "worker then gets a temporary disk tier of its own)"
             )
         connector = LocalConnector(
-            argv,
-            prefill_argv if config.num_prefill_workers else None,
+            child_command(decode),
+            child_command(prefill) if config.num_prefill_workers else None,
             pool.env,
-            grace_s=config.worker.graceful_shutdown_s,
+            grace_s=decode.graceful_shutdown_s,
         )
         await connector.apply(ScaleTarget(0, config.num_prefill_workers, config.num_workers))
         return connector
     for i in range(config.num_workers):
-        await pool.spawn(worker_argv(_own_disk_dir(config.worker, f"worker-{i}")))  # the caller stops them
+        await _spawn(pool, _own_disk_dir(decode, f"worker-{i}"))  # the caller stops them
     for i in range(config.num_prefill_workers):
-        await pool.spawn(worker_argv(_own_disk_dir(prefill, f"prefill-{i}")))
+        await _spawn(pool, _own_disk_dir(prefill, f"prefill-{i}"))
     return None
+
+
+async def _spawn(pool: ProcessPool, config: WorkerConfig | RouterConfig) -> None:
+    command = child_command(config)
+    await pool.spawn(list(command.argv), command.env)
 
 
 async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:
@@ -281,14 +232,13 @@ async def _serve_started(
     url: str,
     stop: asyncio.Event,
     planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None,
+    planes: PlanesConfig,
 ) -> None:
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
-        from dynamo_cli.router.service import router_argv
-
-        router_cmd = router_argv(config)
+        router = replace(config.router_config(), planes=planes)
         for _ in range(config.num_routers):
-            await pool.spawn(router_cmd)
+            await _spawn(pool, router)
         expected = config.num_routers
     served: set[str] = set()
     pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
@@ -340,17 +290,6 @@ def _workers_text(config: ServeConfig) -> str:
         return f"{config.num_workers} workers"
     policy = config.frontend.disagg.policy
     return f"{config.num_prefill_workers} prefill + {config.num_workers} decode workers, disagg {policy}"
-
-
-def planes_env(discovery: str, events: str) -> dict[str, str]:
-    """The planes' URLs for the processes this one starts (`--discovery` / `--events` read them)."""
-    return {"DYN_DISCOVERY": discovery, "DYN_EVENTS": events}
-
-
-def _secret_env(secret: bytes | None) -> dict[str, str]:
-    """The cluster secret for the processes this one starts: in their environment, never on a command
-    line (which `ps` shows to every user)."""
-    return {CLUSTER_SECRET_ENV: secret.hex()} if secret is not None else {}
 
 
 def _shared_discovery(url: str, discovery: object) -> str:

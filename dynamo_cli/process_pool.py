@@ -54,6 +54,8 @@ class Slot:
 
     index: int
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the pool's environment for this command (its config document)."""
     proc: asyncio.subprocess.Process | None = None
     state: SlotState = SlotState.RUNNING
     restart_at: float = 0.0
@@ -80,10 +82,11 @@ class ProcessPool:
     def procs(self) -> list[asyncio.subprocess.Process]:
         return [slot.proc for slot in self.slots if slot.proc is not None]
 
-    async def spawn(self, argv: list[str]) -> Slot:
-        """Start one process now (not yet supervised: `supervise()` takes over every slot)."""
-        slot = Slot(len(self.slots), argv)
-        slot.proc = await self._start(argv)
+    async def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> Slot:
+        """Start one process now, with `env` added to the pool's (not yet supervised: `supervise()` takes over
+        every slot)."""
+        slot = Slot(len(self.slots), argv, dict(env or {}))
+        slot.proc = await self._start(slot)
         self.slots.append(slot)
         return slot
 
@@ -118,7 +121,7 @@ class ProcessPool:
             await asyncio.sleep(delay)
             if self._stopping:
                 break
-            slot.proc = await self._start(slot.argv)
+            slot.proc = await self._start(slot)
             if self.on_restart is not None:
                 self.on_restart(slot.index, code)
         slot.state = SlotState.STOPPED
@@ -150,9 +153,9 @@ class ProcessPool:
         )
         return True
 
-    async def _start(self, argv: list[str]) -> asyncio.subprocess.Process:
+    async def _start(self, slot: Slot) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
-            *argv, env={**os.environ, **self.env}, stdin=asyncio.subprocess.DEVNULL
+            *slot.argv, env={**os.environ, **self.env, **slot.env}, stdin=asyncio.subprocess.DEVNULL
         )
 
     async def stop(self, grace: float) -> None:

@@ -124,7 +124,7 @@ def parsed_config(module: Any, argv: list[str], command: str, monkeypatch: pytes
 
     seen: list[Any] = []
     monkeypatch.setattr(module, "run", lambda coro: (seen.append(coro.cr_frame.f_locals["config"]), coro.close()))
-    monkeypatch.setattr(module, "die_with_parent", lambda: None)
+    monkeypatch.setattr(module, "die_with_parent", lambda: None, raising=False)
     app = typer.Typer()
     app.command()(module.command)
     result = CliRunner().invoke(app, argv[argv.index(command) + 1 :])
@@ -132,19 +132,23 @@ def parsed_config(module: Any, argv: list[str], command: str, monkeypatch: pytes
     return seen[0]
 
 
-def test_kv_tier_flags_survive_dyn_serves_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`dyn serve` → worker argv (a subdirectory per worker) → `dyn worker`'s parse: the same tiers."""
+def test_kv_tier_flags_reach_dyn_serves_workers_in_their_config_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dyn serve` flags → each worker's config (a subdirectory per worker) → the document `dyn worker` reads."""
+    from dynamo_cli.cli import serve as serve_cli
     from dynamo_cli.cli import worker as worker_cli
-    from dynamo_cli.cli.options import kv_tiers
-    from dynamo_cli.config import WorkerConfig
-    from dynamo_cli.launcher import _own_disk_dir, worker_argv
+    from dynamo_cli.config import child_command, config_document
+    from dynamo_cli.launcher import _own_disk_dir
 
-    tiers = kv_tiers(1.5, 2.0, "/tmp/kv", False)
-    assert (tiers.host_bytes, tiers.disk_bytes, tiers.disk_filter) == (1_500_000_000, 2_000_000_000, False)
-    argv = worker_argv(_own_disk_dir(WorkerConfig(engine="mocker", model="m", kv_tiers=tiers), "worker-1"))
-    config = parsed_config(worker_cli, argv, "worker", monkeypatch)
+    flags = ["--kv-host-cache-gb", "1.5", "--kv-disk-cache-gb", "2", "--kv-disk-cache-dir", "/tmp/kv"]
+    served = parsed_config(
+        serve_cli, ["serve", "--engine", "mocker", *flags, "--no-kv-disk-offload-filter"], "serve", monkeypatch
+    )
+    command = child_command(_own_disk_dir(served.worker, "worker-1"))
+    assert command.argv[-1] == "worker" and not any("kv" in arg for arg in command.argv)
+    monkeypatch.setattr(worker_cli, "config_document", lambda kind: config_document(kind, command.env))
+    config = parsed_config(worker_cli, ["worker"], "worker", monkeypatch)
     assert config.kv_tiers == KvTierConfig(1_500_000_000, 2_000_000_000, "/tmp/kv/worker-1", False)
-    assert "--kv-host-cache-gb" not in worker_argv(WorkerConfig(engine="mocker", model="m"))  # off: no flags
+    assert config == _own_disk_dir(served.worker, "worker-1")
 
 
 def test_a_negative_kv_tier_size_is_one_line() -> None:
@@ -159,15 +163,41 @@ def test_a_bad_router_queue_policy_on_dyn_router_is_one_red_line() -> None:
     assert len(lines) == 1 and "--router-queue-policy 'bogus' is not one of fcfs | sjf | deadline" in lines[0]
 
 
-def test_queue_and_busy_flags_survive_dyn_serves_router_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`dyn serve --routers N` → router argv → `dyn router`'s parse: the same queue and busy thresholds."""
+def test_queue_and_busy_flags_reach_dyn_serves_routers_in_their_config_document(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dyn serve --routers N` → each router's config document → what `dyn router` runs: the same queue, busy
+    thresholds and routing settings."""
     from dynamo_cli.cli import router as router_cli
-    from dynamo_cli.config import FrontendConfig, QueueConfig, QueuePolicy, ServeConfig, WorkerConfig
-    from dynamo_cli.router.registry import BusyThresholds
-    from dynamo_cli.router.service import router_argv
+    from dynamo_cli.cli import serve as serve_cli
+    from dynamo_cli.config import BusyThresholds, QueueConfig, QueuePolicy, child_command, config_document
 
-    queue = QueueConfig(max_size=7, max_wait_s=2.5, policy=QueuePolicy.SJF)
-    frontend = FrontendConfig(router="remote", queue=queue, max_inflight_per_worker=3, active_blocks_threshold=0.75)
-    argv = router_argv(ServeConfig(frontend=frontend, worker=WorkerConfig(engine="mocker", model="m")))
-    config = parsed_config(router_cli, argv, "router", monkeypatch)
-    assert (config.queue, config.busy) == (queue, BusyThresholds(3, 0.75))
+    flags = ["--router", "remote", "--routers", "2", "--router-queue-size", "7", "--router-queue-timeout", "2.5"]
+    flags += ["--router-queue-policy", "sjf", "--max-inflight-per-worker", "3", "--active-decode-blocks-threshold"]
+    flags += ["0.75", "--router-temperature", "0.5", "--router-tier-weights", "host=0.5"]
+    served = parsed_config(serve_cli, ["serve", "--engine", "mocker", *flags], "serve", monkeypatch)
+    command = child_command(served.router_config())
+    monkeypatch.setattr(router_cli, "config_document", lambda kind: config_document(kind, command.env))
+    config = parsed_config(router_cli, ["router"], "router", monkeypatch)
+    assert (config.queue, config.busy) == (QueueConfig(7, 2.5, QueuePolicy.SJF), BusyThresholds(3, 0.75))
+    assert (config.kv_router.temperature, config.kv_router.tier_weights) == (0.5, (("host", 0.5),))
+    assert config == served.router_config()
+
+
+def test_dyn_serve_and_dyn_worker_run_the_same_engine_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_cli.cli import serve as serve_cli
+    from dynamo_cli.cli import worker as worker_cli
+
+    served = parsed_config(serve_cli, ["serve"], "serve", monkeypatch)
+    monkeypatch.setattr(worker_cli, "config_document", lambda kind: None)
+    alone = parsed_config(worker_cli, ["worker"], "worker", monkeypatch)
+    assert served.worker.engine == alone.engine == "llamacpp"
+
+
+def test_every_command_declares_each_flag_once() -> None:
+    """Each command's options come from its configs' settings; two settings with one flag would be refused."""
+    from dynamo_cli.cli import router, serve, worker
+
+    for module in (serve, worker, router):
+        flags = [flag for knob in module.KNOBS for flag in knob.setting.flags]
+        assert len(flags) == len(set(flags)), module.__name__

@@ -4,6 +4,7 @@ TYPE_CHECKING imports included), so a layer that reaches up is caught before it 
 Layers, lowest first; each may import the ones listed for it in ALLOWED and its own modules:
 
     errors                      the DynError tree; imports nothing
+    settings                    how a config field is set from outside (flags, DYN_* twin, help); imports nothing
     timing                      the simulated engine's pass times and batch limits; imports nothing
     kv, model                   KV hashing and events; a model's files and tokenizer (errors only)
     wire                        every request-plane endpoint name and message (errors, kv)
@@ -58,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"errors"},
     "wire": {"errors", "kv"},
     "engine": {"errors", "kv", "wire"},
-    "config": {"errors", "engine", "model_card", "wire"},
+    "config": {"errors", "engine", "model_card", "settings", "wire"},
     "model_card": {"errors", "engine"},
     "runtime": {"errors", "config"},
     "router": _CONTRACT | {"runtime"},

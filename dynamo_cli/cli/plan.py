@@ -14,10 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from dynamo_cli.cli import options as o
-from dynamo_cli.config import CLUSTER_SECRET_ENV, WorkerConfig
+from dynamo_cli.config import DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig, WorkerConfig, child_command
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.launcher import planes_env, worker_argv
 from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
@@ -99,7 +98,7 @@ async def _profile(args: EngineArgs, engine_name: str, speedup: float, sweep: Sw
 def profile_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write.")],
     engine: o.Engine = "mocker",
-    model: o.Model = o.DEFAULTS["model"],
+    model: o.Model = DEFAULT_MODEL,
     speedup_ratio: Annotated[
         float | None,
         typer.Option(
@@ -173,11 +172,11 @@ def run_command(
     duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
     ack_timeout: Annotated[float, _opt("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
     engine: o.Engine = "mocker",
-    model: o.Model = o.DEFAULTS["model"],
+    model: o.Model = DEFAULT_MODEL,
     speedup_ratio: o.SpeedupRatio = None,
     engine_arg: o.EngineArg = None,
     graceful_shutdown: Annotated[float, _opt("--graceful-shutdown", help="local: drain time (s).")] = 5.0,
-    namespace: o.Namespace = o.DEFAULTS["namespace"],
+    namespace: o.Namespace = DEFAULT_NAMESPACE,
     discovery: o.Discovery = "embedded",
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
@@ -191,15 +190,11 @@ def run_command(
         namespace=namespace,
         role=Role.BOTH if mode == "agg" else Role.DECODE,
         graceful_shutdown_s=graceful_shutdown,
-        planes=o.planes(discovery, events, lease_ttl, secret),
+        planes=PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl, cluster_secret=secret),
         extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio),
     )
     prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
-    env = {
-        **planes_env(discovery, events),
-        PARENT_ENV: str(os.getpid()),
-        **({CLUSTER_SECRET_ENV: secret.hex()} if secret else {}),
-    }
+    env = {PARENT_ENV: str(os.getpid())}  # the rest travels in each worker's config document
     config = PlannerConfig(
         targets=Targets(ttft, itl),
         bounds=Bounds(min_workers, max_workers, gpu_budget),
@@ -219,8 +214,8 @@ def run_command(
         lease_ttl=lease_ttl,
         connector=connector,
         dry_run=dry_run,
-        decode_argv=worker_argv(worker),
-        prefill_argv=worker_argv(prefill),
+        decode=child_command(worker),
+        prefill=child_command(prefill),
         worker_env=env,
         grace_s=graceful_shutdown,
         ack_timeout_s=ack_timeout,

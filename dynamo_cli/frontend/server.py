@@ -16,7 +16,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dynamo_cli.config import FrontendConfig, TlsConfig
+from dynamo_cli.config import BusyThresholds, FrontendConfig, TlsConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
@@ -26,7 +26,7 @@ from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.router.core import DispatchRules, ToRouters, ToWorkers
 from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.kv import kv_policy_factory
-from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds
+from dynamo_cli.router.registry import ROUTER_COMPONENT
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
@@ -94,11 +94,7 @@ class FrontendService:
         self.config = config
         self.metrics = FrontendMetrics()
         behind_routers = config.router == "remote"  # then the routers choose, queue and apply the busy thresholds
-        busy = (
-            BusyThresholds()
-            if behind_routers
-            else BusyThresholds(config.max_inflight_per_worker, config.active_blocks_threshold)
-        )
+        busy = BusyThresholds() if behind_routers else config.busy
         accept = (lambda name: name.component == ROUTER_COMPONENT) if behind_routers else None
         prefill_mode = config.disagg.prefill_router_mode
         self.registry = FrontendRegistry(

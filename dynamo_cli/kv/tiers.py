@@ -37,9 +37,11 @@ from pathlib import Path
 
 import msgspec
 
+from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv import disk
 from dynamo_cli.kv.events import DISK, HOST, BlockRemoved, BlockStored, KvEvent, StoredBlock, Tier
 from dynamo_cli.kv.tier_stats import KvTierStats
+from dynamo_cli.settings import KV_TIERS, setting
 
 __all__ = ["KvTierConfig", "KvTierStats", "OffloadBlock", "TieredBlockStore"]
 
@@ -56,16 +58,55 @@ CLOSE_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class KvTierConfig:
-    """Sizes of the tiers below the engine's own cache (all zero: tiers off)."""
+    """Sizes of the tiers below the engine's own cache (all zero: tiers off). GB = 10^9 bytes, as Dynamo's
+    DYN_KVBM_*_CACHE_GB."""
 
-    host_bytes: int = 0
+    host_bytes: int = setting(
+        0,
+        "--kv-host-cache-gb",
+        env="DYN_KV_HOST_CACHE_GB",
+        help="KV tier in host memory below the engine's cache, GB (0: off).",
+        panel=KV_TIERS,
+        cli_type=float,
+        parse=lambda gb: int(gb * 1e9),
+        show=lambda nbytes: nbytes / 1e9,
+    )
     """Host-memory tier capacity in bytes (0: no host tier)."""
-    disk_bytes: int = 0
+    disk_bytes: int = setting(
+        0,
+        "--kv-disk-cache-gb",
+        env="DYN_KV_DISK_CACHE_GB",
+        help="KV tier on local disk below host memory, GB (0: off).",
+        panel=KV_TIERS,
+        cli_type=float,
+        parse=lambda gb: int(gb * 1e9),
+        show=lambda nbytes: nbytes / 1e9,
+    )
     """Disk tier capacity in bytes, file headers included (0: no disk tier)."""
-    disk_dir: str | None = None
+    disk_dir: str | None = setting(
+        None,
+        "--kv-disk-cache-dir",
+        env="DYN_KV_DISK_CACHE_DIR",
+        help="Directory of the disk KV tier; kept across restarts (default: a temporary one).",
+        panel=KV_TIERS,
+    )
     """Directory of the disk tier's block files (None: a temporary one, removed at close)."""
-    disk_filter: bool = True
+    disk_filter: bool = setting(
+        True,
+        "--kv-disk-offload-filter/--no-kv-disk-offload-filter",
+        env="DYN_KV_DISK_OFFLOAD_FILTER",
+        help="Move host→disk only KV blocks reused at least once (Dynamo's default).",
+        panel=KV_TIERS,
+    )
     """Move host→disk only blocks hit at least once (frequency >= 2), as Dynamo does by default."""
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ConfigError(
+                f"--kv-host-cache-gb {self.host_bytes / 1e9} / --kv-disk-cache-gb {self.disk_bytes / 1e9} must be >= 0"
+            )
+        if self.disk_dir is not None and self.disk_bytes <= 0:
+            raise ConfigError("--kv-disk-cache-dir needs --kv-disk-cache-gb > 0")
 
     @property
     def enabled(self) -> bool:

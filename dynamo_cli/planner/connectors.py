@@ -25,6 +25,7 @@ from typing import Protocol
 
 import msgspec
 
+from dynamo_cli.config import ChildCommand
 from dynamo_cli.runtime.discovery import Discovery
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class VirtualConnector:
 
 @dataclass(slots=True)
 class _Pool:
-    argv: list[str]
+    command: ChildCommand | None
     procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
 
@@ -147,9 +148,9 @@ class LocalConnector:
     """Starts and drains `dyn worker` processes on this host, one pool per role."""
 
     def __init__(
-        self, decode_argv: list[str], prefill_argv: list[str] | None, env: dict[str, str], *, grace_s: float = 5.0
+        self, decode: ChildCommand, prefill: ChildCommand | None, env: dict[str, str], *, grace_s: float = 5.0
     ) -> None:
-        self._pools = {"decode": _Pool(decode_argv), "prefill": _Pool(prefill_argv or [])}
+        self._pools = {"decode": _Pool(decode), "prefill": _Pool(prefill)}
         self.env = dict(env)
         """Added to every worker's environment (the planes' URLs, the cluster secret, the parent pid)."""
         self.grace_s = grace_s
@@ -183,11 +184,14 @@ class LocalConnector:
 
     async def _scale(self, role: str, wanted: int) -> None:
         pool = self._pools[role]
-        if wanted > 0 and not pool.argv:
-            raise ValueError(f"no command line for {role} workers")
+        if wanted > 0 and pool.command is None:
+            raise ValueError(f"no command for {role} workers")
         while len(self._alive(role)) < wanted:
+            assert pool.command is not None
             proc = await asyncio.create_subprocess_exec(
-                *pool.argv, env={**os.environ, **self.env}, stdin=asyncio.subprocess.DEVNULL
+                *pool.command.argv,
+                env={**os.environ, **self.env, **pool.command.env},
+                stdin=asyncio.subprocess.DEVNULL,
             )
             pool.procs.append(proc)
             logger.info("started %s worker pid %d", role, proc.pid)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from dynamo_cli.config import ChildCommand
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
 from dynamo_cli.planner.observe import (
@@ -50,10 +51,10 @@ class PlanRun:
     """local | virtual (ignored with dry_run)."""
     dry_run: bool = False
     """Only report decisions."""
-    decode_argv: list[str] = field(default_factory=list)
-    """local: the decode (agg: the one) pool's `dyn worker` command line."""
-    prefill_argv: list[str] = field(default_factory=list)
-    """local, disagg: the prefill pool's command line."""
+    decode: ChildCommand | None = None
+    """local: how the decode (agg: the one) pool's `dyn worker`s start (config.py `child_command`)."""
+    prefill: ChildCommand | None = None
+    """local, disagg: how the prefill pool's start."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """local: added to each worker's environment (planes, cluster secret)."""
     grace_s: float = 5.0
@@ -98,8 +99,10 @@ def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
         return None
     if run.connector == "virtual":
         return VirtualConnector(discovery, run.namespace, ack_timeout_s=run.ack_timeout_s, poll_s=run.ack_poll_s)
-    prefill = run.prefill_argv if run.planner.mode == "disagg" else None
-    return LocalConnector(run.decode_argv, prefill, run.worker_env, grace_s=run.grace_s)
+    if run.decode is None:
+        raise ConfigError("the local connector needs the workers' command")
+    prefill = run.prefill if run.planner.mode == "disagg" else None
+    return LocalConnector(run.decode, prefill, run.worker_env, grace_s=run.grace_s)
 
 
 async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None = None) -> Planner:

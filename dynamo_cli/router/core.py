@@ -26,7 +26,7 @@ from typing import Protocol
 
 import msgspec
 
-from dynamo_cli.config import DisaggConfig, QueueConfig
+from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig
 from dynamo_cli.errors import (
     ContextOverflow,
     NoWorkers,
@@ -41,7 +41,7 @@ from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.queue import QueuedRequest
-from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker, not_busy
+from dynamo_cli.router.registry import ModelEntry, Worker, not_busy
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.waits import interruptible
 from dynamo_cli.runtime.transport import ResponseStream

@@ -24,10 +24,11 @@ from typing import Any
 
 import msgspec
 
+from dynamo_cli.config import BusyThresholds
 from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
-from dynamo_cli.router.registry import BusyThresholds, ModelEntry, Worker
+from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
 from dynamo_cli.wire import KV_RELEASE_ENDPOINT, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob

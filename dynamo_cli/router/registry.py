@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from dynamo_cli.config import BusyThresholds
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ModelNotFound, Overloaded
 from dynamo_cli.kv.events import KvEventBatch
@@ -35,16 +36,6 @@ ROUTER_COMPONENT = "router"
 """Component name of standalone `dyn router` instances; by default the frontend routes to workers only."""
 
 PolicyFactory = Callable[[ModelCard], RoutingPolicy]
-
-
-@dataclass(frozen=True, slots=True)
-class BusyThresholds:
-    """When a worker counts as busy (a request finding every worker busy gets a 503)."""
-
-    max_inflight: int = 0
-    """Streams in flight from this frontend to one worker; 0 = no limit."""
-    active_blocks_fraction: float = 1.0
-    """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
 
 
 @dataclass(slots=True)

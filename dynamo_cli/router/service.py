@@ -26,14 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo_cli.config import DEFAULT_NAMESPACE, DisaggConfig, KvRouterConfig, PlanesConfig, QueueConfig, ServeConfig
+from dynamo_cli.config import RouterConfig
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import ExpiresStale, RouteRequest
@@ -41,7 +39,7 @@ from dynamo_cli.router.core import Dispatch, DispatchRules, RequestPlan
 from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.queue import QueuedRequest
-from dynamo_cli.router.registry import ROUTER_COMPONENT, BusyThresholds, ModelEntry, RouterRegistry
+from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
@@ -75,34 +73,10 @@ EXPIRE_INTERVAL_S = 30.0
 """How often requests in flight for over STALE_REQUEST_S (a lost end) are freed."""
 
 
-@dataclass(frozen=True, slots=True)
-class RouterServiceConfig:
-    """`dyn router`."""
-
-    namespace: str = DEFAULT_NAMESPACE
-    component: str = "backend"
-    """Component of the backend workers routed to."""
-    host: str = "127.0.0.1"
-    """Address the request plane listens on and advertises."""
-    port: int = 0
-    kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
-    """The routing settings; `block_size` None = the backend card's."""
-    graceful_shutdown_s: float = 5.0
-    """How long SIGTERM waits for in-flight streams after deregistering."""
-    planes: PlanesConfig = field(default_factory=PlanesConfig)
-    prefill_component: str = "prefill"
-    """Component of the prefill workers: a model that has some gets a prefill stage (router/disagg.py)."""
-    disagg: DisaggConfig = field(default_factory=DisaggConfig)
-    busy: BusyThresholds = field(default_factory=BusyThresholds)
-    """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
-    queue: QueueConfig = field(default_factory=QueueConfig)
-    """The wait queue of requests that find every backend busy."""
-
-
 class RouterService:
     """Routes and relays `generate`, answers `best_worker_id`, keeps the backends' KV and load views."""
 
-    def __init__(self, config: RouterServiceConfig, discovery: Discovery, bus: EventBus) -> None:
+    def __init__(self, config: RouterConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
         self.name = EndpointName(config.namespace, ROUTER_COMPONENT, GENERATE_ENDPOINT)
         secret = config.planes.cluster_secret
@@ -124,6 +98,11 @@ class RouterService:
             migrates_after_output=False,  # the frontend migrates a stream that already relayed tokens
             replicas=self.sync,
         )
+        c = config
+        self._settings = msgspec.to_builtins(
+            {"kv_router": c.kv_router, "disagg": c.disagg, "queue": c.queue, "busy": c.busy}
+        )
+        """The routing settings, as `best_worker_id` shows them."""
         self.model: str | None = None
         """The model this router serves: the first backend card's (set at registration)."""
         self._discovery = discovery
@@ -177,6 +156,7 @@ class RouterService:
                 queued=len(entry.queue),
                 indexed_workers=sorted(policy.indexer.workers()),
                 prefill_workers=sorted(entry.prefill_workers),
+                settings=self._settings,
             )
         )
 
@@ -287,80 +267,10 @@ def _int_annotation(request: GenerateRequest, name: str, base: int = 10) -> int 
         raise RequestError(f"annotation {name} '{value[:40]}' is not {kind}", param=name) from None
 
 
-async def serve_router(config: RouterServiceConfig, announce: Callable[[str], None]) -> None:
+async def serve_router(config: RouterConfig, announce: Callable[[str], None]) -> None:
     """Run a router until SIGTERM/SIGINT, then deregister, drain and exit."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
         await RouterService(config, discovery, bus).run(stop, announce)
-
-
-def router_argv(config: ServeConfig) -> list[str]:
-    """The `dyn router` command line a `dyn serve --router remote --routers N` spawns (its planes' URLs
-    come in the environment, as for workers)."""
-    frontend, kv = config.frontend, config.frontend.kv_router
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "router",
-        "--namespace",
-        frontend.namespace,
-        "--component",
-        config.worker.component,
-        "--host",
-        config.worker.host,
-        "--lease-ttl",
-        str(frontend.planes.lease_ttl),
-        "--graceful-shutdown",
-        str(config.worker.graceful_shutdown_s),
-        "--kv-overlap-score-weight",
-        str(kv.overlap_score_weight),
-        "--router-temperature",
-        str(kv.temperature),
-        "--router-ttl",
-        str(kv.approx_ttl_s),
-        "--kv-events" if kv.use_kv_events else "--no-kv-events",
-        "--hot-spot-guard" if kv.hot_spot_guard else "--no-hot-spot-guard",
-        "--router-cost",
-        kv.cost,
-    ]
-    if kv.block_size is not None:
-        argv += ["--block-size", str(kv.block_size)]
-    if kv.prefill_tokens_per_s is not None:
-        argv += ["--router-prefill-tps", str(kv.prefill_tokens_per_s)]
-    argv += [
-        "--router-host-bandwidth-gbs",
-        str(kv.host_bandwidth_gbs),
-        "--router-disk-bandwidth-gbs",
-        str(kv.disk_bandwidth_gbs),
-    ]
-    if kv.tier_weights:
-        argv += ["--router-tier-weights", ",".join(f"{tier}={weight}" for tier, weight in kv.tier_weights)]
-    d = frontend.disagg
-    q = frontend.queue  # the busy thresholds and the queue act in the routers (the frontend sees no load there)
-    argv += [
-        "--router-queue-size",
-        str(q.max_size),
-        "--router-queue-timeout",
-        str(q.max_wait_s),
-        "--router-queue-policy",
-        q.policy.value,
-        "--max-inflight-per-worker",
-        str(frontend.max_inflight_per_worker),
-        "--active-decode-blocks-threshold",
-        str(frontend.active_blocks_threshold),
-    ]
-    argv += [
-        "--disagg-policy",
-        d.policy,
-        "--max-local-prefill-length",
-        str(d.max_local_prefill_length),
-        "--max-prefill-queue",
-        str(d.max_prefill_queue),
-        "--decode-busy-threshold",
-        str(d.decode_busy_threshold),
-        *(["--enforce-disagg"] if d.enforce else []),
-    ]
-    return argv

@@ -13,8 +13,7 @@ import httpx
 import msgspec
 import pytest
 
-from dynamo_cli.config import CLUSTER_SECRET_ENV, PlanesConfig, WorkerConfig
-from dynamo_cli.launcher import planes_env, worker_argv
+from dynamo_cli.config import CLUSTER_SECRET_ENV, PlanesConfig, WorkerConfig, child_command
 from dynamo_cli.planner.connectors import (
     LocalConnector,
     ScaleTarget,
@@ -113,12 +112,11 @@ async def test_the_local_connector_starts_a_worker_and_drains_it_under_a_request
     config = WorkerConfig(
         engine="mocker",
         model="smollm2",
-        planes=PlanesConfig(discovery=frontend.discovery),
+        planes=PlanesConfig(discovery=frontend.discovery, cluster_secret=bytes.fromhex(secret)),
         extra={"speedup_ratio": 1.0},
         graceful_shutdown_s=20.0,
     )
-    env = {**planes_env(frontend.discovery, "embedded"), CLUSTER_SECRET_ENV: secret}
-    connector = LocalConnector(worker_argv(config), None, env, grace_s=20.0)
+    connector = LocalConnector(child_command(config), None, {}, grace_s=20.0)
     store = open_discovery(frontend.discovery)
     await store.start()
     try:

@@ -1,0 +1,151 @@
+"""Command-line options built from the configs' declared settings (dynamo_cli/settings.py), and configs built
+back from the options' values.
+
+A command names the config it assembles (`ServeConfig`, `WorkerConfig`, `RouterConfig`): every field of it,
+and of the configs nested in it, that declares a `Setting` becomes one typer option with that setting's flags,
+`DYN_*` twin, help and panel. Fields declaring the same Setting object (the namespace of the frontend and of
+its workers) are one option whose value goes to each. Two different settings with one flag are a bug of the
+command's declaration, refused when the command is built (`skip` leaves a field at its default instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from dynamo_cli.settings import Setting, setting_of
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One command-line option and the config fields it sets."""
+
+    name: str
+    """The command function's parameter name."""
+    setting: Setting
+    fields: tuple[tuple[type, str], ...]
+    """(config class, field name) of every field it sets."""
+    annotation: Any
+    default: Any
+
+
+def knobs(root: type, *, skip: Collection[str] = (), help: Mapping[str, str] | None = None) -> list[Knob]:
+    """The options of every setting in `root`'s config tree, in declaration order; `skip`: fields written
+    `Class.field` that stay at their default; `help`: replacement help text by flag (computed at start)."""
+    found: dict[int, Knob] = {}
+    owner: dict[str, int] = {}
+    for cls, f, hint in _settings_fields(root, set()):
+        if f"{cls.__name__}.{f.name}" in skip:
+            continue
+        spec = setting_of(f.metadata)
+        assert spec is not None
+        known = found.get(id(spec))
+        if known is not None:
+            found[id(spec)] = dataclasses.replace(known, fields=(*known.fields, (cls, f.name)))
+            continue
+        for flag in _flag_names(spec):
+            if owner.setdefault(flag, id(spec)) != id(spec):
+                raise RuntimeError(f"{flag} is declared by two settings of {root.__name__}; skip one of them")
+        text = (help or {}).get(spec.flags[0], spec.help)
+        option = typer.Option(*spec.flags, envvar=spec.env, help=text, rich_help_panel=spec.panel)
+        default = spec.show(f.default) if spec.show is not None else f.default
+        cli_type = spec.cli_type if spec.cli_type is not None else hint
+        found[id(spec)] = Knob(_param_name(spec), spec, ((cls, f.name),), Annotated[cli_type, option], default)
+    return list(found.values())
+
+
+def command(
+    body: Callable[..., None], knobs: Sequence[Knob], extra: Sequence[inspect.Parameter] = (), doc: str | None = None
+) -> Callable[..., None]:
+    """A typer command calling `body(**values)`, with the knobs' options then `extra` ones (each an
+    `inspect.Parameter` whose annotation is `Annotated[type, typer.Option(...)]`)."""
+
+    def run(**values: Any) -> None:
+        body(**values)
+
+    params = [
+        inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default, annotation=k.annotation)
+        for k in knobs
+    ]
+    params += list(extra)
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    run.__doc__ = doc or body.__doc__
+    run.__name__ = body.__name__
+    return run
+
+
+def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    """An extra option of a command (one that is not a config field: it feeds a computed one)."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def build(
+    root: type[T], values: Mapping[str, Any], knobs: Sequence[Knob], given: Mapping[tuple[type, str], Any] = {}
+) -> T:
+    """`root`'s config from the options' `values` (parsed by each setting), `given` values of other fields
+    (by (class, field)), and defaults for the rest. A config class is built once and shared where it recurs
+    (the planes of the frontend and of its workers are one PlanesConfig)."""
+    chosen: dict[tuple[type, str], Any] = dict(given)
+    for knob in knobs:
+        value = values[knob.name]
+        parsed = knob.setting.parse(value) if knob.setting.parse is not None and value is not None else value
+        for target in knob.fields:
+            chosen.setdefault(target, parsed)
+    built: dict[type, Any] = {}
+    return _build(root, chosen, built)  # type: ignore[no-any-return]
+
+
+def _build(cls: type, chosen: Mapping[tuple[type, str], Any], built: dict[type, Any]) -> Any:
+    if cls in built:
+        return built[cls]
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if (cls, f.name) in chosen:
+            kwargs[f.name] = chosen[(cls, f.name)]
+        elif _config_class(hints[f.name]) is not None:
+            kwargs[f.name] = _build(hints[f.name], chosen, built)
+    built[cls] = cls(**kwargs)
+    return built[cls]
+
+
+def _settings_fields(cls: type, seen: set[type]) -> typing.Iterator[tuple[type, dataclasses.Field[Any], Any]]:
+    """(class, field, type) of every field with a Setting in `cls`'s tree, depth first in declaration order."""
+    seen.add(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if setting_of(f.metadata) is not None:
+            yield cls, f, hints[f.name]
+        elif (sub := _config_class(hints[f.name])) is not None and sub not in seen:
+            yield from _settings_fields(sub, seen)
+
+
+def _config_class(hint: Any) -> type | None:
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _flag_names(spec: Setting) -> list[str]:
+    return [name for flag in spec.flags for name in flag.split("/")]
+
+
+def _param_name(spec: Setting) -> str:
+    return spec.flags[0].split("/")[0].lstrip("-").replace("-", "_")
+
+
+def annotated(cls: type, name: str, *, help: str | None = None) -> Any:
+    """The `Annotated[type, typer.Option(...)]` of one config field's setting, for a command that takes it
+    among options of its own (`dyn plan profile --model`)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    spec = setting_of(f.metadata)
+    assert spec is not None, f"{cls.__name__}.{name} declares no setting"
+    hint = spec.cli_type if spec.cli_type is not None else typing.get_type_hints(cls)[name]
+    return Annotated[hint, typer.Option(*spec.flags, envvar=spec.env, help=help or spec.help)]

@@ -1,0 +1,89 @@
+"""One frozen dataclass per role, each setting declared once on its field (flag, `DYN_*` twin, help, default).
+
+Precedence: flag > DYN_* environment (the CLI reads it) > default. The CLI builds every command's options from
+these fields (cli/settings.py); a process `dyn serve` starts gets its config as one JSON document in its
+environment (`child_command`, `config_document`), never as a rebuilt command line.
+
+    common.py     defaults, the settings several configs share, PlanesConfig
+    routing.py    KvRouterConfig, DisaggConfig, QueueConfig, BusyThresholds (the frontend's and `dyn router`'s)
+    frontend.py   FrontendConfig with its TlsConfig and AuthConfig
+    processes.py  WorkerConfig, RouterConfig, ServeConfig, and the child processes' config documents
+"""
+
+from dynamo_cli.config.common import (
+    BLOCK_SIZE,
+    CLUSTER_SECRET_ENV,
+    DEFAULT_ENGINE,
+    DEFAULT_MODEL,
+    DEFAULT_NAMESPACE,
+    GRACEFUL_SHUTDOWN,
+    NAMESPACE,
+    PlanesConfig,
+)
+from dynamo_cli.config.frontend import ROUTER_MODES, AuthConfig, FrontendConfig, TlsConfig, read_api_keys
+from dynamo_cli.config.processes import (
+    CONFIG_DOCUMENTS,
+    KV_TRANSFERS,
+    ChildCommand,
+    RouterConfig,
+    ServeConfig,
+    WorkerConfig,
+    child_command,
+    config_document,
+    parse_role,
+)
+from dynamo_cli.config.routing import (
+    DISAGG_POLICIES,
+    KV_BYTES_PER_TOKEN,
+    ROUTER_COSTS,
+    TIER_DISK_GBS,
+    TIER_DISK_LATENCY_S,
+    TIER_HOST_GBS,
+    TIER_HOST_LATENCY_S,
+    BusyThresholds,
+    DisaggConfig,
+    KvRouterConfig,
+    QueueConfig,
+    QueuePolicy,
+    parse_queue_policy,
+    parse_tier_weights,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CLUSTER_SECRET_ENV",
+    "CONFIG_DOCUMENTS",
+    "DEFAULT_ENGINE",
+    "DEFAULT_MODEL",
+    "DEFAULT_NAMESPACE",
+    "DISAGG_POLICIES",
+    "GRACEFUL_SHUTDOWN",
+    "KV_BYTES_PER_TOKEN",
+    "KV_TRANSFERS",
+    "NAMESPACE",
+    "ROUTER_COSTS",
+    "ROUTER_MODES",
+    "TIER_DISK_GBS",
+    "TIER_DISK_LATENCY_S",
+    "TIER_HOST_GBS",
+    "TIER_HOST_LATENCY_S",
+    "AuthConfig",
+    "BusyThresholds",
+    "ChildCommand",
+    "DisaggConfig",
+    "FrontendConfig",
+    "KvRouterConfig",
+    "PlanesConfig",
+    "QueueConfig",
+    "QueuePolicy",
+    "RouterConfig",
+    "ServeConfig",
+    "TlsConfig",
+    "WorkerConfig",
+    "child_command",
+    "config_document",
+    "parse_queue_policy",
+    "parse_role",
+    "parse_tier_weights",
+    "read_api_keys",
+]

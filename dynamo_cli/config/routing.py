@@ -1,0 +1,343 @@
+"""The routers' settings: the KV router's cost, disaggregation's rule, the wait queue and the busy thresholds.
+
+The frontend's router and every `dyn router` replica hold the same four configs; `dyn serve --routers N`
+hands its own to each replica it starts (`ServeConfig.router_config`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from dynamo_cli.config.common import BLOCK_SIZE
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.settings import DISAGG, OVERLOAD, ROUTING, setting
+
+ROUTER_COSTS = ("time", "dynamo")
+"""`--router-cost`: the KV router's cost function."""
+KV_BYTES_PER_TOKEN = 131_072
+"""KV bytes per token when the card does not say (Llama-3-8B fp16; router/tiers.py has the derivation)."""
+
+
+TIER_HOST_GBS = 20.0
+"""GB/s of a KV onboard from host memory: pinned copies over PCIe 4.0 x16 (~25 peak, 20 sustained). One
+figure for the router's cost (router/tiers.py) and the mocker's timing model, so they agree by default."""
+TIER_DISK_GBS = 4.0
+"""GB/s of a KV onboard from local disk: one NVMe Gen4 SSD's sequential read (3-7 GB/s)."""
+TIER_HOST_LATENCY_S = 20e-6
+"""Fixed cost of one host -> device transfer (a copy's launch and synchronisation)."""
+TIER_DISK_LATENCY_S = 200e-6
+"""Fixed cost of one disk -> device transfer (an NVMe read's queueing and completion, plus the hop
+through host memory)."""
+
+
+def parse_tier_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """`host=0.8,disk=0.3` -> (("host", 0.8), ("disk", 0.3)); an empty string -> () (derived weights)."""
+    pairs: list[tuple[str, float]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if name.strip() not in ("host", "disk") or not 0 <= weight <= 1:
+            raise ConfigError(f"--router-tier-weights item '{item}' is invalid; use host=W,disk=W with W in [0, 1]")
+        pairs.append((name.strip(), weight))
+    return tuple(pairs)
+
+
+def _show_tier_weights(weights: tuple[tuple[str, float], ...]) -> str:
+    return ",".join(f"{tier}={weight}" for tier, weight in weights)
+
+
+@dataclass(frozen=True, slots=True)
+class KvRouterConfig:
+    """Settings of the KV-aware router: the frontend's `--router kv` and every `dyn router`."""
+
+    block_size: int | None = setting(None, BLOCK_SIZE)
+    """Tokens per KV block; must equal the workers' block size. None = the one on the workers' card."""
+    cost: str = setting(
+        "time",
+        "--router-cost",
+        env="DYN_ROUTER_COST",
+        help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode).",
+        panel=ROUTING,
+    )
+    """`time`: seconds of prefill, evictions and KV queueing (router/time_cost.py); `dynamo`: Dynamo's
+    `w * prefill_blocks + decode_blocks`."""
+    overlap_score_weight: float = setting(
+        1.0,
+        "--kv-overlap-score-weight",
+        env="DYN_KV_OVERLAP_SCORE_WEIGHT",
+        help="KV router: weight of prefill blocks in the cost.",
+        panel=ROUTING,
+    )
+    """`dynamo` cost: w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    prefill_tokens_per_s: float | None = setting(
+        None,
+        "--router-prefill-tps",
+        env="DYN_ROUTER_PREFILL_TPS",
+        help="KV router, time cost: a worker's prefill tokens/s (default: learned from first tokens).",
+        panel=ROUTING,
+    )
+    """`time` cost: a worker's prefill speed; None = learned from the first tokens the router sees."""
+    total_kv_blocks: int | None = None
+    """`time` cost: a worker's KV capacity until it publishes its own; None = the card's."""
+    temperature: float = setting(
+        0.0,
+        "--router-temperature",
+        env="DYN_ROUTER_TEMPERATURE",
+        help="KV router: 0 = argmin, > 0 = softmax sampling.",
+        panel=ROUTING,
+    )
+    """0 = argmin; > 0 = softmax sampling over normalised logits."""
+    use_kv_events: bool = setting(
+        True,
+        "--kv-events/--no-kv-events",
+        env="DYN_KV_EVENTS",
+        help="KV router: use workers' KV events, or approximate from own decisions.",
+        panel=ROUTING,
+    )
+    """False = approximate mode: the router's own decisions stand in for the workers' caches."""
+    hot_spot_guard: bool = setting(
+        True,
+        "--hot-spot-guard/--no-hot-spot-guard",
+        env="DYN_HOT_SPOT_GUARD",
+        help="KV router: pick by load when load is badly imbalanced.",
+        panel=ROUTING,
+    )
+    """Ignore the cache and pick by load when active blocks are badly imbalanced."""
+    hot_spot_min_blocks: int = 512
+    """Hot-spot absolute threshold: max - min active blocks."""
+    hot_spot_ratio: float = 0.5
+    """Hot-spot relative threshold: (max - min) / max active blocks."""
+    approx_ttl_s: float = setting(
+        120.0,
+        "--router-ttl",
+        env="DYN_ROUTER_TTL_SECS",
+        help="KV router, approximate mode: seconds a routed prefix counts as cached.",
+        panel=ROUTING,
+    )
+    """Approximate mode: seconds a routed prefix is presumed cached."""
+    approx_max_blocks: int = 1 << 20
+    """Approximate mode: entries kept before pruning to 80 %."""
+    host_bandwidth_gbs: float = setting(
+        TIER_HOST_GBS,
+        "--router-host-bandwidth-gbs",
+        env="DYN_ROUTER_HOST_BANDWIDTH_GBS",
+        help="KV router: GB/s of an onboard from the host-memory tier.",
+        panel=ROUTING,
+    )
+    """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; router/tiers.py)."""
+    disk_bandwidth_gbs: float = setting(
+        TIER_DISK_GBS,
+        "--router-disk-bandwidth-gbs",
+        env="DYN_ROUTER_DISK_BANDWIDTH_GBS",
+        help="KV router: GB/s of an onboard from the disk tier.",
+        panel=ROUTING,
+    )
+    """GB/s of an onboard from local disk (one NVMe Gen4 SSD; router/tiers.py)."""
+    tier_weights: tuple[tuple[str, float], ...] = setting(
+        (),
+        "--router-tier-weights",
+        env="DYN_ROUTER_TIER_WEIGHTS",
+        help="KV router, dynamo cost: worth of a host/disk hit vs a device hit, host=W,disk=W "
+        "(default: from the bandwidths).",
+        panel=ROUTING,
+        cli_type=str,
+        parse=parse_tier_weights,
+        show=_show_tier_weights,
+    )
+    """`dynamo` cost: (tier, weight) of a host or disk hit against a device hit; unset = from bandwidths."""
+    kv_bytes_per_block: int | None = None
+    """KV bytes of one block; None = the card's, else KV_BYTES_PER_TOKEN per token."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size is None or self.block_size > 0, "block_size", self.block_size, "use the workers' one"),
+            (self.cost in ROUTER_COSTS, "cost", self.cost, "use one of: " + ", ".join(ROUTER_COSTS)),
+            (self.overlap_score_weight >= 0, "overlap_score_weight", self.overlap_score_weight, "use >= 0"),
+            (
+                self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0,
+                "prefill_tokens_per_s",
+                self.prefill_tokens_per_s,
+                "use a positive speed or leave it unset to learn it",
+            ),
+            (self.temperature >= 0, "temperature", self.temperature, "use 0 (argmin) or a positive value"),
+            (self.hot_spot_min_blocks >= 1, "hot_spot_min_blocks", self.hot_spot_min_blocks, "use >= 1"),
+            (0 <= self.hot_spot_ratio <= 1, "hot_spot_ratio", self.hot_spot_ratio, "use a value in [0, 1]"),
+            (self.approx_ttl_s > 0, "approx_ttl_s", self.approx_ttl_s, "use a positive number of seconds"),
+            (self.approx_max_blocks > 0, "approx_max_blocks", self.approx_max_blocks, "use >= 1"),
+            (self.host_bandwidth_gbs > 0, "host_bandwidth_gbs", self.host_bandwidth_gbs, "use a positive GB/s"),
+            (self.disk_bandwidth_gbs > 0, "disk_bandwidth_gbs", self.disk_bandwidth_gbs, "use a positive GB/s"),
+            (
+                all(t in ("host", "disk") and 0 <= w <= 1 for t, w in self.tier_weights),
+                "tier_weights",
+                self.tier_weights,
+                "use host=W,disk=W with W in [0, 1]",
+            ),
+        ]
+        for ok, name, value, fix in checks:
+            if not ok:
+                raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
+
+    def for_card(self, card: ModelCard) -> KvRouterConfig:
+        """This config with the card's block size, KV capacity and KV bytes per block, unless they were set."""
+        block_size = self.block_size if self.block_size is not None else card.kv_cache_block_size
+        total = self.total_kv_blocks if self.total_kv_blocks is not None else card.total_kv_blocks
+        nbytes = self.kv_bytes_per_block or card.kv_bytes_per_block or KV_BYTES_PER_TOKEN * block_size
+        return replace(self, block_size=block_size, total_kv_blocks=total, kv_bytes_per_block=nbytes)
+
+
+DISAGG_POLICIES = ("adaptive", "always", "isl", "load", "isl-or-load")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """When a request's prompt is prefilled on a prefill worker rather than on its decode worker
+    (router/disagg.py has the rules). Applies to a model that has prefill workers."""
+
+    policy: str = setting(
+        "adaptive",
+        "--disagg-policy",
+        env="DYN_DISAGG_POLICY",
+        help="When a prompt is prefilled on a prefill worker: " + " | ".join(DISAGG_POLICIES),
+        panel=DISAGG,
+    )
+    """`adaptive` (default: weighs both pools' queued prefill work), `always`, `isl` (Dynamo's
+    isl_bounding), `load` (prefill_load) or `isl-or-load` (isl_or_load)."""
+    max_local_prefill_length: int = setting(
+        512,
+        "--max-local-prefill-length",
+        env="DYN_MAX_LOCAL_PREFILL_LENGTH",
+        help="Uncached prompt tokens a decode worker prefills itself.",
+        panel=DISAGG,
+    )
+    """Uncached prompt tokens on the decode worker (effective ISL) at or below which it prefills locally."""
+    max_prefill_queue: int = setting(
+        4,
+        "--max-prefill-queue",
+        env="DYN_MAX_PREFILL_QUEUE",
+        help="Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated.",
+        panel=DISAGG,
+    )
+    """`load`, `isl-or-load`: a prefill worker with this many prefills queued is saturated; all saturated
+    → prefill locally."""
+    decode_busy_threshold: float = setting(
+        0.9,
+        "--decode-busy-threshold",
+        env="DYN_DECODE_BUSY_THRESHOLD",
+        help="KV usage of a decode worker above which long prompts always go to a prefill worker.",
+        panel=DISAGG,
+    )
+    """Circuit breaker: a decode worker whose KV is this full never prefills a long prompt locally."""
+    enforce: bool = setting(
+        False,
+        "--enforce-disagg",
+        env="DYN_ENFORCE_DISAGG",
+        help="Never prefill on a decode worker: no prefill worker → 503.",
+        panel=DISAGG,
+    )
+    """`--enforce-disagg`: no prefill worker → 503 naming the pool, never an aggregated fallback."""
+    prefill_router_mode: str | None = setting(
+        None,
+        "--prefill-router-mode",
+        env="DYN_PREFILL_ROUTER_MODE",
+        help="kv | round-robin | random for the prefill hop (default: --router's).",
+        panel=DISAGG,
+    )
+    """Routing of the prefill hop (`kv`, `round-robin`, `random`); None = the frontend's `--router`."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in DISAGG_POLICIES:
+            raise ConfigError(f"--disagg-policy '{self.policy}' is unknown; use one of: {', '.join(DISAGG_POLICIES)}")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue < 1:
+            raise ConfigError(
+                f"--max-local-prefill-length ({self.max_local_prefill_length}) must be >= 0 and "
+                f"--max-prefill-queue ({self.max_prefill_queue}) >= 1"
+            )
+        if not 0 < self.decode_busy_threshold <= 1:
+            raise ConfigError(f"--decode-busy-threshold ({self.decode_busy_threshold}) must be in (0, 1]")
+        if self.prefill_router_mode not in (None, "kv", "round-robin", "random"):
+            raise ConfigError(
+                f"--prefill-router-mode '{self.prefill_router_mode}' is unknown; use kv, round-robin or random"
+            )
+
+
+class QueuePolicy(enum.Enum):
+    """How queued requests are ordered (after their priority)."""
+
+    FCFS = "fcfs"
+    SJF = "sjf"
+    DEADLINE = "deadline"
+
+
+def parse_queue_policy(value: str) -> QueuePolicy:
+    """`--router-queue-policy`'s text as a QueuePolicy, or ConfigError naming the choices."""
+    try:
+        return QueuePolicy(value)
+    except ValueError:
+        choices = " | ".join(p.value for p in QueuePolicy)
+        raise ConfigError(f"--router-queue-policy '{value}' is not one of {choices}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """The wait queue of requests that find every worker busy (router/queue.py)."""
+
+    max_size: int = setting(
+        256,
+        "--router-queue-size",
+        env="DYN_ROUTER_QUEUE_SIZE",
+        help="Requests that may wait per model when every worker is busy (0: 503 at once).",
+        panel=OVERLOAD,
+    )
+    """Requests that may wait per model; 0 = no queue (every worker busy is an immediate 503)."""
+    max_wait_s: float = setting(
+        0.5,
+        "--router-queue-timeout",
+        env="DYN_ROUTER_QUEUE_TIMEOUT",
+        help="Seconds a request waits for a worker before its 503.",
+        panel=OVERLOAD,
+    )
+    """The longest a request waits for a worker before its 503; one whose expected wait is longer is
+    refused at once (router/queue.py). Set it to what the deployment's TTFT target leaves."""
+    policy: QueuePolicy = setting(
+        QueuePolicy.FCFS,
+        "--router-queue-policy",
+        env="DYN_ROUTER_QUEUE_POLICY",
+        help="Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline.",
+        panel=OVERLOAD,
+        cli_type=str,
+        parse=parse_queue_policy,
+        show=lambda policy: policy.value,
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_size < 0 or not self.max_wait_s > 0:
+            raise ConfigError(
+                f"--router-queue-size must be >= 0 ({self.max_size}) and --router-queue-timeout > 0 ({self.max_wait_s})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """When a worker counts as busy: every worker busy sends a request to the wait queue, then a 503."""
+
+    max_inflight: int = setting(
+        0,
+        "--max-inflight-per-worker",
+        env="DYN_MAX_INFLIGHT_PER_WORKER",
+        help="Busy threshold: streams per worker (0: none); all workers busy → the wait queue, then 503.",
+        panel=OVERLOAD,
+    )
+    """Streams in flight from this process to one worker; 0 = no limit."""
+    active_blocks_fraction: float = setting(
+        1.0,
+        "--active-decode-blocks-threshold",
+        env="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+        help="Busy threshold: KV usage fraction (1.0: off).",
+        panel=OVERLOAD,
+    )
+    """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
