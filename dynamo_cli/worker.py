@@ -57,7 +57,7 @@ LOAD_HEARTBEAT_S = 0.5
 """Longest gap between two load publications."""
 
 
-class Worker:
+class WorkerService:
     """One engine served on one endpoint."""
 
     def __init__(self, config: WorkerConfig, engine: Engine, discovery: Discovery, bus: EventBus) -> None:
@@ -192,11 +192,11 @@ async def serve_worker(config: WorkerConfig) -> None:
     # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
     reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
     async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
-        await _serve_until(Worker(config, engine, discovery, bus), stop)
+        await _serve_until(WorkerService(config, engine, discovery, bus), stop)
     del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
 
 
-async def _serve_until(worker: Worker, stop: asyncio.Event) -> None:
+async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
     config = worker.config
     worker.server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)
     worker.server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)

@@ -6,10 +6,10 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     errors                      the DynError tree; imports nothing
     settings                    how a config field is set from outside (flags, DYN_* twin, help); imports nothing
     timing                      the simulated engine's pass times and batch limits; imports nothing
-    kv, model                   KV hashing and events; a model's files and tokenizer (errors only)
+    kv, model                   KV hashing, events and tiers; a model's files and tokenizer (errors, settings)
     wire                        every request-plane endpoint name and message (errors, kv)
     engine                      the engine contract (errors, kv, wire)
-    config, model_card          per-role config and the published model card (the contract)
+    config, model_card          per-role config (settings declared on its fields) and the published model card
     runtime                     distributed planes; knows nothing about LLMs (errors, config)
     router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
     frontend                    the OpenAI server (router, model, runtime ...)
@@ -35,6 +35,7 @@ _CONTRACT = {"errors", "config", "engine", "kv", "model_card", "wire"}
 _EVERYTHING = {
     "dynamo_cli",
     "errors",
+    "settings",
     "timing",
     "wire",
     "config",
@@ -54,8 +55,9 @@ _EVERYTHING = {
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "settings": set(),
     "timing": set(),
-    "kv": {"errors"},
+    "kv": {"errors", "settings"},
     "model": {"errors"},
     "wire": {"errors", "kv"},
     "engine": {"errors", "kv", "wire"},
@@ -213,3 +215,14 @@ def test_no_modules_import_each_other_even_inside_functions() -> None:
 def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_two_public_classes_of_dynamo_cli_share_a_name() -> None:
+    """STYLE rule 17: a name means one thing (the engine plugins, each a package of its own, are apart)."""
+    seen: dict[str, list[str]] = {}
+    for name, source in first_party_modules():
+        if name.startswith("dynamo_cli"):
+            for node in ast.parse(source).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    seen.setdefault(node.name, []).append(name)
+    assert {cls: where for cls, where in seen.items() if len(where) > 1} == {}

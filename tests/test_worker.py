@@ -28,7 +28,7 @@ from dynamo_cli.wire import (
     GenerateRequest,
     KvDumpQuery,
 )
-from dynamo_cli.worker import Worker
+from dynamo_cli.worker import WorkerService
 
 
 @pytest.mark.parametrize("bad", [32000, 2**32, 2**63], ids=["vocab-size", "2^32", "2^63"])
@@ -36,7 +36,7 @@ async def test_a_request_the_engine_refuses_fails_as_not_migratable(tmp_path: Pa
     engine = MockerEngine(EngineArgs(model=str(tmp_path), extra={"speedup_ratio": 1e6, "vocab_size": 32000}))
     await engine.start()
     config = WorkerConfig(engine="mocker", model=str(tmp_path))
-    worker = Worker(config, engine, None, None)  # type: ignore[arg-type]  # generate() uses neither plane
+    worker = WorkerService(config, engine, None, None)  # type: ignore[arg-type]  # generate() uses neither plane
     server = RequestServer()
     server.add_endpoint("generate", worker.generate)
     client = RequestClient(await server.start())
@@ -68,7 +68,7 @@ async def test_a_request_the_engine_refuses_fails_as_not_migratable(tmp_path: Pa
 )
 async def test_a_malformed_side_endpoint_body_is_refused_as_a_request_error(endpoint: str, body: bytes) -> None:
     config = WorkerConfig(engine="mocker", model="m")
-    worker = Worker(config, None, SimpleNamespace(lease_id=0x9), None)  # type: ignore[arg-type]  # side endpoints only
+    worker = WorkerService(config, None, SimpleNamespace(lease_id=0x9), None)  # type: ignore[arg-type]  # side endpoints only
     server = RequestServer()
     for name, handler in [
         (KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since),

@@ -21,7 +21,7 @@ from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.kv_repair import repair_gap
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
 from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery
-from dynamo_cli.worker import KV_HISTORY, Worker
+from dynamo_cli.worker import KV_HISTORY, WorkerService
 
 BLOCK = 16
 TOKENS = list(range(1, 12 * BLOCK + 1))
@@ -55,7 +55,9 @@ class Bus:
 
 
 async def test_a_router_that_missed_a_restarted_workers_disk_tier_repairs_it_from_the_dump() -> None:
-    worker = Worker(WorkerConfig(engine="mocker", model="m"), RestartedEngine(), SimpleNamespace(lease_id=0x9), Bus())  # type: ignore[arg-type]
+    worker = WorkerService(
+        WorkerConfig(engine="mocker", model="m"), RestartedEngine(), SimpleNamespace(lease_id=0x9), Bus()
+    )  # type: ignore[arg-type]
     await worker.pump_kv_events()
     server = RequestServer()
     server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)

@@ -28,7 +28,7 @@ _WORD = re.compile(r"^ ?[A-Za-z]{2,12}$")
 _MIN_WORDS = 256
 
 
-class Tokenizer(Protocol):
+class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
 
@@ -87,7 +87,7 @@ def load_vocab(tokenizer: str | None) -> Vocab:
     return approximate_vocab("approximate (1 word ≈ 1 token): no --tokenizer given")
 
 
-def vocab_words(tok: Tokenizer, limit: int = 200_000) -> list[str]:
+def vocab_words(tok: TextCodec, limit: int = 200_000) -> list[str]:
     """The single-token space-prefixed words of a tokenizer's vocabulary, verified by re-encoding."""
     size = getattr(tok, "vocab_size", None)
     limit = size if isinstance(size, int) and size > 0 else limit

@@ -36,6 +36,7 @@ from dynamo_cli.errors import (
     TransportError,
     WorkerDisconnected,
 )
+from dynamo_cli.runtime.framing import Cancel, Data, End, Fail, Frame, FrameCodec, FrameError, Open
 from dynamo_cli.runtime.handshake import (
     HANDSHAKE_TIMEOUT_S,
     MAGIC,
@@ -44,7 +45,6 @@ from dynamo_cli.runtime.handshake import (
     ServerHandshake,
     is_loopback,
 )
-from dynamo_cli.runtime.wire import Cancel, Data, End, Fail, Frame, FrameCodec, FrameError, Open
 
 logger = logging.getLogger(__name__)
 

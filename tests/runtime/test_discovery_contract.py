@@ -30,6 +30,7 @@ Opener = Callable[..., Awaitable[Discovery]]
 
 OWNER = """
 import asyncio, sys
+from dynamo_cli.runtime.planes import open_discovery
 
 
 async def main():
@@ -45,6 +46,7 @@ asyncio.run(main())
 
 STALLER = """
 import asyncio, sys, time
+from dynamo_cli.runtime.planes import open_discovery
 
 
 async def main():

@@ -7,6 +7,7 @@ import struct
 import msgspec
 import pytest
 
+from dynamo_cli.runtime.framing import FrameCodec, Open
 from dynamo_cli.runtime.handshake import (
     ANSWER_BYTES,
     MAGIC,
@@ -18,7 +19,6 @@ from dynamo_cli.runtime.handshake import (
     is_loopback,
     server_proof,
 )
-from dynamo_cli.runtime.wire import FrameCodec, Open
 
 SECRET = bytes(range(32))
 OTHER = bytes(range(1, 33))

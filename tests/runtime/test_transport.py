@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from dynamo_cli.errors import RemoteError, RequestError, WorkerDisconnected
+from dynamo_cli.runtime.framing import FrameCodec, FrameError
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
-from dynamo_cli.runtime.wire import FrameCodec, FrameError
 
 enc = msgspec.msgpack.encode
 

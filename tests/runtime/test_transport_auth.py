@@ -11,9 +11,9 @@ import pytest
 
 from dynamo_cli.errors import AuthenticationFailed, ConfigError, WorkerDisconnected
 from dynamo_cli.runtime import transport
+from dynamo_cli.runtime.framing import Data, FrameCodec, Open
 from dynamo_cli.runtime.handshake import ANSWER_BYTES, HELLO_BYTES, MAGIC, frame
 from dynamo_cli.runtime.transport import RequestClient, RequestServer
-from dynamo_cli.runtime.wire import Data, FrameCodec, Open
 
 SECRET = bytes(range(32))
 WRONG = bytes(range(1, 33))
