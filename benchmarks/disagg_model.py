@@ -71,12 +71,12 @@ class Cluster:
         if self.mode == "agg":
             engine, remote = min(self.engines, key=Engine.load), False
         else:
-            remote = self.is_remote(isl)
+            remote = self.is_prefill_remote(isl)
             engine = self.engines[0] if remote else self.engines[1]
         engine.scheduler.add(MockRequest(request_id, tokens, 1 if remote else OSL, BLOCK_SIZE))
         self.kick(engine, now)
 
-    def is_remote(self, isl: int) -> bool:
+    def is_prefill_remote(self, isl: int) -> bool:
         """dynamo_cli.router.disagg.decide for one prefill and one decode worker, from the schedulers' queues."""
         if self.mode == "always":
             return True

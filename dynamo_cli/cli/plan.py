@@ -189,6 +189,7 @@ def run_command(
         model=model,
         namespace=namespace,
         role=Role.BOTH if mode == "agg" else Role.DECODE,
+        component="backend",
         graceful_shutdown_s=graceful_shutdown,
         planes=PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl, cluster_secret=secret),
         extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio),

@@ -152,6 +152,7 @@ def _config(values: dict[str, Any]) -> tuple[ServeConfig, ServePlan | None]:
     given = {
         (WorkerConfig, "extra"): o.engine_options(values),
         (WorkerConfig, "role"): Role.DECODE if disagg else Role.BOTH,
+        (WorkerConfig, "component"): "backend",  # decode workers too: `dyn router --component`'s default
         # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
         (PlanesConfig, "cluster_secret"): o.cluster_secret(values.pop("cluster_secret_file"), make=True),
         (AuthConfig, "api_keys"): api_keys,

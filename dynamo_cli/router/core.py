@@ -459,7 +459,7 @@ class Dispatch:
             return
         choice, inputs = chosen
         self.prefill = choice.explain(inputs, config.policy)
-        if choice.is_remote:
+        if choice.is_prefill_remote:
             await self._run_prefill(choice.outcome)
         else:
             self.rules.metrics.count_disagg(entry.name, choice.outcome)

@@ -71,12 +71,12 @@ class DisaggInputs:
 class DisaggChoice:
     """Local or remote, and why (one of OUTCOMES)."""
 
-    is_remote: bool
+    is_prefill_remote: bool
     outcome: str
 
     def explain(self, inputs: DisaggInputs, policy: str) -> dict[str, Any]:
         return {
-            "prefill": "remote" if self.is_remote else "local",
+            "prefill": "remote" if self.is_prefill_remote else "local",
             "outcome": self.outcome,
             "policy": policy,
             "effective_isl": inputs.effective_isl,
@@ -120,7 +120,7 @@ def prefill_choice(
         return None  # aggregated; a decode worker whose model lost its pool is decided (local_no_prefill_worker)
     inputs = inputs_for(decode, pool, prompt_tokens, overlap_blocks)
     choice = decide(config, inputs)
-    if config.enforce and not choice.is_remote:
+    if config.enforce and not choice.is_prefill_remote:
         choice = DisaggChoice(True, "remote")
     return choice, inputs
 

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dynamo_cli.config import TIER_DISK_LATENCY_S, TIER_HOST_LATENCY_S
-from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import DISK, HOST
 
 
@@ -80,18 +79,3 @@ def tier_costs(
 
 def _saved(onboard_s: float, recompute_s: float) -> float:
     return min(1.0, max(0.0, 1.0 - onboard_s / recompute_s))
-
-
-def parse_tier_weights(text: str) -> tuple[tuple[str, float], ...]:
-    """`host=0.8,disk=0.3` -> (("host", 0.8), ("disk", 0.3)); an empty string -> () (derived weights)."""
-    pairs: list[tuple[str, float]] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = -1.0
-        if name.strip() not in (HOST, DISK) or not 0 <= weight <= 1:
-            raise ConfigError(f"--router-tier-weights item '{item}' is invalid; use host=W,disk=W with W in [0, 1]")
-        pairs.append((name.strip(), weight))
-    return tuple(pairs)

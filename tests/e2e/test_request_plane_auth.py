@@ -8,6 +8,7 @@ workers in their environment, and every connection must prove the secret before 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import subprocess
 import sys
@@ -16,12 +17,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from dynamo_cli.config import WorkerConfig
 from dynamo_cli.errors import AuthenticationFailed
 from dynamo_cli.kv.events import KvDump
 from dynamo_cli.runtime.framing import FrameCodec, Open
 from dynamo_cli.runtime.handshake import HELLO_BYTES, MAGIC
 from dynamo_cli.runtime.transport import RequestClient
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, KvDumpQuery, SamplingParams
 from tests.conftest import DynProcess, wait_until
 
 FLAGS = ("--engine", "mocker", "--workers", "1", "--speedup-ratio", "100")
@@ -34,7 +36,7 @@ BODY = {
             sampling=SamplingParams(ignore_eos=True),
         )
     ),
-    "kv_dump": msgspec.msgpack.encode(None),
+    "kv_dump": msgspec.msgpack.encode(KvDumpQuery()),
 }
 
 
@@ -93,9 +95,10 @@ def test_the_secret_reaches_workers_by_environment_never_by_command_line(deploym
     for pid in deployment.worker_pids():
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        secret = next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"DYN_CLUSTER_SECRET="))
-        assert len(bytes.fromhex(secret.decode())) == 32
-        assert secret not in cmdline
+        document = next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"DYN_WORKER_CONFIG="))
+        secret = msgspec.json.decode(document, type=WorkerConfig).planes.cluster_secret
+        assert secret is not None and len(secret) == 32
+        assert secret.hex().encode() not in cmdline and base64.b64encode(secret) not in cmdline
 
 
 def test_a_client_with_the_deployments_secret_file_is_served(dyn_serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

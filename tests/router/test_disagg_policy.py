@@ -25,7 +25,7 @@ def inputs(**changes: object) -> DisaggInputs:
 def outcome(policy: str, **changes: object) -> str:
     choice = decide(DisaggConfig(policy=policy, max_local_prefill_length=512, max_prefill_queue=2), inputs(**changes))
     assert choice.outcome in OUTCOMES
-    assert choice.is_remote == choice.outcome.startswith("remote")
+    assert choice.is_prefill_remote == choice.outcome.startswith("remote")
     return choice.outcome
 
 

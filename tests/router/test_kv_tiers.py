@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dynamo_cli.config import KvRouterConfig
+from dynamo_cli.config import KvRouterConfig, parse_tier_weights
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
@@ -15,7 +15,7 @@ from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.cost import CandidateLoad, Candidates, CostConfig, select
 from dynamo_cli.router.indexer import KvIndexer, TierHits
 from dynamo_cli.router.kv import KvRoutingPolicy, config_tier_costs
-from dynamo_cli.router.tiers import parse_tier_weights, tier_costs
+from dynamo_cli.router.tiers import tier_costs
 from dynamo_cli.router.time_cost import Speed
 
 A, B, C, D = 101, 102, 103, 104
