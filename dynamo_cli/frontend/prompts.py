@@ -16,7 +16,7 @@ from dynamo_cli.frontend.openai import (
     stop_list,
 )
 from dynamo_cli.model.tokenizer import Tokenizer
-from dynamo_cli.router.core import RequestPlan, check_context
+from dynamo_cli.router.plan import RequestPlan, check_context
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import GenerateRequest, Guided, SamplingParams
 

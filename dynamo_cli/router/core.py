@@ -28,7 +28,6 @@ import msgspec
 
 from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig
 from dynamo_cli.errors import (
-    ContextOverflow,
     NoWorkers,
     Overloaded,
     RemoteError,
@@ -36,11 +35,11 @@ from dynamo_cli.errors import (
     TransportError,
     UnknownInstance,
 )
-from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle, TransferReport
+from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
-from dynamo_cli.router.queue import QueuedRequest
+from dynamo_cli.router.plan import DispatchMetrics, NoMetrics, RequestPlan
 from dynamo_cli.router.registry import ModelEntry, Worker, not_busy
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.waits import interruptible
@@ -59,68 +58,6 @@ logger = logging.getLogger(__name__)
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
-
-
-@dataclass(frozen=True, slots=True)
-class RequestPlan:
-    """What one request asks of the workers, fixed before it is dispatched."""
-
-    request: GenerateRequest
-    """The request as the first worker gets it (prompt, max_tokens checked against the context, sampling)."""
-    pinned_worker: int | None = None
-    """The backend the caller asked for (header `x-worker-instance-id`, annotation `worker_instance_id`)."""
-    is_explained: bool = False
-    """The caller asked to see the routing decision (header `x-dyn-explain-route`)."""
-    client_request_id: str | None = None
-    """The caller's `x-request-id`, echoed back; `request_id` is always the frontend's own."""
-    queued: QueuedRequest = QueuedRequest()
-    """Its place in the wait queue when every worker is busy: priority and deadline, job size."""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.request.token_ids
-
-
-def check_context(prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
-    """The output tokens allowed (`max_tokens`, or as many as the context leaves when None); ContextOverflow
-    when the prompt leaves no room or `max_tokens` asks for more than it leaves."""
-    room = context_length - prompt_tokens
-    wanted = max_tokens if max_tokens is not None else room
-    if room < 1 or wanted > room:
-        raise ContextOverflow(prompt_tokens, wanted, context_length)
-    return wanted
-
-
-class DispatchMetrics(Protocol):
-    """What the core reports as it goes (the frontend's Prometheus series; nothing for a `dyn router` yet)."""
-
-    def observe_queue_wait(self, model: str, seconds: float) -> None: ...
-
-    def count_migration(self, model: str, kind: str) -> None: ...
-
-    def count_disagg(self, model: str, outcome: str) -> None: ...
-
-    def observe_transfer(self, model: str, report: TransferReport) -> None: ...
-
-
-class NoMetrics:
-    """DispatchMetrics that record nothing."""
-
-    def observe_queue_wait(self, model: str, seconds: float) -> None:
-        pass
-
-    def count_migration(self, model: str, kind: str) -> None:
-        pass
-
-    def count_disagg(self, model: str, outcome: str) -> None:
-        pass
-
-    def observe_transfer(self, model: str, report: TransferReport) -> None:
-        pass
 
 
 ##### Upstreams: what "a worker" is #####

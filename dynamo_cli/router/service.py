@@ -35,9 +35,10 @@ from dynamo_cli.config import RouterConfig
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import ExpiresStale, RouteRequest
-from dynamo_cli.router.core import Dispatch, DispatchRules, RequestPlan
+from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.router.plan import RequestPlan
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import ReplicaSync
@@ -207,13 +208,17 @@ class RouterService:
             tasks.spawn(loop)
 
     async def _wait_for_card(self, stop: asyncio.Event, tasks: ServiceTasks) -> ModelCard | None:
-        """The first backend card seen, or None if `stop` came first."""
+        """The card of the first decode (or aggregated) backend seen, or None if `stop` came first.
+
+        NOTE: not `entry.card`, which is the card of whichever worker of the model joined first: a prefill
+        worker's when the prefill pool registered first, and a router advertising that card (its role)
+        would be a prefill worker to the frontends, which never route a request to one."""
         while not stop.is_set():
             tasks.raise_if_died()
             entry = next((e for e in self.registry.models.values() if e.workers), None)
             if entry is not None:
                 self.model = entry.name
-                return entry.card
+                return next(iter(entry.workers.values())).card
             self.registry.changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CARD_POLL_S):

@@ -25,7 +25,7 @@ import nats
 import nats.errors
 import nats.js.api
 import nats.js.errors
-from nats.aio.client import Client
+from nats.aio.client import DEFAULT_FLUSH_TIMEOUT, Client
 from nats.aio.msg import Msg
 
 from dynamo_cli.errors import ConfigError, PlaneAuthFailed, PlaneUnavailable
@@ -166,7 +166,26 @@ class NatsSubscription:
                 )
 
 
-class _TlsOrNothing(Client):
+class _FlushInOrder(Client):
+    """A client whose `flush()` PING goes behind what was sent before it, as in the other NATS clients, so
+    that its PONG proves the server has processed all of that: a SUB (`subscribe` + `flush`: the server
+    routes the subject to it from now on), an UNSUB, the last publishes.
+
+    NOTE: nats-py's `flush()` writes its PING straight to the socket (`_send_ping`), while `subscribe`,
+    `publish` and `unsubscribe` queue their commands for its flusher task, which runs only once the
+    caller awaits. A SUB queued just before thus reached the server after the PING, and the PONG could
+    come before the server knew the subscription: a message published right after `subscribe()` returned
+    then went to no one. Hooks nats-py's `_flush_pending`, which hands the queue to the socket (nats-py is
+    pinned below 3)."""
+
+    async def flush(self, timeout: int = DEFAULT_FLUSH_TIMEOUT) -> None:
+        if self.is_connected:
+            async with asyncio.timeout(timeout):  # nats-py would wait for its flusher task without a deadline
+                await self._flush_pending(force_flush=True)
+        await super().flush(timeout)
+
+
+class _TlsOrNothing(_FlushInOrder):
     """A client that, asked for TLS, never speaks in clear: an INFO without `tls_required` is refused
     before CONNECT (and its credentials) is sent. Hooks nats-py's `_process_info`, which every
     connection attempt calls between reading INFO and upgrading to TLS (nats-py is pinned below 3)."""

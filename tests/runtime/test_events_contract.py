@@ -252,6 +252,56 @@ async def test_events_resume_after_nats_restarts(nats_process: tests.planes.Nats
 
 
 @pytest.mark.nats
+async def test_nats_subscribe_returns_once_the_server_has_the_subscription() -> None:
+    """`subscribe` + flush: the PONG it waits for must come after the server read the SUB (a server routes a
+    message only to the subscriptions it has processed). A fake server that notes, at each PING, the subjects
+    subscribed so far on that connection shows the order on the wire, which a real one cannot."""
+    subscribed: list[str] = []
+    known_at_pong: list[list[str]] = []
+
+    async def fake_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"fake","version":"2.10.0","proto":1,"max_payload":1048576}\r\n')
+        while line := await reader.readline():
+            op, *args = line.split()
+            if op == b"SUB":
+                subscribed.append(args[0].decode())
+            elif op == b"PING":
+                known_at_pong.append(list(subscribed))
+                writer.write(b"PONG\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(fake_server, "127.0.0.1", 0)
+    bus = NatsEventBus(f"nats://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        await bus.start()
+        for subject in ("a.kv-events", "b.kv-events"):
+            await bus.subscribe(subject)
+            assert subject in known_at_pong[-1], f"the server answered PONG before it read SUB {subject}"
+    finally:
+        await bus.close()
+        server.close()
+
+
+@pytest.mark.nats
+async def test_a_message_published_right_after_subscribe_reaches_a_fresh_subscriber(nats_server: str) -> None:
+    publisher = NatsEventBus(nats_server)
+    await publisher.start()
+    try:
+        for i in range(30):
+            subscriber = NatsEventBus(nats_server)
+            await subscriber.start()
+            try:
+                subscription = await subscriber.subscribe(f"{KV_EVENTS}.{i}")
+                await publisher.publish(f"{KV_EVENTS}.{i}", b"first")
+                async with asyncio.timeout(2):
+                    assert await anext(aiter(subscription)) == (f"{KV_EVENTS}.{i}", b"first"), i
+            finally:
+                await subscriber.close()
+    finally:
+        await publisher.close()
+
+
+@pytest.mark.nats
 async def test_nats_unreachable_at_start_raises_plane_unavailable_naming_the_address() -> None:
     port = tests.planes.free_port()
     bus = NatsEventBus(f"nats://127.0.0.1:{port}")
