@@ -6,6 +6,13 @@ and the load generator (from /proc and getrusage), plus CPU ms per request of fr
 A last phase measures TTFT at concurrency 1 with an ordinary client (httpx), as a user would see it.
 
     python benchmarks/overhead.py [--seconds 20] [--json benchmarks/out/overhead.json]
+
+`--ab DIR` compares this checkout with another (DIR: a checkout of an earlier commit, with a `dyn_engines`
+link to its `engines/` when its engines install under that name here): each round runs the same levels on
+DIR, on this checkout, and on this checkout again (the A/A pair: the noise floor), alternating, each side's
+`dyn serve` from its own code (PYTHONPATH=side, PYTHONSAFEPATH); the table gives main/base and main/main.
+
+    python benchmarks/overhead.py --ab ../base --rounds 3 --seconds 15 --concurrency 64 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -145,7 +152,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", default="16,128")
     parser.add_argument("--json", default="benchmarks/out/overhead.json")
     parser.add_argument("--http-server", default="uvicorn", choices=["uvicorn", "hypercorn"])
+    parser.add_argument("--ab", default=None, help="another checkout to compare with, alternating (see above)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.ab is not None:
+        return compare(args)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_serve(tmp, args.http_server)
         try:
@@ -217,6 +228,42 @@ def print_table(rows: list[dict[str, object]]) -> None:
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Rounds of base, main, main (A/A), each `overhead.py` run by its own checkout; the ratios per round."""
+    here = Path(__file__).resolve().parents[1]
+    sides = {"base": Path(args.ab).resolve(), "main": here, "main2": here}
+    level = ["--seconds", str(args.seconds), "--concurrency", args.concurrency, "--max-tokens", args.max_tokens]
+    results: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(1, args.rounds + 1):
+            for side, root in sides.items():
+                out = Path(tmp) / f"{side}-{round_}.json"
+                env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
+                script = root / "benchmarks" / "overhead.py"
+                subprocess.run([sys.executable, str(script), *level, "--json", str(out)], cwd=root, env=env, check=True)
+                for row in json.loads(out.read_text())["rows"]:
+                    if row["client"] == "lean":
+                        results.append({"round": round_, "side": side, **row})
+    print(
+        f"{'round':>5} {'mt':>4} {'conc':>4} {'base r/s':>9} {'main r/s':>9} {'main/base':>9} {'main/main':>9} "
+        f"{'base ms/r':>9} {'main ms/r':>9} {'main/base':>9} {'main/main':>9}"
+    )
+    for round_ in range(1, args.rounds + 1):
+        keys = {(r["max_tokens"], r["concurrency"]) for r in results if r["round"] == round_}
+        for key in sorted(keys):  # type: ignore[type-var]
+            by = {r["side"]: r for r in results if r["round"] == round_ and (r["max_tokens"], r["concurrency"]) == key}
+            rps = {side: float(by[side]["req_per_s"]) for side in sides}  # type: ignore[arg-type]
+            cpu = {side: float(by[side]["cpu_ms_per_req_fe_worker"]) for side in sides}  # type: ignore[arg-type]
+            print(
+                f"{round_:>5} {key[0]:>4} {key[1]:>4} {rps['base']:>9.0f} {rps['main']:>9.0f} "
+                f"{rps['main'] / rps['base']:>9.3f} {rps['main'] / rps['main2']:>9.3f} {cpu['base']:>9.3f} "
+                f"{cpu['main']:>9.3f} {cpu['main'] / cpu['base']:>9.3f} {cpu['main'] / cpu['main2']:>9.3f}"
+            )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"ab": str(sides["base"]), "rows": results}, indent=2))
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

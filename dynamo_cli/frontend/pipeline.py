@@ -52,8 +52,10 @@ class Generation:
             yield self.echo
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(list(self.stop))
-        async with contextlib.aclosing(self.dispatch.tokens()) as tokens:  # a stop string aborts the worker now
-            async for token_ids in tokens:
+        async with contextlib.aclosing(self.dispatch.stream()) as stream:  # a stop string aborts the worker now
+            async for _, token_ids in stream:
+                if not token_ids:
+                    continue
                 piece = stops.push(detok.push(token_ids))
                 if piece:
                     yield piece

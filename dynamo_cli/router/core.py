@@ -161,7 +161,7 @@ class DispatchRules:
 
 class Dispatch:
     """Runs one plan on the workers: `start()` (or `route()` then `prepare()`) before the response, then
-    iterate `tokens()` (token ids) or `frames()` (encoded chunks); `aclose()` last."""
+    iterate `stream()` (batches and their token ids) or `frames()` (encoded chunks); `aclose()` last."""
 
     def __init__(self, entry: ModelEntry, plan: RequestPlan, rules: DispatchRules) -> None:
         self.entry = entry
@@ -229,29 +229,37 @@ class Dispatch:
             self.close()
             raise
 
-    async def tokens(self) -> AsyncGenerator[list[int], None]:
-        """Token ids as the workers send them, across migrations; ends with `finish_reason` set."""
-        if self.output_ids and not self.is_aborted:
-            yield list(self.output_ids)  # the remote prefill's first token
-        async with contextlib.aclosing(self._batches()) as batches:
-            async for _, token_ids in batches:
-                if token_ids:
-                    yield token_ids
+    async def stream(self) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
+        """Each batch of chunks the workers send, with its token ids, across migrations; the remote prefill's
+        first token comes first (with no batch). Ends with `finish_reason` set."""
+        try:
+            if self.output_ids and not self.is_aborted:
+                yield [], list(self.output_ids)
+            while not self.is_aborted and self.finish_reason is None:
+                try:
+                    stream = self._stream or await self._open()
+                    async for batch in self._relay(stream):
+                        yield batch
+                    return
+                except TransportError as exc:
+                    self.migrate(exc)
+        finally:
+            self._release()
 
     async def frames(self) -> AsyncGenerator[bytes, None]:
         """The stream as encoded GenerateChunks (`dyn router`'s relay): the prefill's first token, then the
         worker's chunks as received."""
-        if self.output_ids and not self.is_aborted:
-            yield _encode(
-                GenerateChunk(
-                    token_ids=list(self.output_ids),
-                    finish_reason=self.finish_reason,
-                    num_cached_tokens=self.cached_tokens,
-                    logprobs=list(self.logprobs) or None,
-                )
-            )
-        async with contextlib.aclosing(self._batches()) as batches:
-            async for batch, _ in batches:
+        async with contextlib.aclosing(self.stream()) as stream:
+            async for batch, token_ids in stream:
+                if not batch:  # the remote prefill's first token
+                    yield _encode(
+                        GenerateChunk(
+                            token_ids=token_ids,
+                            finish_reason=self.finish_reason,
+                            num_cached_tokens=self.cached_tokens,
+                            logprobs=list(self.logprobs) or None,
+                        )
+                    )
                 for raw in batch:
                     yield bytes(raw)
 
@@ -321,20 +329,6 @@ class Dispatch:
             worker.pending_prefill_tokens += self._local_prefill_tokens
         self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
         return self._stream
-
-    async def _batches(self) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
-        """Hop 3 across hop 4: each batch the workers send and its token ids, until the stream ends."""
-        try:
-            while not self.is_aborted and self.finish_reason is None:
-                try:
-                    stream = self._stream or await self._open()
-                    async for batch in self._relay(stream):
-                        yield batch
-                    return
-                except TransportError as exc:
-                    self.migrate(exc)
-        finally:
-            self._release()
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
         """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker."""
