@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,6 +35,13 @@ KNOBS = settings.knobs(
     },
     help=o.HELP,
 )
+
+
+def _planner_option(flag: str, kind: Any, help: str, default: Any) -> inspect.Parameter:
+    """`--planner-FLAG` (DYN_PLANNER_FLAG), the option `dyn plan run` takes as `--FLAG`."""
+    name = "planner_" + flag.replace("-", "_")
+    return settings.option(name, Annotated[kind, o.planner_option(f"--{flag}", help, prefix="planner-")], default)
+
 
 EXTRA = [
     settings.option(
@@ -89,42 +97,23 @@ EXTRA = [
         ],
         False,
     ),
-    settings.option(
-        "planner_ttft", Annotated[float, o.planner_option("--ttft", "TTFT target (ms).", prefix="planner-")], 0.0
-    ),
-    settings.option(
-        "planner_itl", Annotated[float, o.planner_option("--itl", "ITL target (ms).", prefix="planner-")], 0.0
-    ),
-    settings.option(
-        "planner_profile",
-        Annotated[
-            Path | None,
-            o.planner_option(
-                "--profile",
+    *(
+        _planner_option(flag, kind, help, default)
+        for flag, kind, help, default in [
+            ("ttft", float, "TTFT target (ms).", 0.0),
+            ("itl", float, "ITL target (ms).", 0.0),
+            (
+                "profile",
+                Path | None,
                 "Profile JSON (`dyn plan profile`; default for the mocker: profiled at startup, a few seconds).",
-                prefix="planner-",
+                None,
             ),
-        ],
-        None,
-    ),
-    settings.option(
-        "planner_min_workers", Annotated[int, o.planner_option("--min-workers", "Per pool.", prefix="planner-")], 1
-    ),
-    settings.option(
-        "planner_max_workers", Annotated[int, o.planner_option("--max-workers", "Per pool.", prefix="planner-")], 8
-    ),
-    settings.option(
-        "planner_interval",
-        Annotated[float, o.planner_option("--interval", "Throughput step period (s).", prefix="planner-")],
-        INTERVAL_S,
-    ),
-    settings.option(
-        "planner_load_interval",
-        Annotated[float, o.planner_option("--load-interval", "Burst check period (s; 0: off).", prefix="planner-")],
-        LOAD_INTERVAL_S,
-    ),
-    settings.option(
-        "planner_startup", Annotated[float, o.planner_option("--startup", STARTUP_HELP, prefix="planner-")], STARTUP_S
+            ("min-workers", int, "Per pool.", 1),
+            ("max-workers", int, "Per pool.", 8),
+            ("interval", float, "Throughput step period (s).", INTERVAL_S),
+            ("load-interval", float, "Burst check period (s; 0: off).", LOAD_INTERVAL_S),
+            ("startup", float, STARTUP_HELP, STARTUP_S),
+        ]
     ),
 ]
 

@@ -13,10 +13,7 @@ from dataclasses import dataclass
 from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router import registry
-from dynamo_cli.router.registry import ROUTER_COMPONENT, PolicyFactory, Worker
 from dynamo_cli.runtime.supervisor import freeze_heap
-
-__all__ = ["ROUTER_COMPONENT", "FrontendRegistry", "PolicyFactory", "ServedModel", "Worker"]
 
 
 @dataclass(slots=True, kw_only=True)

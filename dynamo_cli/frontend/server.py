@@ -101,7 +101,6 @@ class FrontendService:
             discovery,
             config.namespace,
             policy_factory(config),
-            busy,
             accept,
             secret=config.planes.cluster_secret,
             prefill_policy_factory=policy_factory(config, prefill_mode),

@@ -56,6 +56,14 @@ CLOSE_TIMEOUT_S = 30.0
 """How long `aclose` waits for queued disk writes to finish."""
 
 
+def _bytes_of_gb(gb: float) -> int:
+    return int(gb * 1e9)
+
+
+def _gb_of_bytes(nbytes: int) -> float:
+    return nbytes / 1e9
+
+
 @dataclass(frozen=True, slots=True)
 class KvTierConfig:
     """Sizes of the tiers below the engine's own cache (all zero: tiers off). GB = 10^9 bytes, as Dynamo's
@@ -68,8 +76,8 @@ class KvTierConfig:
         help="KV tier in host memory below the engine's cache, GB (0: off).",
         panel=KV_TIERS,
         cli_type=float,
-        parse=lambda gb: int(gb * 1e9),
-        show=lambda nbytes: nbytes / 1e9,
+        parse=_bytes_of_gb,
+        show=_gb_of_bytes,
     )
     """Host-memory tier capacity in bytes (0: no host tier)."""
     disk_bytes: int = setting(
@@ -79,8 +87,8 @@ class KvTierConfig:
         help="KV tier on local disk below host memory, GB (0: off).",
         panel=KV_TIERS,
         cli_type=float,
-        parse=lambda gb: int(gb * 1e9),
-        show=lambda nbytes: nbytes / 1e9,
+        parse=_bytes_of_gb,
+        show=_gb_of_bytes,
     )
     """Disk tier capacity in bytes, file headers included (0: no disk tier)."""
     disk_dir: str | None = setting(

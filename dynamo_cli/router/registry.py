@@ -107,12 +107,10 @@ class Registry(Generic[EntryT]):
         discovery: Discovery,
         namespace: str,
         policy_factory: PolicyFactory,
-        busy: BusyThresholds | None = None,
         accept: Callable[[EndpointName], bool] | None = None,
         secret: bytes | None = None,
         prefill_policy_factory: PolicyFactory | None = None,
     ) -> None:
-        self.busy = busy or BusyThresholds()
         self._policy_factory = policy_factory
         self._prefill_policy_factory = prefill_policy_factory or policy_factory
         """Routing of the prefill pool (`--prefill-router-mode`); by default the same as the decode pool's."""

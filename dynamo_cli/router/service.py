@@ -86,7 +86,6 @@ class RouterService:
             config.namespace,
             kv_policy_factory(config.kv_router),
             accept=lambda name: name.component in (config.component, config.prefill_component),
-            busy=config.busy,
             secret=secret,
         )
         self.server = RequestServer(config.host, config.port, secret=secret)
