@@ -31,6 +31,7 @@ PLANES = "Planes and cluster"
 SECURITY = "Security"
 HTTP = "HTTP server"
 SUPERVISION = "Supervision"
+OBSERVABILITY = "Observability (probes, metrics, traces, logs)"
 
 
 @dataclass(frozen=True, slots=True)

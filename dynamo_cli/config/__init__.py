@@ -7,6 +7,7 @@ environment (`child_command`, `config_document`), never as a rebuilt command lin
     common.py     defaults, the settings several configs share, PlanesConfig
     routing.py    KvRouterConfig, DisaggConfig, QueueConfig, BusyThresholds (the frontend's and `dyn router`'s)
     frontend.py   FrontendConfig with its TlsConfig and AuthConfig
+    telemetry.py  TelemetryConfig: system server port, OTLP traces, log format (every process)
     processes.py  WorkerConfig, RouterConfig, ServeConfig, and the child processes' config documents
 """
 
@@ -48,8 +49,11 @@ from dynamo_cli.config.routing import (
     parse_queue_policy,
     parse_tier_weights,
 )
+from dynamo_cli.config.telemetry import LOG_FORMATS, TelemetryConfig
 
 __all__ = [
+    "LOG_FORMATS",
+    "TelemetryConfig",
     "BLOCK_SIZE",
     "CLUSTER_SECRET_ENV",
     "CONFIG_DOCUMENTS",

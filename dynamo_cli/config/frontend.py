@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, KvRouterConfig, QueueConfig
+from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import HTTP, OVERLOAD, SECURITY, setting
 
@@ -159,6 +160,8 @@ class FrontendConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Traces and logs (its system port is the workers' base in `dyn serve`: the frontend serves its own probes)."""
     graceful_shutdown_s: float = 30.0
     """On SIGTERM, seconds the HTTP server waits for the responses in flight to end before it cuts them
     (Kubernetes' default grace period); idle connections are closed at once."""

@@ -22,6 +22,7 @@ from dynamo_cli.config.common import (
 )
 from dynamo_cli.config.frontend import FrontendConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, KvRouterConfig, QueueConfig
+from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import DISAGG, ENGINE, PLANES, ROUTING, SUPERVISION, setting
@@ -100,6 +101,7 @@ class WorkerConfig:
     """Seconds a prefill worker keeps KV no decode worker pulled (the client left, the decode died)."""
     kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
     """Host and disk KV tiers below the engine's cache (`--kv-host-cache-gb`, `--kv-disk-cache-gb` ...)."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:
@@ -145,6 +147,7 @@ class RouterConfig:
     """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
     queue: QueueConfig = field(default_factory=QueueConfig)
     """The wait queue of requests that find every backend busy."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,7 @@ class ServeConfig:
             disagg=replace(frontend.disagg, prefill_router_mode=None),
             busy=frontend.busy,  # the busy thresholds and the queue act in the routers (the frontend sees no load)
             queue=frontend.queue,
+            telemetry=self.worker.telemetry,
         )
 
 
