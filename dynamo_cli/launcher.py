@@ -29,6 +29,7 @@ import msgspec
 from prometheus_client import generate_latest
 
 from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
+from dynamo_cli.config.processes import ChildConfig
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
@@ -184,7 +185,8 @@ async def _start_workers(
     """The initial workers: supervised by the pool, or (`--planner`) owned by the planner's connector."""
     decode = replace(config.worker, planes=planes)
     prefill = replace(decode, role=Role.PREFILL, component=Role.PREFILL.value)
-    if planned:
+    if planned:  # one config for every worker the planner starts: any free system port each
+        decode, prefill = (_system_port(c, 0 if _base_port(config) is not None else None) for c in (decode, prefill))
         if decode.kv_tiers.disk_dir is not None:  # one config for every worker the planner starts
             raise ConfigError(
                 "--planner starts every worker with one config: drop --kv-disk-cache-dir (each "
@@ -198,11 +200,26 @@ async def _start_workers(
         )
         await connector.apply(ScaleTarget(0, config.num_prefill_workers, config.num_workers))
         return connector
-    for i in range(config.num_workers):
-        await _spawn(pool, _own_disk_dir(decode, f"worker-{i}"))  # the caller stops them
+    for i in range(config.num_workers):  # the caller stops them
+        await _spawn(pool, _system_port(_own_disk_dir(decode, f"worker-{i}"), _child_port(config, i)))
     for i in range(config.num_prefill_workers):
-        await _spawn(pool, _own_disk_dir(prefill, f"prefill-{i}"))
+        port = _child_port(config, config.num_workers + i)
+        await _spawn(pool, _system_port(_own_disk_dir(prefill, f"prefill-{i}"), port))
     return None
+
+
+def _base_port(config: ServeConfig) -> int | None:
+    return config.worker.telemetry.system_port
+
+
+def _child_port(config: ServeConfig, index: int) -> int | None:
+    """`--system-port BASE`: the index-th child's (decode workers, then prefill workers, then routers)."""
+    base = _base_port(config)
+    return base + index if base else base
+
+
+def _system_port(config: ChildConfig, port: int | None) -> ChildConfig:
+    return replace(config, telemetry=replace(config.telemetry, system_port=port))
 
 
 async def _spawn(pool: ProcessPool, config: WorkerConfig | RouterConfig) -> None:
@@ -237,8 +254,8 @@ async def _serve_started(
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         router = replace(config.router_config(), planes=planes)
-        for _ in range(config.num_routers):
-            await _spawn(pool, router)
+        for i in range(config.num_routers):
+            await _spawn(pool, _system_port(router, _child_port(config, expected + i)))
         expected = config.num_routers
     served: set[str] = set()
     pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()

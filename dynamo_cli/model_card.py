@@ -32,6 +32,11 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """A prefill engine whose KV moves by rendezvous (SGLang): its bootstrap server's host:port, where
     the decode engine meets it while both run (router/prefill.py)."""
 
+    @property
+    def health_check_token(self) -> int:
+        """A prompt token every engine of this model accepts: its end-of-sequence token, else id 0."""
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
     @classmethod
     def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:
         return cls(

@@ -129,6 +129,20 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
         )
 
 
+HEALTH_CHECK_ID = "dyn-health-check"
+"""The request id of health checks (a canary): one token, greedy, from one prompt token."""
+
+
+def health_check_request(token_id: int) -> GenerateRequest:
+    """A canary: the smallest generation an engine can run (Dynamo's `health_check_payload`)."""
+    return GenerateRequest(
+        request_id=HEALTH_CHECK_ID,
+        token_ids=[token_id],
+        max_tokens=1,
+        sampling=SamplingParams(temperature=0.0, ignore_eos=True),
+    )
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The logprob of one generated token and of the most likely alternatives at its position."""
 

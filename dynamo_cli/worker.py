@@ -8,6 +8,7 @@ requests arrive), drain in-flight streams within the grace period, then stop eve
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import deque
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import Embeds, Engine, EngineArgs, Role, SpawnsProcesses, load_engine
@@ -31,6 +33,7 @@ from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
+from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import (
     EMBED_ENDPOINT,
@@ -43,7 +46,10 @@ from dynamo_cli.wire import (
     KvDumpQuery,
     KvEventsSince,
     KvRelease,
+    LoadMetrics,
+    health_check_request,
 )
+from dynamo_cli.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,21 @@ KV_HISTORY = 1024
 """KV event batches a worker keeps for routers that missed some (gap repair)."""
 LOAD_HEARTBEAT_S = 0.5
 """Longest gap between two load publications."""
+ENGINE_CHECK_S = 3.0
+"""`/health`'s engine check: a one-token generation must end within this (Dynamo's canary timeout)."""
+ENGINE_QUIET_S = 10.0
+"""`/health` runs the engine check only when the engine produced nothing for this long (else it answers)."""
+
+
+class WorkerState(enum.Enum):
+    """Where the worker is in its life, as `/health` reports it."""
+
+    STARTING = "starting"
+    """Loading the engine; not registered yet."""
+    READY = "ready"
+    """Registered: routers send it requests."""
+    DRAINING = "draining"
+    """Deregistered on SIGTERM; finishing the streams in flight."""
 
 
 class WorkerService:
@@ -74,6 +95,11 @@ class WorkerService:
         """Tier -> the blocks held there (a block may sit on several tiers)."""
         self._last_event_id = -1
         self.kv = KvMover(config)
+        self.state = WorkerState.STARTING
+        self.card: ModelCard | None = None
+        self.last_output_at = 0.0
+        """`time.monotonic()` of the engine's last chunk: an engine that produces needs no health check."""
+        self._engine_check: asyncio.Task[str | None] | None = None
 
     @property
     def instance_id(self) -> int:
@@ -90,6 +116,7 @@ class WorkerService:
         request, report = await self.kv.take(request)
         chunk: GenerateChunk
         async for chunk in self.engine.generate(request):
+            self.last_output_at = time.monotonic()
             if chunk.kv_transfer is not None:
                 chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
             if report is not None:
@@ -111,7 +138,48 @@ class WorkerService:
     async def start_engine(self) -> ModelCard:
         """Start the engine; the card it will be served with."""
         info = await self.engine.start()
-        return ModelCard.from_engine(info, self.config.engine, self.config.role)
+        self.card = ModelCard.from_engine(info, self.config.engine, self.config.role)
+        return self.card
+
+    async def health(self) -> HealthReport:
+        """`/health`: ready when registered and the engine answers (it produced lately, or a one-token
+        generation ends within ENGINE_CHECK_S); 503 while starting or draining."""
+        detail: dict[str, object] = {"instance_id": f"{self.instance_id:x}", "role": self.config.role.value}
+        if self.state is not WorkerState.READY:
+            return HealthReport(False, self.state.value, detail)
+        if time.monotonic() - self.last_output_at < ENGINE_QUIET_S:
+            return HealthReport(True, "ready", {**detail, "engine": "producing"})
+        if self._engine_check is None or self._engine_check.done():  # one check at a time, shared by probes
+            self._engine_check = asyncio.get_running_loop().create_task(self._check_engine())
+        problem = await asyncio.shield(self._engine_check)
+        if problem is not None:
+            return HealthReport(False, "unhealthy", {**detail, "engine": problem})
+        return HealthReport(True, "ready", {**detail, "engine": "answered"})
+
+    async def _check_engine(self) -> str | None:
+        """A one-token generation straight on the engine; None if it ended in time, else what went wrong."""
+        assert self.card is not None
+        try:
+            async with asyncio.timeout(ENGINE_CHECK_S):
+                async for _ in self.engine.generate(health_check_request(self.card.health_check_token)):
+                    pass
+        except TimeoutError:
+            return f"no answer to a one-token generation within {ENGINE_CHECK_S:.0f} s"
+        except DynError as exc:
+            return f"a one-token generation failed: {exc}"
+        self.last_output_at = time.monotonic()
+        return None
+
+    def load_now(self) -> LoadMetrics:
+        """The engine's load, stamped with this instance and its KV transfer holdings."""
+        held, held_bytes = self.kv.server.held() if self.kv.server is not None else (0, 0)
+        return msgspec.structs.replace(
+            self.engine.load_metrics(),
+            worker_id=self.instance_id,
+            kv_event_id=self._last_event_id,
+            kv_transfer_held=held,
+            kv_transfer_held_bytes=held_bytes,
+        )
 
     async def pump_kv_events(self) -> None:
         """Relay the engine's KV events to the event plane, stamped with this instance's id; keep the
@@ -167,14 +235,7 @@ class WorkerService:
         last, last_at = None, 0.0
         loop = asyncio.get_running_loop()
         while True:
-            held, held_bytes = self.kv.server.held() if self.kv.server is not None else (0, 0)
-            metrics = msgspec.structs.replace(
-                self.engine.load_metrics(),
-                worker_id=self.instance_id,
-                kv_event_id=self._last_event_id,
-                kv_transfer_held=held,
-                kv_transfer_held_bytes=held_bytes,
-            )
+            metrics = self.load_now()
             if metrics != last or loop.time() - last_at >= LOAD_HEARTBEAT_S:
                 await self.bus.publish(subject, msgspec.msgpack.encode(metrics))
                 last, last_at = metrics, loop.time()
@@ -203,28 +264,47 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
     worker.server.add_endpoint(KV_RELEASE_ENDPOINT, worker.kv_release)
     worker.server.add_endpoint(EMBED_ENDPOINT, worker.embed)
     address = await worker.server.start()
+    system, registry = _system_server(worker)
+    system_text = f" system={await system.start()}" if system is not None else ""
     await worker.kv.start()
     endpoint = Endpoint(worker.name, worker.discovery)
     try:
         async with ServiceTasks() as tasks:
             card = await worker.start_engine()
+            registry.register(
+                WorkerMetrics(worker.load_now, config.namespace, worker.name.component, card.display_name)
+            )
             async with endpoint.serve_endpoint(
                 worker.server, worker.generate, card, role=config.role.value, grace_s=config.graceful_shutdown_s
             ):
                 # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
                 tasks.spawn(worker.pump_kv_events())
                 tasks.spawn(worker.pump_load())
+                worker.state = WorkerState.READY
                 print(
                     f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
-                    f"model={card.display_name} engine={card.engine} role={card.role}",
+                    f"model={card.display_name} engine={card.engine} role={card.role}{system_text}",
                     flush=True,
                 )
                 freeze_heap()  # the engine and its model are built: out of the collector's reach
                 await tasks.wait_stop(stop)
+                worker.state = WorkerState.DRAINING  # leaving the block deregisters, then drains
     finally:
         await worker.server.close()
         await worker.kv.close()
         await worker.engine.stop()
+        if system is not None:
+            await system.close()
+
+
+def _system_server(worker: WorkerService) -> tuple[SystemServer | None, CollectorRegistry]:
+    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`), and the registry its series go in."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(ComponentMetrics(worker.server, worker.config.namespace, worker.name.component))
+    port = worker.config.telemetry.system_port
+    if port is None:
+        return None, registry
+    return SystemServer(worker.config.host, port, worker.health, [registry]), registry
 
 
 class KvMover:

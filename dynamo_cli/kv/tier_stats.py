@@ -68,3 +68,33 @@ class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
     def disk_hit_rate(self) -> float:
         """Disk hits per block looked up."""
         return self.disk_hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+
+
+KVBM_SERIES = {
+    "kvbm_matched_tokens": "matched_tokens",
+    "kvbm_offload_blocks_d2h": "offload_blocks_d2h",
+    "kvbm_offload_blocks_h2d": "offload_blocks_h2d",
+    "kvbm_onboard_blocks_h2d": "onboard_blocks_h2d",
+    "kvbm_onboard_blocks_d2d": "onboard_blocks_d2d",
+    "kvbm_host_cache_hit_rate": "host_hit_rate",
+    "kvbm_disk_cache_hit_rate": "disk_hit_rate",
+    "kvbm_offload_bytes_d2h": "offload_bytes_d2h",
+    "kvbm_offload_seconds_d2h": "offload_seconds_d2h",
+    "kvbm_offload_bytes_h2d": "offload_bytes_h2d",
+    "kvbm_offload_seconds_h2d": "offload_seconds_h2d",
+    "kvbm_onboard_bytes_h2d": "onboard_bytes_h2d",
+    "kvbm_onboard_seconds_h2d": "onboard_seconds_h2d",
+    "kvbm_onboard_bytes_d2d": "onboard_bytes_d2d",
+    "kvbm_onboard_seconds_d2d": "onboard_seconds_d2d",
+    "kvbm_filtered_blocks": "filtered_blocks",
+    "kvbm_dropped_blocks": "dropped_blocks",
+    "kvbm_disk_files_corrupt": "corrupt_files",
+    "kvbm_disk_files_foreign": "foreign_files",
+    "kvbm_host_blocks": "host_blocks",
+    "kvbm_host_bytes": "host_used_bytes",
+    "kvbm_disk_blocks": "disk_blocks",
+    "kvbm_disk_bytes": "disk_used_bytes",
+}
+"""Prometheus series of the workers' KV tiers (`KvTierStats`), with Dynamo's KVBM names where it has one.
+Directions as KVBM names them: offload d2h device→host, offload h2d host→disk (G2→G3), onboard h2d
+host→device, onboard d2d disk→device."""

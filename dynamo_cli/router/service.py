@@ -38,6 +38,7 @@ from dynamo_cli.router.base import ExpiresStale, RouteRequest
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.router.metrics import RouterMetrics
 from dynamo_cli.router.plan import RequestPlan
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
@@ -48,6 +49,7 @@ from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
+from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import (
     BEST_WORKER_ENDPOINT,
@@ -89,6 +91,9 @@ class RouterService:
             secret=secret,
         )
         self.server = RequestServer(config.host, config.port, secret=secret)
+        self.metrics = RouterMetrics()
+        self.state = "starting"
+        """`starting` until registered, `ready`, then `draining` after SIGTERM (as `/health` reports it)."""
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.rules = DispatchRules(
             MAX_REROUTES - 1,
@@ -97,6 +102,7 @@ class RouterService:
             queue=config.queue,
             migrates_after_output=False,  # the frontend migrates a stream that already relayed tokens
             replicas=self.sync,
+            metrics=self.metrics,
         )
         c = config
         self._settings = msgspec.to_builtins(
@@ -123,6 +129,7 @@ class RouterService:
             raise RequestError(f"malformed generate request: {exc}") from exc
         plan = plan_of(request)  # a bad annotation is a 400 now, not after a wait
         dispatch = Dispatch(self._entry(), plan, self.rules)
+        status = "error"
         try:
             await dispatch.route()
             if request.annotations.get(REPORT_WORKER_ANNOTATION) == "1":  # before any token: the frontend's
@@ -131,8 +138,25 @@ class RouterService:
             async with contextlib.aclosing(dispatch.frames()) as frames:
                 async for frame in frames:
                     yield frame
+            status = "cancelled" if dispatch.is_aborted else "success"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
         finally:
             await dispatch.aclose()
+            self._observe(dispatch, status)
+
+    def _observe(self, dispatch: Dispatch, status: str) -> None:
+        """A routed request's figures, as its end leaves them."""
+        prompt = len(dispatch.plan.prompt_ids)
+        decision, block_size = dispatch.decision, dispatch.entry.card.kv_cache_block_size
+        hit = min(1.0, decision.overlap_blocks * block_size / prompt) if decision is not None and prompt else 0.0
+        first = dispatch.first_token_at
+        ttft = first - dispatch.started_at if first is not None else None
+        now = time.perf_counter()
+        self.metrics.observe_request(
+            dispatch.entry.name, status, prompt, len(dispatch.output_ids), ttft, now - dispatch.started_at, hit
+        )
 
     async def best_worker_id(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """The backend `generate` would choose now, explained, with the in-flight view; routes nothing."""
@@ -172,6 +196,8 @@ class RouterService:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
         self.server.add_endpoint(BEST_WORKER_ENDPOINT, self.best_worker_id)
         address = await self.server.start()
+        system = self._system_server()
+        system_text = f" system={await system.start()}" if system is not None else ""
         try:
             async with ServiceTasks() as tasks:
                 await self._start_loops(tasks)
@@ -182,21 +208,51 @@ class RouterService:
                     self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
                 ):
                     backends = f"{self.config.namespace}/{self.config.component}"
+                    self.state = "ready"
                     announce(
                         f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
-                        f"model={card.display_name} backends={backends}"
+                        f"model={card.display_name} backends={backends}{system_text}"
                     )
                     freeze_heap()
                     await tasks.wait_stop(stop)
+                    self.state = "draining"  # leaving the block deregisters, then drains
         finally:
             await self.server.close()
             await self.registry.close()
+            if system is not None:
+                await system.close()
+
+    def _system_server(self) -> SystemServer | None:
+        """`/live`, `/health`, `/metrics` with `--system-port`: the request plane's and the routing's series."""
+        port = self.config.telemetry.system_port
+        if port is None:
+            return None
+        self.metrics.registry.register(ComponentMetrics(self.server, self.config.namespace, ROUTER_COMPONENT))
+        return SystemServer(self.config.host, port, self.health, [self.metrics.registry])
+
+    async def health(self) -> HealthReport:
+        """Ready when registered with at least one backend to route to."""
+        detail: dict[str, object] = {"instance_id": f"{self.instance_id:x}"}
+        for entry in self.registry.models.values():
+            self.metrics.workers.labels(entry.name).set(len(entry.workers))
+            self.metrics.queued.labels(entry.name).set(len(entry.queue))
+        served = self.registry.models.get(self.model) if self.model is not None else None
+        backends = len(served.workers) if served is not None else 0
+        detail["backends"] = backends
+        if self.state == "ready" and not backends:
+            return HealthReport(False, "unhealthy", {**detail, "reason": "no backend to route to"})
+        return HealthReport(self.state == "ready", self.state, detail)
 
     async def _start_loops(self, tasks: ServiceTasks) -> None:
         """NOTE: the router's background loops, owned by `tasks`: the backends' discovery, load and KV events
         (with gap repair; router/feeds.py, as the frontend's), the replicas' sync, and the expiry of lost requests."""
         await follow_workers(
-            self.registry, self._bus, self.config.namespace, tasks, kv_events=self.config.kv_router.use_kv_events
+            self.registry,
+            self._bus,
+            self.config.namespace,
+            tasks,
+            kv_events=self.config.kv_router.use_kv_events,
+            on_repair=self.metrics.count_repair,
         )
         for loop in [
             self.sync.publish_loop(),

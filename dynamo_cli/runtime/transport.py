@@ -45,6 +45,7 @@ from dynamo_cli.runtime.handshake import (
     ServerHandshake,
     is_loopback,
 )
+from dynamo_cli.runtime.stats import EndpointStats
 
 logger = logging.getLogger(__name__)
 
@@ -191,30 +192,40 @@ class _ServerConnection(asyncio.Protocol):
             reason = "shutting down" if handler else f"no endpoint '{frame.endpoint}' here"
             self._writer.send(Fail(frame.sid, "unavailable", reason, 503, True))
             return
-        self._streams[frame.sid] = self._loop.create_task(self._serve(frame.sid, handler, frame.body))
+        stats = self._server.stats[frame.endpoint]
+        self._streams[frame.sid] = self._loop.create_task(self._serve(frame.sid, handler, frame.body, stats))
 
-    async def _serve(self, sid: int, handler: Handler, body: msgspec.Raw) -> None:
+    async def _serve(self, sid: int, handler: Handler, body: msgspec.Raw, stats: EndpointStats) -> None:
         server, writer = self._server, self._writer
         server._inflight += 1
+        stats.requests += 1
+        stats.inflight += 1
+        stats.request_bytes += len(body)
+        started = time.perf_counter()
         try:
             async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], handler(body))) as items:
                 async for item in items:
+                    stats.response_bytes += len(item)
                     writer.send(Data(sid, msgspec.Raw(item)))
                     await writer.drained()
             writer.send(End(sid))
         except asyncio.CancelledError:
-            pass  # cancelled by the caller or the connection dropped; the handler has aborted
+            stats.cancelled += 1  # cancelled by the caller or the connection dropped; the handler has aborted
         except RequestError as exc:
+            stats.errors += 1
             writer.send(Fail(sid, exc.code or "invalid_request", exc.message, exc.status))
         except DynError as exc:
+            stats.errors += 1
             migratable = getattr(exc, "is_migratable", False)  # a proxy's lost backend: the caller may retry
             status, retry_after = getattr(exc, "status", 500), getattr(exc, "retry_after", None)
             writer.send(Fail(sid, type(exc).__name__, str(exc), status, migratable, retry_after))
         except Exception as exc:
+            stats.errors += 1
             logger.exception("endpoint handler failed")
             writer.send(Fail(sid, "internal", f"{type(exc).__name__}: {exc}", 500))
         finally:
             self._streams.pop(sid, None)
+            stats.ended(time.perf_counter() - started)
             server._inflight -= 1
             server._idle_check()
 
@@ -251,6 +262,8 @@ class RequestServer:
         self._num_refused = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self._handlers: dict[str, Handler] = {}
+        self.stats: dict[str, EndpointStats] = {}
+        """Endpoint -> its counts (requests served, in flight, bytes, durations)."""
         self._connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
         self._inflight = 0
@@ -268,6 +281,7 @@ class RequestServer:
     def add_endpoint(self, name: str, handler: Handler) -> None:
         """Serve `handler` under `name`."""
         self._handlers[name] = handler
+        self.stats.setdefault(name, EndpointStats())
 
     async def start(self) -> str:
         """Listen; return the address `host:port` callers should dial. ConfigError if exposed without a secret."""
