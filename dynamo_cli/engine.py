@@ -8,7 +8,7 @@ and frees its KV blocks (Dynamo's `kill`).
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, NewType, Protocol, runtime_checkable
@@ -139,6 +139,17 @@ class Embeds(Protocol):
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
         """The inputs' embeddings; RequestError for an input the engine cannot take."""
+        ...
+
+
+@runtime_checkable
+class CountsWork(Protocol):
+    """An engine that counts its own work (forward passes, tokens batched ...): its worker's system server
+    shows each counter as `dynamo_component_engine_{name}_total`. Libraries with a Prometheus registry of their
+    own (vLLM's `vllm:*`, SGLang's `sglang:*`) are shown as they are instead."""
+
+    def work_counters(self) -> Mapping[str, float]:
+        """Counter name -> value since start (monotonic)."""
         ...
 
 

@@ -18,6 +18,7 @@ DynError
 │   ├── WorkerDisconnected the worker went away mid-stream (migratable)
 │   │   └── AuthenticationFailed  the peer failed the request plane's handshake (no shared secret)
 │   ├── StreamTimeout      no frame within the idle timeout (migratable)
+│   ├── WorkerHung         nothing from the worker for the stall timeout (migratable)
 │   └── RemoteError        the worker raised while serving (not migratable)
 ├── TransferFailed         a KV payload could not be pulled (gone, refused, short, timed out)
 │   (defined beside their only raiser:)
@@ -240,6 +241,13 @@ class AuthenticationFailed(WorkerDisconnected):
 
 class StreamTimeout(TransportError):
     """No frame arrived within the idle timeout."""
+
+    is_migratable = True
+
+
+class WorkerHung(TransportError):
+    """The worker sent nothing on any stream, nor a load report, for the stall timeout: it is taken out of
+    routing (router/health.py) and its streams migrate."""
 
     is_migratable = True
 

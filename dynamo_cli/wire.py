@@ -30,7 +30,7 @@ KV_RELEASE_ENDPOINT = "kv_release"
 BEST_WORKER_ENDPOINT = "best_worker_id"
 """`dyn router`: BestWorkerQuery in, one BestWorkerReply out; routes nothing."""
 
-##### GenerateRequest annotations (frontend -> `dyn router`) #####
+##### GenerateRequest annotations (frontend -> `dyn router`; the trace context to every hop) #####
 
 PIN_ANNOTATION = "worker_instance_id"
 """Names (hex) the backend a `dyn router` must route the request to."""
@@ -40,6 +40,10 @@ PRIORITY_ANNOTATION = "priority"
 """An integer (`x-dyn-priority`): higher waits less in a `dyn router`'s wait queue."""
 DEADLINE_ANNOTATION = "deadline_ms"
 """`x-dyn-deadline-ms`: milliseconds left, when sent, for the request to start."""
+TRACEPARENT_ANNOTATION = "traceparent"
+"""The W3C trace context of the hop that sent the request (its span): the receiver's spans continue that trace."""
+TRACESTATE_ANNOTATION = "tracestate"
+"""The W3C vendor trace state, carried along with `traceparent` unchanged."""
 
 
 ##### generate #####

@@ -13,13 +13,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import Embeds, Engine, EngineArgs, Role, SpawnsProcesses, load_engine
+from dynamo_cli.engine import CountsWork, Embeds, Engine, EngineArgs, Role, SpawnsProcesses, load_engine
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
@@ -35,6 +35,9 @@ from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.tracing import start_tracing
+from dynamo_cli.tracing.logs import enter_request
+from dynamo_cli.tracing.traceparent import trace_id_of
 from dynamo_cli.wire import (
     EMBED_ENDPOINT,
     KV_DUMP_ENDPOINT,
@@ -50,6 +53,9 @@ from dynamo_cli.wire import (
     health_check_request,
 )
 from dynamo_cli.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +87,12 @@ class WorkerState(enum.Enum):
 class WorkerService:
     """One engine served on one endpoint."""
 
-    def __init__(self, config: WorkerConfig, engine: Engine, discovery: Discovery, bus: EventBus) -> None:
+    def __init__(
+        self, config: WorkerConfig, engine: Engine, discovery: Discovery, bus: EventBus, tracing: Tracing | None = None
+    ) -> None:
         self.config = config
+        self.tracing = tracing
+        """Each traced stream's `worker.generate` span (`--otlp-endpoint`); None: tracing off."""
         self.engine = engine
         self.discovery = discovery
         self.bus = bus
@@ -112,16 +122,29 @@ class WorkerService:
             request = self._request_decoder.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError included
             raise RequestError(f"malformed generate request: {exc}") from exc
-        encode = self._chunk_encoder.encode
-        request, report = await self.kv.take(request)
-        chunk: GenerateChunk
-        async for chunk in self.engine.generate(request):
-            self.last_output_at = time.monotonic()
-            if chunk.kv_transfer is not None:
-                chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
-            if report is not None:
-                chunk, report = msgspec.structs.replace(chunk, transfer=report), None
-            yield encode(chunk)
+        enter_request(request.request_id, trace_id_of(request.annotations))
+        tracing, encode = self.tracing, self._chunk_encoder.encode
+        trace = tracing.stream(request, self.instance_id, self.config.role.value) if tracing is not None else None
+        try:
+            request, report = await self.kv.take(request)
+            if trace is not None and report is not None:
+                trace.pulled(report)
+            chunk: GenerateChunk
+            async for chunk in self.engine.generate(request):
+                self.last_output_at = time.monotonic()
+                if chunk.kv_transfer is not None:
+                    chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
+                if report is not None:
+                    chunk, report = msgspec.structs.replace(chunk, transfer=report), None
+                if trace is not None:
+                    trace.saw(chunk)
+                yield encode(chunk)
+        except BaseException as exc:
+            if trace is not None:
+                trace.end(exc)
+            raise
+        if trace is not None:
+            trace.end()
 
     async def embed(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """Endpoint: the embeddings of tokenized inputs, when the engine serves them (Feature.EMBEDDINGS)."""
@@ -247,14 +270,19 @@ async def serve_worker(config: WorkerConfig) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes
-    # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s),
-    # and the lease must not go stale meanwhile.
-    engine = load_engine(config.engine)(_engine_args(config))
-    # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
-    reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
-    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
-        await _serve_until(WorkerService(config, engine, discovery, bus), stop)
-    del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
+    tracing = start_tracing(config.telemetry, f"dyn-worker-{config.role.value}")  # no SDK: fails before the engine
+    try:
+        # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s),
+        # and the lease must not go stale meanwhile.
+        engine = load_engine(config.engine)(_engine_args(config))
+        # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
+        reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
+        async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+            await _serve_until(WorkerService(config, engine, discovery, bus, tracing), stop)
+        del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # the last spans exported
 
 
 async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
@@ -271,9 +299,9 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
     try:
         async with ServiceTasks() as tasks:
             card = await worker.start_engine()
-            registry.register(
-                WorkerMetrics(worker.load_now, config.namespace, worker.name.component, card.display_name)
-            )
+            counters = worker.engine.work_counters if isinstance(worker.engine, CountsWork) else None
+            component = worker.name.component
+            registry.register(WorkerMetrics(worker.load_now, config.namespace, component, card.display_name, counters))
             async with endpoint.serve_endpoint(
                 worker.server, worker.generate, card, role=config.role.value, grace_s=config.graceful_shutdown_s
             ):

@@ -7,7 +7,7 @@ costs nothing more; the request plane's own counts are `runtime/system.py`'s `Co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -35,10 +35,19 @@ LOAD_COUNTERS = {
 class WorkerMetrics(Collector):
     """The worker's engine series, labelled dynamo_namespace, dynamo_component, model."""
 
-    def __init__(self, load: Callable[[], LoadMetrics], namespace: str, component: str, model: str) -> None:
+    def __init__(
+        self,
+        load: Callable[[], LoadMetrics],
+        namespace: str,
+        component: str,
+        model: str,
+        counters: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
         self.load = load
         """The engine's load now (with the worker's KV transfer holdings)."""
         self.labels = [namespace, component, model]
+        self.counters = counters
+        """The engine's own work counters (`CountsWork`), if it keeps any."""
 
     def collect(self) -> Iterator[Metric]:
         load, labels, names = self.load(), self.labels, ["dynamo_namespace", "dynamo_component", "model"]
@@ -53,6 +62,10 @@ class WorkerMetrics(Collector):
         for name, (field, text) in LOAD_COUNTERS.items():
             counter = CounterMetricFamily(f"dynamo_component_{name}", text, labels=names)
             counter.add_metric(labels, getattr(load, field))
+            yield counter
+        for name, value in (self.counters() if self.counters is not None else {}).items():
+            counter = CounterMetricFamily(f"dynamo_component_engine_{name}", f"The engine's {name}", labels=names)
+            counter.add_metric(labels, value)
             yield counter
         if load.kv_tiers is not None:
             worker = f"{load.worker_id:x}"

@@ -139,6 +139,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports nobody listens on now (`dyn serve --system-port BASE`)."""
+    for _ in range(100):
+        base, sockets = free_port(), []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 class _PortTaken(Exception):
     pass
 

@@ -11,6 +11,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     engine                      the engine contract (errors, kv, wire)
     config, model_card          per-role config (settings declared on its fields) and the published model card
     runtime                     distributed planes; knows nothing about LLMs (errors, config)
+    tracing                     trace context, spans (OpenTelemetry, imported only when on), log lines
+                                naming their request (the contract)
     router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
     frontend                    the OpenAI server (router, model, runtime ...)
     worker                      one engine behind the request plane (the contract, kv, runtime)
@@ -20,6 +22,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
                                 engine through the contract to profile it (the contract, runtime); its
                                 simulator takes the mocker's pass times (timing)
     process_pool                restarts `dyn serve`'s child processes (nothing of dyn)
+    monitoring                  Prometheus scrape config, alerting rules, Grafana dashboard (errors, config)
+    top                         `dyn top`'s view of a deployment: a frontend's /metrics over HTTP (errors)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
 
@@ -47,10 +51,14 @@ _EVERYTHING = {
     "router",
     "frontend",
     "worker",
+    "worker_metrics",
+    "tracing",
     "launcher",
     "bench",
     "process_pool",
     "planner",
+    "monitoring",
+    "top",
 }
 
 ALLOWED: dict[str, set[str]] = {
@@ -64,9 +72,11 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "engine", "model_card", "settings", "wire"},
     "model_card": {"errors", "engine"},
     "runtime": {"errors", "config"},
-    "router": _CONTRACT | {"runtime"},
-    "frontend": _CONTRACT | {"model", "runtime", "router"},
-    "worker": _CONTRACT | {"runtime"},
+    "tracing": {"errors", "config", "kv", "wire"},
+    "router": _CONTRACT | {"runtime", "tracing"},
+    "frontend": _CONTRACT | {"model", "runtime", "router", "tracing"},
+    "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing"},
+    "worker_metrics": {"errors", "kv", "wire"},
     "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},
     "bench": {"errors", "model"},
     # The planner sees frontends only through their HTTP /metrics and workers only through discovery
@@ -74,6 +84,8 @@ ALLOWED: dict[str, set[str]] = {
     # nor frontend; the processes it starts are command lines the CLI builds for it.
     "planner": _CONTRACT | {"runtime", "timing"},
     "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
+    "monitoring": {"errors", "config"},  # scrape config, alerting rules, dashboard: text generated from code
+    "top": {"errors"},  # `dyn top`: a frontend's /metrics over HTTP, none of the frontend's code
     "dynamo_cli": {"errors", "engine", "kv", "wire"},  # the package's curated __all__
     "launcher": _EVERYTHING,
     "cli": _EVERYTHING | {"cli"},

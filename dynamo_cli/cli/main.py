@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from dynamo_cli import __version__
 from dynamo_cli.errors import DynError
+from dynamo_cli.tracing.logs import configure_logging
 
 app = typer.Typer(
     name="dyn",
@@ -31,6 +32,8 @@ _SUBCOMMANDS = {
     "plan": "dynamo_cli.cli.plan",
     "bench": "dynamo_cli.cli.bench",
     "ls": "dynamo_cli.cli.ls",
+    "top": "dynamo_cli.cli.top",
+    "monitoring": "dynamo_cli.cli.monitoring",
 }
 
 
@@ -59,7 +62,7 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     log_level: str = typer.Option("WARNING", "--log-level", envvar="DYN_LOG_LEVEL", help="Python log level."),
 ) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)  # text lines; a command with --log-format json switches them (tracing/logs.py)
 
 
 def main() -> None:

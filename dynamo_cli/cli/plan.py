@@ -138,13 +138,7 @@ def profile_command(
 
 
 def _report(step: Step) -> None:
-    state = {True: "applied", False: "NOT acknowledged", None: "not applied"}[step.applied]
-    decision = step.decision
-    print(
-        f"decision {step.decision_id} ({step.kind}): prefill {step.current[0]}→{decision.num_prefill}, "
-        f"decode {step.current[1]}→{decision.num_decode} [{state}]: {decision.why}",
-        flush=True,
-    )
+    print(step, flush=True)
 
 
 _opt = o.planner_option

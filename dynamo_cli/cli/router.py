@@ -12,6 +12,7 @@ from dynamo_cli.config import PlanesConfig, RouterConfig, config_document
 from dynamo_cli.router.service import serve_router
 from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.runtime.transport import check_exposure
+from dynamo_cli.tracing.logs import use_log_format
 
 KNOBS = settings.knobs(RouterConfig, skip={"DisaggConfig.prefill_router_mode"})
 
@@ -20,6 +21,7 @@ def _command(**values: Any) -> None:
     """Run one KV router replica: routes `{ns}/router/generate` to the backends, sharing load with peers."""
     die_with_parent()
     config = config_document(RouterConfig) or _from_flags(values)  # `dyn serve`'s children get a document
+    use_log_format(config.telemetry.log_format)
     check_exposure(config.host, config.planes.cluster_secret)
     run(serve_router(config, lambda line: typer.echo(line)))
 

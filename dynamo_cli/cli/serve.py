@@ -16,11 +16,19 @@ from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import ServePlan, serve_all
-from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig
+from dynamo_cli.planner.planner import (
+    INTERVAL_S,
+    LOAD_INTERVAL_S,
+    STARTUP_HELP,
+    STARTUP_S,
+    PlannerConfig,
+    log_decisions,
+)
 from dynamo_cli.planner.service import PlanRun, check_run
 from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.supervisor import run
 from dynamo_cli.settings import DISAGG, ESSENTIAL
+from dynamo_cli.tracing.logs import use_log_format
 
 KNOBS = settings.knobs(
     ServeConfig,
@@ -121,6 +129,9 @@ EXTRA = [
 def _command(**values: Any) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
     config, plan = _config(values)
+    use_log_format(config.frontend.telemetry.log_format)
+    if plan is not None:  # its scaling decisions are logged at INFO (the default level is WARNING)
+        log_decisions()
     run(serve_all(config, plan))
 
 

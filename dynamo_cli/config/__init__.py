@@ -43,6 +43,7 @@ from dynamo_cli.config.routing import (
     TIER_HOST_LATENCY_S,
     BusyThresholds,
     DisaggConfig,
+    HealthChecks,
     KvRouterConfig,
     QueueConfig,
     QueuePolicy,
@@ -52,6 +53,7 @@ from dynamo_cli.config.routing import (
 from dynamo_cli.config.telemetry import LOG_FORMATS, TelemetryConfig
 
 __all__ = [
+    "HealthChecks",
     "LOG_FORMATS",
     "TelemetryConfig",
     "BLOCK_SIZE",

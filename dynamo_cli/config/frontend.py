@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
-from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, KvRouterConfig, QueueConfig
+from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import HTTP, OVERLOAD, SECURITY, setting
@@ -152,6 +152,8 @@ class FrontendConfig:
     )
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     """When a worker counts as busy (behind `dyn router`s: theirs, not the frontend's)."""
+    health: HealthChecks = field(default_factory=HealthChecks)
+    """How hung workers are found and let back in (behind `dyn router`s: the routers do it)."""
     kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)

@@ -21,7 +21,7 @@ from dynamo_cli.config.common import (
     PlanesConfig,
 )
 from dynamo_cli.config.frontend import FrontendConfig
-from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, KvRouterConfig, QueueConfig
+from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
@@ -145,6 +145,8 @@ class RouterConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
+    health: HealthChecks = field(default_factory=HealthChecks)
+    """How hung backends are found and let back in."""
     queue: QueueConfig = field(default_factory=QueueConfig)
     """The wait queue of requests that find every backend busy."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -202,6 +204,7 @@ class ServeConfig:
             disagg=replace(frontend.disagg, prefill_router_mode=None),
             busy=frontend.busy,  # the busy thresholds and the queue act in the routers (the frontend sees no load)
             queue=frontend.queue,
+            health=frontend.health,
             telemetry=self.worker.telemetry,
         )
 

@@ -341,3 +341,48 @@ class BusyThresholds:
         panel=OVERLOAD,
     )
     """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChecks:
+    """How a router (the frontend's, or `dyn router`) finds a hung worker, takes it out of routing and lets it
+    back in (router/health.py): a per-stream inter-token deadline while streams are open, and canary requests."""
+
+    stall_timeout_s: float = setting(
+        10.0,
+        "--stall-timeout",
+        env="DYN_STALL_TIMEOUT",
+        help="Seconds a stream may wait for its worker while the worker sends nothing at all (no output on any"
+        " stream, no load report): then it counts as hung and its streams migrate (0: never).",
+        panel=OVERLOAD,
+    )
+    """A stream that received nothing for this long, from a worker that sent nothing on any stream and no load
+    report for as long, takes the worker out of routing and migrates; 0 disables the deadline."""
+    is_canary_enabled: bool = setting(
+        False,
+        "--health-check/--no-health-check",
+        env="DYN_HEALTH_CHECK_ENABLED",
+        help="Send a one-token canary to workers idle for --canary-wait; one that does not answer in time is"
+        " taken out of routing (a hung worker is always probed until it answers again).",
+        panel=OVERLOAD,
+    )
+    """Canaries on idle workers (Dynamo: off locally, on under its Kubernetes operator)."""
+    canary_wait_s: float = setting(
+        10.0, "--canary-wait", env="DYN_CANARY_WAIT_TIME", help="Idle seconds before a canary.", panel=OVERLOAD
+    )
+    """Idle time on a worker (no stream of this process on it) before a canary is sent."""
+    check_timeout_s: float = setting(
+        3.0,
+        "--health-check-timeout",
+        env="DYN_HEALTH_CHECK_REQUEST_TIMEOUT",
+        help="Seconds a canary may take.",
+        panel=OVERLOAD,
+    )
+    """How long a canary may take before the worker counts as hung."""
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s < 0 or self.canary_wait_s <= 0 or self.check_timeout_s <= 0:
+            raise ConfigError(
+                f"--stall-timeout {self.stall_timeout_s} / --canary-wait {self.canary_wait_s} / "
+                f"--health-check-timeout {self.check_timeout_s}: use seconds >= 0 (stall) and > 0 (the others)"
+            )

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,6 +54,11 @@ from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.runtime.supervisor import cancel_and_wait
+from dynamo_cli.tracing import TRACE_SCOPE_KEY
+from dynamo_cli.tracing.logs import enter_request
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import RequestTrace, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +67,16 @@ class Frontend:
     """The OpenAI-compatible HTTP service over a model registry."""
 
     def __init__(
-        self, config: FrontendConfig, registry: FrontendRegistry, metrics: FrontendMetrics, rules: DispatchRules
+        self,
+        config: FrontendConfig,
+        registry: FrontendRegistry,
+        metrics: FrontendMetrics,
+        rules: DispatchRules,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self.tracing = tracing
+        """Each OpenAI request's spans (`--otlp-endpoint`); None: tracing off."""
         self.registry = registry
         self.metrics = metrics
         self.standby: Callable[[str], float | None] | None = None
@@ -103,6 +115,8 @@ class Frontend:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
+            if self.tracing is not None and TRACE_SCOPE_KEY not in scope:  # in the request's span, once
+                return await self.tracing.serve_http(scope, receive, send, self._route)
             path = scope["path"]
             if path == "/v1/chat/completions":
                 return await self._generate(scope, receive, send, is_chat=True)
@@ -118,10 +132,11 @@ class Frontend:
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, is_chat: bool) -> None:
         endpoint = "chat_completions" if is_chat else "completions"
+        request_id = self._enter(scope, "chatcmpl-" if is_chat else "cmpl-")
         try:
             body = await self._read_body(scope, receive)
             request = parse_chat(body) if is_chat else parse_completion(body)
-            generations = await self._prepare_unless_gone(request, scope, receive)
+            generations = await self._prepare_unless_gone(request, scope, receive, request_id)
         except ClientGone:
             return
         except DynError as exc:
@@ -146,23 +161,36 @@ class Frontend:
             self.metrics.inflight.labels(model).dec()
             self.metrics.requests.labels(model, endpoint, "stream" if request.stream else "unary", status).inc()
 
+    def _enter(self, scope: Scope, prefix: str) -> str:
+        """A new request id (the workers only ever see ours), named from now on by this task's log lines."""
+        request_id = prefix + uuid.uuid4().hex
+        trace: RequestTrace | None = scope.get(TRACE_SCOPE_KEY) if self.tracing is not None else None
+        enter_request(request_id, trace.trace_id if trace is not None else "")
+        return request_id
+
     async def _prepare_unless_gone(
-        self, request: ChatCompletionRequest | CompletionRequest, scope: Scope, receive: Receive
+        self, request: ChatCompletionRequest | CompletionRequest, scope: Scope, receive: Receive, request_id: str
     ) -> list[Generation]:
         """`_prepare`, watching for the client to leave: its waits for a worker end then (see `Interruptible`),
         and what was prepared for a client gone by the end is closed: ClientGone."""
-        generations, is_gone = await unless_gone(lambda: self._prepare(request, scope), receive)
+        generations, is_gone = await unless_gone(lambda: self._prepare(request, scope, request_id), receive)
         if is_gone:
             for gen in generations:
                 await gen.dispatch.aclose()
             raise ClientGone()
         return generations
 
-    async def _prepare(self, request: ChatCompletionRequest | CompletionRequest, scope: Scope) -> list[Generation]:
+    async def _prepare(
+        self, request: ChatCompletionRequest | CompletionRequest, scope: Scope, request_id: str
+    ) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
         entry = self._entry(request.model)
+        trace: RequestTrace | None = scope.get(TRACE_SCOPE_KEY) if self.tracing is not None else None
+        if trace is not None:
+            trace.describe(entry.name, request_id)
         check_features(request, entry.card)
         tokenizer = await entry.tokenizer
+        tokenize = trace.child("tokenize") if trace is not None else None
         chat = None
         if isinstance(request, ChatCompletionRequest):
             chat = prepare_chat(
@@ -176,14 +204,14 @@ class Frontend:
                     param="n" if request.n > 1 else "logprobs",
                 )
         prompt_ids, max_tokens, echo = prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
+        if tokenize is not None:
+            tokenize.end_tokenize(len(prompt_ids))
         sampling = sampling_of(request, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
         stop = stops_of(request)
         headers = dict(scope["headers"])
-        prefix = "chatcmpl-" if isinstance(request, ChatCompletionRequest) else "cmpl-"
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
-        request_id = prefix + uuid.uuid4().hex
         client_id = client_request_id(headers.get(b"x-request-id"))
         pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
         priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
@@ -203,6 +231,7 @@ class Frontend:
                     is_explained=explain in (b"1", b"true", b"yes"),
                     priority=priority or 0,
                     deadline=deadline,
+                    trace=trace,
                 )
                 generations.append(Generation(Dispatch(entry, plan, self.rules), tokenizer, echo=echo, stop=stop))
                 generations[-1].output = chat.output if chat is not None else None
@@ -308,9 +337,10 @@ class Frontend:
 
     async def _translated(self, scope: Scope, receive: Receive, send: Send, api: Translation) -> None:
         """/v1/responses and /v1/messages: a chat request underneath; the API's own object or events."""
+        request_id = self._enter(scope, "chatcmpl-")  # a chat request underneath
         try:
             request = api.parse(await self._read_body(scope, receive))
-            generation = (await self._prepare_unless_gone(api.to_chat(request), scope, receive))[0]
+            generation = (await self._prepare_unless_gone(api.to_chat(request), scope, receive, request_id))[0]
         except ClientGone:
             return
         except DynError as exc:
@@ -431,6 +461,11 @@ class Frontend:
             counters = getattr(entry.policy, "counters", None)
             if counters is not None:
                 self.metrics.export_router(name, counters.to_dict())
+        self.metrics.export_workers(
+            (name, worker)
+            for name, entry in self.registry.models.items()
+            for worker in (*entry.workers.values(), *entry.prefill_workers.values())
+        )
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _server_error(self, request: Request, exc: Exception) -> Response:

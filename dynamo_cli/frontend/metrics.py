@@ -2,39 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 
 from dynamo_cli.kv.handles import TransferReport
+from dynamo_cli.kv.tier_stats import KVBM_SERIES
 from dynamo_cli.kv.tiers import KvTierStats
+from dynamo_cli.router.registry import Worker
 
-KVBM_SERIES = {
-    "kvbm_matched_tokens": "matched_tokens",
-    "kvbm_offload_blocks_d2h": "offload_blocks_d2h",
-    "kvbm_offload_blocks_h2d": "offload_blocks_h2d",
-    "kvbm_onboard_blocks_h2d": "onboard_blocks_h2d",
-    "kvbm_onboard_blocks_d2d": "onboard_blocks_d2d",
-    "kvbm_host_cache_hit_rate": "host_hit_rate",
-    "kvbm_disk_cache_hit_rate": "disk_hit_rate",
-    "kvbm_offload_bytes_d2h": "offload_bytes_d2h",
-    "kvbm_offload_seconds_d2h": "offload_seconds_d2h",
-    "kvbm_offload_bytes_h2d": "offload_bytes_h2d",
-    "kvbm_offload_seconds_h2d": "offload_seconds_h2d",
-    "kvbm_onboard_bytes_h2d": "onboard_bytes_h2d",
-    "kvbm_onboard_seconds_h2d": "onboard_seconds_h2d",
-    "kvbm_onboard_bytes_d2d": "onboard_bytes_d2d",
-    "kvbm_onboard_seconds_d2d": "onboard_seconds_d2d",
-    "kvbm_filtered_blocks": "filtered_blocks",
-    "kvbm_dropped_blocks": "dropped_blocks",
-    "kvbm_disk_files_corrupt": "corrupt_files",
-    "kvbm_disk_files_foreign": "foreign_files",
-    "kvbm_host_blocks": "host_blocks",
-    "kvbm_host_bytes": "host_used_bytes",
-    "kvbm_disk_blocks": "disk_blocks",
-    "kvbm_disk_bytes": "disk_used_bytes",
+WORKER_SERIES = {
+    "active_decode_blocks": "KV blocks in use on the worker (its last load report)",
+    "active_prefill_tokens": "Prompt tokens the worker is prefilling (its last load report)",
+    "total_blocks": "KV blocks the worker has (its last load report)",
+    "running_requests": "Requests the worker is running (its last load report)",
+    "waiting_requests": "Requests waiting in the worker's scheduler (its last load report)",
+    "inflight_requests": "Streams this frontend has open on the worker",
 }
-"""Prometheus series of the workers' KV tiers (`KvTierStats`), with Dynamo's KVBM names where it has one.
-Directions as KVBM names them: offload d2h device→host, offload h2d host→disk (G2→G3), onboard h2d
-host→device, onboard d2d disk→device."""
+"""Per-worker gauges `dynamo_frontend_worker_{name}`, labelled model, worker_id, dp_rank, worker_type."""
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
@@ -43,9 +29,11 @@ _TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 13107
 class FrontendMetrics:
     """One registry per app (no global state)."""
 
-    def __init__(self, prefix: str = "dynamo_frontend") -> None:
+    def __init__(self, prefix: str = "dynamo_frontend", *, gc: bool = True) -> None:
+        """`gc`: count garbage collections here (a process that serves the global registry too has them there)."""
         self.registry = r = CollectorRegistry()
-        GCCollector(registry=r)  # python_gc_collections_total by generation: collections stall the event loop
+        if gc:
+            GCCollector(registry=r)  # python_gc_collections_total by generation: collections stall the event loop
         self.requests = Counter(
             f"{prefix}_requests", "Requests", ["model", "endpoint", "request_type", "status"], registry=r
         )
@@ -61,6 +49,18 @@ class FrontendMetrics:
         self.migrations = Counter(f"{prefix}_model_migration", "Migrations", ["model", "migration_type"], registry=r)
         self.cancellations = Counter(f"{prefix}_model_cancellation", "Cancelled requests", ["model"], registry=r)
         self.worker_restarts = Counter(f"{prefix}_worker_restarts", "Workers restarted by dyn serve", registry=r)
+        self.worker_stalls = Counter(
+            f"{prefix}_worker_stalls",
+            "Workers taken out of routing as hung (router/health.py), by what found them: deadline | canary",
+            ["model", "worker_id", "reason"],
+            registry=r,
+        )
+        self.worker_recoveries = Counter(
+            f"{prefix}_worker_recoveries",
+            "Hung workers that answered a canary again",
+            ["model", "worker_id"],
+            registry=r,
+        )
         self.refused = Counter(f"{prefix}_auth_refused", "Refused by API key or per-key limit", ["code"], registry=r)
         self.workers = Gauge(f"{prefix}_workers", "Routable workers", ["model"], registry=r)
         self.queued = Gauge(f"{prefix}_queued_requests", "Requests waiting for a free worker", ["model"], registry=r)
@@ -91,6 +91,19 @@ class FrontendMetrics:
             )
             for name, field in KVBM_SERIES.items()
         }
+        worker_labels = ["model", "worker_id", "dp_rank", "worker_type"]
+        self.worker_gauges = {
+            name: Gauge(f"{prefix}_worker_{name}", help, worker_labels, registry=r)
+            for name, help in WORKER_SERIES.items()
+        }
+        self.worker_requests = Counter(
+            f"{prefix}_worker_requests",
+            "Requests a worker served part of (prefill or decode), from this frontend",
+            ["model", "worker_id", "worker_type"],
+            registry=r,
+        )
+        self._worker_series: set[tuple[str, str, str]] = set()
+        """(model, worker id, role) of every worker with series, so that one that left loses them."""
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
         """One decode worker's KV pull: time, bytes and rate by backend (`local`: it failed and prefilled)."""
@@ -108,6 +121,12 @@ class FrontendMetrics:
     def count_disagg(self, model: str, outcome: str) -> None:
         self.disagg.labels(model, outcome).inc()
 
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None:
+        self.worker_stalls.labels(model, f"{worker_id:x}", reason).inc()
+
+    def count_recovery(self, model: str, worker_id: int) -> None:
+        self.worker_recoveries.labels(model, f"{worker_id:x}").inc()
+
     def count_repair(self, kind: str) -> None:
         self.kv_repairs.labels(kind).inc()
 
@@ -120,3 +139,33 @@ class FrontendMetrics:
         """Copy a KV policy's counters (decisions, hit blocks, reachable hit blocks ...) into gauges."""
         for name, value in counters.items():
             self.router.labels(model, name).set(value)
+
+    def count_served(self, model: str, worker_id: int, role: str) -> None:
+        """A request had `worker_id` serve part of it (once per request per worker)."""
+        self._worker_series.add((model, f"{worker_id:x}", role))
+        self.worker_requests.labels(model, f"{worker_id:x}", role).inc()
+
+    def export_workers(self, workers: Iterable[tuple[str, Worker]]) -> None:
+        """Every (model, worker)'s load and in-flight streams now; a worker no longer listed loses its series."""
+        now = set()
+        for model, worker in workers:
+            labels = (model, f"{worker.instance_id:x}", worker.card.role)
+            now.add(labels)
+            load = worker.load
+            values = {
+                "active_decode_blocks": load.active_blocks if load else 0,
+                "active_prefill_tokens": load.active_prefill_tokens if load else 0,
+                "total_blocks": load.total_blocks if load else 0,
+                "running_requests": load.num_running if load else 0,
+                "waiting_requests": load.num_waiting if load else 0,
+                "inflight_requests": worker.num_inflight,
+            }
+            for name, value in values.items():
+                self.worker_gauges[name].labels(labels[0], labels[1], "0", labels[2]).set(value)
+        for model, worker_id, role in self._worker_series - now:
+            for gauge in self.worker_gauges.values():
+                with contextlib.suppress(KeyError):
+                    gauge.remove(model, worker_id, "0", role)
+            with contextlib.suppress(KeyError):
+                self.worker_requests.remove(model, worker_id, role)
+        self._worker_series = now

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
@@ -19,6 +19,9 @@ from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.router.plan import RequestPlan, check_context
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import GenerateRequest, Guided, SamplingParams
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import RequestTrace
 
 
 def prompt_of(
@@ -83,9 +86,13 @@ def plan_request(
     client_request_id: str | None = None,
     priority: int = 0,
     deadline: float | None = None,
+    trace: RequestTrace | None = None,
 ) -> RequestPlan:
-    """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context."""
+    """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context; a traced
+    request carries its trace context to every worker (`trace.annotations`)."""
     wanted = check_context(len(prompt_ids), max_tokens, entry.card.context_length)
     request = GenerateRequest(request_id=request_id, token_ids=prompt_ids, max_tokens=wanted, sampling=sampling)
+    if trace is not None:
+        request = msgspec.structs.replace(request, annotations=trace.annotations)
     queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
-    return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued)
+    return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued, trace)

@@ -25,11 +25,14 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
 from dynamo_cli.router.core import DispatchRules, ToRouters, ToWorkers
 from dynamo_cli.router.feeds import follow_workers
+from dynamo_cli.router.health import HealthMonitor
 from dynamo_cli.router.kv import kv_policy_factory
 from dynamo_cli.router.registry import ROUTER_COMPONENT
+from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
+from dynamo_cli.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +115,13 @@ class FrontendService:
             disagg=config.disagg,
             queue=config.queue,
             metrics=self.metrics,
+            deadline=NO_DEADLINE if behind_routers else Deadline(config.health.stall_timeout_s, self.metrics),
         )
-        self.app = Frontend(config, self.registry, self.metrics, rules)
+        self.health = None if behind_routers else HealthMonitor(self.registry, config.health, self.metrics)
+        """Probes hung (and idle) workers; behind `dyn router`s, the routers watch their backends."""
+        self.tracing = start_tracing(config.telemetry, "dyn-frontend")
+        """Each request's spans (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
+        self.app = Frontend(config, self.registry, self.metrics, rules, self.tracing)
         self._bus = bus
         self._tasks = ServiceTasks()
         """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
@@ -131,6 +139,8 @@ class FrontendService:
                 kv_events=kv_events,
                 on_repair=self.metrics.count_repair,
             )
+            if self.health is not None:
+                self._tasks.spawn(self.health.run())
             server = self._tasks.spawn(self._serve_http(sock, stop))
             await on_ready()
             freeze_heap()
@@ -138,6 +148,8 @@ class FrontendService:
         finally:
             await self._tasks.close()
             await self.registry.close()
+            if self.tracing is not None:
+                self.tracing.shutdown()  # the last spans exported
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":
@@ -155,6 +167,7 @@ class FrontendService:
         config = uvicorn.Config(
             self.app,
             http=_uvicorn_protocol(),
+            log_config=None,  # uvicorn's lines go through the process's handler (its format: text or JSON)
             lifespan="off",
             access_log=False,
             log_level="warning",

@@ -119,6 +119,15 @@ class Step:
     applied: bool | None
     """True/False: the connector's answer; None: dry run, or counts unchanged."""
 
+    def __str__(self) -> str:
+        """The decision, its outcome and its reason, as `dyn plan run` prints it and `dyn serve --planner` logs it."""
+        state = {True: "applied", False: "NOT acknowledged", None: "not applied"}[self.applied]
+        d, (prefill, decode) = self.decision, self.current
+        return (
+            f"decision {self.decision_id} ({self.kind}): prefill {prefill}→{d.num_prefill}, "
+            f"decode {decode}→{d.num_decode} [{state}]: {d.why}"
+        )
+
 
 class Snapshotter(Protocol):
     async def snapshot(self) -> Snapshot: ...
@@ -378,19 +387,15 @@ class Planner:
         )
         self._next_id += 1
         self.steps.append(step)
-        logger.info(
-            "decision %d (%s): prefill %d→%d, decode %d→%d; %s; observed %s; forecast %s; %s",
-            step.decision_id,
-            kind,
-            current[0],
-            wanted[0],
-            current[1],
-            wanted[1],
-            decision.why,
-            observation,
-            decision.forecast,
-            decision.corrections.why,
-        )
+        logger.info("%s; observed %s; forecast %s; %s", step, observation, decision.forecast, decision.corrections.why)
         if self.report is not None:
             self.report(step)
         return step
+
+
+def log_decisions() -> None:
+    """Log each decision (and each worker started or drained) at INFO even where the process logs only warnings:
+    a deployment that scales itself says why."""
+    planner = logging.getLogger("dynamo_cli.planner")
+    if planner.getEffectiveLevel() > logging.INFO:
+        planner.setLevel(logging.INFO)

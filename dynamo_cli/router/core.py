@@ -42,6 +42,7 @@ from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.plan import DispatchMetrics, NoMetrics, RequestPlan
 from dynamo_cli.router.registry import ModelEntry, Worker, not_busy
 from dynamo_cli.router.replicas import ReplicaSync
+from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.router.waits import interruptible
 from dynamo_cli.runtime.transport import ResponseStream
 from dynamo_cli.wire import (
@@ -157,6 +158,8 @@ class DispatchRules:
     metrics: DispatchMetrics = field(default_factory=NoMetrics)
     replicas: ReplicaSync | None = None
     """`dyn router` replicas share each decision, first token and end with their peers."""
+    deadline: Deadline = NO_DEADLINE
+    """How long a stream waits on a worker that sends nothing at all before the worker counts as hung."""
 
 
 class Dispatch:
@@ -220,6 +223,8 @@ class Dispatch:
         except BaseException:
             self.close()
             raise
+        if self.plan.trace is not None:
+            self.plan.trace.routed(self.started_at, self.served_by, self.decision, self.router_id)
 
     async def prepare(self) -> None:
         """The prefill stage (disaggregation), where this side runs it."""
@@ -302,7 +307,9 @@ class Dispatch:
             self.rules.replicas.added(entry.name, self.plan.request_id, entry.policy)  # type: ignore[arg-type]
         worker = self.worker = workers[self.decision.worker_id]
         worker.num_inflight += 1
+        worker.used_at = time.monotonic()
         self._is_held, self._is_prefilled = True, False
+        self.rules.metrics.count_served(entry.name, worker.instance_id, worker.card.role)
         return worker
 
     async def _choose_or_wait(self) -> Worker:
@@ -319,6 +326,8 @@ class Dispatch:
                 return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
         finally:
             self.rules.metrics.observe_queue_wait(self.entry.name, time.perf_counter() - queued_at)
+            if self.plan.trace is not None:
+                self.plan.trace.queued(queued_at)
 
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""
@@ -332,7 +341,9 @@ class Dispatch:
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
         """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker."""
-        batch, self._pending = self._pending or await stream.next_batch(), []
+        worker, next_batch, model = self.worker, self.rules.deadline.next_batch, self.entry.name
+        assert worker is not None
+        batch, self._pending = self._pending or await next_batch(stream, worker, model), []
         while batch:
             token_ids = self._absorb(batch)
             if token_ids:
@@ -343,7 +354,7 @@ class Dispatch:
                     self.first_token_at = time.perf_counter()
                 self.output_ids += token_ids
             yield batch, token_ids
-            batch = await stream.next_batch()
+            batch = await next_batch(stream, worker, model)
         if self.is_aborted:
             self.finish_reason = "cancelled"
         self._stream = None  # ended cleanly: nothing to cancel
@@ -372,7 +383,10 @@ class Dispatch:
             self.num_migrations,
             rules.migration_limit,
         )
-        return self._choose()
+        chosen = self._choose()
+        if self.plan.trace is not None:
+            self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
+        return chosen
 
     async def prefill_stage(self) -> None:
         """Disaggregation, between choosing the decode worker and opening it: prefill remotely or locally
@@ -397,7 +411,14 @@ class Dispatch:
 
     async def _run_prefill(self, outcome: str) -> None:
         attempts = self.rules.migration_limit + 1
-        hop = prefill.PrefillHop(self.entry, self._request(), self.rules.busy, attempts=attempts)
+        hop = prefill.PrefillHop(
+            self.entry,
+            self._request(),
+            self.rules.busy,
+            attempts=attempts,
+            trace=self.plan.trace,
+            deadline=self.rules.deadline,
+        )
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
@@ -425,6 +446,7 @@ class Dispatch:
         """The prefill's first token is the stream's; the decode worker gets its handle and no prefill."""
         assert self.prefill is not None
         self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
+        self.rules.metrics.count_served(self.entry.name, result.worker_id, "prefill")
         self._handle = result.handle
         self.prefill.update(prefill_worker_id=result.worker_id, prefill_route=result.explanation)
         if result.first_token == UNKNOWN_FIRST_TOKEN:
@@ -497,6 +519,7 @@ class Dispatch:
         if self._is_held and self.worker is not None:
             self._is_held = False
             self.worker.num_inflight -= 1
+            self.worker.used_at = time.monotonic()
             self.entry.policy.on_finish(self.plan.request_id)
             if self.rules.replicas is not None:
                 self.rules.replicas.freed(self.entry.name, self.plan.request_id)
@@ -515,4 +538,7 @@ class Dispatch:
         elif self._handle is not None:
             request = msgspec.structs.replace(request, kv_transfer=self._handle)
         annotations = self.rules.upstream.annotations(self.plan)
-        return msgspec.structs.replace(request, annotations=annotations) if annotations else request
+        if not annotations:
+            return request
+        # added to the plan's own (its trace context), which the next hop carries on
+        return msgspec.structs.replace(request, annotations={**request.annotations, **annotations})

@@ -4,12 +4,15 @@ reports as it goes (router/core.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dynamo_cli.errors import ContextOverflow
 from dynamo_cli.kv.handles import TransferReport
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import GenerateRequest
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import RequestTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,9 @@ class RequestPlan:
     """The caller's `x-request-id`, echoed back; `request_id` is always the frontend's own."""
     queued: QueuedRequest = QueuedRequest()
     """Its place in the wait queue when every worker is busy: priority and deadline, job size."""
+    trace: RequestTrace | None = None
+    """The request's span in this process, to which the core adds its hops' (tracing on and the request
+    traced); its `annotations` are already on `request`."""
 
     @property
     def request_id(self) -> str:
@@ -57,6 +63,12 @@ class DispatchMetrics(Protocol):
 
     def observe_transfer(self, model: str, report: TransferReport) -> None: ...
 
+    def count_served(self, model: str, worker_id: int, role: str) -> None: ...
+
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None: ...
+
+    def count_recovery(self, model: str, worker_id: int) -> None: ...
+
 
 class NoMetrics:
     """DispatchMetrics that record nothing."""
@@ -71,4 +83,13 @@ class NoMetrics:
         pass
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
+        pass
+
+    def count_served(self, model: str, worker_id: int, role: str) -> None:
+        pass
+
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None:
+        pass
+
+    def count_recovery(self, model: str, worker_id: int) -> None:
         pass

@@ -20,7 +20,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,9 +29,13 @@ from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.registry import ModelEntry, Worker
+from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.runtime.transport import ResponseStream
 from dynamo_cli.wire import KV_RELEASE_ENDPOINT, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +64,25 @@ class PrefillResult:
 class PrefillHop:
     """One request's prefill on the prefill pool: `await run()`, `cancel()` from anywhere."""
 
-    def __init__(self, entry: ModelEntry, request: GenerateRequest, busy: BusyThresholds, attempts: int) -> None:
+    def __init__(
+        self,
+        entry: ModelEntry,
+        request: GenerateRequest,
+        busy: BusyThresholds,
+        attempts: int,
+        trace: RequestTrace | None = None,
+        deadline: Deadline = NO_DEADLINE,
+    ) -> None:
         self.entry = entry
         sampling = msgspec.structs.replace(request.sampling, min_tokens=0)
         self.request = msgspec.structs.replace(request, max_tokens=1, sampling=sampling, kv_transfer=None)
+        self.span = trace.child("prefill") if trace is not None else None
+        """The hop's `prefill` span (tracing on): the prefill worker's stream is its child."""
+        if self.span is not None:
+            self.request = self.span.carried_by(self.request)
         self.busy = busy
+        self.deadline = deadline
+        """A prefill worker that sends nothing at all for its stall timeout is hung: the hop tries another."""
         self.attempts = max(1, attempts)
         self.failed: list[int] = []
         """Prefill workers that failed this request (excluded from the next choice)."""
@@ -80,6 +98,17 @@ class PrefillHop:
         the result then comes at once, with the rendezvous handle and no first token, and `rendezvous`
         holds the running prefill, which the caller drains (`Rendezvous.start`) while the decode runs and
         closes (`Rendezvous.aclose`) when the request ends."""
+        if self.span is None:
+            return await self._attempts()
+        try:
+            result = await self._attempts()
+        except BaseException as exc:
+            self.span.end_prefill(None, self.failed, exc)
+            raise
+        self.span.end_prefill(result.worker_id, self.failed)
+        return result
+
+    async def _attempts(self) -> PrefillResult:
         while True:
             worker, explanation = self._choose()
             try:
@@ -120,7 +149,9 @@ class PrefillHop:
         worker.pending_prefill_tokens += prompt_tokens
         try:
             self._stream = stream = await worker.client.open_stream(worker.record.endpoint, _encode(self.request))
-            chunks = [_decode_chunk(raw) async for batch in _batches(stream) for raw in batch]
+            chunks: list[GenerateChunk] = []
+            while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
+                chunks += [_decode_chunk(raw) for raw in batch]
             return _result(chunks, worker.instance_id, explanation)
         finally:
             self._stream = None

@@ -13,6 +13,7 @@ servable (`get`, `servable`): nothing could decode it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -52,9 +53,17 @@ class Worker:
     """The worker's last published load."""
     pending_prefill_tokens: int = 0
     """Prompt tokens this router sent the worker that it has not prefilled yet (disaggregation's queue view)."""
+    heard_at: float = field(default_factory=time.monotonic)
+    """`time.monotonic()` when the worker last sent anything here: a chunk on any stream, or a load report."""
+    used_at: float = field(default_factory=time.monotonic)
+    """When a stream to it last ended (or began): a canary goes to a worker idle for long."""
+    hung: str | None = None
+    """Why the worker counts as hung (router/health.py): out of routing until a canary answers."""
 
     def busy_reason(self, limits: BusyThresholds) -> str | None:
-        """Why the worker is busy, or None."""
+        """Why the worker is busy (or hung), or None."""
+        if self.hung is not None:
+            return f"not answering ({self.hung})"
         if limits.max_inflight and self.num_inflight >= limits.max_inflight:
             return f"{self.num_inflight} requests in flight (limit {limits.max_inflight})"
         load = self.load
@@ -165,6 +174,7 @@ class Registry(Generic[EntryT]):
             worker = entry.workers.get(metrics.worker_id) or entry.prefill_workers.get(metrics.worker_id)
             if worker is not None:
                 worker.load = metrics
+                worker.heard_at = time.monotonic()
             entry.policy_of(metrics.worker_id).apply_load(metrics)
             entry.queue.notify()
 

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -37,12 +38,14 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import ExpiresStale, RouteRequest
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.feeds import follow_workers
+from dynamo_cli.router.health import HealthMonitor
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.metrics import RouterMetrics
 from dynamo_cli.router.plan import RequestPlan
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import ReplicaSync
+from dynamo_cli.router.stalls import Deadline
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
@@ -51,6 +54,9 @@ from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.tracing import start_tracing
+from dynamo_cli.tracing.logs import enter_request
+from dynamo_cli.tracing.traceparent import trace_context, trace_id_of
 from dynamo_cli.wire import (
     BEST_WORKER_ENDPOINT,
     DEADLINE_ANNOTATION,
@@ -64,6 +70,9 @@ from dynamo_cli.wire import (
     GenerateRequest,
     InFlight,
 )
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +112,9 @@ class RouterService:
             migrates_after_output=False,  # the frontend migrates a stream that already relayed tokens
             replicas=self.sync,
             metrics=self.metrics,
+            deadline=Deadline(config.health.stall_timeout_s, self.metrics),
         )
+        self.monitor = HealthMonitor(self.registry, config.health, self.metrics)
         c = config
         self._settings = msgspec.to_builtins(
             {"kv_router": c.kv_router, "disagg": c.disagg, "queue": c.queue, "busy": c.busy}
@@ -114,6 +125,8 @@ class RouterService:
         self._discovery = discovery
         self._bus = bus
         self._decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
+        self.tracing = start_tracing(config.telemetry, "dyn-router")
+        """Spans of the requests routed here (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
 
     @property
     def instance_id(self) -> int:
@@ -127,8 +140,15 @@ class RouterService:
             request = self._decode_request(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise RequestError(f"malformed generate request: {exc}") from exc
-        plan = plan_of(request)  # a bad annotation is a 400 now, not after a wait
-        dispatch = Dispatch(self._entry(), plan, self.rules)
+        enter_request(request.request_id, trace_id_of(request.annotations))
+        trace = self.tracing.continue_request("router.generate", request) if self.tracing is not None else None
+        try:
+            plan = plan_of(request, trace)  # a bad annotation is a 400 now, not after a wait
+            dispatch = Dispatch(self._entry(), plan, self.rules)
+        except BaseException as exc:
+            if trace is not None:
+                trace.end(None, "error", exc)
+            raise
         status = "error"
         try:
             await dispatch.route()
@@ -145,6 +165,8 @@ class RouterService:
         finally:
             await dispatch.aclose()
             self._observe(dispatch, status)
+            if plan.trace is not None:
+                plan.trace.end(dispatch.finish_reason, status)
 
     def _observe(self, dispatch: Dispatch, status: str) -> None:
         """A routed request's figures, as its end leaves them."""
@@ -219,6 +241,8 @@ class RouterService:
         finally:
             await self.server.close()
             await self.registry.close()
+            if self.tracing is not None:
+                self.tracing.shutdown()  # the last spans exported
             if system is not None:
                 await system.close()
 
@@ -259,6 +283,7 @@ class RouterService:
             self.sync.subscribe_loop(),
             *self.sync.peer_loops(self._discovery),
             self._expire_loop(),
+            self.monitor.run(),
         ]:
             tasks.spawn(loop)
 
@@ -303,17 +328,19 @@ def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[InFlight
     ]
 
 
-def plan_of(request: GenerateRequest) -> RequestPlan:
+def plan_of(request: GenerateRequest, trace: RequestTrace | None = None) -> RequestPlan:
     """The core's plan of a request a frontend sent: its pin, and what the wait queue's policy knows of it (the
     frontend's priority and deadline, from annotations; the job size, prompt + the most output tokens). The
-    annotations stay here: the backend gets the request without them."""
+    annotations stay here but the trace context: the backend's parent span is this router's (`trace`), or the
+    frontend's when this router traces nothing."""
     pinned = _int_annotation(request, PIN_ANNOTATION, 16)
     deadline_ms = _int_annotation(request, DEADLINE_ANNOTATION)
     deadline = time.monotonic() + max(0, deadline_ms) / 1000 if deadline_ms is not None else None
     priority = _int_annotation(request, PRIORITY_ANNOTATION) or 0
     queued = QueuedRequest(priority, len(request.token_ids) + request.max_tokens, deadline)
-    plain = msgspec.structs.replace(request, annotations={}) if request.annotations else request
-    return RequestPlan(plain, pinned_worker=pinned, queued=queued)
+    carried = trace.annotations if trace is not None else trace_context(request.annotations)
+    plain = msgspec.structs.replace(request, annotations=carried) if request.annotations else request
+    return RequestPlan(plain, pinned_worker=pinned, queued=queued, trace=trace)
 
 
 def _int_annotation(request: GenerateRequest, name: str, base: int = 10) -> int | None:

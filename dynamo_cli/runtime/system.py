@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynamo_cli.errors import ConfigError
 from dynamo_cli.runtime.handshake import is_loopback
 from dynamo_cli.runtime.stats import DURATION_BUCKETS
 from dynamo_cli.runtime.transport import RequestServer
@@ -108,7 +109,10 @@ class SystemServer:
         """Listen; the `host:port` it serves on. Exposed beyond loopback, it warns: it serves read-only figures."""
         if not is_loopback(self._host):
             logger.info("system server on %s: reachable beyond this host (it serves read-only figures)", self._host)
-        self._server = await asyncio.start_server(self._accept, self._host, self._port, limit=HEAD_LIMIT)
+        try:
+            self._server = await asyncio.start_server(self._accept, self._host, self._port, limit=HEAD_LIMIT)
+        except OSError as exc:
+            raise ConfigError(f"--system-port {self._port}: cannot listen on {self._host} ({exc.strerror})") from None
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self._host}:{port}"
         return self.address
@@ -149,7 +153,7 @@ class SystemServer:
             f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: {kind}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
-        writer.write(header.encode() + (body if method == b"GET" else b""))
+        writer.write(header.encode() + (b"" if method == b"HEAD" else body))
         await writer.drain()
 
     async def _route(self, path: str) -> tuple[int, bytes, str]:

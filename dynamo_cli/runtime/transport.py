@@ -385,19 +385,21 @@ class ResponseStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _expire(self) -> None:
+    def _expire(self, timeout: float | None) -> None:
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(StreamTimeout(f"no response within {self._client.idle_timeout:.0f} s"))
+            seconds = timeout or self._client.idle_timeout
+            self._waiter.set_exception(StreamTimeout(f"no response within {seconds:.0f} s"))
 
-    async def next_batch(self) -> list[msgspec.Raw]:
-        """Every body received so far (at least one); [] when the stream ended cleanly."""
+    async def next_batch(self, timeout: float | None = None) -> list[msgspec.Raw]:
+        """Every body received so far (at least one); [] when the stream ended cleanly. StreamTimeout after
+        `timeout` s (default: the client's idle timeout) with nothing received; the stream stays usable."""
         while not self._items:
             if self._done:
                 if self._error is not None:
                     raise self._error
                 return []
             self._waiter = self._loop.create_future()
-            timer = self._loop.call_later(self._client.idle_timeout, self._expire)
+            timer = self._loop.call_later(timeout or self._client.idle_timeout, self._expire, timeout)
             try:
                 await self._waiter
             finally:

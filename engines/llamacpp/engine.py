@@ -80,6 +80,7 @@ class LlamaCppEngine:
         self._scheduler: Scheduler | None = None
         self._info: EngineInfo | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-step")
+        self._counts = {"decode_calls": 0.0, "batched_tokens": 0.0}
         self._wake = asyncio.Event()
         self._aborted: list[Sequence] = []
         self._streams: dict[int, asyncio.Queue[GenerateChunk | BaseException]] = {}
@@ -366,10 +367,16 @@ class LlamaCppEngine:
         self._mark_exports(plan, scheduled)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self._executor, self._runner_execute, plan)
+        self._counts["decode_calls"] += 1
+        self._counts["batched_tokens"] += len(plan.tokens)
         if self._tiers is not None:
             self._tiers.offload(scheduler, result)
         self._process(scheduler, scheduled, result)
         self._publish_events(scheduler)
+
+    def work_counters(self) -> dict[str, float]:
+        """llama_decode calls and the tokens they batched (`CountsWork`)."""
+        return dict(self._counts)
 
     def _runner_execute(self, plan: StepPlan) -> StepResult:
         assert self._runner is not None

@@ -38,6 +38,7 @@ _KNOWN_KEYS = (
     "kv_disk_latency_ms",
     "vocab_size",
     "kv_transfer_mode",
+    "startup_time",
 )
 
 
@@ -82,6 +83,8 @@ class MockerConfig:
     kv_transfer_mode: str = "pull"
     """"pull": a prefill returns its first token and a MockerKv the decode worker pulls (llama.cpp, vLLM);
     "rendezvous": the frontend makes an SglangKv up front and both halves run at once (SGLang)."""
+    startup_time: float = 0.0
+    """Seconds `start()` takes, as a real engine's load does (Dynamo's mocker `--startup-time`)."""
     host: str = "127.0.0.1"
     """The worker's advertised host: the host of the bootstrap address a rendezvous prefill publishes."""
 
@@ -120,6 +123,7 @@ class MockerConfig:
             kv_host_latency_ms=_non_negative_float("kv_host_latency_ms", extra.get("kv_host_latency_ms", HOST_MS)),
             kv_disk_latency_ms=_non_negative_float("kv_disk_latency_ms", extra.get("kv_disk_latency_ms", DISK_MS)),
             kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
+            startup_time=_non_negative_float("startup_time", extra.get("startup_time", 0.0)),
             host=args.host,
         )
 

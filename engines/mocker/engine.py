@@ -108,12 +108,14 @@ class MockerEngine:
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None  # when the current pass ends, in loop time
         self._info: EngineInfo | None = None
+        self._counts = {"forward_passes": 0.0, "pass_seconds": 0.0, "preemptions": 0.0}
 
     ##### The Engine contract #####
 
     async def start(self) -> EngineInfo:
         """Start the step loop; the model is only a tokenizer source, nothing is loaded."""
         if self._info is None:
+            await asyncio.sleep(self.config.startup_time)
             self._info = self._engine_info()
         if self.state is EngineState.CREATED:
             # The engine owns its one loop task and cancels it in stop().
@@ -185,6 +187,7 @@ class MockerEngine:
             while True:
                 await self._wait_for_work()
                 result = self._scheduler.step()
+                self._count_pass(result)
                 if self._tiers is not None:
                     self._tiers.after_pass()
                 self._publish_events()
@@ -197,6 +200,16 @@ class MockerEngine:
             self.state = EngineState.STOPPED
             self._end_all(FinishReason.ERROR)
             self._events.close()
+
+    def _count_pass(self, result: PassResult) -> None:
+        counts = self._counts
+        counts["forward_passes"] += 1
+        counts["pass_seconds"] += result.duration_ms / 1e3 / self.config.speedup_ratio
+        counts["preemptions"] += result.num_preempted
+
+    def work_counters(self) -> dict[str, float]:
+        """Forward passes, the simulated time they took (s, after the speedup) and preemptions (`CountsWork`)."""
+        return dict(self._counts)
 
     async def _wait_for_work(self) -> None:
         if self._scheduler.has_work:

@@ -3,6 +3,7 @@ step, and no request fails while they come and go."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,9 @@ def test_serve_with_the_planner_adds_workers_under_a_load_step_and_drains_them_a
         sizes.append(len(deployment.serving_pids()))
         time.sleep(0.3)
     assert max(sizes) >= 2, sizes  # discovery shows the workers the planner added
+    decisions = [line for line in deployment.lines if " INFO dynamo_cli.planner.planner: decision " in line]
+    # logged as `dyn plan run` prints them, with the inputs behind each: what was observed and forecast
+    assert any(re.search(r"decode 1→[23] \[applied\]: .+; observed Observation\(.+; forecast ", d) for d in decisions)
     assert failures == []  # no request failed while workers came and went
     assert wait_until(lambda: len(deployment.serving_pids()) == 1, 30), "the planner did not scale back down"
     workers = descendants(deployment.proc.pid)

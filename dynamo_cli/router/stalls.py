@@ -1,0 +1,89 @@
+"""The deadline on a worker's streams: a stream that waits too long, on a worker that sent nothing at all for as
+long, takes the worker out of routing (it is hung: router/health.py lets it back in) and fails over.
+
+A worker reports its load every half second and sends chunks on every stream it serves; `Worker.heard_at` is the
+last time either arrived. A slow prefill or a long queue on the worker does not trip the deadline: its load
+reports go on. A stopped process, a frozen host or a cut network does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from dynamo_cli.errors import StreamTimeout, WorkerHung
+from dynamo_cli.router.registry import Worker
+from dynamo_cli.runtime.transport import ResponseStream
+
+logger = logging.getLogger(__name__)
+
+
+class HealthMetrics(Protocol):
+    """Where hung workers and their recoveries are counted."""
+
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None: ...
+
+    def count_recovery(self, model: str, worker_id: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """The stall timeout of a process's streams, and where a hung worker is counted."""
+
+    stall_s: float
+    """0: no deadline (the request plane's idle timeout only)."""
+    metrics: HealthMetrics
+
+    async def next_batch(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
+        """The stream's next batch; WorkerHung once it waited `stall_s` and its worker sent nothing here for as
+        long (the first such stream takes the worker out of routing)."""
+        if not self.stall_s:
+            return await stream.next_batch()
+        return await _next_batch(stream, worker, self.stall_s, model, self.metrics)
+
+
+class _NoHealthMetrics:
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None:
+        pass
+
+    def count_recovery(self, model: str, worker_id: int) -> None:
+        pass
+
+
+NO_DEADLINE = Deadline(0.0, _NoHealthMetrics())
+
+
+async def _next_batch(
+    stream: ResponseStream, worker: Worker, stall_s: float, model: str, metrics: HealthMetrics
+) -> list[msgspec.Raw]:
+    wait = stall_s
+    while True:
+        try:
+            batch = await stream.next_batch(wait)
+        except StreamTimeout:
+            silent = time.monotonic() - worker.heard_at
+            if worker.hung is None and silent < stall_s:
+                wait = stall_s - silent  # it answers elsewhere (or reports its load): wait on
+                continue
+            if worker.hung is None:
+                mark_hung(worker, model, f"nothing from it for {silent:.1f} s with a stream open", "deadline", metrics)
+            raise WorkerHung(f"worker {worker.instance_id:x} is not answering ({worker.hung})") from None
+        worker.heard_at = time.monotonic()
+        return batch
+
+
+def mark_hung(worker: Worker, model: str, reason: str, kind: str, metrics: HealthMetrics) -> None:
+    """Take the worker out of routing until a canary answers."""
+    worker.hung = reason
+    metrics.count_stall(model, worker.instance_id, kind)
+    logger.warning(
+        "worker %x (%s, model %s) is hung: %s; out of routing, its streams migrate, probed until it answers",
+        worker.instance_id,
+        worker.card.role,
+        model,
+        reason,
+    )

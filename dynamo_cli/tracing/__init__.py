@@ -1,0 +1,39 @@
+"""One trace per request across processes, and log lines that name their request (README: "Tracing and logs").
+
+    traceparent.py  the W3C trace context a request carries: parsed, checked, carried on (pure)
+    logs.py         each log line names the request and trace in scope; text or JSON lines
+    spans.py        the spans of one process, exported with OTLP/HTTP (the only module importing OpenTelemetry)
+
+Without `--otlp-endpoint` nothing of OpenTelemetry is imported: each process holds `None` for its `Tracing`,
+and each place that would add a span costs one `is not None`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dynamo_cli.config import TelemetryConfig
+from dynamo_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dynamo_cli.tracing.spans import Tracing
+
+INSTALL = "pip install 'dynamo-cli[tracing]'"
+TRACE_SCOPE_KEY = "dyn.trace"
+"""The ASGI scope key under which the frontend's handlers find the request's RequestTrace (tracing on)."""
+
+
+def start_tracing(config: TelemetryConfig, service_name: str) -> Tracing | None:
+    """The process's tracer, exporting as `service_name` (dyn-frontend, dyn-router, dyn-worker-ROLE); None
+    without an OTLP endpoint. The caller calls its `shutdown()` on the way out (it flushes the last spans)."""
+    if config.otlp_endpoint is None:
+        return None
+    try:
+        from dynamo_cli.tracing.spans import Tracing
+    except ImportError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        raise ConfigError(
+            f"--otlp-endpoint needs the OpenTelemetry SDK, which does not import here ({exc.name}); {INSTALL}"
+        ) from None
+    return Tracing(config, service_name)

@@ -1,0 +1,102 @@
+"""A hung worker (alive, registered, producing nothing) is found, taken out of routing, its streams migrate and
+complete, and it is routed to again once it answers: SIGSTOP one of three workers under 32 streams, then SIGCONT."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import openai
+
+from tests.conftest import DynProcess, wait_until
+
+MAX_TOKENS = 600
+
+
+def _stream(client: openai.OpenAI) -> tuple[int, str | None]:
+    """(completion tokens, finish reason) of one streamed chat request."""
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    tokens, finish = 0, None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, finish
+
+
+def _served_by(d: DynProcess) -> str:
+    reply = httpx.post(
+        f"{d.url}/v1/completions",
+        json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+        headers=d.auth,
+        timeout=10,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.headers["x-worker-instance-id"]
+
+
+def _metric(d: DynProcess, name: str, worker: str) -> float:
+    text = httpx.get(f"{d.url}/metrics", timeout=5, headers=d.auth).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and f'worker_id="{worker}"' in line
+    )
+
+
+def test_a_stopped_worker_is_routed_around_its_streams_complete_and_it_comes_back(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--workers", "3", "--speedup-ratio", "1", "--stall-timeout", "2",
+        "--lease-ttl", "60", "--migration-limit", "3",
+    )  # fmt: skip
+    records = [r for r in d.instance_records() if r.component != "router"]
+    stopped = records[0]
+    stopped_id = f"{stopped.instance_id:x}"
+    client = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, timeout=60, max_retries=0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            streams = [pool.submit(_stream, client) for _ in range(32)]
+            time.sleep(1.0)  # every stream is running
+            os.kill(stopped.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            results = [f.result(timeout=60) for f in streams]
+        assert results == [(MAX_TOKENS, "length")] * 32  # every stream complete, the stopped worker's migrated
+        assert time.monotonic() - stopped_at < 20
+        assert _metric(d, "dynamo_frontend_worker_stalls_total", stopped_id) == 1
+        text = httpx.get(f"{d.url}/metrics", timeout=5, headers=d.auth).text
+        assert "migration_type=\"ongoing_request\"" in text, [l for l in text.splitlines() if "migration" in l or "stall" in l]  # its streams moved on mid-stream
+        # While it is stopped, no request goes to it (round-robin would send every third there).
+        assert stopped_id not in {_served_by(d) for _ in range(6)}
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert wait_until(lambda: _metric(d, "dynamo_frontend_worker_recoveries_total", stopped_id) == 1, timeout=15)
+    assert stopped_id in {_served_by(d) for _ in range(6)}  # routed to again
+
+
+def test_with_canaries_an_idle_stopped_worker_is_found_without_traffic_and_comes_back(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--workers", "2", "--health-check", "--canary-wait", "1",
+        "--health-check-timeout", "1", "--lease-ttl", "60",
+    )  # fmt: skip
+    stopped = next(r for r in d.instance_records() if r.component != "router")
+    stopped_id = f"{stopped.instance_id:x}"
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: _metric(d, "dynamo_frontend_worker_stalls_total", stopped_id) == 1, timeout=10)
+        assert 'reason="canary"' in httpx.get(f"{d.url}/metrics", timeout=5, headers=d.auth).text
+        assert stopped_id not in {_served_by(d) for _ in range(4)}
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert wait_until(lambda: _metric(d, "dynamo_frontend_worker_recoveries_total", stopped_id) == 1, timeout=10)
+    assert stopped_id in {_served_by(d) for _ in range(4)}
