@@ -13,12 +13,17 @@ DIR, on this checkout, and on this checkout again (the A/A pair: the noise floor
 `dyn serve` from its own code (PYTHONPATH=side, PYTHONSAFEPATH); the table gives main/base and main/main.
 
     python benchmarks/overhead.py --ab ../base --rounds 3 --seconds 15 --concurrency 64 --max-tokens 16
+
+`--traced` adds a fourth side per round: this checkout with tracing on (`DYN_OTLP_ENDPOINT` at a loopback
+collector this script runs, which accepts and drops the spans; ratio 1.0), and the table adds traced/main: what
+tracing every request costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import json
 import os
 import re
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +160,7 @@ def main() -> None:
     parser.add_argument("--http-server", default="uvicorn", choices=["uvicorn", "hypercorn"])
     parser.add_argument("--ab", default=None, help="another checkout to compare with, alternating (see above)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--traced", action="store_true", help="with --ab: a side with tracing on (see above)")
     args = parser.parse_args()
     if args.ab is not None:
         return compare(args)
@@ -230,40 +237,80 @@ def print_table(rows: list[dict[str, object]]) -> None:
         print(" | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols))
 
 
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP endpoint that accepts every export and keeps nothing (the spans' cost is the sender's)."""
+
+    spans_bytes = 0
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        _Collector.spans_bytes += len(self.rfile.read(int(self.headers.get("content-length", 0))))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
 def compare(args: argparse.Namespace) -> None:
-    """Rounds of base, main, main (A/A), each `overhead.py` run by its own checkout; the ratios per round."""
+    """Rounds of base, main, main (A/A) (and main traced), each `overhead.py` run by its own checkout; the ratios
+    per round."""
     here = Path(__file__).resolve().parents[1]
     sides = {"base": Path(args.ab).resolve(), "main": here, "main2": here}
+    extra_env: dict[str, dict[str, str]] = {}
+    collector = None
+    if args.traced:
+        collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        sides["traced"] = here
+        url = f"http://127.0.0.1:{collector.server_address[1]}"
+        extra_env["traced"] = {"DYN_OTLP_ENDPOINT": url, "DYN_TRACE_SAMPLE_RATIO": "1.0"}
     level = ["--seconds", str(args.seconds), "--concurrency", args.concurrency, "--max-tokens", args.max_tokens]
     results: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(1, args.rounds + 1):
             for side, root in sides.items():
                 out = Path(tmp) / f"{side}-{round_}.json"
-                env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
+                env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1", **extra_env.get(side, {})}
                 script = root / "benchmarks" / "overhead.py"
                 subprocess.run([sys.executable, str(script), *level, "--json", str(out)], cwd=root, env=env, check=True)
                 for row in json.loads(out.read_text())["rows"]:
                     if row["client"] == "lean":
                         results.append({"round": round_, "side": side, **row})
+    if collector is not None:
+        collector.shutdown()
+        print(f"collector received {_Collector.spans_bytes / 1e6:.1f} MB of spans")
+    print_ratios(results, sides, args.rounds)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"ab": str(sides["base"]), "rows": results}, indent=2))
+    print(f"wrote {args.json}")
+
+
+def print_ratios(results: list[dict[str, object]], sides: dict[str, Path], rounds: int) -> None:
+    traced = "traced" in sides
     print(
         f"{'round':>5} {'mt':>4} {'conc':>4} {'base r/s':>9} {'main r/s':>9} {'main/base':>9} {'main/main':>9} "
         f"{'base ms/r':>9} {'main ms/r':>9} {'main/base':>9} {'main/main':>9}"
+        + (f" {'trc r/s':>8} {'trc ms/r':>8} {'trc/main':>8} {'trc/main':>8}" if traced else "")
     )
-    for round_ in range(1, args.rounds + 1):
+    for round_ in range(1, rounds + 1):
         keys = {(r["max_tokens"], r["concurrency"]) for r in results if r["round"] == round_}
         for key in sorted(keys):  # type: ignore[type-var]
             by = {r["side"]: r for r in results if r["round"] == round_ and (r["max_tokens"], r["concurrency"]) == key}
             rps = {side: float(by[side]["req_per_s"]) for side in sides}  # type: ignore[arg-type]
             cpu = {side: float(by[side]["cpu_ms_per_req_fe_worker"]) for side in sides}  # type: ignore[arg-type]
-            print(
+            line = (
                 f"{round_:>5} {key[0]:>4} {key[1]:>4} {rps['base']:>9.0f} {rps['main']:>9.0f} "
                 f"{rps['main'] / rps['base']:>9.3f} {rps['main'] / rps['main2']:>9.3f} {cpu['base']:>9.3f} "
                 f"{cpu['main']:>9.3f} {cpu['main'] / cpu['base']:>9.3f} {cpu['main'] / cpu['main2']:>9.3f}"
             )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"ab": str(sides["base"]), "rows": results}, indent=2))
-    print(f"wrote {args.json}")
+            if traced:
+                line += (
+                    f" {rps['traced']:>8.0f} {cpu['traced']:>8.3f} {rps['traced'] / rps['main']:>8.3f}"
+                    f" {cpu['traced'] / cpu['main']:>8.3f}"
+                )
+            print(line)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class WorkerService:
         self.state = WorkerState.STARTING
         self.card: ModelCard | None = None
         self.last_output_at = 0.0
-        """`time.monotonic()` of the engine's last chunk: an engine that produces needs no health check."""
+        """`time.monotonic()` when a request last ended: an engine that serves needs no health check."""
         self._engine_check: asyncio.Task[str | None] | None = None
 
     @property
@@ -131,7 +131,6 @@ class WorkerService:
                 trace.pulled(report)
             chunk: GenerateChunk
             async for chunk in self.engine.generate(request):
-                self.last_output_at = time.monotonic()
                 if chunk.kv_transfer is not None:
                     chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
                 if report is not None:
@@ -143,6 +142,8 @@ class WorkerService:
             if trace is not None:
                 trace.end(exc)
             raise
+        finally:
+            self.last_output_at = time.monotonic()  # per request, not per chunk: the health check's clue
         if trace is not None:
             trace.end()
 
@@ -171,7 +172,7 @@ class WorkerService:
         if self.state is not WorkerState.READY:
             return HealthReport(False, self.state.value, detail)
         if time.monotonic() - self.last_output_at < ENGINE_QUIET_S:
-            return HealthReport(True, "ready", {**detail, "engine": "producing"})
+            return HealthReport(True, "ready", {**detail, "engine": "served lately"})
         if self._engine_check is None or self._engine_check.done():  # one check at a time, shared by probes
             self._engine_check = asyncio.get_running_loop().create_task(self._check_engine())
         problem = await asyncio.shield(self._engine_check)

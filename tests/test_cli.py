@@ -29,6 +29,23 @@ def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
     assert len(lines) == 1 and "unknown engine 'nope'" in lines[0] and "mocker" in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["worker", "--system-port", "70000"], "--system-port must be 0..65535"),
+        (["serve", "--stall-timeout", "-1"], "--stall-timeout -1.0"),
+        (["worker", "--log-format", "xml"], "--log-format 'xml' is invalid"),
+        (["router", "--trace-sample-ratio", "2"], "--trace-sample-ratio must be between 0 and 1"),
+        (["serve", "--otlp-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
+    ],
+)
+def test_a_bad_observability_setting_is_one_line_naming_it(args: list[str], expected: str) -> None:
+    result = dyn(*args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
 def test_a_missing_model_path_is_one_clear_line() -> None:
     result = dyn(
         "worker", "--engine", "mocker", "--model", "/no/such/model.gguf", "--discovery", "file:///tmp/dyn-cli-test"

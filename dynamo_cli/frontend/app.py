@@ -54,8 +54,8 @@ from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.tracing import TRACE_SCOPE_KEY
 from dynamo_cli.tracing.logs import enter_request
+from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
 if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace, Tracing
@@ -436,6 +436,7 @@ class Frontend:
     async def health(self, request: Request) -> Response:
         instances = [
             {"model": e.name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
+            | ({"hung": w.hung} if w.hung is not None else {})
             for e in self.registry.servable()
             for wid, w in {**e.workers, **e.prefill_workers}.items()
         ]

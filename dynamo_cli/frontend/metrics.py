@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 
@@ -103,6 +104,8 @@ class FrontendMetrics:
             registry=r,
         )
         self._worker_series: set[tuple[str, str, str]] = set()
+        self._served: dict[tuple[str, int, str], Any] = {}
+        """(model, worker id, role) -> its `worker_requests` child (looked up once per worker, not per request)."""
         """(model, worker id, role) of every worker with series, so that one that left loses them."""
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
@@ -142,8 +145,12 @@ class FrontendMetrics:
 
     def count_served(self, model: str, worker_id: int, role: str) -> None:
         """A request had `worker_id` serve part of it (once per request per worker)."""
-        self._worker_series.add((model, f"{worker_id:x}", role))
-        self.worker_requests.labels(model, f"{worker_id:x}", role).inc()
+        child = self._served.get((model, worker_id, role))
+        if child is None:  # once per worker: the request path then only increments
+            labels = (model, f"{worker_id:x}", role)
+            self._worker_series.add(labels)
+            child = self._served[model, worker_id, role] = self.worker_requests.labels(*labels)
+        child.inc()
 
     def export_workers(self, workers: Iterable[tuple[str, Worker]]) -> None:
         """Every (model, worker)'s load and in-flight streams now; a worker no longer listed loses its series."""
@@ -168,4 +175,5 @@ class FrontendMetrics:
                     gauge.remove(model, worker_id, "0", role)
             with contextlib.suppress(KeyError):
                 self.worker_requests.remove(model, worker_id, role)
+            self._served.pop((model, int(worker_id, 16), role), None)
         self._worker_series = now

@@ -32,6 +32,7 @@ from dynamo_cli.errors import (
     Overloaded,
     RemoteError,
     RequestError,
+    StreamTimeout,
     TransportError,
     UnknownInstance,
 )
@@ -58,6 +59,7 @@ from dynamo_cli.wire import (
 logger = logging.getLogger(__name__)
 
 _encode = msgspec.msgpack.Encoder().encode
+_monotonic = time.monotonic
 _decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
 
 
@@ -340,11 +342,22 @@ class Dispatch:
         return self._stream
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
-        """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker."""
-        worker, next_batch, model = self.worker, self.rules.deadline.next_batch, self.entry.name
+        """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker. Each wait
+        is under the stall deadline (router/stalls.py), inline: this loop runs once per batch of every stream."""
+        worker, deadline = self.worker, self.rules.deadline
         assert worker is not None
-        batch, self._pending = self._pending or await next_batch(stream, worker, model), []
-        while batch:
+        stall = deadline.stall_s or None
+        batch, self._pending = self._pending, []
+        while True:
+            if not batch:
+                try:
+                    batch = await stream.next_batch(stall)
+                except StreamTimeout:
+                    batch = await deadline.waited(stream, worker, self.entry.name)
+                if stall:
+                    worker.heard_at = _monotonic()
+                if not batch:
+                    break
             token_ids = self._absorb(batch)
             if token_ids:
                 self._handle = None  # the decode worker has pulled the KV: nothing left to release
@@ -354,7 +367,7 @@ class Dispatch:
                     self.first_token_at = time.perf_counter()
                 self.output_ids += token_ids
             yield batch, token_ids
-            batch = await next_batch(stream, worker, model)
+            batch = []
         if self.is_aborted:
             self.finish_reason = "cancelled"
         self._stream = None  # ended cleanly: nothing to cancel

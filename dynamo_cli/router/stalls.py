@@ -41,9 +41,31 @@ class Deadline:
     async def next_batch(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
         """The stream's next batch; WorkerHung once it waited `stall_s` and its worker sent nothing here for as
         long (the first such stream takes the worker out of routing)."""
+        try:
+            batch = await stream.next_batch(self.stall_s or None)
+        except StreamTimeout:
+            batch = await self.waited(stream, worker, model)
+        if self.stall_s:
+            worker.heard_at = time.monotonic()
+        return batch
+
+    async def waited(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
+        """After a wait of `stall_s` timed out (raise it again without a deadline): wait on while the worker
+        is heard elsewhere; else take it out of routing and raise WorkerHung. Without a deadline, the timeout
+        was the request plane's own: StreamTimeout."""
         if not self.stall_s:
-            return await stream.next_batch()
-        return await _next_batch(stream, worker, self.stall_s, model, self.metrics)
+            raise StreamTimeout(f"no response from worker {worker.instance_id:x} within the idle timeout")
+        while True:
+            silent = time.monotonic() - worker.heard_at
+            if worker.hung is None and silent < self.stall_s:
+                try:  # it answers elsewhere (or reports its load): wait on
+                    return await stream.next_batch(self.stall_s - silent)
+                except StreamTimeout:
+                    continue
+            if worker.hung is None:
+                reason = f"nothing from it for {silent:.1f} s with a stream open"
+                mark_hung(worker, model, reason, "deadline", self.metrics)
+            raise WorkerHung(f"worker {worker.instance_id:x} is not answering ({worker.hung})") from None
 
 
 class _NoHealthMetrics:
@@ -55,25 +77,6 @@ class _NoHealthMetrics:
 
 
 NO_DEADLINE = Deadline(0.0, _NoHealthMetrics())
-
-
-async def _next_batch(
-    stream: ResponseStream, worker: Worker, stall_s: float, model: str, metrics: HealthMetrics
-) -> list[msgspec.Raw]:
-    wait = stall_s
-    while True:
-        try:
-            batch = await stream.next_batch(wait)
-        except StreamTimeout:
-            silent = time.monotonic() - worker.heard_at
-            if worker.hung is None and silent < stall_s:
-                wait = stall_s - silent  # it answers elsewhere (or reports its load): wait on
-                continue
-            if worker.hung is None:
-                mark_hung(worker, model, f"nothing from it for {silent:.1f} s with a stream open", "deadline", metrics)
-            raise WorkerHung(f"worker {worker.instance_id:x} is not answering ({worker.hung})") from None
-        worker.heard_at = time.monotonic()
-        return batch
 
 
 def mark_hung(worker: Worker, model: str, reason: str, kind: str, metrics: HealthMetrics) -> None:

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import Tracing
 
 INSTALL = "pip install 'dynamo-cli[tracing]'"
-TRACE_SCOPE_KEY = "dyn.trace"
-"""The ASGI scope key under which the frontend's handlers find the request's RequestTrace (tracing on)."""
 
 
 def start_tracing(config: TelemetryConfig, service_name: str) -> Tracing | None:

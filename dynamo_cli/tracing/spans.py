@@ -28,16 +28,19 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dynamo_cli.config import TelemetryConfig
 from dynamo_cli.kv.handles import TransferReport
-from dynamo_cli.tracing import TRACE_SCOPE_KEY
-from dynamo_cli.tracing.traceparent import TraceParent, parse_traceparent, parse_tracestate
+from dynamo_cli.tracing.traceparent import (
+    TRACE_ID_HEADER,
+    TRACE_SCOPE_KEY,
+    TraceParent,
+    parse_traceparent,
+    parse_tracestate,
+)
 from dynamo_cli.wire import TRACEPARENT_ANNOTATION, TRACESTATE_ANNOTATION, GenerateChunk, GenerateRequest
 
 EXPORT_DELAY_S = 1.0
 """A finished span waits at most this long in the batch before it is exported."""
 EXPORT_TIMEOUT_S = 5.0
 """One export request's timeout, retries included: a collector that is gone delays shutdown by at most this."""
-TRACE_ID_HEADER = b"x-dyn-trace-id"
-"""The response header naming the trace of a sampled request."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,7 +49,7 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class Decision(Protocol):
+class RouteChoice(Protocol):
     """What a route span reads of the policy's decision (router/base.py `RouteDecision`)."""
 
     @property
@@ -205,7 +208,7 @@ class RequestTrace:
         return ChildSpan(self.tracer.start_span(name, context=self._context))
 
     def routed(
-        self, started_at: float, worker_id: int | None, decision: Decision | None, router_id: int | None
+        self, started_at: float, worker_id: int | None, decision: RouteChoice | None, router_id: int | None
     ) -> None:
         """A `route` span from `started_at` (perf_counter) to now: the chosen worker and, from a KV router's
         explanation, the cached prefix, the cost and how many candidates there were."""

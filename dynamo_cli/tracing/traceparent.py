@@ -1,7 +1,8 @@
 """The W3C trace context a request carries (`traceparent`, `tracestate`): read from a client's headers or a
-request's annotations, checked, written back. Pure: no OpenTelemetry, no I/O.
+request's annotations, checked, written back; and where the frontend keeps and names a request's trace. Pure: no
+OpenTelemetry, no I/O.
 
-A malformed value is ignored, never an error (W3C Trace Context §4.3: a vendor that cannot parse it starts a
+A malformed value is ignored, never an error (W3C Trace Context: a receiver that cannot parse it starts a
 new trace), so a client's bad header costs it its trace, never its request.
 """
 
@@ -18,6 +19,10 @@ MAX_TRACESTATE = 512
 """Longest `tracestate` carried on (W3C: a vendor may drop a longer one)."""
 SAMPLED = 0x01
 """The `sampled` bit of the trace flags."""
+TRACE_ID_HEADER = b"x-dyn-trace-id"
+"""The frontend's response header naming the trace of a sampled request."""
+TRACE_SCOPE_KEY = "dyn.trace"
+"""The ASGI scope key under which the frontend's handlers find the request's RequestTrace (tracing on)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ def test_a_disaggregated_request_is_one_trace_across_the_frontend_and_both_worke
         trace_id,
         has(
             ("worker.generate", "dyn-worker-prefill"),
+            ("worker.generate", "dyn-worker-decode"),
             ("kv.pull", "dyn-worker-decode"),
             ("http.request", "dyn-frontend"),
         ),
@@ -155,6 +156,30 @@ def test_a_migrated_stream_names_both_decode_workers_in_one_trace(disagg: DynPro
     assert [(e["level"], e["logger"], e["trace_id"], e["request_id"]) for e in logged] == [
         ("WARNING", "dynamo_cli.router.core", trace_id, request.attributes["dyn.request_id"])
     ]
+
+
+def test_behind_dyn_router_the_trace_runs_from_the_frontend_through_the_router_to_both_workers(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    trace_id = secrets.token_hex(16)
+    with serve_otlp() as receiver:
+        flags = ("--disagg", "--disagg-policy", "always", "--router", "remote", "--routers", "1")
+        d = dyn_serve("--engine", "mocker", "--speedup-ratio", "10", *flags, "--otlp-endpoint", receiver.url)
+        raw = client_of(d).chat.completions.with_raw_response.create(
+            model="smollm2",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_headers={"traceparent": traceparent(trace_id)},
+        )
+        wanted = [("router.generate", "dyn-router"), ("http.request", "dyn-frontend")]
+        wanted += [("worker.generate", "dyn-worker-prefill"), ("worker.generate", "dyn-worker-decode")]
+        spans = receiver.wait_for(trace_id, has(*wanted))
+    request, routed = one(spans, "http.request", "dyn-frontend"), one(spans, "router.generate", "dyn-router")
+    assert one(spans, "route", "dyn-frontend").attributes["dyn.router_id"] == raw.headers["x-dyn-router-instance-id"]
+    assert routed.parent_span_id == request.span_id and routed.attributes["dyn.status"] == "success"
+    route, prefill = one(spans, "route", "dyn-router"), one(spans, "prefill", "dyn-router")  # the router routes
+    assert route.parent_span_id == prefill.parent_span_id == routed.span_id
+    assert route.attributes["dyn.worker_id"] == raw.headers["x-worker-instance-id"]
+    assert one(spans, "worker.generate", "dyn-worker-prefill").parent_span_id == prefill.span_id
+    assert one(spans, "worker.generate", "dyn-worker-decode").parent_span_id == routed.span_id
 
 
 def test_at_ratio_0_only_a_trace_the_client_sampled_is_exported(dyn_serve) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ import pytest
 
 from dynamo_cli.config import TelemetryConfig
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.tracing import TRACE_SCOPE_KEY, start_tracing
+from dynamo_cli.tracing import start_tracing
 from dynamo_cli.tracing.spans import RequestTrace, Tracing
+from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 from dynamo_cli.wire import GenerateChunk, GenerateRequest
 from tests.otlp import OtlpReceiver, serve_otlp
 
@@ -126,6 +129,57 @@ def test_a_worker_continues_its_requests_trace_only() -> None:
     assert (span.name, span.service, span.parent_span_id) == ("worker.generate", "dyn-worker-decode", CLIENT_SPAN)
     assert span.attributes["gen_ai.usage.output_tokens"] == 3 and span.attributes["dyn.worker_id"] == "cafe"
     assert span.attributes["gen_ai.response.finish_reasons"] == ["length"] and "first_token" in span.events
+
+
+@dataclass(frozen=True)
+class KvDecision:
+    """What a KV router's decision shows a route span (router/cost.py `Selection.to_dict`)."""
+
+    overlap_blocks: int = 3
+    explanation: dict[str, Any] = field(
+        default_factory=lambda: {
+            "worker_id": 0xB,
+            "reason": "argmin",
+            "margin": 1.5,
+            "num_candidates": 2,
+            "candidates": [{"worker_id": 0xA, "logit": 9.0}, {"worker_id": 0xB, "logit": 7.5}],
+        }
+    )
+
+
+def test_the_cores_hops_become_spans_and_a_migration_an_event() -> None:
+    with serve_otlp() as receiver:
+        tracing = start_tracing(TelemetryConfig(otlp_endpoint=receiver.url), "dyn-router")
+        assert tracing is not None
+        parent = f"00-{TRACE}-{CLIENT_SPAN}-01"
+        request = GenerateRequest(request_id="r", token_ids=[1], max_tokens=1, annotations={"traceparent": parent})
+        trace = tracing.continue_request("router.generate", request)
+        assert trace is not None
+        now = time.perf_counter()
+        trace.queued(now - 0.25)
+        trace.routed(now - 0.5, 0xB, KvDecision(), None)
+        trace.migrated(0xB, 0xA, "worker b disconnected", 1)
+        trace.end("length")
+        tracing.shutdown()
+        spans = {s.name: s for s in receiver.of_trace(TRACE)}
+    routed, queued, request_span = spans["route"], spans["queue.wait"], spans["router.generate"]
+    assert routed.parent_span_id == queued.parent_span_id == request_span.span_id
+    assert routed.attributes == {
+        "dyn.worker_id": "b",
+        "dyn.route.overlap_blocks": 3,
+        "dyn.route.num_candidates": 2,
+        "dyn.route.reason": "argmin",
+        "dyn.route.margin": 1.5,
+        "dyn.route.cost": 7.5,  # the chosen candidate's
+    }
+    assert 0.2e9 < queued.end_ns - queued.start_ns < 0.3e9 and routed.end_ns - routed.start_ns >= 0.5e9
+    assert request_span.events["migration"] == {
+        "dyn.migration.from_worker_id": "b",
+        "dyn.migration.to_worker_id": "a",
+        "dyn.migration.reason": "worker b disconnected",
+        "dyn.migration.attempt": 1,
+    }
+    assert request_span.attributes["dyn.status"] == "success" and not request_span.is_error
 
 
 def test_without_an_endpoint_there_is_no_tracer() -> None:

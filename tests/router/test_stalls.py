@@ -1,0 +1,95 @@
+"""The stream deadline: a worker that sends nothing at all for the stall timeout is hung (its stream fails over,
+the worker leaves routing); one that still reports its load is only slow. On the real request plane."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from dynamo_cli.config import BusyThresholds
+from dynamo_cli.errors import WorkerHung
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.router.registry import Worker
+from dynamo_cli.router.stalls import Deadline
+from dynamo_cli.runtime.endpoint import InstanceRecord
+from dynamo_cli.runtime.transport import RequestClient, RequestServer
+
+FIRST = msgspec.msgpack.encode("first")
+
+
+class Counted:
+    def __init__(self) -> None:
+        self.stalls: list[tuple[str, int, str]] = []
+
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None:
+        self.stalls.append((model, worker_id, reason))
+
+    def count_recovery(self, model: str, worker_id: int) -> None:
+        pass
+
+
+async def _one_then_silence(body: msgspec.Raw) -> AsyncIterator[bytes]:
+    yield FIRST
+    await asyncio.Event().wait()  # hung: alive, connected, producing nothing
+
+
+async def _open(server: RequestServer) -> tuple[Worker, RequestClient]:
+    address = await server.start()
+    client = RequestClient(address)
+    record = InstanceRecord(
+        namespace="ns", component="backend", endpoint="generate", instance_id=7, transport={"tcp": address}
+    )
+    card = ModelCard(display_name="m", tokenizer_source="-", engine="mocker")
+    return Worker(7, record, card, client), client
+
+
+async def test_a_silent_worker_is_hung_after_the_stall_timeout_and_leaves_routing() -> None:
+    server = RequestServer()
+    server.add_endpoint("generate", _one_then_silence)
+    worker, client = await _open(server)
+    metrics = Counted()
+    try:
+        stream = await client.open_stream("generate", msgspec.msgpack.encode({}))
+        deadline = Deadline(0.3, metrics)
+        assert [bytes(raw) for raw in await deadline.next_batch(stream, worker, "m")] == [FIRST]
+        started = time.monotonic()
+        with pytest.raises(WorkerHung):
+            await deadline.next_batch(stream, worker, "m")
+        assert 0.25 <= time.monotonic() - started < 2.0
+        assert worker.hung is not None and metrics.stalls == [("m", 7, "deadline")]
+        assert "not answering" in (worker.busy_reason(BusyThresholds()) or "")  # routing skips it
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_worker_that_still_reports_its_load_is_slow_not_hung() -> None:
+    server = RequestServer()
+    server.add_endpoint("generate", _one_then_silence)
+    worker, client = await _open(server)
+    metrics = Counted()
+
+    async def reports(until: float) -> None:
+        while time.monotonic() < until:
+            worker.heard_at = time.monotonic()  # what a load report does (Registry.apply_load)
+            await asyncio.sleep(0.05)
+
+    try:
+        stream = await client.open_stream("generate", msgspec.msgpack.encode({}))
+        deadline = Deadline(0.3, metrics)
+        await deadline.next_batch(stream, worker, "m")
+        started = time.monotonic()
+        reporter = asyncio.create_task(reports(started + 1.0))
+        with pytest.raises(WorkerHung):
+            await deadline.next_batch(stream, worker, "m")
+        waited = time.monotonic() - started
+        assert 1.2 <= waited < 3.0, waited  # the reports kept it waiting; 0.3 s after the last one it gave up
+        await reporter
+        assert metrics.stalls == [("m", 7, "deadline")]
+    finally:
+        await client.close()
+        await server.close()
