@@ -2,8 +2,9 @@
 
 The issue's scenario (issue 34): a worker alive, registered and producing nothing. Per `--stall-timeout` (0: no
 deadline, the behaviour before it), measured from the SIGSTOP: when the last of the 24 streams ended and how many
-completed, how many of the 8 requests sent 2 s later went to the stopped worker (read from `x-worker-instance-id`)
-and how long the slowest of them took, and, after SIGCONT, how long until the worker served again.
+completed, how many of the 8 requests sent 2 s later were held by the stopped worker (served by it, per
+`x-worker-instance-id`, or never completed: only it could hold them) and how long the slowest of them took,
+and, after SIGCONT, how long until the worker served again.
 
     python benchmarks/hung_worker.py [--stall 0,10,2] [--json benchmarks/out/hung_worker.json]
 """
@@ -107,7 +108,7 @@ def run(stall: float) -> dict[str, object]:
                 "stall_timeout_s": stall,
                 "streams_completed": sum(ok for _, _, ok in done),
                 "last_stream_end_s": round(max(t for t, _, _ in done) - 1.0, 1),
-                "late_to_stopped": sum(w == stopped_id for _, w, _ in after),
+                "late_held_by_stopped": sum(w == stopped_id or not ok for _, w, ok in after),
                 "late_completed": sum(ok for _, _, ok in after),
                 "late_slowest_s": round(max(t for t, _, _ in after), 1),
                 "served_again_after_sigcont_s": round(back, 2) if back is not None else None,
@@ -124,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [run(float(s)) for s in args.stall.split(",")]
     print(
-        "| --stall-timeout | streams completed /24 | last stream ended (s) | late sent to stopped /8 "
+        "| --stall-timeout | streams completed /24 | last stream ended (s) | late held by the stopped worker /8 "
         "| late completed /8 | slowest late (s) | served again after SIGCONT (s) |"
     )
     print("|---|---|---|---|---|---|---|")
