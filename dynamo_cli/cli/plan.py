@@ -17,6 +17,7 @@ from dynamo_cli.cli import options as o
 from dynamo_cli.config import DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig, WorkerConfig, child_command
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.planner.kubernetes import KubernetesConfig
 from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
@@ -161,10 +162,30 @@ def run_command(
     predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
     headroom: Annotated[float, _opt("--headroom", help="agg: size for this fraction of each target.")] = 0.8,
     startup: Annotated[float, _opt("--startup", help=STARTUP_HELP)] = STARTUP_S,
-    connector: Annotated[str, _opt("--connector", help="local (dyn worker processes) | virtual.")] = "local",
+    connector: Annotated[
+        str, _opt("--connector", help="local (dyn worker processes) | virtual | kubernetes (Deployment replicas).")
+    ] = "local",
     dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
     duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
     ack_timeout: Annotated[float, _opt("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
+    k8s_namespace: Annotated[
+        str | None, _opt("--k8s-namespace", help="kubernetes: the Deployments' namespace.")
+    ] = None,
+    k8s_decode_deployment: Annotated[
+        str, _opt("--k8s-decode-deployment", help="kubernetes: the decode (agg: the one) pool's Deployment.")
+    ] = "dyn-decode",
+    k8s_prefill_deployment: Annotated[
+        str, _opt("--k8s-prefill-deployment", help="kubernetes, disagg: the prefill pool's Deployment.")
+    ] = "dyn-prefill",
+    kubeconfig: Annotated[
+        str | None, _opt("--kubeconfig", help="kubernetes: kubeconfig file (default: in-cluster, else KUBECONFIG).")
+    ] = None,
+    k8s_patch_interval: Annotated[
+        float, _opt("--k8s-patch-interval", help="kubernetes: least time between PATCHes of a Deployment (s).")
+    ] = 5.0,
+    k8s_ready_timeout: Annotated[
+        float, _opt("--k8s-ready-timeout", help="kubernetes: wait for a scale-up's readyReplicas (s).")
+    ] = 600.0,
     engine: o.Engine = "mocker",
     model: o.Model = DEFAULT_MODEL,
     speedup_ratio: o.SpeedupRatio = None,
@@ -215,6 +236,18 @@ def run_command(
         grace_s=graceful_shutdown,
         ack_timeout_s=ack_timeout,
         duration_s=duration,
+        kubernetes=None
+        if k8s_namespace is None
+        else KubernetesConfig(
+            namespace=k8s_namespace,
+            decode_deployment=k8s_decode_deployment,
+            prefill_deployment=k8s_prefill_deployment if mode == "disagg" else None,
+            kubeconfig=kubeconfig,
+            min_replicas=min_workers,
+            max_replicas=max_workers,
+            min_patch_interval_s=k8s_patch_interval,
+            ready_timeout_s=k8s_ready_timeout,
+        ),
     )
     run_loop(serve_planner(plan, load_profile(profile), _report))
     sys.stdout.flush()

@@ -12,6 +12,7 @@ import httpx
 from dynamo_cli.config import ChildCommand
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
+from dynamo_cli.planner.kubernetes import KubernetesConfig, KubernetesConnector, check_kubernetes
 from dynamo_cli.planner.observe import (
     FrontendScraper,
     WorkerLoads,
@@ -28,7 +29,7 @@ from dynamo_cli.runtime.supervisor import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
-CONNECTORS = ("local", "virtual")
+CONNECTORS = ("local", "virtual", "kubernetes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ class PlanRun:
     lease_ttl: float = 10.0
     """This process's discovery lease."""
     connector: str = "local"
-    """local | virtual (ignored with dry_run)."""
+    """local | virtual | kubernetes (ignored with dry_run)."""
     dry_run: bool = False
     """Only report decisions."""
     decode: ChildCommand | None = None
@@ -63,6 +64,8 @@ class PlanRun:
     """virtual: longest wait for the orchestrator's ack."""
     ack_poll_s: float = 1.0
     """virtual: ack polling period."""
+    kubernetes: KubernetesConfig | None = None
+    """kubernetes: the namespace and Deployments to scale (agg: decode only)."""
     duration_s: float = 0.0
     """Stop after this long (0: until SIGINT/SIGTERM)."""
 
@@ -92,6 +95,10 @@ def check_run(run: PlanRun) -> None:
         raise ConfigError(f"--predictor '{config.predictor}' is not known; use one of {', '.join(PREDICTORS)}")
     if run.connector not in CONNECTORS:
         raise ConfigError(f"--connector '{run.connector}' is invalid; use one of {', '.join(CONNECTORS)}")
+    if run.connector == "kubernetes" and not run.dry_run:
+        if run.kubernetes is None:
+            raise ConfigError("--connector kubernetes needs --k8s-namespace")
+        check_kubernetes(run.kubernetes)
 
 
 def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
@@ -99,6 +106,9 @@ def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
         return None
     if run.connector == "virtual":
         return VirtualConnector(discovery, run.namespace, ack_timeout_s=run.ack_timeout_s, poll_s=run.ack_poll_s)
+    if run.connector == "kubernetes":
+        assert run.kubernetes is not None  # check_run
+        return KubernetesConnector(run.kubernetes)
     if run.decode is None:
         raise ConfigError("the local connector needs the workers' command")
     prefill = run.prefill if run.planner.mode == "disagg" else None

@@ -1,0 +1,448 @@
+"""The kubernetes connector, driven by the real `kubernetes` client with a generated kubeconfig, against a loopback
+fake API server that serves the Scale subresource and the Deployment, records every request and answers errors on
+demand; then `dyn plan run --connector kubernetes` under the planner's load-step scenario against it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.planner.connectors import ScaleTarget
+from dynamo_cli.planner.kubernetes import KubernetesConfig, KubernetesConnector
+from tests.conftest import DynProcess, wait_until
+from tests.planner.test_plan_cli import _load, _wait_lines, dyn, profile_file  # noqa: F401 (profile_file: a fixture)
+
+pytest.importorskip("kubernetes")
+
+NS = "inference"
+TOKEN = "planner-token"
+BASE = f"/apis/apps/v1/namespaces/{NS}/deployments"
+
+
+@dataclass
+class Seen:
+    """One request the fake API server answered."""
+
+    method: str
+    path: str
+    content_type: str | None
+    authorization: str | None
+    body: Any
+    at: float
+
+
+@dataclass
+class FakeApiServer:
+    """Deployments by name: spec replicas, ready replicas (reaching spec `ready_delay_s` after each PATCH)."""
+
+    replicas: dict[str, int]
+    ready_delay_s: float = 0.0
+    seen: list[Seen] = field(default_factory=list)
+    failures: list[tuple[str | None, str | None, int]] = field(default_factory=list)
+    ready_at: dict[str, float] = field(default_factory=dict)
+    ready: dict[str, int] = field(default_factory=dict)
+    port: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, status: int, times: int, method: str | None = None, resource: str | None = None) -> None:
+        """Answer `status` to the next `times` requests (of `method` on `resource`, scale or deployment, if given)."""
+        self.failures.extend([(method, resource, status)] * times)
+
+    def patches(self) -> list[Seen]:
+        return [s for s in self.seen if s.method == "PATCH"]
+
+    def answer(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            name, _, sub = path.removeprefix(BASE + "/").partition("/")
+            resource = "scale" if sub else "deployment"
+            for i, (only, on, status) in enumerate(self.failures):
+                if only in (None, method) and on in (None, resource):
+                    del self.failures[i]
+                    return status, status_object(status)
+            if not path.startswith(BASE + "/") or name not in self.replicas or sub not in ("", "scale"):
+                return 404, status_object(404)
+            if method == "PATCH" and sub == "scale":
+                self.ready[name] = self.ready_now(name)
+                self.replicas[name] = body["spec"]["replicas"]
+                self.ready_at[name] = time.monotonic() + self.ready_delay_s
+            return 200, scale_object(name, self.replicas[name]) if sub else self.deployment(name)
+
+    def ready_now(self, name: str) -> int:
+        if time.monotonic() >= self.ready_at.get(name, 0.0):
+            return self.replicas[name]
+        return min(self.ready.get(name, 0), self.replicas[name])
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        labels = {"app.kubernetes.io/name": name}
+        ready = self.ready_now(name)
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "resourceVersion": "7", "generation": 2},
+            "spec": {
+                "replicas": self.replicas[name],
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "worker", "image": "dyn:0.1.0", "args": ["worker"]}]},
+                },
+            },
+            "status": {"observedGeneration": 2, "replicas": self.replicas[name], "readyReplicas": ready or None},
+        }
+
+
+def scale_object(name: str, replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "resourceVersion": "7"},
+        "spec": {"replicas": replicas},
+        "status": {"replicas": replicas, "selector": f"app.kubernetes.io/name={name}"},
+    }
+
+
+def status_object(code: int) -> dict[str, Any]:
+    reasons = {403: "Forbidden", 404: "NotFound", 409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
+    reason = reasons.get(code, "ServiceUnavailable")
+    return {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "reason": reason,
+        "code": code,
+        "message": reason,
+    }
+
+
+def handler(fake: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.loads(raw) if raw else None
+            path = self.path.split("?")[0]
+            fake.seen.append(
+                Seen(
+                    self.command,
+                    path,
+                    self.headers.get("Content-Type"),
+                    self.headers.get("Authorization"),
+                    body,
+                    time.monotonic(),
+                )
+            )
+            status, answer = fake.answer(self.command, path, body)
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PATCH = _serve
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    return Handler
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeApiServer]:
+    server = FakeApiServer(replicas={"dyn-decode": 1, "dyn-prefill": 1})
+    http = ThreadingHTTPServer(("127.0.0.1", 0), handler(server))
+    server.port = http.server_address[1]
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    http.shutdown()
+    http.server_close()
+    thread.join(5)
+    # whatever a test did: the connector only ever patched the Scale subresource, and only its replicas
+    for seen in server.patches():
+        assert seen.path.endswith("/scale") and set(seen.body) == {"spec"} and set(seen.body["spec"]) == {"replicas"}
+    assert all("template" not in json.dumps(seen.body) for seen in server.seen)
+
+
+@pytest.fixture
+def kubeconfig(fake: FakeApiServer, tmp_path: Path) -> Path:
+    path = tmp_path / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{fake.port}"}}],
+        "users": [{"name": "planner", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "planner", "namespace": NS}}],
+        "current-context": "fake",
+    }
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def connector(kubeconfig: Path, **overrides: Any) -> KubernetesConnector:
+    settings: dict[str, Any] = {
+        "namespace": NS,
+        "kubeconfig": str(kubeconfig),
+        "min_replicas": 1,
+        "max_replicas": 8,
+        "min_patch_interval_s": 0.0,
+        "backoff_s": 0.01,
+        "ready_poll_s": 0.05,
+        "ready_timeout_s": 5.0,
+        **overrides,
+    }
+    return KubernetesConnector(KubernetesConfig(**settings))
+
+
+def requests(fake: FakeApiServer) -> list[tuple[str, str]]:
+    return [(s.method, s.path.removeprefix(BASE + "/")) for s in fake.seen]
+
+
+async def test_a_scale_up_is_one_merge_patch_of_the_scale_subresource(fake: FakeApiServer, kubeconfig: Path) -> None:
+    scaler = connector(kubeconfig)
+    try:
+        assert await scaler.next_decision_id() == 1
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=3))
+        assert await scaler.next_decision_id() == 2
+    finally:
+        await scaler.close()
+    assert requests(fake) == [("GET", "dyn-decode/scale"), ("PATCH", "dyn-decode/scale"), ("GET", "dyn-decode")]
+    (patch,) = fake.patches()
+    assert patch.path == f"/apis/apps/v1/namespaces/{NS}/deployments/dyn-decode/scale"
+    assert (patch.content_type, patch.body) == ("application/merge-patch+json", {"spec": {"replicas": 3}})
+    assert {s.authorization for s in fake.seen} == {f"Bearer {TOKEN}"}
+    assert fake.replicas == {"dyn-decode": 3, "dyn-prefill": 1}  # agg mode: the prefill Deployment is not touched
+
+
+async def test_disagg_scales_the_prefill_then_the_decode_deployment(fake: FakeApiServer, kubeconfig: Path) -> None:
+    scaler = connector(kubeconfig, prefill_deployment="dyn-prefill")
+    try:
+        assert await scaler.apply(ScaleTarget(4, num_prefill=2, num_decode=5))
+    finally:
+        await scaler.close()
+    assert [(p.path.split("/")[-2], p.body["spec"]["replicas"]) for p in fake.patches()] == [
+        ("dyn-prefill", 2),
+        ("dyn-decode", 5),
+    ]
+    assert fake.replicas == {"dyn-decode": 5, "dyn-prefill": 2}
+
+
+async def test_no_patch_is_sent_when_the_deployment_already_has_the_target(
+    fake: FakeApiServer, kubeconfig: Path
+) -> None:
+    scaler = connector(kubeconfig)
+    try:
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=1))
+        assert await scaler.apply(ScaleTarget(2, num_prefill=0, num_decode=1))
+    finally:
+        await scaler.close()
+    assert requests(fake) == [("GET", "dyn-decode/scale"), ("GET", "dyn-decode")] * 2
+
+
+async def test_targets_are_clamped_to_the_replica_bounds(fake: FakeApiServer, kubeconfig: Path) -> None:
+    scaler = connector(kubeconfig, min_replicas=2, max_replicas=4)
+    try:
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=10))
+        assert await scaler.apply(ScaleTarget(2, num_prefill=0, num_decode=0))
+    finally:
+        await scaler.close()
+    assert [p.body["spec"]["replicas"] for p in fake.patches()] == [4, 2]
+
+
+async def test_patches_of_one_deployment_are_spaced_by_the_minimum_interval(
+    fake: FakeApiServer, kubeconfig: Path
+) -> None:
+    scaler = connector(kubeconfig, min_patch_interval_s=0.5)
+    try:
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=2))
+        assert await scaler.apply(ScaleTarget(2, num_prefill=0, num_decode=3))
+    finally:
+        await scaler.close()
+    first, second = fake.patches()
+    assert second.at - first.at >= 0.5 and second.body == {"spec": {"replicas": 3}}
+
+
+@pytest.mark.parametrize(
+    ("status", "method"),
+    [
+        pytest.param(409, "PATCH", id="409 conflict on the patch"),
+        pytest.param(429, "GET", id="429 throttled on the read"),
+        pytest.param(500, "PATCH", id="500 on the patch"),
+        pytest.param(503, "GET", id="503 on the read"),
+    ],
+)
+async def test_transient_errors_are_retried_with_backoff_until_the_call_succeeds(
+    fake: FakeApiServer, kubeconfig: Path, status: int, method: str
+) -> None:
+    fake.fail(status, 2, method)
+    scaler = connector(kubeconfig, max_attempts=3)
+    try:
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=2))
+    finally:
+        await scaler.close()
+    calls = [s.method for s in fake.seen]
+    assert calls.count(method) == 3 + (method == "GET")  # two failures, then the call; GET: plus the ready read
+    assert [p.body for p in fake.patches()][-1] == {"spec": {"replicas": 2}} and fake.replicas["dyn-decode"] == 2
+
+
+async def test_retries_are_bounded_and_then_apply_says_false(
+    fake: FakeApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.fail(500, 10, "PATCH")
+    scaler = connector(kubeconfig, max_attempts=3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamo_cli.planner.kubernetes"):
+            assert not await scaler.apply(ScaleTarget(5, num_prefill=0, num_decode=2))
+    finally:
+        await scaler.close()
+    assert len(fake.patches()) == 3 and fake.replicas["dyn-decode"] == 1
+    assert "decision 5 not applied: patch deployments/scale dyn-decode: HTTP 500 after 3 attempts" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("method", "resource", "missing"),
+    [
+        pytest.param("PATCH", "scale", "may not patch deployments/scale", id="no patch on deployments/scale"),
+        pytest.param("GET", "scale", "may not get deployments/scale", id="no get on deployments/scale"),
+        pytest.param("GET", "deployment", "may not get deployments in", id="no get on deployments"),
+    ],
+)
+async def test_a_403_is_one_warning_naming_the_missing_verb_and_apply_says_false(
+    fake: FakeApiServer,
+    kubeconfig: Path,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    resource: str,
+    missing: str,
+) -> None:
+    scaler = connector(kubeconfig)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamo_cli.planner.kubernetes"):
+            for decision in (1, 2):  # denied twice: warned once
+                fake.fail(403, 1, method, resource)
+                assert not await scaler.apply(ScaleTarget(decision, num_prefill=0, num_decode=2))
+    finally:
+        await scaler.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"forbidden (403): the planner's service account {missing}" in warnings[0]
+    assert f"namespace {NS}" in warnings[0] and fake.failures == []
+    # denied before the PATCH: the replicas are as they were; denied the readiness read after it: changed
+    assert fake.replicas["dyn-decode"] == (2 if resource == "deployment" else 1)
+
+
+async def test_a_scale_up_is_confirmed_once_its_replicas_are_ready(fake: FakeApiServer, kubeconfig: Path) -> None:
+    fake.ready_delay_s = 0.6
+    scaler = connector(kubeconfig)
+    try:
+        started = time.monotonic()
+        assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=3))
+        waited = time.monotonic() - started
+    finally:
+        await scaler.close()
+    assert 0.6 <= waited < 3.0
+    assert requests(fake).count(("GET", "dyn-decode")) >= 3  # polled readyReplicas while the pods started
+
+
+async def test_a_scale_up_not_ready_in_time_is_false_with_a_log_line(
+    fake: FakeApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.ready_delay_s = 30.0
+    scaler = connector(kubeconfig, ready_timeout_s=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamo_cli.planner.kubernetes"):
+            assert not await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=3))
+    finally:
+        await scaler.close()
+    assert f"decode: deployment {NS}/dyn-decode has 1 of 3 replicas ready after 0 s" in caplog.text
+
+
+def test_without_the_client_the_connector_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # import kubernetes → ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'dynamo-cli\[k8s\]'"):
+        KubernetesConnector(KubernetesConfig(namespace=NS))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        pytest.param([], "--connector kubernetes needs --k8s-namespace", id="no namespace"),
+        pytest.param(["--k8s-namespace", "Bad_NS"], "--k8s-namespace 'Bad_NS' is not", id="a bad namespace"),
+        pytest.param(
+            ["--k8s-namespace", "ns", "--k8s-decode-deployment", "a b"],
+            "--k8s-decode-deployment 'a b' is not a Deployment name",
+            id="a bad deployment name",
+        ),
+        pytest.param(
+            ["--k8s-namespace", "ns", "--k8s-ready-timeout", "-1"], "--k8s-ready-timeout must be", id="a bad timeout"
+        ),
+        pytest.param(
+            ["--k8s-namespace", "ns", "--kubeconfig", "/nonexistent/kubeconfig"],
+            "--kubeconfig '/nonexistent/kubeconfig' cannot be used",
+            id="a missing kubeconfig",
+        ),
+    ],
+)
+def test_bad_kubernetes_flags_are_one_red_line(
+    flags: list[str],
+    expected: str,
+    profile_file: Path,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
+    base = ["plan", "run", "--profile", str(profile_file), "--ttft", "500", "--itl", "50", "--frontend", "http://x"]
+    result = dyn(*base, "--discovery", f"file://{tmp_path / 'discovery'}", "--connector", "kubernetes", *flags)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:") and expected in lines[0]
+
+
+def test_a_kubernetes_planner_patches_replicas_up_for_a_load_step_and_back_down(
+    dyn_serve,  # type: ignore[no-untyped-def]
+    profile_file: Path,  # noqa: F811 (the fixture)
+    fake: FakeApiServer,
+    kubeconfig: Path,
+) -> None:
+    frontend: DynProcess = dyn_serve("--engine", "mocker", "--workers", "1", "--speedup-ratio", "50")
+    flags = ["--mode", "agg", "--interval", "1", "--load-interval", "0", "--max-workers", "16"]
+    k8s = ["--connector", "kubernetes", "--k8s-namespace", NS, "--kubeconfig", str(kubeconfig)]
+    planner = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_cli.cli.main", "plan", "run", "--profile", str(profile_file)]
+        + ["--ttft", "1000", "--itl", "50", "--discovery", frontend.discovery, *flags, *k8s]
+        + ["--k8s-patch-interval", "0", "--k8s-ready-timeout", "10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    assert planner.stdout is not None
+    threading.Thread(target=lambda: lines.extend(planner.stdout), daemon=True).start()  # type: ignore[arg-type]
+    sizes: list[int] = []
+    try:
+        _wait_lines(lines, 1, 60)  # one idle interval first: at the minimum, nothing to patch
+        assert lines and fake.patches() == [], (lines, fake.seen)
+        loader = threading.Thread(target=_load, args=(frontend.url, 3.0, threading.Event()))
+        loader.start()
+        while loader.is_alive():
+            sizes.append(fake.replicas["dyn-decode"])
+            time.sleep(0.1)
+        assert wait_until(lambda: fake.replicas["dyn-decode"] == 1, 40), "the planner did not scale back down"
+    finally:
+        planner.terminate()
+        _, err = planner.communicate(timeout=30)
+    assert planner.returncode == 0, err
+    patched = [p.body["spec"]["replicas"] for p in fake.patches()]
+    assert max(sizes) >= 2 and max(patched) >= 2, (sizes, patched)  # the step: more replicas
+    assert patched[-1] == 1, patched  # idle again: back to the minimum
+    only = ("application/merge-patch+json", f"{BASE}/dyn-decode/scale")
+    assert {(p.content_type, p.path) for p in fake.patches()} == {only}
+    assert fake.replicas["dyn-prefill"] == 1  # agg: only the decode Deployment
