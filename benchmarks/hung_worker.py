@@ -71,9 +71,9 @@ def pid_to_instance(url: str, serve: int) -> dict[str, int]:
     instances = httpx.get(f"{url}/health", timeout=5).json()["instances"]
     ports = {i["address"].rsplit(":", 1)[1]: i["instance_id"] for i in instances}
     found = {}
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
     for pid in worker_pids(serve):
-        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
+        for line in listening:
             if f"pid={pid}," in line:
                 port = line.split()[3].rsplit(":", 1)[1]
                 if port in ports:

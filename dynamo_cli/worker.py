@@ -8,7 +8,6 @@ requests arrive), drain in-flight streams within the grace period, then stop eve
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections import deque
@@ -33,7 +32,7 @@ from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
-from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
+from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.tracing import start_tracing
 from dynamo_cli.tracing.logs import enter_request
@@ -73,17 +72,6 @@ ENGINE_QUIET_S = 10.0
 """`/health` runs the engine check only when the engine produced nothing for this long (else it answers)."""
 
 
-class WorkerState(enum.Enum):
-    """Where the worker is in its life, as `/health` reports it."""
-
-    STARTING = "starting"
-    """Loading the engine; not registered yet."""
-    READY = "ready"
-    """Registered: routers send it requests."""
-    DRAINING = "draining"
-    """Deregistered on SIGTERM; finishing the streams in flight."""
-
-
 class WorkerService:
     """One engine served on one endpoint."""
 
@@ -105,7 +93,7 @@ class WorkerService:
         """Tier -> the blocks held there (a block may sit on several tiers)."""
         self._last_event_id = -1
         self.kv = KvMover(config)
-        self.state = WorkerState.STARTING
+        self.state = ServingState.STARTING
         self.card: ModelCard | None = None
         self.last_output_at = 0.0
         """`time.monotonic()` when a request last ended: an engine that serves needs no health check."""
@@ -169,7 +157,7 @@ class WorkerService:
         """`/health`: ready when registered and the engine answers (it produced lately, or a one-token
         generation ends within ENGINE_CHECK_S); 503 while starting or draining."""
         detail: dict[str, object] = {"instance_id": f"{self.instance_id:x}", "role": self.config.role.value}
-        if self.state is not WorkerState.READY:
+        if self.state is not ServingState.READY:
             return HealthReport(False, self.state.value, detail)
         if time.monotonic() - self.last_output_at < ENGINE_QUIET_S:
             return HealthReport(True, "ready", {**detail, "engine": "served lately"})
@@ -309,7 +297,7 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
                 # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
                 tasks.spawn(worker.pump_kv_events())
                 tasks.spawn(worker.pump_load())
-                worker.state = WorkerState.READY
+                worker.state = ServingState.READY
                 print(
                     f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
                     f"model={card.display_name} engine={card.engine} role={card.role}{system_text}",
@@ -317,7 +305,7 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
                 )
                 freeze_heap()  # the engine and its model are built: out of the collector's reach
                 await tasks.wait_stop(stop)
-                worker.state = WorkerState.DRAINING  # leaving the block deregisters, then drains
+                worker.state = ServingState.DRAINING  # leaving the block deregisters, then drains
     finally:
         await worker.server.close()
         await worker.kv.close()

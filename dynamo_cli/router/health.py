@@ -26,8 +26,9 @@ import msgspec
 from dynamo_cli.config import HealthChecks
 from dynamo_cli.errors import RemoteError, TransportError
 from dynamo_cli.router import prefill
+from dynamo_cli.router.plan import HealthMetrics
 from dynamo_cli.router.registry import ModelEntry, Registry, Worker
-from dynamo_cli.router.stalls import HealthMetrics, mark_hung
+from dynamo_cli.router.stalls import mark_hung
 from dynamo_cli.runtime.transport import ResponseStream
 from dynamo_cli.wire import GenerateChunk, health_check_request
 
@@ -48,7 +49,6 @@ class HealthMonitor:
         self.config = config
         self.metrics = metrics
         self._probing: set[int] = set()
-        self._probed_at: dict[int, float] = {}
 
     async def run(self) -> None:
         """NOTE: every PROBE_INTERVAL_S, a canary to each hung worker and each worker idle past `canary_wait_s`
@@ -66,8 +66,11 @@ class HealthMonitor:
             for worker in (*entry.workers.values(), *entry.prefill_workers.values()):
                 if worker.instance_id in self._probing:
                     continue
-                idle_since = max(worker.used_at, self._probed_at.get(worker.instance_id, 0.0))
-                idle = config.is_canary_enabled and not worker.num_inflight and now - idle_since >= config.canary_wait_s
+                idle = (
+                    config.is_canary_enabled
+                    and not worker.num_inflight
+                    and now - worker.used_at >= config.canary_wait_s
+                )
                 if worker.hung is not None or idle:
                     due.append((entry, worker))
         return due
@@ -77,7 +80,7 @@ class HealthMonitor:
             problem = await self._canary(worker)
         finally:
             self._probing.discard(worker.instance_id)
-            self._probed_at[worker.instance_id] = time.monotonic()
+            worker.used_at = time.monotonic()  # a canary is traffic too: the idle wait starts again
         if problem is None and worker.hung is not None:
             logger.warning("worker %x (model %s) answered a canary: routed to again", worker.instance_id, entry.name)
             worker.hung = None

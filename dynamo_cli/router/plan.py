@@ -52,8 +52,17 @@ def check_context(prompt_tokens: int, max_tokens: int | None, context_length: in
     return wanted
 
 
-class DispatchMetrics(Protocol):
-    """What the core reports as it goes (the frontend's Prometheus series; nothing for a `dyn router` yet)."""
+class HealthMetrics(Protocol):
+    """Where hung workers and their recoveries are counted (router/stalls.py, router/health.py)."""
+
+    def count_stall(self, model: str, worker_id: int, reason: str) -> None: ...
+
+    def count_recovery(self, model: str, worker_id: int) -> None: ...
+
+
+class DispatchMetrics(HealthMetrics, Protocol):
+    """What the core reports as it goes (`router/metrics.py`'s `DispatchSeries`: the frontend's and `dyn
+    router`'s Prometheus series)."""
 
     def observe_queue_wait(self, model: str, seconds: float) -> None: ...
 
@@ -64,10 +73,6 @@ class DispatchMetrics(Protocol):
     def observe_transfer(self, model: str, report: TransferReport) -> None: ...
 
     def count_served(self, model: str, worker_id: int, role: str) -> None: ...
-
-    def count_stall(self, model: str, worker_id: int, reason: str) -> None: ...
-
-    def count_recovery(self, model: str, worker_id: int) -> None: ...
 
 
 class NoMetrics:

@@ -56,7 +56,7 @@ class Worker:
     heard_at: float = field(default_factory=time.monotonic)
     """`time.monotonic()` when the worker last sent anything here: a chunk on any stream, or a load report."""
     used_at: float = field(default_factory=time.monotonic)
-    """When a stream to it last ended (or began): a canary goes to a worker idle for long."""
+    """When a stream to it (a request's, or a canary's) last began or ended: a canary goes to one idle for long."""
     hung: str | None = None
     """Why the worker counts as hung (router/health.py): out of routing until a canary answers."""
 

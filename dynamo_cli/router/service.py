@@ -52,7 +52,7 @@ from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
-from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, SystemServer
+from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.tracing import start_tracing
 from dynamo_cli.tracing.logs import enter_request
@@ -101,8 +101,7 @@ class RouterService:
         )
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.metrics = RouterMetrics()
-        self.state = "starting"
-        """`starting` until registered, `ready`, then `draining` after SIGTERM (as `/health` reports it)."""
+        self.state = ServingState.STARTING
         self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
         self.rules = DispatchRules(
             MAX_REROUTES - 1,
@@ -230,14 +229,14 @@ class RouterService:
                     self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
                 ):
                     backends = f"{self.config.namespace}/{self.config.component}"
-                    self.state = "ready"
+                    self.state = ServingState.READY
                     announce(
                         f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
                         f"model={card.display_name} backends={backends}{system_text}"
                     )
                     freeze_heap()
                     await tasks.wait_stop(stop)
-                    self.state = "draining"  # leaving the block deregisters, then drains
+                    self.state = ServingState.DRAINING  # leaving the block deregisters, then drains
         finally:
             await self.server.close()
             await self.registry.close()
@@ -252,20 +251,22 @@ class RouterService:
         if port is None:
             return None
         self.metrics.registry.register(ComponentMetrics(self.server, self.config.namespace, ROUTER_COMPONENT))
-        return SystemServer(self.config.host, port, self.health, [self.metrics.registry])
+        return SystemServer(self.config.host, port, self.health, [self.metrics.registry], self._export_gauges)
+
+    def _export_gauges(self) -> None:
+        for entry in self.registry.models.values():
+            self.metrics.workers.labels(entry.name).set(len(entry.workers))
+            self.metrics.queued.labels(entry.name).set(len(entry.queue))
 
     async def health(self) -> HealthReport:
         """Ready when registered with at least one backend to route to."""
         detail: dict[str, object] = {"instance_id": f"{self.instance_id:x}"}
-        for entry in self.registry.models.values():
-            self.metrics.workers.labels(entry.name).set(len(entry.workers))
-            self.metrics.queued.labels(entry.name).set(len(entry.queue))
         served = self.registry.models.get(self.model) if self.model is not None else None
         backends = len(served.workers) if served is not None else 0
         detail["backends"] = backends
-        if self.state == "ready" and not backends:
+        if self.state is ServingState.READY and not backends:
             return HealthReport(False, "unhealthy", {**detail, "reason": "no backend to route to"})
-        return HealthReport(self.state == "ready", self.state, detail)
+        return HealthReport(self.state is ServingState.READY, self.state.value, detail)
 
     async def _start_loops(self, tasks: ServiceTasks) -> None:
         """NOTE: the router's background loops, owned by `tasks`: the backends' discovery, load and KV events

@@ -11,23 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 
 from dynamo_cli.errors import StreamTimeout, WorkerHung
+from dynamo_cli.router.plan import HealthMetrics, NoMetrics
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.transport import ResponseStream
 
 logger = logging.getLogger(__name__)
-
-
-class HealthMetrics(Protocol):
-    """Where hung workers and their recoveries are counted."""
-
-    def count_stall(self, model: str, worker_id: int, reason: str) -> None: ...
-
-    def count_recovery(self, model: str, worker_id: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +60,7 @@ class Deadline:
             raise WorkerHung(f"worker {worker.instance_id:x} is not answering ({worker.hung})") from None
 
 
-class _NoHealthMetrics:
-    def count_stall(self, model: str, worker_id: int, reason: str) -> None:
-        pass
-
-    def count_recovery(self, model: str, worker_id: int) -> None:
-        pass
-
-
-NO_DEADLINE = Deadline(0.0, _NoHealthMetrics())
+NO_DEADLINE = Deadline(0.0, NoMetrics())
 
 
 def mark_hung(worker: Worker, model: str, reason: str, kind: str, metrics: HealthMetrics) -> None:

@@ -16,6 +16,7 @@ Dynamo's `dynamo_component_*` series.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
@@ -41,6 +42,17 @@ READ_TIMEOUT_S = 5.0
 """A client that sends no complete head in this time is dropped."""
 HEALTH_TIMEOUT_S = 5.0
 """A health check that takes longer answers 503."""
+
+
+class ServingState(enum.Enum):
+    """Where a serving process (a worker, `dyn router`) is in its life, as `/health` reports it."""
+
+    STARTING = "starting"
+    """Loading (an engine) or waiting (for a backend); not registered yet."""
+    READY = "ready"
+    """Registered: callers send it requests."""
+    DRAINING = "draining"
+    """Deregistered on SIGTERM; finishing the streams in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +108,16 @@ class ComponentMetrics(Collector):
 class SystemServer:
     """Serves `/live`, `/health` and `/metrics` on `host:port` (0: any free port) until closed."""
 
-    def __init__(self, host: str, port: int, health: Health, registries: Sequence[CollectorRegistry]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        health: Health,
+        registries: Sequence[CollectorRegistry],
+        on_scrape: Callable[[], None] | None = None,
+    ) -> None:
+        self._on_scrape = on_scrape
+        """Sets the owner's gauges that are read, not counted (queue lengths ...), before each /metrics."""
         self._host = host
         self._port = port
         self._health = health
@@ -171,6 +192,8 @@ class SystemServer:
                 "application/json",
             )
         if path == "/metrics":
+            if self._on_scrape is not None:
+                self._on_scrape()
             return 200, b"".join(_exposition(self._registries)), prometheus_client.CONTENT_TYPE_LATEST
         return 404, _json({"error": f"no route {path}; try /live, /health, /metrics"}), "application/json"
 
