@@ -60,6 +60,7 @@ lint:
 	ruff check dynamo_cli engines tests benchmarks scripts
 	ruff format --check dynamo_cli engines tests benchmarks scripts
 	mypy --strict dynamo_cli engines
+	hadolint --config .hadolint.yaml Containerfile
 
 sz:
 	@find dynamo_cli engines -name '*.py' | xargs wc -l | sort -n | tail -15

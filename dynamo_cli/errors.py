@@ -25,6 +25,7 @@ DynError
 ├── WorkerFailed           launcher.py: a `dyn serve` worker exited before registering
 ├── EndpointUnreachable    bench/http.py: the benchmarked URL refuses connections
 ├── EndpointError          bench/http.py: it answers, but not as a streaming OpenAI server
+├── StatusUnreadable       k8s/cluster.py: `dyn k8s status` cannot read the API server (or finds nothing)
 └── LlamaCppError          engines/llamacpp/errors.py: llama.cpp refused a load, decode or state import
 """
 

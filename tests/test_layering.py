@@ -24,6 +24,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     process_pool                restarts `dyn serve`'s child processes (nothing of dyn)
     monitoring                  Prometheus scrape config, alerting rules, Grafana dashboard (errors, config)
     top                         `dyn top`'s view of a deployment: a frontend's /metrics over HTTP (errors)
+    k8s                         Kubernetes objects of a deployment, and its status read from a cluster (errors,
+                                config)
     launcher, cli               assemble processes; may import any layer (cli is the top)
 """
 
@@ -59,6 +61,7 @@ _EVERYTHING = {
     "planner",
     "monitoring",
     "top",
+    "k8s",
 }
 
 ALLOWED: dict[str, set[str]] = {
@@ -82,10 +85,13 @@ ALLOWED: dict[str, set[str]] = {
     # The planner sees frontends only through their HTTP /metrics and workers only through discovery
     # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
     # nor frontend; the processes it starts are command lines the CLI builds for it.
-    "planner": _CONTRACT | {"runtime", "timing"},
+    "planner": _CONTRACT | {"runtime", "timing", "k8s"},  # k8s: the API client its Kubernetes connector calls
     "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
     "monitoring": {"errors", "config"},  # scrape config, alerting rules, dashboard: text generated from code
     "top": {"errors"},  # `dyn top`: a frontend's /metrics over HTTP, none of the frontend's code
+    # Kubernetes objects as plain dicts and `dyn k8s status`'s reading of a cluster: the pods' command lines come
+    # from the CLI (which knows every command's options), so nothing here imports a process's code.
+    "k8s": {"errors", "config", "settings", "dynamo_cli"},
     "dynamo_cli": {"errors", "engine", "kv", "wire"},  # the package's curated __all__
     "launcher": _EVERYTHING,
     "cli": _EVERYTHING | {"cli"},

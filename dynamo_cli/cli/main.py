@@ -34,6 +34,7 @@ _SUBCOMMANDS = {
     "ls": "dynamo_cli.cli.ls",
     "top": "dynamo_cli.cli.top",
     "monitoring": "dynamo_cli.cli.monitoring",
+    "k8s": "dynamo_cli.cli.k8s",
 }
 
 
@@ -69,7 +70,7 @@ def main() -> None:
     """Console-script entry: run the app; any usage error or DynError is one red line and a non-zero exit."""
     _register()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns (not raises) a command's typer.Exit(code) here
     except DynError as exc:
         _fail(str(exc), exc.exit_code)
     except typer.Exit as exc:
@@ -81,6 +82,8 @@ def main() -> None:
             logging.getLogger("dynamo_cli").debug("internal error", exc_info=exc)
             _fail(f"internal error: {type(exc).__name__}: {exc} (DYN_LOG_LEVEL=DEBUG shows the traceback)", 1)
         _fail(exc.format_message(), int(getattr(exc, "exit_code", 2)), _usage_hint(exc))  # type: ignore[attr-defined]
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        sys.exit(code)  # `dyn k8s status`: 1 while a component is not ready
 
 
 def _click_modules() -> list[Any]:

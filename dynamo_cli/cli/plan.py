@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.config import DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig, WorkerConfig, child_command
+from dynamo_cli.config.telemetry import SYSTEM_PORT
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.kubernetes import KubernetesConfig
@@ -142,7 +143,20 @@ def _report(step: Step) -> None:
     print(step, flush=True)
 
 
+def _announce(line: str) -> None:
+    print(line, flush=True)
+
+
 _opt = o.planner_option
+SystemPort = Annotated[
+    int | None,
+    typer.Option(
+        *SYSTEM_PORT.flags,
+        envvar=SYSTEM_PORT.env,
+        help="Port of the planner's /live, /health and /metrics (0: any free port; unset: none); /health is"
+        " ready while it reads its frontends.",
+    ),
+]
 
 
 @app.command("run")
@@ -196,6 +210,10 @@ def run_command(
     events: o.Events = "embedded",
     lease_ttl: o.LeaseTtl = 10.0,
     cluster_secret_file: o.ClusterSecretFile = None,
+    system_port: SystemPort = None,
+    host: Annotated[
+        str, _opt("--host", help="Address of the system server (--system-port); 0.0.0.0 for a kubelet's probes.")
+    ] = "127.0.0.1",
 ) -> None:
     """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
     secret = o.cluster_secret(cluster_secret_file)
@@ -236,6 +254,8 @@ def run_command(
         grace_s=graceful_shutdown,
         ack_timeout_s=ack_timeout,
         duration_s=duration,
+        host=host,
+        system_port=system_port,
         kubernetes=None
         if k8s_namespace is None
         else KubernetesConfig(
@@ -249,7 +269,7 @@ def run_command(
             ready_timeout_s=k8s_ready_timeout,
         ),
     )
-    run_loop(serve_planner(plan, load_profile(profile), _report))
+    run_loop(serve_planner(plan, load_profile(profile), _report, _announce))
     sys.stdout.flush()
 
 

@@ -30,19 +30,18 @@ from dynamo_cli.runtime.supervisor import run
 from dynamo_cli.settings import DISAGG, ESSENTIAL
 from dynamo_cli.tracing.logs import use_log_format
 
-KNOBS = settings.knobs(
-    ServeConfig,
-    # the workers' own address, name and role: dyn serve places them (the HTTP --host/--port are the frontend's)
-    skip={
+SKIP = frozenset(
+    {
         "WorkerConfig.host",
         "WorkerConfig.port",
         "WorkerConfig.component",
         "WorkerConfig.endpoint",
         "WorkerConfig.role",
         "WorkerConfig.kv_transfer_port",
-    },
-    help=o.HELP,
+    }
 )
+"""The workers' own address, name and role: dyn serve places them (the HTTP --host/--port are the frontend's)."""
+KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
 
 
 def _planner_option(flag: str, kind: Any, help: str, default: Any) -> inspect.Parameter:
@@ -128,15 +127,24 @@ EXTRA = [
 
 def _command(**values: Any) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
-    config, plan = _config(values)
+    secret = o.cluster_secret(values.pop("cluster_secret_file"), make=True)  # the given one, else a new one
+    api_keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), os.environ)
+    config, plan = deployment(values, {(PlanesConfig, "cluster_secret"): secret, (AuthConfig, "api_keys"): api_keys})
     use_log_format(config.frontend.telemetry.log_format)
     if plan is not None:  # its scaling decisions are logged at INFO (the default level is WARNING)
         log_decisions()
     run(serve_all(config, plan))
 
 
-def _config(values: dict[str, Any]) -> tuple[ServeConfig, ServePlan | None]:
-    """The deployment the flags describe, and its planner (`--planner`)."""
+def deployment(
+    values: dict[str, Any],
+    given: dict[tuple[type, str], Any],
+    knobs: list[settings.Knob] = KNOBS,
+    *,
+    in_process: bool = True,
+) -> tuple[ServeConfig, ServePlan | None]:
+    """The deployment the flags (`knobs`' values) describe (`given`: fields set by the caller: the secrets, and for
+    `dyn k8s render` the planes and namespace), and its planner (`--planner`; `in_process`: inside `dyn serve`)."""
     disagg, prefill, decode = values.pop("disagg"), values.pop("prefill_workers"), values.pop("decode_workers")
     if disagg and (prefill < 1 or (decode is not None and decode < 1)):
         raise ConfigError(
@@ -144,36 +152,35 @@ def _config(values: dict[str, Any]) -> tuple[ServeConfig, ServePlan | None]:
         )
     num_decode = (decode if decode is not None else values["workers"]) if disagg else values["workers"]
     check_parsers(values["tool_call_parser"], values["reasoning_parser"])
-    plan = _plan(values, disagg, num_decode, prefill)
+    plan = _plan(values, disagg, num_decode, prefill, in_process)
     if plan is not None:  # the pools start inside the planner's bounds
         bounds = plan.config.bounds
         num_decode, prefill = (max(bounds.min_workers, min(bounds.max_workers, n)) for n in (num_decode, prefill))
-    api_keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), os.environ)
     given = {
+        **given,
         (WorkerConfig, "extra"): o.engine_options(values),
         (WorkerConfig, "role"): Role.DECODE if disagg else Role.BOTH,
         (WorkerConfig, "component"): "backend",  # decode workers too: `dyn router --component`'s default
-        # The request plane's secret: the one given (multi-node), else a new one for this deployment only.
-        (PlanesConfig, "cluster_secret"): o.cluster_secret(values.pop("cluster_secret_file"), make=True),
-        (AuthConfig, "api_keys"): api_keys,
         (ServeConfig, "num_workers"): num_decode,
         (ServeConfig, "num_prefill_workers"): prefill if disagg else 0,
     }
-    return settings.build(ServeConfig, values, KNOBS, given), plan
+    return settings.build(ServeConfig, values, knobs, given), plan
 
 
-def _plan(values: dict[str, Any], disagg: bool, num_decode: int, num_prefill: int) -> ServePlan | None:
-    """`--planner`'s flags checked as `dyn plan run` checks its own."""
+def _plan(
+    values: dict[str, Any], disagg: bool, num_decode: int, num_prefill: int, in_process: bool
+) -> ServePlan | None:
+    """`--planner`'s flags checked as `dyn plan run` checks its own (`in_process`: and as `dyn serve` runs it)."""
     options = {name: values.pop(name) for name in list(values) if name.startswith("planner")}
     if not options["planner"]:
         return None
     engine = values["engine"]
-    if options["planner_profile"] is None and engine != "mocker":
+    if options["planner_profile"] is None and (engine != "mocker" or not in_process):
         raise ConfigError(
             f"--planner with --engine {engine} needs --planner-profile FILE (from `dyn plan profile "
-            f"--engine {engine}`); only the mocker is profiled on the fly"
+            f"--engine {engine}`); only `dyn serve` profiles the mocker on the fly"
         )
-    if values["routers"]:
+    if values["routers"] and in_process:
         raise ConfigError("--planner does not run with --routers yet; use `dyn plan run` beside the deployment")
     config = PlannerConfig(
         targets=Targets(options["planner_ttft"], options["planner_itl"]),

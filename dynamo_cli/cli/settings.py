@@ -10,11 +10,13 @@ command's declaration, refused when the command is built (`skip` leaves a field 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -63,10 +65,16 @@ def knobs(root: type, *, skip: Collection[str] = (), help: Mapping[str, str] | N
 
 
 def command(
-    body: Callable[..., None], knobs: Sequence[Knob], extra: Sequence[inspect.Parameter] = (), doc: str | None = None
+    body: Callable[..., None],
+    knobs: Sequence[Knob],
+    extra: Sequence[inspect.Parameter] = (),
+    doc: str | None = None,
+    *,
+    env: bool = True,
 ) -> Callable[..., None]:
     """A typer command calling `body(**values)`, with the knobs' options then `extra` ones (each an
-    `inspect.Parameter` whose annotation is `Annotated[type, typer.Option(...)]`)."""
+    `inspect.Parameter` whose annotation is `Annotated[type, typer.Option(...)]`); `env=False`: the options do
+    not read their `DYN_*` twins (`dyn k8s render`: the manifests are what its command line says)."""
 
     def run(**values: Any) -> None:
         body(**values)
@@ -76,11 +84,21 @@ def command(
         for k in knobs
     ]
     params += list(extra)
+    if not env:
+        params = [_without_env(p) for p in params]
     run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in params}
     run.__doc__ = doc or body.__doc__
     run.__name__ = body.__name__
     return run
+
+
+def _without_env(param: inspect.Parameter) -> inspect.Parameter:
+    """The option with its environment variable dropped (and not shown in `--help`)."""
+    kind, info, *rest = typing.get_args(param.annotation)
+    info = copy.copy(info)
+    info.envvar, info.show_envvar = None, False
+    return param.replace(annotation=Annotated[kind, info, *rest])
 
 
 def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -102,6 +120,53 @@ def build(
             chosen.setdefault(target, parsed)
     built: dict[type, Any] = {}
     return _build(root, chosen, built)  # type: ignore[no-any-return]
+
+
+def arguments(config: Any, knobs: Sequence[Knob]) -> list[str]:
+    """The command-line arguments that make `knobs`' command build `config` back (`build`'s inverse): a flag for
+    each setting whose value differs from its field's default, written as the setting shows it (`dyn k8s render`
+    writes each pod's command line with it)."""
+    instances = _instances(config)
+    argv: list[str] = []
+    for knob in knobs:
+        cls, name = knob.fields[0]
+        if cls not in instances:
+            continue  # a setting of a config this one does not hold
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+        value = getattr(instances[cls], name)
+        if value != default:
+            argv += _flag(knob.setting, value)
+    return argv
+
+
+def _flag(spec: Setting, value: Any) -> list[str]:
+    """One setting's flag and value as typed on the command line."""
+    on, _, off = spec.flags[0].partition("/")
+    if isinstance(value, bool):
+        if not value and not off:
+            raise ValueError(f"{on} cannot be turned off on the command line")
+        return [on if value else off]
+    if value is None:
+        raise ValueError(f"{on} cannot be unset on the command line")
+    shown = spec.show(value) if spec.show is not None else value
+    shown = shown.value if isinstance(shown, Enum) else shown
+    if isinstance(shown, list | tuple):
+        return [item for one in shown for item in (on, str(one))]
+    return [on, str(shown)]
+
+
+def _instances(config: Any) -> dict[type, Any]:
+    """Each config object in `config`'s tree by class (the first one met, breadth first: a class built once by
+    `build` is one object wherever it recurs)."""
+    found: dict[type, Any] = {}
+    stack = [config]
+    while stack:
+        obj = stack.pop(0)
+        if type(obj) in found:
+            continue
+        found[type(obj)] = obj
+        stack += [v for f in dataclasses.fields(obj) if dataclasses.is_dataclass(v := getattr(obj, f.name))]
+    return found
 
 
 def _build(cls: type, chosen: Mapping[tuple[type, str], Any], built: dict[type, Any]) -> Any:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.k8s.client import api_client, client_modules
 from dynamo_cli.planner.connectors import ScaleTarget
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MERGE_PATCH = "application/merge-patch+json"
+NEEDED_BY = "--connector kubernetes"
 RETRIED_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -92,45 +94,13 @@ class CallFailed(Exception):
     """An API call failed for good (retries spent, or an error not worth retrying)."""
 
 
-def _client_modules() -> tuple[Any, Any]:
-    try:
-        import kubernetes.client
-        import kubernetes.config
-    except ImportError:
-        raise ConfigError("--connector kubernetes needs the kubernetes client: pip install 'dynamo-cli[k8s]'") from None
-    return kubernetes.client, kubernetes.config
-
-
-def _api_client(kubeconfig: str | None) -> Any:
-    """An ApiClient from --kubeconfig, else in-cluster config, else KUBECONFIG / ~/.kube/config."""
-    client, config = _client_modules()
-    settings = client.Configuration()
-    try:
-        if kubeconfig is None:
-            try:
-                config.load_incluster_config(client_configuration=settings)
-            except config.ConfigException:
-                config.load_kube_config(client_configuration=settings)
-        else:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=settings)
-    except (config.ConfigException, OSError) as exc:
-        if kubeconfig is not None:
-            raise ConfigError(f"--kubeconfig '{kubeconfig}' cannot be used: {exc}") from None
-        raise ConfigError(
-            f"no Kubernetes API config: not in a cluster, and KUBECONFIG / ~/.kube/config cannot be used ({exc}); "
-            "pass --kubeconfig PATH"
-        ) from None
-    settings.retries = 0  # the connector retries itself, with backoff and a bound
-    return client.ApiClient(settings)
-
-
 class KubernetesConnector:
     """Sets each role's Deployment replicas through the Scale subresource and waits for readiness."""
 
     def __init__(self, config: KubernetesConfig) -> None:
         self.config = config
-        self._api_client = _api_client(config.kubeconfig)
-        client, _ = _client_modules()
+        self._api_client = api_client(config.kubeconfig, NEEDED_BY)
+        client, _ = client_modules(NEEDED_BY)
         self._apps = client.AppsV1Api(self._api_client)
         self._api_exception: type[Exception] = client.ApiException
         self._next_id = 1

@@ -178,7 +178,8 @@ class Planner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Plan until `stop` is set; a tick that cannot read any frontend or discovery is skipped and logged."""
-        await self.baseline()
+        if self._last is None:  # unless the owner read it first (`dyn plan run` waits for a frontend)
+            await self.baseline()
         next_plan = time.monotonic() + self.config.interval_s
         while not stop.is_set():
             now = time.monotonic()

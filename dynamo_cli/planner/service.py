@@ -1,16 +1,17 @@
-"""`dyn plan run` assembled: discovery, the frontend scraper, a connector and the planner loop."""
+"""`dyn plan run` assembled: discovery, the frontend scraper, a connector, the planner loop and its probes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 from dynamo_cli.config import ChildCommand
-from dynamo_cli.errors import ConfigError
+from dynamo_cli.errors import ConfigError, PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, LocalConnector, VirtualConnector
 from dynamo_cli.planner.kubernetes import KubernetesConfig, KubernetesConnector, check_kubernetes
 from dynamo_cli.planner.observe import (
@@ -22,10 +23,12 @@ from dynamo_cli.planner.observe import (
 )
 from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
 from dynamo_cli.planner.predictors import PREDICTORS
+from dynamo_cli.planner.probes import WatchedSource, planner_system_server
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from dynamo_cli.runtime.supervisor import stop_on_signals
+from dynamo_cli.runtime.system import ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,10 @@ class PlanRun:
     """kubernetes: the namespace and Deployments to scale (agg: decode only)."""
     duration_s: float = 0.0
     """Stop after this long (0: until SIGINT/SIGTERM)."""
+    host: str = "127.0.0.1"
+    """The address the system server listens on (0.0.0.0 for a kubelet's probes)."""
+    system_port: int | None = None
+    """The planner's `/live`, `/health` and `/metrics` (0: any free port; None: no system server)."""
 
 
 def check_run(run: PlanRun) -> None:
@@ -99,6 +106,8 @@ def check_run(run: PlanRun) -> None:
         if run.kubernetes is None:
             raise ConfigError("--connector kubernetes needs --k8s-namespace")
         check_kubernetes(run.kubernetes)
+    if run.system_port is not None and not 0 <= run.system_port <= 65535:
+        raise ConfigError(f"--system-port must be 0..65535, got {run.system_port}")
 
 
 def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
@@ -115,8 +124,11 @@ def _connector(run: PlanRun, discovery: Discovery) -> Connector | None:
     return LocalConnector(run.decode, prefill, run.worker_env, grace_s=run.grace_s)
 
 
-async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None = None) -> Planner:
-    """Plan until SIGINT/SIGTERM (or `duration_s`); a local connector's workers are drained on the way out."""
+async def serve_planner(
+    run: PlanRun, profile: Profile, report: Reporter | None = None, announce: Callable[[str], None] | None = None
+) -> Planner:
+    """Plan until SIGINT/SIGTERM (or `duration_s`), from the first time a frontend answers (`announce`d then);
+    a local connector's workers are drained on the way out."""
     check_run(run)
     stop = asyncio.Event()
     stop_on_signals(stop)
@@ -130,20 +142,27 @@ async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None 
         async with httpx.AsyncClient() as client:
             urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
             loads = WorkerLoads()
+            source = WatchedSource(FrontendScraper(urls, client))
             planner = Planner(
                 run.planner,
                 profile,
-                FrontendScraper(urls, client),
+                source,
                 connector,
                 lambda: count_workers(discovery, run.namespace),
                 report,
                 loads.total,
             )
-            async with asyncio.TaskGroup() as group:
+            system = planner_system_server(run.host, run.system_port, planner, source)
+            async with system as system_text, asyncio.TaskGroup() as group:
                 follow = group.create_task(follow_worker_loads(bus, run.namespace, loads))
                 if run.duration_s > 0:
                     group.create_task(_stop_after(stop, run.duration_s))
-                await planner.run(stop)
+                if await _first_read(planner, source, stop, run.planner.load_interval_s or run.planner.interval_s):
+                    source.state = ServingState.READY
+                    if announce is not None:
+                        announce(f"dyn planner ready: {_describe(run)}{system_text}")
+                    await planner.run(stop)
+                source.state = ServingState.DRAINING
                 stop.set()
                 follow.cancel()
             return planner
@@ -152,6 +171,28 @@ async def serve_planner(run: PlanRun, profile: Profile, report: Reporter | None 
             await connector.close()
         await bus.close()
         await discovery.close()
+
+
+async def _first_read(planner: Planner, source: WatchedSource, stop: asyncio.Event, retry_s: float) -> bool:
+    """Read the counters the first interval is measured from, every `retry_s` until a frontend answers (True) or
+    the planner is stopped (False): a planner started before its frontends waits for them."""
+    while not stop.is_set():
+        try:
+            await planner.baseline()
+            return True
+        except (PlaneUnavailable, TimeoutError):
+            level = logging.WARNING if source.num_failed == 1 else logging.DEBUG  # /health tells the rest
+            logger.log(level, "planner waiting for a frontend: %s", source.error)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(retry_s):
+                await stop.wait()
+    return False
+
+
+def _describe(run: PlanRun) -> str:
+    frontends = ",".join(run.frontends) or "discovery"
+    connector = "none (dry run)" if run.dry_run else run.connector
+    return f"namespace={run.namespace} mode={run.planner.mode} frontends={frontends} connector={connector}"
 
 
 async def _stop_after(stop: asyncio.Event, seconds: float) -> None:

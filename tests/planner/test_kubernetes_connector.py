@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +21,13 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import ScaleTarget
 from dynamo_cli.planner.kubernetes import KubernetesConfig, KubernetesConnector
 from tests.conftest import DynProcess, wait_until
+from tests.k8s_fake import TOKEN, Seen, serving, status_object, write_kubeconfig
 from tests.planner.test_plan_cli import _load, _wait_lines, dyn, profile_file  # noqa: F401 (profile_file: a fixture)
 
 pytest.importorskip("kubernetes")
 
 NS = "inference"
-TOKEN = "planner-token"
 BASE = f"/apis/apps/v1/namespaces/{NS}/deployments"
-
-
-@dataclass
-class Seen:
-    """One request the fake API server answered."""
-
-    method: str
-    path: str
-    content_type: str | None
-    authorization: str | None
-    body: Any
-    at: float
 
 
 @dataclass
@@ -63,7 +50,8 @@ class FakeApiServer:
     def patches(self) -> list[Seen]:
         return [s for s in self.seen if s.method == "PATCH"]
 
-    def answer(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+    def answer(self, seen: Seen) -> tuple[int, dict[str, Any]]:
+        method, path, body = seen.method, seen.path, seen.body
         with self.lock:
             name, _, sub = path.removeprefix(BASE + "/").partition("/")
             resource = "scale" if sub else "deployment"
@@ -113,62 +101,11 @@ def scale_object(name: str, replicas: int) -> dict[str, Any]:
     }
 
 
-def status_object(code: int) -> dict[str, Any]:
-    reasons = {403: "Forbidden", 404: "NotFound", 409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
-    reason = reasons.get(code, "ServiceUnavailable")
-    return {
-        "apiVersion": "v1",
-        "kind": "Status",
-        "status": "Failure",
-        "reason": reason,
-        "code": code,
-        "message": reason,
-    }
-
-
-def handler(fake: FakeApiServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def _serve(self) -> None:
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            body = json.loads(raw) if raw else None
-            path = self.path.split("?")[0]
-            fake.seen.append(
-                Seen(
-                    self.command,
-                    path,
-                    self.headers.get("Content-Type"),
-                    self.headers.get("Authorization"),
-                    body,
-                    time.monotonic(),
-                )
-            )
-            status, answer = fake.answer(self.command, path, body)
-            data = json.dumps(answer).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_PATCH = _serve
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return None
-
-    return Handler
-
-
 @pytest.fixture
 def fake() -> Iterator[FakeApiServer]:
     server = FakeApiServer(replicas={"dyn-decode": 1, "dyn-prefill": 1})
-    http = ThreadingHTTPServer(("127.0.0.1", 0), handler(server))
-    server.port = http.server_address[1]
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    http.shutdown()
-    http.server_close()
-    thread.join(5)
+    with serving(server) as server.port:
+        yield server
     # whatever a test did: the connector only ever patched the Scale subresource, and only its replicas
     for seen in server.patches():
         assert seen.path.endswith("/scale") and set(seen.body) == {"spec"} and set(seen.body["spec"]) == {"replicas"}
@@ -177,17 +114,7 @@ def fake() -> Iterator[FakeApiServer]:
 
 @pytest.fixture
 def kubeconfig(fake: FakeApiServer, tmp_path: Path) -> Path:
-    path = tmp_path / "kubeconfig"
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{fake.port}"}}],
-        "users": [{"name": "planner", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "planner", "namespace": NS}}],
-        "current-context": "fake",
-    }
-    path.write_text(json.dumps(config))  # JSON is YAML
-    return path
+    return write_kubeconfig(tmp_path / "kubeconfig", fake.port, NS)
 
 
 def connector(kubeconfig: Path, **overrides: Any) -> KubernetesConnector:

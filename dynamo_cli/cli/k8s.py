@@ -1,0 +1,415 @@
+"""`dyn k8s`: a `dyn serve` deployment as Kubernetes manifests (`render`), and how it is doing (`status`).
+
+`dyn k8s render` takes `dyn serve`'s flags and writes what each pod runs as the same `dyn` command line a
+multi-node script would hold (`dyn serve --workers 0` for the frontend, `dyn worker`, `dyn router`, `dyn plan
+run --connector kubernetes`), so a pod runs exactly the config the flags describe (tests/k8s parse each one
+back). Secrets stay out of the YAML: it prints the `kubectl create secret` lines that make them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from dynamo_cli import __version__
+from dynamo_cli.cli import options as o
+from dynamo_cli.cli import router as router_cmd
+from dynamo_cli.cli import serve, settings
+from dynamo_cli.cli import worker as worker_cmd
+from dynamo_cli.cli.k8s_planes import plane_url
+from dynamo_cli.cli.k8s_status import status_command
+from dynamo_cli.config import (
+    AuthConfig,
+    FrontendConfig,
+    PlanesConfig,
+    ServeConfig,
+    WorkerConfig,
+    read_api_keys,
+)
+from dynamo_cli.engine import Role
+from dynamo_cli.errors import ConfigError
+from dynamo_cli.k8s import bundled
+from dynamo_cli.k8s.names import API_KEYS_DIR, API_KEYS_KEY, PLANES_DIR, PORTS, PROFILE_DIR, TLS_DIR, Names, Part
+from dynamo_cli.k8s.objects import Component, Mount, Obj, Probe, Resources
+from dynamo_cli.k8s.render import Cluster, SecretSource, kubectl_lines, render
+from dynamo_cli.kv.tiers import KvTierConfig
+from dynamo_cli.launcher import ServePlan
+from dynamo_cli.planner.profile import load_profile
+
+app = typer.Typer(help="Kubernetes: render a deployment's manifests, report its status.", no_args_is_help=True)
+
+
+@app.callback()
+def _group() -> None:
+    """Kubernetes: render a deployment's manifests, report its status."""
+
+
+SKIP = serve.SKIP | {
+    "FrontendConfig.host",  # every pod listens on its own address
+    "FrontendConfig.namespace",  # the Kubernetes namespace (--namespace) is the dyn namespace too
+    "WorkerConfig.namespace",
+    "PlanesConfig.discovery",  # --etcd / --nats
+    "PlanesConfig.events",
+    "TelemetryConfig.system_port",  # every worker, router and planner serves probes on PORTS.system
+    "ServeConfig.ready_timeout_s",  # Kubernetes waits (readiness) and restarts (restartPolicy)
+    "ServeConfig.max_restarts",
+}
+KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
+WORKER_ONLY = (WorkerConfig, KvTierConfig)
+FRONTEND_KNOBS = [k for k in serve.KNOBS if not all(cls in WORKER_ONLY for cls, _ in k.fields)]
+"""`dyn serve --workers 0`'s options that act on the frontend (the pod runs no worker)."""
+
+
+def _k8s(name: str, flag: str, kind: Any, default: Any, help: str) -> Any:
+    panel = "Kubernetes"
+    return settings.option(name, Annotated[kind, typer.Option(flag, help=help, rich_help_panel=panel)], default)
+
+
+def _load_values(ctx: typer.Context, path: Path | None) -> Path | None:
+    """`--values FILE`: a YAML mapping of option names (`prefill-workers: 2`) read as the defaults the other
+    flags override (a render reproducible from a checked-in file)."""
+    if path is None:
+        return None
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot be read as YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise typer.BadParameter("must hold a YAML mapping of option names to values (e.g. `workers: 2`)")
+    known = {  # a flag's long name (`prefill-workers`, `no-kv-events`) -> its parameter
+        opt.lstrip("-"): param
+        for param in ctx.command.params
+        if param.name not in (None, "values")
+        for opt in (*param.opts, *param.secondary_opts)
+        if opt.startswith("--")
+    }
+    defaults: dict[str, Any] = {}
+    for key, value in loaded.items():
+        flag = str(key).lstrip("-").replace("_", "-")
+        if flag not in known:
+            close = difflib.get_close_matches(flag, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise typer.BadParameter(f"'{key}' is not an option of dyn k8s render{hint}")
+        param = known[flag]
+        is_negation = f"--{flag}" in param.secondary_opts
+        defaults[str(param.name)] = (not value) if is_negation else value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return path
+
+
+EXTRA = [
+    settings.option(
+        "values",
+        Annotated[
+            Path | None,
+            typer.Option(
+                "--values",
+                help="YAML file of option values (`workers: 2`, `disagg: true`); flags given override it.",
+                is_eager=True,
+                callback=_load_values,
+                rich_help_panel="Kubernetes",
+            ),
+        ],
+        None,
+    ),
+    _k8s("k8s_namespace", "--namespace", str, "dyn", "Kubernetes namespace (also the dyn namespace)."),
+    _k8s("name", "--name", str, "dyn", "Prefix of every object's name; two deployments may share a namespace."),
+    _k8s("image", "--image", str | None, None, "The dyn image, tagged (default: dyn:VERSION-ENGINE, Containerfile)."),
+    _k8s("gpus_per_worker", "--gpus-per-worker", int, 0, "nvidia.com/gpu each worker requests."),
+    _k8s("worker_cpu", "--worker-cpu", str, "2", "CPU each worker requests."),
+    _k8s("worker_memory", "--worker-memory", str, "8Gi", "Memory each worker requests (and is limited to)."),
+    _k8s("model_pvc", "--model-pvc", str | None, None, "PersistentVolumeClaim of model files, mounted at /models."),
+    _k8s("etcd", "--etcd", str, "bundled", "bundled (a StatefulSet) or an etcd:// URL."),
+    _k8s("nats", "--nats", str, "bundled", "bundled (a StatefulSet) or a nats:// URL."),
+    _k8s("storage_class", "--storage-class", str | None, None, "The bundled planes' volumes (default: the cluster's)."),
+    _k8s("service_type", "--service-type", str, "ClusterIP", "The frontend Service: ClusterIP|NodePort|LoadBalancer."),
+    _k8s("metrics_namespace", "--metrics-namespace", str | None, None, "Namespace of a Prometheus let in to scrape."),
+    _k8s("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
+    *serve.EXTRA,
+]
+"""Render's own options, then `dyn serve`'s (its deployment shape, engine, API keys, planner)."""
+K8S_OPTIONS = [p.name for p in EXTRA[1 : -len(serve.EXTRA)] if p.name != "out"]
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What one render writes: the deployment, where, and the Secrets it needs first."""
+
+    config: ServeConfig
+    plan: ServePlan | None
+    cluster: Cluster
+    secrets: list[SecretSource]
+    worker_resources: Resources
+    model_pvc: str | None
+    tls_ca: bool
+
+
+def _render(**values: Any) -> None:
+    """Write the Kubernetes manifests of a `dyn serve` deployment (same flags) as YAML: stdout or --out DIR."""
+    out = values.pop("out")
+    target = _target(values)
+    components, config_maps = _components(target)
+    objects = render(target.cluster, components, config_maps)
+    lines = kubectl_lines(target.cluster, target.secrets)
+    if out is None:
+        sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    else:
+        _write(Path(out), objects, lines)
+    typer.echo("# create the namespace and the Secrets the manifests reference, then apply:", err=True)
+    for line in lines:
+        typer.echo(line, err=True)
+    typer.echo(f"kubectl apply -f {out if out is not None else '-'}", err=True)
+
+
+def _target(values: dict[str, Any]) -> Target:
+    values.pop("values")
+    k8s = {name: values.pop(name) for name in K8S_OPTIONS}
+    ns, names = k8s["k8s_namespace"], Names(k8s["name"])
+    if k8s["service_type"] not in SERVICE_TYPES:
+        raise ConfigError(f"--service-type '{k8s['service_type']}' is invalid; use one of {', '.join(SERVICE_TYPES)}")
+    if k8s["gpus_per_worker"] < 0:
+        raise ConfigError(f"--gpus-per-worker must be >= 0, got {k8s['gpus_per_worker']}")
+    image = k8s["image"] or f"dyn:{__version__}-{values['engine']}"
+    _check_image(image)
+    secrets = [_cluster_secret(names, values.pop("cluster_secret_file"))]
+    if values.pop("api_key"):
+        raise ConfigError("--api-key would write a key into the manifests; put the keys in a file: --api-key-file")
+    key_file = values.pop("api_key_file")
+    api_keys = read_api_keys([], key_file, {}) if key_file else ()  # checked here, never written
+    if key_file:
+        secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
+    discovery, etcd_files = plane_url(k8s["etcd"], "--etcd", bundled.etcd_url(names))
+    events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names))
+    if etcd_files or nats_files:
+        secrets.append(SecretSource(names.planes, etcd_files + nats_files))
+    given = {
+        (FrontendConfig, "namespace"): ns,
+        (WorkerConfig, "namespace"): ns,
+        (PlanesConfig, "discovery"): discovery,
+        (PlanesConfig, "events"): events,
+        (PlanesConfig, "cluster_secret"): None,
+        (AuthConfig, "api_keys"): api_keys,
+    }
+    config, plan = serve.deployment(values, given, KNOBS, in_process=False)
+    tls = config.frontend.tls
+    if tls.is_enabled:
+        files = [("tls.crt", tls.cert_file), ("tls.key", tls.key_file), ("ca.crt", tls.ca_file)]
+        secrets.append(SecretSource(names.tls, tuple((k, str(v)) for k, v in files if v is not None)))
+    if plan is not None and (tls.is_enabled or config.frontend.auth.metrics_require_key):
+        raise ConfigError(
+            "--planner reads the frontend's /metrics over plain HTTP with no key: "
+            "drop --tls-cert-file/--metrics-require-key, or run `dyn plan run` where it can reach /metrics"
+        )
+    cluster = Cluster(
+        namespace=ns,
+        names=names,
+        image=image,
+        http_port=config.frontend.port,
+        service_type=k8s["service_type"],
+        etcd_bundled=k8s["etcd"] == "bundled",
+        nats_bundled=k8s["nats"] == "bundled",
+        storage_class=k8s["storage_class"],
+        metrics_namespace=k8s["metrics_namespace"],
+    )
+    resources = Resources(k8s["worker_cpu"], k8s["worker_memory"], k8s["gpus_per_worker"])
+    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"], tls.ca_file is not None)
+
+
+def _check_image(image: str) -> None:
+    """A tag or digest that names one build: never `latest`, never none."""
+    name, _, tag = image.rpartition(":") if "@" not in image else (image, "", "digest")
+    if not name or "/" in tag or tag in ("", "latest"):
+        raise ConfigError(f"--image '{image}' must carry a pinned tag or digest (not latest), e.g. dyn:{__version__}")
+
+
+def _cluster_secret(names: Names, path: Path | None) -> SecretSource:
+    """The request plane's secret: the file given (checked as `dyn serve` checks it), else a new random one."""
+    if path is None:
+        return SecretSource(names.cluster_secret, random_key="secret")
+    o.cluster_secret(path)
+    return SecretSource(names.cluster_secret, (("secret", str(path)),))
+
+
+##### Components: the pods' command lines #####
+
+
+def _components(target: Target) -> tuple[list[Component], dict[str, dict[str, str]]]:
+    config, names = target.config, target.cluster.names
+    components = [_frontend(target)]
+    pools = [(Part.DECODE, Role.DECODE, config.num_workers), (Part.PREFILL, Role.PREFILL, config.num_prefill_workers)]
+    if not config.num_prefill_workers:
+        pools = [(Part.WORKER, Role.BOTH, config.num_workers)]
+    components += [_worker(target, part, role, n) for part, role, n in pools]
+    if config.frontend.router == "remote":
+        components.append(_router(target))
+    config_maps: dict[str, dict[str, str]] = {}
+    if target.plan is not None:
+        assert target.plan.profile is not None  # serve.deployment(in_process=False) demands one
+        text = target.plan.profile.read_text()
+        load_profile(target.plan.profile)  # a bad profile fails here, not in the pod
+        config_maps[names.planner_profile] = {"profile.json": text}
+        components.append(_planner(target, [p for p, _, _ in pools]))
+    if any(secret.name == names.planes for secret in target.secrets):  # every process talks to etcd and NATS
+        planes = Mount("planes", PLANES_DIR, secret=names.planes)
+        components = [replace(c, mounts=(*c.mounts, planes)) for c in components]
+    return components, config_maps
+
+
+def _frontend(target: Target) -> Component:
+    config = target.config
+    frontend = replace(config.frontend, host="0.0.0.0")
+    pod = replace(config, frontend=frontend, num_workers=0, num_prefill_workers=0, num_routers=0)
+    args = ["serve", *settings.arguments(pod, FRONTEND_KNOBS)]
+    if "--workers" not in args:
+        args += ["--workers", "0"]
+    mounts: list[Mount] = []
+    if frontend.auth.api_keys:
+        args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_KEY}"]
+        mounts.append(Mount("api-keys", API_KEYS_DIR, secret=target.cluster.names.api_keys))
+    if frontend.tls.is_enabled:
+        args = _mounted(args, {"--tls-cert-file": "tls.crt", "--tls-key-file": "tls.key", "--tls-ca-file": "ca.crt"})
+        mounts.append(Mount("tls", TLS_DIR, secret=target.cluster.names.tls))
+    scheme = "HTTPS" if frontend.tls.is_enabled else "HTTP"
+    return Component(
+        part=Part.FRONTEND,
+        args=tuple(args),
+        replicas=1,
+        resources=Resources("1", "2Gi"),
+        ports=(("http", frontend.port),),
+        # /live, not /health: a frontend with no worker yet still answers (503s naming why), and the planner
+        # must reach its /metrics to scale up from zero.
+        probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=target.tls_ca),
+        scrape_port=frontend.port,
+        mounts=tuple(mounts),
+        grace_s=config.worker.graceful_shutdown_s,
+    )
+
+
+def _mounted(args: list[str], files: dict[str, str]) -> list[str]:
+    """`args` with each named flag's file replaced by the mounted Secret key's path."""
+    out = list(args)
+    for i, arg in enumerate(args[:-1]):
+        if arg in files:
+            out[i + 1] = f"{TLS_DIR}/{files[arg]}"
+    return out
+
+
+def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
+    base = target.config.worker
+    tiers = base.kv_tiers
+    mounts: list[Mount] = []
+    if tiers.disk_bytes:
+        tiers = replace(tiers, disk_dir=tiers.disk_dir or "/var/cache/dyn-kv")
+        mounts.append(Mount("kv-disk", tiers.disk_dir or "", size=f"{-(-tiers.disk_bytes // 10**9)}G"))
+    config = replace(
+        base,
+        role=role,
+        component="backend" if role is not Role.PREFILL else Role.PREFILL.value,
+        port=PORTS.request_plane,
+        kv_transfer_port=PORTS.kv_transfer if role is Role.PREFILL else 0,
+        telemetry=replace(base.telemetry, system_port=PORTS.system),
+        kv_tiers=tiers,
+    )
+    args = ["worker", *settings.arguments(config, worker_cmd.KNOBS)]
+    if "--engine" not in args:  # always named: the image's own DYN_ENGINE must not choose
+        args[1:1] = ["--engine", config.engine]
+    if config.extra:
+        args += ["--extra-engine-args", json.dumps(config.extra, sort_keys=True)]
+    if target.model_pvc is not None:
+        mounts.append(Mount("model", "/models", claim=target.model_pvc))
+    if target.worker_resources.gpus:
+        mounts.append(Mount("shm", "/dev/shm", memory=True))
+    ports = [("request", PORTS.request_plane), ("system", PORTS.system)]
+    if role is Role.PREFILL:
+        ports.append(("kv-transfer", PORTS.kv_transfer))
+    return Component(
+        part=part,
+        args=tuple(args),
+        replicas=None if target.plan is not None else replicas,
+        resources=target.worker_resources,
+        ports=tuple(ports),
+        probe=Probe("system"),
+        scrape_port=PORTS.system,
+        advertise_env="DYN_WORKER_HOST",
+        mounts=tuple(mounts),
+        grace_s=config.graceful_shutdown_s,
+    )
+
+
+def _router(target: Target) -> Component:
+    config = target.config.router_config()
+    config = replace(config, port=PORTS.request_plane, telemetry=replace(config.telemetry, system_port=PORTS.system))
+    return Component(
+        part=Part.ROUTER,
+        args=("router", *settings.arguments(config, router_cmd.KNOBS)),
+        replicas=max(1, target.config.num_routers),
+        resources=Resources("1", "1Gi"),
+        ports=(("request", PORTS.request_plane), ("system", PORTS.system)),
+        probe=Probe("system"),
+        scrape_port=PORTS.system,
+        advertise_env="DYN_ROUTER_HOST",
+        grace_s=config.graceful_shutdown_s,
+    )
+
+
+def _planner(target: Target, pools: list[Part]) -> Component:
+    assert target.plan is not None
+    planner, names, config = target.plan.config, target.cluster.names, target.config
+    worker = config.worker
+    args = ["plan", "run", "--connector", "kubernetes", "--k8s-namespace", target.cluster.namespace]
+    args += ["--k8s-decode-deployment", names.of(pools[0])]
+    if len(pools) > 1:
+        args += ["--k8s-prefill-deployment", names.of(pools[1])]
+    args += ["--mode", planner.mode, "--profile", f"{PROFILE_DIR}/profile.json"]
+    args += ["--ttft", str(planner.targets.ttft_ms), "--itl", str(planner.targets.itl_ms)]
+    args += ["--min-workers", str(planner.bounds.min_workers), "--max-workers", str(planner.bounds.max_workers)]
+    args += ["--interval", str(planner.interval_s), "--load-interval", str(planner.load_interval_s)]
+    args += ["--startup", str(planner.startup_s)]
+    args += ["--frontend", f"http://{names.of(Part.FRONTEND)}:{config.frontend.port}"]
+    args += ["--engine", worker.engine, "--model", worker.model, "--namespace", worker.namespace]
+    args += ["--discovery", worker.planes.discovery, "--events", worker.planes.events]
+    args += ["--system-port", str(PORTS.system), "--host", "0.0.0.0"]  # the kubelet probes the pod's address
+    return Component(
+        part=Part.PLANNER,
+        args=tuple(args),
+        replicas=1,
+        resources=Resources("250m", "512Mi"),
+        ports=(("system", PORTS.system),),
+        probe=Probe("system"),
+        scrape_port=PORTS.system,
+        cluster_secret=False,
+        mounts=(Mount("profile", PROFILE_DIR, config_map=names.planner_profile),),
+        service_account=names.of(Part.PLANNER),
+    )
+
+
+def _write(out: Path, objects: list[Obj], lines: list[str]) -> None:
+    """One file per component (and `deployment.yaml` for the whole deployment's objects), and secrets.sh."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        groups: dict[str, list[Obj]] = {}
+        for obj in objects:
+            part = obj["metadata"]["labels"].get("app.kubernetes.io/component", "deployment")
+            groups.setdefault(part, []).append(obj)
+        for part, group in groups.items():
+            (out / f"{part}.yaml").write_text(yaml.safe_dump_all(group, sort_keys=False))
+        script = "#!/bin/sh\n# The namespace and the Secrets the manifests reference (no value is in them).\nset -e\n"
+        (out / "secrets.sh").write_text(script + "\n".join(lines) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write the manifests ({exc.strerror or exc})") from None
+
+
+render_command = settings.command(_render, KNOBS, EXTRA, env=False)  # flags and --values only: reproducible
+app.command("render", help=_render.__doc__)(render_command)
+app.command("status", help=status_command.__doc__)(status_command)

@@ -1,0 +1,118 @@
+"""What a rendered deployment's objects are called on Kubernetes: names, labels, ports, Secrets and mount paths,
+shared by `dyn k8s render` (which writes them) and `dyn k8s status` (which reads them back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from dynamo_cli import __version__
+
+PART_OF = "dyn"
+"""`app.kubernetes.io/part-of` and `.../name` of every object."""
+MANAGED_BY = "dyn-k8s-render"
+
+
+class Part(Enum):
+    """One rendered component: its name suffix and `app.kubernetes.io/component` label."""
+
+    FRONTEND = "frontend"  # `dyn serve --workers 0`: the OpenAI HTTP server and router
+    WORKER = "worker"  # aggregated workers (`dyn worker --role both`)
+    DECODE = "decode"  # --disagg: decode workers
+    PREFILL = "prefill"  # --disagg: prefill workers
+    ROUTER = "router"  # --router remote: `dyn router` replicas
+    PLANNER = "planner"  # --planner: `dyn plan run --connector kubernetes`
+    ETCD = "etcd"  # --etcd bundled
+    NATS = "nats"  # --nats bundled
+
+
+WORKER_PARTS = (Part.WORKER, Part.DECODE, Part.PREFILL)
+"""The worker pools, the Deployments the planner scales."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    """The fixed container ports (a NetworkPolicy and a probe need a port known before the pod starts)."""
+
+    http: int = 8000
+    """The frontend's OpenAI HTTP port (the only one a NetworkPolicy admits from outside the namespace)."""
+    request_plane: int = 9000
+    """Workers' and routers' request plane."""
+    kv_transfer: int = 9100
+    """Prefill workers' KV transfer server."""
+    system: int = 9090
+    """Every worker's, router's and planner's system server: `/live`, `/health`, `/metrics`."""
+    etcd_client: int = 2379
+    etcd_peer: int = 2380
+    nats_client: int = 4222
+    nats_monitor: int = 8222
+
+
+PORTS = Ports()
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """The names of one rendered deployment (`--name`, default `dyn`) in its namespace."""
+
+    instance: str = "dyn"
+    """`app.kubernetes.io/instance`: lets two deployments share a namespace."""
+
+    def of(self, part: Part) -> str:
+        """A component's Deployment/StatefulSet/Service name: `dyn-frontend`, `dyn-decode`..."""
+        return f"{self.instance}-{part.value}"
+
+    def selector(self, part: Part) -> dict[str, str]:
+        """The labels a component's pods are selected by (immutable once applied: no version in them)."""
+        return {
+            "app.kubernetes.io/name": PART_OF,
+            "app.kubernetes.io/instance": self.instance,
+            "app.kubernetes.io/component": part.value,
+        }
+
+    def labels(self, part: Part | None) -> dict[str, str]:
+        """Every label of a component's objects and pods (None: an object of the whole deployment)."""
+        return {
+            **(self.selector(part) if part is not None else self.instance_selector()),
+            "app.kubernetes.io/part-of": PART_OF,
+            "app.kubernetes.io/version": __version__,
+            "app.kubernetes.io/managed-by": MANAGED_BY,
+        }
+
+    def instance_selector(self) -> dict[str, str]:
+        """Every pod of this deployment (the NetworkPolicy's peers, `dyn k8s status`'s listing)."""
+        return {"app.kubernetes.io/name": PART_OF, "app.kubernetes.io/instance": self.instance}
+
+    @property
+    def cluster_secret(self) -> str:
+        """Secret with key `secret`: the request plane's shared secret (hex)."""
+        return f"{self.instance}-cluster-secret"
+
+    @property
+    def api_keys(self) -> str:
+        """Secret with key `keys`: the frontend's API keys, one a line."""
+        return f"{self.instance}-api-keys"
+
+    @property
+    def tls(self) -> str:
+        """Secret of type kubernetes.io/tls: the frontend's certificate and key (and `ca.crt` with --tls-ca-file)."""
+        return f"{self.instance}-tls"
+
+    @property
+    def planes(self) -> str:
+        """Secret mounted at PLANES_DIR: files the etcd/NATS URLs name (password-file=, ca=, creds= ...)."""
+        return f"{self.instance}-planes"
+
+    @property
+    def planner_profile(self) -> str:
+        """ConfigMap with key `profile.json`: the planner's profile (`dyn plan profile`)."""
+        return f"{self.instance}-planner-profile"
+
+
+CLUSTER_SECRET_KEY = "secret"
+API_KEYS_KEY = "keys"
+SECRETS_DIR = "/etc/dyn"
+API_KEYS_DIR = f"{SECRETS_DIR}/api-keys"
+TLS_DIR = f"{SECRETS_DIR}/tls"
+PLANES_DIR = f"{SECRETS_DIR}/planes"
+PROFILE_DIR = f"{SECRETS_DIR}/profile"

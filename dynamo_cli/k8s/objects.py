@@ -1,0 +1,269 @@
+"""Kubernetes objects as plain dicts, one builder per kind: what a rendered deployment is made of.
+
+Every pod runs as UID 10001 with no privilege, no capability and a read-only root filesystem (`/tmp` is an
+emptyDir), and gets no service-account token unless it calls the API server (the planner). Only the planner's
+Role grants anything: `get`/`patch` on its worker Deployments' `scale` subresource and `get` on the Deployments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_cli.k8s.names import PORTS, Names, Part
+
+Obj = dict[str, Any]
+UID = 10001
+"""The image's user (Containerfile `USER 10001`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """A container's requests (memory is also its limit: an inference process over it is killed, not throttled)."""
+
+    cpu: str
+    memory: str
+    gpus: int = 0
+    """`nvidia.com/gpu`, requested and limited (an extended resource must be both)."""
+
+    def spec(self) -> Obj:
+        requests: Obj = {"cpu": self.cpu, "memory": self.memory}
+        limits: Obj = {"memory": self.memory}
+        if self.gpus:
+            requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(self.gpus)
+        return {"requests": requests, "limits": limits}
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    """A volume and where a container sees it: one of a Secret, a ConfigMap, a claim, or an emptyDir."""
+
+    name: str
+    path: str
+    secret: str | None = None
+    config_map: str | None = None
+    claim: str | None = None
+    """A PersistentVolumeClaim, mounted read-only (model weights)."""
+    size: str | None = None
+    """An emptyDir's sizeLimit."""
+    memory: bool = False
+    """An emptyDir in RAM (`/dev/shm` for GPU engines)."""
+
+    def volume(self) -> Obj:
+        if self.secret is not None:
+            return {"name": self.name, "secret": {"secretName": self.secret, "defaultMode": 0o440}}
+        if self.config_map is not None:
+            return {"name": self.name, "configMap": {"name": self.config_map}}
+        if self.claim is not None:
+            return {"name": self.name, "persistentVolumeClaim": {"claimName": self.claim, "readOnly": True}}
+        empty: Obj = {"medium": "Memory"} if self.memory else {}
+        return {"name": self.name, "emptyDir": empty | ({"sizeLimit": self.size} if self.size else {})}
+
+    def mount(self) -> Obj:
+        read_only = self.secret is not None or self.config_map is not None or self.claim is not None
+        return {"name": self.name, "mountPath": self.path} | ({"readOnly": True} if read_only else {})
+
+
+TMP = Mount("tmp", "/tmp", size="1Gi")
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Where the kubelet asks: liveness at `live`, readiness at `ready`, on the named port."""
+
+    port: str
+    live: str = "/live"
+    ready: str = "/health"
+    scheme: str = "HTTP"
+    tcp: bool = False
+    """A TCP connect instead of a GET: the kubelet cannot present the client certificate mutual TLS asks for."""
+
+    def spec(self, path: str, period_s: int, failures: int) -> Obj:
+        how: Obj = {"tcpSocket": {"port": self.port}}
+        if not self.tcp:
+            how = {"httpGet": {"path": path, "port": self.port, "scheme": self.scheme}}
+        return how | {"periodSeconds": period_s, "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """One Deployment of `dyn` processes."""
+
+    part: Part
+    args: tuple[str, ...]
+    """The command line after `dyn` (the image's entrypoint)."""
+    replicas: int | None
+    """None: left out, so a re-apply does not undo the planner's scaling (it starts at 1)."""
+    resources: Resources
+    ports: tuple[tuple[str, int], ...]
+    probe: Probe
+    scrape_port: int
+    """The port Prometheus scrapes `/metrics` on (the annotations)."""
+    advertise_env: str | None = None
+    """The variable set to the pod's IP: the request-plane address it listens on and registers."""
+    cluster_secret: bool = True
+    """Gets `DYN_CLUSTER_SECRET` from the cluster Secret."""
+    mounts: tuple[Mount, ...] = ()
+    grace_s: float = 30.0
+    """terminationGracePeriodSeconds: SIGTERM drains in-flight streams first."""
+    service_account: str | None = None
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+
+def metadata(names: Names, namespace: str, part: Part | None, name: str | None = None) -> Obj:
+    """`name` (default: the part's) in `namespace`, labelled as the part (None: the whole deployment)."""
+    if name is None:
+        assert part is not None, "an object of the whole deployment is named by its caller"
+        name = names.of(part)
+    return {"name": name, "namespace": namespace, "labels": names.labels(part)}
+
+
+def pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "runAsGroup": UID,
+        "fsGroup": UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def deployment(names: Names, namespace: str, image: str, component: Component, cluster_secret: str) -> Obj:
+    """The component's Deployment: rolling updates one pod at a time, no surge beyond one."""
+    part = component.part
+    spec: Obj = {
+        "selector": {"matchLabels": names.selector(part)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(component)},
+        "template": _pod_template(names, image, component, cluster_secret),
+    }
+    if component.replicas is not None:
+        spec = {"replicas": component.replicas} | spec
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(names, namespace, part), "spec": spec}
+
+
+def _rollout(component: Component) -> Obj:
+    """A new pod before an old one goes; with GPUs the other way round (a full cluster has no GPU to surge onto)."""
+    if component.resources.gpus:
+        return {"maxUnavailable": 1, "maxSurge": 0}
+    return {"maxUnavailable": 0, "maxSurge": 1}
+
+
+def _pod_template(names: Names, image: str, component: Component, cluster_secret: str) -> Obj:
+    scheme = component.probe.scheme.lower()
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(component.scrape_port),
+        "prometheus.io/path": "/metrics",
+        "prometheus.io/scheme": scheme,
+    }
+    pod: Obj = {
+        "automountServiceAccountToken": component.service_account is not None,
+        "securityContext": pod_security(),
+        "terminationGracePeriodSeconds": int(component.grace_s) + 10,
+        "containers": [_container(image, component, cluster_secret)],
+        "volumes": [m.volume() for m in (TMP, *component.mounts)],
+    }
+    if component.service_account is not None:
+        pod = {"serviceAccountName": component.service_account} | pod
+    return {"metadata": {"labels": names.labels(component.part), "annotations": annotations}, "spec": pod}
+
+
+def _container(image: str, component: Component, cluster_secret: str) -> Obj:
+    env: list[Obj] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env += [{"name": name, "value": value} for name, value in component.env]
+    if component.advertise_env is not None:
+        env.append({"name": component.advertise_env, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if component.cluster_secret:
+        ref = {"name": cluster_secret, "key": "secret"}
+        env.append({"name": "DYN_CLUSTER_SECRET", "valueFrom": {"secretKeyRef": ref}})
+    probe = component.probe
+    return {
+        "name": component.part.value,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": list(component.args),
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in component.ports],
+        "env": env,
+        "resources": component.resources.spec(),
+        "livenessProbe": probe.spec(probe.live, 10, 3),
+        "readinessProbe": probe.spec(probe.ready, 5, 2),
+        "securityContext": container_security(),
+        "volumeMounts": [m.mount() for m in (TMP, *component.mounts)],
+    }
+
+
+def service(names: Names, namespace: str, part: Part, ports: list[tuple[str, int]], kind: str = "ClusterIP") -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(names, namespace, part),
+        "spec": {
+            "type": kind,
+            "selector": names.selector(part),
+            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports],
+        },
+    }
+
+
+def disruption_budget(names: Names, namespace: str, part: Part) -> Obj:
+    """At most one pod of the component evicted at a time (a node drain moves them one by one)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(names, namespace, part),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(part)}},
+    }
+
+
+def network_policies(names: Names, namespace: str, http_port: int, metrics_namespace: str | None) -> list[Obj]:
+    """Pods of this deployment reach each other; from anywhere else only the frontend's HTTP port is open (and,
+    with `metrics_namespace`, the metrics ports to that namespace's Prometheus)."""
+    everyone = {"matchLabels": names.instance_selector()}
+
+    def policy(suffix: str, pods: Obj, ingress: list[Obj]) -> Obj:
+        meta = metadata(names, namespace, None, f"{names.instance}-{suffix}")
+        spec = {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta, "spec": spec}
+
+    policies = [
+        policy("internal", everyone, [{"from": [{"podSelector": everyone}]}]),
+        policy(
+            "frontend-http",
+            {"matchLabels": names.selector(Part.FRONTEND)},
+            [{"ports": [{"protocol": "TCP", "port": http_port}]}],
+        ),
+    ]
+    if metrics_namespace is not None:
+        source = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": metrics_namespace}}}
+        ports = [{"protocol": "TCP", "port": p} for p in sorted({http_port, PORTS.system, PORTS.nats_monitor})]
+        policies.append(policy("metrics", everyone, [{"from": [source], "ports": ports}]))
+    return policies
+
+
+def planner_rbac(names: Names, namespace: str, scaled: list[str]) -> list[Obj]:
+    """The planner's ServiceAccount, and a Role bound to it granting exactly what the Scale-subresource connector
+    calls: `get`/`patch` of `deployments/scale` and `get` of `deployments` (readyReplicas), for the pools it
+    scales and nothing else."""
+    meta = metadata(names, namespace, Part.PLANNER)
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+    rules = [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": scaled, "verbs": ["get", "patch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": scaled, "verbs": ["get"]},
+    ]
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules}
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": meta["name"]},
+        "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": namespace}],
+    }
+    return [account, role, binding]
+
+
+def config_map(names: Names, namespace: str, part: Part | None, name: str, data: dict[str, str]) -> Obj:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(names, namespace, part, name), "data": data}

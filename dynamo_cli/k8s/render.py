@@ -1,0 +1,89 @@
+"""A whole deployment as Kubernetes objects: the components' Deployments, the frontend's Service, the bundled
+planes, the planner's RBAC, disruption budgets and NetworkPolicies; and the `kubectl` lines that create the
+Secrets they reference (no secret value is ever written into a manifest)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from dynamo_cli.k8s import bundled
+from dynamo_cli.k8s.names import WORKER_PARTS, Names, Part
+from dynamo_cli.k8s.objects import (
+    Component,
+    Obj,
+    config_map,
+    deployment,
+    disruption_budget,
+    network_policies,
+    planner_rbac,
+    service,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Where and how the deployment runs on Kubernetes (the settings `dyn serve` has no use for)."""
+
+    namespace: str
+    names: Names
+    image: str
+    """The `dyn` image (Containerfile), tagged: never `latest`."""
+    http_port: int
+    service_type: str = "ClusterIP"
+    """The frontend Service's type: ClusterIP, NodePort or LoadBalancer."""
+    etcd_bundled: bool = True
+    nats_bundled: bool = True
+    storage_class: str | None = None
+    """The bundled planes' claims' class (None: the cluster's default)."""
+    metrics_namespace: str | None = None
+    """A namespace whose pods (Prometheus) may scrape the metrics ports; None: only the frontend's HTTP port is
+    reachable from outside the namespace."""
+
+
+@dataclass(frozen=True, slots=True)
+class SecretSource:
+    """A Secret the manifests reference, and what the `kubectl create secret` line that makes it reads."""
+
+    name: str
+    files: tuple[tuple[str, str], ...] = ()
+    """(key, local file) pairs: `--from-file=KEY=FILE`."""
+    random_key: str | None = None
+    """A key filled with `openssl rand -hex 32` (the cluster secret, when no file is given)."""
+
+    def command(self, namespace: str) -> str:
+        parts = ["kubectl", "-n", namespace, "create", "secret", "generic", self.name]
+        parts += [f"--from-file={key}={path}" for key, path in self.files]
+        line = shlex.join(parts)
+        if self.random_key is not None:
+            line += f' --from-literal={self.random_key}="$(openssl rand -hex 32)"'
+        return line
+
+
+def render(
+    cluster: Cluster, components: list[Component], config_maps: dict[str, dict[str, str]] | None = None
+) -> list[Obj]:
+    """Every object, in the order `kubectl apply` creates them well: config, RBAC, planes, then the processes."""
+    names, ns = cluster.names, cluster.namespace
+    objects: list[Obj] = [config_map(names, ns, None, name, data) for name, data in (config_maps or {}).items()]
+    parts = {c.part for c in components}
+    if Part.PLANNER in parts:
+        objects += planner_rbac(names, ns, [names.of(c.part) for c in components if c.part in WORKER_PARTS])
+    if cluster.etcd_bundled:
+        objects += bundled.etcd(names, ns, "1Gi", cluster.storage_class)
+    if cluster.nats_bundled:
+        objects += bundled.nats(names, ns, "2Gi", cluster.storage_class)
+    for component in components:
+        objects.append(deployment(names, ns, cluster.image, component, names.cluster_secret))
+        if component.part is Part.FRONTEND:
+            http = [("http", cluster.http_port)]
+            objects.append(service(names, ns, Part.FRONTEND, http, cluster.service_type))
+        objects.append(disruption_budget(names, ns, component.part))
+    objects += network_policies(names, ns, cluster.http_port, cluster.metrics_namespace)
+    return objects
+
+
+def kubectl_lines(cluster: Cluster, secrets: list[SecretSource]) -> list[str]:
+    """What to run before `kubectl apply`: the namespace, then each Secret from local files."""
+    lines = [f"kubectl create namespace {shlex.quote(cluster.namespace)}"]
+    return lines + [secret.command(cluster.namespace) for secret in secrets]
