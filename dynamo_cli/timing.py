@@ -45,10 +45,11 @@ class TimingModel:
     """Further divides decode time (emulates speculative decoding)."""
 
     def pass_ms(self, num_prefill_tokens: int, num_decoding: int, kv_usage: float) -> float:
-        """Duration of a pass computing `num_prefill_tokens` prompt tokens and emitting `num_decoding` tokens.
+        """Duration of a pass computing `num_prefill_tokens` prompt tokens while `num_decoding` requests decode.
 
         The prefill term applies once per pass that computes any prompt token; the decode term once per
-        pass that emits any token.
+        pass in which any request decodes (a prompt's first token, emitted by the pass that computes it,
+        adds none: Dynamo 1.6.1's core).
         """
         total = 0.0
         if num_prefill_tokens > 0:

@@ -42,8 +42,14 @@ class LoadConfig:
     """Requests sent before the measured ones, excluded from the figures."""
     seed: int = 0
     """Seeds the Poisson gaps."""
+    ramp_up_s: float = 0.0
+    """Closed loop: the slots start evenly over this many seconds, not all at once. A closed loop at fixed
+    output lengths keeps the start pattern: streams started together finish together and come back together
+    (prefill waves), streams started apart stay apart, so two systems compared must start alike."""
 
     def __post_init__(self) -> None:
+        if self.ramp_up_s < 0:
+            raise ConfigError(f"--ramp-up ({self.ramp_up_s}) must be ≥ 0")
         if self.concurrency is not None and self.concurrency < 1:
             raise ConfigError(f"--concurrency ({self.concurrency}) must be ≥ 1")
         if self.request_rate is not None and self.request_rate <= 0:
@@ -120,7 +126,8 @@ class LoadRunner:
         if is_replay:
             await self._open_loop(config, conversations, stop_at, is_replay=True)
         elif config.request_rate is None:
-            await self._closed_loop(config.concurrency or 1, conversations, config.num_requests, stop_at)
+            slots = config.concurrency or 1
+            await self._closed_loop(slots, conversations, config.num_requests, stop_at, config.ramp_up_s)
         else:
             await self._open_loop(config, conversations, stop_at)
         return self.records
@@ -128,19 +135,26 @@ class LoadRunner:
     ##### phases #####
 
     async def _closed_loop(
-        self, slots: int, conversations: Iterator[Conversation], limit: int | None, stop_at: float
+        self,
+        slots: int,
+        conversations: Iterator[Conversation],
+        limit: int | None,
+        stop_at: float,
+        ramp_up_s: float = 0.0,
     ) -> None:
         self._limit, self._stop_at = limit, stop_at
+        start = time.perf_counter()
 
-        async def slot() -> None:
+        async def slot(number: int) -> None:
+            await _sleep_until(start + ramp_up_s * number / slots)
             for conversation in conversations:
                 if self._is_exhausted():
                     return
                 await self._conversation(conversation, None)
 
         async with asyncio.TaskGroup() as group:
-            for _ in range(slots):
-                group.create_task(slot())
+            for number in range(slots):
+                group.create_task(slot(number))
 
     async def _open_loop(
         self,

@@ -50,6 +50,9 @@ def bench(
     ] = None,
     duration: Annotated[float | None, _Opt(help="Stop issuing after this many seconds.")] = None,
     warmup: Annotated[int, _Opt(help="Warm-up requests, excluded from the figures.")] = 0,
+    ramp_up: Annotated[
+        float, _Opt(help="Closed loop: start the --concurrency streams evenly over this many seconds (0: at once).")
+    ] = 0.0,
     isl: Annotated[float, _Opt(help="Mean input tokens.")] = 512,
     isl_stddev: Annotated[float, _Opt(help="Input tokens stddev.")] = 0,
     osl: Annotated[float, _Opt(help="Mean output tokens (max_tokens).")] = 128,
@@ -92,6 +95,7 @@ def bench(
         duration_s=duration,
         warmup=warmup,
         seed=seed,
+        ramp_up_s=ramp_up,
     )
     workload = WorkloadConfig(
         isl,

@@ -282,6 +282,9 @@ def simulate_command(
     rate_curve: Annotated[
         str | None, typer.Option("--rate-curve", help="Synthetic Poisson load T:RATE,...,T_END:0 (s, req/s).")
     ] = None,
+    linear: Annotated[
+        bool, typer.Option("--linear", help="--rate-curve: the rate moves in a line from each point to the next.")
+    ] = False,
     isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
     osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
     static: Annotated[
@@ -298,13 +301,14 @@ def simulate_command(
     ] = STARTUP_S,
     headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
 ) -> None:
-    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner."""
-    from dynamo_cli.planner.simulate import load_trace, run_simulation
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner and an oracle
+    (the planner's sizing, knowing the future load: each worker starts a startup before the rate needs it)."""
+    from dynamo_cli.planner.simulate import curve_rates, load_trace, run_simulation
     from dynamo_cli.planner.simulate import rate_curve as make_curve
 
     if (trace is None) == (rate_curve is None):
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
-    requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl)
+    requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl, linear=linear)
     config = PlannerConfig(
         targets=Targets(ttft, itl),
         bounds=Bounds(min_workers, max_workers),
@@ -316,10 +320,19 @@ def simulate_command(
         startup_s=startup,
     )
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
-    results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup)
+    rates = curve_rates(rate_curve, isl, osl, linear) if rate_curve is not None else None
+    results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup, rates)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
+    planned = results[-2]
     for result in results:
+        gap = ""
+        if result.policy == "oracle":  # the planner's sizing, knowing the load: what forecasting leaves
+            gap = (
+                f" (knows the load: each worker starts {startup:g} s before it is needed; the planner "
+                f"{(planned.attainment - result.attainment) * 100:+.1f} points, "
+                f"{planned.worker_seconds / max(result.worker_seconds, 1e-9) - 1:+.1%} worker-seconds)"
+            )
         print(
             f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
-            f"{result.worker_seconds:10.0f}, most workers {result.max_workers}"
+            f"{result.worker_seconds:10.0f}, most workers {result.max_workers}{gap}"
         )

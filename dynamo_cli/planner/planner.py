@@ -3,20 +3,22 @@
 NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
 runs the SLA planner (sizing.py) on the interval's traffic. Every `load_interval_s` in between, the
 burst check counts the requests that arrived in that short window (completed plus the growth of requests
-in flight, so a queue building up counts) and fits a line through the windows of the last minute
-(predictors.RateTrend). It scales up at once when a rate is surely reached that needs more workers:
-the window's count less two Poisson standard deviations (noise alone rarely triggers), or the trend
-projected a worker's startup plus one window ahead, less one deviation (a ramp is met by workers started
-before it arrives; with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it).
-The startup is `startup_s` until a scale-up is seen through (the worker counter shows what it asked
-for), then the latest one measured so. With the workers' per-step load, queue growth beyond the window's
-noise also scales up (`_queue_rates`).
+in flight, so a queue building up counts) and fits a line through the windows of the latest two leads (a
+lead: a worker's startup plus one window; at least a minute: the projection's deviation grows with
+(lead / span)²; predictors.RateTrend). It scales up at once when a rate is surely reached that needs more
+workers: the window's count less two Poisson standard deviations (noise alone rarely triggers), or the
+trend projected one lead ahead, less one deviation (a ramp is met by workers started before it arrives;
+with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it). The projection rises no
+steeper than 4× the steepest ramp one worker's startup can follow (sizing.max_ramp_slope): a line fitted
+across a step reads it as a steep ramp, and the window sizes for a step. The startup is `startup_s` until
+a scale-up is seen through (the worker counter shows what it asked for), then the latest one measured so.
+With the workers' per-step load, queue growth beyond the window's noise also scales up (`_queue_rates`).
 It sizes for the higher of the window's count plus two deviations and the projection. Bursts only scale
 up, and never below the last decision (workers still starting are not in discovery yet); the throughput
-step scales down, never below what the latest windows and the projection need (an interval's mean lags a
-step up, and releasing a worker that is still starting only has the next burst start another). Demand is
-read from arrivals, not completions: an overloaded pool completes fewer requests than it is asked for. One
-scale action is in flight at a time (the loop awaits `apply`).
+step scales down, never below what the latest windows and the projection plus half a deviation need (an
+interval's mean lags a step up, and releasing a worker that is still starting only has the next burst
+start another). Demand is read from arrivals, not completions: an overloaded pool completes fewer requests
+than it is asked for. One scale action is in flight at a time (the loop awaits `apply`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dynamo_cli.planner.sizing import (
     Targets,
     agg_capacity,
     correction_factors,
+    max_ramp_slope,
     plan_replicas,
 )
 
@@ -65,7 +68,16 @@ STARTUP_HELP = (
     "load's trend this far ahead (0: off)."
 )
 TREND_SPAN_S = 60.0
-"""The burst check fits the arrival rate's trend over the load windows of this many latest seconds."""
+"""The burst check fits the arrival rate's trend over the load windows of at least this many latest seconds."""
+TREND_LEADS = 2.0
+"""... and of at least this many leads (a worker's startup plus one load interval): the projection's deviation
+grows with (lead / span)², so a long startup needs a long fit."""
+SLOPE_CAP = 4.0
+"""The projection rises at most this many times the steepest ramp one worker's startup can follow: a fit
+across a step reads it as a steep ramp, and extrapolating that over a startup asks for workers by the dozen."""
+HOLD_SIGMAS = 0.5
+"""Standard deviations above the trend's projection that the throughput step holds workers for: releasing
+one a ramp needs again within a startup costs the ramp a startup's worth of its requests."""
 SIGMAS = 2.0
 """Poisson standard deviations below a window's rate that make it sure, and above it that a burst sizes for."""
 TREND_SIGMAS = 1.0
@@ -168,13 +180,17 @@ class Planner:
         self._window_need: Decision | None = None
         """What the latest load windows needed; the throughput step does not scale below it."""
         self._trend = RateTrend(TREND_SPAN_S)
+        self._steepest_at: tuple[tuple[float, float, float], float] | None = None
+        """(ISL, OSL, startup) and the steepest ramp one worker's startup can follow there."""
         self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
         """(arrived, seconds) of the latest load windows."""
         self._capacity: tuple[tuple[float, float], AggPoint] | None = None
         """The last (ISL, OSL) and the rate one agg worker holds there, uncorrected."""
         self._wanted = (0 if config.mode == "agg" else config.bounds.min_workers, config.bounds.min_workers)
         self._next_id = 0
-        self.steps: list[Step] = []
+        self.num_steps = 0
+        """Decisions taken (`/metrics`); the planner keeps only the latest one."""
+        self.last_step: Step | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Plan until `stop` is set; a tick that cannot read any frontend or discovery is skipped and logged."""
@@ -229,13 +245,14 @@ class Planner:
         arrived = window.demand()
         self._windows.append((arrived, window.interval_s))
         recent = sum(a for a, _ in self._windows) / sum(dt for _, dt in self._windows)
+        self._trend.span_s = max(TREND_SPAN_S, TREND_LEADS * (self.startup_s + self.config.load_interval_s))
         self._trend.observe(snapshot.at, arrived, window.interval_s)
-        sure, sized, projected, rates = self._burst_rates(arrived, window.interval_s)
+        sure, sized, held, rates = self._burst_rates(arrived, window.interval_s)
         queue_sure, queue_sized, queue_why = self._queue_rates(window)
         sure, sized, rates = max(sure, queue_sure), max(sized, queue_sized), rates + queue_why
         # the next throughput step holds the projection too: releasing a worker a burst just started (it is
         # still starting) would only have the next burst start another
-        self._window_need = self._at_rate(max(recent, projected))
+        self._window_need = self._at_rate(max(recent, held))
         if not self._grows(self._at_rate(sure), base):
             return None
         need = self._at_rate(sized)
@@ -250,11 +267,12 @@ class Planner:
         return await self._take("burst", decision, None, current)
 
     def _burst_rates(self, arrived: float, seconds: float) -> tuple[float, float, float, str]:
-        """(sure, sized, projected, why). From the latest window: the rate surely reached, SIGMAS below its count
+        """(sure, sized, held, why). From the latest window: the rate surely reached, SIGMAS below its count
         (noise alone rarely lifts it above the true rate, so a quiet spell never starts workers), and the rate
-        to size for, SIGMAS above. From the trend projected a worker's startup plus one load interval ahead:
-        the projection, which raises the rate to size for, and TREND_SIGMAS below it, which raises the sure
-        rate (a ramp is met by workers started before it arrives, not after)."""
+        to size for, SIGMAS above. From the trend projected a worker's startup plus one load interval ahead
+        (rising at most SLOPE_CAP times the steepest ramp one worker's startup can follow): the projection,
+        which raises the rate to size for, TREND_SIGMAS below it, which raises the sure rate (a ramp is met by
+        workers started before it arrives, not after), and HOLD_SIGMAS above it, what the throughput step holds."""
         spread = SIGMAS * math.sqrt(arrived)
         sure, sized = max(0.0, arrived - spread) / seconds, (arrived + spread) / seconds
         why = f"window {sure:.2f}..{sized:.2f} req/s"
@@ -262,9 +280,23 @@ class Planner:
             return sure, sized, 0.0, why
         ahead = self.startup_s + self.config.load_interval_s
         projected, deviation = self._trend.project(ahead)
+        level, _ = self._trend.project(0.0)
+        projected = min(projected, level + SLOPE_CAP * self._steepest() * ahead)
         low = max(0.0, projected - TREND_SIGMAS * deviation)
         why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
-        return max(sure, low), max(sized, projected), projected, why
+        return max(sure, low), max(sized, projected), projected + HOLD_SIGMAS * deviation, why
+
+    def _steepest(self) -> float:
+        """The steepest ramp one worker's startup can follow at the forecast's ISL and OSL (req/s per second)."""
+        forecast = self.forecast()
+        key = (forecast.isl, forecast.osl, self.startup_s)
+        if self._steepest_at is None or self._steepest_at[0] != key:
+            config = self.config
+            slope = max_ramp_slope(
+                self.profile, forecast.isl, forecast.osl, config.targets, config.headroom, self.startup_s, config.mode
+            )
+            self._steepest_at = (key, slope)
+        return self._steepest_at[1]
 
     def _queue_rates(self, window: Observation) -> tuple[float, float, str]:
         """(sure, sized, why) from the workers' queues: requests wait there when the pool is saturated, so queue
@@ -387,7 +419,8 @@ class Planner:
             applied=applied,
         )
         self._next_id += 1
-        self.steps.append(step)
+        self.num_steps += 1
+        self.last_step = step
         logger.info("%s; observed %s; forecast %s; %s", step, observation, decision.forecast, decision.corrections.why)
         if self.report is not None:
             self.report(step)

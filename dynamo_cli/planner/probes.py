@@ -73,14 +73,14 @@ class PlannerMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         decisions = CounterMetricFamily("dynamo_planner_decisions", "Scale decisions taken")
-        decisions.add_metric([], len(self.planner.steps))
+        decisions.add_metric([], self.planner.num_steps)
         failed = CounterMetricFamily("dynamo_planner_failed_reads", "Reads of the frontends' metrics that failed")
         failed.add_metric([], self.source.num_failed_total)
         wanted = GaugeMetricFamily(
             "dynamo_planner_desired_workers", "Workers the latest decision asked for, per pool", labels=["pool"]
         )
-        if self.planner.steps:
-            decision = self.planner.steps[-1].decision
+        if self.planner.last_step is not None:
+            decision = self.planner.last_step.decision
             wanted.add_metric(["prefill"], decision.num_prefill)
             wanted.add_metric(["decode"], decision.num_decode)
         yield from (decisions, failed, wanted)

@@ -7,12 +7,13 @@ cost is a few events per request, not one per pass. Requests are routed round-ro
 serve's default), a worker is advanced only when it receives a request or at a planner tick, and a worker the
 planner removes stops receiving requests and counts its worker-seconds until its last stream ends. The planner
 is the real one (`Planner.plan_once` and `check_burst`) fed with the frontend counters the simulated requests
-produce.
+produce; the oracle (oracle.py) applies the pools it scheduled ahead, one step per load interval.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import math
 import random
@@ -26,6 +27,7 @@ import msgspec
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import ScaleTarget
 from dynamo_cli.planner.observe import PoolLoad, Snapshot
+from dynamo_cli.planner.oracle import OracleStep, RateAt, oracle_needs, oracle_schedule, trace_rates
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, TimingModel
@@ -78,21 +80,42 @@ def load_trace(path: str | Path) -> list[SimRequest]:
     )
 
 
-def rate_curve(spec: str, isl: int, osl: int, seed: int = 0) -> list[SimRequest]:
-    """Poisson arrivals from `T:RATE,T:RATE,...,T_END:0` (seconds: requests/s from T until the next T)."""
+def _curve_points(spec: str) -> list[tuple[float, float]]:
     try:
-        points = [(float(t), float(r)) for t, r in (part.split(":") for part in spec.split(","))]
+        return [(float(t), float(r)) for t, r in (part.split(":") for part in spec.split(","))]
     except ValueError:
         raise ConfigError(f"--rate-curve '{spec}' must look like 0:1,300:6,600:1,900:0") from None
-    rng, requests = random.Random(seed), []
-    for (start, rate), (end, _) in zip(points, points[1:], strict=False):
-        t = start
-        while rate > 0:
-            t += rng.expovariate(rate)
+
+
+def rate_curve(spec: str, isl: int, osl: int, seed: int = 0, linear: bool = False) -> list[SimRequest]:
+    """Poisson arrivals from `T:RATE,T:RATE,...,T_END:0` (seconds: requests/s from T until the next T), or with
+    `linear` from a rate moving in a straight line from each point to the next (a ramp; the last point's rate
+    is the curve's end). A linear segment is drawn at its higher end's rate and thinned to the line."""
+    points, rng, requests = _curve_points(spec), random.Random(seed), []
+    for (start, rate), (end, next_rate) in zip(points, points[1:], strict=False):
+        top, t = max(rate, next_rate) if linear else rate, start
+        while top > 0:
+            t += rng.expovariate(top)
             if t >= end:
                 break
-            requests.append(SimRequest(t, isl, osl))
+            if not linear or rng.random() * top < rate + (next_rate - rate) * (t - start) / (end - start):
+                requests.append(SimRequest(t, isl, osl))
     return requests
+
+
+def curve_rates(spec: str, isl: int, osl: int, linear: bool = False) -> RateAt:
+    """The load `rate_curve` draws its arrivals from, as the oracle reads it."""
+    points = _curve_points(spec)
+    starts = [t for t, _ in points]
+
+    def rate_at(t: float) -> tuple[float, float, float]:
+        i = bisect.bisect_right(starts, t) - 1  # the segment [points[i], points[i + 1]) holding t
+        if i < 0 or i + 1 >= len(points):
+            return 0.0, isl, osl
+        (start, rate), (end, next_rate) = points[i], points[i + 1]
+        return (rate + (next_rate - rate) * (t - start) / (end - start) if linear else rate), isl, osl
+
+    return rate_at
 
 
 @dataclass(slots=True)
@@ -417,6 +440,15 @@ def _cluster(
     return cluster
 
 
+def _oracle_steps(
+    requests: list[SimRequest], profile: Profile, planner: PlannerConfig, startup_s: float, rates: RateAt | None
+) -> deque[OracleStep]:
+    """The oracle's pools over the trace, knowing `rates` (None: the requests' own over one throughput interval)."""
+    rates = rates or trace_rates([(r.arrival_s, r.isl, r.osl) for r in requests], planner.interval_s)
+    needs = oracle_needs(rates, requests[-1].arrival_s if requests else 0.0, profile, planner)
+    return deque(oracle_schedule(needs, startup_s))
+
+
 async def simulate(
     requests: list[SimRequest],
     profile: Profile,
@@ -427,18 +459,23 @@ async def simulate(
     static_prefill: int = 0,
     planner: PlannerConfig | None = None,
     startup_s: float = 30.0,
+    oracle: bool = False,
+    rates: RateAt | None = None,
 ) -> SimResult:
     """Replay `requests` on `static_workers` workers (with `static_prefill` > 0: that many prefill workers and
-    `static_workers` decode workers), or on as many as `planner` asks for (its mode: agg or disagg)."""
+    `static_workers` decode workers), or on as many as `planner` asks for (its mode: agg or disagg), or with
+    `oracle` on as many as an oracle sizing as `planner` does keeps (oracle.py), knowing the load `rates` (by
+    default the requests' own, over one throughput interval)."""
     stats = Stats(ttft_ms=ttft_ms, itl_ms=itl_ms)
     disagg = planner.mode == "disagg" if planner else static_prefill > 0
     first = planner.bounds.min_workers if planner else 1
-    cluster = _cluster(
-        disagg, profile.max_kv_tokens, stats, (static_prefill or first, static_workers or first), startup_s
-    )
+    pools = (static_prefill or first, static_workers or first)
+    schedule = _oracle_steps(requests, profile, planner, startup_s, rates) if oracle and planner else deque()
+    pools = (schedule[0].num_prefill, schedule[0].num_decode) if schedule else pools
+    cluster = _cluster(disagg, profile.max_kv_tokens, stats, pools, startup_s)
     source = _Source(cluster)
     brain = None
-    if planner is not None:
+    if planner is not None and not oracle:
 
         async def count() -> tuple[int, int]:
             return cluster.counts(serving=True)
@@ -449,6 +486,10 @@ async def simulate(
     load = planner.load_interval_s if planner and planner.load_interval_s > 0 else math.inf
     next_load = load
     for request in requests:
+        while schedule and schedule[0].at <= request.arrival_s:  # the oracle's pools, due by this arrival
+            step = schedule.popleft()
+            cluster.tick(step.at)
+            cluster.apply(step.num_prefill, step.num_decode, step.at)
         while brain is not None and min(next_plan, next_load) <= request.arrival_s:
             source.now = min(next_plan, next_load)
             cluster.tick(source.now)
@@ -461,9 +502,9 @@ async def simulate(
         cluster.route(request)
     end = requests[-1].arrival_s if requests else 0.0
     worker_seconds = cluster.finish(end)
-    policy = (
-        "planner" if planner else f"static {static_prefill}+{static_workers}" if disagg else f"static {static_workers}"
-    )
+    policy = f"static {static_prefill}+{static_workers}" if disagg else f"static {static_workers}"
+    if planner is not None:
+        policy = "oracle" if oracle else "planner"
     return SimResult(
         policy=policy,
         num_requests=stats.finished,
@@ -481,8 +522,10 @@ def run_simulation(
     statics: Sequence[int | tuple[int, int]],
     planner: PlannerConfig,
     startup_s: float,
+    rates: RateAt | None = None,
 ) -> list[SimResult]:
-    """Every static size (N workers, or (prefill, decode) workers), then the planner, on the same requests."""
+    """Every static size (N workers, or (prefill, decode) workers), then the planner and the oracle (knowing
+    `rates`, by default the requests' own), on the same requests."""
 
     async def all_policies() -> list[SimResult]:
         results = []
@@ -491,7 +534,12 @@ def run_simulation(
             results.append(
                 await simulate(requests, profile, ttft_ms, itl_ms, static_workers=decode, static_prefill=prefill)
             )
-        results.append(await simulate(requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s))
+        for oracle in (False, True):
+            results.append(
+                await simulate(
+                    requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s, oracle=oracle, rates=rates
+                )
+            )
         return results
 
     return asyncio.run(all_policies())

@@ -266,6 +266,26 @@ def agg_capacity(profile: Profile, isl: float, osl: float, targets: Targets, hea
     return agg_point(profile, low, isl, osl)
 
 
+def max_ramp_slope(
+    profile: Profile, isl: float, osl: float, targets: Targets, headroom: float, startup_s: float, mode: str = "agg"
+) -> float:
+    """The steepest linear ramp of the request rate (req/s per second) a single worker's start-up can follow:
+    half of one worker's capacity per `startup_s`. A ramp shows only once it has begun, so the pool meets it
+    with the capacity it has spare, half a worker's on average (pools are sized by rounding up), until a worker
+    started then serves, one start-up later; once the ramp's slope is known, each start-up adds the next
+    worker in time. One worker's capacity at `isl`/`osl`: agg, `agg_capacity` at the targets × `headroom`;
+    disagg, the smaller of one prefill and one decode worker's rate as `prefill_need` and `decode_need` size
+    them. inf with no start-up."""
+    if startup_s <= 0:
+        return math.inf
+    if mode == "agg":
+        return agg_capacity(profile, isl, osl, targets, headroom).rate / (2 * startup_s)
+    one = Forecast(num_requests=1.0, isl=isl, osl=osl)  # 1 req/s over a 1 s interval
+    prefill, _ = prefill_need(profile, one, 1.0, 1.0, targets.ttft_ms)
+    decode, _, _ = decode_need(profile, one, 1.0, 1.0, targets.itl_ms)
+    return 1.0 / max(prefill, decode, 1e-12) / (2 * startup_s)
+
+
 def agg_need(
     profile: Profile,
     forecast: Forecast,

@@ -19,6 +19,11 @@ DEFAULT_KV_BYTES_PER_TOKEN = 131072
 """Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
 KV_TRANSFER_MODES = ("pull", "rendezvous")
 """How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
+PREEMPTION_MODES = ("lifo", "fifo")
+DECODE_KV_INPUTS = ("decoding_tokens", "active_blocks")
+PREFILLED_ADMISSIONS = ("materialized", "prompt")
+KV_EVENT_VISIBILITIES = ("pass_start", "pass_end")
+"""The scheduling rules: the first of each is the default (Dynamo 1.6.1's, or dyn's where docs/mocker.md says why)."""
 HOST_MS = TIER_HOST_LATENCY_S * 1e3
 DISK_MS = TIER_DISK_LATENCY_S * 1e3
 """The KV tiers' transfer latencies in ms: the router's (config.TIER_*) by default."""
@@ -39,6 +44,10 @@ _KNOWN_KEYS = (
     "vocab_size",
     "kv_transfer_mode",
     "startup_time",
+    "preemption_mode",
+    "decode_kv_input",
+    "prefilled_admission",
+    "kv_event_visibility",
 )
 
 
@@ -68,8 +77,8 @@ class MockerConfig:
     """Further divides decode time."""
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     """Size of one token's KV, for the simulated disaggregated transfer."""
-    kv_transfer_bandwidth: float = 64.0
-    """GB/s of the simulated KV transfer; 0 disables the delay."""
+    kv_transfer_bandwidth: float = 0.0
+    """GB/s of the simulated KV transfer; 0 (the default, as Dynamo 1.6.1's unset bandwidth): no delay."""
     vocab_size: int = 0
     """Token ids accepted (0..vocab_size-1); 0: the model's (GGUF or config.json), unknown if it has none."""
     kv_host_bandwidth: float = TIER_HOST_GBS
@@ -87,6 +96,14 @@ class MockerConfig:
     """Seconds `start()` takes, as a real engine's load does (Dynamo's mocker `--startup-time`)."""
     host: str = "127.0.0.1"
     """The worker's advertised host: the host of the bootstrap address a rendezvous prefill publishes."""
+    preemption_mode: str = "lifo"
+    """Which running request gives its blocks back when blocks run out: "lifo" the newest, "fifo" the oldest."""
+    decode_kv_input: str = "decoding_tokens"
+    """The decode time's KV usage: "decoding_tokens" (Dynamo) or "active_blocks" (dyn before issue 35)."""
+    prefilled_admission: str = "materialized"
+    """A transferred request takes no token budget ("materialized", Dynamo) or len(prompt) + 1 ("prompt")."""
+    kv_event_visibility: str = "pass_start"
+    """When a pass's KV events are published: "pass_start" (dyn's router expects it) or "pass_end" (Dynamo)."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> MockerConfig:
@@ -114,9 +131,7 @@ class MockerConfig:
             kv_bytes_per_token=_positive_int(
                 "kv_bytes_per_token", extra.get("kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN)
             ),
-            kv_transfer_bandwidth=_non_negative_float(
-                "kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 64.0)
-            ),
+            kv_transfer_bandwidth=_non_negative_float("kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 0.0)),
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
             kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", TIER_HOST_GBS)),
             kv_disk_bandwidth=_positive_float("kv_disk_bandwidth", extra.get("kv_disk_bandwidth", TIER_DISK_GBS)),
@@ -125,6 +140,7 @@ class MockerConfig:
             kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
             startup_time=_non_negative_float("startup_time", extra.get("startup_time", 0.0)),
             host=args.host,
+            **_scheduling_rules(extra),
         )
 
     def transfer_delay_s(self, nbytes: int) -> float:
@@ -132,6 +148,16 @@ class MockerConfig:
         if self.kv_transfer_bandwidth == 0:
             return 0.0
         return nbytes / (self.kv_transfer_bandwidth * 1e9)
+
+
+def _scheduling_rules(extra: dict[str, Any]) -> dict[str, str]:
+    rules = {
+        "preemption_mode": PREEMPTION_MODES,
+        "decode_kv_input": DECODE_KV_INPUTS,
+        "prefilled_admission": PREFILLED_ADMISSIONS,
+        "kv_event_visibility": KV_EVENT_VISIBILITIES,
+    }
+    return {key: _one_of(key, extra.get(key, choices[0]), choices) for key, choices in rules.items()}
 
 
 def _positive_int(key: str, value: Any) -> int:

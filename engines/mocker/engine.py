@@ -37,6 +37,16 @@ from .tiers import MockerTiers, TierTiming
 
 logger = logging.getLogger(__name__)
 
+WORK_COUNTERS = {
+    "forward_passes": "passes run",
+    "decode_only_passes": "passes that computed no prompt token",
+    "prefill_tokens": "prompt tokens computed (prefix-cache hits and transferred KV excluded)",
+    "first_tokens": "requests that got their first token here (a prompt computed on this worker)",
+    "pass_seconds": "the passes' modelled time, after the speedup ratio",
+    "pass_wall_seconds": "the passes' wall time, from scheduling to delivery: minus pass_seconds, the lateness",
+    "preemptions": "running requests preempted",
+}
+"""`work_counters()`: name -> meaning; docs/mocker.md says how they tell prompts arriving in waves from spread."""
 MAX_CATCH_UP_S = 0.005
 """A busy loop that wakes this late starts the next pass at its nominal time, so the simulated clock
 does not drift by the event loop's oversleep; later than that (a starved CPU) it starts afresh."""
@@ -98,6 +108,9 @@ class MockerEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 is_prefill_only=config.role is Role.PREFILL,
+                preemption_mode=config.preemption_mode,
+                decode_kv_input=config.decode_kv_input,
+                prefilled_admission=config.prefilled_admission,
             ),
             self._timing,
         )
@@ -108,7 +121,7 @@ class MockerEngine:
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None  # when the current pass ends, in loop time
         self._info: EngineInfo | None = None
-        self._counts = {"forward_passes": 0.0, "pass_seconds": 0.0, "preemptions": 0.0}
+        self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
 
     ##### The Engine contract #####
 
@@ -180,19 +193,22 @@ class MockerEngine:
 
     async def _run(self) -> None:
         # NOTE: one pass = schedule + compute + emit, as in Dynamo's mocker. The scheduler decides the
-        # whole pass up front (pure); its KV events are published when the pass starts, its tokens are
-        # delivered when the pass's simulated time (polynomial timing model) has elapsed. With nothing
-        # queued the loop waits on an event instead of spinning.
+        # whole pass up front (pure); its KV events are published when the pass starts (or ends:
+        # `kv_event_visibility`), its tokens are delivered when the pass's simulated time (polynomial
+        # timing model) has elapsed. With nothing queued the loop waits on an event instead of spinning.
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 await self._wait_for_work()
+                started = loop.time()
                 result = self._scheduler.step()
-                self._count_pass(result)
                 if self._tiers is not None:
                     self._tiers.after_pass()
-                self._publish_events()
+                self._publish_events("pass_start")
                 await self._sleep_pass(result.duration_ms)
+                self._publish_events("pass_end")
                 self._deliver(result)
+                self._count_pass(result, loop.time() - started)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -201,14 +217,18 @@ class MockerEngine:
             self._end_all(FinishReason.ERROR)
             self._events.close()
 
-    def _count_pass(self, result: PassResult) -> None:
+    def _count_pass(self, result: PassResult, wall_s: float) -> None:
         counts = self._counts
         counts["forward_passes"] += 1
-        counts["pass_seconds"] += result.duration_ms / 1e3 / self.config.speedup_ratio
+        counts["decode_only_passes"] += result.num_prefill_tokens == 0
+        counts["prefill_tokens"] += result.num_prefill_tokens
+        counts["first_tokens"] += sum(r.num_output_tokens == 1 and not r.is_prefilled for r in result.emitted)
+        counts["pass_seconds"] += result.duration_ms / 1e3  # the timing model has divided by the speedup
+        counts["pass_wall_seconds"] += wall_s
         counts["preemptions"] += result.num_preempted
 
     def work_counters(self) -> dict[str, float]:
-        """Forward passes, the simulated time they took (s, after the speedup) and preemptions (`CountsWork`)."""
+        """`WORK_COUNTERS` since start (`CountsWork`)."""
         return dict(self._counts)
 
     async def _wait_for_work(self) -> None:
@@ -220,7 +240,9 @@ class MockerEngine:
             await self._wakeup.wait()
             self._wakeup.clear()
 
-    def _publish_events(self) -> None:
+    def _publish_events(self, moment: str) -> None:
+        if moment != self.config.kv_event_visibility:
+            return
         batch = self._kv.take_events(timestamp=time.time())
         if batch is not None:
             self._events.append(batch)

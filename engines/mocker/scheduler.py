@@ -2,11 +2,14 @@
 
 Each pass has a token budget. Running requests are served first (a decoding request needs 1 token, a
 prefilling one the rest of its prompt, chunked to the budget), then waiting requests are admitted in
-arrival order. A prefix found in the KV cache counts as computed when a request is first scheduled.
+arrival order. A prefix found in the KV cache counts as computed when a request is first scheduled;
+a request whose KV came from a prefill worker joins with its prompt computed, taking none of the budget.
 When a running request cannot get a block, the newest running request is preempted (LIFO, as vLLM
-v1): its blocks are freed and it goes back to the front of the queue to be recomputed. Every request
-whose tokens are all computed emits one token at the end of the pass. Pure and deterministic: token
-ids come from a per-request RNG, time from `TimingModel`.
+v1; `preemption_mode` fifo: the oldest): its blocks are freed and it goes back to the front of the queue
+to be recomputed. Every request whose tokens are all computed emits one token at the end of the pass;
+the decode term of the pass's time counts only the requests decoding (a prompt finished this pass emits
+its first token for free), as Dynamo 1.6.1's core does. Pure and deterministic: token ids come from a
+per-request RNG, time from `TimingModel`. The options that keep dyn's earlier rules: docs/mocker.md.
 """
 
 from __future__ import annotations
@@ -120,6 +123,17 @@ class SchedulerConfig:
     """Token budget of one pass."""
     is_prefill_only: bool = False
     """Prefill role: passes have no decode time."""
+    preemption_mode: str = "lifo"
+    """Which running request gives its blocks back when one runs out: "lifo" the newest (vLLM v1, Dynamo's
+    default), "fifo" the oldest."""
+    decode_kv_input: str = "decoding_tokens"
+    """The decode term's KV usage. "decoding_tokens" (Dynamo 1.6.1): the tokens of the requests decoding this
+    pass over the cache's tokens, and no decode term when none decodes; "active_blocks" (dyn before issue 35):
+    the blocks referenced over the cache's blocks, in every pass that emits a token."""
+    prefilled_admission: str = "materialized"
+    """A request whose KV came from a prefill worker. "materialized" (Dynamo 1.6.1): it joins with every token
+    computed, takes none of the token budget and emits in its first pass; "prompt" (dyn before issue 35): it
+    takes len(prompt) + 1 tokens of the budget, chunked like a prompt, though it computes none."""
 
 
 class Scheduler:
@@ -175,10 +189,10 @@ class Scheduler:
         budget, num_preempted = self._schedule_running(budget, scheduled)
         if num_preempted == 0:
             self._schedule_waiting(budget, scheduled)
+        decoding = self._decoding(scheduled)
         num_prefill_tokens = self._compute(scheduled)
         emitted, finished, failed = self._emit_tokens(scheduled)
-        num_decoding = 0 if self.config.is_prefill_only else len(emitted)
-        duration = self.timing.pass_ms(num_prefill_tokens, num_decoding, self.kv.usage)
+        duration = self._duration_ms(num_prefill_tokens, decoding, emitted)
         self._release(finished + [request for request, _ in failed])
         return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted, failed)
 
@@ -193,11 +207,15 @@ class Scheduler:
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
             while not kv.allocate(request.request_id, total, request.seq_hashes, request.local_hashes):
-                victim = running.pop()  # LIFO: the newest running request gives way
+                victim_index = 0 if self.config.preemption_mode == "fifo" else len(running) - 1
+                victim = running.pop(victim_index)
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
+                if victim_index < index:  # fifo: an older request scheduled this pass gives its tokens back
+                    index -= 1
+                    budget += self._unschedule(victim, scheduled)
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
@@ -207,8 +225,11 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: _Scheduled) -> None:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_num_seqs = self.config.max_num_seqs
-        while waiting and budget > 0 and len(running) < max_num_seqs:
+        is_materialized = self.config.prefilled_admission == "materialized"
+        while waiting and len(running) < max_num_seqs:
             request = waiting[0]
+            if budget == 0 and not (request.is_prefilled and is_materialized):
+                break  # its tokens wait for the next pass's budget; a materialized request needs none
             if request.num_computed_tokens == 0:
                 self._apply_prefix_hits(request)
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
@@ -223,25 +244,47 @@ class Scheduler:
             budget -= num_new
 
     def _apply_prefix_hits(self, request: MockRequest) -> None:
+        if request.is_prefilled:  # the prompt's KV was transferred: only the blocks need allocating
+            is_materialized = self.config.prefilled_admission == "materialized"
+            request.num_computed_tokens = len(request.token_ids) if is_materialized else 0
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = 0
+            return
         # At least one token is always computed: the last one yields the logits for the next token.
         num_hits = self.kv.num_prefix_hits(request.seq_hashes)
         cached = min(num_hits * self.kv.block_size, len(request.token_ids) - 1)
-        if request.is_prefilled:  # the prompt's KV was transferred: only the blocks need allocating
-            cached = 0
         request.num_computed_tokens = cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached
             self.num_prefill_tokens_cached += cached
 
+    @staticmethod
+    def _unschedule(request: MockRequest, scheduled: _Scheduled) -> int:
+        for i, (other, num_new) in enumerate(scheduled):
+            if other is request:
+                del scheduled[i]
+                return num_new
+        return 0
+
+    @staticmethod
+    def _decoding(scheduled: _Scheduled) -> list[MockRequest]:
+        return [request for request, num_new in scheduled if _is_decode(request, num_new)]  # before compute
+
+    def _duration_ms(self, num_prefill_tokens: int, decoding: list[MockRequest], emitted: list[MockRequest]) -> float:
+        kv, config = self.kv, self.config
+        if config.is_prefill_only:
+            return self.timing.pass_ms(num_prefill_tokens, 0, 0.0)
+        if config.decode_kv_input == "active_blocks":
+            return self.timing.pass_ms(num_prefill_tokens, len(emitted), kv.usage)
+        emitting = {id(request) for request in emitted}
+        decoding = [request for request in decoding if id(request) in emitting]
+        num_tokens = sum(len(request.token_ids) - 1 for request in decoding)  # as before this pass's token
+        return self.timing.pass_ms(num_prefill_tokens, len(decoding), num_tokens / (kv.num_blocks * kv.block_size))
+
     def _compute(self, scheduled: _Scheduled) -> int:
         num_prefill_tokens = 0
         for request, num_new in scheduled:
-            is_decode = (
-                num_new == 1
-                and request.num_output_tokens > 0
-                and (request.num_computed_tokens == len(request.token_ids) - 1)
-            )
-            if not is_decode and not request.is_prefilled:
+            if not _is_decode(request, num_new):
                 num_prefill_tokens += num_new
             request.num_computed_tokens += num_new
         self.num_prefill_tokens_computed += num_prefill_tokens
@@ -281,3 +324,11 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.is_prefilled = False
         self.waiting.appendleft(request)
+
+
+def _is_decode(request: MockRequest, num_new: int) -> bool:
+    """Whether `num_new` tokens scheduled for `request` (before they are computed) are a decode step: its last
+    token, after output tokens, or anything of a request whose prompt was computed on a prefill worker."""
+    if request.is_prefilled:
+        return True
+    return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == len(request.token_ids) - 1

@@ -146,3 +146,13 @@ async def test_poisson_arrivals_average_the_asked_rate(serve) -> None:
     assert len(arrivals) == 40
     assert 0.006 < sum(gaps) / len(gaps) < 0.025  # mean 10 ms; 39 exponential gaps vary by ~±16 %
     assert max(gaps) > 2 * min(gaps)  # not constant
+
+
+async def test_a_ramp_up_starts_the_closed_loops_streams_evenly_over_it(serve) -> None:
+    rhythm = Rhythm(ttft_s=0.5, gap_s=0.0)  # each stream is busy for the whole ramp: 4 requests, one per slot
+    async with serve(rhythm) as url:
+        await run_bench(_config(url, concurrency=4, num_requests=4, ramp_up_s=0.3))
+    arrivals = rhythm.arrivals[1:]  # the first POST is the probe
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert len(arrivals) == 4
+    assert all(0.06 <= gap <= 0.12 for gap in gaps), gaps  # 0.3 s / 4 slots = 75 ms apart, not at once

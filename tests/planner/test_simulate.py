@@ -23,7 +23,7 @@ from dynamo_cli.planner.simulate import (
     rate_curve,
     simulate,
 )
-from dynamo_cli.planner.sizing import Bounds, Targets
+from dynamo_cli.planner.sizing import Bounds, Targets, max_ramp_slope
 from dynamo_cli.timing import decode_ms, prefill_ms
 
 KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
@@ -54,6 +54,14 @@ def test_one_request_takes_the_mockers_pass_times() -> None:
 def test_a_rate_curve_is_poisson_within_its_segments() -> None:
     requests = rate_curve("0:10,100:0", 2000, 150)
     assert 900 < len(requests) < 1100 and all(0 < r.arrival_s < 100 for r in requests)
+
+
+def test_a_linear_rate_curve_ramps_between_its_points() -> None:
+    # 0 → 20 req/s over 100 s: 1000 arrivals, a quarter of them in the first half (σ: √250 ≈ 16, √750 ≈ 27)
+    requests = rate_curve("0:0,100:20", 2000, 150, linear=True)
+    first = sum(r.arrival_s < 50 for r in requests)
+    assert abs(first - 250) < 4 * 16 and abs(len(requests) - first - 750) < 4 * 27
+    assert rate_curve("0:0,100:20", 2000, 150) == []  # stepped, the first segment's rate holds: 0
 
 
 def test_a_mooncake_trace_is_read_relative_to_its_first_entry(tmp_path: Path) -> None:
@@ -113,6 +121,31 @@ def test_the_default_planner_meets_the_bar_on_that_swing_with_workers_that_take_
 
     peak, planned = asyncio.run(both())
     assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * peak.worker_seconds, planned
+
+
+@pytest.mark.parametrize(
+    "factor", [pytest.param(0.5, id="below the bound"), pytest.param(1.0, id="at it"), pytest.param(2.0, id="above")]
+)
+def test_the_planner_follows_a_ramp_as_steep_as_a_single_workers_startup_can_follow(factor: float) -> None:
+    # 5 req/s for a minute, then linearly to 40 and back at `factor` × half a worker's rate (7.90 req/s) per
+    # 30 s startup (0.1316 req/s²): at or below it, ≥ 95 % within 65 % of the peak pool's (6 workers over the
+    # trace) worker-seconds; above it the planner falls behind at the ramp's start, which the oracle (it starts
+    # each worker 30 s before the rate needs it) does not
+    up = 35 / (factor * max_ramp_slope(MOCKER, 2000, 150, Targets(500.0, 40.0), 0.8, 30.0))
+    requests = rate_curve(f"0:5,60:5,{60 + up:.1f}:40,{60 + 2 * up:.1f}:5", 2000, 150, linear=True)
+    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg")
+
+    async def both() -> tuple[SimResult, SimResult]:
+        planned = await simulate(requests, MOCKER, 500.0, 40.0, planner=config, startup_s=30.0)
+        return planned, await simulate(requests, MOCKER, 500.0, 40.0, planner=config, startup_s=30.0, oracle=True)
+
+    planned, oracle = asyncio.run(both())
+    peak = 6 * requests[-1].arrival_s
+    assert oracle.attainment >= 0.99 and oracle.worker_seconds <= 0.6 * peak, oracle
+    if factor <= 1.0:
+        assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * peak, planned
+    else:
+        assert 0.8 <= planned.attainment < 0.95, planned
 
 
 def test_in_disagg_mode_a_prompts_prefill_never_stretches_another_streams_itl() -> None:
@@ -202,7 +235,8 @@ def test_simulate_prints_each_policy(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
-    assert policies == ["static 1", "static 2", "planner"]
+    assert policies == ["static 1", "static 2", "planner", "oracle"]
+    assert "(knows the load: each worker starts 30 s before it is needed; the planner " in result.stdout
 
 
 def test_simulate_compares_prefill_and_decode_pairs_in_disagg_mode(tmp_path: Path) -> None:
@@ -229,6 +263,6 @@ def test_simulate_compares_prefill_and_decode_pairs_in_disagg_mode(tmp_path: Pat
     result = subprocess.run([*base, "--static", "1+1,2+3"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     policies = [line.split(":")[0].strip() for line in result.stdout.splitlines()[1:]]
-    assert policies == ["static 1+1", "static 2+3", "planner"]
+    assert policies == ["static 1+1", "static 2+3", "planner", "oracle"]
     result = subprocess.run([*base, "--static", "2"], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "PREFILL+DECODE" in result.stderr

@@ -32,6 +32,7 @@ from dynamo_cli.planner.sizing import (
     Targets,
     agg_point,
     correction_factors,
+    max_ramp_slope,
     plan_replicas,
     prefill_utilization,
 )
@@ -191,6 +192,15 @@ def test_agg_mode_sizes_one_pool_for_the_rate_a_worker_holds_at_both_targets() -
         ).num_decode
         == 11
     )
+
+
+def test_the_steepest_ramp_a_startup_can_follow_is_half_a_workers_rate_per_startup() -> None:
+    # agg: one worker holds 1.2904 req/s (above) → 1.2904 / (2·30 s) = 0.021507 req/s². disagg: one prefill
+    # worker holds 10000 tok/s × ρ 0.8889 / 2000 tok = 4.444 req/s, one decode worker 573.34 tok/s / 200 tok =
+    # 2.8667 req/s (the decode example above): the smaller, 2.8667 / 60 = 0.047778 req/s²
+    assert max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 30.0) == pytest.approx(0.021507, abs=1e-5)
+    assert max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 30.0, mode="disagg") == pytest.approx(0.047778, abs=1e-5)
+    assert max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 0.0) == math.inf  # no startup: any ramp
 
 
 def test_agg_corrections_compare_with_the_interference_model() -> None:

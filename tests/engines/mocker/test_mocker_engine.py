@@ -160,9 +160,47 @@ async def test_pass_times_follow_the_timing_model(model_dir: str) -> None:
     async for _ in engine.generate(request("a", num_prompt=1024, max_tokens=4)):
         arrivals.append(time.perf_counter() - start)
     await engine.stop()
-    ttft = (prefill_ms(1024) + decode_ms(16 / 16384)) / 4.0 / 1000
+    ttft = prefill_ms(1024) / 4.0 / 1000  # the first token adds no decode term (Dynamo 1.6.1)
     assert ttft <= arrivals[0] < ttft + 0.1
     assert arrivals[-1] >= ttft + 3 * decode_ms(0.0) / 4.0 / 1000
+
+
+async def test_the_work_counters_count_each_pass_and_its_modelled_time_after_the_speedup(model_dir: str) -> None:
+    engine = MockerEngine(EngineArgs(model=model_dir, extra={"speedup_ratio": 100.0}))
+    await engine.start()
+    await collect(engine, request("a", num_prompt=1000, max_tokens=3))
+    counts = engine.work_counters()
+    await engine.stop()
+    decode_passes_ms = decode_ms(1001 / 16384 / 64) + decode_ms(1002 / 16384 / 64)
+    modelled_s = (prefill_ms(1000) + decode_passes_ms) / 100.0 / 1000  # not divided by the speedup twice
+    assert counts["pass_seconds"] == pytest.approx(modelled_s)
+    assert counts["pass_wall_seconds"] >= modelled_s - 2 * 0.005  # at most the catch-up, per pass after the first
+    assert {key: counts[key] for key in ("forward_passes", "decode_only_passes", "prefill_tokens", "first_tokens")} == {
+        "forward_passes": 3,
+        "decode_only_passes": 2,
+        "prefill_tokens": 1000,
+        "first_tokens": 1,
+    }
+
+
+@pytest.mark.parametrize("visibility", ["pass_start", "pass_end"])
+async def test_kv_events_are_published_when_the_pass_starts_or_when_it_ends(model_dir: str, visibility: str) -> None:
+    """A 3000-token prompt's pass lasts 66 ms at speedup 1: its events come before its token, or as it ends."""
+    engine = MockerEngine(EngineArgs(model=model_dir, extra={"kv_event_visibility": visibility}))
+    await engine.start()
+    events = engine.kv_events()
+    start = time.perf_counter()
+    stream = engine.generate(request("a", num_prompt=3000, max_tokens=1))
+    first_chunk = asyncio.ensure_future(anext(stream))  # type: ignore[arg-type]
+    batch = await anext(events)  # type: ignore[call-overload]
+    if visibility == "pass_start":
+        assert not first_chunk.done()
+    else:
+        assert time.perf_counter() - start >= prefill_ms(3000) / 1000
+    assert isinstance(batch.events[0], BlockStored) and len(batch.events[0].blocks) == 3000 // 64
+    await first_chunk
+    await stream.aclose()  # type: ignore[attr-defined]
+    await engine.stop()
 
 
 async def test_a_prefill_worker_returns_one_token_and_a_kv_handle(model_dir: str) -> None:
@@ -199,7 +237,18 @@ async def test_a_decode_worker_waits_out_the_transfer_computes_no_prefill_and_st
     assert 0.1 <= elapsed < 0.6
     assert len(tokens_of(local)) == 3
     assert metrics.num_prefill_tokens_computed == 50  # request b's prompt alone
-    assert MockerConfig.from_args(EngineArgs(model=model_dir)).kv_transfer_bandwidth == 64.0  # Dynamo's default
+    assert MockerConfig.from_args(EngineArgs(model=model_dir)).kv_transfer_bandwidth == 0.0  # Dynamo's: no delay
+
+
+async def test_by_default_a_transferred_request_waits_no_transfer_time(model_dir: str) -> None:
+    """Dynamo 1.6.1 models no transfer unless its bandwidth is set: 10 GB at the old 64 GB/s default took 0.16 s."""
+    engine = MockerEngine(EngineArgs(model=model_dir, role=Role.DECODE, extra=dict(FAST)))
+    await engine.start()
+    start = time.perf_counter()
+    chunks = await collect(engine, decode_request("a", num_prompt=50, max_tokens=2, nbytes=10 * 10**9))
+    elapsed = time.perf_counter() - start
+    await engine.stop()
+    assert len(tokens_of(chunks)) == 2 and elapsed < 0.1
 
 
 async def test_closing_a_decode_stream_during_the_transfer_holds_no_blocks(model_dir: str) -> None:
@@ -264,6 +313,10 @@ async def test_bad_requests_are_refused_with_the_numbers(
         pytest.param({"speedup_ratio": 0}, "speedup_ratio must be a number above 0", id="zero-speedup"),
         pytest.param({"num_gpu_blocks": -1}, "num_gpu_blocks must be a positive integer", id="negative-blocks"),
         pytest.param({"enable_prefix_caching": "yes"}, "must be true or false", id="string-bool"),
+        pytest.param({"preemption_mode": "random"}, "preemption_mode must be one of lifo, fifo", id="preemption"),
+        pytest.param({"decode_kv_input": "x"}, "decoding_tokens, active_blocks", id="decode-kv-input"),
+        pytest.param({"prefilled_admission": 1}, "materialized, prompt", id="prefilled-admission"),
+        pytest.param({"kv_event_visibility": "end"}, "pass_start, pass_end", id="kv-event-visibility"),
     ],
 )
 def test_bad_options_are_refused_naming_the_option(model_dir: str, extra: dict[str, Any], words: str) -> None:
