@@ -286,7 +286,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_sigkilled_worker_leaves_discovery_and_the_other_serves(own_deployment: DynProcess) -> None:
+def test_a_sigkilled_worker_leaves_discovery_the_other_serves_and_sigterm_then_stops_everything(
+    own_deployment: DynProcess,
+) -> None:
+    """One deployment for both kinds of damage (a vLLM deployment takes a minute to start)."""
     deployment = own_deployment
     pids = deployment.serving_pids()
     assert len(pids) == 2
@@ -304,10 +307,8 @@ def test_a_sigkilled_worker_leaves_discovery_and_the_other_serves(own_deployment
     # nothing the dead worker started outlives it (the reaper: SIGTERM, then SIGKILL after 5 s)
     assert wait_until(lambda: all(_gone(p) for p in children), timeout=15), [p for p in children if not _gone(p)]
 
-
-def test_sigterm_stops_serve_and_every_worker(own_deployment: DynProcess) -> None:
-    deployment = own_deployment
-    pids = deployment.worker_pids()
-    every = [*pids, *(child for pid in pids for child in descendants(pid))]
+    # then SIGTERM stops serve and every worker left, prefill workers included, with all they started
+    left = deployment.worker_pids()
+    every = [*left, *(child for pid in left for child in descendants(pid))]
     assert deployment.stop(timeout=60) == 0 or deployment.proc.returncode in (0, -15)
     assert wait_until(lambda: all(_gone(p) for p in every), timeout=15), [p for p in every if not _gone(p)]
