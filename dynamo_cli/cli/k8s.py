@@ -36,7 +36,18 @@ from dynamo_cli.config import (
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s import bundled
-from dynamo_cli.k8s.names import API_KEYS_DIR, API_KEYS_KEY, PLANES_DIR, PORTS, PROFILE_DIR, TLS_DIR, Names, Part
+from dynamo_cli.k8s.names import (
+    API_KEYS_DIR,
+    API_KEYS_KEY,
+    CLUSTER_SECRET_KEY,
+    PLANES_DIR,
+    PORTS,
+    PROFILE_DIR,
+    TLS_DIR,
+    Names,
+    Part,
+    check_name,
+)
 from dynamo_cli.k8s.objects import Component, Mount, Obj, Probe, Resources
 from dynamo_cli.k8s.render import Cluster, SecretSource, kubectl_lines, render
 from dynamo_cli.kv.tiers import KvTierConfig
@@ -106,6 +117,21 @@ def _load_values(ctx: typer.Context, path: Path | None) -> Path | None:
     return path
 
 
+K8S = [
+    _k8s("k8s_namespace", "--namespace", str, "dyn", "Kubernetes namespace (also the dyn namespace)."),
+    _k8s("name", "--name", str, "dyn", "Prefix of every object's name; two deployments may share a namespace."),
+    _k8s("image", "--image", str | None, None, "The dyn image, tagged (default: dyn:VERSION-ENGINE, Containerfile)."),
+    _k8s("gpus_per_worker", "--gpus-per-worker", int, 0, "nvidia.com/gpu each worker requests."),
+    _k8s("worker_cpu", "--worker-cpu", str, "2", "CPU each worker requests."),
+    _k8s("worker_memory", "--worker-memory", str, "8Gi", "Memory each worker requests (and is limited to)."),
+    _k8s("model_pvc", "--model-pvc", str | None, None, "PersistentVolumeClaim of model files, mounted at /models."),
+    _k8s("etcd", "--etcd", str, "bundled", "bundled (a StatefulSet) or an etcd:// URL."),
+    _k8s("nats", "--nats", str, "bundled", "bundled (a StatefulSet) or a nats:// URL."),
+    _k8s("storage_class", "--storage-class", str | None, None, "The bundled planes' volumes (default: the cluster's)."),
+    _k8s("service_type", "--service-type", str, "ClusterIP", "The frontend Service: ClusterIP|NodePort|LoadBalancer."),
+    _k8s("metrics_namespace", "--metrics-namespace", str | None, None, "Namespace of a Prometheus let in to scrape."),
+]
+"""Render's own options: where and how the deployment runs on Kubernetes."""
 EXTRA = [
     settings.option(
         "values",
@@ -121,23 +147,11 @@ EXTRA = [
         ],
         None,
     ),
-    _k8s("k8s_namespace", "--namespace", str, "dyn", "Kubernetes namespace (also the dyn namespace)."),
-    _k8s("name", "--name", str, "dyn", "Prefix of every object's name; two deployments may share a namespace."),
-    _k8s("image", "--image", str | None, None, "The dyn image, tagged (default: dyn:VERSION-ENGINE, Containerfile)."),
-    _k8s("gpus_per_worker", "--gpus-per-worker", int, 0, "nvidia.com/gpu each worker requests."),
-    _k8s("worker_cpu", "--worker-cpu", str, "2", "CPU each worker requests."),
-    _k8s("worker_memory", "--worker-memory", str, "8Gi", "Memory each worker requests (and is limited to)."),
-    _k8s("model_pvc", "--model-pvc", str | None, None, "PersistentVolumeClaim of model files, mounted at /models."),
-    _k8s("etcd", "--etcd", str, "bundled", "bundled (a StatefulSet) or an etcd:// URL."),
-    _k8s("nats", "--nats", str, "bundled", "bundled (a StatefulSet) or a nats:// URL."),
-    _k8s("storage_class", "--storage-class", str | None, None, "The bundled planes' volumes (default: the cluster's)."),
-    _k8s("service_type", "--service-type", str, "ClusterIP", "The frontend Service: ClusterIP|NodePort|LoadBalancer."),
-    _k8s("metrics_namespace", "--metrics-namespace", str | None, None, "Namespace of a Prometheus let in to scrape."),
+    *K8S,
     _k8s("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
     *serve.EXTRA,
 ]
-"""Render's own options, then `dyn serve`'s (its deployment shape, engine, API keys, planner)."""
-K8S_OPTIONS = [p.name for p in EXTRA[1 : -len(serve.EXTRA)] if p.name != "out"]
+"""`--values`, render's own options, `--out`, then `dyn serve`'s (its shape, engine, API keys, planner)."""
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 
@@ -152,7 +166,6 @@ class Target:
     secrets: list[SecretSource]
     worker_resources: Resources
     model_pvc: str | None
-    tls_ca: bool
 
 
 def _render(**values: Any) -> None:
@@ -174,8 +187,8 @@ def _render(**values: Any) -> None:
 
 def _target(values: dict[str, Any]) -> Target:
     values.pop("values")
-    k8s = {name: values.pop(name) for name in K8S_OPTIONS}
-    ns, names = k8s["k8s_namespace"], Names(k8s["name"])
+    k8s = {p.name: values.pop(p.name) for p in K8S}
+    ns, names = check_name("--namespace", k8s["k8s_namespace"]), Names(check_name("--name", k8s["name"]))
     if k8s["service_type"] not in SERVICE_TYPES:
         raise ConfigError(f"--service-type '{k8s['service_type']}' is invalid; use one of {', '.join(SERVICE_TYPES)}")
     if k8s["gpus_per_worker"] < 0:
@@ -223,7 +236,7 @@ def _target(values: dict[str, Any]) -> Target:
         metrics_namespace=k8s["metrics_namespace"],
     )
     resources = Resources(k8s["worker_cpu"], k8s["worker_memory"], k8s["gpus_per_worker"])
-    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"], tls.ca_file is not None)
+    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"])
 
 
 def _check_image(image: str) -> None:
@@ -236,9 +249,9 @@ def _check_image(image: str) -> None:
 def _cluster_secret(names: Names, path: Path | None) -> SecretSource:
     """The request plane's secret: the file given (checked as `dyn serve` checks it), else a new random one."""
     if path is None:
-        return SecretSource(names.cluster_secret, random_key="secret")
+        return SecretSource(names.cluster_secret, random_key=CLUSTER_SECRET_KEY)
     o.cluster_secret(path)
-    return SecretSource(names.cluster_secret, (("secret", str(path)),))
+    return SecretSource(names.cluster_secret, ((CLUSTER_SECRET_KEY, str(path)),))
 
 
 ##### Components: the pods' command lines #####
@@ -289,7 +302,7 @@ def _frontend(target: Target) -> Component:
         ports=(("http", frontend.port),),
         # /live, not /health: a frontend with no worker yet still answers (503s naming why), and the planner
         # must reach its /metrics to scale up from zero.
-        probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=target.tls_ca),
+        probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=frontend.tls.ca_file is not None),
         scrape_port=frontend.port,
         mounts=tuple(mounts),
         grace_s=config.worker.graceful_shutdown_s,
@@ -309,9 +322,10 @@ def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
     base = target.config.worker
     tiers = base.kv_tiers
     mounts: list[Mount] = []
-    if tiers.disk_bytes:
-        tiers = replace(tiers, disk_dir=tiers.disk_dir or "/var/cache/dyn-kv")
-        mounts.append(Mount("kv-disk", tiers.disk_dir or "", size=f"{-(-tiers.disk_bytes // 10**9)}G"))
+    if tiers.disk_bytes:  # the disk tier on an emptyDir of its size
+        disk_dir = tiers.disk_dir or "/var/cache/dyn-kv"
+        tiers = replace(tiers, disk_dir=disk_dir)
+        mounts.append(Mount("kv-disk", disk_dir, size=f"{-(-tiers.disk_bytes // 10**9)}G"))
     config = replace(
         base,
         role=role,

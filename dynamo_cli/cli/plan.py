@@ -323,7 +323,7 @@ def simulate_command(
     rates = curve_rates(rate_curve, isl, osl, linear) if rate_curve is not None else None
     results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup, rates)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
-    planned = results[-2]
+    planned = next(r for r in results if r.policy == "planner")
     for result in results:
         gap = ""
         if result.policy == "oracle":  # the planner's sizing, knowing the load: what forecasting leaves

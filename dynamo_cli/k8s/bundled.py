@@ -12,6 +12,7 @@ from __future__ import annotations
 from dynamo_cli.k8s.names import PORTS, Names, Part
 from dynamo_cli.k8s.objects import (
     Obj,
+    Probe,
     Resources,
     container_security,
     disruption_budget,
@@ -46,25 +47,11 @@ def etcd(names: Names, namespace: str, storage: str, storage_class: str | None) 
         f"--initial-cluster=$(POD_NAME)={peer}",
         "--auto-compaction-retention=1h",
     ]
-    container = {
-        "name": "etcd",
-        "image": ETCD_IMAGE,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["etcd"],
-        "args": args,
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-        "ports": [
-            {"name": "client", "containerPort": PORTS.etcd_client, "protocol": "TCP"},
-            {"name": "peer", "containerPort": PORTS.etcd_peer, "protocol": "TCP"},
-        ],
-        "resources": Resources("250m", "512Mi").spec(),
-        "livenessProbe": _probe("/health", "client", 10),
-        "readinessProbe": _probe("/health", "client", 5),
-        "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
-    }
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     ports = [("client", PORTS.etcd_client), ("peer", PORTS.etcd_peer)]
-    return _stateful(names, namespace, Part.ETCD, container, ports, storage, storage_class)
+    container = _container(Part.ETCD, ETCD_IMAGE, "etcd", args, ports, env)
+    container |= _probes(Probe("client"), "/health", "/health") | _data("/var/lib/etcd")
+    return _stateful(names, namespace, Part.ETCD, container, storage, storage_class)
 
 
 def nats(names: Names, namespace: str, storage: str, storage_class: str | None) -> list[Obj]:
@@ -78,39 +65,43 @@ def nats(names: Names, namespace: str, storage: str, storage_class: str | None) 
         "--store_dir",
         "/data",
     ]
-    container = {
-        "name": "nats",
-        "image": NATS_IMAGE,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["nats-server"],
-        "args": args,
-        "ports": [
-            {"name": "client", "containerPort": PORTS.nats_client, "protocol": "TCP"},
-            {"name": "monitor", "containerPort": PORTS.nats_monitor, "protocol": "TCP"},
-        ],
-        "resources": Resources("250m", "512Mi").spec(),
-        "livenessProbe": _probe("/healthz", "monitor", 10),
-        "readinessProbe": _probe("/healthz?js-enabled-only=true", "monitor", 5),
-        "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }
     ports = [("client", PORTS.nats_client), ("monitor", PORTS.nats_monitor)]
-    return _stateful(names, namespace, Part.NATS, container, ports, storage, storage_class)
+    container = _container(Part.NATS, NATS_IMAGE, "nats-server", args, ports)
+    container |= _probes(Probe("monitor"), "/healthz", "/healthz?js-enabled-only=true") | _data("/data")
+    return _stateful(names, namespace, Part.NATS, container, storage, storage_class)
 
 
-def _probe(path: str, port: str, period_s: int) -> Obj:
-    get = {"path": path, "port": port, "scheme": "HTTP"}
-    return {"httpGet": get, "periodSeconds": period_s, "timeoutSeconds": 5, "failureThreshold": 3}
+def _container(
+    part: Part, image: str, command: str, args: list[str], ports: list[tuple[str, int]], env: list[Obj] | None = None
+) -> Obj:
+    """The server's container: `command ARGS` in `image`, its named ports, as unprivileged as dyn's own."""
+    container: Obj = {
+        "name": part.value,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [command],
+        "args": args,
+    }
+    if env:
+        container["env"] = env
+    return container | {
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports],
+        "resources": Resources("250m", "512Mi").spec(),
+        "securityContext": container_security(),
+    }
+
+
+def _probes(probe: Probe, live: str, ready: str) -> Obj:
+    return {"livenessProbe": probe.spec(live, 10, 3), "readinessProbe": probe.spec(ready, 5, 3)}
+
+
+def _data(path: str) -> Obj:
+    """The claim `data` mounted at `path`."""
+    return {"volumeMounts": [{"name": "data", "mountPath": path}]}
 
 
 def _stateful(
-    names: Names,
-    namespace: str,
-    part: Part,
-    container: Obj,
-    ports: list[tuple[str, int]],
-    storage: str,
-    storage_class: str | None,
+    names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None
 ) -> list[Obj]:
     """The StatefulSet, its headless Service (the stable DNS name) and its disruption budget."""
     claim: Obj = {
@@ -145,7 +136,10 @@ def _stateful(
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": names.selector(part),
-            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports],
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                for p in container["ports"]
+            ],
         },
     }
     return [statefulset, headless, disruption_budget(names, namespace, part)]

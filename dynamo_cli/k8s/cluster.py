@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import httpx
 
 from dynamo_cli.errors import ConfigError, DynError
 from dynamo_cli.k8s.client import api_client, client_modules, context_namespace
-from dynamo_cli.k8s.names import Names, Part
+from dynamo_cli.k8s.names import Names, Part, check_name
 from dynamo_cli.k8s.status import (
     ComponentStatus,
     Obj,
@@ -43,7 +42,6 @@ logger = logging.getLogger(__name__)
 NEEDED_BY = "dyn k8s status"
 PERMISSIONS = "list on deployments, statefulsets and pods (get on pods/log and services/proxy, list on events: details)"
 MAX_LOG_LINE = 300
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 class StatusUnreadable(DynError):
@@ -76,9 +74,8 @@ class StatusConfig:
 
 def check_status(config: StatusConfig) -> None:
     """ConfigError for a name the API server would refuse, a frontend URL that is not http(s), a bad timeout."""
-    for flag, value in (("--namespace", config.namespace or "default"), ("--name", config.instance)):
-        if not _LABEL.fullmatch(value) or len(value) > 63:
-            raise ConfigError(f"{flag} '{value}' is not a Kubernetes name (a DNS-1123 label: a-z, 0-9, '-')")
+    check_name("--namespace", config.namespace or "default")  # as `dyn k8s render` took them
+    check_name("--name", config.instance)
     if config.frontend_url is not None:
         parts = urlsplit(config.frontend_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:

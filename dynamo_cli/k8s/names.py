@@ -3,10 +3,12 @@ shared by `dyn k8s render` (which writes them) and `dyn k8s status` (which reads
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
 from dynamo_cli import __version__
+from dynamo_cli.errors import ConfigError
 
 PART_OF = "dyn"
 """`app.kubernetes.io/part-of` and `.../name` of every object."""
@@ -116,3 +118,19 @@ API_KEYS_DIR = f"{SECRETS_DIR}/api-keys"
 TLS_DIR = f"{SECRETS_DIR}/tls"
 PLANES_DIR = f"{SECRETS_DIR}/planes"
 PROFILE_DIR = f"{SECRETS_DIR}/profile"
+
+
+_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_NAME = 40
+"""The longest `--namespace` / `--name`: `NAME-planner-profile` and the Service `NAME-frontend` stay valid."""
+
+
+def check_name(flag: str, value: str) -> str:
+    """`value` if the API server takes it as a namespace or an object name's prefix (a DNS-1035 label, short
+    enough for the suffixes), else ConfigError naming the flag."""
+    if not _LABEL.fullmatch(value) or len(value) > MAX_NAME:
+        raise ConfigError(
+            f"{flag} '{value}' is not a Kubernetes name: lower-case letters, digits and '-', starting with a letter, "
+            f"at most {MAX_NAME} characters"
+        )
+    return value

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_cli.k8s.names import PORTS, Names, Part
+from dynamo_cli.k8s.names import CLUSTER_SECRET_KEY, PORTS, Names, Part
 
 Obj = dict[str, Any]
 UID = 10001
@@ -178,7 +178,7 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
     if component.advertise_env is not None:
         env.append({"name": component.advertise_env, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if component.cluster_secret:
-        ref = {"name": cluster_secret, "key": "secret"}
+        ref = {"name": cluster_secret, "key": CLUSTER_SECRET_KEY}
         env.append({"name": "DYN_CLUSTER_SECRET", "valueFrom": {"secretKeyRef": ref}})
     probe = component.probe
     return {

@@ -300,6 +300,8 @@ def test_out_writes_one_file_per_component_and_the_secrets_script(files: Files, 
         (["--service-type", "Ingress"], "--service-type 'Ingress' is invalid"),
         (["--planner", "--planner-ttft", "100", "--planner-itl", "10", "--engine", "mocker"], "--planner-profile"),
         (["--gpus-per-worker", "-1"], "--gpus-per-worker must be >= 0"),
+        (["--name", "Chat_1"], "--name 'Chat_1' is not a Kubernetes name"),
+        (["--namespace", "9inference"], "--namespace '9inference' is not a Kubernetes name"),
     ],
 )
 def test_bad_input_is_a_config_error_naming_it(args: list[str], message: str) -> None:
