@@ -180,7 +180,8 @@ def replicas(
         registry.models[MODEL] = ModelEntry(MODEL, card, p, p, workers=dict.fromkeys(workers))  # type: ignore[arg-type]
         pairs.append((ReplicaSync(None, "ns", router_id, registry), p))  # type: ignore[arg-type]
     truth = ActiveSequences()
-    decode = msgspec.msgpack.Decoder(ActiveSequenceEvent).decode
+    decode = msgspec.msgpack.Decoder(list[ActiveSequenceEvent]).decode
+    encode = msgspec.msgpack.Encoder().encode
     decisions: list[int] = []
     drift: dict[str, list[int]] = {"prefill_tokens": [], "active_blocks": [], "requests": []}  # totals()' order
 
@@ -188,7 +189,7 @@ def replicas(
         sync, _ = pairs[sender]
         peer, _ = pairs[1 - sender]
         while not sync._outbox.empty():  # what publish_loop would send, decoded as the peer's subscriber does
-            event = decode(sync._outbox.get_nowait())
+            (event,) = decode(encode([sync._outbox.get_nowait()]))
             if synced:
                 timeline.at(clock.now + args.sync_delay_ms / 1000, lambda e=event: peer.apply(e))  # type: ignore[misc]
 

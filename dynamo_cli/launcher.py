@@ -1,10 +1,17 @@
 """`dyn serve`: one frontend in this process plus N worker subprocesses on shared planes.
 
+With `--frontends N` the N - 1 other frontends are `dyn serve` children too: each binds the same port with
+SO_REUSEPORT (the kernel spreads connections over them), runs its own router with the in-flight load shared
+(`--router-replica-sync`, router/replicas.py) and writes its metrics where the others merge them (frontend/
+metrics_group.py). Each is restarted if it dies, as a worker is; only its own open streams are lost. This process
+is the first of them and their supervisor: it going takes the others with it.
+
 Workers are `dyn worker` processes started with this process's planes; each asks the kernel to
 SIGTERM it if this process dies (no orphans even on SIGKILL). Once every worker registered, a worker
 that exits unexpectedly is started again (process_pool.py: backoff, `--max-restarts` budget), and
 meanwhile requests for its model get 503 with Retry-After rather than 404. Stop order on
-SIGINT/SIGTERM: HTTP server, then workers (SIGTERM, grace period, SIGKILL), then the planes.
+SIGINT/SIGTERM: HTTP server, then the other frontends, then workers (SIGTERM, grace period, SIGKILL), then the
+planes.
 
 With `--planner` the SLA planner runs in this process instead (one more task of the frontend's service): it
 reads the frontend's metrics registry directly, and its local connector owns the workers, starting the
@@ -16,20 +23,20 @@ discovery, and the planner's next decision starts what is missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-from prometheus_client import generate_latest
 
 from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
-from dynamo_cli.config.processes import ChildConfig
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
 from dynamo_cli.frontend.server import FrontendService, bind_socket
@@ -40,7 +47,6 @@ from dynamo_cli.planner.observe import (
     WorkerLoads,
     count_workers,
     follow_worker_loads,
-    frontend_key,
 )
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
@@ -49,6 +55,7 @@ from dynamo_cli.process_pool import ProcessPool, RestartPolicy
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
+from dynamo_cli.runtime.names import frontend_key, frontends_prefix
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
 from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery, BestWorkerReply
@@ -136,44 +143,58 @@ async def _backends_seen(router: Worker) -> int:
 
 
 async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
-    """Run frontend + workers (+ the planner) until SIGINT/SIGTERM."""
+    """Run frontend(s) + workers (+ the planner) until SIGINT/SIGTERM."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.frontend.planes
-    pool = ProcessPool(
-        RestartPolicy(max_restarts=config.max_restarts),
-        {PARENT_ENV: str(os.getpid())},
-    )
-    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
-        try:
-            await _serve(config, discovery, bus, pool, stop, plan)
-        finally:
-            await pool.stop(config.worker.graceful_shutdown_s)
+    env = {PARENT_ENV: str(os.getpid())}
+    pool = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), env)
+    frontends = ProcessPool(RestartPolicy(max_restarts=config.max_restarts), env)
+    with contextlib.ExitStack() as cleanup:
+        if config.num_frontends > 1:  # the group's metrics directory, removed on the way out
+            group = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="dyn-frontends-"))
+            config = replace(config, frontend=replace(config.frontend, reuse_port=True, metrics_dir=group))
+            config = replace(config, frontend=replace(config.frontend, replica_sync=True))
+        async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+            try:
+                await _serve(config, discovery, bus, Pools(pool, frontends), stop, plan)
+            finally:
+                await frontends.stop(config.frontend.graceful_shutdown_s)  # their streams end before the workers go
+                await pool.stop(config.worker.graceful_shutdown_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The supervised children of `dyn serve`: its workers (and routers), and its other frontends."""
+
+    workers: ProcessPool
+    frontends: ProcessPool
 
 
 async def _serve(
     config: ServeConfig,
     discovery: Discovery,
     bus: EventBus,
-    pool: ProcessPool,
+    pools: Pools,
     stop: asyncio.Event,
     plan: ServePlan | None,
 ) -> None:
     planes = config.frontend.planes
     profile = await _profile(config, plan) if plan is not None else None
-    sock = bind_socket(config.frontend.host, config.frontend.port)
-    url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
+    sock = bind_socket(config.frontend.host, config.frontend.port, reuse_port=config.frontend.reuse_port)
+    port = sock.getsockname()[1]
+    url = f"{config.frontend.scheme}://{config.frontend.host}:{port}"
     service = FrontendService(config.frontend, discovery, bus)
     # the children share this process's planes: the embedded discovery's directory made explicit
     shared = replace(planes, discovery=_shared_discovery(planes.discovery, discovery))
-    connector = await _start_workers(config, pool, shared, planned=plan is not None)
+    connector = await _start_workers(config, pools.workers, shared, planned=plan is not None)
     try:
         planner = (
             None
             if plan is None or profile is None
             else _planner(plan, profile, service, connector, discovery, bus, config)
         )
-        await _serve_started(config, discovery, service, pool, connector, sock, url, stop, planner, shared)
+        await _serve_started(config, discovery, service, pools, connector, sock, url, stop, planner, shared)
     finally:
         if connector is not None:
             await connector.close()
@@ -218,7 +239,10 @@ def _child_port(config: ServeConfig, index: int) -> int | None:
     return base + index if base else base
 
 
-def _system_port(config: ChildConfig, port: int | None) -> ChildConfig:
+_Child = TypeVar("_Child", WorkerConfig, RouterConfig)
+
+
+def _system_port(config: _Child, port: int | None) -> _Child:
     return replace(config, telemetry=replace(config.telemetry, system_port=port))
 
 
@@ -243,7 +267,7 @@ async def _serve_started(
     config: ServeConfig,
     discovery: Discovery,
     service: FrontendService,
-    pool: ProcessPool,
+    pools: Pools,
     connector: LocalConnector | None,
     sock: socket.socket,
     url: str,
@@ -251,16 +275,22 @@ async def _serve_started(
     planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None,
     planes: PlanesConfig,
 ) -> None:
+    pool = pools.workers
     expected = config.num_workers + config.num_prefill_workers
     if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
         router = replace(config.router_config(), planes=planes)
         for i in range(config.num_routers):
             await _spawn(pool, _system_port(router, _child_port(config, expected + i)))
         expected = config.num_routers
+    is_child = config.ready_workers is not None
+    if is_child:
+        expected = config.ready_workers or 0
+    await _spawn_frontends(config, pools.frontends, planes, sock.getsockname()[1], expected)
     served: set[str] = set()
     pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
+    pools.frontends.on_restart = lambda index, code: service.metrics.frontend_restarts.inc()
     service.app.standby = lambda model: (pool.retry_after() or 1.0) if model in served and pool.is_live() else None
-    async with ServiceTasks() as tasks:  # owns the pool's supervision; closed on the way out
+    async with ServiceTasks() as tasks:  # owns the pools' supervision; closed on the way out
 
         async def on_ready() -> None:
             procs = pool.procs + (connector.processes() if connector is not None else [])
@@ -272,14 +302,62 @@ async def _serve_started(
             if planner is not None:
                 tasks.spawn(planner[1]())  # the workers' load, from the event plane
                 tasks.spawn(planner[0].run(stop))
-            # leased: a planner finds this frontend's /metrics here, and loses it when this process goes
+            # leased: a planner finds this frontend's /metrics here, and its peers' routers its load; both lose
+            # it when this process goes
             await discovery.put(
                 frontend_key(config.frontend.namespace, discovery.lease_id),
                 msgspec.json.encode(FrontendRecord(url=url)),
             )
+            if is_child:
+                logger.info("frontend %x ready on %s", discovery.lease_id, url)
+                return
+            await _wait_frontends(discovery, config, pools.frontends, url)
+            tasks.spawn(pools.frontends.supervise())
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
-        await service.run(sock, stop, on_ready)  # serve_all stops the pool on every way out
+        await service.run(sock, stop, on_ready)  # serve_all stops the pools on every way out
+
+
+async def _spawn_frontends(
+    config: ServeConfig, pool: ProcessPool, planes: PlanesConfig, port: int, expected: int
+) -> None:
+    """`--frontends N`: the N - 1 other frontends, `dyn serve` processes on the same port and planes that wait for
+    the same workers and start none."""
+    child = replace(
+        config,
+        frontend=replace(config.frontend, port=port, planes=planes),
+        num_workers=0,
+        num_prefill_workers=0,
+        num_routers=0,
+        num_frontends=1,
+        ready_workers=expected,
+    )
+    for _ in range(config.num_frontends - 1):
+        command = child_command(child)
+        await pool.spawn(list(command.argv), command.env)
+
+
+async def _wait_frontends(discovery: Discovery, config: ServeConfig, pool: ProcessPool, url: str) -> None:
+    """Until all `--frontends` registered (this one included: the records on `url`), or raise when one exited or
+    time ran out."""
+    deadline = time.monotonic() + config.ready_timeout_s
+    while await _frontends_on(discovery, config.frontend.namespace, url) < config.num_frontends:
+        dead = [p for p in pool.procs if p.returncode is not None]
+        if dead:
+            raise WorkerFailed(f"frontend pid {dead[0].pid} exited with code {dead[0].returncode} before serving")
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"not all {config.num_frontends} frontends served within {config.ready_timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def _frontends_on(discovery: Discovery, namespace: str, url: str) -> int:
+    async with asyncio.timeout(10):
+        records = await discovery.get_prefix(frontends_prefix(namespace))
+    urls = []
+    for raw in records.values():
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
+    return urls.count(url)
 
 
 def _planner(
@@ -294,7 +372,7 @@ def _planner(
     """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
     and what follows their load."""
     namespace = config.frontend.namespace
-    source = TextSnapshotter(lambda: generate_latest(service.metrics.registry).decode())
+    source = TextSnapshotter(lambda: service.app.metrics_text().decode())  # with --frontends N: the group's
     loads = WorkerLoads()
     planner = Planner(
         plan.config, profile, source, connector, lambda: count_workers(discovery, namespace), loads=loads.total

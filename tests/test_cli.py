@@ -37,6 +37,8 @@ def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
         (["worker", "--log-format", "xml"], "--log-format 'xml' is invalid"),
         (["router", "--trace-sample-ratio", "2"], "--trace-sample-ratio must be between 0 and 1"),
         (["serve", "--otlp-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
+        (["serve", "--frontends", "0"], "--frontends must be between 1 and 256, got 0"),
+        (["serve", "--frontends", "100000"], "--frontends must be between 1 and 256"),
     ],
 )
 def test_a_bad_observability_setting_is_one_line_naming_it(args: list[str], expected: str) -> None:

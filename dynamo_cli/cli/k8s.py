@@ -298,7 +298,8 @@ def _frontend(target: Target) -> Component:
         part=Part.FRONTEND,
         args=tuple(args),
         replicas=1,
-        resources=Resources("1", "2Gi"),
+        # `--frontends N`: N processes in the pod, on its port, with one router view and one /metrics
+        resources=Resources(str(config.num_frontends), f"{2 * config.num_frontends}Gi"),
         ports=(("http", frontend.port),),
         # /live, not /health: a frontend with no worker yet still answers (503s naming why), and the planner
         # must reach its /metrics to scale up from zero.

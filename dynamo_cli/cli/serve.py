@@ -11,7 +11,7 @@ import typer
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.cli import settings
-from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, WorkerConfig, read_api_keys
+from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, WorkerConfig, config_document, read_api_keys
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
@@ -26,7 +26,7 @@ from dynamo_cli.planner.planner import (
 )
 from dynamo_cli.planner.service import PlanRun, check_run
 from dynamo_cli.planner.sizing import Bounds, Targets
-from dynamo_cli.runtime.supervisor import run
+from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.settings import DISAGG, ESSENTIAL
 from dynamo_cli.tracing.logs import use_log_format
 
@@ -127,6 +127,11 @@ EXTRA = [
 
 def _command(**values: Any) -> None:
     """Serve a model: OpenAI HTTP frontend + router + N workers, on one machine with no external service."""
+    child = config_document(ServeConfig)  # one of the other frontends of `dyn serve --frontends N`
+    if child is not None:
+        die_with_parent()
+        use_log_format(child.frontend.telemetry.log_format)
+        return run(serve_all(child))
     secret = o.cluster_secret(values.pop("cluster_secret_file"), make=True)  # the given one, else a new one
     api_keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), os.environ)
     config, plan = deployment(values, {(PlanesConfig, "cluster_secret"): secret, (AuthConfig, "api_keys"): api_keys})

@@ -10,7 +10,7 @@ from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.settings import HTTP, OVERLOAD, SECURITY, setting
+from dynamo_cli.settings import HTTP, OVERLOAD, ROUTING, SECURITY, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +183,20 @@ class FrontendConfig:
         panel=HTTP,
     )
     """How `<think>` text becomes `reasoning_content` (frontend/tools/reasoning.py); None: left in the content."""
+    replica_sync: bool = setting(
+        False,
+        "--router-replica-sync/--no-router-replica-sync",
+        env="DYN_ROUTER_REPLICA_SYNC",
+        help="KV router: share in-flight load with the other frontends and dyn routers (on with --frontends > 1).",
+        panel=ROUTING,
+    )
+    """Publish this frontend's routing decisions and count its peers' (router/replicas.py), as `dyn router`
+    replicas do: several frontends in front of the same workers then see one in-flight load."""
+    reuse_port: bool = False
+    """Bind the HTTP port with SO_REUSEPORT: the frontends of one `dyn serve --frontends N` share it."""
+    metrics_dir: str | None = None
+    """Those frontends' shared metrics directory (frontend/metrics_group.py): `/metrics` on any of them shows the
+    group's totals. None: this frontend's own registry."""
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:

@@ -25,10 +25,12 @@ from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.settings import DISAGG, ENGINE, PLANES, ROUTING, SUPERVISION, setting
+from dynamo_cli.settings import DISAGG, ENGINE, HTTP, PLANES, ROUTING, SUPERVISION, setting
 from dynamo_cli.wire import GENERATE_ENDPOINT
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")
+MAX_FRONTENDS = 256
+"""`--frontends`: a bound, so that a typo cannot fork thousands of processes."""
 """`--kv-transfer`: NIXL when it imports, else TCP; or either one."""
 
 
@@ -182,10 +184,23 @@ class ServeConfig:
     """Restarts of one worker slot allowed within 5 minutes after it exits unexpectedly (0: never)."""
     num_prefill_workers: int = 0
     """`--disagg`: prefill-role workers started beside the `num_workers` (then decode-role) workers."""
+    num_frontends: int = setting(
+        1,
+        "--frontends",
+        env="DYN_FRONTENDS",
+        help="Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.",
+        panel=HTTP,
+    )
+    """Frontend processes: this one and `num_frontends - 1` children on the same port (launcher.py)."""
+    ready_workers: int | None = None
+    """Workers (or routers) to see before ready; None: the ones this process starts. A frontend child of
+    `dyn serve --frontends N` waits for its parent's."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {self.num_workers}")
+        if not 1 <= self.num_frontends <= MAX_FRONTENDS:
+            raise ConfigError(f"--frontends must be between 1 and {MAX_FRONTENDS}, got {self.num_frontends}")
         if self.num_routers < 0 or (self.num_routers and self.frontend.router != "remote"):
             raise ConfigError(f"--routers {self.num_routers} needs --router remote and a count >= 0")
         if self.max_restarts < 0:
@@ -211,11 +226,12 @@ class ServeConfig:
 
 ##### Child processes: the config as one document #####
 
-ChildConfig = TypeVar("ChildConfig", WorkerConfig, RouterConfig)
+ChildConfig = TypeVar("ChildConfig", WorkerConfig, RouterConfig, ServeConfig)
 
 CONFIG_DOCUMENTS: dict[type, tuple[str, str]] = {
     WorkerConfig: ("worker", "DYN_WORKER_CONFIG"),
     RouterConfig: ("router", "DYN_ROUTER_CONFIG"),
+    ServeConfig: ("serve", "DYN_SERVE_CONFIG"),  # a frontend child of `dyn serve --frontends N`
 }
 """Config type -> (the `dyn` command that runs it, the environment variable its JSON document travels in)."""
 
@@ -230,8 +246,8 @@ class ChildCommand:
     `ps` shows to every user)."""
 
 
-def child_command(config: WorkerConfig | RouterConfig) -> ChildCommand:
-    """The `dyn worker` or `dyn router` process that runs `config` exactly."""
+def child_command(config: WorkerConfig | RouterConfig | ServeConfig) -> ChildCommand:
+    """The `dyn worker`, `dyn router` or `dyn serve` process that runs `config` exactly."""
     command, variable = CONFIG_DOCUMENTS[type(config)]
     argv = (sys.executable, "-m", "dynamo_cli.cli.main", command)
     return ChildCommand(argv, {variable: msgspec.json.encode(config).decode()})

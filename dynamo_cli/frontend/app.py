@@ -32,6 +32,7 @@ from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, id_headers, int_header, pinned_header, too_large
 from dynamo_cli.frontend.metrics import FrontendMetrics
+from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.router.core import Dispatch, DispatchRules
+from dynamo_cli.router.sequences import ActiveSequences
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
@@ -73,9 +75,15 @@ class Frontend:
         metrics: FrontendMetrics,
         rules: DispatchRules,
         tracing: Tracing | None = None,
+        group: MetricsGroup | None = None,
+        instance_id: int = 0,
     ) -> None:
         self.config = config
         self.tracing = tracing
+        self.group = group
+        """`dyn serve --frontends N`: /metrics shows the group's totals."""
+        self.instance_id = instance_id
+        """This frontend's id on the planes (its lease), which `/health` names."""
         """Each OpenAI request's spans (`--otlp-endpoint`); None: tracing off."""
         self.registry = registry
         self.metrics = metrics
@@ -437,11 +445,13 @@ class Frontend:
         instances = [
             {"model": e.name, "instance_id": f"{wid:x}", "address": w.record.address, "role": w.card.role}
             | ({"hung": w.hung} if w.hung is not None else {})
+            | _in_flight(e.policy, wid)
             for e in self.registry.servable()
             for wid, w in {**e.workers, **e.prefill_workers}.items()
         ]
         healthy = bool(instances)
-        body = {"status": "healthy" if healthy else "unhealthy", "instances": instances}
+        body: dict[str, object] = {"status": "healthy" if healthy else "unhealthy", "frontend": f"{self.instance_id:x}"}
+        body["instances"] = instances
         if not healthy:
             body["message"] = "No endpoints available"
         return JSONResponse(body, status_code=200 if healthy else 503)
@@ -453,6 +463,17 @@ class Frontend:
         return JSONResponse({"status": "live"})
 
     async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    def metrics_text(self) -> bytes:
+        """What `/metrics` shows: this frontend's registry, or with `--frontends N` the group's totals."""
+        if self.group is not None:
+            return self.group.merged(self.refresh_metrics)
+        self.refresh_metrics()
+        return generate_latest(self.metrics.registry)
+
+    def refresh_metrics(self) -> None:
+        """Set the gauges read at scrape time: workers, queues, KV tiers, the router's counters."""
         for name, entry in self.registry.models.items():
             self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
             self.metrics.queued.labels(name).set(len(entry.queue))
@@ -467,7 +488,6 @@ class Frontend:
             for name, entry in self.registry.models.items()
             for worker in (*entry.workers.values(), *entry.prefill_workers.values())
         )
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _server_error(self, request: Request, exc: Exception) -> Response:
         error = _internal(exc, f"serving {request.method} {request.url.path}")
@@ -485,3 +505,15 @@ class Frontend:
             status_code=status,
             media_type="application/json",
         )
+
+
+def _in_flight(policy: object, worker_id: int) -> dict[str, int]:
+    """The in-flight load the KV router counts on a worker (with `--router-replica-sync`, every frontend's and
+    router's): requests and unique active blocks. Empty for the other routers, which count nothing."""
+    sequences = getattr(policy, "sequences", None)
+    if not isinstance(sequences, ActiveSequences):
+        return {}
+    return {
+        "in_flight_requests": sequences.num_requests(worker_id),
+        "active_blocks": sequences.active_blocks(worker_id),
+    }

@@ -46,6 +46,9 @@ class FrontendMetrics(DispatchSeries):
         self.output_tokens = Counter(f"{prefix}_output_tokens", "Output tokens", ["model"], registry=r)
         self.cancellations = Counter(f"{prefix}_model_cancellation", "Cancelled requests", ["model"], registry=r)
         self.worker_restarts = Counter(f"{prefix}_worker_restarts", "Workers restarted by dyn serve", registry=r)
+        self.frontend_restarts = Counter(
+            f"{prefix}_frontend_restarts", "Frontend processes restarted by dyn serve --frontends", registry=r
+        )
         self.refused = Counter(f"{prefix}_auth_refused", "Refused by API key or per-key limit", ["code"], registry=r)
         self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
         self.kvbm = {

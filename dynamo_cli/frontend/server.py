@@ -14,12 +14,14 @@ import logging
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from dynamo_cli.config import BusyThresholds, FrontendConfig, TlsConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
+from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.models import FrontendRegistry
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
@@ -28,6 +30,7 @@ from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.health import HealthMonitor
 from dynamo_cli.router.kv import kv_policy_factory
 from dynamo_cli.router.registry import ROUTER_COMPONENT
+from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
@@ -51,11 +54,14 @@ def policy_factory(config: FrontendConfig, mode: str | None = None) -> Callable[
     raise ConfigError(f"--router '{mode}' is unknown; use one of: {', '.join(ROUTER_MODES)}")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the HTTP socket up front so port 0 works and the real port can be printed."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """Bind the HTTP socket up front so port 0 works and the real port can be printed (`reuse_port`: shared with
+    the other frontends of `dyn serve --frontends N`, the kernel spreading connections over them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -108,6 +114,12 @@ class FrontendService:
             secret=config.planes.cluster_secret,
             prefill_policy_factory=policy_factory(config, prefill_mode),
         )
+        self.sync = (
+            ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
+            if config.replica_sync and config.router == "kv"
+            else None
+        )
+        """The in-flight load shared with the other frontends and `dyn router`s (`--router-replica-sync`)."""
         rules = DispatchRules(
             config.migration_limit,
             busy,
@@ -115,13 +127,17 @@ class FrontendService:
             disagg=config.disagg,
             queue=config.queue,
             metrics=self.metrics,
+            replicas=self.sync,
             deadline=NO_DEADLINE if behind_routers else Deadline(config.health.stall_timeout_s, self.metrics),
         )
         self.health = None if behind_routers else HealthMonitor(self.registry, config.health, self.metrics)
         """Probes hung (and idle) workers; behind `dyn router`s, the routers watch their backends."""
         self.tracing = start_tracing(config.telemetry, "dyn-frontend")
         """Each request's spans (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
-        self.app = Frontend(config, self.registry, self.metrics, rules, self.tracing)
+        self.group = MetricsGroup(Path(config.metrics_dir), self.metrics.registry) if config.metrics_dir else None
+        """`dyn serve --frontends N`: the frontends' shared metrics (/metrics shows the group's totals)."""
+        self.app = Frontend(config, self.registry, self.metrics, rules, self.tracing, self.group, discovery.lease_id)
+        self._discovery = discovery
         self._bus = bus
         self._tasks = ServiceTasks()
         """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
@@ -141,6 +157,10 @@ class FrontendService:
             )
             if self.health is not None:
                 self._tasks.spawn(self.health.run())
+            for loop in self.sync.loops(self._discovery) if self.sync is not None else ():
+                self._tasks.spawn(loop)
+            if self.group is not None:
+                self._tasks.spawn(self.group.share(self.app.refresh_metrics))
             server = self._tasks.spawn(self._serve_http(sock, stop))
             await on_ready()
             freeze_heap()

@@ -30,7 +30,7 @@ from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.sizing import Observation
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, pump
-from dynamo_cli.runtime.names import component_subject
+from dynamo_cli.runtime.names import component_subject, frontends_prefix
 from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,21 +53,17 @@ class FrontendRecord(msgspec.Struct, frozen=True, kw_only=True):
     url: str
 
 
-def frontend_key(namespace: str, instance_id: int) -> str:
-    return f"v1/frontends/{namespace}/{instance_id:x}"
-
-
 async def discovered_frontends(discovery: Discovery, namespace: str) -> list[str]:
     """URLs of the frontends registered in `namespace`."""
     async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-        found = await discovery.get_prefix(f"v1/frontends/{namespace}/")
+        found = await discovery.get_prefix(frontends_prefix(namespace))
     urls = []
     for raw in found.values():
         try:
             urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-    return sorted(urls)
+    return sorted(set(urls))  # the frontends of one `dyn serve --frontends N` share one URL (and /metrics)
 
 
 UrlSource = Callable[[], Awaitable[list[str]]]

@@ -159,7 +159,8 @@ class DispatchRules:
     """False (`dyn router`): once tokens went out, a failure goes back to the caller, which migrates."""
     metrics: DispatchMetrics = field(default_factory=NoMetrics)
     replicas: ReplicaSync | None = None
-    """`dyn router` replicas share each decision, first token and end with their peers."""
+    """Router replicas (`dyn router`s, frontends with `--router-replica-sync`) share each decision, first token and
+    end with their peers."""
     deadline: Deadline = NO_DEADLINE
     """How long a stream waits on a worker that sends nothing at all before the worker counts as hung."""
 

@@ -35,7 +35,7 @@ import msgspec
 from dynamo_cli.config import RouterConfig
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import ExpiresStale, RouteRequest
+from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.feeds import follow_workers
 from dynamo_cli.router.health import HealthMonitor
@@ -81,8 +81,6 @@ _encode = msgspec.msgpack.Encoder().encode
 MAX_REROUTES = 3
 """Backends (and prefill workers) tried for one request that fails before its first relayed chunk."""
 CARD_POLL_S = 0.5
-EXPIRE_INTERVAL_S = 30.0
-"""How often requests in flight for over STALE_REQUEST_S (a lost end) are freed."""
 
 
 class RouterService:
@@ -279,13 +277,7 @@ class RouterService:
             kv_events=self.config.kv_router.use_kv_events,
             on_repair=self.metrics.count_repair,
         )
-        for loop in [
-            self.sync.publish_loop(),
-            self.sync.subscribe_loop(),
-            *self.sync.peer_loops(self._discovery),
-            self._expire_loop(),
-            self.monitor.run(),
-        ]:
+        for loop in [*self.sync.loops(self._discovery), self.monitor.run()]:
             tasks.spawn(loop)
 
     async def _wait_for_card(self, stop: asyncio.Event, tasks: ServiceTasks) -> ModelCard | None:
@@ -305,14 +297,6 @@ class RouterService:
                 async with asyncio.timeout(CARD_POLL_S):
                     await self.registry.changed.wait()
         return None
-
-    async def _expire_loop(self) -> None:
-        while True:
-            await asyncio.sleep(EXPIRE_INTERVAL_S)
-            for entry in list(self.registry.models.values()):
-                stale = entry.policy.expire_stale() if isinstance(entry.policy, ExpiresStale) else []
-                if stale:
-                    logger.warning("freed %d requests in flight for too long on model %s", len(stale), entry.name)
 
 
 def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[InFlight]:

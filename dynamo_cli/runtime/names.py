@@ -79,3 +79,13 @@ def parse_instance_key(key: str) -> tuple[EndpointName, InstanceId]:
     if len(parts) < 6:
         raise ValueError(f"not an instance key: {key}")
     return EndpointName(parts[2], parts[3], parts[4]), InstanceId(int(parts[5], 16))
+
+
+def frontends_prefix(namespace: str) -> str:
+    """Discovery prefix of the frontends' records (leased: a frontend's goes with its process)."""
+    return f"v1/frontends/{namespace}/"
+
+
+def frontend_key(namespace: str, instance_id: int) -> str:
+    """Discovery key of one frontend's record."""
+    return f"{frontends_prefix(namespace)}{instance_id:x}"

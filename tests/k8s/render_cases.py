@@ -68,7 +68,18 @@ def cases(files: Files) -> dict[str, list[str]]:
     tls = ["--tls-cert-file", str(files.cert), "--tls-key-file", str(files.key)]
     return {
         "agg": [],
-        "agg-kv-3": ["--router", "kv", "--workers", "3", "--engine", "mocker", "--speedup-ratio", "10"],
+        "agg-kv-3": [
+            "--router",
+            "kv",
+            "--workers",
+            "3",
+            "--engine",
+            "mocker",
+            "--speedup-ratio",
+            "10",
+            "--frontends",
+            "2",
+        ],
         "disagg": ["--disagg", "--prefill-workers", "2", "--decode-workers", "3", "--router", "kv"],
         "remote-2": ["--router", "remote", "--routers", "2", "--workers", "2"],
         "disagg-remote": ["--disagg", "--router", "remote", "--routers", "2", "--disagg-policy", "always"],

@@ -188,6 +188,8 @@ def test_the_shapes_have_the_components_and_counts_the_flags_ask_for(
 
     assert replicas("agg") == {"dyn-frontend": 1, "dyn-worker": 1}
     assert replicas("agg-kv-3") == {"dyn-frontend": 1, "dyn-worker": 3}
+    frontends = deployment(rendered["agg-kv-3"], "dyn-frontend")["spec"]["template"]["spec"]["containers"][0]
+    assert "--frontends" in frontends["args"] and frontends["resources"]["requests"]["cpu"] == "2"  # 2 in the pod
     assert replicas("disagg") == {"dyn-frontend": 1, "dyn-decode": 3, "dyn-prefill": 2}
     assert replicas("remote-2") == {"dyn-frontend": 1, "dyn-worker": 2, "dyn-router": 2}
     assert {o["metadata"]["name"] for o in by_kind(rendered["agg"], "StatefulSet")} == {"dyn-etcd", "dyn-nats"}

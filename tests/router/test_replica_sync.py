@@ -13,6 +13,7 @@ from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.registry import ModelEntry, RouterRegistry
 from dynamo_cli.router.replicas import (
+    LINGER_S,
     ActiveSequenceEvent,
     PrefillCompleted,
     ReplicaSync,
@@ -107,10 +108,10 @@ async def test_what_one_replica_routes_the_other_counts_identically() -> None:
     publisher = asyncio.get_running_loop().create_task(sync_a.publish_loop())
     decision = policy_a.select(RouteRequest("r", PROMPT), [1, 2])
     sync_a.added("m", "r", policy_a)
-    await asyncio.sleep(0)
-    decode = msgspec.msgpack.Decoder(ActiveSequenceEvent).decode
-    for payload in bus.sent:
-        sync_b.apply(decode(payload))
+    await asyncio.sleep(LINGER_S * 5)  # sent once the batch lingered
+    decode = msgspec.msgpack.Decoder(list[ActiveSequenceEvent]).decode
+    for payload in bus.sent:  # a message is a batch of events
+        sync_b.apply_batch(decode(payload))
     assert loads(policy_b) == loads(policy_a)
     assert loads(policy_a)[decision.worker_id] == (1, 4, len(PROMPT))
     publisher.cancel()
