@@ -153,8 +153,8 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
     with contextlib.ExitStack() as cleanup:
         if config.num_frontends > 1:  # the group's metrics directory, removed on the way out
             group = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="dyn-frontends-"))
-            config = replace(config, frontend=replace(config.frontend, reuse_port=True, metrics_dir=group))
-            config = replace(config, frontend=replace(config.frontend, replica_sync=True))
+            frontend = replace(config.frontend, reuse_port=True, metrics_dir=group, replica_sync=True)
+            config = replace(config, frontend=frontend)
         async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
             try:
                 await _serve(config, discovery, bus, Pools(pool, frontends), stop, plan)
@@ -181,7 +181,8 @@ async def _serve(
 ) -> None:
     planes = config.frontend.planes
     profile = await _profile(config, plan) if plan is not None else None
-    sock = bind_socket(config.frontend.host, config.frontend.port, reuse_port=config.frontend.reuse_port)
+    frontend = config.frontend  # a frontend joining its group's port takes no connection until it is ready
+    sock = bind_socket(frontend.host, frontend.port, reuse_port=frontend.reuse_port, listen=not config.joins_group)
     port = sock.getsockname()[1]
     url = f"{config.frontend.scheme}://{config.frontend.host}:{port}"
     service = FrontendService(config.frontend, discovery, bus)
@@ -282,8 +283,7 @@ async def _serve_started(
         for i in range(config.num_routers):
             await _spawn(pool, _system_port(router, _child_port(config, expected + i)))
         expected = config.num_routers
-    is_child = config.ready_workers is not None
-    if is_child:
+    if config.joins_group:
         expected = config.ready_workers or 0
     await _spawn_frontends(config, pools.frontends, planes, sock.getsockname()[1], expected)
     served: set[str] = set()
@@ -308,14 +308,16 @@ async def _serve_started(
                 frontend_key(config.frontend.namespace, discovery.lease_id),
                 msgspec.json.encode(FrontendRecord(url=url)),
             )
-            if is_child:
+            if config.joins_group:
                 logger.info("frontend %x ready on %s", discovery.lease_id, url)
                 return
             await _wait_frontends(discovery, config, pools.frontends, url)
             tasks.spawn(pools.frontends.supervise())
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
-        await service.run(sock, stop, on_ready)  # serve_all stops the pools on every way out
+        await service.run(
+            sock, stop, on_ready, serve_first=not config.joins_group
+        )  # serve_all stops the pools on every way out
 
 
 async def _spawn_frontends(

@@ -206,6 +206,11 @@ class ServeConfig:
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
+    @property
+    def joins_group(self) -> bool:
+        """One of the other frontends of a `dyn serve --frontends N` (it starts nothing, and serves once ready)."""
+        return self.ready_workers is not None
+
     def router_config(self) -> RouterConfig:
         """What each `dyn router` replica it starts runs with: this deployment's routing settings."""
         frontend = self.frontend

@@ -80,11 +80,11 @@ class Frontend:
     ) -> None:
         self.config = config
         self.tracing = tracing
+        """Each OpenAI request's spans (`--otlp-endpoint`); None: tracing off."""
         self.group = group
         """`dyn serve --frontends N`: /metrics shows the group's totals."""
         self.instance_id = instance_id
         """This frontend's id on the planes (its lease), which `/health` names."""
-        """Each OpenAI request's spans (`--otlp-endpoint`); None: tracing off."""
         self.registry = registry
         self.metrics = metrics
         self.standby: Callable[[str], float | None] | None = None

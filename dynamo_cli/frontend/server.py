@@ -54,9 +54,10 @@ def policy_factory(config: FrontendConfig, mode: str | None = None) -> Callable[
     raise ConfigError(f"--router '{mode}' is unknown; use one of: {', '.join(ROUTER_MODES)}")
 
 
-def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
     """Bind the HTTP socket up front so port 0 works and the real port can be printed (`reuse_port`: shared with
-    the other frontends of `dyn serve --frontends N`, the kernel spreading connections over them)."""
+    the other frontends of `dyn serve --frontends N`, the kernel spreading connections over them; `listen`
+    False: it gets none until the server starts, which listens)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -67,7 +68,8 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.soc
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from exc
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock
 
@@ -143,8 +145,17 @@ class FrontendService:
         """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
         catch-up, and the HTTP server itself; cancelled when `run` returns."""
 
-    async def run(self, sock: socket.socket, stop: asyncio.Event, on_ready: Callable[[], Awaitable[None]]) -> None:
-        """Serve until `stop` is set."""
+    async def run(
+        self,
+        sock: socket.socket,
+        stop: asyncio.Event,
+        on_ready: Callable[[], Awaitable[None]],
+        *,
+        serve_first: bool = True,
+    ) -> None:
+        """Serve until `stop` is set. `serve_first`: answer HTTP while `on_ready` waits (the port is this
+        deployment's alone; its clients wait for the ready line); else only once it returned (a frontend joining
+        a group on a shared port: until it knows the workers, the kernel hands its connections to the others)."""
         try:
             kv_events = "kv" in (self.config.router, self.config.disagg.prefill_router_mode)
             await follow_workers(
@@ -161,8 +172,12 @@ class FrontendService:
                 self._tasks.spawn(loop)
             if self.group is not None:
                 self._tasks.spawn(self.group.share(self.app.refresh_metrics))
-            server = self._tasks.spawn(self._serve_http(sock, stop))
-            await on_ready()
+            if serve_first:
+                server = self._tasks.spawn(self._serve_http(sock, stop))
+                await on_ready()
+            else:
+                await on_ready()
+                server = self._tasks.spawn(self._serve_http(sock, stop))
             freeze_heap()
             await server
         finally:
