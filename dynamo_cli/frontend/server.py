@@ -59,6 +59,8 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool 
     the other frontends of `dyn serve --frontends N`, the kernel spreading connections over them; `listen`
     False: it gets none until the server starts, which listens)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if reuse_port and listen and port:  # the group's first: the port must be free, not another group's to share
+        bind_socket(host, port).close()
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
