@@ -47,6 +47,7 @@ from dynamo_cli.planner.observe import (
     WorkerLoads,
     count_workers,
     follow_worker_loads,
+    frontend_urls,
 )
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
@@ -55,7 +56,7 @@ from dynamo_cli.process_pool import ProcessPool, RestartPolicy
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
-from dynamo_cli.runtime.names import frontend_key, frontends_prefix
+from dynamo_cli.runtime.names import frontend_key
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
 from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery, BestWorkerReply
@@ -343,23 +344,13 @@ async def _wait_frontends(discovery: Discovery, config: ServeConfig, pool: Proce
     """Until all `--frontends` registered (this one included: the records on `url`), or raise when one exited or
     time ran out."""
     deadline = time.monotonic() + config.ready_timeout_s
-    while await _frontends_on(discovery, config.frontend.namespace, url) < config.num_frontends:
+    while (await frontend_urls(discovery, config.frontend.namespace)).count(url) < config.num_frontends:
         dead = [p for p in pool.procs if p.returncode is not None]
         if dead:
             raise WorkerFailed(f"frontend pid {dead[0].pid} exited with code {dead[0].returncode} before serving")
         if time.monotonic() > deadline:
             raise WorkerFailed(f"not all {config.num_frontends} frontends served within {config.ready_timeout_s:.0f} s")
         await asyncio.sleep(0.1)
-
-
-async def _frontends_on(discovery: Discovery, namespace: str, url: str) -> int:
-    async with asyncio.timeout(10):
-        records = await discovery.get_prefix(frontends_prefix(namespace))
-    urls = []
-    for raw in records.values():
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
-    return urls.count(url)
 
 
 def _planner(

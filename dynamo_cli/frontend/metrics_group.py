@@ -20,7 +20,6 @@ totals, so that they never go back, and loses its gauges. `_created` timestamps 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -29,6 +28,8 @@ from pathlib import Path
 import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from dynamo_cli.runtime.supervisor import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -136,19 +137,7 @@ class MetricsGroup:
             if path == self._own or not path.stem.isdigit():
                 continue
             try:
-                others.append((_decode(path.read_bytes()), _alive(int(path.stem))))
+                others.append((_decode(path.read_bytes()), pid_alive(int(path.stem))))
             except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.debug("skipping the frontend metrics snapshot %s: %s", path, exc)
         return generate_latest(MergedFamilies(merge(snapshot(self._registry), others)))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):  # a zombie: exited, not yet reaped by its parent
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].startswith(" Z")
-    return True

@@ -54,7 +54,13 @@ class FrontendRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def discovered_frontends(discovery: Discovery, namespace: str) -> list[str]:
-    """URLs of the frontends registered in `namespace`."""
+    """URLs of the frontends registered in `namespace`, each once (the frontends of one `dyn serve --frontends N`
+    share one URL and one /metrics)."""
+    return sorted(set(await frontend_urls(discovery, namespace)))
+
+
+async def frontend_urls(discovery: Discovery, namespace: str) -> list[str]:
+    """The URL of each frontend registered in `namespace` (a URL once per frontend on it)."""
     async with asyncio.timeout(SCRAPE_TIMEOUT_S):
         found = await discovery.get_prefix(frontends_prefix(namespace))
     urls = []
@@ -63,7 +69,7 @@ async def discovered_frontends(discovery: Discovery, namespace: str) -> list[str
             urls.append(msgspec.json.decode(raw, type=FrontendRecord).url)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-    return sorted(set(urls))  # the frontends of one `dyn serve --frontends N` share one URL (and /metrics)
+    return urls
 
 
 UrlSource = Callable[[], Awaitable[list[str]]]

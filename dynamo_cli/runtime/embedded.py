@@ -32,6 +32,7 @@ from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.runtime.discovery import DEFAULT_TTL_S, Discovery, WatchEvent, WatchKind
 from dynamo_cli.runtime.events import SUBSCRIBER_QUEUE, subject_matches
 from dynamo_cli.runtime.private_dir import ensure_private_dir
+from dynamo_cli.runtime.supervisor import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +90,6 @@ class _LeaseRecord(msgspec.Struct, frozen=True):
 class _KeyRecord(msgspec.Struct, frozen=True, array_like=True):
     lease: int
     value: bytes
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a SIGKILLed child not yet reaped is a zombie: dead for our purpose
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 class FileDiscovery:
@@ -249,7 +236,7 @@ class FileDiscovery:
             record = msgspec.json.decode(path.read_bytes(), type=_LeaseRecord)
         except (OSError, msgspec.DecodeError):
             return False
-        alive = age <= record.ttl and (record.host != _HOST or _pid_alive(record.pid))
+        alive = age <= record.ttl and (record.host != _HOST or pid_alive(record.pid))
         if not alive:
             self._unlink(path)
         return alive

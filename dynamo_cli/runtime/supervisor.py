@@ -135,3 +135,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() != int(parent):  # the parent died before prctl took effect
         sys.exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a SIGKILLed child not yet reaped is a zombie: dead for our purpose
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return True
