@@ -97,6 +97,10 @@ class EngineArgs:
     (vLLM's NIXL side channel, SGLang's bootstrap server) unless its options say otherwise."""
     kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
     """Host and disk KV tiers below the engine's own cache (`--kv-host-cache-gb` ...; off by default)."""
+    max_loras: int = 0
+    """LoRA adapters the engine must hold at once (`--max-loras`) when the worker serves any (`--lora`,
+    `--lora-dir`); 0: none asked for. A library that reserves memory for adapters (vLLM's `enable_lora`,
+    SGLang's `max_loras_per_batch`) turns them on only then; llama.cpp and the mocker serve them anyway."""
 
 
 DETERMINISTIC = "deterministic"
@@ -139,6 +143,22 @@ class Embeds(Protocol):
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
         """The inputs' embeddings; RequestError for an input the engine cannot take."""
+        ...
+
+
+@runtime_checkable
+class ServesLoras(Protocol):
+    """An engine that runs LoRA adapters over its base model. The worker owns which adapters are served and
+    which are resident (`lora.AdapterSet`: `--lora`, `--max-loras`, least recently used eviction); the
+    engine only loads one into memory, frees one, and runs a request whose `lora` names a loaded one."""
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load adapter `path` under `name`; RequestError(param="lora_path") naming what is wrong with the
+        file (not found, not an adapter of this model, refused by the library); the engine serves on."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Free adapter `name` (no request of it is in flight). Idempotent."""
         ...
 
 

@@ -28,6 +28,10 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     tier costs then assume a default)."""
     features: list[str] = []
     """`Feature` values the engine honours (engine.py); what is not listed is refused at the frontend."""
+    loras: list[str] = []
+    """LoRA adapters this instance serves (each a model of its own, `display_name` its base), sorted."""
+    max_loras: int = 0
+    """Adapters resident at once (`--max-loras`); 0: the engine serves no adapters."""
     bootstrap: str | None = None
     """A prefill engine whose KV moves by rendezvous (SGLang): its bootstrap server's host:port, where
     the decode engine meets it while both run (router/prefill.py)."""

@@ -18,10 +18,11 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import CountsWork, Embeds, Engine, EngineArgs, Role, SpawnsProcesses, load_engine
+from dynamo_cli.engine import CountsWork, Embeds, Engine, EngineArgs, Role, ServesLoras, SpawnsProcesses, load_engine
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
+from dynamo_cli.lora.adapters import AdapterSet
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
@@ -42,6 +43,7 @@ from dynamo_cli.wire import (
     KV_DUMP_ENDPOINT,
     KV_EVENTS_SINCE_ENDPOINT,
     KV_RELEASE_ENDPOINT,
+    LORA_ENDPOINT,
     EmbedRequest,
     GenerateChunk,
     GenerateRequest,
@@ -49,6 +51,8 @@ from dynamo_cli.wire import (
     KvEventsSince,
     KvRelease,
     LoadMetrics,
+    LoraCommand,
+    LoraReply,
     health_check_request,
 )
 from dynamo_cli.worker_metrics import WorkerMetrics
@@ -98,6 +102,12 @@ class WorkerService:
         self.last_output_at = 0.0
         """`time.monotonic()` when a request last ended: an engine that serves needs no health check."""
         self._engine_check: asyncio.Task[str | None] | None = None
+        lora_engine = engine if isinstance(engine, ServesLoras) else None
+        self.loras = AdapterSet(lora_engine, config.engine, config.lora.max_loras, config.lora.lora_dirs)
+        """The LoRA adapters it serves and has loaded (dynamo_cli/lora)."""
+        self.endpoint: Endpoint | None = None
+        """Its `generate` endpoint once registered (an adapter load publishes a new card there)."""
+        self._card_lock = asyncio.Lock()
 
     @property
     def instance_id(self) -> int:
@@ -118,14 +128,15 @@ class WorkerService:
             if trace is not None and report is not None:
                 trace.pulled(report)
             chunk: GenerateChunk
-            async for chunk in self.engine.generate(request):
-                if chunk.kv_transfer is not None:
-                    chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
-                if report is not None:
-                    chunk, report = msgspec.structs.replace(chunk, transfer=report), None
-                if trace is not None:
-                    trace.saw(chunk)
-                yield encode(chunk)
+            async with self.loras.using(request.lora):
+                async for chunk in self.engine.generate(request):
+                    if chunk.kv_transfer is not None:
+                        chunk = msgspec.structs.replace(chunk, kv_transfer=self.kv.hold(chunk.kv_transfer))
+                    if report is not None:
+                        chunk, report = msgspec.structs.replace(chunk, transfer=report), None
+                    if trace is not None:
+                        trace.saw(chunk)
+                    yield encode(chunk)
         except BaseException as exc:
             if trace is not None:
                 trace.end(exc)
@@ -147,11 +158,31 @@ class WorkerService:
         transfer_id = _decode(body, KvRelease, KV_RELEASE_ENDPOINT).transfer_id
         yield msgspec.msgpack.encode(self.kv.server is not None and self.kv.server.release(transfer_id))
 
+    async def lora(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: load or unload an adapter; the reply comes once this instance's card says so."""
+        command = _decode(body, LoraCommand, LORA_ENDPOINT)
+        if self.card is None or self.endpoint is None or self.state is not ServingState.READY:
+            raise DynError(f"worker {self.instance_id:x} is {self.state.value}, not serving")
+        if command.action == "load":
+            await self.loras.add(command.name, command.path)
+        elif command.action == "unload":
+            await self.loras.remove(command.name)
+        else:
+            raise RequestError(f"lora action '{command.action}' is unknown; use load or unload", param="action")
+        async with self._card_lock:  # one card write at a time: the last one written lists every change
+            self.card = card = msgspec.structs.replace(self.card, loras=sorted(self.loras.served))
+            await self.endpoint.update_card(card)
+        yield msgspec.msgpack.encode(LoraReply(loras=card.loras, resident=list(self.loras.resident)))
+
     async def start_engine(self) -> ModelCard:
-        """Start the engine; the card it will be served with."""
+        """Start the engine and load the `--lora` adapters; the card it will be served with."""
         info = await self.engine.start()
-        self.card = ModelCard.from_engine(info, self.config.engine, self.config.role)
-        return self.card
+        await self.loras.start(info.model_name, self.config.lora.named())
+        card = ModelCard.from_engine(info, self.config.engine, self.config.role)
+        if self.loras.is_enabled:
+            card = msgspec.structs.replace(card, loras=sorted(self.loras.served), max_loras=self.loras.max_loras)
+        self.card = card
+        return card
 
     async def health(self) -> HealthReport:
         """`/health`: ready when registered and the engine answers (it produced lately, or a one-token
@@ -191,6 +222,9 @@ class WorkerService:
             kv_event_id=self._last_event_id,
             kv_transfer_held=held,
             kv_transfer_held_bytes=held_bytes,
+            loras=list(self.loras.resident),
+            lora_loads=self.loras.loads,
+            lora_load_s=self.loras.last_load_s,
         )
 
     async def pump_kv_events(self) -> None:
@@ -280,11 +314,12 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
     worker.server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)
     worker.server.add_endpoint(KV_RELEASE_ENDPOINT, worker.kv_release)
     worker.server.add_endpoint(EMBED_ENDPOINT, worker.embed)
+    worker.server.add_endpoint(LORA_ENDPOINT, worker.lora)
     address = await worker.server.start()
     system, registry = _system_server(worker)
     system_text = f" system={await system.start()}" if system is not None else ""
     await worker.kv.start()
-    endpoint = Endpoint(worker.name, worker.discovery)
+    endpoint = worker.endpoint = Endpoint(worker.name, worker.discovery)
     try:
         async with ServiceTasks() as tasks:
             card = await worker.start_engine()
@@ -415,4 +450,5 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         extra=dict(config.extra),
         host=config.host,
         kv_tiers=config.kv_tiers,
+        max_loras=config.lora.max_loras if config.lora.adapters or config.lora.lora_dirs else 0,
     )

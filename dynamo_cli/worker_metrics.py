@@ -28,6 +28,7 @@ LOAD_GAUGES = {
 LOAD_COUNTERS = {
     "prefill_tokens_computed": ("num_prefill_tokens_computed", "Prompt tokens computed (prefix-cache misses)"),
     "prefill_tokens_cached": ("num_prefill_tokens_cached", "Prompt tokens served from the prefix cache"),
+    "lora_loads": ("lora_loads", "LoRA adapter loads (at start, at run time, again after an eviction)"),
 }
 """`dynamo_component_{name}_total` counter -> (LoadMetrics field, help)."""
 
@@ -53,6 +54,9 @@ class WorkerMetrics(Collector):
         load, labels, names = self.load(), self.labels, ["dynamo_namespace", "dynamo_component", "model"]
         for name, (field, text) in LOAD_GAUGES.items():
             yield _gauge(f"dynamo_component_{name}", text, names, labels, getattr(load, field))
+        yield _gauge(
+            "dynamo_component_lora_adapters_loaded", "LoRA adapters loaded now", names, labels, len(load.loras)
+        )
         usage = load.active_blocks / load.total_blocks if load.total_blocks else 0.0
         yield _gauge("dynamo_component_kvstats_gpu_cache_usage_percent", "KV cache used (0..1)", names, labels, usage)
         seen = load.num_prefill_tokens_cached + load.num_prefill_tokens_computed

@@ -39,6 +39,12 @@ def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
         (["serve", "--otlp-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
         (["serve", "--frontends", "0"], "--frontends must be between 1 and 256, got 0"),
         (["serve", "--frontends", "100000"], "--frontends must be between 1 and 256"),
+        (["serve", "--lora", "sql"], "--lora 'sql' is invalid; write NAME=PATH"),
+        (["worker", "--lora", "../x=/a.gguf"], "adapter name '../x' is invalid"),
+        (["serve", "--lora", "a=/x", "--lora", "a=/y"], "adapter 'a' is given twice"),
+        (["worker", "--max-loras", "0"], "--max-loras must be between 1 and 1024, got 0"),
+        (["serve", "--lora-replicas", "-1"], "--lora-replicas must be >= 0"),
+        (["bench", "--model", "a,b", "--model-mix", "zipf:x"], "--model-mix 'zipf:x' is invalid"),
     ],
 )
 def test_a_bad_observability_setting_is_one_line_naming_it(args: list[str], expected: str) -> None:

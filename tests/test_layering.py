@@ -13,6 +13,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     runtime                     distributed planes; knows nothing about LLMs (errors, config)
     tracing                     trace context, spans (OpenTelemetry, imported only when on), log lines
                                 naming their request (the contract)
+    lora                        multi-LoRA: a worker's served and loaded adapters, the routers' view of them (the
+                                contract)
     router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
     frontend                    the OpenAI server (router, model, runtime ...)
     worker                      one engine behind the request plane (the contract, kv, runtime)
@@ -51,6 +53,7 @@ _EVERYTHING = {
     "model_card",
     "runtime",
     "router",
+    "lora",
     "frontend",
     "worker",
     "worker_metrics",
@@ -76,9 +79,10 @@ ALLOWED: dict[str, set[str]] = {
     "model_card": {"errors", "engine"},
     "runtime": {"errors", "config"},
     "tracing": {"errors", "config", "kv", "wire"},
-    "router": _CONTRACT | {"runtime", "tracing"},
-    "frontend": _CONTRACT | {"model", "runtime", "router", "tracing"},
-    "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing"},
+    "lora": _CONTRACT,
+    "router": _CONTRACT | {"runtime", "tracing", "lora"},
+    "frontend": _CONTRACT | {"model", "runtime", "router", "tracing", "lora"},
+    "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora"},
     "worker_metrics": {"errors", "kv", "wire"},
     "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},
     "bench": {"errors", "model"},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import zlib
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,6 +60,38 @@ class LoadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelMix:
+    """Several models (LoRA adapters, typically) and how often each is asked for."""
+
+    models: tuple[str, ...]
+    weights: tuple[float, ...]
+    seed: int = 0
+
+    def pick(self, key: str) -> str:
+        """The model of the conversation that opened with `key` (the same for each of its turns)."""
+        draw = random.Random(zlib.crc32(key.encode()) ^ self.seed).random() * sum(self.weights)
+        for model, weight in zip(self.models, self.weights, strict=True):
+            draw -= weight
+            if draw < 0:
+                return model
+        return self.models[-1]
+
+
+def parse_model_mix(models: list[str], spec: str, seed: int = 0) -> ModelMix:
+    """`--model-mix uniform` or `zipf:S` over `models` (the i-th weighted 1 / (i + 1)^S); ConfigError otherwise."""
+    kind, _, value = spec.partition(":")
+    if kind == "uniform" and not value:
+        return ModelMix(tuple(models), (1.0,) * len(models), seed)
+    try:
+        exponent = float(value) if kind == "zipf" else float("nan")
+    except ValueError:
+        exponent = float("nan")
+    if not exponent >= 0:
+        raise ConfigError(f"--model-mix {spec!r} is invalid; use uniform or zipf:S with S >= 0 (zipf:1.1)")
+    return ModelMix(tuple(models), tuple(1 / (i + 1) ** exponent for i in range(len(models))), seed)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestBuilder:
     """Turns a conversation's history into an OpenAI request body."""
 
@@ -66,14 +99,17 @@ class RequestBuilder:
     endpoint: Endpoint = "chat"
     ignore_eos: bool = True
     extra: tuple[tuple[str, Any], ...] = ()
+    mix: ModelMix | None = None
+    """Several models: each conversation asks one of them (`model` is then only the first)."""
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def body(self, history: list[dict[str, str]], turn: Turn) -> dict[str, Any]:
+        model = self.model if self.mix is None else self.mix.pick(history[0]["content"] if history else turn.text)
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model,
             "max_tokens": turn.output_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -13,7 +13,7 @@ from typing import Any
 
 from dynamo_cli.bench import workload as wl
 from dynamo_cli.bench.http import EndpointError, EndpointUnreachable, HttpClient, RequestRecord
-from dynamo_cli.bench.load import Endpoint, LoadConfig, LoadRunner, RequestBuilder
+from dynamo_cli.bench.load import Endpoint, LoadConfig, LoadRunner, RequestBuilder, parse_model_mix
 from dynamo_cli.bench.metrics import RequestMetrics, Slo, Summary, request_metrics, summarize
 from dynamo_cli.errors import ConfigError, ModelNotFound
 
@@ -60,7 +60,9 @@ class BenchConfig:
     load: LoadConfig
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: str | None = None
-    """None: the first model of GET /v1/models."""
+    """None: the first model of GET /v1/models. With `model_mix`, several, comma-separated."""
+    model_mix: str | None = None
+    """`uniform` or `zipf:S`: each conversation asks one of the `model`s, drawn so (LoRA tenants)."""
     endpoint: Endpoint = "chat"
     tokenizer: str | None = None
     """Alias or path of the tokenizer; None: try the model name."""
@@ -176,10 +178,19 @@ async def run_bench(
     async with HttpClient(
         config.url, max_connections=most, request_timeout=config.request_timeout, headers=auth
     ) as client:
-        model = await resolve_model(client, config.model)
-        builder = RequestBuilder(model, config.endpoint, config.ignore_eos)
+        if config.model_mix is None:
+            model = await resolve_model(client, config.model)
+            builder = RequestBuilder(model, config.endpoint, config.ignore_eos)
+        else:
+            names = [name.strip() for name in (config.model or "").split(",") if name.strip()]
+            if not names:
+                raise ConfigError("--model-mix needs --model NAME,NAME,... (the models to mix)")
+            models = [await resolve_model(client, name) for name in names]
+            mix = parse_model_mix(models, config.model_mix, config.load.seed)
+            model = ",".join(models)
+            builder = RequestBuilder(models[0], config.endpoint, config.ignore_eos, mix=mix)
         await probe(client, builder)
-        vocab = wl.load_vocab(config.tokenizer or model)
+        vocab = wl.load_vocab(config.tokenizer or builder.model)
         runs = []
         for label, load in loads:
             if on_phase is not None:

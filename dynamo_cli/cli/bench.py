@@ -13,7 +13,7 @@ from rich.table import Table
 
 from dynamo_cli.bench import report
 from dynamo_cli.bench.http import RequestRecord
-from dynamo_cli.bench.load import LoadConfig, run_async
+from dynamo_cli.bench.load import LoadConfig, parse_model_mix, run_async
 from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, Summary, parse_slo
 from dynamo_cli.bench.session import BenchConfig, BenchResult, WorkloadConfig, parse_sweep, run_bench
 from dynamo_cli.bench.workload import read_trace
@@ -30,7 +30,15 @@ def bench(
     ctx: typer.Context,
     url: _Url = "http://127.0.0.1:8000",
     model: Annotated[
-        str | None, _Opt(envvar="DYN_BENCH_MODEL", help="Model name; default: the first of GET /v1/models.")
+        str | None,
+        _Opt(
+            envvar="DYN_BENCH_MODEL",
+            help="Model name (with --model-mix: names, comma-separated); default: the first of GET /v1/models.",
+        ),
+    ] = None,
+    model_mix: Annotated[
+        str | None,
+        _Opt(help="uniform or zipf:S: each conversation asks one of the --model names (LoRA tenants: zipf:1.1)."),
     ] = None,
     endpoint: Annotated[str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")] = "chat",
     api_key: Annotated[
@@ -83,6 +91,8 @@ def bench(
         raise ConfigError(
             f"--endpoint must be chat|completions and --arrival constant|poisson, got {endpoint}, {arrival}"
         )
+    if model_mix is not None:
+        parse_model_mix([model or "m"], model_mix)  # a bad spec fails here, before any connection
     if plot:
         report.require_matplotlib()
     if trace and not (num_requests or duration):
@@ -117,6 +127,7 @@ def bench(
         load=load,
         workload=workload,
         model=model,
+        model_mix=model_mix,
         endpoint=endpoint,  # type: ignore[arg-type]
         tokenizer=tokenizer,
         ignore_eos=ignore_eos,

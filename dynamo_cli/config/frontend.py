@@ -192,6 +192,14 @@ class FrontendConfig:
     )
     """Publish this frontend's routing decisions and count its peers' (router/replicas.py), as `dyn router`
     replicas do: several frontends in front of the same workers then see one in-flight load."""
+    lora_replicas: int = setting(
+        0,
+        "--lora-replicas",
+        env="DYN_LORA_REPLICAS",
+        help="POST /v1/load_lora_adapter loads on this many of the base's workers, least loaded first (0: all).",
+        panel=ROUTING,
+    )
+    """Workers a run-time adapter load goes to (the least loaded of the base model's); 0: every one."""
     reuse_port: bool = False
     """Bind the HTTP port with SO_REUSEPORT: the frontends of one `dyn serve --frontends N` share it."""
     metrics_dir: str | None = None
@@ -201,6 +209,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.migration_limit < 0:
             raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.lora_replicas < 0:
+            raise ConfigError(f"--lora-replicas must be >= 0, got {self.lora_replicas}")
 
     @property
     def scheme(self) -> str:

@@ -4,6 +4,7 @@ how a process hands its child the config it runs (one JSON document in its envir
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,83 @@ def parse_role(value: str) -> Role:
         return Role(value)
     except ValueError:
         raise ConfigError(f"--role '{value}' is invalid; use one of: prefill, decode, both") from None
+
+
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+"""What an adapter's served name may be (it is a model name clients send, a key suffix, a metric label)."""
+MAX_LORAS = 1024
+
+
+def check_lora_name(name: str, what: str = "--lora") -> str:
+    """`name` if it can serve as an adapter's model name, else ConfigError saying what may be."""
+    if not LORA_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{what}: adapter name {name[:64]!r} is invalid; use 1-128 letters, digits and ._:/@+- "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def parse_loras(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """`--lora NAME=PATH` values, checked (a valid name, a path, no name twice); ConfigError otherwise."""
+    seen: set[str] = set()
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--lora {value!r} is invalid; write NAME=PATH (an adapter file)")
+        if check_lora_name(name) in seen:
+            raise ConfigError(f"--lora: adapter {name!r} is given twice")
+        seen.add(name)
+    return tuple(values)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters a worker serves over its base model (each one a model of its own; dynamo_cli/lora)."""
+
+    adapters: tuple[str, ...] = setting(
+        (),
+        "--lora",
+        env="DYN_LORAS",
+        help="NAME=PATH: serve adapter PATH as model NAME (repeatable).",
+        panel=ENGINE,
+        cli_type=list[str] | None,
+        parse=parse_loras,
+        show=lambda adapters: list(adapters) or None,
+    )
+    """`NAME=PATH` of each adapter served from the start."""
+    max_loras: int = setting(
+        4,
+        "--max-loras",
+        env="DYN_MAX_LORAS",
+        help="Adapters loaded at once; the least recently used goes first.",
+        panel=ENGINE,
+    )
+    """Adapters resident at once; a request for another one evicts the least recently used idle one and loads."""
+    lora_dirs: tuple[str, ...] = setting(
+        (),
+        "--lora-dir",
+        env="DYN_LORA_DIRS",
+        help="Where run-time loads may read adapters (repeatable; default: the --lora files' folders).",
+        panel=ENGINE,
+        cli_type=list[str] | None,
+        parse=tuple,
+        show=lambda dirs: list(dirs) or None,
+    )
+    """Folders `POST /v1/load_lora_adapter` may name files in: a load is a file read by the engine's parser on
+    the worker's machine, so only these (and the `--lora` files' folders) are open to it."""
+
+    def __post_init__(self) -> None:
+        for name in ("adapters", "lora_dirs"):  # an option left unset arrives as None
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
+        parse_loras(self.adapters)
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ConfigError(f"--max-loras must be between 1 and {MAX_LORAS}, got {self.max_loras}")
+
+    def named(self) -> dict[str, str]:
+        """Adapter name -> path, in the order given."""
+        return dict(value.partition("=")[::2] for value in self.adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +182,7 @@ class WorkerConfig:
     kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
     """Host and disk KV tiers below the engine's cache (`--kv-host-cache-gb`, `--kv-disk-cache-gb` ...)."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:

@@ -31,6 +31,7 @@ from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, id_headers, int_header, pinned_header, too_large
+from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
@@ -93,9 +94,13 @@ class Frontend:
         self._openapi = msgspec.json.encode(openapi_document())
         self._gate = Gate(config.auth) if config.auth.api_keys else None
         self.rules = rules
+        loras = LoraAdmin(config, registry)
         self._rest = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
+                Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
+                Route("/v1/loras", loras.listing),
                 Route("/health", self.health),
                 Route("/live", self.live),
                 Route("/metrics", self.prometheus),
@@ -152,7 +157,7 @@ class Frontend:
         except Exception as exc:  # a bug, not the client's fault: a 500 in OpenAI's shape, findable in the log
             return await _send_error(send, _internal(exc, "preparing a request"))
         generation = generations[0]
-        model = generation.dispatch.entry.name
+        model = generation.dispatch.model
         self.metrics.inflight.labels(model).inc()
         status = "success"
         try:
@@ -192,10 +197,10 @@ class Frontend:
         self, request: ChatCompletionRequest | CompletionRequest, scope: Scope, request_id: str
     ) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
-        entry = self._entry(request.model)
+        entry, lora = self._entry(request.model)
         trace: RequestTrace | None = scope.get(TRACE_SCOPE_KEY) if self.tracing is not None else None
         if trace is not None:
-            trace.describe(entry.name, request_id)
+            trace.describe(request.model, request_id)
         check_features(request, entry.card)
         tokenizer = await entry.tokenizer
         tokenize = trace.child("tokenize") if trace is not None else None
@@ -240,6 +245,7 @@ class Frontend:
                     priority=priority or 0,
                     deadline=deadline,
                     trace=trace,
+                    lora=lora,
                 )
                 generations.append(Generation(Dispatch(entry, plan, self.rules), tokenizer, echo=echo, stop=stop))
                 generations[-1].output = chat.output if chat is not None else None
@@ -250,9 +256,10 @@ class Frontend:
             raise
         return generations
 
-    def _entry(self, model: str) -> ServedModel:
+    def _entry(self, model: str) -> tuple[ServedModel, str]:
+        """The entry serving `model` and its LoRA adapter ("": a base model)."""
         try:
-            return self.registry.get(model)
+            return self.registry.resolve(model)
         except ModelNotFound:
             wait = self.standby(model) if self.standby is not None else None
             if wait is None:
@@ -261,7 +268,7 @@ class Frontend:
 
     async def _stream(self, gen: Generation, request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         d = gen.dispatch
-        fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
+        fmt = ChunkFormatter(d.plan.request_id, d.model, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *id_headers(gen)]})
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
@@ -298,7 +305,7 @@ class Frontend:
 
     async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
         d = gen.dispatch
-        fmt = ChunkFormatter(d.plan.request_id, d.entry.name, is_chat=is_chat)
+        fmt = ChunkFormatter(d.plan.request_id, d.model, is_chat=is_chat)
 
         async def body() -> bytes:
             text = "".join([piece async for piece in gen.text()])
@@ -314,7 +321,7 @@ class Frontend:
         d = gens[0].dispatch
         response = ChoicesResponse(
             d.plan.request_id,
-            d.entry.name,
+            d.model,
             gens,
             is_chat=is_chat,
             wants_logprobs=d.plan.request.sampling.logprobs is not None,
@@ -356,7 +363,7 @@ class Frontend:
         except Exception as exc:
             return await _send_error(send, _internal(exc, "preparing a request"))
         writer, d = api.writer(request, generation), generation.dispatch
-        self.metrics.inflight.labels(d.entry.name).inc()
+        self.metrics.inflight.labels(d.model).inc()
         status = "error"
         try:
             if not request.stream:
@@ -374,15 +381,17 @@ class Frontend:
         finally:
             await d.aclose()
             self._observe(generation)
-            self.metrics.inflight.labels(d.entry.name).dec()
+            self.metrics.inflight.labels(d.model).dec()
             stream = "stream" if request.stream else "unary"
-            self.metrics.requests.labels(d.entry.name, api.name, stream, status).inc()
+            self.metrics.requests.labels(d.model, api.name, stream, status).inc()
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""
         try:
             request = parse_embeddings(await self._read_body(scope, receive))
-            entry = self._entry(request.model)
+            entry, lora = self._entry(request.model)
+            if lora:  # the base's vectors under the adapter's name would lie
+                raise RequestError(f"'{lora}' is a LoRA adapter; adapters serve no embeddings", param="model")
         except ClientGone:
             return
         except DynError as exc:
@@ -411,7 +420,7 @@ class Frontend:
 
     def _observe(self, gen: Generation) -> None:
         d = gen.dispatch
-        m, model = self.metrics, d.entry.name
+        m, model = self.metrics, d.model
         end = time.perf_counter()
         m.isl.labels(model).observe(len(d.plan.prompt_ids))
         m.osl.labels(model).observe(gen.completion_tokens)
@@ -439,7 +448,7 @@ class Frontend:
             }
             for e in self.registry.servable()
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": data + adapter_rows(self.registry)})
 
     async def health(self, request: Request) -> Response:
         instances = [

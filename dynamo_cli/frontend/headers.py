@@ -59,7 +59,10 @@ def id_headers(gen: Generation) -> list[tuple[bytes, bytes]]:
     if d.router_id is not None:
         headers.append((b"x-dyn-router-instance-id", f"{d.router_id:x}".encode()))
     if d.plan.is_explained and d.decision is not None:
-        headers.append((b"x-dyn-route", msgspec.json.encode(_hexid_headers(d.decision.explanation))))
+        explanation = d.decision.explanation
+        if d.lora_loaded is not None:  # a LoRA request: was its adapter loaded where it went, or loaded there first
+            explanation = {**explanation, "lora": {"name": d.plan.request.lora, "was_loaded": d.lora_loaded}}
+        headers.append((b"x-dyn-route", msgspec.json.encode(_hexid_headers(explanation))))
     if d.plan.is_explained and d.prefill is not None:
         headers.append((b"x-dyn-prefill-route", msgspec.json.encode(_hexid_headers(d.prefill))))
     if d.prefill is not None and "prefill_worker_id" in d.prefill:

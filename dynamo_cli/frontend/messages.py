@@ -105,7 +105,7 @@ class MessageWriter:
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": g.dispatch.entry.name,
+            "model": g.dispatch.model,
             "content": [] if text is None else [{"type": "text", "text": text}],
             "stop_reason": reason,
             "stop_sequence": None,

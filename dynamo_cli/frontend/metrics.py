@@ -19,6 +19,8 @@ WORKER_SERIES = {
     "running_requests": "Requests the worker is running (its last load report)",
     "waiting_requests": "Requests waiting in the worker's scheduler (its last load report)",
     "inflight_requests": "Streams this frontend has open on the worker",
+    "lora_adapters_loaded": "LoRA adapters loaded on the worker now (its last load report)",
+    "lora_loads": "LoRA adapter loads on the worker since it started, reloads after an eviction included",
 }
 """Per-worker gauges `dynamo_frontend_worker_{name}`, labelled model, worker_id, dp_rank, worker_type."""
 
@@ -89,6 +91,8 @@ class FrontendMetrics(DispatchSeries):
                 "running_requests": load.num_running if load else 0,
                 "waiting_requests": load.num_waiting if load else 0,
                 "inflight_requests": worker.num_inflight,
+                "lora_adapters_loaded": len(load.loras) if load else 0,
+                "lora_loads": load.lora_loads if load else 0,
             }
             for name, value in values.items():
                 self.worker_gauges[name].labels(model, f"{worker.instance_id:x}", "0", worker.card.role).set(value)

@@ -110,6 +110,7 @@ class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
 
 _PATH = re.compile(r" - at `\$\.?([\w.\[\]]*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = bytes(3 if c in b"[{" else 1 if c in b"]}" else 0 for c in range(256))
 
@@ -156,6 +157,9 @@ def decode_error(exc: Exception) -> RequestError:
             f"'{name}' is not a parameter this server accepts; remove it", param=name, code="unsupported_parameter"
         )
     param = match.group(1) if match and match.group(1) else None
+    missing = _MISSING.search(text)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     detail = text.split(" - at ")[0]
     where = f"'{param}'" if param else "the request body"
     return RequestError(f"invalid value for {where}: {detail}", param=param, code="invalid_value")

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.frontend.embeddings import EmbeddingRequest
+from dynamo_cli.frontend.loras import LoadLora, UnloadLora
 from dynamo_cli.frontend.messages import MessagesRequest
 from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
 from dynamo_cli.frontend.responses import ResponsesRequest
@@ -21,11 +22,14 @@ POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "/v1/responses": ("Responses, stateless, translated onto chat (stream: typed SSE events)", ResponsesRequest),
     "/v1/embeddings": ("Embeddings (models whose engine serves them)", EmbeddingRequest),
     "/v1/messages": ("Anthropic Messages, text only, translated onto chat (stream: its events)", MessagesRequest),
+    "/v1/load_lora_adapter": ("Load a LoRA adapter on the base model's workers (vLLM's body)", LoadLora),
+    "/v1/unload_lora_adapter": ("Unload a LoRA adapter from every worker (vLLM's body)", UnloadLora),
 }
 """Path -> (summary, the msgspec type its body is decoded into)."""
 
 GET_ROUTES: dict[str, str] = {
-    "/v1/models": "The models served now (one entry per model with live workers)",
+    "/v1/models": "The models served now (one entry per model with live workers; LoRA adapters with their parent)",
+    "/v1/loras": "The LoRA adapters served, with the workers serving each and those that have it loaded",
     "/health": "200 with the serving instances, 503 when there are none",
     "/live": "200 while the process runs",
     "/metrics": "Prometheus metrics",

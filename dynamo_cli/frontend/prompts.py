@@ -87,11 +87,14 @@ def plan_request(
     priority: int = 0,
     deadline: float | None = None,
     trace: RequestTrace | None = None,
+    lora: str = "",
 ) -> RequestPlan:
-    """The plan of a request to `entry`'s model, or ContextOverflow when it cannot fit the context; a traced
-    request carries its trace context to every worker (`trace.annotations`)."""
+    """The plan of a request to `entry`'s model (with LoRA adapter `lora`, if not ""), or ContextOverflow when it
+    cannot fit the context; a traced request carries its trace context to every worker (`trace.annotations`)."""
     wanted = check_context(len(prompt_ids), max_tokens, entry.card.context_length)
-    request = GenerateRequest(request_id=request_id, token_ids=prompt_ids, max_tokens=wanted, sampling=sampling)
+    request = GenerateRequest(
+        request_id=request_id, token_ids=prompt_ids, max_tokens=wanted, sampling=sampling, lora=lora
+    )
     if trace is not None:
         request = msgspec.structs.replace(request, annotations=trace.annotations)
     queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)

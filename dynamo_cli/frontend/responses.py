@@ -127,7 +127,7 @@ class ResponseWriter:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "model": g.dispatch.entry.name,
+            "model": g.dispatch.model,
             "output": output,
             "usage": usage,
             "error": None,

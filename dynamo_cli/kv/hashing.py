@@ -1,7 +1,9 @@
 """KV block hashing shared by engines and routers, so both always agree.
 
-Only full blocks are hashed. `local[i] = xxh3_64(le_u32(tokens of block i), seed=1337)`;
+Only full blocks are hashed. `local[i] = xxh3_64(le_u32(tokens of block i), seed=S)`;
 `seq[0] = local[0]`, `seq[i] = xxh3_64(le_u64(seq[i-1]) ++ le_u64(local[i]), seed=1337)`.
+S is 1337 for the base model and `lora_seed(name)` = 1337 + xxh3_64(name) (mod 2**64) for a LoRA adapter, as
+Dynamo seeds it (`protocols.rs`): the base model's hashes are unchanged and two adapters never share a block.
 The chaining is written once, in `_chain`; everything else calls it.
 """
 
@@ -30,9 +32,16 @@ def _xxh(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=HASH_SEED)
 
 
-def block_hash(tokens: Sequence[int]) -> int:
+def lora_seed(lora: str) -> int:
+    """The seed of the token-local hashes of blocks computed under adapter `lora` ("" : the base model's, 1337)."""
+    if not lora:
+        return HASH_SEED
+    return (HASH_SEED + xxhash.xxh3_64_intdigest(lora.encode())) & 0xFFFFFFFFFFFFFFFF
+
+
+def block_hash(tokens: Sequence[int], seed: int = HASH_SEED) -> int:
     """Token-local hash of one block."""
-    return _xxh(_pack_u32(tokens))
+    return xxhash.xxh3_64_intdigest(_pack_u32(tokens), seed=seed)
 
 
 def chain_hash(parent: int | None, local: int) -> int:
@@ -53,16 +62,23 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def hash_blocks(
-    tokens: Sequence[int], block_size: int, *, start: int = 0, parent: int | None = None, num_tokens: int | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    start: int = 0,
+    parent: int | None = None,
+    num_tokens: int | None = None,
+    seed: int = HASH_SEED,
 ) -> list[tuple[int, int]]:
     """(sequence hash, token-local hash) of each full block of `tokens[:num_tokens]` from block `start` on,
-    the first chained onto `parent` (the sequence hash of block `start - 1`; None from the first block)."""
-    sequence, local = _chain(tokens, block_size, start, parent, num_tokens)
+    the first chained onto `parent` (the sequence hash of block `start - 1`; None from the first block);
+    `seed`: the token-local hashes' (`lora_seed`)."""
+    sequence, local = _chain(tokens, block_size, start, parent, num_tokens, seed)
     return list(zip(sequence, local, strict=True))
 
 
 def _chain(
-    tokens: Sequence[int], block_size: int, start: int, parent: int | None, num_tokens: int | None
+    tokens: Sequence[int], block_size: int, start: int, parent: int | None, num_tokens: int | None, seed: int
 ) -> tuple[list[int], list[int]]:
     """The sequence hashes and the token-local hashes of `hash_blocks`' blocks, as two lists."""
     total = len(tokens) if num_tokens is None else num_tokens
@@ -75,7 +91,7 @@ def _chain(
     whole = start == 0 and len(tokens) - end * block_size < block_size
     data = memoryview(_pack_u32(tokens if whole else tokens[start * block_size : end * block_size]))
     width, xxh, pair = 4 * block_size, xxhash.xxh3_64_intdigest, _PAIR.pack
-    local = [xxh(data[offset : offset + width], HASH_SEED) for offset in range(0, (end - start) * width, width)]
+    local = [xxh(data[offset : offset + width], seed) for offset in range(0, (end - start) * width, width)]
     sequence: list[int] = []
     for block in local:
         parent = block if parent is None else xxh(pair(parent, block), HASH_SEED)
@@ -95,12 +111,15 @@ def _pack_u32(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, seed: int = HASH_SEED) -> list[int]:
     """Token-local hashes of every full block of `tokens`."""
     n = num_full_blocks(len(tokens), block_size)
-    return [block_hash(tokens[i * block_size : (i + 1) * block_size]) for i in range(n)]
+    return [block_hash(tokens[i * block_size : (i + 1) * block_size], seed) for i in range(n)]
 
 
-def sequence_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Chained sequence hashes of every full block of `tokens`, optionally continuing `parent`."""
-    return _chain(tokens, block_size, 0, parent, None)[0]
+def sequence_hashes(
+    tokens: Sequence[int], block_size: int, parent: int | None = None, seed: int = HASH_SEED
+) -> list[int]:
+    """Chained sequence hashes of every full block of `tokens`, optionally continuing `parent`; `seed`: the
+    token-local hashes' (`lora_seed`)."""
+    return _chain(tokens, block_size, 0, parent, None, seed)[0]

@@ -147,6 +147,19 @@ WORKERS = (
         "Running and waiting: the worker's scheduler; streams open: this frontend's on the worker.",
     ),
     PanelSpec(
+        "LoRA adapters per worker",
+        "short",
+        (
+            _gauge("dynamo_frontend_worker_lora_adapters_loaded", "{{worker_id}} loaded"),
+            Query(
+                f"deriv({_select('dynamo_frontend_worker_lora_loads', MODEL)}[{WINDOW}]) * 60",
+                "{{worker_id}} loads/min",
+            ),
+        ),
+        "Adapters loaded now, and loads per minute (reloads after an eviction: --max-loras too small, or routing "
+        "that ignores where adapters are loaded).",
+    ),
+    PanelSpec(
         "KV cache usage per worker (system ports)",
         "percentunit",
         (_gauge("dynamo_component_kvstats_gpu_cache_usage_percent", "{{dynamo_component}} {{instance}}"),),

@@ -8,7 +8,7 @@ load never leaks it. KV-aware policies also ingest the workers' KV events.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,6 +25,10 @@ class RouteRequest:
     token_ids: Sequence[int]
     pinned_worker: int | None = None
     """A worker the caller asked for (header `x-worker-instance-id`)."""
+    lora: str = ""
+    """The LoRA adapter it runs with ("": the base model): its blocks hash with `lora_seed(lora)`."""
+    lora_load_s: Mapping[int, float] | None = None
+    """With `lora`: seconds each candidate would spend loading it first (0 where loaded; lora/routing.py)."""
 
 
 @dataclass(frozen=True, slots=True)

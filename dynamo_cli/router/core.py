@@ -189,6 +189,8 @@ class Dispatch:
         self.is_aborted = False
         self.prefill: dict[str, object] | None = None
         """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
+        self.lora_loaded: bool | None = None
+        """With a LoRA adapter: whether the chosen worker had it loaded (False: it loads it first)."""
         self._excluded: set[int] = set()
         self._stream: ResponseStream | None = None
         self._pending: list[msgspec.Raw] = []
@@ -203,6 +205,11 @@ class Dispatch:
         """NOTE: SGLang's prefill, drained beside the decode; owned here, closed in `close`/`aclose`."""
         self._local_prefill_tokens = 0
         """Tokens the held worker prefills itself, counted in its queue until its first token."""
+
+    @property
+    def model(self) -> str:
+        """The model the client asked for: the LoRA adapter's name, else the base model's."""
+        return self.plan.request.lora or self.entry.name
 
     @property
     def router_id(self) -> int | None:
@@ -303,12 +310,21 @@ class Dispatch:
         pinned = self.rules.upstream.pin(self.plan)
         if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
             candidates = [pinned]
+        lora = self.plan.request.lora
+        if lora:  # only workers serving the adapter; each at what loading it there would cost
+            candidates = [w for w in candidates if workers[w].adapters.serves(lora)]
+            if not candidates:
+                raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
         candidates = not_busy(candidates, workers, self.rules.busy, f"workers of '{entry.name}'")
-        route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned)
+        load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
+        route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned, lora, load_s)
         self.decision = entry.policy.select(route, candidates)
         if self.rules.replicas is not None:
             self.rules.replicas.added(entry.name, self.plan.request_id, entry.policy)  # type: ignore[arg-type]
         worker = self.worker = workers[self.decision.worker_id]
+        if lora:
+            self.lora_loaded = worker.adapters.is_resident(lora)
+            worker.adapters.routed(lora)
         worker.num_inflight += 1
         worker.used_at = time.monotonic()
         self._is_held, self._is_prefilled = True, False

@@ -129,10 +129,17 @@ class Candidates:
     pass_elapsed_s: Sequence[float] | None = None
     """Seconds since a prefill pass the router saw start (KV events) on each candidate, inf: none running;
     None: not known (no KV events). The time cost charges the rest of that pass's fixed time."""
+    lora_load_s: Sequence[float] | None = None
+    """Seconds each candidate would spend loading the request's LoRA adapter first (0 where it is loaded);
+    None: a base-model request. Charged like an onboard: as is (`time`), as prefill blocks (`dynamo`)."""
 
     @classmethod
     def of(
-        cls, worker_ids: Sequence[int], *columns: Sequence[int], pass_elapsed_s: Sequence[float] | None = None
+        cls,
+        worker_ids: Sequence[int],
+        *columns: Sequence[int],
+        pass_elapsed_s: Sequence[float] | None = None,
+        lora_load_s: Sequence[float] | None = None,
     ) -> Candidates:
         """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
         tiered = len(columns) == len(_COLUMNS)
@@ -151,6 +158,7 @@ class Candidates:
             disk,
             tiered,
             pass_elapsed_s,
+            lora_load_s,
         )
 
     @classmethod
@@ -310,12 +318,18 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         decode = [
             _decode_blocks(a, x, num_blocks) for a, x in zip(c.active_blocks, c.active_overlap_blocks, strict=True)
         ]
+        if c.lora_load_s is not None:  # the load's seconds as the prompt blocks computed meanwhile
+            per_s = speed.prefill_tokens_per_s / bs
+            prefill = [p + s * per_s for p, s in zip(prefill, c.lora_load_s, strict=True)]
         w = config.overlap_score_weight
         logits = [w * p + d for p, d in zip(prefill, decode, strict=True)]
         return CostTable(c, logits, {}, isl, num_blocks, bs, prefill, decode)
     across = Across(max(c.overlap_blocks), max(c.active_overlap_blocks) > 0, min(c.active_prefill_tokens) > 0)
     evaluate = _time_columns if len(c.worker_ids) >= VECTOR_MIN else _time_rows
     logits, times = evaluate(c, isl, num_blocks, config, speed, across)
+    if c.lora_load_s is not None:
+        logits = [logit + s for logit, s in zip(logits, c.lora_load_s, strict=True)]
+        times = {**times, "lora_load_s": list(c.lora_load_s)}
     return CostTable(c, logits, times, isl, num_blocks, bs)
 
 

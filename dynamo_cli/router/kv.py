@@ -22,12 +22,12 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.events import DEVICE, BlockStored, KvEventBatch
-from dynamo_cli.kv.hashing import sequence_hashes
+from dynamo_cli.kv.hashing import lora_seed, sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.router.base import RouteDecision, RouteRequest
@@ -246,10 +246,13 @@ class KvRoutingPolicy:
     ##### Internals #####
 
     def _choose(self, request: RouteRequest, workers: Sequence[int]) -> tuple[list[int], Selection, float]:
-        hashes = sequence_hashes(request.token_ids, self._cost.block_size)
+        hashes = sequence_hashes(request.token_ids, self._cost.block_size, seed=lora_seed(request.lora))
         isl = len(request.token_ids)
         now = self._clock()
         candidates = self._candidates(hashes, workers, now)
+        if request.lora_load_s is not None:
+            load_s = request.lora_load_s
+            candidates = replace(candidates, lora_load_s=[load_s.get(w, 0.0) for w in workers])
         speed = self.speed.speed
         if request.pinned_worker is not None and request.pinned_worker in workers:
             pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)

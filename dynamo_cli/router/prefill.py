@@ -137,10 +137,19 @@ class PrefillHop:
         candidates = [w for w in pool if w not in self.failed]
         if not candidates:
             raise NoWorkers(f"the prefill pool of model '{self.entry.name}'")
+        lora = self.request.lora
+        if lora:
+            candidates = [w for w in candidates if pool[w].adapters.serves(lora)]
+            if not candidates:
+                raise NoWorkers(f"a prefill worker serving LoRA adapter '{lora}' of model '{self.entry.name}'")
         idle = [w for w in candidates if pool[w].busy_reason(self.busy) is None]
         if not idle:
             raise Overloaded(f"all {len(candidates)} prefill workers of '{self.entry.name}' are busy")
-        decision = self.entry.prefill_policy.select(RouteRequest(self.request.request_id, self.request.token_ids), idle)
+        load_s = {w: pool[w].adapters.cost_s(lora) for w in idle} if lora else None
+        route = RouteRequest(self.request.request_id, self.request.token_ids, lora=lora, lora_load_s=load_s)
+        decision = self.entry.prefill_policy.select(route, idle)
+        if lora:
+            pool[decision.worker_id].adapters.routed(lora)
         return pool[decision.worker_id], {"overlap_blocks": decision.overlap_blocks, **decision.explanation}
 
     async def _run_on(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:

@@ -22,6 +22,7 @@ from dynamo_cli.config import BusyThresholds
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ModelNotFound, Overloaded
 from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.lora.routing import AdapterView
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RoutingPolicy
 from dynamo_cli.router.queue import WaitQueue
@@ -59,6 +60,8 @@ class Worker:
     """When a stream to it (a request's, or a canary's) last began or ended: a canary goes to one idle for long."""
     hung: str | None = None
     """Why the worker counts as hung (router/health.py): out of routing until a canary answers."""
+    adapters: AdapterView = field(default_factory=AdapterView)
+    """The LoRA adapters it serves and has loaded (lora/routing.py)."""
 
     def busy_reason(self, limits: BusyThresholds) -> str | None:
         """Why the worker is busy (or hung), or None."""
@@ -96,6 +99,8 @@ class ModelEntry:
     prefill_workers: dict[int, Worker] = field(default_factory=dict)
     queue: WaitQueue = field(default_factory=WaitQueue)
     """Requests waiting for one of `workers` to stop being busy (router/queue.py)."""
+    adapters: dict[str, int] = field(default_factory=dict)
+    """LoRA adapter -> how many of its aggregated or decode workers serve it (each adapter a model too)."""
 
     def pool(self, role: Role) -> dict[int, Worker]:
         return self.prefill_workers if role is Role.PREFILL else self.workers
@@ -124,11 +129,14 @@ class Registry(Generic[EntryT]):
         self._prefill_policy_factory = prefill_policy_factory or policy_factory
         """Routing of the prefill pool (`--prefill-router-mode`); by default the same as the decode pool's."""
         self.models: dict[str, EntryT] = {}
+        self.adapters: dict[str, EntryT] = {}
+        """LoRA adapter name -> the entry of its base model (requests naming it run there with `lora` set)."""
         self._placed: dict[int, EntryT] = {}
         self._watch = InstanceWatch(
             discovery, f"{namespace}/", ModelCard, accept or (lambda name: name.component != ROUTER_COMPONENT)
         )
         self._watch.on_join, self._watch.on_leave = self._add, self._remove
+        self._watch.on_update = self._update
         self._connections = Connections(secret)
         """One request-plane connection per worker address, authenticated with the cluster `secret`."""
         self.changed = self._watch.changed
@@ -145,8 +153,15 @@ class Registry(Generic[EntryT]):
         """The entry serving `name`, or ModelNotFound listing what is served."""
         entry = self.models.get(name)
         if entry is None or not entry.workers:
-            raise ModelNotFound(name, [e.name for e in self.servable()])
+            raise ModelNotFound(name, [e.name for e in self.servable()] + sorted(self.adapters))
         return entry
+
+    def resolve(self, name: str) -> tuple[EntryT, str]:
+        """The entry serving model `name` and the LoRA adapter to run it with ("": `name` is a base model)."""
+        entry = self.adapters.get(name)
+        if entry is not None and name not in self.models:
+            return entry, name
+        return self.get(name), ""
 
     def servable(self) -> list[EntryT]:
         """The models some aggregated or decode worker serves, by name."""
@@ -175,6 +190,8 @@ class Registry(Generic[EntryT]):
             if worker is not None:
                 worker.load = metrics
                 worker.heard_at = time.monotonic()
+                if worker.adapters.served:
+                    worker.adapters.reported(metrics)
             entry.policy_of(metrics.worker_id).apply_load(metrics)
             entry.queue.notify()
 
@@ -191,17 +208,46 @@ class Registry(Generic[EntryT]):
             entry = self.models[card.display_name] = self._new_entry(card)
         client = self._connections.get(record.address)
         worker = entry.pool(Role(card.role))[instance_id] = Worker(instance_id, record, card, client)
+        worker.adapters = AdapterView.of(card.loras, card.max_loras)
         self._placed[instance_id] = entry
+        self._count_adapters(entry)
         entry.queue.notify()
         if self.on_join is not None:
             self.on_join(entry, worker)
         logger.info("worker %x joined model %s at %s (%s)", instance_id, card.display_name, record.address, card.role)
+
+    def _update(self, instance: Instance[ModelCard]) -> None:
+        """A live worker published a new card: the adapters it serves changed (a run-time load or unload)."""
+        entry = self._placed.get(instance.instance_id)
+        worker = None if entry is None else entry.workers.get(instance.instance_id)
+        worker = worker or (None if entry is None else entry.prefill_workers.get(instance.instance_id))
+        if entry is None or worker is None:
+            return
+        worker.card = instance.card
+        worker.adapters = worker.adapters.updated(instance.card.loras, instance.card.max_loras)
+        self._count_adapters(entry)
+        entry.queue.notify()
+        logger.info("worker %x of %s now serves adapters %s", instance.instance_id, entry.name, instance.card.loras)
+
+    def _count_adapters(self, entry: EntryT) -> None:
+        """Recount which adapters `entry`'s decoding workers serve; the registry's adapter index follows."""
+        counts: dict[str, int] = {}
+        for worker in entry.workers.values():
+            for name in worker.adapters.served:
+                counts[name] = counts.get(name, 0) + 1
+        for name in entry.adapters.keys() - counts.keys():
+            if self.adapters.get(name) is entry:
+                del self.adapters[name]
+        entry.adapters = counts
+        for name in counts:
+            self.adapters.setdefault(name, entry)
 
     def _remove(self, instance: Instance[ModelCard]) -> None:
         instance_id = instance.instance_id
         entry = self._placed.pop(instance_id)
         if entry.workers.pop(instance_id, None) is None:
             entry.prefill_workers.pop(instance_id, None)
+        self._count_adapters(entry)
         entry.policy.remove_worker(instance_id)
         entry.prefill_policy.remove_worker(instance_id)
         entry.queue.notify()  # waiters for a model with no worker left get their 503 now

@@ -35,6 +35,7 @@ import msgspec
 from dynamo_cli.config import RouterConfig
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
+from dynamo_cli.router import loras
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.feeds import follow_workers
@@ -61,6 +62,7 @@ from dynamo_cli.wire import (
     BEST_WORKER_ENDPOINT,
     DEADLINE_ANNOTATION,
     GENERATE_ENDPOINT,
+    LORA_ENDPOINT,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
@@ -69,6 +71,8 @@ from dynamo_cli.wire import (
     GenerateChunk,
     GenerateRequest,
     InFlight,
+    LoraCommand,
+    LoraReply,
 )
 
 if TYPE_CHECKING:
@@ -177,6 +181,34 @@ class RouterService:
             dispatch.entry.name, status, prompt, len(dispatch.output_ids), ttft, now - dispatch.started_at, hit
         )
 
+    async def lora(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+        """Endpoint: load or unload a LoRA adapter on the backends (a `--router remote` frontend's run-time load)."""
+        try:
+            command = msgspec.msgpack.decode(body, type=LoraCommand)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RequestError(f"malformed lora command: {exc}") from exc
+        if command.action == "load":
+            await loras.load(self.registry, self._entry(), command, replicas=0)
+        elif command.action == "unload":
+            await loras.unload(self.registry, command.name)
+        else:
+            raise RequestError(f"lora action '{command.action}' is unknown; use load or unload", param="action")
+        entry = self._entry()
+        yield _encode(LoraReply(loras=sorted(entry.adapters), resident=[]))
+
+    async def _advertise_adapters(self, endpoint: Endpoint, card: ModelCard) -> None:
+        """Keep this router's card listing the adapters its backends serve (frontends list them from it)."""
+        while True:
+            entry = self.registry.models.get(self.model) if self.model is not None else None
+            if entry is not None:
+                served = sorted(entry.adapters)
+                most = max((w.card.max_loras for w in entry.workers.values()), default=0)
+                if served != card.loras or most != card.max_loras:
+                    card = msgspec.structs.replace(card, loras=served, max_loras=most)
+                    await endpoint.update_card(card)
+            self.registry.changed.clear()
+            await self.registry.changed.wait()
+
     async def best_worker_id(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
         """The backend `generate` would choose now, explained, with the in-flight view; routes nothing."""
         try:
@@ -214,6 +246,7 @@ class RouterService:
     async def run(self, stop: asyncio.Event, announce: Callable[[str], None]) -> None:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
         self.server.add_endpoint(BEST_WORKER_ENDPOINT, self.best_worker_id)
+        self.server.add_endpoint(LORA_ENDPOINT, self.lora)
         address = await self.server.start()
         system = self._system_server()
         system_text = f" system={await system.start()}" if system is not None else ""
@@ -223,9 +256,11 @@ class RouterService:
                 card = await self._wait_for_card(stop, tasks)
                 if card is None:
                     return
-                async with Endpoint(self.name, self._discovery).serve_endpoint(
+                endpoint = Endpoint(self.name, self._discovery)
+                async with endpoint.serve_endpoint(
                     self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
                 ):
+                    tasks.spawn(self._advertise_adapters(endpoint, card))
                     backends = f"{self.config.namespace}/{self.config.component}"
                     self.state = ServingState.READY
                     announce(

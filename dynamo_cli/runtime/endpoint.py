@@ -108,6 +108,10 @@ class Endpoint:
         if not await server.drain(grace_s):
             logger.warning("grace period over with %d streams in flight; aborting them", server.num_inflight)
 
+    async def update_card(self, card: msgspec.Struct) -> None:
+        """Publish a new card for this serving instance (what it serves changed); watchers see `on_update`."""
+        await self.discovery.put(self.name.card_key(self.instance_id), msgspec.json.encode(card))
+
     async def deregister(self) -> None:
         """Remove this instance's record, then its card, so callers stop sending here."""
         await self.discovery.delete(self.name.instance_key(self.instance_id))
@@ -120,8 +124,9 @@ class Endpoint:
 class InstanceWatch(Generic[CardT]):
     """Follows the instances under a discovery scope (`ns/`, `ns/comp/` or `ns/comp/ep/`).
 
-    `on_join` runs when an instance's record and card are both known, `on_leave` when one of them
-    goes; `changed` is set after every event. Run `loops()` as tasks of the owner.
+    `on_join` runs when an instance's record and card are both known, `on_update` when a live instance
+    publishes a new card, `on_leave` when one of its keys goes; `changed` is set after every event. Run
+    `loops()` as tasks of the owner.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class InstanceWatch(Generic[CardT]):
         self.changed = asyncio.Event()
         self.on_join: Callable[[Instance[CardT]], None] = lambda instance: None
         self.on_leave: Callable[[Instance[CardT]], None] = lambda instance: None
+        self.on_update: Callable[[Instance[CardT]], None] = lambda instance: None
         self._discovery = discovery
         self._scope = scope
         self._card_type = card_type
@@ -169,6 +175,9 @@ class InstanceWatch(Generic[CardT]):
             if live is None:
                 instance = self.instances[instance_id] = Instance(instance_id, record, card)
                 self.on_join(instance)
+            elif live.card is not card or live.record is not record:
+                instance = self.instances[instance_id] = Instance(instance_id, record, card)
+                self.on_update(instance)
         elif live is not None:
             del self.instances[instance_id]
             self.on_leave(live)

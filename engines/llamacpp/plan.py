@@ -28,7 +28,8 @@ class MemoryOp:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One llama_decode: memory ops first, then the batch, then sampling and exports."""
+    """One engine step: memory ops first, then the batch (one llama_decode per adapter among its sequences),
+    then sampling and exports."""
 
     memory_ops: list[MemoryOp] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -41,6 +42,8 @@ class StepPlan:
     """Per entry of `samplers`: None, or the alternatives to report with the sampled token's logprob."""
     exports: list[int] = field(default_factory=list)
     """Seq ids whose KV state is read out after the decode (prefill role)."""
+    loras: dict[int, str] = field(default_factory=dict)
+    """Seq id -> the LoRA adapter its tokens run with (absent: the base model); one llama_decode per adapter."""
 
 
 @dataclass(slots=True)

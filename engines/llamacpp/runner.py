@@ -2,7 +2,9 @@
 
 Everything here calls llama.cpp through ctypes, which releases the GIL for the duration of each call,
 so a step run in a worker thread leaves the event loop free. The runner is not thread-safe: the engine
-calls `execute` from its single step thread and touches nothing else while a step is in flight.
+calls `execute` from its single step thread and touches nothing else while a step is in flight. LoRA
+adapters are loaded here too, and a step runs one llama_decode per adapter among its sequences (see the
+NOTE in `engines.llamacpp.engine`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class Runner:
             raise LlamaCppError(f"cannot create a context of {n_ctx} tokens")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(options.n_batch, 0, 1)
+        self._loras: dict[str, Any] = {}
+        """Adapter name -> its llama_adapter_lora_p (`load_lora`)."""
+        self._lora_on = ""
+        """The adapter set on the context now ("": none, the base model)."""
         self._closed = False
         self.state_layout = self._learn_state_layout()
         """How this context's sequence states look (None: imports are refused)."""
@@ -229,8 +235,11 @@ class Runner:
         result = StepResult()
         result.failed_imports = self._apply_memory_ops(plan.memory_ops, result)
         seq_ids = [s for s in dict.fromkeys(plan.seq_ids) if s not in result.failed_imports]
-        if seq_ids:
-            self._decode_isolating(plan, seq_ids, result)
+        for lora, group in lora_groups(plan.loras, seq_ids, self._lora_on):
+            if self._use_lora(lora):
+                self._decode_isolating(plan, group, result)
+            else:  # unloaded between this step's planning and its run; the worker unloads idle adapters only
+                result.rejected.update(dict.fromkeys(group, f"LoRA adapter {lora!r} is not loaded"))
         result.exported = {s: self._export(s) for s in plan.exports if s not in result.rejected}
         return result
 
@@ -317,6 +326,41 @@ class Runner:
                 failed.append(op.seq_id)
         return failed
 
+    ##### LoRA adapters #####
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load adapter file `path` (checked first: `adapters.check_adapter`) under `name`, in place of one
+        loaded under that name before; RequestError (param "lora_path") when llama.cpp refuses it."""
+        adapter = llama_cpp.llama_adapter_lora_init(self._model, path.encode())
+        if not adapter:
+            raise RequestError(f"llama.cpp refused LoRA adapter {path} (its log says why)", param="lora_path")
+        self.unload_lora(name)
+        self._loras[name] = adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter `name`, taking it off the context first if it is on. Idempotent."""
+        adapter = self._loras.pop(name, None)
+        if adapter is None:
+            return
+        if self._lora_on == name:
+            self._use_lora("")
+        llama_cpp.llama_adapter_lora_free(adapter)
+
+    def _use_lora(self, name: str) -> bool:
+        """Put adapter `name` ("": none) on the context for the next decodes, unless it is on already; False
+        when it is not loaded. A change costs the next llama_decode a re-reserve of its compute graph."""
+        if name == self._lora_on:
+            return True
+        if name and name not in self._loras:
+            return False
+        if name:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._loras[name])
+            llama_cpp.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        else:
+            llama_cpp.llama_set_adapters_lora(self._ctx, None, 0, None)
+        self._lora_on = name
+        return True
+
     ##### KV state export/import #####
 
     def _export(self, seq_id: int) -> bytes:
@@ -360,10 +404,12 @@ class Runner:
             llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
 
     def close(self) -> None:
-        """Free the batch, context and model. Idempotent."""
+        """Free the adapters, batch, context and model. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for name in list(self._loras):
+            self.unload_lora(name)
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)
@@ -379,6 +425,16 @@ def token_logprob(logits: Any, token: int, top_n: int) -> TokenLogprob:
         best = best[np.argsort(-logprobs[best], kind="stable")]
         top = [(int(t), float(logprobs[t])) for t in best]
     return TokenLogprob(logprob=float(logprobs[token]), top=top)
+
+
+def lora_groups(loras: dict[int, str], seq_ids: list[int], lora_on: str) -> list[tuple[str, list[int]]]:
+    """`seq_ids` grouped by adapter (`loras`: seq id -> adapter name, absent for the base model ""), one
+    llama_decode each, in name order (the base model's first) but for the group of `lora_on`, the adapter
+    on the context now, which goes first: a step then switches adapters one time fewer."""
+    groups: dict[str, list[int]] = {}
+    for seq_id in seq_ids:
+        groups.setdefault(loras.get(seq_id, ""), []).append(seq_id)
+    return sorted(groups.items(), key=lambda group: (group[0] != lora_on, group[0]))
 
 
 def _half_of_memory() -> int:

@@ -10,7 +10,9 @@ evictable, those a waiting prompt will share last); a new prompt sharing full bl
 cached sequence gets them by `seq_cp`, which in llama.cpp's unified cache shares cells instead of
 copying. Blocks are refcounted by
 sequence hash, so `BlockStored` fires when a hash first enters the cache and `BlockRemoved` when the
-last sequence holding it lets go.
+last sequence holding it lets go. A sequence's blocks are hashed with its LoRA adapter's seed
+(`Sequence.hash_seed`), so prefixes are shared within one adapter only; the plan names each sequence's
+adapter (`StepPlan.loras`).
 
 KV tiers (`offload=True`): evicting a cached prefix first exports its state (an `export` op before its
 `rm`) and records a `PendingOffload` under that op's key; the engine cuts the state into blocks for the
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, StoredBlock
-from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, sequence_hashes
+from dynamo_cli.kv.hashing import blocks_needed, hash_blocks, lora_seed, sequence_hashes
 from dynamo_cli.wire import GenerateRequest
 
 from .kv_state import CheckedState
@@ -68,6 +70,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def hash_seed(self) -> int:
+        """The seed of its blocks' token-local hashes: its LoRA adapter's (`lora_seed`), so no prefix, cached
+        block or KV event is shared across adapters, and the base model's hashes stay unseeded (1337)."""
+        return lora_seed(self.request.lora)
 
     @property
     def num_prefill_left(self) -> int:
@@ -168,6 +176,8 @@ class Scheduler:
             plan.tokens.extend(seq.tokens[start : start + part.num_tokens])
             plan.positions.extend(range(start, start + part.num_tokens))
             plan.seq_ids.extend([seq.seq_id] * part.num_tokens)
+            if seq.request.lora:
+                plan.loras[seq.seq_id] = seq.request.lora
             if part.is_sampled:
                 plan.logits_rows.append(len(plan.tokens) - 1)
                 plan.samplers.append(seq.sampler)
@@ -421,14 +431,20 @@ class Scheduler:
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
         """Its blocks' hashes, computed again only when it has grown (waiting prompts are asked often)."""
         if seq.num_hashed != len(seq.tokens):
-            seq.token_hashes, seq.num_hashed = sequence_hashes(seq.tokens, self.block_size), len(seq.tokens)
+            seq.token_hashes = sequence_hashes(seq.tokens, self.block_size, seed=seq.hash_seed)
+            seq.num_hashed = len(seq.tokens)
         return seq.token_hashes
 
     def _store_blocks(self, seq: Sequence) -> None:
         new: list[StoredBlock] = []
         run_parent = seq.hashes[-1] if seq.hashes else None
         for parent, local in hash_blocks(
-            seq.tokens, self.block_size, start=len(seq.hashes), parent=run_parent, num_tokens=seq.num_computed
+            seq.tokens,
+            self.block_size,
+            start=len(seq.hashes),
+            parent=run_parent,
+            num_tokens=seq.num_computed,
+            seed=seq.hash_seed,
         ):
             seq.hashes.append(parent)
             self.refcounts[parent] = self.refcounts.get(parent, 0) + 1

@@ -151,7 +151,7 @@ class KvTiering:
         usable = (len(seq.tokens) - 1) // bs  # at least one prompt token is computed, for its logits
         if usable <= 0:
             return
-        hashes = sequence_hashes(seq.tokens[: usable * bs], bs)
+        hashes = sequence_hashes(seq.tokens[: usable * bs], bs, seed=seq.hash_seed)
         await self._landed(hashes, scheduler)
         device = scheduler.device_match(hashes)
         tiers = self.store.match(hashes)

@@ -48,6 +48,7 @@ _KNOWN_KEYS = (
     "decode_kv_input",
     "prefilled_admission",
     "kv_event_visibility",
+    "lora_load_ms",
 )
 
 
@@ -104,6 +105,9 @@ class MockerConfig:
     """A transferred request takes no token budget ("materialized", Dynamo) or len(prompt) + 1 ("prompt")."""
     kv_event_visibility: str = "pass_start"
     """When a pass's KV events are published: "pass_start" (dyn's router expects it) or "pass_end" (Dynamo)."""
+    lora_load_ms: float = 50.0
+    """Time one LoRA adapter load takes, before the speedup ratio (a rank-16 adapter of an 8B model, tens of MB,
+    copied from host memory to the GPU and set up)."""
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> MockerConfig:
@@ -139,6 +143,7 @@ class MockerConfig:
             kv_disk_latency_ms=_non_negative_float("kv_disk_latency_ms", extra.get("kv_disk_latency_ms", DISK_MS)),
             kv_transfer_mode=_one_of("kv_transfer_mode", extra.get("kv_transfer_mode", "pull"), KV_TRANSFER_MODES),
             startup_time=_non_negative_float("startup_time", extra.get("startup_time", 0.0)),
+            lora_load_ms=_non_negative_float("lora_load_ms", extra.get("lora_load_ms", 50.0)),
             host=args.host,
             **_scheduling_rules(extra),
         )

@@ -23,7 +23,7 @@ from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Rol
 from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
-from dynamo_cli.kv.hashing import blocks_needed
+from dynamo_cli.kv.hashing import blocks_needed, lora_seed
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
@@ -45,6 +45,7 @@ WORK_COUNTERS = {
     "pass_seconds": "the passes' modelled time, after the speedup ratio",
     "pass_wall_seconds": "the passes' wall time, from scheduling to delivery: minus pass_seconds, the lateness",
     "preemptions": "running requests preempted",
+    "lora_loads": "LoRA adapters loaded (at start, at run time, again after an eviction)",
 }
 """`work_counters()`: name -> meaning; docs/mocker.md says how they tell prompts arriving in waves from spread."""
 MAX_CATCH_UP_S = 0.005
@@ -122,6 +123,8 @@ class MockerEngine:
         self._deadline: float | None = None  # when the current pass ends, in loop time
         self._info: EngineInfo | None = None
         self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
+        self._loras: set[str] = set()
+        """LoRA adapters loaded (names only: an adapter changes no simulated token, only the block hashes)."""
 
     ##### The Engine contract #####
 
@@ -157,6 +160,16 @@ class MockerEngine:
                 del self._streams[request.request_id]
             if stream.finish_reason is None:  # closed early: free the blocks now, not at the next pass
                 self._scheduler.abort(request.request_id)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load adapter `name` (`ServesLoras`): `lora_load_ms` of modelled time, divided by the speedup ratio;
+        the file is not read (any file stands for an adapter)."""
+        await asyncio.sleep(self.config.lora_load_ms / 1e3 / self.config.speedup_ratio)
+        self._loras.add(name)
+        self._counts["lora_loads"] += 1
+
+    async def unload_lora(self, name: str) -> None:
+        self._loras.discard(name)
 
     def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """Every KV cache change in event-id order, from the oldest batch kept, until stop()."""
@@ -314,11 +327,14 @@ class MockerEngine:
             self.config.block_size,
             seed=request.sampling.seed,
             is_prefilled=handoff.is_prefilled,
+            hash_seed=lora_seed(request.lora),
         )
         return mock, handoff
 
     def _check_request(self, request: GenerateRequest) -> None:
         check_request(request, self.config.context_length, self._streams, self._vocab_size())
+        if request.lora and request.lora not in self._loras:
+            raise RequestError(f"the LoRA adapter '{request.lora}' is not loaded on this worker", param="model")
         num_prompt = len(request.token_ids)
         num_blocks = blocks_needed(num_prompt + request.max_tokens, self.config.block_size)
         if num_blocks > self.config.num_gpu_blocks:

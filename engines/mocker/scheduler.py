@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dynamo_cli.kv.hashing import hash_blocks
+from dynamo_cli.kv.hashing import HASH_SEED, hash_blocks
 from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, TimingModel
 
 from .kv_manager import KvManager
@@ -42,6 +42,7 @@ class MockRequest:
         "is_prefilled",
         "seq_hashes",
         "local_hashes",
+        "hash_seed",
         "_rng",
     )
 
@@ -53,6 +54,7 @@ class MockRequest:
         block_size: int,
         seed: int | None = None,
         is_prefilled: bool = False,
+        hash_seed: int = HASH_SEED,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(token_ids)
@@ -64,6 +66,8 @@ class MockRequest:
         self.is_prefilled = is_prefilled  # disagg: the prompt's KV came from a prefill worker
         self.seq_hashes: list[int] = []
         self.local_hashes: list[int] = []
+        self.hash_seed = hash_seed
+        """Its blocks' token-local hash seed: its LoRA adapter's (`lora_seed`), else the base model's."""
         self._rng = random.Random(seed)
         self.extend_hashes(block_size)
 
@@ -76,7 +80,7 @@ class MockRequest:
         """Hash every full block not hashed yet (prompt blocks at creation, then generated ones)."""
         seq, local = self.seq_hashes, self.local_hashes
         for seq_hash, local_hash in hash_blocks(
-            self.token_ids, block_size, start=len(seq), parent=seq[-1] if seq else None
+            self.token_ids, block_size, start=len(seq), parent=seq[-1] if seq else None, seed=self.hash_seed
         ):
             seq.append(seq_hash)
             local.append(local_hash)

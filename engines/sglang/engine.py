@@ -18,6 +18,15 @@ meet in the prefill engine's bootstrap server. The prefill stream carries no tok
 with the KV) and ends with the handle; the decode stream carries every output token, the first included.
 An SGLang decode engine cannot prefill, so a decode request without a handle is refused; a `--role both`
 engine ignores a handle and serves the prompt itself.
+
+LoRA (`--max-loras` > 0): `enable_lora`, `max_loras_per_batch`, and, unless the options give `lora_paths` or
+their own, `max_lora_rank` 16 (vLLM's default) and `lora_target_modules` ["all"] (SGLang sizes its adapter
+buffers at start). `load_lora` checks the PEFT folder (`engines.vllm.lora_book`), then
+`Engine.async_load_lora_adapter(name, path)`; a request names its adapter in `lora_path`. NOTE: SGLang's KV
+events name no adapter (its radix cache sends `lora_id` None, and its block hashes leave the adapter out), so
+an adapter's blocks are published under the base model's hashes: with adapters in use, routers see an
+SGLang worker's prefixes approximately (a base request may be credited an adapter's prefix; adapter requests
+find none), and the events cannot be keyed by request (they name none).
 """
 
 from __future__ import annotations
@@ -31,13 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, Role
-from dynamo_cli.errors import EngineNotInstalled, RequestError
+from dynamo_cli.errors import DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import SglangKv
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import RequestBook, free_port, local_or_hub, split_deterministic
 from ..vllm.kv_events import ZmqKvRelay
+from ..vllm.lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,8 @@ MAX_ROOM = 2**63 - 1
 """SGLang's bootstrap rooms are non-negative int64s."""
 UNKNOWN_FIRST_TOKEN = -1
 """`SglangKv.first_token` when the decode engine emits the first token (always, with SGLang)."""
+DEFAULT_MAX_LORA_RANK = 16
+"""`max_lora_rank` unless the options say (vLLM's default): SGLang sizes its adapter buffers at start."""
 
 
 def load_engine_class() -> Any:
@@ -74,6 +86,7 @@ class SglangEngine:
         args = replace(args, extra={key: value for key, value in args.extra.items() if key != "bootstrap_host"})
         self.args, self.deterministic = split_deterministic(args)
         self._relay: ZmqKvRelay | None = None
+        self._loras = LoraBook("sglang", args.max_loras, self._add_lora, self._remove_lora)
         self.server_args = self._server_args()
         self._engine: Any = None
         self._info: EngineInfo | None = None
@@ -88,6 +101,10 @@ class SglangEngine:
             server_args["served_model_name"] = args.served_model_name
         if args.context_length:
             server_args["context_length"] = args.context_length
+        if args.max_loras > 0:
+            server_args.update(enable_lora=True, max_loras_per_batch=args.max_loras)
+            if "lora_paths" not in args.extra:  # else SGLang infers the rank and modules from those adapters
+                server_args.update(max_lora_rank=DEFAULT_MAX_LORA_RANK, lora_target_modules=["all"])
         server_args.update(args.extra)
         if self.deterministic:
             server_args["enable_deterministic_inference"] = True  # SGLang's batch-invariant ops
@@ -141,6 +158,8 @@ class SglangEngine:
         With a handle, prefill and decode roles meet at its bootstrap room (see the module)."""
         engine = self._admit(request)
         handle = self._checked_handle(request)
+        lora = self._loras.of(request)
+        adapter = {} if lora is None else {"lora_path": lora.name}  # SGLang names a loaded adapter's lora_path
         rid = request.request_id
         self._book.in_flight.add(rid)
         is_finished = False
@@ -151,6 +170,7 @@ class SglangEngine:
                 stream=True,
                 rid=rid,
                 **self._bootstrap_kwargs(handle),
+                **adapter,
             )
             is_first = True
             async for output in stream:
@@ -197,6 +217,35 @@ class SglangEngine:
             await asyncio.to_thread(engine.shutdown)
         if self._relay is not None:
             await self._relay.close()
+
+    ##### LoRA adapters #####
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Check the PEFT folder at `path`, then load it into SGLang under `name` (`async_load_lora_adapter`;
+        the blocking `load_lora_adapter` in a thread on versions without it); RequestError (param "lora_path")
+        naming what is wrong, SGLang's refusal included."""
+        if self._engine is None or self._stopped.is_set():
+            raise DynError("the sglang engine is not running; call start() before load_lora()")
+        max_rank = self.server_args.get("max_lora_rank")
+        await self._loras.load(name, path, max_rank if isinstance(max_rank, int) else None)
+
+    async def unload_lora(self, name: str) -> None:
+        """Free adapter `name` in SGLang (`async_unload_lora_adapter`; no request of it is in flight). Idempotent."""
+        await self._loras.unload(name)
+
+    async def _add_lora(self, lora: LoadedLora) -> object:
+        engine = self._engine
+        if getattr(engine, "async_load_lora_adapter", None) is not None:
+            return await engine.async_load_lora_adapter(lora_name=lora.name, lora_path=lora.path)
+        return await asyncio.to_thread(engine.load_lora_adapter, lora.name, lora.path)
+
+    async def _remove_lora(self, lora: LoadedLora) -> object:
+        engine = self._engine
+        if engine is None:
+            return None
+        if getattr(engine, "async_unload_lora_adapter", None) is not None:
+            return await engine.async_unload_lora_adapter(lora_name=lora.name)
+        return await asyncio.to_thread(engine.unload_lora_adapter, lora.name)
 
     ##### Disaggregation #####
 

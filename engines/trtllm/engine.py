@@ -14,12 +14,21 @@ with msgpack, as the `TrtllmKv.opaque_state`: opaque to everyone but this adapte
 `first_gen_tokens` [first_token]; TRT-LLM's generation side answers with that token first (the
 context's first-token response), counted in its max_tokens, so the adapter asks for one more token and
 drops it. A `--role both` engine treats a handle as a failed pull: it prefills prompt + [first_token].
+
+LoRA (`--max-loras` > 0): `LLM(enable_lora=True, lora_config=LoraConfig(max_loras=N, max_cpu_loras=N))`, a
+`lora_config` dict in the options merged over that. TensorRT-LLM loads an adapter at its first request, so
+`load_lora` only checks the file (an HF PEFT folder, or a NeMo `.nemo` archive: `engines.vllm.lora_book`) and
+registers its `LoRARequest(name, id, path)`, which each request of it then carries. NOTE: TensorRT-LLM's
+serialized KV events leave out the blocks' `lora_id` (a TODO in its serializer), so an adapter's blocks are
+published under the base model's hashes, as with SGLang; a version that sends `lora_id` (or `lora_name`) gets
+them re-hashed with the adapter's seed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,13 +39,14 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, FinishReason, Role, check_request
-from dynamo_cli.errors import DynError, EngineNotInstalled, RequestError
+from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import TrtllmKv
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import checked_handle, local_or_hub, split_deterministic
 from ..vllm.kv_events import KvEventRehasher
+from ..vllm.lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +55,8 @@ DEFAULT_BLOCK_SIZE = 32
 EVENT_BUFFER_SIZE = 1024
 _QUEUE_SIZE = 4096
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
+LORA_CONFIG_MODULES = ("tensorrt_llm._torch.peft.lora.config", "tensorrt_llm.lora_helper", "tensorrt_llm.lora_manager")
+"""Where TensorRT-LLM versions keep `LoraConfig`, the class its PyTorch `LlmArgs` names first."""
 
 
 class ContextState(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +84,10 @@ class TrtllmLibrary:
     cache_transceiver_config_cls: Any = None
     """`CacheTransceiverConfig(backend=...)`, the KV sender/receiver of a prefill or decode role; None on
     versions without it (they configure the transceiver from the environment)."""
+    lora_config_cls: Any = None
+    """`LoraConfig(max_loras=..., max_cpu_loras=..., max_lora_rank=...)`; None: a TensorRT-LLM without LoRA."""
+    lora_request_cls: Any = None
+    """`LoRARequest(lora_name, lora_int_id, lora_path, lora_ckpt_source=...)`: a request's adapter."""
 
 
 def load_library() -> TrtllmLibrary:
@@ -86,7 +102,25 @@ def load_library() -> TrtllmLibrary:
         from tensorrt_llm.llmapi import CacheTransceiverConfig
     except ImportError:  # before 0.20
         CacheTransceiverConfig = None
-    return TrtllmLibrary(LLM, SamplingParams, KvCacheConfig, DisaggregatedParams, CacheTransceiverConfig)
+    return TrtllmLibrary(
+        LLM,
+        SamplingParams,
+        KvCacheConfig,
+        DisaggregatedParams,
+        CacheTransceiverConfig,
+        lora_config_cls=_first_found(LORA_CONFIG_MODULES, "LoraConfig"),
+        lora_request_cls=_first_found(("tensorrt_llm.executor.request", "tensorrt_llm.executor"), "LoRARequest"),
+    )
+
+
+def _first_found(modules: tuple[str, ...], name: str) -> Any:
+    """`name` from the first of `modules` that has it; None when none does."""
+    for module in modules:
+        with contextlib.suppress(ImportError):
+            found = getattr(importlib.import_module(module), name, None)
+            if found is not None:
+                return found
+    return None
 
 
 def trtllm_event_as_vllm(event: dict[str, Any], block_size: int) -> list[Any] | None:
@@ -97,7 +131,9 @@ def trtllm_event_as_vllm(event: dict[str, Any], block_size: int) -> list[Any] | 
         blocks = data.get("blocks", [])
         hashes = [block["block_hash"] for block in blocks]
         tokens = [token["token_id"] for block in blocks for token in block["tokens"]]
-        return ["BlockStored", hashes, data.get("parent_hash"), tokens, block_size]
+        first = blocks[0] if blocks else {}  # one event's blocks are one request's: one adapter
+        lora = [first.get("lora_id"), None, first.get("lora_name")]  # medium None: the device
+        return ["BlockStored", hashes, data.get("parent_hash"), tokens, block_size, *lora]
     if kind == "removed":
         return ["BlockRemoved", list(data.get("block_hashes", []))]
     return None  # "created" and "updated" carry nothing the router indexes
@@ -119,7 +155,10 @@ class TrtllmEngine:
         self.model = local_or_hub(args.model)
         self._llm: Any = None
         self._info: EngineInfo | None = None
-        self._rehasher = KvEventRehasher()
+        self._loras = LoraBook("trtllm", args.max_loras, self._register_lora, self._drop_lora, takes_nemo=True)
+        self.lora_config = self._lora_config()
+        """`LoraConfig` (None: LoRA off), built here so a TensorRT-LLM without LoRA fails at construction."""
+        self._rehasher = KvEventRehasher(self._loras.name_of)
         self._events: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(_QUEUE_SIZE)
         self._next_event_id = 0
         self._pump: asyncio.Task[None] | None = None
@@ -139,7 +178,22 @@ class TrtllmEngine:
         if self.role is not Role.BOTH and self.lib.cache_transceiver_config_cls is not None:
             kwargs["cache_transceiver_config"] = self.lib.cache_transceiver_config_cls(backend="DEFAULT")
         kwargs.update(self.args.extra)
+        if self.lora_config is not None:
+            kwargs.update(enable_lora=True, lora_config=self.lora_config)
         return kwargs
+
+    def _lora_config(self) -> Any:
+        """`LoraConfig` holding `max_loras` adapters in GPU and CPU memory, the options' `lora_config` (a dict)
+        over it, or theirs as given (an object); None when the worker serves no adapters."""
+        if self.args.max_loras <= 0:
+            return None
+        if self.lib.lora_config_cls is None or self.lib.lora_request_cls is None:
+            raise ConfigError("this TensorRT-LLM has no LoraConfig/LoRARequest; upgrade it, or serve no --lora")
+        user = self.args.extra.get("lora_config")
+        if user is not None and not isinstance(user, dict):
+            return user
+        fields = {"max_loras": self.args.max_loras, "max_cpu_loras": self.args.max_loras} | (user or {})
+        return self.lib.lora_config_cls(**fields)
 
     ##### The Engine contract #####
 
@@ -158,7 +212,9 @@ class TrtllmEngine:
         llm = self._admit(request)
         handle = checked_handle("trtllm", request, TrtllmKv) if self.role is Role.DECODE else None
         token_ids, params, disaggregated = self._request(request, handle)
-        result = llm.generate_async(token_ids, sampling_params=params, streaming=True, **disaggregated)
+        lora = self._loras.of(request)
+        adapter = {} if lora is None else {"lora_request": self._lora_request(lora)}
+        result = llm.generate_async(token_ids, sampling_params=params, streaming=True, **disaggregated, **adapter)
         self._in_flight[request.request_id] = result
         is_finished = False
         echo = [handle.first_token] if handle is not None else None
@@ -212,6 +268,30 @@ class TrtllmEngine:
             await asyncio.to_thread(llm.shutdown)
         with contextlib.suppress(asyncio.QueueFull):
             self._events.put_nowait(None)
+
+    ##### LoRA adapters #####
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Check the HF PEFT folder or `.nemo` file at `path` and register it under `name` (TensorRT-LLM loads
+        it with its first request); RequestError (param "lora_path") naming what is wrong."""
+        if self._llm is None or self._stopped:
+            raise DynError("the trtllm engine is not running; call start() before load_lora()")
+        max_rank = getattr(self.lora_config, "max_lora_rank", None)
+        await self._loras.load(name, path, max_rank if isinstance(max_rank, int) else None)
+
+    async def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` (TensorRT-LLM's own LoRA cache evicts it, least recently used). Idempotent."""
+        await self._loras.unload(name)
+
+    async def _register_lora(self, lora: LoadedLora) -> object:
+        return self._lora_request(lora)  # its constructor checks the path exists
+
+    async def _drop_lora(self, lora: LoadedLora) -> object:
+        return None
+
+    def _lora_request(self, lora: LoadedLora) -> Any:
+        source = {} if lora.source == "hf" else {"lora_ckpt_source": lora.source}
+        return self.lib.lora_request_cls(lora.name, lora.lora_id, lora.path, **source)
 
     ##### Disaggregation #####
 

@@ -19,6 +19,10 @@ the prefill's seed and logits it is `first_token`. When it is not (unseeded samp
 that request and prefills prompt + [first_token] locally, where the pulled prompt is now a prefix-cache
 hit, so the client still gets one coherent continuation of the token it was shown. A `--role both`
 engine (no connector) treats a handle as a failed pull: it prefills prompt + [first_token] itself.
+
+LoRA (`--max-loras` > 0: `enable_lora`, `max_loras`; `max_lora_rank`, `max_cpu_loras` ... from the options):
+`load_lora` checks the PEFT folder (`lora_book`), then `AsyncLLM.add_lora(LoRARequest(name, id, path))`;
+a request's adapter goes to `generate(lora_request=...)`; its KV events name it (`lora_name`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any
 import msgspec
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, KvTierConfig, Role
-from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
+from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import VllmKv
 from dynamo_cli.model.paths import model_display_name, resolve_model_path
@@ -47,6 +51,7 @@ from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, Samplin
 from ..adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
 from ..hf_export import export_path, hf_model_dir, needs_export
 from .kv_events import ZmqKvRelay
+from .lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +105,8 @@ class VllmLibrary:
     """Whether the `nixl` package (vLLM's NixlConnector imports `nixl._api`) is installed."""
     structured_outputs_cls: Any = None
     """`StructuredOutputsParams` (vLLM's constrained decoding: `json=`, `json_object=`); None: a vLLM without it."""
+    lora_request_cls: Any = None
+    """`LoRARequest(lora_name, lora_int_id, lora_path)`; None: a vLLM without LoRA."""
 
 
 def load_library() -> VllmLibrary:
@@ -121,6 +128,9 @@ def load_library() -> VllmLibrary:
     structured: Any = None  # vLLM before structured outputs: guided decoding is then not offered
     with contextlib.suppress(ImportError):
         from vllm.sampling_params import StructuredOutputsParams as structured
+    lora_request: Any = None
+    with contextlib.suppress(ImportError):
+        from vllm.lora.request import LoRARequest as lora_request
 
     return VllmLibrary(
         engine_cls,
@@ -133,6 +143,7 @@ def load_library() -> VllmLibrary:
         kv_transfer_config_cls=KVTransferConfig,
         has_nixl=importlib.util.find_spec("nixl") is not None,
         structured_outputs_cls=structured,
+        lora_request_cls=lora_request,
     )
 
 
@@ -156,6 +167,7 @@ class VllmEngine:
             args, extra={key: value for key, value in args.extra.items() if key not in SIDE_CHANNEL_KEYS}
         )
         self._relay: ZmqKvRelay | None = None
+        self._loras = LoraBook("vllm", args.max_loras, self._add_lora, self._remove_lora)
         self.engine_kwargs = self._engine_kwargs()
         self.engine_args: Any = None
         """vLLM's `AsyncEngineArgs`, built in start(): its constructor resolves the model path, so an
@@ -189,6 +201,10 @@ class VllmEngine:
             kwargs["block_size"] = args.block_size
         if args.context_length:
             kwargs["max_model_len"] = args.context_length
+        if args.max_loras > 0:
+            if self.lib.lora_request_cls is None:
+                raise ConfigError("this vLLM has no LoRA support (vllm.lora.request); upgrade it, or serve no --lora")
+            kwargs.update(enable_lora=True, max_loras=args.max_loras)
         kwargs.update(extra)
         kwargs.update(self._kv_offloading(args.kv_tiers, kwargs))
         kwargs["kv_events_config"] = self._kv_events_config(kwargs)
@@ -240,12 +256,12 @@ class VllmEngine:
             config = self.lib.kv_events_config_cls(**config)
         if config is not None:  # the user's publisher binds its endpoint: subscribe to it
             if getattr(config, "enable_kv_cache_events", False) and getattr(config, "publisher", "") == "zmq":
-                self._relay = ZmqKvRelay(getattr(config, "topic", ""))
+                self._relay = ZmqKvRelay(getattr(config, "topic", ""), self._loras.name_of)
                 self._relay.connect(config.endpoint)
             return config
         if not kwargs["enable_prefix_caching"]:
             return None  # no prefix cache, no KV events (as in Dynamo)
-        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC)
+        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC, self._loras.name_of)
         return self.lib.kv_events_config_cls(
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._relay.bind(), topic=KV_EVENTS_TOPIC
         )
@@ -280,12 +296,13 @@ class VllmEngine:
         engine = self._admit(request)
         handle = checked_handle("vllm", request, VllmKv) if self.role is Role.DECODE else None
         params = self._decode_params(handle) if handle is not None else None
+        lora = self._lora_request(self._loras.of(request))
         self._book.in_flight.add(request.request_id)
         try:
             if handle is not None and params is not None:
-                chunks = self._decode(engine, request, handle, params)
+                chunks = self._decode(engine, request, handle, params, lora)
             else:
-                chunks = self._local(engine, request, request.token_ids, request.request_id)
+                chunks = self._local(engine, request, request.token_ids, request.request_id, lora)
             async with aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
@@ -317,16 +334,40 @@ class VllmEngine:
         if self._relay is not None:
             await self._relay.close()
 
+    ##### LoRA adapters #####
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Check the PEFT folder at `path`, then load it into vLLM under `name` (`AsyncLLM.add_lora`, a fresh
+        id); RequestError (param "lora_path") naming what is wrong, vLLM's refusal included."""
+        if self._engine is None or self._stopped.is_set():
+            raise DynError("the vllm engine is not running; call start() before load_lora()")
+        max_rank = getattr(self.engine_args, "max_lora_rank", None)
+        await self._loras.load(name, path, max_rank if isinstance(max_rank, int) else None)
+
+    async def unload_lora(self, name: str) -> None:
+        """Free adapter `name` in vLLM (`remove_lora`; no request of it is in flight). Idempotent."""
+        await self._loras.unload(name)
+
+    async def _add_lora(self, lora: LoadedLora) -> object:
+        return await self._engine.add_lora(self._lora_request(lora))
+
+    async def _remove_lora(self, lora: LoadedLora) -> object:
+        return True if self._engine is None else await self._engine.remove_lora(lora.lora_id)
+
+    def _lora_request(self, lora: LoadedLora | None) -> Any:
+        return None if lora is None else self.lib.lora_request_cls(lora.name, lora.lora_id, lora.path)
+
     ##### Streams: local, prefill, decode #####
 
     async def _outputs(
-        self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str
+        self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str, lora: Any
     ) -> AsyncGenerator[Any, None]:
         """vLLM's outputs of one request; aborts it in vLLM unless it finished (closed, cancelled, failed)."""
         prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(token_ids))
+        adapter = {} if lora is None else {"lora_request": lora}
         is_finished = False
         try:
-            async for output in engine.generate(prompt, params, vllm_id):
+            async for output in engine.generate(prompt, params, vllm_id, **adapter):
                 is_finished = bool(output.finished) or output.outputs[0].finish_reason is not None
                 yield output
                 if is_finished:
@@ -337,13 +378,13 @@ class VllmEngine:
                 await engine.abort(vllm_id)
 
     async def _local(
-        self, engine: Any, request: GenerateRequest, token_ids: Sequence[int], vllm_id: str
+        self, engine: Any, request: GenerateRequest, token_ids: Sequence[int], vllm_id: str, lora: Any
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Prefill `token_ids` here and stream; a prefill role stops at one token and hands its KV over."""
         is_prefill = self.role is Role.PREFILL
         params = self.prefill_params(request) if is_prefill else self.sampling_params(request)
         is_first = True
-        async with aclosing(self._outputs(engine, token_ids, params, vllm_id)) as outputs:
+        async with aclosing(self._outputs(engine, token_ids, params, vllm_id, lora)) as outputs:
             async for output in outputs:
                 chunk = self._chunk(request, output, is_first)
                 if is_prefill and chunk.finish_reason == FinishReason.LENGTH.value:
@@ -356,13 +397,13 @@ class VllmEngine:
         yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
 
     async def _decode(
-        self, engine: Any, request: GenerateRequest, handle: VllmKv, params: dict[str, Any]
+        self, engine: Any, request: GenerateRequest, handle: VllmKv, params: dict[str, Any], lora: Any
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Decode over the prefill engine's KV: vLLM samples the first token again; drop it (see module)."""
         sampling = self.sampling_params(request, extra=1, kv_transfer_params=params)
         prompt = request.token_ids[: handle.num_tokens]
         is_first = is_echo_pending = True
-        async with aclosing(self._outputs(engine, prompt, sampling, request.request_id)) as outputs:
+        async with aclosing(self._outputs(engine, prompt, sampling, request.request_id, lora)) as outputs:
             async for output in outputs:
                 chunk = self._chunk(request, output, is_first=False)
                 if is_echo_pending and chunk.token_ids:
@@ -382,7 +423,8 @@ class VllmEngine:
                 return
         self.num_first_token_mismatches += 1
         logger.info("vllm: %s: decode sampled another first token; prefilling it here", request.request_id)
-        async with aclosing(self._local(engine, request, request.token_ids, f"{request.request_id}-local")) as local:
+        local_id = f"{request.request_id}-local"
+        async with aclosing(self._local(engine, request, request.token_ids, local_id, lora)) as local:
             async for chunk in local:
                 yield chunk
 

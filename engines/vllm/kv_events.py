@@ -2,13 +2,16 @@
 
 vLLM's `ZmqEventPublisher` (and SGLang's copy of it) sends multipart `[topic, seq, payload]`, the
 payload a msgpack `[ts, [event, ...], dp_rank?]` whose events are tagged arrays:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, ...]`,
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, lora_name?, ...]`,
 `["BlockRemoved", block_hashes, medium?]`, `["AllBlocksCleared"]`. `medium` names where the blocks sit
 ("GPU", or "CPU" once vLLM's offloading connector moves them; absent = GPU): it becomes our tier (`TIER_OF`),
 and blocks on a medium we do not know are dropped. The engine's own hashes depend on
 its hash function and seed, so routers would never match them: every stored block is re-hashed from its
 token ids with `dynamo_cli.kv.hashing`, and a map engine hash -> our hash translates removals.
-This module imports no inference library; the sglang adapter uses it too.
+A block computed under a LoRA adapter is hashed with that adapter's seed (`lora_seed`): its name is the
+event's `lora_name` (vLLM 0.32 sends it), else the name the engine gave the event's `lora_id` (`lora_name_of`);
+a block with an id nobody can name is dropped (counted in `num_unnamed`), never published as the base model's.
+This module imports no inference library; the sglang and trtllm adapters use it too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import msgspec
@@ -34,7 +37,7 @@ from dynamo_cli.kv.events import (
     StoredBlock,
     Tier,
 )
-from dynamo_cli.kv.hashing import hash_blocks
+from dynamo_cli.kv.hashing import HASH_SEED, hash_blocks, lora_seed
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,15 @@ def parse_event(raw: Any) -> tuple[str, list[Any]]:
     if isinstance(raw, dict):
         fields = dict(raw)
         tag = str(fields.pop("type", ""))
-        order: tuple[str, ...] = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+        order: tuple[str, ...] = (
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+        )
         if tag == "BlockRemoved":
             order = ("block_hashes", "medium")
         return tag, [fields.get(name) for name in order]
@@ -72,14 +83,17 @@ def tier_of(medium: Any) -> Tier | None:
 
 class KvEventRehasher:
     """Pure translation of engine KV events into ours; remembers engine hash -> our sequence hash while
-    the block is held on some tier."""
+    the block is held on some tier. `lora_name_of`: the served name of an engine's LoRA id (None: unknown)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora_name_of: Callable[[int], str | None] | None = None) -> None:
+        self._lora_name_of = lora_name_of
         self._ours: dict[Hashable, int] = {}
         self._lower: dict[Hashable, set[Tier]] = {}
         """Engine hash -> every tier holding it, for blocks ever offloaded (others are on device only)."""
         self.num_orphans = 0
         """Stored events whose parent block was never seen (lost events): skipped, counted."""
+        self.num_unnamed = 0
+        """Stored events of a LoRA id no name is known for: skipped, counted."""
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -104,8 +118,9 @@ class KvEventRehasher:
     def _stored(self, fields: list[Any]) -> BlockStored | None:
         engine_hashes = [_key(h) for h in fields[0]]
         parent, token_ids, block_size = fields[1], list(fields[2]), int(fields[3])
-        tier = tier_of(_medium(fields, 5))
-        if tier is None:
+        tier = tier_of(_optional(fields, 5))
+        seed = self._seed(fields) if tier is not None else None
+        if tier is None or seed is None:
             return None
         our_parent: int | None = None
         if parent is not None:
@@ -114,7 +129,7 @@ class KvEventRehasher:
                 self.num_orphans += 1
                 logger.debug("kv events: parent block %r unknown; skipping %d blocks", parent, len(engine_hashes))
                 return None
-        pairs = list(hash_blocks(token_ids, block_size, parent=our_parent))
+        pairs = list(hash_blocks(token_ids, block_size, parent=our_parent, seed=seed))
         ours = [seq_hash for seq_hash, _ in pairs]
         if len(ours) != len(engine_hashes):
             logger.warning(
@@ -134,8 +149,22 @@ class KvEventRehasher:
         blocks = [StoredBlock(seq_hash, local) for seq_hash, local in pairs]
         return BlockStored(parent_hash=our_parent, blocks=blocks, tier=tier)
 
+    def _seed(self, fields: list[Any]) -> int | None:
+        """The seed of a stored event's token-local hashes: its adapter's, by name or id; None: unnamed."""
+        lora_name, lora_id = _optional(fields, 6), _optional(fields, 4)
+        if isinstance(lora_name, str) and lora_name:
+            return lora_seed(lora_name)
+        if lora_id is None:
+            return HASH_SEED
+        name = self._lora_name_of(int(lora_id)) if self._lora_name_of is not None else None
+        if name is None:
+            self.num_unnamed += 1
+            logger.debug("kv events: LoRA id %r has no name here; block skipped", lora_id)
+            return None
+        return lora_seed(name)
+
     def _removed(self, fields: list[Any]) -> BlockRemoved | None:
-        tier = tier_of(_medium(fields, 1))
+        tier = tier_of(_optional(fields, 1))
         if tier is None:
             return None
         ours = [h for h in (self._forget(_key(engine_hash), tier) for engine_hash in fields[0]) if h is not None]
@@ -167,7 +196,7 @@ def _key(engine_hash: Any) -> Hashable:
     return tuple(engine_hash) if isinstance(engine_hash, list) else engine_hash
 
 
-def _medium(fields: list[Any], index: int) -> Any:
+def _optional(fields: list[Any], index: int) -> Any:
     return fields[index] if len(fields) > index else None
 
 
@@ -181,12 +210,12 @@ class ZmqKvRelay:
     counts them and warns once, so a router that stops reading never stalls the engine.
     """
 
-    def __init__(self, topic: str = "") -> None:
+    def __init__(self, topic: str = "", lora_name_of: Callable[[int], str | None] | None = None) -> None:
         import zmq
         import zmq.asyncio
 
         self.topic = topic
-        self.rehasher = KvEventRehasher()
+        self.rehasher = KvEventRehasher(lora_name_of)
         self._queue: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(_QUEUE_SIZE)
         self._next_event_id = 0
         self.num_dropped = 0

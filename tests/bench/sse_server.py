@@ -28,6 +28,7 @@ class Rhythm:
     send_usage: bool = True
     fail_every: int = 0  # every n-th request answers HTTP 500
     not_sse: bool = False  # answer plain JSON instead of an SSE stream
+    models: tuple[str, ...] = (MODEL,)  # what GET /v1/models lists and POSTs may name
     arrivals: list[float] = field(default_factory=list)  # perf_counter() of every POST
     bodies: list[dict] = field(default_factory=list)
     writers: set[asyncio.StreamWriter] = field(default_factory=set)  # open connections, closed by stop()
@@ -100,13 +101,14 @@ async def _handle(rhythm: Rhythm, reader: asyncio.StreamReader, writer: asyncio.
         while (request := await _read_request(reader)) is not None:
             method, path, raw = request
             if method == "GET" and path == "/v1/models":
-                writer.write(_json_response(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
+                listed = [{"id": model, "object": "model"} for model in rhythm.models]
+                writer.write(_json_response(200, {"object": "list", "data": listed}))
                 continue
             rhythm.arrivals.append(time.perf_counter())
             index = len(rhythm.arrivals) - 1
             body = json.loads(raw)
             rhythm.bodies.append(body)
-            if body.get("model") != MODEL:
+            if body.get("model") not in rhythm.models:
                 writer.write(_json_response(404, {"error": {"message": f"model {body.get('model')} not found"}}))
             elif rhythm.fail_every and (index + 1) % rhythm.fail_every == 0:
                 writer.write(_json_response(500, {"error": {"message": "injected failure"}}))

@@ -12,9 +12,10 @@ from dataclasses import replace
 import pytest
 from sse_server import Rhythm
 
-from dynamo_cli.bench.load import LoadConfig
+from dynamo_cli.bench.load import LoadConfig, parse_model_mix
 from dynamo_cli.bench.metrics import parse_slo
 from dynamo_cli.bench.session import BenchConfig, WorkloadConfig, run_bench
+from dynamo_cli.errors import ConfigError
 
 OSL = 8
 E2E_MS = 50 + 10 * (OSL - 1)  # 120 ms
@@ -156,3 +157,32 @@ async def test_a_ramp_up_starts_the_closed_loops_streams_evenly_over_it(serve) -
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert len(arrivals) == 4
     assert all(0.06 <= gap <= 0.12 for gap in gaps), gaps  # 0.3 s / 4 slots = 75 ms apart, not at once
+
+
+async def test_a_zipf_model_mix_asks_each_model_about_as_often_as_its_weight(serve) -> None:
+    models = ("base", "t0", "t1", "t2")
+    rhythm = Rhythm(ttft_s=0.0, gap_s=0.0, models=models)
+    async with serve(rhythm) as url:
+        config = BenchConfig(
+            url=url,
+            load=LoadConfig(concurrency=8, num_requests=400),
+            tokenizer="none",
+            workload=WorkloadConfig(isl=8, osl=1),
+            model=",".join(models),
+            model_mix="zipf:1.1",
+        )
+        result = await run_bench(config)
+    assert result.runs[0].summary.num_failed == 0 and result.info["model"] == "base,t0,t1,t2"
+    asked = [body["model"] for body in rhythm.bodies[1:]]  # the first is the probe
+    weights = [1 / (i + 1) ** 1.1 for i in range(4)]
+    for model, weight in zip(models, weights, strict=True):
+        assert abs(asked.count(model) / len(asked) - weight / sum(weights)) < 0.08, (model, asked.count(model))
+
+
+def test_a_model_mix_is_checked_and_a_conversation_keeps_its_model() -> None:
+    mix = parse_model_mix(["a", "b"], "uniform", seed=3)
+    assert mix.weights == (1.0, 1.0) and {mix.pick("hello") for _ in range(5)} == {mix.pick("hello")}
+    assert parse_model_mix(["a", "b"], "zipf:0").weights == (1.0, 1.0)
+    for bad in ("zipf", "zipf:-1", "zipf:x", "pareto:1", "uniform:2"):
+        with pytest.raises(ConfigError, match="--model-mix"):
+            parse_model_mix(["a"], bad)

@@ -225,6 +225,9 @@ def test_openapi_describes_every_route_the_server_accepts(served: DynProcess, do
         "/v1/messages",
         "/v1/embeddings",
         "/v1/models",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/loras",
         "/health",
         "/openapi.json",
     } <= set(paths)

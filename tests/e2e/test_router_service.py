@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,6 +27,9 @@ BLOCK = 64
 """The mocker's default KV block size."""
 PREFIX = [1000 + i for i in range(8 * BLOCK)]
 """A long shared prompt prefix: 8 full blocks."""
+LOST = [3000 + i for i in range(8 * BLOCK)]
+"""Another 8-block prefix, cached only on the worker the last-but-one test kills (the earlier tests cache
+PREFIX on both workers)."""
 CALL_TIMEOUT_S = 15.0
 SECRET = bytes(range(32))
 """The deployment's cluster secret, given so that these tests can call the routers' request plane."""
@@ -57,15 +61,14 @@ def ready(d: DynProcess) -> DynProcess:
 
 
 @pytest.fixture(scope="module")
-def deployment(dyn_serve_module, planes_module) -> DynProcess:  # type: ignore[no-untyped-def]
+def deployment(dyn_serve_module, planes_module) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
+    """One deployment per planes, shared by the module's tests: each leaves it as it found it, except the
+    last two, which damage it (a worker killed, then a router stopped) and run last in file order within
+    each planes parameter. One deployment per planes, not three: about 20 s of CI saved."""
     discovery, events = planes_module
-    return ready(dyn_serve_module(*FLAGS, discovery=discovery, events=events, env=ENV))
-
-
-@pytest.fixture
-def own_deployment(dyn_serve, planes) -> DynProcess:  # type: ignore[no-untyped-def]
-    discovery, events = planes
-    return ready(dyn_serve(*FLAGS, discovery=discovery, events=events, env=ENV))
+    d = ready(dyn_serve_module(*FLAGS, discovery=discovery, events=events, env=ENV))
+    yield d
+    d.stop()  # before its planes stop
 
 
 def request(request_id: str, token_ids: list[int], max_tokens: int, pin: int | None = None) -> bytes:
@@ -219,46 +222,6 @@ async def test_two_replicas_agree_on_the_in_flight_load(deployment: DynProcess) 
         await client.close()
 
 
-async def test_a_killed_workers_blocks_vanish_from_both_routers(own_deployment: DynProcess) -> None:
-    d = own_deployment
-    routers = [row["address"] for row in of(d, "router")]
-    await generate(routers[0], "to-be-lost", PREFIX + [9] * 10)
-
-    async def holder() -> int | None:
-        reply = await best_worker(routers[1], PREFIX)
-        return reply["worker_id"] if reply["overlap_blocks"] == 8 else None
-
-    victim = await eventually(holder)
-    assert victim is not None
-    os.kill(next(row["pid"] for row in of(d, "backend") if instance_id(row) == victim), signal.SIGKILL)
-
-    async def forgotten() -> bool:
-        views = [await best_worker(r, PREFIX) for r in routers]
-        return all(
-            victim not in v["indexed_workers"] and victim not in overlaps(v) and v["overlap_blocks"] == 0 for v in views
-        )
-
-    assert await eventually(forgotten, timeout=2 + 4)
-    chunks = await generate(routers[0], "after-the-loss", PREFIX + [9] * 10)
-    assert chunks[0].num_cached_tokens == 0 and chunks[-1].finish_reason == "length"
-
-
-def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_serves(
-    own_deployment: DynProcess,
-) -> None:
-    d = own_deployment
-    leaving, staying = of(d, "router")
-    os.kill(leaving["pid"], signal.SIGTERM)
-    assert wait_until(lambda: [row["instance"] for row in of(d, "router")] == [staying["instance"]], timeout=5)
-    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=30)
-    for _ in range(3):
-        raw = c.chat.completions.with_raw_response.create(
-            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
-        )
-        assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
-        assert raw.headers["x-dyn-router-instance-id"] == f"{instance_id(staying):x}"
-
-
 @pytest.mark.parametrize("stream", [pytest.param(False, id="unary"), pytest.param(True, id="streaming")])
 def test_a_pin_through_the_routers_reaches_that_backend_and_the_response_names_it(
     deployment: DynProcess, stream: bool
@@ -304,3 +267,46 @@ def test_routers_without_the_remote_router_mode_is_refused_with_the_fix() -> Non
     )
     assert out.returncode == 2
     assert "--routers 2 needs --router remote" in out.stderr
+
+
+# The last two tests damage the shared deployment: keep every new test above them.
+
+
+async def test_a_killed_workers_blocks_vanish_from_both_routers(deployment: DynProcess) -> None:
+    d = deployment
+    routers = [row["address"] for row in of(d, "router")]
+    await generate(routers[0], "to-be-lost", LOST + [9] * 10)
+
+    async def holder() -> int | None:
+        reply = await best_worker(routers[1], LOST)
+        return reply["worker_id"] if reply["overlap_blocks"] == 8 else None
+
+    victim = await eventually(holder)
+    assert victim is not None
+    os.kill(next(row["pid"] for row in of(d, "backend") if instance_id(row) == victim), signal.SIGKILL)
+
+    async def forgotten() -> bool:
+        views = [await best_worker(r, LOST) for r in routers]
+        return all(
+            victim not in v["indexed_workers"] and victim not in overlaps(v) and v["overlap_blocks"] == 0 for v in views
+        )
+
+    assert await eventually(forgotten, timeout=2 + 4)
+    chunks = await generate(routers[0], "after-the-loss", LOST + [9] * 10)
+    assert chunks[0].num_cached_tokens == 0 and chunks[-1].finish_reason == "length"
+
+
+def test_a_router_stopped_with_sigterm_leaves_discovery_and_the_other_replica_serves(
+    deployment: DynProcess,
+) -> None:
+    d = deployment
+    leaving, staying = of(d, "router")
+    os.kill(leaving["pid"], signal.SIGTERM)
+    assert wait_until(lambda: [row["instance"] for row in of(d, "router")] == [staying["instance"]], timeout=5)
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, max_retries=0, timeout=30)
+    for _ in range(3):
+        raw = c.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert raw.parse().usage.completion_tokens == 3  # type: ignore[union-attr]
+        assert raw.headers["x-dyn-router-instance-id"] == f"{instance_id(staying):x}"

@@ -65,14 +65,26 @@ STACKS = [
 ]
 
 
-def _serve(factory, stack: Stack, root: Path, *flags: str) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
+def _serve(factory, stack: Stack, root: Path) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
     if stack.needs and importlib.util.find_spec(stack.needs) is None:
         pytest.skip(f"needs {stack.needs}: pip install 'dynamo-cli[{stack.needs}]'")
     (discovery, events), servers = open_planes_for_test(stack.planes, root)
     try:
-        yield factory(
-            *stack.engine_flags, *COMMON, *flags, discovery=discovery, events=events, timeout=stack.ready_timeout
+        # `--max-restarts 0`: `dyn serve` does not restart its workers, so the last test's damage shows
+        # (tests/e2e/test_supervision.py covers the restarts).
+        handle = factory(
+            *stack.engine_flags,
+            *COMMON,
+            "--max-restarts",
+            "0",
+            discovery=discovery,
+            events=events,
+            timeout=stack.ready_timeout,
         )
+        try:
+            yield handle
+        finally:
+            handle.stop()
     finally:
         for server in servers:
             server.stop()  # type: ignore[attr-defined]
@@ -80,15 +92,10 @@ def _serve(factory, stack: Stack, root: Path, *flags: str) -> Iterator[DynProces
 
 @pytest.fixture(scope="module", params=STACKS)
 def deployment(request, dyn_serve_module, tmp_path_factory) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
-    """Shared by the tests that leave the deployment as they found it."""
+    """One deployment per stack, shared by the module's tests: each leaves it as it found it, except the
+    last test, which damages it and stops it (pytest runs a module's tests in file order within one
+    parameter of a module-scoped fixture). One vLLM deployment, not two: a minute of CI saved."""
     yield from _serve(dyn_serve_module, request.param, tmp_path_factory.mktemp("planes"))
-
-
-@pytest.fixture(params=STACKS)
-def own_deployment(request, dyn_serve, tmp_path) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
-    """A deployment a test may damage; `dyn serve` does not restart its workers, so the damage shows
-    (tests/e2e/test_supervision.py covers the restarts)."""
-    yield from _serve(dyn_serve, request.param, tmp_path, "--max-restarts", "0")
 
 
 def client(d: DynProcess) -> openai.OpenAI:
@@ -287,10 +294,10 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_sigkilled_worker_leaves_discovery_the_other_serves_and_sigterm_then_stops_everything(
-    own_deployment: DynProcess,
+    deployment: DynProcess,
 ) -> None:
-    """One deployment for both kinds of damage (a vLLM deployment takes a minute to start)."""
-    deployment = own_deployment
+    """Last in the module: it damages the shared deployment, then stops it; keep every new test above it.
+    One deployment for both kinds of damage (a vLLM deployment takes a minute to start)."""
     pids = deployment.serving_pids()
     assert len(pids) == 2
     children = descendants(pids[0])  # vLLM's EngineCore and its workers; the mocker has none

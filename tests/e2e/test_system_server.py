@@ -82,8 +82,9 @@ def test_serve_children_count_requests_and_a_draining_worker_answers_503(dyn_ser
     assert _series(routed, "dynamo_component_requests_total", dynamo_endpoint="generate") == 5
 
     # A long stream holds the worker while it drains: SIGTERM deregisters it, and /health says so.
+    # 600 tokens: about 3.5 s at the mocker's speed, far longer than the probe needs to see it draining.
     stream = client.completions.create(
-        model="smollm2", prompt="go on", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        model="smollm2", prompt="go on", max_tokens=600, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))
     (pid,) = d.serving_pids()

@@ -82,6 +82,10 @@ class FakeAsyncEngineArgs:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:  # as vLLM's get_model_path: a path not on disk is taken for a hub name
         if self.model.startswith("/") and not Path(self.model).is_dir():
@@ -135,6 +139,11 @@ class FakeAsyncLLM:
         self.calls: list[tuple[Any, Any, str]] = []
         self.aborted: list[str] = []
         self.is_shut_down = False
+        self.lora_requests: list[Any] = []
+        """The `lora_request` of each generate call (None: the base model)."""
+        self.loras: list[Any] = []
+        self.removed_loras: list[int] = []
+        self.add_lora_answer: bool | Exception = True
         self.vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(block_size=engine_args.block_size or 16, num_gpu_blocks=100),
             model_config=SimpleNamespace(
@@ -147,8 +156,11 @@ class FakeAsyncLLM:
     def from_engine_args(cls, engine_args: FakeAsyncEngineArgs) -> FakeAsyncLLM:
         return cls(engine_args)
 
-    async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str) -> AsyncIterator[Any]:
+    async def generate(
+        self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str, lora_request: Any = None
+    ) -> AsyncIterator[Any]:
         self.calls.append((prompt, sampling_params, request_id))
+        self.lora_requests.append(lora_request)
         max_tokens = sampling_params.kwargs["max_tokens"]
         connector = (sampling_params.kwargs.get("extra_args") or {}).get("kv_transfer_params") or {}
         for i in range(max_tokens):
@@ -159,6 +171,17 @@ class FakeAsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        if isinstance(self.add_lora_answer, Exception):
+            raise self.add_lora_answer
+        if self.add_lora_answer:
+            self.loras.append(lora_request)
+        return self.add_lora_answer
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed_loras.append(lora_id)
+        return True
 
     def shutdown(self) -> None:
         self.is_shut_down = True
@@ -593,6 +616,9 @@ class FakeSglangEngine:
         self.calls: list[dict[str, Any]] = []
         self.aborted: list[str] = []
         self.is_shut_down = False
+        self.loras: list[tuple[str, str]] = []
+        self.unloaded_loras: list[str] = []
+        self.load_answer = SimpleNamespace(success=True, error_message=None)
         self.scheduler_info = {"max_total_num_tokens": 1600}
         self.tokenizer_manager = SimpleNamespace(
             server_args=SimpleNamespace(page_size=server_args["page_size"], max_running_requests=8),
@@ -603,6 +629,15 @@ class FakeSglangEngine:
     async def async_generate(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         self.calls.append(kwargs)
         return self._stream(kwargs["rid"], kwargs["sampling_params"]["max_new_tokens"])
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str) -> Any:
+        if self.load_answer.success:
+            self.loras.append((lora_name, lora_path))
+        return self.load_answer
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> Any:
+        self.unloaded_loras.append(lora_name)
+        return SimpleNamespace(success=True, error_message=None)
 
     async def _stream(self, rid: str, max_new_tokens: int) -> AsyncIterator[dict[str, Any]]:
         yield {"output_ids": [], "meta_info": {"id": rid, "finish_reason": None, "cached_tokens": 32}}
@@ -813,7 +848,10 @@ class FakeLLM:
     max_seq_len: int | None = None
     max_batch_size: int = 8
     cache_transceiver_config: FakeCacheTransceiverConfig | None = None
+    enable_lora: bool = False
+    lora_config: Any = None
     results: list[tuple[list[int], Any, FakeResult]] = field(default_factory=list)
+    lora_requests: list[Any] = field(default_factory=list)
     disaggregated: list[FakeDisaggregatedParams | None] = field(default_factory=list)
     kv_events: list[dict[str, Any]] = field(default_factory=list)
     is_shut_down: bool = False
@@ -828,8 +866,10 @@ class FakeLLM:
         sampling_params: Any,
         streaming: bool,
         disaggregated_params: FakeDisaggregatedParams | None = None,
+        lora_request: Any = None,
     ) -> FakeResult:
         assert streaming
+        self.lora_requests.append(lora_request)
         max_tokens = sampling_params.kwargs["max_tokens"]
         tokens = TOKENS[:max_tokens]
         if disaggregated_params is not None and disaggregated_params.request_type == "generation_only":

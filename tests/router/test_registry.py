@@ -123,3 +123,44 @@ async def test_each_workers_load_and_kv_events_reach_the_policy_of_its_own_pool(
             worker_id=prefill.lease_id, num_running=1
         )
     await registry.close()
+
+
+async def test_an_adapter_is_a_model_of_its_base_and_a_new_card_adds_or_takes_it_away(
+    discoveries: list[Discovery],
+) -> None:
+    mine, first, second = discoveries
+    registry = RouterRegistry(mine, "ns", lambda card: RoundRobinPolicy())
+    endpoints = [Endpoint(EndpointName("ns", "backend", "generate"), d) for d in (first, second)]
+    lora_card = msgspec.structs.replace(card(Role.BOTH), loras=["a"], max_loras=2)
+    async with ServiceTasks() as tasks:
+        for loop in registry.loops():
+            tasks.spawn(loop)
+        for discovery in (first, second):
+            server = RequestServer()
+            await server.start()
+            serving = Endpoint(EndpointName("ns", "backend", "generate"), discovery).serve_endpoint(
+                server, _never, lora_card if discovery is first else card(Role.BOTH), role="both", grace_s=0
+            )
+            await serving.__aenter__()
+            await server.close()
+        await wait_until(registry, 2)
+        entry, lora = registry.resolve("a")
+        assert (entry.name, lora) == ("m", "a") and registry.resolve("m") == (entry, "")
+        assert entry.adapters == {"a": 1}
+        assert entry.workers[first.lease_id].adapters.serves("a")
+        assert not entry.workers[second.lease_id].adapters.serves("a")
+        await endpoints[1].update_card(msgspec.structs.replace(lora_card, loras=["a", "b"]))  # a run-time load
+        async with asyncio.timeout(WAIT_S):
+            while "b" not in registry.adapters:
+                registry.changed.clear()
+                await registry.changed.wait()
+        assert entry.adapters == {"a": 2, "b": 1}
+        await endpoints[0].update_card(card(Role.BOTH))  # first unloads a
+        await endpoints[1].update_card(msgspec.structs.replace(lora_card, loras=["b"]))
+        async with asyncio.timeout(WAIT_S):
+            while "a" in registry.adapters:
+                registry.changed.clear()
+                await registry.changed.wait()
+        with pytest.raises(ModelNotFound, match="served here: b, m"):
+            registry.resolve("a")
+        assert registry.num_workers() == 2  # a new card is no leave and join

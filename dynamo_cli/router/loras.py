@@ -1,0 +1,111 @@
+"""LoRA adapters loaded and unloaded at run time on a model's workers: the fan-out both the frontend
+(`POST /v1/load_lora_adapter`) and a `dyn router` (its `lora` endpoint, for frontends behind routers) run.
+
+A load goes to the model's adapter-taking workers (every one, or the `replicas` least loaded of each pool) over
+the request plane; each worker loads the file, which checks it, then publishes a card listing the adapter. The
+call returns once the caller's registry sees every one of those cards, so the next request for the adapter
+finds it. A file one worker refuses is the client's error, and the workers that had loaded it unload it again:
+an adapter is served by the workers asked, or by none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from dynamo_cli.errors import ModelNotFound, RemoteError, RequestError
+from dynamo_cli.router.registry import EntryT, ModelEntry, Registry, Worker
+from dynamo_cli.wire import LORA_ENDPOINT, LoraCommand, LoraReply
+
+LORA_CALL_S = 120.0
+"""How long one worker may take to load an adapter (a large file, a busy engine)."""
+SEEN_S = 10.0
+"""How long a load or unload waits for the caller's registry to see the workers' new cards."""
+
+
+async def load(registry: Registry[Any], entry: ModelEntry, command: LoraCommand, replicas: int) -> list[Worker]:
+    """Load `command`'s adapter on `entry`'s workers (all, or `replicas` of each pool); the workers that took it.
+    A refusal (a bad file) is RequestError(param="lora_path") and no worker keeps the adapter."""
+    targets = _targets(entry, replicas)
+    results = await asyncio.gather(*(call(w, command) for w in targets), return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        loaded = [w for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
+        undo = LoraCommand(action="unload", name=command.name)
+        await asyncio.gather(*(call(w, undo) for w in loaded), return_exceptions=True)
+        raise client_error(failed, "lora_path")
+    await seen(registry, lambda: all(w.adapters.serves(command.name) for w in targets))
+    return targets
+
+
+async def unload(registry: Registry[EntryT], name: str) -> EntryT:
+    """Unload adapter `name` from every worker serving it; the entry of its base. ModelNotFound if none does."""
+    entry = registry.adapters.get(name)
+    if entry is None:
+        raise ModelNotFound(name, sorted(registry.adapters))
+    targets = [w for w in (*entry.workers.values(), *entry.prefill_workers.values()) if w.adapters.serves(name)]
+    command = LoraCommand(action="unload", name=name)
+    results = await asyncio.gather(*(call(w, command) for w in targets), return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None and not isinstance(failed, RemoteError):  # a worker that had it no more: fine
+        raise failed
+    await seen(registry, lambda: name not in registry.adapters)
+    return entry
+
+
+async def call(worker: Worker, command: LoraCommand) -> LoraReply:
+    """One `lora` command on one worker (or `dyn router`)."""
+    stream = None
+    try:
+        async with asyncio.timeout(LORA_CALL_S):
+            stream = await worker.client.open_stream(LORA_ENDPOINT, msgspec.msgpack.encode(command))
+            batch = await stream.next_batch()
+        if not batch:
+            raise RemoteError(f"instance {worker.instance_id:x} did not answer the {command.action}")
+        return msgspec.msgpack.decode(batch[0], type=LoraReply)
+    finally:
+        if stream is not None:
+            stream.cancel()
+
+
+async def seen(registry: Registry[Any], done: Callable[[], bool]) -> None:
+    """Wait up to SEEN_S until `done()` holds in `registry` (the workers' new cards arrived)."""
+    deadline = time.monotonic() + SEEN_S
+    while not done():
+        registry.changed.clear()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return  # confirmed by the workers; this view catches up on its own
+        try:
+            await asyncio.wait_for(registry.changed.wait(), left)
+        except TimeoutError:
+            return
+
+
+def client_error(exc: BaseException, param: str) -> BaseException:
+    """A worker's refusal (a bad file, a bad name) as the client's 4xx; anything else as it is."""
+    if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
+        return RequestError(str(exc), param=param, code=exc.code)
+    return exc
+
+
+def _targets(entry: ModelEntry, replicas: int) -> list[Worker]:
+    """Each pool's adapter-taking workers, or its `replicas` least loaded."""
+    targets: list[Worker] = []
+    for pool in (entry.workers, entry.prefill_workers):
+        takers = sorted((w for w in pool.values() if w.card.max_loras), key=_load_of)
+        targets += takers[:replicas] if replicas else takers
+    if not any(w.instance_id in entry.workers for w in targets):
+        raise RequestError(
+            f"the workers of '{entry.name}' ({entry.card.engine} engine) serve no LoRA adapters", param="model"
+        )
+    return targets
+
+
+def _load_of(worker: Worker) -> int:
+    load = worker.load
+    return worker.num_inflight + (load.num_running + load.num_waiting if load is not None else 0)
