@@ -199,15 +199,18 @@ async def test_kv_routing_sends_each_adapter_where_it_is_loaded_and_loads_less_t
     found = {}
     for router in ("kv", "round-robin"):
         d = dyn_serve(*flags, "--router", router)
+        deadline = time.monotonic() + 10
+        while lora_loads(d) < 4 * NUM_ADAPTERS and time.monotonic() < deadline:  # each worker's start loads
+            await asyncio.sleep(0.1)
         before = lora_loads(d)
         share, seconds = await drive(d, mix)
         await asyncio.sleep(0.7)  # the workers' last load reports (every 0.5 s at least)
-        found[router] = (share, (lora_loads(d) - before) / seconds * 60)
+        found[router] = (share, lora_loads(d) - before, seconds)
         d.stop()
-    print(f"resident share and loads/min: {found}")
-    (kv_share, kv_loads), (rr_share, rr_loads) = found["kv"], found["round-robin"]
-    assert kv_share >= 0.8 and kv_share > rr_share
-    assert kv_loads < rr_loads / 2
+    print(f"share where loaded, loads, seconds: {found}")
+    (kv_share, kv_loads, _), (rr_share, rr_loads, _) = found["kv"], found["round-robin"]
+    assert kv_share >= 0.75 and kv_share > rr_share + 0.25
+    assert kv_loads < rr_loads / 2  # the same requests in the same order: loads, not loads per minute
 
 
 def test_behind_dyn_routers_a_run_time_load_goes_through_a_router_and_its_card_lists_the_adapter(

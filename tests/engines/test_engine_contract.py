@@ -26,10 +26,10 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from dynamo_cli.engine import MAX_TOKEN_ID, Engine, EngineArgs, EngineInfo, Feature, load_engine
+from dynamo_cli.engine import MAX_TOKEN_ID, Engine, EngineArgs, EngineInfo, Feature, ServesLoras, load_engine
 from dynamo_cli.errors import RequestError
 from dynamo_cli.kv.events import BlockStored, KvEventBatch
-from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
+from dynamo_cli.kv.hashing import block_hashes, lora_seed, sequence_hashes
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import VLLM_TEST_EXTRA
 
@@ -72,7 +72,8 @@ def _library_args(name: str) -> Callable[[Path], EngineArgs]:
         default_extra = VLLM_TEST_EXTRA if name == "vllm" else {}
         extra = json.loads(os.environ.get(f"DYN_TEST_{name.upper()}_EXTRA") or "null") or default_extra
         block_size = 32 if name == "vllm" else None  # vLLM's CPU kernels want multiples of 32
-        return EngineArgs(model=model, block_size=block_size, context_length=2048, extra=extra)
+        max_loras = 2 if name == "vllm" else 0  # vLLM reserves LoRA memory only when asked (the LoRA test)
+        return EngineArgs(model=model, block_size=block_size, context_length=2048, extra=extra, max_loras=max_loras)
 
     return build
 
@@ -248,6 +249,71 @@ async def test_a_repeated_prompts_kv_events_carry_our_sequence_hashes(running: R
     assert [stored()[h] for h in expected] == expected_local
     ids = [batch.event_id for batch in running.batches]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def make_adapter(engine: str, folder: Path) -> str | None:
+    """A synthetic LoRA adapter for the engine's test model (the mocker reads none), or None: no maker here."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if engine == "mocker":
+        (folder / "any.bin").write_bytes(b"adapter")
+        return str(folder / "any.bin")
+    if engine == "llamacpp":
+        from dyn_engines.llamacpp.adapters import write_adapter
+
+        from dynamo_cli.model.paths import resolve_model_path
+
+        write_adapter(str(folder / "one.gguf"), str(resolve_model_path("smollm2")), seed=1)
+        return str(folder / "one.gguf")
+    if engine == "vllm" and not os.environ.get("DYN_TEST_VLLM_MODEL"):  # SmolLM2 exported: a PEFT folder for it
+        import torch
+        from safetensors.torch import save_file
+
+        generator, tensors = torch.Generator().manual_seed(1), {}
+        for layer in range(30):
+            for module, n_in, n_out in (("q_proj", 576, 576), ("v_proj", 576, 192)):
+                prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, n_in, generator=generator) * 0.2
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, 8, generator=generator) * 0.2
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        return str(folder)
+    return None
+
+
+async def test_an_adapter_changes_greedy_output_and_hashes_its_blocks_with_its_seed(
+    running: Running, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    engine, block_size = running.engine, running.info.block_size
+    path = make_adapter(running.case.name, tmp_path_factory.mktemp("adapter"))
+    if not isinstance(engine, ServesLoras) or path is None:
+        pytest.skip(f"no adapter to test the {running.case.name} engine with here")
+    await engine.load_lora("contract-lora", path)
+    prompt = prompt_of(31, length=2 * block_size + 3)
+    base = tokens_of(await collect(engine, make_request(prompt, max_tokens=8, ignore_eos=True)))
+    adapted = msgspec.structs.replace(make_request(prompt, max_tokens=8, ignore_eos=True), lora="contract-lora")
+    assert len(tokens_of(await collect(engine, adapted))) == 8
+    if running.case.is_eos_honoured:  # a real model: the adapter's weights change what it says
+        assert tokens_of(await collect(engine, adapted)) != base
+    expected = sequence_hashes(prompt, block_size, seed=lora_seed("contract-lora"))
+    await eventually(
+        lambda: (
+            set(expected)
+            <= {
+                block.block_hash
+                for batch in running.batches
+                for event in batch.events
+                if isinstance(event, BlockStored)
+                for block in event.blocks
+            }
+        )
+    )
+    assert not set(expected) & set(sequence_hashes(prompt, block_size))
+    await engine.unload_lora("contract-lora")
+    with pytest.raises(RequestError) as refused:
+        await collect(engine, msgspec.structs.replace(adapted, request_id="contract-unloaded"))
+    assert refused.value.param == "model"
+    await assert_still_serves(running)
 
 
 async def assert_still_serves(running: Running) -> None:
