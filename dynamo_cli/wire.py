@@ -239,10 +239,12 @@ class LoraReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
-    """The prompt's token ids, optionally a pinned worker."""
+    """The prompt's token ids, optionally a pinned worker and a LoRA adapter."""
 
     token_ids: list[int]
     worker_instance_id: int | None = None
+    lora: str = ""
+    """A LoRA adapter's name: its blocks' hashes, and only the backends serving it, with their load costs."""
 
 
 class InFlight(msgspec.Struct, frozen=True, kw_only=True):

@@ -218,8 +218,14 @@ class RouterService:
         entry = self._entry()
         policy = entry.policy
         assert isinstance(policy, KvRoutingPolicy)
-        workers = list(entry.workers)
-        decision = policy.peek(RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id), workers)
+        workers, lora = list(entry.workers), query.lora
+        if lora:
+            workers = [w for w in workers if entry.workers[w].adapters.serves(lora)]
+            if not workers:
+                raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
+        load_s = {w: entry.workers[w].adapters.cost_s(lora) for w in workers} if lora else None
+        route = RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id, lora, load_s)
+        decision = policy.peek(route, workers)
         yield _encode(
             BestWorkerReply(
                 worker_id=decision.worker_id,

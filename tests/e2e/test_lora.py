@@ -6,17 +6,25 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo_cli.errors import RemoteError
+from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery
 from tests.conftest import DynProcess
 
 MODEL = "smollm2"
+SECRET = secrets.token_bytes(32)
+"""The cluster secret of the `--router remote` deployment, so the test can ask its router directly."""
 STREAMS = 16
 STREAM_TOKENS = 200
 
@@ -141,6 +149,19 @@ def test_a_bad_load_is_a_client_error_naming_the_field_and_changes_nothing(
     assert gone.value.body["param"] == "model"  # type: ignore[index]
 
 
+async def best_worker(address: str, query: BestWorkerQuery) -> dict[str, Any]:
+    """A `dyn router`'s `best_worker_id` answer."""
+    client = RequestClient(address, secret=SECRET)
+    try:
+        async with asyncio.timeout(10):
+            stream = await client.open_stream(BEST_WORKER_ENDPOINT, msgspec.msgpack.encode(query))
+            replies = [msgspec.msgpack.decode(raw) async for raw in stream]
+    finally:
+        await client.close()
+    reply: dict[str, Any] = replies[0]
+    return reply
+
+
 ##### Routing: where each adapter is loaded #####
 
 NUM_ADAPTERS = 20
@@ -220,7 +241,8 @@ def test_behind_dyn_routers_a_run_time_load_goes_through_a_router_and_its_card_l
     for name in ("a", "c"):
         (tmp_path / f"{name}.gguf").write_bytes(b"x")
     flags = ["--engine", "mocker", "--workers", "2", "--router", "remote", "--routers", "1"]
-    d = dyn_serve(*flags, "--lora", f"a={tmp_path / 'a.gguf'}", "--lora-dir", str(tmp_path))
+    env = {"DYN_CLUSTER_SECRET": SECRET.hex()}
+    d = dyn_serve(*flags, "--lora", f"a={tmp_path / 'a.gguf'}", "--lora-dir", str(tmp_path), env=env)
     client = client_of(d)
     assert models(client) == {MODEL: None, "a": MODEL}
     assert client.completions.create(model="a", prompt="hi", max_tokens=2).model == "a"
@@ -230,6 +252,11 @@ def test_behind_dyn_routers_a_run_time_load_goes_through_a_router_and_its_card_l
     assert loaded.status_code == 200
     assert models(client) == {MODEL: None, "a": MODEL, "c": MODEL}
     assert client.completions.create(model="c", prompt="hi", max_tokens=2).model == "c"
+    router = next(r.address for r in d.instance_records() if r.component == "router")
+    explained = asyncio.run(best_worker(router, BestWorkerQuery(token_ids=list(range(1, 100)), lora="c")))
+    assert {"lora_load_s"} <= explained["explanation"]["candidates"][0].keys()
+    with pytest.raises(RemoteError, match="LoRA adapter 'zzz'"):
+        asyncio.run(best_worker(router, BestWorkerQuery(token_ids=[1, 2], lora="zzz")))
     with pytest.raises(openai.BadRequestError) as refused:
         client.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/etc/passwd"}, cast_to=httpx.Response)
     assert refused.value.body["param"] == "lora_path"  # type: ignore[index]
