@@ -10,6 +10,8 @@ unchanged through the frontend, a `dyn router`, migration and the prefill hop.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from dynamo_cli.kv.handles import KvHandle, TransferReport
@@ -219,8 +221,7 @@ class KvRelease(msgspec.Struct, frozen=True, kw_only=True):
 class LoraCommand(msgspec.Struct, frozen=True, kw_only=True):
     """`lora`: add adapter `name` from `path` to what the worker serves (`load`), or take it away (`unload`)."""
 
-    action: str
-    """`load` or `unload`."""
+    action: Literal["load", "unload"]
     name: str
     path: str = ""
     """`load`: the adapter file, on the worker's machine (inside one of its `--lora-dir`s)."""

@@ -165,10 +165,8 @@ class WorkerService:
             raise DynError(f"worker {self.instance_id:x} is {self.state.value}, not serving")
         if command.action == "load":
             await self.loras.add(command.name, command.path)
-        elif command.action == "unload":
-            await self.loras.remove(command.name)
         else:
-            raise RequestError(f"lora action '{command.action}' is unknown; use load or unload", param="action")
+            await self.loras.remove(command.name)
         async with self._card_lock:  # one card write at a time: the last one written lists every change
             self.card = card = msgspec.structs.replace(self.card, loras=sorted(self.loras.served))
             await self.endpoint.update_card(card)

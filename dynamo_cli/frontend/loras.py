@@ -8,6 +8,8 @@ the adapter in its own card. Either way the reply comes once this frontend lists
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -18,8 +20,8 @@ from dynamo_cli.config import FrontendConfig
 from dynamo_cli.config.processes import check_lora_name
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
-from dynamo_cli.frontend.openai import decode_body, error_body
-from dynamo_cli.frontend.replies import error_type
+from dynamo_cli.frontend.openai import decode_body
+from dynamo_cli.frontend.replies import error_reply
 from dynamo_cli.router import loras
 from dynamo_cli.wire import LoraCommand
 
@@ -92,7 +94,7 @@ class LoraAdmin:
             await self._unload(name)
         entry = self._base(body.base_model)
         command = LoraCommand(action="load", name=name, path=body.lora_path)
-        with _Claim(self._busy, name):
+        with _claim(self._busy, name):
             if self._behind_routers:
                 await self._via_router(entry, command)
                 workers: list[str] = []  # the router's backends: its business
@@ -102,7 +104,7 @@ class LoraAdmin:
         return {"object": "lora_adapter", "id": name, "parent": entry.name, "status": "loaded", "workers": workers}
 
     async def _unload(self, name: str) -> dict[str, Any]:
-        with _Claim(self._busy, name):
+        with _claim(self._busy, name):
             if self._behind_routers:
                 entry, _ = self._registry.resolve(name)
                 await self._via_router(entry, LoraCommand(action="unload", name=name))
@@ -133,19 +135,16 @@ class LoraAdmin:
         return takers[0]
 
 
-class _Claim:
+@contextlib.contextmanager
+def _claim(busy: set[str], name: str) -> Iterator[None]:
     """One load or unload of a name at a time (a second is the client's 400, to retry)."""
-
-    def __init__(self, busy: set[str], name: str) -> None:
-        if name in busy:
-            raise RequestError(f"the LoRA adapter '{name}' is being loaded or unloaded; retry", param="lora_name")
-        self._busy, self._name = busy, name
-
-    def __enter__(self) -> None:
-        self._busy.add(self._name)
-
-    def __exit__(self, *exc: object) -> None:
-        self._busy.discard(self._name)
+    if name in busy:
+        raise RequestError(f"the LoRA adapter '{name}' is being loaded or unloaded; retry", param="lora_name")
+    busy.add(name)
+    try:
+        yield
+    finally:
+        busy.discard(name)
 
 
 def adapter_rows(registry: FrontendRegistry, *, detail: bool = False) -> list[dict[str, Any]]:
@@ -181,6 +180,5 @@ async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
 
 
 def _error(exc: DynError) -> Response:
-    status = getattr(exc, "status", 500)
-    body = error_body(str(exc), error_type(exc), getattr(exc, "param", None), getattr(exc, "code", None))
-    return Response(body, status_code=status, media_type="application/json")
+    status, headers, body = error_reply(exc)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})

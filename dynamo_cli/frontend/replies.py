@@ -143,6 +143,13 @@ def error_type(exc: DynError) -> str:
 
 
 async def send_error(send: Send, exc: DynError) -> None:
+    status, headers, body = error_reply(exc)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_reply(exc: DynError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, headers and OpenAI-shaped body of the response for `exc`."""
     if isinstance(exc, RequestError):
         status, param, code = exc.status, exc.param, exc.code
     elif isinstance(exc, NoWorkers | Overloaded):
@@ -155,5 +162,4 @@ async def send_error(send: Send, exc: DynError) -> None:
     retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
     headers = [*JSON_HEADERS, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else JSON_HEADERS
     headers = [*JSON_HEADERS, (b"www-authenticate", b"Bearer")] if status == 401 else headers
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    return status, headers, body

@@ -99,7 +99,7 @@ class AdapterSet:
             )
         file = self._allowed(path)
         identity = _identity(file)
-        if self._identity.setdefault(name, identity) != identity:
+        if self._identity.get(name, identity) != identity:
             raise RequestError(
                 f"the LoRA adapter name '{name}' was served here from another file (or this file changed since); "
                 "its cached KV would be reused: load the new version under a new name",
@@ -109,6 +109,7 @@ class AdapterSet:
             await self._make_room()
             await self._load(name, file)
         self.served[name] = file
+        self._identity[name] = identity  # once loaded: a file the engine refused binds nothing
 
     async def remove(self, name: str) -> None:
         """Stop serving `name`; freed now, or when its last stream ends. ModelNotFound if it is not served."""

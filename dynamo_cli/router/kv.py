@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dynamo_cli.config import KvRouterConfig
@@ -249,17 +249,16 @@ class KvRoutingPolicy:
         hashes = sequence_hashes(request.token_ids, self._cost.block_size, seed=lora_seed(request.lora))
         isl = len(request.token_ids)
         now = self._clock()
-        candidates = self._candidates(hashes, workers, now)
-        if request.lora_load_s is not None:
-            load_s = request.lora_load_s
-            candidates = replace(candidates, lora_load_s=[load_s.get(w, 0.0) for w in workers])
+        candidates = self._candidates(hashes, workers, now, request.lora_load_s)
         speed = self.speed.speed
         if request.pinned_worker is not None and request.pinned_worker in workers:
             pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)
             return hashes, pinned, now
         return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed, self._rounds), now
 
-    def _candidates(self, hashes: list[int], workers: Sequence[int], now: float) -> Candidates:
+    def _candidates(
+        self, hashes: list[int], workers: Sequence[int], now: float, load_s: Mapping[int, float] | None
+    ) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
         tiers = None
         if self.config.use_kv_events:
@@ -281,6 +280,7 @@ class KvRoutingPolicy:
             [capacity(w, default) for w in workers],
             *(_tier_columns(tiers, workers) if tiers else ()),
             pass_elapsed_s=self.sequences.pass_elapsed(workers, now) if self.config.use_kv_events else None,
+            lora_load_s=None if load_s is None else [load_s.get(w, 0.0) for w in workers],
         )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:

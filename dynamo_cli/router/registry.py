@@ -219,9 +219,10 @@ class Registry(Generic[EntryT]):
     def _update(self, instance: Instance[ModelCard]) -> None:
         """A live worker published a new card: the adapters it serves changed (a run-time load or unload)."""
         entry = self._placed.get(instance.instance_id)
-        worker = None if entry is None else entry.workers.get(instance.instance_id)
-        worker = worker or (None if entry is None else entry.prefill_workers.get(instance.instance_id))
-        if entry is None or worker is None:
+        if entry is None:
+            return
+        worker = entry.workers.get(instance.instance_id) or entry.prefill_workers.get(instance.instance_id)
+        if worker is None:
             return
         worker.card = instance.card
         worker.adapters = worker.adapters.updated(instance.card.loras, instance.card.max_loras)

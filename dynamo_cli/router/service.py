@@ -189,10 +189,8 @@ class RouterService:
             raise RequestError(f"malformed lora command: {exc}") from exc
         if command.action == "load":
             await loras.load(self.registry, self._entry(), command, replicas=0)
-        elif command.action == "unload":
-            await loras.unload(self.registry, command.name)
         else:
-            raise RequestError(f"lora action '{command.action}' is unknown; use load or unload", param="action")
+            await loras.unload(self.registry, command.name)
         entry = self._entry()
         yield _encode(LoraReply(loras=sorted(entry.adapters), resident=[]))
 

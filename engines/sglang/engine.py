@@ -21,7 +21,7 @@ engine ignores a handle and serves the prompt itself.
 
 LoRA (`--max-loras` > 0): `enable_lora`, `max_loras_per_batch`, and, unless the options give `lora_paths` or
 their own, `max_lora_rank` 16 (vLLM's default) and `lora_target_modules` ["all"] (SGLang sizes its adapter
-buffers at start). `load_lora` checks the PEFT folder (`engines.vllm.lora_book`), then
+buffers at start). `load_lora` checks the PEFT folder (`engines.lora_book`), then
 `Engine.async_load_lora_adapter(name, path)`; a request names its adapter in `lora_path`. NOTE: SGLang's KV
 events name no adapter (its radix cache sends `lora_id` None, and its block hashes leave the adapter out), so
 an adapter's blocks are published under the base model's hashes: with adapters in use, routers see an
@@ -46,8 +46,8 @@ from dynamo_cli.kv.handles import SglangKv
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import RequestBook, free_port, local_or_hub, split_deterministic
+from ..lora_book import LoadedLora, LoraBook
 from ..vllm.kv_events import ZmqKvRelay
-from ..vllm.lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ drops it. A `--role both` engine treats a handle as a failed pull: it prefills p
 
 LoRA (`--max-loras` > 0): `LLM(enable_lora=True, lora_config=LoraConfig(max_loras=N, max_cpu_loras=N))`, a
 `lora_config` dict in the options merged over that. TensorRT-LLM loads an adapter at its first request, so
-`load_lora` only checks the file (an HF PEFT folder, or a NeMo `.nemo` archive: `engines.vllm.lora_book`) and
+`load_lora` only checks the file (an HF PEFT folder, or a NeMo `.nemo` archive: `engines.lora_book`) and
 registers its `LoRARequest(name, id, path)`, which each request of it then carries. NOTE: TensorRT-LLM's
 serialized KV events leave out the blocks' `lora_id` (a TODO in its serializer), so an adapter's blocks are
 published under the base model's hashes, as with SGLang; a version that sends `lora_id` (or `lora_name`) gets
@@ -45,8 +45,8 @@ from dynamo_cli.kv.handles import TrtllmKv
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from ..adapter import checked_handle, local_or_hub, split_deterministic
+from ..lora_book import LoadedLora, LoraBook
 from ..vllm.kv_events import KvEventRehasher
-from ..vllm.lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, Samplin
 
 from ..adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
 from ..hf_export import export_path, hf_model_dir, needs_export
+from ..lora_book import LoadedLora, LoraBook
 from .kv_events import ZmqKvRelay
-from .lora_book import LoadedLora, LoraBook
 
 logger = logging.getLogger(__name__)
 

@@ -65,3 +65,9 @@ def test_a_file_that_is_no_adapter_is_a_400_naming_the_problem_and_the_worker_se
     assert "junk.gguf" in refused.value.message or "GGUF" in refused.value.message
     assert "junk" not in {m.id for m in client.models.list().data}
     assert "blue" in answer(client, "smollm2").lower()
+    # the refused file bound nothing to the name: a good file loads under it
+    fixed = client.post(
+        "/load_lora_adapter", body={"lora_name": "junk", "lora_path": str(folder / "one.gguf")}, cast_to=httpx.Response
+    )
+    assert fixed.status_code == 200
+    client.post("/unload_lora_adapter", body={"lora_name": "junk"}, cast_to=httpx.Response)

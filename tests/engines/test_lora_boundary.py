@@ -414,8 +414,8 @@ def test_vllm_032s_own_block_stored_events_and_lora_request_take_our_mapping(tmp
     """vLLM's own event structs, encoded as its publisher does (tagged maps, v0.32), re-hashed with the
     adapter's seed; its LoRARequest built from what the adapter passes."""
     pytest.importorskip("vllm", reason="needs vLLM")
+    from dyn_engines.lora_book import LoadedLora
     from dyn_engines.vllm.engine import load_library
-    from dyn_engines.vllm.lora_book import LoadedLora
     from vllm.distributed.kv_events import BlockStored as VllmBlockStored
     from vllm.distributed.kv_events import KVEventBatch
 

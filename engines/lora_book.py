@@ -7,7 +7,7 @@ process, so `check_adapter` refuses, as the caller's mistake (RequestError, para
 one before the library sees it. `LoraBook` gives each load a fresh int id (vLLM's and TensorRT-LLM's
 `lora_int_id`, from 1, never reused: both libraries cache adapters by id, so a name loaded again from another
 folder must not find the old weights), and maps the ids back to names for KV events that carry only the id.
-This module imports no inference library; the sglang and trtllm adapters use it too.
+This module imports no inference library; the vllm, sglang and trtllm adapters share it (as `adapter.py`).
 """
 
 from __future__ import annotations
