@@ -132,11 +132,21 @@ def client_tls_files(directory: Path) -> tuple[Path, Path]:
     return directory / "client.pem", directory / "client-key.pem"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on now (etcd cannot bind port 0: start() retries on a clash)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nobody listens on now and this test run has not handed out before: a process started with the
+    last one may not have bound it yet, and the kernel would offer it again (etcd cannot bind port 0: start() retries
+    on a clash)."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh loopback port found")
 
 
 def free_ports(count: int) -> int:
@@ -145,9 +155,12 @@ def free_ports(count: int) -> int:
         base, sockets = free_port(), []
         try:
             for port in range(base, base + count):
+                if port in _HANDED_OUT and port != base:
+                    raise OSError(f"port {port} was handed out")
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", port))
+            _HANDED_OUT.update(range(base, base + count))
             return base
         except OSError:
             continue

@@ -250,10 +250,10 @@ def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
     http_port = free_port()
     procs: list[subprocess.Popen[str]] = []
     lines: dict[str, list[str]] = {}
-    system: dict[str, int] = {}
+    parts = ("prefill", "decode", "router", "frontend")
+    system = {part: free_port() for part in parts}  # all chosen before any process binds ports of its own
     try:
-        for part in ("prefill", "decode", "router", "frontend"):
-            system[part] = free_port()
+        for part in parts:
             ports = {
                 "--port": http_port if part == "frontend" else 0,
                 "--system-port": system[part],
