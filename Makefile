@@ -9,7 +9,7 @@ CONSTRAINTS := -c constraints.txt
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test e2e test-gpu lint sz completions bench clean
+.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test e2e test-gpu lint sz docs docs-serve docs-reference completions bench clean
 
 setup: setup-llamacpp
 	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -e '.[dev,llamacpp]'
@@ -66,6 +66,17 @@ sz:
 	@find dynamo_cli engines -name '*.py' | xargs wc -l | sort -n | tail -15
 	@$(PYTHON) -m pytest -q tests/test_layout.py
 
+# The docs site (mkdocs.yml): a warning (a broken link, a page left out of the nav) fails the build.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+
+docs-serve:
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs serve --strict --dev-addr 127.0.0.1:8001
+
+# The generated reference pages (docs/reference/): a test fails while they are stale.
+docs-reference:
+	$(PYTHON) scripts/docs_reference.py
+
 completions:
 	mkdir -p completions
 	_DYN_COMPLETE=source_bash dyn > completions/dyn.bash
@@ -76,4 +87,4 @@ bench:
 	$(PYTHON) benchmarks/overhead.py
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache benchmarks/out
+	rm -rf build dist *.egg-info .pytest_cache benchmarks/out site

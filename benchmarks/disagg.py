@@ -54,7 +54,7 @@ per request (e2e - TTFT) / (tokens - 1); gap p99: p99 of every gap between two t
 benchmarks/disagg_model.py gives what the mocker's timing model alone predicts for parts 1 and 2 (the
 same scheduler, simulated time, no processes), to set the measured figures against.
 
-Defaults take about an hour (mocker ~5 min, mixed ~35, llamacpp ~15). `os.getloadavg()` is printed at
+Defaults take about an hour (mocker ~5 min, mixed ~35, llamacpp ~15). The load average is printed and recorded at
 the start and the end: timings are only valid on an otherwise quiet machine.
 """
 
@@ -65,7 +65,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -76,11 +75,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's dynamo_cli, as `dyn` runs it
-from dynamo_cli.bench.report import write_json  # noqa: E402
 
 MODEL = "smollm2"
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
@@ -101,7 +98,7 @@ FIGURES = (
 
 @dataclass(slots=True)
 class Side:
-    """One deployment under test: its `dyn serve` flags, and once started its process and URL."""
+    """One deployment under test: its `dyn serve` flags, and once started its deployment."""
 
     name: str
     """Label in the tables (agg, disagg, always, adaptive ...)."""
@@ -109,53 +106,24 @@ class Side:
     """`dyn serve` flags beyond the common ones (engine, port, discovery)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment (UCX settings for NIXL)."""
-    proc: subprocess.Popen[bytes] | None = None
     url: str = ""
     log: Path | None = None
+    deployment: harness.Deployment | None = None
+    """The `dyn serve` started for this side (None for a server started elsewhere: Dynamo's, in mocker_live)."""
 
 
 def start(side: Side, tmp: Path, timeout_s: float = 180.0) -> None:
-    """Start `dyn serve` for `side` and wait for its ready line (the log is a file: a full pipe never blocks)."""
-    side.log = tmp / f"{side.name}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        *side.flags,
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--discovery",
-        f"file://{tmp}/{side.name}.d",
-    ]
-    with side.log.open("wb") as log:
-        side.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **side.env})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        match = re.search(r"dyn serve ready: (\S+)", side.log.read_text(errors="replace"))
-        if match:
-            side.url = match.group(1)
-            print(f"  {side.name}: {side.url}  (dyn serve {' '.join(side.flags)})", flush=True)
-            return
-        if side.proc.poll() is not None:
-            break
-        time.sleep(0.3)
-    stop(side)
-    raise SystemExit(f"dyn serve ({side.name}) did not start; log:\n{side.log.read_text(errors='replace')[-3000:]}")
+    """Start `dyn serve` for `side` (harness.start_serve: ready line, /health)."""
+    flags = [*side.flags, "--host", "127.0.0.1", "--discovery", f"file://{tmp}/{side.name}.d"]
+    side.deployment = harness.start_serve(flags, tmp / f"{side.name}.log", env=side.env, timeout_s=timeout_s)
+    side.url, side.log = side.deployment.url, side.deployment.log_path
+    print(f"  {side.name}: {side.url}  (dyn serve {' '.join(side.flags)})", flush=True)
 
 
 def stop(side: Side) -> None:
-    """SIGTERM the deployment by its PID (it stops its own workers), SIGKILL after 30 s."""
-    if side.proc is None or side.proc.poll() is not None:
-        return
-    side.proc.terminate()
-    try:
-        side.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        side.proc.kill()
-        side.proc.wait(10)
+    """Stop the deployment by its PID (harness: SIGTERM, SIGKILL after 30 s)."""
+    if side.deployment is not None:
+        side.deployment.stop()
 
 
 @contextlib.contextmanager
@@ -738,7 +706,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-seconds", type=float, default=90.0, help="measured seconds per llamacpp c=4 run")
     p.add_argument("--transfer-requests", type=int, default=4, help="transfer prompts per side per round")
     p.add_argument("--transfer-tokens", type=int, default=2000, help="tokens of each transfer prompt")
-    p.add_argument("--json", default="benchmarks/out/disagg.json")
+    p.add_argument("--json", default=str(harness.results_path("disagg")))
     return p.parse_args()
 
 
@@ -748,19 +716,16 @@ def main() -> None:
     chosen = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in chosen if p not in parts]:
         raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(parts)}")
-    document: dict[str, Any] = {"args": vars(args), "loadavg_start": os.getloadavg(), "started": time.time()}
-    print(f"loadavg at start: {os.getloadavg()}  (timings are valid only on a quiet machine)", flush=True)
+    document: dict[str, Any] = {"args": vars(args)}
+    load_start = harness.loadavg()
+    print(f"load average at start: {load_start}  (timings are valid only on a quiet machine)", flush=True)
     with tempfile.TemporaryDirectory(prefix="dyn-disagg-") as name:
         for part in chosen:
             print(f"\n== part {part}", flush=True)
             started = time.monotonic()
             document[part] = parts[part](args, Path(name))
             document[part]["wall_s"] = time.monotonic() - started
-    document["loadavg_end"] = os.getloadavg()
-    print(f"\nloadavg at end: {os.getloadavg()}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.json, document)  # msgspec: NaN -> null, so strict readers take it
-    print(f"wrote {args.json}")
+    harness.write_results("disagg", document, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

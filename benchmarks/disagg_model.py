@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
-from dyn_engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig  # noqa: E402
+import harness
+from dyn_engines.mocker.kv_manager import KvManager
+from dyn_engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig
 
-from dynamo_cli.router.disagg import STALL_WEIGHT  # noqa: E402
-from dynamo_cli.timing import TimingModel  # noqa: E402
+from dynamo_cli.router.disagg import STALL_WEIGHT
+from dynamo_cli.timing import TimingModel
 
 BLOCK_SIZE, NUM_BLOCKS, OSL, KV_BYTES_PER_TOKEN, BANDWIDTH = 64, 16384, 150, 131072, 64e9
 MAX_LOCAL_PREFILL = 512
@@ -171,7 +169,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="simulated seconds per run")
     parser.add_argument("--rates", default="16,24,32,40")
     parser.add_argument("--slo", default="ttft=1000 itl=25", help="ms")
+    parser.add_argument("--json", default=str(harness.results_path("disagg_model")))
     args = parser.parse_args()
+    load_start = harness.loadavg()
     values = dict(item.split("=") for item in args.slo.split())
     slo = (float(values["ttft"]), float(values["itl"]))
     print("closed loop: ISL 3000, OSL 150, c=16")
@@ -180,9 +180,14 @@ def main() -> None:
         show(mode, row)
     show("always/agg", {k: rows["always"][k] / rows["agg"][k] for k in rows["agg"]})
     print(f"mixed: half ISL 100, half 3000, OSL 150, Poisson; goodput: TTFT <= {slo[0]:g} ms, ITL <= {slo[1]:g} ms")
+    mixes = []
     for rate in (float(r) for r in args.rates.split(",")):
         for mode in ("agg", "always", "isl", "adaptive"):
-            show(f"{rate:g} req/s {mode}", mixed(mode, rate, args.seconds, slo))
+            figures = mixed(mode, rate, args.seconds, slo)
+            show(f"{rate:g} req/s {mode}", figures)
+            mixes.append({"rate": rate, "mode": mode, **figures})
+    results = {"args": vars(args), "closed": rows, "mixed": mixes}
+    harness.write_results("disagg_model", results, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

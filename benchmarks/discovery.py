@@ -14,14 +14,13 @@
 3. Removal: a process registers a leased key and is SIGKILLed; time until the watcher sees the
    DELETE, on etcd and on the embedded backend. Bar: <= TTL + 2 s.
 
-It starts its own nats-server and etcd (tests/planes.py) on free loopback ports.
+It starts its own nats-server and etcd (benchmarks/harness.py) on free loopback ports.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -32,15 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import msgspec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.planes starts the servers; dynamo_cli from the checkout
-
-from dynamo_cli.runtime.discovery import WatchKind  # noqa: E402
-from dynamo_cli.runtime.nats import NatsEventBus  # noqa: E402
-from dynamo_cli.runtime.planes import open_discovery  # noqa: E402
-from tests import planes  # noqa: E402
+from dynamo_cli.runtime.discovery import WatchKind
+from dynamo_cli.runtime.nats import NatsEventBus
+from dynamo_cli.runtime.planes import open_discovery
 
 NUM_PUBLISHERS = 8
 SUBJECTS = "namespace.bench.component.*.kv-events"
@@ -60,7 +56,6 @@ class KvEvent(msgspec.Struct, array_like=True):
 
 PUBLISHER = """
 import asyncio, os, sys, time, msgspec
-sys.path.insert(0, sys.argv[1])
 # Workers run on other hosts in a deployment; here they share the router's two cores, so they
 # yield the CPU to it rather than starve it (os.nice), which would measure the box, not the router.
 os.nice(10)
@@ -88,7 +83,7 @@ async def main(url, worker, count, rate):
     await bus.close()
     print("done", flush=True)
 
-asyncio.run(main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])))
 """
 
 
@@ -101,7 +96,7 @@ async def run_nats_phase(url: str, count: int, rate_per_publisher: float, jetstr
     subscription = await router.subscribe(SUBJECTS)
     publishers = [
         subprocess.Popen(
-            [sys.executable, "-c", PUBLISHER, str(ROOT), url, str(w), str(count), str(rate_per_publisher)],
+            [sys.executable, "-c", PUBLISHER, url, str(w), str(count), str(rate_per_publisher)],
             stdout=subprocess.PIPE,
         )
         for w in range(NUM_PUBLISHERS)
@@ -189,11 +184,11 @@ async def run_replay_phase(url: str, expected: int) -> dict[str, float]:
 
 OWNER = """
 import asyncio, sys
-sys.path.insert(0, sys.argv[1])
+from dynamo_cli.runtime.planes import open_discovery
 
 
 async def main():
-    discovery = open_discovery(sys.argv[2], ttl=float(sys.argv[3]))
+    discovery = open_discovery(sys.argv[1], ttl=float(sys.argv[2]))
     await discovery.start()
     await discovery.put("v1/instances/bench/backend/generate/" + format(discovery.lease_id, "x"), b"w")
     print("ready", flush=True)
@@ -207,7 +202,7 @@ async def measure_removal(url: str, ttl: float) -> float:
     """Seconds from SIGKILL of a registered process to the watcher's DELETE."""
     watcher = open_discovery(url, ttl=ttl)
     await watcher.start()
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(ROOT), url, str(ttl)], stdout=subprocess.PIPE)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, url, str(ttl)], stdout=subprocess.PIPE)
     events = aiter(watcher.watch("v1/instances/bench/"))
     try:
         assert owner.stdout is not None and owner.stdout.readline() == b"ready\n"
@@ -234,16 +229,14 @@ async def main() -> None:
         "--latency-rates", type=float, nargs="+", default=[5_000, 20_000], help="total events/s, paced phases"
     )
     parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL for the removal phase (s)")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "discovery.json")
+    parser.add_argument("--json", type=Path, default=harness.results_path("discovery"))
     args = parser.parse_args()
 
     results: dict[str, dict[str, float]] = {}
+    load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        nats_bin, etcd_bin = planes.find_nats_server(), planes.find_etcd()
-        if nats_bin is None or etcd_bin is None:
-            raise SystemExit("nats-server or etcd missing: run bash .ci/install-planes.sh")
-        nats = planes.start_nats(nats_bin, Path(tmp))
-        etcd = planes.start_etcd(etcd_bin, Path(tmp))
+        nats = harness.start_nats(Path(tmp))
+        etcd = harness.start_etcd(Path(tmp))
         try:
             n = args.events_per_publisher
             results["nats core, max rate"] = await run_nats_phase(nats.url, n, 0, jetstream=False)
@@ -274,9 +267,7 @@ async def main() -> None:
             print(f"{name:<28} SIGKILL -> DELETE {row['seconds']:.2f} s (ttl {row['ttl']:g} s)")
     best = max(r.get("events_per_s", 0) for r in results.values())
     print(f"throughput bar >= {THROUGHPUT_BAR:,} events/s: {'met' if best >= THROUGHPUT_BAR else 'NOT met'}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    harness.write_results("discovery", results, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ with distinct random prompts (no prefix reuse), ignore_eos. Raw contexts run on 
 raw cell right before the engine cell it is compared with; a round's ratio is the median of its
 alternations, because this shared machine's speed drifts by tens of percent within a minute.
 
-    python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--pairs 3] [--json out.json]
-                                         [--kv-host-cache-gb 1]   # KV tiers on (host memory)
+    python benchmarks/engine_llamacpp.py [--isl 200] [--osl 128] [--rounds 3] [--pairs 3]
+        [--json benchmarks/out/engine_llamacpp.json] [--kv-host-cache-gb 1]   # KV tiers on (host memory)
 
 Bars (issue 16), in every round: engine single-stream decode >= 0.95x raw single-stream decode; engine
 decode at 8 sequences >= 0.9x raw's 8-sequence batch doing the same work.
@@ -25,23 +25,20 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness
+import llama_cpp
+from dyn_engines.llamacpp.engine import LlamaCppEngine
+from dyn_engines.llamacpp.runner import default_threads
 
-import llama_cpp  # noqa: E402
-from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
-from dyn_engines.llamacpp.runner import default_threads  # noqa: E402
-
-from dynamo_cli.engine import EngineArgs  # noqa: E402
-from dynamo_cli.kv.tiers import KvTierConfig  # noqa: E402
-from dynamo_cli.model.paths import resolve_model_path  # noqa: E402
-from dynamo_cli.wire import GenerateRequest, SamplingParams  # noqa: E402
+from dynamo_cli.engine import EngineArgs
+from dynamo_cli.kv.tiers import KvTierConfig
+from dynamo_cli.model.paths import resolve_model_path
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 CONCURRENCY = (1, 4, 8, 16)
 
@@ -193,16 +190,9 @@ def find_key(doc: Any, key: str) -> Any:
 
 def serve_cells(args: Any) -> dict[int, dict[str, float]]:
     """The same load through `dyn serve` (HTTP, tokenizer, router, worker process) driven by `dyn bench`."""
-    command = ["dyn", "serve", "--port", "0", "--max-num-seqs", str(max(CONCURRENCY))]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    serve = harness.start_serve(["--max-num-seqs", str(max(CONCURRENCY))], harness.OUT / "engine_llamacpp.serve.log")
     try:
-        assert server.stdout is not None
-        line = ""
-        while "dyn serve ready:" not in line:
-            line = server.stdout.readline()
-            if not line:
-                raise SystemExit("dyn serve exited before it was ready")
-        url = line.split("dyn serve ready:")[1].split()[0]
+        url = serve.url
         out = {}
         for c in CONCURRENCY:
             with tempfile.TemporaryDirectory() as tmp:
@@ -219,8 +209,7 @@ def serve_cells(args: Any) -> dict[int, dict[str, float]]:
             }
         return out
     finally:
-        server.terminate()
-        server.wait(30)
+        serve.stop()
 
 
 RATIOS = {
@@ -247,8 +236,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--kv-host-cache-gb", type=float, default=0.0, help="KV tiers: host memory (0: off)")
     parser.add_argument("--serve", action="store_true", help="also measure through `dyn serve` + `dyn bench`")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=harness.results_path("engine_llamacpp"))
     args = parser.parse_args()
+    load_start = harness.loadavg()
     result = asyncio.run(measure(args))
     result["ratios"] = ratios(result["rounds"])
     if args.serve:
@@ -267,10 +257,9 @@ def main() -> None:
         )
     for name, values in result["ratios"].items():
         print(f"{name:<27} per round (median of its alternations): {' / '.join(f'{v:.2f}' for v in values)}")
-    if args.json:
-        result.update(isl=args.isl, osl=args.osl, threads=args.threads, machine=platform.platform())
-        result["llama_cpp_python"] = llama_cpp.__version__
-        args.json.write_text(json.dumps(result, indent=2, default=str))
+    result.update(isl=args.isl, osl=args.osl, threads=args.threads, machine=platform.platform())
+    result["llama_cpp_python"] = llama_cpp.__version__
+    harness.write_results("engine_llamacpp", result, args.json, loadavg_start=load_start)
 
 
 def print_cell(round_name: str, name: str, cell: dict[str, float]) -> None:

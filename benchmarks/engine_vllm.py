@@ -6,7 +6,8 @@ tokens, --osl output tokens with ignore_eos, streaming chat). Servers alternate,
 --rounds rounds; ratios are dyn / vLLM per round and the table shows their medians, because a shared
 machine drifts between minutes.
 
-    python benchmarks/engine_vllm.py [--concurrency 1,8,16] [--isl 200] [--osl 64] [--rounds 2] [--json out.json]
+    python benchmarks/engine_vllm.py [--concurrency 1,8,16] [--isl 200] [--osl 64] [--rounds 2]
+        [--json benchmarks/out/engine_vllm.json]
 
 Bar: dyn output tokens/s >= 0.95x vLLM's own server at every concurrency (the framework must add almost
 nothing on top of the engine). TTFT p50 is reported beside it (lower is better; ratio dyn / vLLM).
@@ -30,12 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness
+from dyn_engines.hf_export import hf_model_dir
 
-from dyn_engines.hf_export import hf_model_dir  # noqa: E402
-
-from dynamo_cli.bench.report import flatten  # noqa: E402
+from dynamo_cli.bench.report import flatten
 
 ENGINE = {
     "dtype": "float32",
@@ -121,31 +120,32 @@ def start_vllm(model: str) -> Server:
     return Server("vllm serve", argv, f"http://127.0.0.1:{port}", re.compile(r"Application startup complete"))
 
 
-def start_dyn(model: str) -> Server:
-    extra = {k: v for k, v in ENGINE.items() if k not in ("block_size", "max_model_len")}
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        "vllm",
-        "--model",
-        model,
-        "--served-model-name",
-        SERVED_NAME,
-        "--port",
-        "0",
-        "--block-size",
-        str(ENGINE["block_size"]),
-        "--context-length",
-        str(ENGINE["max_model_len"]),
-        "--extra-engine-args",
-        json.dumps(extra),
-        "--discovery",
-        f"file://{tempfile.mkdtemp(prefix='dyn-bench-vllm-')}",
-    ]
-    return Server("dyn serve", argv, None, re.compile(r"dyn serve ready: (http://\S+)"))
+class DynServer:
+    """`dyn serve --engine vllm` through the harness, with `Server`'s shape for the round loop."""
+
+    def __init__(self, model: str) -> None:
+        extra = {k: v for k, v in ENGINE.items() if k not in ("block_size", "max_model_len")}
+        work = Path(tempfile.mkdtemp(prefix="dyn-bench-vllm-"))
+        self.flags = ["--engine", "vllm", "--model", model, "--served-model-name", SERVED_NAME]
+        self.flags += ["--block-size", str(ENGINE["block_size"]), "--context-length", str(ENGINE["max_model_len"])]
+        self.flags += ["--extra-engine-args", json.dumps(extra), "--discovery", f"file://{work}/d"]
+        self.log_path = work / "serve.log"
+        self.url: str | None = None
+        self.deployment: harness.Deployment | None = None
+
+    def wait_ready(self, timeout: float) -> float:
+        started = time.monotonic()
+        self.deployment = harness.start_serve(self.flags, self.log_path, env={"HF_HUB_OFFLINE": "1"}, timeout_s=timeout)
+        self.url = self.deployment.url
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.deployment is not None:
+            self.deployment.stop(grace_s=60.0)
+
+
+def start_dyn(model: str) -> DynServer:
+    return DynServer(model)
 
 
 def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
@@ -193,16 +193,17 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ready-timeout", type=float, default=600)
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "out" / "engine_vllm.json"))
+    parser.add_argument("--json", default=str(harness.results_path("engine_vllm")))
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    load_start = harness.loadavg()
     model = hf_model_dir("smollm2")
     work = Path(tempfile.mkdtemp(prefix="engine-vllm-"))
     cells: list[dict[str, Any]] = []
     startups: dict[str, list[float]] = {"vllm": [], "dyn": []}
     for round_no in range(args.rounds):
         for name, start in (("vllm", start_vllm), ("dyn", start_dyn)):
-            server = start(model)
+            server: Server | DynServer = start(model)
             try:
                 startups[name].append(server.wait_ready(args.ready_timeout))
                 assert server.url is not None
@@ -262,7 +263,6 @@ def main() -> None:
         )
     print(f"startup s: vLLM {startups['vllm']}, dyn {startups['dyn']}")
     document = {
-        "benchmark": "engine_vllm",
         "args": vars(args),
         "engine_args": ENGINE,
         "rows": rows,
@@ -270,12 +270,8 @@ def main() -> None:
         "startup_s": startups,
         "host": platform.node(),
         "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(document, indent=2))
-    print(f"wrote {args.json}")
+    harness.write_results("engine_vllm", document, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ apart the shared load views drift; after the run every view must be back to 0 (n
     python benchmarks/frontends.py [--frontends 1,2,4] [--routers round-robin,kv] [--rounds 2] [--seconds 15]
         [--concurrency 64] [--max-tokens 16] [--json benchmarks/out/frontends.json]
 
-Sides alternate round by round (the order of N reversed on odd rounds). `os.getloadavg()` is printed at the
+Sides alternate round by round (the order of N reversed on odd rounds). The load average is recorded at the
 start and the end: timings are only valid on an otherwise quiet machine. On this 2-core machine the load generator
 takes about one core, so the frontends cannot show scaling here; the figure that carries is CPU per request.
 """
@@ -22,59 +22,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
-import re
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # noqa: E402  (the lean load generator and /proc CPU readers of benchmarks/overhead.py)
+import overhead  # the lean load generator of benchmarks/overhead.py
 
 SAMPLE_S = 0.25
 
 
-def start(tmp: str, frontends: int, router: str, workers: int) -> tuple[subprocess.Popen[str], str]:
-    argv = [
-        *(sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker"),
-        *("--workers", str(workers), "--frontends", str(frontends), "--router", router),
-        *("--speedup-ratio", "1000000", "--port", "0", "--discovery", f"file://{tmp}/d-{frontends}-{router}"),
+def serve_flags(tmp: str, frontends: int, router: str, workers: int) -> list[str]:
+    return [
+        *("--engine", "mocker", "--workers", str(workers), "--frontends", str(frontends), "--router", router),
+        *("--speedup-ratio", "1000000", "--discovery", f"file://{tmp}/d-{frontends}-{router}"),
     ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"dyn serve ready: (\S+)", line)
-        if match:
-            return proc, match.group(1)
-    raise SystemExit(f"dyn serve --frontends {frontends} --router {router} did not start")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def tree(pid: int) -> dict[int, str]:
     """`pid` and its descendants, each as `frontend` (dyn serve) or `worker`."""
-    found, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
+    found = {}
+    for p in harness.process_tree(pid):
         with contextlib.suppress(OSError):
             args = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
             found[p] = "frontend" if b"serve" in args else "worker"
-            todo += overhead.children(p)
     return found
 
 
@@ -82,7 +57,7 @@ def cpu_by_kind(procs: dict[int, str]) -> dict[str, float]:
     totals = {"frontend": 0.0, "worker": 0.0}
     for pid, kind in procs.items():
         with contextlib.suppress(OSError):
-            totals[kind] += overhead.cpu_seconds(pid)
+            totals[kind] += harness.cpu_seconds(pid)
     return totals
 
 
@@ -135,18 +110,17 @@ async def measure(url: str, frontends: int, args: argparse.Namespace) -> tuple[l
 
 
 def run_one(tmp: str, frontends: int, router: str, args: argparse.Namespace) -> dict[str, Any]:
-    proc, url = start(tmp, frontends, router, args.workers)
-    try:
+    flags, log = serve_flags(tmp, frontends, router, args.workers), Path(tmp) / f"serve-{frontends}-{router}.log"
+    with harness.serving(flags, log, min_instances=args.workers) as serve:
+        url = serve.url
         asyncio.run(overhead.run_level(url, args.concurrency, args.max_tokens, 2.0))  # warm up (tokenizers, JIT)
-        procs = tree(proc.pid)
+        procs = tree(serve.pid)
         before, self_before = cpu_by_kind(procs), resource.getrusage(resource.RUSAGE_SELF)
         wall0 = time.perf_counter()
         args.router_kv = router == "kv"
         records, samples = asyncio.run(measure(url, frontends, args))
         wall = time.perf_counter() - wall0
         after, self_after = cpu_by_kind(procs), resource.getrusage(resource.RUSAGE_SELF)
-    finally:
-        stop(proc)
     cpu = {kind: after[kind] - before[kind] for kind in before}
     cpu["loadgen"] = (self_after.ru_utime + self_after.ru_stime) - (self_before.ru_utime + self_before.ru_stime)
     row = overhead.summarize(records, wall, cpu)
@@ -198,10 +172,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--json", default="benchmarks/out/frontends.json")
+    p.add_argument("--json", default=str(harness.results_path("frontends")))
     args = p.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    load_start = harness.loadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
@@ -211,7 +185,6 @@ def main() -> None:
                     rows.append(row)
                     print(f"round {rnd}:", flush=True)
                     show([row])
-    print(f"load average at end: {os.getloadavg()}", flush=True)
     medians = []
     for router in args.routers.split(","):
         for n in counts:
@@ -222,8 +195,8 @@ def main() -> None:
             )
     print("\nmedians over rounds:")
     show(medians)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "medians": medians}, indent=1))
+    results = {"args": vars(args), "rows": rows, "medians": medians}
+    harness.write_results("frontends", results, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

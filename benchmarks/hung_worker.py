@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import httpx
 
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "count"}], "ignore_eos": True}
@@ -30,21 +28,9 @@ CUTOFF_S = 45.0
 """A request still open this long after the SIGSTOP counts as stuck."""
 
 
-def start(stall: float, tmp: str) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--engine", "mocker", "--workers", "3"]
-    argv += ["--port", "0", "--discovery", f"file://{tmp}/d", "--stall-timeout", str(stall), "--lease-ttl", "60"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"dyn serve ready: (\S+)", line)
-        if match:
-            return proc, match.group(1)
-    raise SystemExit("dyn serve did not start")
-
-
-def worker_pids(serve: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(serve)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def serve_flags(stall: float, tmp: str) -> list[str]:
+    flags = ["--engine", "mocker", "--workers", "3", "--discovery", f"file://{tmp}/d"]
+    return [*flags, "--stall-timeout", str(stall), "--lease-ttl", "60"]
 
 
 def ask(url: str, max_tokens: int, started: float) -> tuple[float, str, bool]:
@@ -72,7 +58,7 @@ def pid_to_instance(url: str, serve: int) -> dict[str, int]:
     ports = {i["address"].rsplit(":", 1)[1]: i["instance_id"] for i in instances}
     found = {}
     listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-    for pid in worker_pids(serve):
+    for pid in harness.children(serve):
         for line in listening:
             if f"pid={pid}," in line:
                 port = line.split()[3].rsplit(":", 1)[1]
@@ -83,9 +69,9 @@ def pid_to_instance(url: str, serve: int) -> dict[str, int]:
 
 def run(stall: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start(stall, tmp)
-        try:
-            by_id = pid_to_instance(url, proc.pid)
+        with harness.serving(serve_flags(stall, tmp), Path(tmp) / "serve.log", min_instances=3) as serve:
+            url = serve.url
+            by_id = pid_to_instance(url, serve.pid)
             stopped_id, stopped_pid = next(iter(by_id.items()))
             with concurrent.futures.ThreadPoolExecutor(32) as pool:
                 streams = [pool.submit(ask, url, 2000, time.monotonic()) for _ in range(24)]
@@ -113,16 +99,14 @@ def run(stall: float) -> dict[str, object]:
                 "late_slowest_s": round(max(t for t, _, _ in after), 1),
                 "served_again_after_sigcont_s": round(back, 2) if back is not None else None,
             }
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stall", default="0,10,2", help="stall timeouts to try (s; 0: no deadline)")
-    parser.add_argument("--json", default="benchmarks/out/hung_worker.json")
+    parser.add_argument("--json", default=str(harness.results_path("hung_worker")))
     args = parser.parse_args()
+    load_start = harness.loadavg()
     rows = [run(float(s)) for s in args.stall.split(",")]
     print(
         "| --stall-timeout | streams completed /24 | last stream ended (s) | late held by the stopped worker /8 "
@@ -131,9 +115,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(" | ".join(["", *(str(v) for v in r.values()), ""]).strip())
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
-    print(f"wrote {args.json}")
+    harness.write_results("hung_worker", {"rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

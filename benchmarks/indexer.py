@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -28,6 +27,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 
 from dynamo_cli.config import KvRouterConfig
@@ -301,6 +301,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    load_start = harness.loadavg()
     rng = random.Random(args.seed)
     workload = make_workload(args, rng)
     indexer = KvIndexer()
@@ -319,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
             "python": sys.version.split()[0],
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
-            "load_average_at_end": os.getloadavg(),
             "min_worker_blocks": min(sizes),
             "max_worker_blocks": max(sizes),
         },
@@ -329,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "select": select,
     }
     print_table(result)
-    path = args.json or Path(__file__).parent / "out" / "indexer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    harness.write_results("indexer", result, args.json, loadavg_start=load_start)
     return 0
 
 

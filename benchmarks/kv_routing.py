@@ -48,8 +48,6 @@ import random
 import re
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -57,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 import msgspec
 
@@ -163,22 +162,12 @@ def start_serve(
     num_gpu_blocks: int | None,
     log_path: Path,
     workers: int | None = None,
-) -> tuple[subprocess.Popen[bytes], str, list[str]]:
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        "mocker",
-        "--workers",
-        str(workers or args.workers),
-        "--router",
-        mode,
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
+) -> harness.Deployment:
+    """`dyn serve` of the mocker for `mode` (harness.start_serve), pinned as the mode says."""
+    workers = workers or args.workers
+    router, knobs = parse_mode(mode, args)
+    flags = ["--engine", "mocker", "--workers", str(workers), "--router", router, "--host", "127.0.0.1"]
+    flags += [
         "--discovery",
         f"file://{tmp}/d",
         "--speedup-ratio",
@@ -187,31 +176,24 @@ def start_serve(
         str(args.block_size),
     ]
     if num_gpu_blocks:
-        argv += ["--num-gpu-blocks", str(num_gpu_blocks)]
-    router, knobs = parse_mode(mode, args)
-    argv[argv.index("--router") + 1] = router
+        flags += ["--num-gpu-blocks", str(num_gpu_blocks)]
     if router == "kv":
-        argv += ["--kv-overlap-score-weight", str(knobs["w"]), "--router-temperature", str(knobs["t"])]
+        flags += ["--kv-overlap-score-weight", str(knobs["w"]), "--router-temperature", str(knobs["t"])]
         if not knobs["guard"]:
-            argv.append("--no-hot-spot-guard")
+            flags.append("--no-hot-spot-guard")
         if knobs["cost"]:
-            argv += ["--router-cost", knobs["cost"]]
+            flags += ["--router-cost", knobs["cost"]]
     # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: PYTHONSAFEPATH drops it,
     # or a run started in one checkout would run that checkout's code in every mode
-    env = {**os.environ, "PYTHONPATH": knobs["code"], "PYTHONSAFEPATH": "1"} if knobs["code"] else None
-    log = log_path.open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)  # a file: a full pipe never blocks
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        match = re.search(r"dyn serve ready: (\S+)", log_path.read_text(errors="replace"))
-        if match:
-            pin(proc.pid, knobs["pin"])
-            return proc, match.group(1), argv
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    stop_serve(proc)
-    raise SystemExit(f"dyn serve did not start; log:\n{log_path.read_text(errors='replace')[-3000:]}")
+    env = {"PYTHONPATH": knobs["code"], "PYTHONSAFEPATH": "1"} if knobs["code"] else None
+    serve = harness.start_serve(flags, log_path, env=env, timeout_s=90.0, min_instances=workers)
+    pin(serve.pid, knobs["pin"])
+    return serve
+
+
+def serve_argv(serve: harness.Deployment, tmp: str) -> str:
+    """The deployment's command line as the results record it (the temporary folder as TMP)."""
+    return " ".join(["serve", *serve.flags]).replace(tmp, "TMP")
 
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
@@ -225,7 +207,7 @@ def pin(serve_pid: int, frontend_alone: bool) -> None:
     os.sched_setaffinity(0, rest)  # this thread: the load generator's event loop (threads it starts inherit)
     if not frontend_alone or rest == set(ALL_CPUS):
         return
-    for pid, cpus in [(serve_pid, {ALL_CPUS[0]}), *[(k, rest) for k in workers_of(serve_pid)]]:
+    for pid, cpus in [(serve_pid, {ALL_CPUS[0]}), *[(k, rest) for k in harness.children(serve_pid)]]:
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(task.name), cpus)
@@ -263,41 +245,14 @@ def parse_mode(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]
     return router, knobs
 
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def workers_of(serve_pid: int) -> list[int]:
-    """The serve process's children: its workers."""
-    kids = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
-    return [int(k) for k in kids]
-
-
 def cpu_snapshot(serve_pid: int) -> dict[str, float]:
     """CPU seconds so far of the frontend (the serve process), its workers, and this load generator."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
-        "frontend": cpu_seconds(serve_pid),
-        "workers": sum(cpu_seconds(k) for k in workers_of(serve_pid)),
+        "frontend": harness.cpu_seconds(serve_pid),
+        "workers": sum(harness.cpu_seconds(k) for k in harness.children(serve_pid)),
         "loadgen": usage.ru_utime + usage.ru_stime,
     }
-
-
-def stop_serve(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 async def scrape_router(url: str) -> dict[str, float]:
@@ -704,7 +659,7 @@ def main() -> None:
     p.add_argument("--probe-concurrency", type=int, default=32)
     p.add_argument("--probe-seconds", type=float, default=20.0)
     p.add_argument("--probe-warmup", type=float, default=5.0)
-    p.add_argument("--json", default="benchmarks/out/kv_routing.json")
+    p.add_argument("--json", default=str(harness.results_path("kv_routing")))
     p.add_argument("--records", action="store_true", help="keep every measured request in the JSON")
     p.add_argument("--no-explain", dest="explain", action="store_false", help="kv modes: no x-dyn-explain-route")
     args = p.parse_args()
@@ -717,7 +672,7 @@ def main() -> None:
         "regimes": {},
         "started": started,
         "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        "loadavg_start": harness.loadavg(),
     }
     for regime in args.regimes.split(","):
         num_prefixes, blocks = regime_settings(regime, args)
@@ -730,13 +685,13 @@ def main() -> None:
         probe = None
         if regime in args.probe_regimes.split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                proc, url, argv = start_serve(tmp, "round-robin", args, blocks, Path(tmp) / "serve.log", workers=1)
+                serve = start_serve(tmp, "round-robin", args, blocks, Path(tmp) / "serve.log", workers=1)
                 try:
                     time.sleep(1.0)
-                    probe = uvloop.run(run_capacity(url, work, args, args.seed + 1))
+                    probe = uvloop.run(run_capacity(serve.url, work, args, args.seed + 1))
                 finally:
-                    stop_serve(proc)
-            probe["serve_argv"] = " ".join(argv[2:]).replace(tmp, "TMP")
+                    serve.stop()
+                probe["serve_argv"] = serve_argv(serve, tmp)
             scale(probe, args.speedup)
             probe["cache_blind_capacity_req_per_s"] = probe["req_per_s"] * args.workers
             # both in speedup-1 units: the probe was scaled back above, the offered rate is divided here
@@ -744,13 +699,13 @@ def main() -> None:
             print("capacity probe (1 worker, closed loop):", json.dumps(probe), flush=True)
         for mode in (args.modes_a if regime == "a" else args.modes_b).split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                proc, url, argv = start_serve(tmp, mode, args, blocks, Path(tmp) / "serve.log")
+                serve = start_serve(tmp, mode, args, blocks, Path(tmp) / "serve.log")
                 try:
                     time.sleep(1.0)  # let the frontend see all 4 workers' KV streams
-                    row = uvloop.run(run_mode(url, f"file://{tmp}/d", mode, work, rargs, args.seed, proc.pid))
+                    row = uvloop.run(run_mode(serve.url, f"file://{tmp}/d", mode, work, rargs, args.seed, serve.pid))
                 finally:
-                    stop_serve(proc)
-            row["serve_argv"] = " ".join(argv[2:]).replace(tmp, "TMP")
+                    serve.stop()
+                row["serve_argv"] = serve_argv(serve, tmp)
             scale(row, args.speedup)
             rows.append(row)
             print(
@@ -768,12 +723,10 @@ def main() -> None:
             "capacity_probe": probe,
             "rows": rows,
         }
-    results["loadavg_end"] = os.getloadavg()
+    results["loadavg_end"] = harness.loadavg()
     results["bars"] = bars(results)
     print_tables(results)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    print(f"wrote {args.json}")
+    harness.write_results("kv_routing", results, args.json, loadavg_start=results["loadavg_start"])
 
 
 def scale(row: dict[str, Any], speedup: float) -> None:

@@ -43,7 +43,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import kv_routing as kr  # benchmarks/ is the script's directory, so on sys.path
+import harness
+import kv_routing as kr
 import numpy as np
 
 CACHES = {"default": (20, None), "p20": (20, 512), "p40": (40, 512)}
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-concurrency", type=int, default=32)
     p.add_argument("--probe-seconds", type=float, default=20.0)
     p.add_argument("--probe-warmup", type=float, default=5.0)
-    p.add_argument("--json", default="benchmarks/out/kv_routing_matrix.json")
+    p.add_argument("--json", default=str(harness.results_path("kv_routing_matrix")))
     p.add_argument("--records", action="store_true", help="keep every measured request in the JSON")
     p.add_argument("--reprint", type=Path, help="print the tables of an earlier run's JSON (pooled anew) and exit")
     args = p.parse_args(argv)
@@ -88,12 +89,12 @@ def probe_capacity(work: kr.Workload, blocks: int | None, args: argparse.Namespa
     import uvloop
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url, _ = kr.start_serve(tmp, "round-robin", args, blocks, Path(tmp) / "serve.log", workers=1)
+        serve = kr.start_serve(tmp, "round-robin", args, blocks, Path(tmp) / "serve.log", workers=1)
         try:
             time.sleep(1.0)
-            probe = uvloop.run(kr.run_capacity(url, work, args, args.seed + 1))
+            probe = uvloop.run(kr.run_capacity(serve.url, work, args, args.seed + 1))
         finally:
-            kr.stop_serve(proc)
+            serve.stop()
     kr.scale(probe, args.speedup)
     probe["rr_capacity_req_per_s"] = probe["req_per_s"] * args.workers
     return probe
@@ -110,13 +111,13 @@ def run_one(
     clients = args.clients_per_worker * args.workers if closed else 0
     rargs = argparse.Namespace(**{**vars(args), "rate": rate, "clients": clients})
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url, argv = kr.start_serve(tmp, mode, args, blocks, Path(tmp) / "serve.log")
+        serve = kr.start_serve(tmp, mode, args, blocks, Path(tmp) / "serve.log")
         try:
             time.sleep(1.0)  # let the frontend see every worker's KV stream
-            row = uvloop.run(kr.run_mode(url, f"file://{tmp}/d", mode, work, rargs, args.seed, proc.pid))
+            row = uvloop.run(kr.run_mode(serve.url, f"file://{tmp}/d", mode, work, rargs, args.seed, serve.pid))
         finally:
-            kr.stop_serve(proc)
-    row["serve_argv"] = " ".join(argv[2:]).replace(tmp, "TMP")
+            serve.stop()
+        row["serve_argv"] = kr.serve_argv(serve, tmp)
     row["clients"], row["rate"] = clients, rate / args.speedup
     kr.scale(row, args.speedup)
     return row
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(args),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        "loadavg_start": harness.loadavg(),
         "caches": {},
     }
     for cache in args.caches.split(","):
@@ -247,16 +248,14 @@ def main(argv: list[str] | None = None) -> None:
             "cells": cells,
             "pooled": pooled,
         }
-    results["loadavg_end"] = os.getloadavg()
+    results["loadavg_end"] = harness.loadavg()
     print_table(results)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    print(f"wrote {args.json}")
+    harness.write_results("kv_routing_matrix", results, args.json, loadavg_start=results["loadavg_start"])
 
 
 def reprint(path: Path) -> None:
     """The tables of an earlier run's JSON, its repeats pooled anew (with this version's intervals)."""
-    results = json.loads(path.read_text())
+    results = harness.read_results(path)
     for reg in results["caches"].values():
         reg["pooled"] = pool_loads(reg["cells"])
     print_table(results)

@@ -48,26 +48,21 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
+from dyn_engines.mocker.engine import MAX_CATCH_UP_S
+from dyn_engines.mocker.kv_manager import KvManager
+from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dyn_engines.mocker.engine import MAX_CATCH_UP_S  # noqa: E402
-from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
-from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig  # noqa: E402
-
-from dynamo_cli.config import KvRouterConfig  # noqa: E402
-from dynamo_cli.router.base import RoundRobinPolicy, RouteRequest  # noqa: E402
-from dynamo_cli.router.kv import KvRoutingPolicy  # noqa: E402
-from dynamo_cli.timing import TimingModel  # noqa: E402
+from dynamo_cli.config import KvRouterConfig
+from dynamo_cli.router.base import RoundRobinPolicy, RouteRequest
+from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import LoadMetrics
 
 CACHES = {"default": (20, 16384), "p20": (20, 512), "p40": (40, 512)}
@@ -388,8 +383,9 @@ def main() -> None:
     p.add_argument("--kv-at", choices=("start", "end"), default="start")
     p.add_argument("--ideal", action="store_true", help="no delays: events at pass end, load after each pass")
     p.add_argument("--trace", type=int, default=0, help="print the N slowest requests' decisions per kv run")
-    p.add_argument("--json", default="benchmarks/out/kv_routing_sim.json")
+    p.add_argument("--json", default=str(harness.results_path("kv_routing_sim")))
     args = p.parse_args()
+    load_start = harness.loadavg()
     modes, seeds = args.modes.split(","), [int(s) for s in args.seeds.split(",")]
     rows: list[dict[str, Any]] = []
     head = f"{'cache':8} {'load':6} {'mode':16} {'req':>6} {'hit':>6}"
@@ -415,8 +411,7 @@ def main() -> None:
                 rows.append({"cache": cache, "load": load, "capacity": capacity, "mode": mode, **row})
                 t, r = "/".join(f"{v:.1f}" for v in row["ttft_ms"]), "/".join(f"{v:.2f}" for v in ratio)
                 print(f"{cache:8} {load:6} {mode:16} {row['requests']:6.0f} {row['hit_rate']:6.1%} {t:>22} {r:>18}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    harness.write_results("kv_routing_sim", {"args": vars(args), "rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,8 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
-import kv_routing as kr  # benchmarks/ is the script's directory, so on sys.path
+import kv_routing as kr
 
 from dynamo_cli.wire import LoadMetrics
 
@@ -143,52 +141,16 @@ def engine_cache(args: argparse.Namespace, messages: list[list[list[int]]]) -> t
 
 def start_serve(
     tmp: str, config: TierConfig, args: argparse.Namespace, cache_tokens: int, log_path: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        args.engine,
-        "--workers",
-        str(args.workers),
-        "--router",
-        "kv",
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--discovery",
-        f"file://{tmp}/d",
-        "--block-size",
-        str(args.block_size),
-        *config.argv(tmp),
-    ]
+) -> harness.Deployment:
+    flags = ["--engine", args.engine, "--workers", str(args.workers), "--router", "kv", "--host", "127.0.0.1"]
+    flags += ["--discovery", f"file://{tmp}/d", "--block-size", str(args.block_size), *config.argv(tmp)]
     if args.engine == "mocker":
-        argv += [
-            "--num-gpu-blocks",
-            str(math.ceil(cache_tokens / args.block_size)),
-            "--speedup-ratio",
-            str(args.speedup),
-        ]
+        flags += ["--num-gpu-blocks", str(math.ceil(cache_tokens / args.block_size))]
+        flags += ["--speedup-ratio", str(args.speedup)]
     else:
-        argv += ["--engine-arg", f"max_cached_tokens={cache_tokens}"]
-    argv += args.serve_arg or []
-    log = log_path.open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        match = re.search(r"dyn serve ready: (\S+)", log_path.read_text(errors="replace"))
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    kr.stop_serve(proc)
-    raise SystemExit(
-        f"dyn serve ({' '.join(argv[3:])}) did not start; log:\n{log_path.read_text(errors='replace')[-3000:]}"
-    )
+        flags += ["--engine-arg", f"max_cached_tokens={cache_tokens}"]
+    flags += args.serve_arg or []
+    return harness.start_serve(flags, log_path, timeout_s=args.start_timeout, min_instances=args.workers)
 
 
 async def converse(
@@ -385,7 +347,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument("--serve-arg", action="append", help="one extra `dyn serve` argument (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "out" / "kv_tiers.json")
+    p.add_argument("--json", type=Path, default=harness.results_path("kv_tiers"))
     return p.parse_args()
 
 
@@ -405,22 +367,23 @@ def main() -> None:
         flush=True,
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    load_start = harness.loadavg()
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for config in configs:
         with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp:
             try:
-                proc, url = start_serve(tmp, config, args, cache_tokens, Path(tmp) / "serve.log")
+                serve = start_serve(tmp, config, args, cache_tokens, Path(tmp) / "serve.log")
             except SystemExit as exc:  # e.g. an engine without tiers: report it, run the other configurations
                 print(f"{config.name}: skipped: {exc}", flush=True)
                 skipped[config.name] = str(exc)
                 continue
             try:
                 results[config.name] = asyncio.run(
-                    run_config(url, f"file://{tmp}/d", firsts, messages, args, tokenizer.encode)
+                    run_config(serve.url, f"file://{tmp}/d", firsts, messages, args, tokenizer.encode)
                 )
             finally:
-                kr.stop_serve(proc)
+                serve.stop()
                 shutil.copy(Path(tmp) / "serve.log", args.json.with_suffix(f".{config.name}.log"))  # kept beside
         print(f"{config.name}: done in {results[config.name]['seconds']:.1f} s", flush=True)
     if results:
@@ -433,8 +396,7 @@ def main() -> None:
         "results": results,
         "skipped": skipped,
     }
-    args.json.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {args.json}")
+    harness.write_results("kv_tiers", report, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

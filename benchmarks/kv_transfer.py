@@ -20,12 +20,11 @@ import secrets
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dynamo_cli.runtime.kv_transfer import KvTransferClient, KvTransferServer  # noqa: E402
-from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class  # noqa: E402
+import harness
+
+from dynamo_cli.runtime.kv_transfer import KvTransferClient, KvTransferServer
+from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class
 
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 MiB = 1 << 20
@@ -127,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="benchmarks/out/kv_transfer.json")
+    parser.add_argument("--json", default=str(harness.results_path("kv_transfer")))
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -135,15 +134,13 @@ def main() -> None:
         return
     for key, value in UCX_ENV.items():
         os.environ.setdefault(key, value)  # before this process's NIXL agent is made
-    started = time.time()
+    load_start = harness.loadavg()
     rows = asyncio.run(measure(args.sizes_mib, args.repeats))
     print(f"{'backend':8} {'MiB':>5} {'runs':>4} {'ms (median)':>12} {'ms (min)':>9} {'GB/s':>6}")
     for r in rows:
         print(f"{r['backend']:8} {r['mib']:>5} {r['runs']:>4} {r['ms_median']:>12} {r['ms_min']:>9} {r['gb_per_s']:>6}")
-    info = {"started": started, "load_average": os.getloadavg(), "ucx": {k: os.environ[k] for k in UCX_ENV}}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"wrote {args.json}")
+    info = {"ucx": {k: os.environ[k] for k in UCX_ENV}}
+    harness.write_results("kv_transfer", {"info": info, "rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ deterministic one, so a shared machine's drift hits both alike: prefill tokens/s
 over the time to the first token of a fresh ISL-token prompt (max_tokens 1, no prefix reuse), decode
 tokens/s is (OSL - 1) over the time from the first to the last token of a second fresh prompt.
 
-    python benchmarks/llamacpp_deterministic.py [--isl 500] [--osl 128] [--rounds 3] [--threads N] [--json out.json]
+    python benchmarks/llamacpp_deterministic.py [--isl 500] [--osl 128] [--rounds 3] [--threads N]
+        [--json benchmarks/out/llamacpp_deterministic.json]
 
 On a busy shared CPU pass `--threads 1`: llama.cpp's spinning thread barriers collapse when its threads
 do not all get a core.
@@ -17,23 +18,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness
+from dyn_engines.llamacpp.engine import LlamaCppEngine
 
-from dyn_engines.llamacpp.engine import LlamaCppEngine  # noqa: E402
-
-from dynamo_cli.engine import EngineArgs  # noqa: E402
-from dynamo_cli.wire import GenerateRequest, SamplingParams  # noqa: E402
+from dynamo_cli.engine import EngineArgs
+from dynamo_cli.wire import GenerateRequest, SamplingParams
 
 MODES = {
     "default": {"n_ctx": 4096, "max_num_seqs": 4},
@@ -106,9 +102,9 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=128, help="output tokens of the decode cell")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, help="llama.cpp threads (default: every core)")
-    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--json", default=str(harness.results_path("llamacpp_deterministic")))
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    load_before = harness.loadavg()
     result = asyncio.run(run(args.isl, args.osl, args.rounds, args.threads))
     result["info"] = {
         "isl": args.isl,
@@ -117,15 +113,9 @@ def main() -> None:
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "time": time.time(),
     }
     print_table(result)
-    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    harness.write_results("llamacpp_deterministic", result, args.json, loadavg_start=load_before)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ p50/p99 and requests/s.
 
     python benchmarks/lora.py [--parts llamacpp,mocker] [--rounds 2] [--seconds 20] [--json benchmarks/out/lora.json]
 
-`os.getloadavg()` is printed at the start and the end: timings are only valid on an otherwise quiet machine.
+The load average at the start and the end is printed and recorded: timings are only valid on an otherwise quiet machine.
 """
 
 from __future__ import annotations
@@ -25,18 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,25 +51,9 @@ class Record:
     was_loaded: bool | None
 
 
-def start(tmp: str, name: str, flags: list[str]) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "serve", "--port", "0"]
-    argv += ["--discovery", f"file://{tmp}/d-{name}", *flags]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"dyn serve ready: (\S+)", line)
-        if match:
-            return proc, match.group(1)
-    raise SystemExit(f"dyn serve {' '.join(flags)} did not start")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+def start(tmp: str, name: str, flags: list[str], workers: int) -> harness.Deployment:
+    flags = ["--discovery", f"file://{tmp}/d-{name}", *flags]
+    return harness.start_serve(flags, Path(tmp) / f"{name}.log", min_instances=workers)
 
 
 async def closed_loop(
@@ -153,7 +134,8 @@ def llamacpp(tmp: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         path = Path(tmp) / f"lora{i}.gguf"
         write_adapter(str(path), str(model), seed=i)
         flags += ["--lora", f"lora{i}={path}"]
-    proc, url = start(tmp, "llamacpp", flags)
+    serve = start(tmp, "llamacpp", flags, 1)
+    url = serve.url
     rng = random.Random(0)
     mixes = {
         "base": lambda: ("smollm2", QUESTION),
@@ -175,7 +157,7 @@ def llamacpp(tmp: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
-        stop(proc)
+        serve.stop()
     return rows
 
 
@@ -189,7 +171,7 @@ def mocker(tmp: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     for i in range(NUM_MOCKER_ADAPTERS):
         (folder / f"t{i}.bin").write_bytes(b"x")
         base += ["--lora", f"t{i}={folder / f't{i}.bin'}"]
-    sides = {router: start(tmp, router, [*base, "--router", router]) for router in ("kv", "round-robin")}
+    sides = {router: start(tmp, router, [*base, "--router", router], 4) for router in ("kv", "round-robin")}
     weights = [1 / (i + 1) ** ZIPF_S for i in range(NUM_MOCKER_ADAPTERS)]
     rng = random.Random(1)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -203,7 +185,7 @@ def mocker(tmp: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         for round_ in range(args.rounds):
             order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
             for router in order:
-                url = sides[router][1]
+                url = sides[router].url
                 before = lora_loads(url)
                 records, wall = asyncio.run(closed_loop(url, args.concurrency, args.seconds, pick, 32, False))
                 time.sleep(0.7)  # the workers' last load reports
@@ -213,8 +195,8 @@ def mocker(tmp: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
-        for proc, _ in sides.values():
-            stop(proc)
+        for serve in sides.values():
+            serve.stop()
     return rows
 
 
@@ -247,9 +229,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--json", default="benchmarks/out/lora.json")
+    parser.add_argument("--json", default=str(harness.results_path("lora")))
     args = parser.parse_args()
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    load_start = harness.loadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         parts = args.parts.split(",")
@@ -257,10 +239,8 @@ def main() -> None:
             rows += llamacpp(tmp, args)
         if "mocker" in parts:
             rows += mocker(tmp, args)
-    print(f"load average at end: {os.getloadavg()}")
     print_table(rows)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    harness.write_results("lora", {"args": vars(args), "rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

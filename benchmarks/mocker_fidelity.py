@@ -16,7 +16,7 @@ TTFT at the decode worker's first token, the mocker-to-mocker comparison. ITL: p
 first) and per request ((last - first) / (OSL - 1)), p50 of each, p99 per gap.
 
     python benchmarks/mocker_fidelity.py                      # the matrix, about a minute
-    python benchmarks/mocker_fidelity.py --setups agg2 --concurrency 16 --isl 3000 --json out.json
+    python benchmarks/mocker_fidelity.py --setups agg2 --concurrency 16 --isl 3000
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import heapq
 import itertools
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -34,14 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
+from dyn_engines.mocker.kv_manager import KvManager
+from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dyn_engines.mocker.kv_manager import KvManager  # noqa: E402
-from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig  # noqa: E402
-
-from dynamo_cli.timing import TimingModel  # noqa: E402
+from dynamo_cli.timing import TimingModel
 
 BLOCK_SIZE = 64
 NUM_GPU_BLOCKS = 16384
@@ -303,8 +300,9 @@ def main() -> None:
         "--rule", action="append", default=[], help="dyn's scheduler only, e.g. decode_kv_input=active_blocks"
     )
     p.add_argument("--dynamo-path", default="/tmp/dynsrc/rt", help="unpacked ai-dynamo-runtime 1.6.1 wheel")
-    p.add_argument("--json", default="", help="write every cell's figures here")
+    p.add_argument("--json", default=str(harness.results_path("mocker_fidelity")))
     args = p.parse_args()
+    load_start = harness.loadavg()
     core = dynamo_core(args.dynamo_path)
     if core is None:
         print(f"Dynamo 1.6.1's core not found under {args.dynamo_path}: dyn only")
@@ -324,11 +322,8 @@ def main() -> None:
         outside = [f"{Cell(**row['cell']).name} ({', '.join(row['outside'])})" for row in rows if row["outside"]]
         print(f"{len(cells) - len(outside)} of {len(cells)} cells within 10 % on every figure; outside:")
         print("\n".join(f"  {text}" for text in outside) or "  none")
-    if args.json:
-        loadavg = Path("/proc/loadavg").read_text().split()[:3] if os.path.exists("/proc/loadavg") else []
-        out = {"args": vars(args), "loadavg": loadavg, "has_dynamo": core is not None, "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    out = {"args": vars(args), "has_dynamo": core is not None, "rows": rows}
+    harness.write_results("mocker_fidelity", out, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

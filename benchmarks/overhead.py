@@ -26,7 +26,6 @@ import asyncio
 import http.server
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -36,22 +35,12 @@ import threading
 import time
 from pathlib import Path
 
+import harness
 import httpx
 
 from dynamo_cli.bench.http import HttpClient, RequestRecord
 
-TICK = os.sysconf("SC_CLK_TCK")
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog while the cat watches."] * 7)  # ~100 tokens
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -108,32 +97,9 @@ def summarize(records: list[RequestRecord], wall: float, cpu: dict[str, float]) 
     }
 
 
-def start_serve(tmp: str, http_server: str) -> tuple[subprocess.Popen[str], str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        "mocker",
-        "--workers",
-        "1",
-        "--speedup-ratio",
-        "1000000",
-        "--port",
-        "0",
-        "--discovery",
-        f"file://{tmp}/d",
-        "--http-server",
-        http_server,
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"dyn serve ready: (\S+)", line)
-        if match:
-            return proc, match.group(1)
-    raise SystemExit("dyn serve did not start")
+def serve_flags(tmp: str, http_server: str) -> list[str]:
+    flags = ["--engine", "mocker", "--workers", "1", "--speedup-ratio", "1000000", "--discovery", f"file://{tmp}/d"]
+    return [*flags, "--http-server", http_server]
 
 
 async def ordinary_client_ttft(url: str, n: int = 50) -> float:
@@ -156,7 +122,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--max-tokens", default="16,128")
-    parser.add_argument("--json", default="benchmarks/out/overhead.json")
+    parser.add_argument("--json", default=str(harness.results_path("overhead")))
     parser.add_argument("--http-server", default="uvicorn", choices=["uvicorn", "hypercorn"])
     parser.add_argument("--ab", default=None, help="another checkout to compare with, alternating (see above)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -164,43 +130,42 @@ def main() -> None:
     args = parser.parse_args()
     if args.ab is not None:
         return compare(args)
+    load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_serve(tmp, args.http_server)
-        try:
-            rows = run_all(proc.pid, url, args)
+        with harness.serving(serve_flags(tmp, args.http_server), Path(tmp) / "serve.log") as serve:
+            rows = run_all(serve.pid, serve.url, args)
             rows.append(
                 {
                     "max_tokens": 16,
                     "concurrency": 1,
                     "client": "httpx",
-                    "ttft_p50_ms": asyncio.run(ordinary_client_ttft(url)),
+                    "ttft_p50_ms": asyncio.run(ordinary_client_ttft(serve.url)),
                 }
             )
-        finally:
-            proc.terminate()
-            proc.wait(20)
     print_table(rows)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rows": rows, "seconds": args.seconds}, indent=2))
-    print(f"wrote {args.json}")
+    harness.write_results("overhead", {"rows": rows, "seconds": args.seconds}, args.json, loadavg_start=load_start)
 
 
 def run_all(serve_pid: int, url: str, args: argparse.Namespace) -> list[dict[str, object]]:
     import uvloop
 
-    worker_pid = children(serve_pid)[0]
+    worker_pid = harness.children(serve_pid)[0]
     rows: list[dict[str, object]] = []
     uvloop.run(run_level(url, 4, 16, 2.0))  # warm-up
     for max_tokens in [int(x) for x in args.max_tokens.split(",")]:
         for concurrency in [int(x) for x in args.concurrency.split(",")]:
-            before = (cpu_seconds(serve_pid), cpu_seconds(worker_pid), resource.getrusage(resource.RUSAGE_SELF))
+            before = (
+                harness.cpu_seconds(serve_pid),
+                harness.cpu_seconds(worker_pid),
+                resource.getrusage(resource.RUSAGE_SELF),
+            )
             start = time.perf_counter()
             records = uvloop.run(run_level(url, concurrency, max_tokens, args.seconds))
             wall = time.perf_counter() - start
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu = {
-                "frontend": cpu_seconds(serve_pid) - before[0],
-                "worker": cpu_seconds(worker_pid) - before[1],
+                "frontend": harness.cpu_seconds(serve_pid) - before[0],
+                "worker": harness.cpu_seconds(worker_pid) - before[1],
                 "loadgen": usage.ru_utime + usage.ru_stime - before[2].ru_utime - before[2].ru_stime,
             }
             row = {
@@ -232,9 +197,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
         "cpu_ms_per_req_fe_worker",
         "failed",
     ]
-    print(" | ".join(cols))
-    for row in rows:
-        print(" | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols))
+    harness.print_table(rows, cols)
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):
@@ -266,6 +229,7 @@ def compare(args: argparse.Namespace) -> None:
         sides["traced"] = here
         url = f"http://127.0.0.1:{collector.server_address[1]}"
         extra_env["traced"] = {"DYN_OTLP_ENDPOINT": url, "DYN_TRACE_SAMPLE_RATIO": "1.0"}
+    load_start = harness.loadavg()
     level = ["--seconds", str(args.seconds), "--concurrency", args.concurrency, "--max-tokens", args.max_tokens]
     results: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,16 +239,14 @@ def compare(args: argparse.Namespace) -> None:
                 env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1", **extra_env.get(side, {})}
                 script = root / "benchmarks" / "overhead.py"
                 subprocess.run([sys.executable, str(script), *level, "--json", str(out)], cwd=root, env=env, check=True)
-                for row in json.loads(out.read_text())["rows"]:
+                for row in harness.read_results(out)["rows"]:
                     if row["client"] == "lean":
                         results.append({"round": round_, "side": side, **row})
     if collector is not None:
         collector.shutdown()
         print(f"collector received {_Collector.spans_bytes / 1e6:.1f} MB of spans")
     print_ratios(results, sides, args.rounds)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"ab": str(sides["base"]), "rows": results}, indent=2))
-    print(f"wrote {args.json}")
+    harness.write_results("overhead", {"ab": str(sides["base"]), "rows": results}, args.json, loadavg_start=load_start)
 
 
 def print_ratios(results: list[dict[str, object]], sides: dict[str, Path], rounds: int) -> None:

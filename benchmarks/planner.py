@@ -26,7 +26,7 @@ multiplied back by the ratio, stays small), or `--profile FILE`.
     python benchmarks/planner.py                      # the full run: ~35 min (3 × 10 min + profile + day)
     python benchmarks/planner.py --minutes 1.5 --day-hours 1    # a check that the script works (~6 min)
 
-`os.getloadavg()` is printed at the start and the end: figures are only valid on an otherwise quiet machine.
+The load average is printed and recorded at the start and the end: figures are only valid on an otherwise quiet machine.
 """
 
 from __future__ import annotations
@@ -46,16 +46,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
+from disagg import Side, bench, start, stop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's dynamo_cli, as `dyn` runs it
-from disagg import Side, bench, start, stop  # noqa: E402
-
-from dynamo_cli.bench.report import write_json  # noqa: E402
-from dynamo_cli.planner.planner import PlannerConfig  # noqa: E402
-from dynamo_cli.planner.profile import Profile, load_profile  # noqa: E402
-from dynamo_cli.planner.simulate import SimRequest, load_trace, rate_curve, run_simulation, simulate  # noqa: E402
-from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity  # noqa: E402
+from dynamo_cli.planner.planner import PlannerConfig
+from dynamo_cli.planner.profile import Profile, load_profile
+from dynamo_cli.planner.simulate import SimRequest, load_trace, rate_curve, run_simulation, simulate
+from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity
 
 SECRET_ENV = {"DYN_CLUSTER_SECRET": "5e" * 32}
 DYN = [sys.executable, "-m", "dynamo_cli.cli.main"]
@@ -391,14 +389,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--day-hours", type=float, default=24.0)
     p.add_argument("--day-peak-rate", type=float, default=60.0, help="req/s at the day's peak")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="benchmarks/out/planner.json")
+    p.add_argument("--json", default=str(harness.results_path("planner")))
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    document: dict[str, Any] = {"args": vars(args), "loadavg_start": os.getloadavg()}
-    print(f"loadavg at start: {os.getloadavg()}  (timings are valid only on a quiet machine)", flush=True)
+    document: dict[str, Any] = {"args": vars(args)}
+    load_start = harness.loadavg()
+    print(f"load average at start: {load_start}  (timings are valid only on a quiet machine)", flush=True)
     with tempfile.TemporaryDirectory(prefix="dyn-planner-") as name:
         tmp = Path(name)
         profile_path = make_profile(args, tmp)
@@ -429,11 +428,7 @@ def main() -> None:
         if args.day_hours > 0:
             print("\n== simulate a day", flush=True)
             document["day"] = day(args, profile)
-    document["loadavg_end"] = os.getloadavg()
-    print(f"\nloadavg at end: {os.getloadavg()}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.json, document)
-    print(f"wrote {args.json}")
+    harness.write_results("planner", document, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

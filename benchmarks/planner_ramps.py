@@ -21,18 +21,19 @@ import argparse
 import asyncio
 import importlib.util
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's dynamo_cli
-from dynamo_cli.planner import simulate as sim  # noqa: E402
-from dynamo_cli.planner.planner import PlannerConfig  # noqa: E402
-from dynamo_cli.planner.profile import Profile, load_profile  # noqa: E402
-from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity, max_ramp_slope  # noqa: E402
+import harness
+
+from dynamo_cli.planner import simulate as sim
+from dynamo_cli.planner.planner import PlannerConfig
+from dynamo_cli.planner.profile import Profile, load_profile
+from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity, max_ramp_slope
 
 BASE, PEAK = 5.0, 40.0
 LEAD_IN_S = 60.0
@@ -134,11 +135,14 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=2000)
     parser.add_argument("--osl", type=int, default=150)
     parser.add_argument("--no-steps", action="store_true", help="ramps only")
+    parser.add_argument("--json", default=str(harness.results_path("planner_ramps")))
     args = parser.parse_args()
+    load_start = harness.loadavg()
+    rows: list[dict[str, Any]] = []
     profile = load_profile(args.profile)
     targets = Targets(args.ttft, args.itl)
     capacity = agg_capacity(profile, args.isl, args.osl, targets, 0.8).rate
-    print(f"load average at start: {os.getloadavg()[0]:.2f}; one worker holds {capacity:.2f} req/s", flush=True)
+    print(f"load average at start: {load_start[0]:.2f}; one worker holds {capacity:.2f} req/s", flush=True)
     sides = ("before | " if args.before else "") + "after | oracle"
     print(f"| case | startup | slope | {sides} |")
     started = time.monotonic()
@@ -149,12 +153,15 @@ def main() -> None:
             result = run_case(args, profile, ramp(slope), True, startup)
             case = f"ramp, {(PEAK - BASE) / slope:.0f} s up | {startup:g} s | {factor:g}× ({slope:.3f}/s)"
             print(f"| {case} | {cells(result)} |", flush=True)
+            rows.append({"case": case, "startup_s": startup, "slope_factor": factor, "sides": result})
     if not args.no_steps:
         for name, spec in STEPS.items():
             for startup in (30.0, 5.0):
                 result = run_case(args, profile, spec, "(linear)" in name, startup)
                 print(f"| {name} | {startup:g} s | – | {cells(result)} |", flush=True)
-    print(f"{time.monotonic() - started:.0f} s; load average at end: {os.getloadavg()[0]:.2f}")
+                rows.append({"case": name, "startup_s": startup, "sides": result})
+    print(f"{time.monotonic() - started:.0f} s")
+    harness.write_results("planner_ramps", {"args": vars(args), "rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

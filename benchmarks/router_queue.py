@@ -48,20 +48,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
-import os
 import random
 import re
 import resource
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 
 from dynamo_cli.bench import workload as wl
@@ -78,85 +76,25 @@ CAPACITY_SKIP_S = 2.0
 # ------------------------------------------------------------------------------------------- process
 
 
-def serve_argv(side: str, tmp: str, args: argparse.Namespace) -> list[str]:
+def serve_flags(side: str, tmp: str, args: argparse.Namespace) -> list[str]:
     max_inflight = max(1, args.max_inflight // args.routers) if args.routers else args.max_inflight
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        "mocker",
-        "--workers",
-        str(args.workers),
-        "--max-inflight-per-worker",
-        str(max_inflight),
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--discovery",
-        f"file://{tmp}/d",
-        "--speedup-ratio",
-        str(args.speedup),
-    ]
+    flags = ["--engine", "mocker", "--workers", str(args.workers), "--max-inflight-per-worker", str(max_inflight)]
+    flags += ["--host", "127.0.0.1", "--discovery", f"file://{tmp}/d", "--speedup-ratio", str(args.speedup)]
     if args.routers:
-        argv += ["--router", "remote", "--routers", str(args.routers)]
+        flags += ["--router", "remote", "--routers", str(args.routers)]
     if side == "off":
-        return [*argv, "--router-queue-size", "0"]
+        return [*flags, "--router-queue-size", "0"]
     policy = "fcfs" if side == "fcfs" else side
-    return [*argv, "--router-queue-policy", policy, "--router-queue-timeout", str(args.queue_timeout)]
+    return [*flags, "--router-queue-policy", policy, "--router-queue-timeout", str(args.queue_timeout)]
 
 
-class Serve:
-    """One `dyn serve` deployment; its log is a file (a full pipe never blocks it)."""
-
-    def __init__(self, side: str, args: argparse.Namespace) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="dyn-rq-")
-        self.log = Path(self._tmp.name) / "serve.log"
-        self.proc = subprocess.Popen(
-            serve_argv(side, self._tmp.name, args), stdout=self.log.open("wb"), stderr=subprocess.STDOUT
-        )
-        self.url = self._wait_ready(60.0)
-        self.children = _children(self.proc.pid)
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            match = re.search(r"dyn serve ready: (\S+)", self.log.read_text(errors="replace"))
-            if match:
-                return match.group(1)
-            time.sleep(0.2)
-        tail = self.log.read_text(errors="replace")[-3000:]
-        self.stop()
-        raise SystemExit(f"dyn serve did not start; log:\n{tail}")
-
-    def stop(self) -> None:
-        """SIGTERM serve by its PID (it stops its workers); SIGKILL after 30 s, and then its workers too."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                for pid in getattr(self, "children", []):
-                    _kill_if_ours(pid)
-        self._tmp.cleanup()
-
-
-def _kill_if_ours(pid: int) -> None:
-    """SIGKILL a worker left behind by a killed serve, if that PID is still a `dyn` process of this tree."""
-    try:
-        if "dynamo_cli" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-            os.kill(pid, 9)
-    except (OSError, ProcessLookupError):
-        pass
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+@contextlib.contextmanager
+def serving(side: str, args: argparse.Namespace) -> Iterator[harness.Deployment]:
+    """One `dyn serve` deployment for `side` in a temporary folder, stopped by its PID at the end."""
+    with tempfile.TemporaryDirectory(prefix="dyn-rq-") as tmp:
+        flags = serve_flags(side, tmp, args)
+        with harness.serving(flags, Path(tmp) / "serve.log", timeout_s=60.0, min_instances=args.workers) as serve:
+            yield serve
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -341,11 +279,8 @@ def _cell(value: object) -> str:
 def measure_capacity(vocab: wl.Vocab, args: argparse.Namespace) -> float:
     slots = args.workers * args.max_inflight
     load = LoadConfig(concurrency=slots, duration_s=args.capacity_seconds, warmup=slots, seed=99)
-    serve = Serve("fcfs", args)
-    try:
+    with serving("fcfs", args) as serve:
         records, _, _ = run_async(run_load(serve.url, load, vocab, args, None, seed=99))
-    finally:
-        serve.stop()
     # completions in the steady part only: not the ramp (every slot starts at once) nor the drain
     start = min(r.start for r in records) + CAPACITY_SKIP_S
     stop = min(r.start for r in records) + args.capacity_seconds
@@ -363,13 +298,10 @@ def measure_capacity(vocab: wl.Vocab, args: argparse.Namespace) -> float:
 def run_phase(side: str, repeat: int, rate: float, vocab: wl.Vocab, args: argparse.Namespace) -> dict[str, Any]:
     load = LoadConfig(request_rate=rate, arrival="poisson", duration_s=args.duration, seed=repeat)
     headers = {"x-dyn-deadline-ms": str(args.deadline_ms)} if side == "deadline" else None
-    serve = Serve(side, args)
-    try:
+    with serving(side, args) as serve:
         before = resource.getrusage(resource.RUSAGE_SELF)
         records, peak, text = run_async(run_load(serve.url, load, vocab, args, headers, seed=1000 + repeat))
         after = resource.getrusage(resource.RUSAGE_SELF)
-    finally:
-        serve.stop()
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     row = phase_row(side, repeat, records, peak, text, vocab, args, cpu)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -383,7 +315,7 @@ def main() -> None:
         raise SystemExit(f"--sides: unknown {sorted(unknown)} (choose from {', '.join(SIDES)})")
     if not args.capacity and args.capacity_seconds <= CAPACITY_SKIP_S:
         raise SystemExit(f"--capacity-seconds must be > {CAPACITY_SKIP_S:g} (the ramp, not counted)")
-    load_before = os.getloadavg()
+    load_before = harness.loadavg()
     vocab = wl.load_vocab(MODEL)
     capacity = args.capacity or measure_capacity(vocab, args)
     rate = args.overload * capacity
@@ -401,21 +333,14 @@ def main() -> None:
     print_table(rows)
     print(f"\nmean over {args.repeats} repeat(s); goodput_vs_off = mean of per-repeat ratios to `off`:")
     print_table(means)
-    load_after = os.getloadavg()
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
     document = {
         "args": vars(args),
         "capacity_rps": capacity,
         "offered_rps": rate,
         "rows": rows,
         "means": means,
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
-        "time": time.time(),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(document, indent=2, default=str))
-    print(f"wrote {args.json}")
+    harness.write_results("router_queue", document, args.json, loadavg_start=load_before)
 
 
 def parse_args() -> argparse.Namespace:
@@ -439,7 +364,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-e2e-ms", type=float, default=5000.0)
     p.add_argument("--deadline-ms", type=int, default=750, help="x-dyn-deadline-ms of the `deadline` side")
     p.add_argument("--request-timeout", type=float, default=60.0)
-    p.add_argument("--json", default="benchmarks/out/router_queue.json")
+    p.add_argument("--json", default=str(harness.results_path("router_queue")))
     return p.parse_args()
 
 

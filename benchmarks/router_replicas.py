@@ -34,9 +34,9 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import count
-from pathlib import Path
 from typing import Any
 
+import harness
 import msgspec
 
 from dynamo_cli.config import KvRouterConfig
@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-delay-ms", type=float, default=1.0)
     p.add_argument("--cost", default="time")
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--json", default="benchmarks/out/router_replicas.json")
+    p.add_argument("--json", default=str(harness.results_path("router_replicas")))
     args = p.parse_args(argv)
+    load_start = harness.loadavg()
     requests = make_requests(args)
     ref = reference(args, requests)
     out: dict[str, Any] = {"args": vars(args), "reference_hit_blocks_rate": ref["hit_blocks_rate"]}
@@ -275,8 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             **world,
         }
     print(json.dumps(out, indent=2))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    harness.write_results("router_replicas", out, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,13 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
+import harness
 import httpx
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -46,41 +44,9 @@ def rss_mb(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
 
 
-def workers_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return sorted(int(x) for x in out)
-
-
-def start_serve(tmp: str, workers: int) -> tuple[subprocess.Popen[str], str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo_cli.cli.main",
-        "serve",
-        "--engine",
-        "mocker",
-        "--workers",
-        str(workers),
-        "--port",
-        "0",
-        "--discovery",
-        f"file://{tmp}/discovery",
-        "--speedup-ratio",
-        "20",
-        "--max-inflight-per-worker",
-        "16",
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        match = re.search(r"dyn serve ready: (http://\S+)", line)
-        if match:
-            return proc, match.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("dyn serve did not become ready")
+def serve_flags(tmp: str, workers: int) -> list[str]:
+    flags = ["--engine", "mocker", "--workers", str(workers), "--discovery", f"file://{tmp}/discovery"]
+    return [*flags, "--speedup-ratio", "20", "--max-inflight-per-worker", "16"]
 
 
 class Tally:
@@ -179,7 +145,6 @@ async def soak(url: str, pids: dict[str, int], args: argparse.Namespace) -> dict
         "lost": tally.lost,
         "memory_mb": {k: {"after_warmup": v[0], "end": v[1], "growth_pct": v[2]} for k, v in memory.items()},
         "samples_mb": samples,
-        "load_average": os.getloadavg(),
     }
 
 
@@ -190,26 +155,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--json", default="benchmarks/out/soak.json")
+    parser.add_argument("--json", default=str(harness.results_path("soak")))
     args = parser.parse_args()
+    load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_serve(tmp, args.workers)
-        try:
-            pids = {"frontend": proc.pid} | {f"worker{i}": pid for i, pid in enumerate(workers_of(proc.pid))}
-            result = asyncio.run(soak(url, pids, args))
-            result["serve_alive"] = proc.poll() is None
-        finally:
-            proc.terminate()
-            proc.wait(30)
-    print(f"soak: {args.minutes:g} min, {args.clients} clients, load average {result['load_average']}")
+        with harness.serving(
+            serve_flags(tmp, args.workers), Path(tmp) / "serve.log", min_instances=args.workers
+        ) as serve:
+            pids = {"frontend": serve.pid} | {f"worker{i}": pid for i, pid in enumerate(serve.workers())}
+            result = asyncio.run(soak(serve.url, pids, args))
+            result["serve_alive"] = serve.proc is not None and serve.proc.poll() is None
+    print(f"soak: {args.minutes:g} min, {args.clients} clients")
     print("| process | RSS after warm-up MB | RSS at end MB | growth % |\n|---|---|---|---|")
     for name, m in result["memory_mb"].items():  # type: ignore[union-attr]
         print(f"| {name} | {m['after_warmup']:.1f} | {m['end']:.1f} | {m['growth_pct']:+.2f} |")
     print("outcomes:", json.dumps(result["outcomes"]), "serve alive:", result["serve_alive"])
     for line in result["lost"]:  # type: ignore[union-attr]
         print("LOST", line)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    harness.write_results("soak", result, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

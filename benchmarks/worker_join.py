@@ -11,21 +11,16 @@ and wait until the frontend forgets it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import start_dyn  # noqa: E402
-from tests.planes import find_etcd, find_nats_server, start_etcd, start_nats  # noqa: E402
 
 BODY = {"model": "smollm2", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
 CLUSTER = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}
@@ -33,8 +28,7 @@ CLUSTER = {"DYN_CLUSTER_SECRET": secrets.token_hex(32)}
 
 
 def one_join(url: str, planes: list[str]) -> float:
-    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--speedup-ratio", "100"]
-    argv += planes
+    argv = harness.dyn_argv("worker", "--engine", "mocker", "--speedup-ratio", "100", *planes)
     worker = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, **CLUSTER}
     )
@@ -49,46 +43,42 @@ def one_join(url: str, planes: list[str]) -> float:
                 time.sleep(0.005)
         return time.perf_counter() - ready
     finally:
-        worker.terminate()
-        worker.wait(20)
+        harness.stop_process(worker, 20.0)
         with httpx.Client(base_url=url, timeout=10) as http:
             while http.get("/health").status_code == 200:
                 time.sleep(0.05)
 
 
 def run(kind: str, rounds: int, root: Path) -> dict[str, object]:
-    servers: list[object] = []
+    servers: list[harness.Server] = []
     root.mkdir(parents=True, exist_ok=True)
     if kind == "embedded":
         planes = ["--discovery", f"file://{root}/d", "--events", "embedded"]
     else:
-        etcd_bin, nats_bin = find_etcd(), find_nats_server()
-        assert etcd_bin and nats_bin, "run .ci/install-planes.sh first"
-        etcd, nats = start_etcd(etcd_bin, root), start_nats(nats_bin, root)
-        servers = [etcd, nats]
-        planes = ["--discovery", etcd.url, "--events", nats.url]
-    frontend = start_dyn(["serve", "--workers", "0", "--port", "0", *planes], env=CLUSTER)
+        servers = [harness.start_etcd(root), harness.start_nats(root)]
+        planes = ["--discovery", servers[0].url, "--events", servers[1].url]
     try:
-        joins = [one_join(frontend.url, planes) for _ in range(rounds)]
+        flags = ["--workers", "0", *planes]
+        with harness.serving(flags, root / "serve.log", env=CLUSTER, min_instances=0) as frontend:
+            joins = [one_join(frontend.url, planes) for _ in range(rounds)]
     finally:
-        frontend.stop()
         for server in servers:
-            server.stop()  # type: ignore[attr-defined]
+            server.stop()
     return {"planes": kind, "rounds": rounds, "join_s": joins, "p50_s": statistics.median(joins), "max_s": max(joins)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", default="benchmarks/out/worker_join.json")
+    parser.add_argument("--json", default=str(harness.results_path("worker_join")))
     args = parser.parse_args()
+    load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(kind, args.rounds, Path(tmp) / kind) for kind in ("embedded", "etcd-nats")]
     print("planes    | rounds | ready → first routed request p50 (s) | max (s) | bar")
     for row in rows:
         print(f"{row['planes']:<9} | {row['rounds']:>6} | {row['p50_s']:>36.3f} | {row['max_s']:>7.3f} | <= 1.0")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=2))
+    harness.write_results("worker_join", rows, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

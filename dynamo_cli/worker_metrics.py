@@ -22,7 +22,10 @@ LOAD_GAUGES = {
     "waiting_requests": ("num_waiting", "Requests waiting in the engine's scheduler"),
     "active_prefill_tokens": ("active_prefill_tokens", "Prompt tokens being prefilled"),
     "kv_transfer_held": ("kv_transfer_held", "Prefill role: exported KV payloads not yet pulled"),
-    "kv_transfer_held_bytes": ("kv_transfer_held_bytes", "Their bytes"),
+    "kv_transfer_held_bytes": (
+        "kv_transfer_held_bytes",
+        "Prefill role: bytes of the exported KV payloads not yet pulled",
+    ),
 }
 """`dynamo_component_{name}` gauge -> (LoadMetrics field, help)."""
 LOAD_COUNTERS = {

@@ -17,7 +17,7 @@ from dynamo_cli.settings import DISAGG, OVERLOAD, ROUTING, setting
 ROUTER_COSTS = ("time", "dynamo")
 """`--router-cost`: the KV router's cost function."""
 KV_BYTES_PER_TOKEN = 131_072
-"""KV bytes per token when the card does not say (Llama-3-8B fp16; router/tiers.py has the derivation)."""
+"""KV bytes per token when the card does not say (Llama-3-8B fp16; docs/design/kv-tier-filter.md has the derivation)."""
 
 
 TIER_HOST_GBS = 20.0

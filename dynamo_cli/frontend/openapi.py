@@ -26,6 +26,8 @@ POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "/v1/unload_lora_adapter": ("Unload a LoRA adapter from every worker (vLLM's body)", UnloadLora),
 }
 """Path -> (summary, the msgspec type its body is decoded into)."""
+STREAMING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+"""The POST routes that answer `stream: true` with server-sent events; the others answer JSON only."""
 
 GET_ROUTES: dict[str, str] = {
     "/v1/models": "The models served now (one entry per model with live workers; LoRA adapters with their parent)",
@@ -67,13 +69,7 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
                 "summary": summary,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
                 "responses": {
-                    "200": {
-                        "description": "The result (JSON), or with stream: true an SSE stream ending in [DONE]",
-                        "content": {
-                            "application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}},
-                        },
-                    },
+                    "200": _result(path in STREAMING),
                     "400": _error_response("A field is invalid, unknown, or not honoured by the serving engine"),
                     "404": _error_response("No such model"),
                     "503": _error_response("No worker can take the request now (Retry-After)"),
@@ -87,6 +83,18 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
         "info": {"title": "dyn: OpenAI-compatible API", "version": _version()},
         "paths": paths,
         "components": {"schemas": components},
+    }
+
+
+def _result(streams: bool) -> dict[str, Any]:
+    if not streams:
+        return {"description": "The result", "content": {"application/json": {"schema": {"type": "object"}}}}
+    return {
+        "description": "The result (JSON), or with stream: true an SSE stream ending in [DONE]",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
     }
 
 

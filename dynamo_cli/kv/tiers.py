@@ -1,26 +1,13 @@
 """The tiered block store: KV blocks an engine evicted from its own cache, kept in host memory and on disk.
 
-NOTE: the model (Dynamo's KVBM, G2 host and G3 disk below G1 device). The engine calls `offload` with
-the full blocks it evicts, in prefix order; they enter the host tier (LRU, byte capacity). A block
-evicted from host goes to disk when it passed the frequency filter, else it is dropped. Before
-admitting a request, the engine asks `match` how far its prefix (past what the device holds) sits in
-host or disk, and `onboard` returns those payloads (disk files read and checked in a thread); the
-blocks stay in their tier (a copy goes up), so a block can sit in host and disk at once, and `match`
-reports the faster. Every change is a KV event with its tier, in order, for the routers.
+NOTE: the model is Dynamo's KVBM (G2 host, G3 disk below G1 device). `offload` takes the engine's evicted
+full blocks into host (LRU); a block evicted from host goes to disk only at frequency >= 2 (Dynamo's
+disk-offload filter: 1 on entry, doubled per onboard, minus 1 per `DECAY_BLOCKS` offloads since its last
+hit), else it is dropped. `match` and `onboard` give a prefix back (a copy goes up; the block stays). Every
+change is a KV event with its tier. Payloads may be None (bookkeeping only: the mocker); disk writes run on
+one writer thread behind a bounded queue, so `offload` never waits on disk; a lock guards the state.
 
-Frequency (Dynamo's disk-offload filter): a block enters with frequency 1; each onboard doubles it
-(capped at 2**16); it loses 1 per `DECAY_BLOCKS` blocks offloaded since its last hit (a lazy decay
-step); with `disk_filter` on, only blocks at frequency >= 2 move host→disk. Without a host tier,
-device evictions go straight to disk (no filter: there was no chance to be hit twice).
-
-Within one `offload` call, deeper blocks are inserted first, so a prefix's parents are the most
-recently used and LRU eviction drops suffixes before the prefix that makes them reachable.
-
-Payloads may be None (bookkeeping only: the mocker). Real payloads go to disk only after `start()`,
-which also loads the index of the files already in `disk_dir` (a warm restart, announced as
-BlockStored(tier="disk")). File writes and deletions run on one writer thread owned by the store,
-fed by a bounded queue; `offload` never waits on disk (a full queue drops the block, counted).
-Callers may use the store from the event loop and from an engine thread: a lock guards its state.
+Design: docs/design/kv-tier-filter.md (the filter, eviction order, block files, what a hit is worth).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The planner loop: each interval observe the frontends, forecast, size the pools, apply.
 
-NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step
-runs the SLA planner (sizing.py) on the interval's traffic. Every `load_interval_s` in between, the
-burst check counts the requests that arrived in that short window (completed plus the growth of requests
-in flight, so a queue building up counts) and fits a line through the windows of the latest two leads (a
-lead: a worker's startup plus one window; at least a minute: the projection's deviation grows with
-(lead / span)²; predictors.RateTrend). It scales up at once when a rate is surely reached that needs more
-workers: the window's count less two Poisson standard deviations (noise alone rarely triggers), or the
-trend projected one lead ahead, less one deviation (a ramp is met by workers started before it arrives;
-with a 30 s startup, waiting for the ramp to show in one window loses 30 s of it). The projection rises no
-steeper than 4× the steepest ramp one worker's startup can follow (sizing.max_ramp_slope): a line fitted
-across a step reads it as a steep ramp, and the window sizes for a step. The startup is `startup_s` until
-a scale-up is seen through (the worker counter shows what it asked for), then the latest one measured so.
-With the workers' per-step load, queue growth beyond the window's noise also scales up (`_queue_rates`).
-It sizes for the higher of the window's count plus two deviations and the projection. Bursts only scale
-up, and never below the last decision (workers still starting are not in discovery yet); the throughput
-step scales down, never below what the latest windows and the projection plus half a deviation need (an
-interval's mean lags a step up, and releasing a worker that is still starting only has the next burst
-start another). Demand is read from arrivals, not completions: an overloaded pool completes fewer requests
-than it is asked for. One scale action is in flight at a time (the loop awaits `apply`).
+NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s` the throughput step runs
+the SLA planner (sizing.py) on the interval's traffic and is the only step that scales down. Every
+`load_interval_s` the burst check scales up at once when a rate that needs more workers is surely reached:
+the window's arrivals less two Poisson deviations, the trend of the latest two leads (a worker's startup
+plus one window; predictors.RateTrend) projected one lead ahead less one deviation, or the workers' queue
+growth (`_queue_rates`). Demand is read from arrivals, not completions. One scale action is in flight at a
+time (the loop awaits `apply`).
+
+Design: docs/design/planner.md (the burst check's statistics, its caps, and why scale-down is bounded).
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Replica arithmetic: from a forecast, a profile and SLO targets to prefill and decode worker counts.
 
-Dynamo's classic SLA planner (reference §7.1), one pure function per step:
+Disagg: Dynamo's classic SLA planner (reference §7.1), one pure function per step, with the prefill pool
+sized at utilization ρ = 2k / (1 + 2k), k = (T − S) / S, so an M/D/1 queue keeps the mean TTFT within the
+target. Agg: one pool time-shares both phases, ITL = d(usage) / (1 − φ) with φ = r·S its prefill share;
+`agg_capacity` bisects for the highest rate per worker meeting both targets × `headroom`.
 
-    p_corr = observed TTFT / profile TTFT(observed ISL)
-    d_corr = observed ITL / profile ITL(usage of (num_req / num_decode × duration / interval) requests, isl + osl/2)
-    prefill demand = next_req × next_isl / interval × min(1, p_corr)                  [tokens/s]
-    num_prefill    = ceil(demand / (prefill tokens/s/GPU(next_isl) × ρ) / GPUs per engine)
-    num_decode     = ceil(next_req × next_osl / interval / best decode tokens/s/GPU(itl / d_corr,
-                          next_isl + next_osl/2) / GPUs per engine)
-
-then each pool is clamped to [min_workers, max_workers] and, over the GPU budget, scaled as Dynamo's
-budget.py does (prefill proportionally, the remainder to decode).
-
-NOTE: ρ is what dyn adds so that the TTFT target counts: the prefill utilization at which an M/D/1 queue
-of unloaded prefill time S keeps the mean TTFT S + ρS / (2(1 − ρ)) within the target T, that is
-ρ = 2k / (1 + 2k) with k = (T − S) / S (1.0 when T <= S: the target is out of reach at any load; the
-decision says so).
-
-NOTE (agg mode): one pool time-shares both phases, and summing the two disagg fractions undercounts:
-a stream's decode steps wait behind every prefill its worker runs. A worker receiving r req/s spends
-φ = r·S of its time prefilling (S: unloaded prefill time), so over a stream's life L = N·d + φ·L and its
-ITL = d(usage) / (1 − φ), usage from the r·(TTFT + OSL·ITL) streams resident (a fixed point, found by
-iterating from usage 0); TTFT = S + φS / (2(1 − φ)) (M/D/1). `agg_capacity` bisects for the highest r
-meeting both targets × `headroom` (per-request latencies spread around the means this predicts), and
-workers = ceil(forecast rate / r). The correction factors compare observed TTFT and ITL with `agg_point` at
-the observed rate per worker, and divide the targets, clamped to [0.8, 1.25].
+Design: docs/design/planner.md (the formulas, the M/D/1 bound, the agg fixed point, the ramp limit).
 """
 
 from __future__ import annotations

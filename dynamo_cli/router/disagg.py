@@ -1,23 +1,14 @@
 """Disaggregation's two decisions and its prefill hop, shared by the frontend and `dyn router`.
 
-Dynamo's current wiring (reference/dynamo.md §5.1): whoever routes the request orchestrates it. It
-chooses the decode worker first, then decides whether the prompt is prefilled there (locally) or on a
-prefill worker (remotely), and if remotely runs the prompt on a KV-aware choice of prefill worker with
-max_tokens 1. The prefill's first token is streamed to the client at once and its KV handle goes with
-the decode request, whose prompt is then the prompt plus that token.
+Whoever routes the request orchestrates it (Dynamo's wiring): it chooses the decode worker first, then
+`decide`s whether the prompt is prefilled there (local) or on a prefill worker (remote, with max_tokens 1;
+the first token streams to the client at once). The rule is conditional disaggregation after Dynamo's DEP
+#11514: `isl`, `load`, `isl-or-load`, `always`, and the default `adaptive`: remote unless the prefill pool's
+queued tokens exceed the local cost, the decode worker's queue plus the prompt once for itself and
+STALL_WEIGHT times for each stream it would stall. A circuit breaker on the decode worker's KV usage applies
+to every policy.
 
-The local-or-remote rule (`decide`) is conditional disaggregation, after Dynamo's DEP #11514 and its
-policies: `isl` (isl_bounding: remote iff the prompt's uncached tokens on the chosen decode worker, its
-*effective ISL*, exceed `max_local_prefill_length`), `load` (prefill_load: remote unless every prefill
-worker is saturated), `isl-or-load` (remote iff both say remote), `always`, and the default `adaptive`.
-`adaptive` is `isl-or-load` measured in queued prefill tokens instead of a fixed queue length: a long
-prompt goes remote unless the prefill worker's queue (tokens) exceeds what prefilling locally costs the
-decode worker — its own queued prefill tokens plus the prompt, once for the request itself and
-STALL_WEIGHT times more for each stream it would stall. So an idle prefill pool always takes long
-prompts, a decode worker with streams running is protected, and when the prefill pool falls behind,
-idle decode workers absorb prompts until it catches up. Every policy shares the circuit breaker: a
-decode worker whose KV is over `decode_busy_threshold` never prefills a long prompt locally while a
-prefill worker is live.
+Design: docs/design/conditional-disagg.md (the inputs, the rule, why adaptive, the weight's measurement).
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """What a KV cache hit on a lower storage tier is worth to the router: onboard time and weight per tier.
 
-A block a worker holds in host memory or on disk is not recomputed, but it is not free either: the
-engine copies it back into its own cache first (Dynamo's KVBM "onboarding"). Per request and tier t,
-
     onboard_s(t) = blocks_t * bytes_per_block / bandwidth_t + latency_t      (0 without a hit on t)
-
-The `time` cost (time_cost.py) adds this instead of the blocks' recompute time `blocks_t * block_size / R`.
-Dynamo's `dynamo` cost counts prompt blocks, so a hit on tier t counts as `w_t` of a device hit:
-
     w_t = clamp(1 - (bytes_per_block / bandwidth_t) / (block_size / R), 0, 1)
 
-the share of a block's recompute time an onboard saves, with R the prefill speed (`--router-prefill-tps`,
-else `PRIOR_PREFILL_TPS`). `--router-tier-weights host=W,disk=W` overrides either weight.
+The `time` cost (time_cost.py) adds onboard_s instead of the blocks' recompute time; the `dynamo` cost counts
+a hit on tier t as w_t of a device hit (`--router-tier-weights host=W,disk=W` overrides). Defaults: host
+20 GB/s + 20 us, disk 4 GB/s + 200 us (config.py's TIER_*, shared with the mocker), documented figures.
 
-Defaults (config.py's TIER_*, shared with the mocker's timing model; flags `--router-host-bandwidth-gbs`,
-`--router-disk-bandwidth-gbs`), documented figures, not measured here (this machine has no GPU and a
-shared disk):
-
-- host 20 GB/s: pinned host -> device copies over PCIe 4.0 x16 run at ~25 GB/s peak, 20 sustained;
-  latency 20 us per transfer (a CUDA copy's launch and synchronisation).
-- disk 4 GB/s: one NVMe Gen4 SSD's sequential read (3-7 GB/s); latency 200 us (an NVMe read's queueing
-  and completion, plus the hop through host memory).
-- bytes per block: the card's `kv_bytes_per_block` when the engine publishes it, else 128 KiB per token
-  times the block size (Llama-3-8B in fp16: 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes).
-
-With these, a 16-token block of that model (2 MiB) onboards in 105 us from host and 524 us from disk
-against 800 us to recompute at 20 k tokens/s: w_host = 0.87, w_disk = 0.34.
+Design: docs/design/kv-tier-filter.md (the figures' basis, bytes per block, a worked example).
 """
 
 from __future__ import annotations

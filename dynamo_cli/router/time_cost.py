@@ -1,118 +1,15 @@
 """The default KV routing cost: the time a choice costs, in seconds, so a cache hit and load trade evenly.
 
-NOTE: Dynamo's `w * prefill_blocks + decode_blocks` adds prompt blocks to compute and KV blocks held,
-two quantities whose exchange rate (w) depends on prompt length, cache size and load; with w = 1 the
-holder of a 31-block prompt loses to a worker with one request fewer in flight (benchmarks/RESULTS.md).
-Here every term is a time, so no weight is needed. For a request of `isl` tokens, `n` full blocks,
-block size `bs`, and a candidate worker w with
-
-    o  cached prefix blocks (indexer)          Q  prompt tokens queued for prefill there (in flight)
-    a  prefix blocks already active there      A  unique active KV blocks of its requests in flight
-    k  requests in flight there                K  blocks cached on device       C  KV capacity, blocks
-    R  prefill speed, tokens/s                 L  mean time a request stays in flight, s
-
-the cost of sending the request to w is
-
     cost = t_prefill + t_onboard + t_evict + t_memory                                  [seconds]
     t_prefill = (Q + U) / R,  U = max(0, isl - o * bs)
     t_onboard = sum over t in (host, disk) of o_t * B / bw_t + lat_t * [o_t > 0]
     t_evict   = max(0, (n - o_d) - max(0, C - K)) * bs / R
     t_memory  = max(0, A + k + (n - a) + 1 - C) * L / (A + k)
 
-1. **t_prefill**: passes serve prefills first come, so the first token comes once w has computed the
-   tokens queued before it and the request's own uncached ones. A hit of o blocks saves o * bs / R; a
-   queue Q costs Q / R: the same unit, so the holder of a prompt keeps it until its queue is longer than
-   the prompt, whatever the prompt's length.
-   **t_onboard**: of the o cached blocks, o_t sit on a lower tier t (host memory, disk) and o_d on
-   device; the engine copies the o_t blocks of B bytes back at bw_t instead of computing them (tiers.py
-   has the bandwidths and latencies). Onboarded blocks take device blocks, hence n - o_d in t_evict.
-2. **t_evict** (a second copy under cache pressure): the n - o new blocks go into the C - K free blocks;
-   past those, the engine evicts as many least-recently-used blocks. Under pressure those belong to other
-   prompts whose traffic this worker holds, so a later request recomputes them: bs / R each. Without
-   pressure (K + n - o <= C) the term is 0, so a copy is free when the cache has room.
-3. **t_memory** (queueing for KV): the request needs (n - a) blocks not active there, plus about one
-   partial or output block per request (the `+ k` and `+ 1`). Past the capacity C the engine cannot
-   admit it until enough blocks are freed; requests leave at k / L per second, each freeing (A + k) / k
-   blocks on average, so v blocks take v * L / (A + k) seconds. This is the load term: it is 0 while
-   the worker has KV to spare (the extra request only shares its passes) and grows fast beyond.
+plus free copies of a prompt in flight (point 4), near-ties within one pass dealt in rounds (point 5) and a
+pass seen starting (point 6). R and T0 are learned from first tokens, L from requests' time in flight.
 
-4. **Free copies** of a prompt in flight: a collision (a request finding every holder of its prompt busy)
-   needs another request of that prompt in flight, i.e. the prompt active on some worker (a > 0 there).
-   Then, if the copy evicts nothing and leaves the cache at most half full (roomy), its extra prefill is
-   paid once per worker, while collisions recur for as long as the prompt is hot, so the tokens it
-   computes beyond the best holder's are not counted: the copy costs what a hit costs. A prompt not in
-   flight (a finished conversation's history) and any copy under cache pressure pay in full.
-5. **Near-ties within one pass**: the router cannot see where in its current pass a worker is, which
-   moves a first token by up to one pass. So candidates whose cost differs from the lowest only by their
-   queue (equal own terms U / R, t_evict, t_memory), and by less than T0, a pass's fixed time (the
-   intercept of the same TTFT fit that gives R; PRIOR_PASS_S until fitted), are dealt in rounds
-   (`cost.Rounds`): one request to each per round, in candidate order. Rounds spread equal work evenly
-   and keep a worker's arrivals a round apart, so passes batch several prefills; a difference in own
-   work (a hit) is never a tie, however wide T0.
-6. **A pass seen starting**: engines send a pass's KV events when it starts, so the KV event that stores
-   the last prompt block of a request routed there says its prefill pass is running. A request sent to
-   that worker now waits for the rest of that pass before its own: up to T0 more. So when every
-   candidate has a prefill queued (no idle one to turn to), the near-ties of point 5 whose pass started
-   less than T0 / 2 ago are charged the part of T0 still to run (`busy_s`), and of those not yet dealt
-   this round the least queue plus that wins, instead of the next in order; a worker whose queued
-   prefill has not started yet (its pass not begun, so the request can still join it) costs only its
-   queue. The round still deals each worker once: a busy worker is dealt later in it, never another
-   one twice. (A turn counter, as before, often fell next on the worker point 6 had just chosen: two
-   arrivals there a few ms apart, the second missing the first's pass. With the KV events 2 ms late,
-   rounds replay at rr / kv TTFT p90 1.01 where the counter gave 0.97; RESULTS.md.)
-
-R is `--router-prefill-tps` or, unset, learned: the slope of time-to-first-token against uncached
-prompt tokens (exponentially weighted least squares) over recent requests that were routed to a worker
-with nothing queued for prefill (others' TTFT includes a queue that grows with their length: fitted
-over every request, the mocker's speed came out at 15 k tokens/s, over these 38-40 k, against ~59 k
-from its timing model at these lengths), `PRIOR_PREFILL_TPS` until the prompts seen differ enough in
-length to fit it. L is the exponentially weighted mean time in
-flight. C is each worker's published `total_blocks`, else the card's `total_kv_blocks` (0: unknown,
-then t_evict and t_memory are 0).
-
-**Prediction for the issue's cache-pressure regime** (40 prompts of 2,000 tokens + 100 unique, bs 64,
-C = 512, 4 workers): isl = 2,100, n = 32, a hit has o = 31 (U = 116), a miss o = 0 (U = 2,100). Caches
-are full (K ~ C), so a miss also evicts 32 - (C - K) ~ 31 blocks: a copy costs 2 * 1,984 = 3,968 tokens
-of time against the holder, i.e. the holder loses only with two more full prompts queued, or when
-it would run out of KV (each worker holds ~10 prompts = 310 blocks; with ~12 requests in flight,
-A + k ~ 350 < 512). So requests stay with their prompt's holder: predicted hit rate ~ the reachable
-one (block ceiling 31/32 = 96.9 %, token ceiling 1,984/2,100 = 94.5 %), >= 90 % of reachable, as
-Dynamo's formula reached only with w = 4 (92.3 %, RESULTS.md). TTFT: near round-robin's capacity its
-workers run out of KV and queue (p50 ratio rr/kv ~ 7 measured with w = 4 at 94 %); below ~80 % the
-ratio is bounded by the mocker's pass floor (a hit still waits ~1.5 passes): ~1.4-1.7. In the default
-cache (C = 16,384) neither t_evict nor t_memory ever fires and every worker holds every prompt after
-warm-up, so the cost is (Q + 116) / R: predicted hit rate = round-robin's and TTFT ratio ~ 1.0. Open
-loop measured so; closed loop did not, which points 4 and 5 fix:
-
-**Prediction for the default cache, closed loop** (20 prompts, 16,384 blocks, 32 clients; the only cell
-where points 1-3 lost to round-robin, measured TTFT p90 0.78 and p99 0.66). benchmarks/kv_routing_sim.py
-replays this router over the mocker's own scheduler in virtual time. With points 1-3 it reproduced the
-loss (rr / kv p50/p90/p99 1.02/0.75/0.63): 29 % of requests found every holder of their prompt mid-pass,
-and most prompts had one or two holders, since a copy cost 1,984 tokens against a few hundred queued.
-With 4 and 5 every prompt is copied to every worker early, as round-robin's caches are, and the cell
-is level: 1.00/1.00/1.00, hit rate 94.5 % on both. Its other predictions (2 seeds, 30 s measured): default
-cache open loop at 0.7 and 0.95 of capacity 1.00-1.01; cache pressure hit 94.1-94.5 %, rr / kv
-1.13-1.53 closed, 1.38-3.95 at 0.7, 2.8-34.5 at 0.95 (18.4 p50 at p20). With the deployment's
-delays (the replay's defaults: events at pass start, 0.2-0.3 ms per hop, 0.3 ms jitter) every cell
-stays >= 1.00. In this cell T0 (~28 ms) exceeds any queue gap, so every decision is a 4-way tie
-dealt in order: kv routes exactly as round-robin does (in the replay and in the explanations of a real
-run: 1,343 of 1,343 steps), so kv's measured p99 there (0.57-0.68 of round-robin's) is not a choice this
-cost makes that round-robin would not. The slow requests of that run were routed while every worker had
-a prefill queued; those that joined one whose prefill had started (its KV event, sent at pass start)
-waited that pass too: point 6 steers near-ties away from them (the replay: p99 at 12 clients per
-worker 43 -> 34 ms, open loop 0.98-0.99; the real cell 0.93 -> 0.97). Part of the rest was the
-frontend's garbage collector stalling dispatch, not this cost: benchmarks/RESULTS.md ("Default cache,
-closed loop: the last gap").
-
-**Measured** (one short cell on a shared machine, benchmarks/RESULTS.md; the full matrix is
-benchmarks/kv_routing_matrix.py): 40 prompts, 512 blocks, 32 clients closed loop: hit rate 94.1-94.5 %
-(token ceiling 94.5 %; Dynamo's w = 1 had 63-67 %), 1 of 487 decisions left the best cache, TTFT
-round-robin / kv = 1.49 (p50), 1.40 (p90), 1.16 (p99), within the predicted pass-floor band. The whole
-matrix on 2026-11-27 (RESULTS.md, "the closing measurements"): hit 94.4-94.5 % in every cache-pressure
-cell (Dynamo's w = 1: 65.7 %); rr / kv p50 closed and at 0.7 x: 40 prompts 1.46-1.62, in the predicted
-1.4-1.7, 20 prompts 1.14-1.30, below it (round-robin itself hits 68-71 % there); 9.2 and 13.5 at 0.95 x
-(above: ~7 with w = 4 at 94 %); default cache p50 1.00-1.09, p90 0.98-1.00, and p99 0.80-1.13 against
-1.05-1.34 for round-robin against itself (an A/A pair: this machine's noise).
+Design: docs/design/router-time-cost.md (the symbols, each term's derivation, predictions and measurements).
 """
 
 from __future__ import annotations

@@ -42,6 +42,12 @@ READ_TIMEOUT_S = 5.0
 """A client that sends no complete head in this time is dropped."""
 HEALTH_TIMEOUT_S = 5.0
 """A health check that takes longer answers 503."""
+SYSTEM_ROUTES = {
+    "/live": "200 while the process's loop runs",
+    "/health": "200 when the process is ready to serve (its owner's `Health` says), else 503 and why",
+    "/metrics": "The Prometheus text of the owner's registries, then of the process-global one",
+}
+"""Path -> what it answers (GET or HEAD): every route of a system server (docs/reference/http.md lists them)."""
 
 
 class ServingState(enum.Enum):
@@ -195,7 +201,7 @@ class SystemServer:
             if self._on_scrape is not None:
                 self._on_scrape()
             return 200, b"".join(_exposition(self._registries)), prometheus_client.CONTENT_TYPE_LATEST
-        return 404, _json({"error": f"no route {path}; try /live, /health, /metrics"}), "application/json"
+        return 404, _json({"error": f"no route {path}; try {', '.join(SYSTEM_ROUTES)}"}), "application/json"
 
 
 def _exposition(registries: Iterable[CollectorRegistry]) -> Iterator[bytes]:

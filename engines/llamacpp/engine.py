@@ -81,6 +81,11 @@ from .tiering import KvTiering
 logger = logging.getLogger(__name__)
 
 _EVENT_QUEUE_SIZE = 4096
+WORK_COUNTERS = {
+    "decode_calls": "llama_decode calls (one per step)",
+    "batched_tokens": "tokens those calls batched (prompt chunks and decode tokens)",
+}
+"""`work_counters()`: name -> meaning (a worker exports each as `dynamo_component_engine_{name}`)."""
 T = TypeVar("T")
 
 
@@ -93,7 +98,7 @@ class LlamaCppEngine:
         self._scheduler: Scheduler | None = None
         self._info: EngineInfo | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-step")
-        self._counts = {"decode_calls": 0.0, "batched_tokens": 0.0}
+        self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
         self._wake = asyncio.Event()
         self._aborted: list[Sequence] = []
         self._streams: dict[int, asyncio.Queue[GenerateChunk | BaseException]] = {}

@@ -23,7 +23,8 @@ PREEMPTION_MODES = ("lifo", "fifo")
 DECODE_KV_INPUTS = ("decoding_tokens", "active_blocks")
 PREFILLED_ADMISSIONS = ("materialized", "prompt")
 KV_EVENT_VISIBILITIES = ("pass_start", "pass_end")
-"""The scheduling rules: the first of each is the default (Dynamo 1.6.1's, or dyn's where docs/mocker.md says why)."""
+"""The scheduling rules: the first of each is the default (Dynamo 1.6.1's, or dyn's where docs/guides/mocker.md
+says why)."""
 HOST_MS = TIER_HOST_LATENCY_S * 1e3
 DISK_MS = TIER_DISK_LATENCY_S * 1e3
 """The KV tiers' transfer latencies in ms: the router's (config.TIER_*) by default."""

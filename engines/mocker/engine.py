@@ -47,7 +47,8 @@ WORK_COUNTERS = {
     "preemptions": "running requests preempted",
     "lora_loads": "LoRA adapters loaded (at start, at run time, again after an eviction)",
 }
-"""`work_counters()`: name -> meaning; docs/mocker.md says how they tell prompts arriving in waves from spread."""
+"""`work_counters()`: name -> meaning; docs/guides/mocker.md says how they tell prompts arriving in waves from
+spread."""
 MAX_CATCH_UP_S = 0.005
 """A busy loop that wakes this late starts the next pass at its nominal time, so the simulated clock
 does not drift by the event loop's oversleep; later than that (a starved CPU) it starts afresh."""

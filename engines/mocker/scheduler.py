@@ -9,7 +9,7 @@ v1; `preemption_mode` fifo: the oldest): its blocks are freed and it goes back t
 to be recomputed. Every request whose tokens are all computed emits one token at the end of the pass;
 the decode term of the pass's time counts only the requests decoding (a prompt finished this pass emits
 its first token for free), as Dynamo 1.6.1's core does. Pure and deterministic: token ids come from a
-per-request RNG, time from `TimingModel`. The options that keep dyn's earlier rules: docs/mocker.md.
+per-request RNG, time from `TimingModel`. The options that keep dyn's earlier rules: docs/guides/mocker.md.
 """
 
 from __future__ import annotations

@@ -13,14 +13,13 @@ Per decision it reports the CPU of the loop's thread (what is taken off the hot 
 process tree (what it costs in all) and the wall time per decision (decisions are serialized in every mode: one
 policy). A mode pays off only if it takes more CPU off the loop than it adds around it.
 
-    python benchmarks/select_offload.py [--workers 4] [--decisions 3000] [--rounds 3] [--json ...]
+    python benchmarks/investigations/select_offload.py [--workers 4] [--decisions 3000] [--rounds 3] [--json ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import socket
@@ -34,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
+import harness  # noqa: E402
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.hashing import sequence_hashes
@@ -156,22 +158,21 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="benchmarks/out/select_offload.json")
+    p.add_argument("--json", default=str(harness.results_path("select_offload")))
     args = p.parse_args()
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    load_start = harness.loadavg()
     modes = ["inline", "thread", "process"]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for rnd in range(args.rounds):
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
             runs[mode].append(asyncio.run(measure(mode, args)))
             print(f"round {rnd} {mode}: " + "  ".join(f"{k} {v:.1f}" for k, v in runs[mode][-1].items()), flush=True)
-    print(f"load average at end: {os.getloadavg()}", flush=True)
     print("\n| mode | loop CPU µs/decision | all CPU µs/decision | wall µs/decision |\n|---|---|---|---|")
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     for mode, m in medians.items():
         print(f"| {mode} | {m['loop_us']:.1f} | {m['total_us']:.1f} | {m['wall_us']:.1f} |")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "medians": medians}, indent=1))
+    results = {"args": vars(args), "runs": runs, "medians": medians}
+    harness.write_results("select_offload", results, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

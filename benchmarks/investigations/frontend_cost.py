@@ -17,8 +17,9 @@ Per-chunk work other than these (decoding a chunk, the SSE text) is the same in 
 `--profile` prints the kv run's cProfile (by own time). The `digest` column hashes every decision, so two
 versions of the code can be shown to decide the same.
 
-    python benchmarks/frontend_cost.py                     # default cache, closed loop, 20 s, explain on, 3 runs
-    python benchmarks/frontend_cost.py --no-explain --profile
+    # default cache, closed loop, 20 s, explain on, 3 runs:
+    python benchmarks/investigations/frontend_cost.py
+    python benchmarks/investigations/frontend_cost.py --no-explain --profile
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
-import json
-import os
 import pstats
 import sys
 import time
@@ -38,15 +37,14 @@ from typing import Any
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
+import harness  # noqa: E402
 import kv_routing_sim as sim  # noqa: E402
 
 from dynamo_cli.frontend.headers import _hexid_headers  # noqa: E402
 from dynamo_cli.kv.events import KvEventBatch  # noqa: E402
 from dynamo_cli.router.base import RouteDecision, RouteRequest  # noqa: E402
-from dynamo_cli.wire import LoadMetrics
+from dynamo_cli.wire import LoadMetrics  # noqa: E402
 
 PARTS = ("route", "explain", "kv_ingest", "load", "first", "finish")
 _encode = msgspec.msgpack.Encoder().encode
@@ -168,7 +166,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per mode; each part's lowest CPU is shown")
     p.add_argument("--no-explain", dest="explain", action="store_false", help="no x-dyn-explain-route")
     p.add_argument("--profile", action="store_true", help="print the kv run's cProfile (own time)")
-    p.add_argument("--json", default="benchmarks/out/frontend_cost.json")
+    p.add_argument("--json", default=str(harness.results_path("frontend_cost")))
     args = p.parse_args()
     defaults = {
         "workers": 4,
@@ -183,7 +181,8 @@ def main() -> None:
     for name, value in defaults.items():
         setattr(args, name, value)
     rows = []
-    print(f"load average {os.getloadavg()[0]:.2f}; cache {args.cache}, closed loop, explain {args.explain}")
+    load_start = harness.loadavg()
+    print(f"load average {load_start[0]:.2f}; cache {args.cache}, closed loop, explain {args.explain}")
     print(f"{'mode':14} {'req':>6} " + " ".join(f"{part:>9}" for part in (*PARTS, "total")) + "  digest")
     for mode in args.modes.split(","):
         runs = [measure(args, mode) for _ in range(args.repeats)]
@@ -201,8 +200,7 @@ def main() -> None:
         )
         if args.profile and mode != "round-robin":
             profile_trace(args, mode, meter.trace)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(), "rows": rows}, indent=1))
+    harness.write_results("frontend_cost", {"args": vars(args), "rows": rows}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ Dynamo comes from a separate virtual environment (`--dynamo-python`), made as is
 
 (`aisimulate`, which the wheel names and the planner alone imports, is left out: it cannot be fetched here.)
 
-    python benchmarks/mocker_live.py --dynamo-python /tmp/dynvenv/bin/python [--setups agg1,agg2,disagg]
+    python benchmarks/investigations/mocker_live.py --dynamo-python /tmp/dynvenv/bin/python [--setups agg1,agg2,disagg]
         [--concurrency 4,16] [--isl 3000,500] [--rounds 2] [--seconds 25] [--ramp-up 0]
         [--json benchmarks/out/mocker_live.json]
 
 It prints every run, then per cell the medians over rounds of each side and the ratio dyn / Dynamo, with
-Dynamo's own spread (min–max over rounds) beside it. `os.getloadavg()` is printed at the start and the end:
+Dynamo's own spread (min–max over rounds) beside it. The load average is recorded at the start and the end:
 timings are only valid on an otherwise quiet machine.
 """
 
@@ -42,8 +42,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
 import disagg  # noqa: E402  (dyn's deployments and the dyn bench runs of benchmarks/disagg.py)
+import harness  # noqa: E402
 from dyn_engines.hf_export import hf_model_dir  # noqa: E402
 
 SERVED = "smol"
@@ -172,13 +173,13 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=25.0)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--ramp-up", type=float, default=0.0, help="dyn bench --ramp-up (s), the same for both sides")
-    p.add_argument("--json", default="benchmarks/out/mocker_live.json")
+    p.add_argument("--json", default=str(harness.results_path("mocker_live")))
     args = p.parse_args()
     layouts = args.setups.split(",")
     if unknown := set(layouts) - set(LAYOUTS):
         raise SystemExit(f"unknown --setups {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
     cells = [(int(c), int(i)) for c in args.concurrency.split(",") for i in args.isl.split(",")]
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    load_start = harness.loadavg()
     runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -203,9 +204,9 @@ def main() -> None:
                             got[name].append(result["summary"])
                             disagg.show(f"{layout} {label} round {rnd} {name}", result)
                     runs[layout][label] = got
-    print(f"load average at end: {os.getloadavg()}", flush=True)
     rows = report(runs)
-    disagg.write_json(args.json, {"args": vars(args), "cells": rows, "runs": runs})
+    results = {"args": vars(args), "cells": rows, "runs": runs}
+    harness.write_results("mocker_live", results, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

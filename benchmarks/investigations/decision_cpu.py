@@ -9,16 +9,15 @@ Timings of a few hundred microseconds swing by half between runs of a shared 2-c
 DIR` loads DIR's `dynamo_cli` a second time, under another name, and runs the two policies in alternating
 blocks of decisions in one process: the ratio holds where the absolute numbers do not.
 
-    python benchmarks/decision_cpu.py                           # this checkout, 4, 32 and 128 workers
-    python benchmarks/decision_cpu.py --against /tmp/old        # A/B: DIR holds another checkout
-    python benchmarks/decision_cpu.py --workers 4 --blocks 100 --json /tmp/d.json
+    python benchmarks/investigations/decision_cpu.py                           # this checkout, 4, 32 and 128 workers
+    python benchmarks/investigations/decision_cpu.py --against /tmp/old        # A/B: DIR holds another checkout
+    python benchmarks/investigations/decision_cpu.py --workers 4 --blocks 100 --json /tmp/d.json
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import random
 import shutil
 import statistics
@@ -27,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
+import harness  # noqa: E402
 
 BLOCK_SIZE = 64
 PACKAGE = "dynamo_cli"
@@ -41,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=60, help="alternating blocks of decisions per side")
     parser.add_argument("--block-decisions", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/out/decision_cpu.json"))
+    parser.add_argument("--json", type=Path, default=harness.results_path("decision_cpu"))
     return parser.parse_args(argv)
 
 
@@ -102,6 +104,7 @@ def measure(packages: list[str], workers: int, args: argparse.Namespace) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
         packages = [PACKAGE] if args.against is None else [load_other(args.against, Path(tmp)), PACKAGE]
         rows = [{"workers": w, **measure(packages, w, args)} for w in map(int, args.workers.split(","))]
@@ -119,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_decisions": args.block_decisions,
         "blocks": args.blocks,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    harness.write_results("decision_cpu", result, args.json, loadavg_start=load_start)
     return 0
 
 

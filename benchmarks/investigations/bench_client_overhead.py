@@ -5,7 +5,7 @@ counts only the client: scheduling, the HTTP/1.1 + SSE client, building bodies, 
 cell sends `rate × seconds` requests open-loop (capped at 256 in flight) and reports CPU ms per request,
 the achieved rate, and the p99 lag between a request's scheduled and actual send time.
 
-    python benchmarks/bench_client_overhead.py [--rate 500] [--seconds 4] [--json out.json]
+    python benchmarks/investigations/bench_client_overhead.py [--rate 500] [--seconds 4]
 
 The baseline cell drives the same server with httpx (aiter_lines), the usual Python choice.
 """
@@ -24,8 +24,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
+import harness  # noqa: E402
 
 from dynamo_cli.bench import workload as wl  # noqa: E402
 from dynamo_cli.bench.http import HttpClient  # noqa: E402
@@ -35,7 +35,7 @@ from dynamo_cli.bench.metrics import percentile  # noqa: E402
 
 def start_server() -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests/bench/sse_server.py"), "--ttft-ms", "0", "--gap-ms", "0"],
+        [sys.executable, str(harness.ROOT / "tests/bench/sse_server.py"), "--ttft-ms", "0", "--gap-ms", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -199,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=500)
     parser.add_argument("--seconds", type=float, default=4)
-    parser.add_argument("--json", default="benchmarks/bench_client_overhead.json")
+    parser.add_argument("--json", default=str(harness.results_path("bench_client_overhead")))
     parser.add_argument("--skip-httpx", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="Run every cell this many times; keep the least CPU.")
     args = parser.parse_args()
@@ -212,6 +212,7 @@ def main() -> None:
     ]
     if not args.skip_httpx:
         cells.append(("httpx", "uvloop", 16))
+    load_start = harness.loadavg()
     proc, url = start_server()
     rows = []
     try:
@@ -220,8 +221,7 @@ def main() -> None:
             result = min(results, key=lambda r: r["cpu_ms_per_request"])
             rows.append({"client": client, "loop": loop, "osl": osl, "rate": args.rate, **result})
     finally:
-        proc.terminate()
-        proc.wait(10)
+        harness.stop_process(proc, 10.0)
     header = (
         f"{'client':7} {'loop':8} {'osl':>4} {'req':>6} {'ok':>6} {'CPU ms/req':>11} {'achieved/s':>11} "
         f"{'user':>6} {'sys':>6} {'CPU util':>9} {'lag p99 ms':>11}"
@@ -234,15 +234,8 @@ def main() -> None:
             f"{r['sys_ms_per_request']:>6.3f} {r['cpu_util']:>9.2f} "
             f"{r['send_lag_p99_ms']:>11.2f}"
         )
-    document = {
-        "benchmark": "bench_client_overhead",
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "time": time.time(),
-        "rows": rows,
-    }
-    Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    document = {"python": platform.python_version(), "machine": platform.machine(), "rows": rows}
+    harness.write_results("bench_client_overhead", document, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,16 @@ For each run it prints dyn bench's figures and, to say where a slow request lost
   stream at once (a prefill pass on the decode worker, its event loop late); a gap few share is one stream's own
   path (the frontend's or the load generator's event loop, the request plane).
 
-    python benchmarks/disagg_tails.py [--repeats 2] [--seconds 40] [--ramp-up 0]
+    python benchmarks/investigations/disagg_tails.py [--repeats 2] [--seconds 40] [--ramp-up 0]
         [--json benchmarks/out/disagg_tails.json]
 
-`os.getloadavg()` is printed at the start and the end: timings are only valid on an otherwise quiet machine.
+The load average is recorded at the start and the end: timings are only valid on an otherwise quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import os
 import socket
 import statistics
 import sys
@@ -35,8 +34,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (the one path insert: harness.py)
 import disagg  # noqa: E402  (the deployments and dyn bench runs of benchmarks/disagg.py)
+import harness  # noqa: E402
 
 COUNTERS = (
     "forward_passes",
@@ -189,10 +189,10 @@ def main() -> None:
     p.add_argument("--ramp-up", type=float, default=0.0, help="dyn bench --ramp-up (s)")
     p.add_argument("--slow-gap", type=float, default=12.0, help="a chunk gap longer than this is long (ms)")
     p.add_argument("--sides", default="agg,disagg,always")
-    p.add_argument("--json", default="benchmarks/out/disagg_tails.json")
+    p.add_argument("--json", default=str(harness.results_path("disagg_tails")))
     args = p.parse_args()
     args.speedup_ratio, args.router = 1.0, "kv"
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    load_start = harness.loadavg()
     layouts = {  # side -> (dyn serve flags, worker roles in --system-port order: decode workers, then prefill)
         "agg": (disagg.mocker_flags(args, None), ["worker 0", "worker 1"]),
         "disagg": (disagg.mocker_flags(args, "adaptive"), ["decode", "prefill"]),
@@ -216,8 +216,7 @@ def main() -> None:
                 )
                 runs[side.name].append(result)
                 show(f"round {rnd} {side.name}", result, roles)
-    print(f"load average at end: {os.getloadavg()}", flush=True)
-    disagg.write_json(args.json, {"args": vars(args), "runs": runs})
+    harness.write_results("disagg_tails", {"args": vars(args), "runs": runs}, args.json, loadavg_start=load_start)
 
 
 if __name__ == "__main__":
