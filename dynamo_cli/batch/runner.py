@@ -1,0 +1,195 @@
+"""The batch runner: takes up every unfinished batch, runs its lines through the frontend, writes its files.
+
+Each line is one request to the frontend's own request path, in process (no socket): the same validation,
+routing, router queue and metrics as an HTTP request, at the lowest priority (`BATCH_PRIORITY`, below any
+a client may send) with the batch's window as its deadline. So a busy deployment serves interactive
+requests first, and the runner never holds more than `max_inflight` requests at once.
+
+NOTE: the loop, once a second or when woken (a batch created or cancelled):
+    take up each open batch (validating: check its lines; in_progress: start lines up to the budget;
+    past its window: expire; cancelling: stop its lines; every line finished: finalize), then sleep.
+A restart runs the same loop over the same database: finished lines are kept, pending ones run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dynamo_cli.batch.lines import ENDPOINTS, check_lines, refusal
+from dynamo_cli.batch.store import TERMINAL, BatchStore, Line, LineState, Result, Status, runner_name
+from dynamo_cli.errors import RequestError
+from dynamo_cli.runtime.supervisor import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+Call = Callable[[str, dict[str, Any], float], Awaitable[Result]]
+"""Runs one request: (endpoint path, body, seconds left in the window) -> its status and body."""
+
+POLL_S = 1.0
+"""How often the runner looks for work when nothing wakes it (and renews its leases)."""
+LEASE_S = 30.0
+"""How long a line this runner holds stays its own without renewal: after that (a frontend on another host
+gone), another runner may take it. A holder on this host that is gone loses its lines at once."""
+
+
+class BatchRunner:
+    """Runs the lines of every open batch in `store`, at most `max_inflight` at once."""
+
+    def __init__(self, store: BatchStore, call: Call, max_inflight: int, owner: str | None = None) -> None:
+        self.store = store
+        self.owner = owner or runner_name()
+        """This runner's name on the lines it holds (several frontends may share one database)."""
+        self._call = call
+        self.max_inflight = max_inflight
+        self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
+        """The lines in flight, by (batch id, line number); each task owned here and cancelled on close."""
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """A batch was created or cancelled: look at once, not at the next poll."""
+        self._wake.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._running)
+
+    async def run(self) -> None:
+        """Until cancelled (the owner's task group): advance every open batch, then wait."""
+        try:
+            while True:
+                if self._running:
+                    await asyncio.to_thread(self.store.renew, self.owner, LEASE_S)
+                for batch_id in await asyncio.to_thread(self.store.unfinished):
+                    await self._advance(batch_id)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                    async with asyncio.timeout(POLL_S):
+                        await self._wake.wait()
+        finally:
+            await cancel_and_wait(*self._running.values())
+
+    async def _advance(self, batch_id: str) -> None:
+        batch = await asyncio.to_thread(self.store.batch, batch_id)
+        if batch is None or batch["status"] in TERMINAL:
+            return
+        status = Status(batch["status"])
+        if status is Status.VALIDATING:
+            await self._validate(batch)
+        elif status is Status.CANCELLING:
+            await self._stop(batch_id)
+            await self._finalize(batch_id, Status.CANCELLED)
+        elif time.time() >= batch["expires_at"]:
+            await self._stop(batch_id)
+            await self._finalize(batch_id, Status.EXPIRED)
+        elif status is Status.FINALIZING:
+            await self._finalize(batch_id, Status.COMPLETED)
+        else:
+            await self._start_lines(batch)
+
+    async def _validate(self, batch: dict[str, Any]) -> None:
+        path = self.store.file_path(batch["input_file_id"])
+        endpoint = batch["endpoint"]
+        try:
+            raw = await asyncio.to_thread(path.read_bytes)
+        except OSError as exc:
+            await asyncio.to_thread(self.store.fail_batch, batch["id"], [_error("file_unreadable", str(exc))])
+            return
+        valid, invalid = await asyncio.to_thread(check_lines, endpoint, (ln for ln in raw.splitlines() if ln.strip()))
+        if not valid and not invalid:
+            await asyncio.to_thread(self.store.fail_batch, batch["id"], [_error("empty_file", "the input file has no line")])
+            return
+        await asyncio.to_thread(self.store.add_lines, batch["id"], valid, invalid)
+        await asyncio.to_thread(self.store.set_status, batch["id"], Status.IN_PROGRESS, only_from=frozenset({Status.VALIDATING}))
+        logger.info("batch %s: %d lines to run, %d refused", batch["id"], len(valid), len(invalid))
+
+    async def _start_lines(self, batch: dict[str, Any]) -> None:
+        batch_id = batch["id"]
+        room = self.max_inflight - len(self._running)
+        if room > 0:
+            for line in await asyncio.to_thread(self.store.claim, batch_id, self.owner, room, LEASE_S):
+                task = asyncio.create_task(self._run_line(batch_id, batch["endpoint"], batch["expires_at"], line))
+                self._running[(batch_id, line.line_no)] = task
+        mine = any(bid == batch_id for bid, _ in self._running)
+        if not mine and not await asyncio.to_thread(self.store.has_pending, batch_id):
+            await asyncio.to_thread(
+                self.store.set_status, batch_id, Status.FINALIZING, only_from=frozenset({Status.IN_PROGRESS})
+            )
+            await self._finalize(batch_id, Status.COMPLETED)
+
+    async def _run_line(self, batch_id: str, endpoint: str, expires_at: float, line: Line) -> None:
+        try:
+            try:
+                result = await self._call(endpoint, line.request, max(expires_at - time.time(), 0.001))
+            except RequestError as exc:
+                result = refusal(exc)
+            if result.status_code in (429, 503) or result.status_code >= 500:
+                # overload or a failed worker: the line stays pending and runs again
+                await asyncio.to_thread(self.store.release, batch_id, self.owner, [line.line_no])
+                return
+            await asyncio.to_thread(self.store.finish_line, batch_id, line.line_no, result, self.owner)
+        except Exception:
+            logger.exception("batch %s line %d", batch_id, line.line_no)
+        finally:
+            self._running.pop((batch_id, line.line_no), None)
+            self._wake.set()
+
+    async def _stop(self, batch_id: str) -> None:
+        """Cancel the batch's lines in flight: they stay pending, and so out of the files."""
+        tasks = [task for (bid, _), task in self._running.items() if bid == batch_id]
+        for task in tasks:
+            task.cancel()
+        if tasks:  # not cancel_and_wait: that would swallow a cancellation of the runner itself
+            await asyncio.wait(tasks)
+        stopped = [no for bid, no in list(self._running) if bid == batch_id]
+        await asyncio.to_thread(self.store.release, batch_id, self.owner, stopped)
+
+    async def _finalize(self, batch_id: str, final: Status) -> None:
+        """Write the output and error files from the finished lines, then mark the batch `final`."""
+        output_id, error_id = await asyncio.to_thread(self._write_files, batch_id)
+        await asyncio.to_thread(self.store.set_files, batch_id, output_id, error_id)
+        await asyncio.to_thread(self.store.set_status, batch_id, final)
+        logger.info("batch %s %s", batch_id, final.value)
+
+    def _write_files(self, batch_id: str) -> tuple[str | None, str | None]:
+        suffix = batch_id.removeprefix("batch_")
+        ids = {LineState.DONE: f"file-out{suffix}", LineState.FAILED: f"file-err{suffix}"}
+        handles = {state: self.store.file_path(fid).with_suffix(".part").open("w") for state, fid in ids.items()}
+        written = dict.fromkeys(ids, 0)
+        try:
+            for line_no, custom_id, state, status_code, body in self.store.results(batch_id):
+                row = {
+                    "id": f"batch_req_{suffix}_{line_no}",
+                    "custom_id": custom_id,
+                    "response": {"status_code": status_code, "request_id": f"{suffix}-{line_no}", "body": body},
+                    "error": None,
+                }
+                handles[LineState(state)].write(json.dumps(row, separators=(",", ":")) + "\n")
+                written[LineState(state)] += 1
+        finally:
+            for handle in handles.values():
+                handle.close()
+        out: dict[LineState, str | None] = {}
+        for state, file_id in ids.items():
+            part, final = self.store.file_path(file_id).with_suffix(".part"), self.store.file_path(file_id)
+            if not written[state]:
+                part.unlink(missing_ok=True)
+                out[state] = None
+                continue
+            part.replace(final)
+            final_size = final.stat().st_size
+            self.store.add_file(file_id, "batch_output", f"{batch_id}_{state.value}.jsonl", final_size, batch_id)
+            out[state] = file_id
+        return out[LineState.DONE], out[LineState.FAILED]
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": None}
+
+
+__all__ = ["ENDPOINTS", "BatchRunner", "Call"]

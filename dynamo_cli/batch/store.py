@@ -1,0 +1,372 @@
+"""Batches, their files and their lines in SQLite: what survives a SIGKILL of the frontend.
+
+One database file (`--batch-db`), uploaded and produced files beside it (`files/`). Every state change is
+one transaction, and a line's result is committed when it is known, so a restart finds each line either
+finished (its result kept, never run again) or not (run again): the output then holds each `custom_id`
+exactly once. SQLite in WAL mode with `synchronous=NORMAL` loses no committed transaction when the process
+dies; only a power cut can take the last ones back, and then those lines simply run again.
+
+The store is synchronous and does no I/O beyond its database and files directory: the API and the runner
+call it through `asyncio.to_thread` (batch/service.py), one connection per call.
+
+NOTE: a batch's life, as OpenAI's Batch API defines it:
+
+    validating -> in_progress -> finalizing -> completed
+         |             |-> cancelling -> cancelled
+         |             |-> expired (the completion window passed; finished lines are kept)
+         '-> failed (the input file as a whole is unusable: no valid line, wrong endpoint for every line)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import secrets
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, batch_id TEXT
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
+    status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
+    metadata TEXT, errors TEXT
+);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, request TEXT,
+    state TEXT NOT NULL, status_code INTEGER, body TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,
+    owner TEXT, lease_until REAL,
+    PRIMARY KEY (batch_id, line_no)
+);
+CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, state);
+"""
+
+
+class Status(enum.StrEnum):
+    """A batch's status, OpenAI's names."""
+
+    VALIDATING = "validating"  # its input file being read and each line checked
+    IN_PROGRESS = "in_progress"  # lines running
+    FINALIZING = "finalizing"  # every line done: the output and error files being written
+    COMPLETED = "completed"  # both files written
+    FAILED = "failed"  # the input as a whole unusable (`errors` says why)
+    EXPIRED = "expired"  # the window passed first; finished lines are in the files
+    CANCELLING = "cancelling"  # no new line starts; running ones finish
+    CANCELLED = "cancelled"  # and the files of what finished are written
+
+
+class LineState(enum.StrEnum):
+    """One input line's state."""
+
+    PENDING = "pending"  # valid, not run yet (or running when the process died: run again)
+    DONE = "done"  # a 200 reply, in the output file
+    FAILED = "failed"  # invalid, or its request failed: in the error file
+
+
+TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.EXPIRED, Status.CANCELLED})
+"""No line of these runs any more."""
+
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def new_id(prefix: str) -> str:
+    """`file-…`, `batch_…`: 24 random characters after OpenAI's prefixes."""
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One input line as the runner sees it."""
+
+    line_no: int
+    """0-based, its place in the input file (the output keeps the input's order)."""
+    custom_id: str
+    request: dict[str, Any]
+    """The request's body, already validated at the edge."""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one line gave: its status code, the body the endpoint replied with, the tokens it used."""
+
+    status_code: int
+    body: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class BatchStore:
+    """The database and the files directory of one deployment's batches."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files_dir = path.parent / (path.stem + "-files")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.files_dir.mkdir(exist_ok=True, mode=0o700)
+        with self._db() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            yield db
+        finally:
+            db.close()
+
+    # -- files -------------------------------------------------------------------------------------------
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def add_file(self, file_id: str, purpose: str, filename: str, size: int, batch_id: str | None = None) -> None:
+        """Record a file already written at `file_path(file_id)` (again: its row replaced, as when finalizing reruns)."""
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, batch_id) VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, purpose, filename, size, int(time.time()), batch_id),
+            )
+
+    def file(self, file_id: str) -> dict[str, Any] | None:
+        with self._db() as db:
+            row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+        return None if row is None else dict(row)
+
+    def files(self, purpose: str | None, after: str | None, limit: int) -> list[dict[str, Any]]:
+        """Newest first, as OpenAI lists them."""
+        query, args = "SELECT * FROM files WHERE 1", []
+        if purpose:
+            query, args = query + " AND purpose = ?", [purpose]
+        if after:
+            query += " AND rowid < (SELECT rowid FROM files WHERE id = ?)"
+            args.append(after)
+        with self._db() as db:
+            rows = db.execute(query + " ORDER BY rowid DESC LIMIT ?", (*args, limit)).fetchall()
+        return [dict(row) for row in rows]
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._db() as db:
+            deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+        self.file_path(file_id).unlink(missing_ok=True)
+        return deleted
+
+    # -- batches -----------------------------------------------------------------------------------------
+
+    def create_batch(self, batch_id: str, endpoint: str, input_file_id: str, window_s: int, metadata: Any) -> None:
+        now = int(time.time())
+        with self._db() as db:
+            db.execute(
+                "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, expires_at,"
+                " metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (batch_id, endpoint, input_file_id, "24h", Status.VALIDATING, now, now + window_s, _dump(metadata)),
+            )
+
+    def batch(self, batch_id: str) -> dict[str, Any] | None:
+        with self._db() as db:
+            row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return None
+            counts = _counts(db, batch_id)
+        return {**dict(row), "request_counts": counts}
+
+    def batches(self, after: str | None, limit: int) -> list[dict[str, Any]]:
+        query, args = "SELECT id FROM batches", []
+        if after:
+            query, args = query + " WHERE rowid < (SELECT rowid FROM batches WHERE id = ?)", [after]
+        with self._db() as db:
+            ids = [row[0] for row in db.execute(query + " ORDER BY rowid DESC LIMIT ?", (*args, limit))]
+        return [row for row in map(self.batch, ids) if row is not None]
+
+    def unfinished(self) -> list[str]:
+        """Batches a runner must take up (after a restart too): oldest first."""
+        open_ = [s.value for s in Status if s not in TERMINAL]
+        marks = ",".join("?" * len(open_))
+        with self._db() as db:
+            rows = db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY rowid", open_)
+            return [row[0] for row in rows]
+
+    def set_status(self, batch_id: str, status: Status, *, only_from: frozenset[Status] | None = None) -> bool:
+        """Move a batch to `status`, stamping `<status>_at`; with `only_from`, only from one of those (False if not)."""
+        stamp = f"{status.value}_at" if status not in (Status.VALIDATING,) else None
+        sets = "status = ?" + (f", {stamp} = ?" if stamp else "")
+        args: list[Any] = [status.value] + ([int(time.time())] if stamp else [])
+        where = "id = ?"
+        args.append(batch_id)
+        if only_from:
+            where += f" AND status IN ({','.join('?' * len(only_from))})"
+            args.extend(s.value for s in only_from)
+        with self._db() as db:
+            return db.execute(f"UPDATE batches SET {sets} WHERE {where}", args).rowcount > 0
+
+    def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        with self._db() as db:
+            db.execute(
+                "UPDATE batches SET status = ?, failed_at = ?, errors = ? WHERE id = ?",
+                (Status.FAILED, int(time.time()), _dump({"object": "list", "data": errors}), batch_id),
+            )
+
+    def set_files(self, batch_id: str, output_file_id: str | None, error_file_id: str | None) -> None:
+        with self._db() as db:
+            db.execute(
+                "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE id = ?",
+                (output_file_id, error_file_id, batch_id),
+            )
+
+    # -- lines -------------------------------------------------------------------------------------------
+
+    def add_lines(self, batch_id: str, valid: list[Line], invalid: list[tuple[int, str | None, Result]]) -> None:
+        """Every input line at once, in one transaction: the valid ones pending, the invalid ones failed."""
+        with self._db() as db:
+            db.execute("BEGIN")
+            db.executemany(
+                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, request, state) VALUES (?, ?, ?, ?, ?)",
+                [(batch_id, line.line_no, line.custom_id, _dump(line.request), LineState.PENDING) for line in valid],
+            )
+            db.executemany(
+                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, state, status_code, body)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [(batch_id, no, cid, LineState.FAILED, r.status_code, _dump(r.body)) for no, cid, r in invalid],
+            )
+            db.execute("COMMIT")
+
+    def claim(self, batch_id: str, owner: str, limit: int, lease_s: float) -> list[Line]:
+        """Up to `limit` pending lines no live runner holds, in input order, now held by `owner` for `lease_s`.
+
+        A line is free when nobody holds it, its holder's lease ran out, or its holder was a process of this
+        host that is gone (a frontend killed and restarted takes its lines back at once, not after the lease).
+        """
+        now = time.time()
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                dead = [o for (o,) in db.execute(_HOLDERS, (batch_id, LineState.PENDING, now)) if _is_dead(o)]
+                marks = ",".join("?" * len(dead)) or "NULL"
+                rows = db.execute(
+                    "SELECT line_no, custom_id, request FROM lines WHERE batch_id = ? AND state = ? AND (owner IS NULL"
+                    f" OR lease_until < ? OR owner IN ({marks})) ORDER BY line_no LIMIT ?",
+                    (batch_id, LineState.PENDING, now, *dead, limit),
+                ).fetchall()
+                db.executemany(
+                    "UPDATE lines SET owner = ?, lease_until = ? WHERE batch_id = ? AND line_no = ?",
+                    [(owner, now + lease_s, batch_id, row[0]) for row in rows],
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return [Line(row[0], row[1], json.loads(row[2])) for row in rows]
+
+    def renew(self, owner: str, lease_s: float) -> None:
+        """Extend the lease on every pending line `owner` holds."""
+        with self._db() as db:
+            db.execute(
+                "UPDATE lines SET lease_until = ? WHERE owner = ? AND state = ?",
+                (time.time() + lease_s, owner, LineState.PENDING),
+            )
+
+    def release(self, batch_id: str, owner: str, line_nos: list[int]) -> None:
+        """Let go of lines `owner` stopped running (cancelled): another runner may take them."""
+        with self._db() as db:
+            db.executemany(
+                "UPDATE lines SET owner = NULL, lease_until = NULL WHERE batch_id = ? AND line_no = ? AND owner = ?",
+                [(batch_id, no, owner) for no in line_nos],
+            )
+
+    def has_pending(self, batch_id: str) -> bool:
+        with self._db() as db:
+            row = db.execute("SELECT 1 FROM lines WHERE batch_id = ? AND state = ? LIMIT 1", (batch_id, LineState.PENDING))
+            return row.fetchone() is not None
+
+    def finish_line(self, batch_id: str, line_no: int, result: Result, owner: str) -> bool:
+        """Commit one line's result, if `owner` still holds it (a result never replaces another); False if not."""
+        state = LineState.DONE if result.status_code == 200 else LineState.FAILED
+        with self._db() as db:
+            db.execute(
+                "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?,"
+                " request = NULL, owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?",
+                (
+                    state,
+                    result.status_code,
+                    _dump(result.body),
+                    result.prompt_tokens,
+                    result.completion_tokens,
+                    batch_id,
+                    line_no,
+                    LineState.PENDING,
+                    owner,
+                ),
+            ).rowcount > 0
+
+    def results(self, batch_id: str) -> Iterator[tuple[int, str | None, str, int, dict[str, Any]]]:
+        """The finished lines in input order: line_no, custom_id, state, status code, body."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT line_no, custom_id, state, status_code, body FROM lines WHERE batch_id = ? AND state != ?"
+                " ORDER BY line_no",
+                (batch_id, LineState.PENDING),
+            )
+            for row in rows:
+                yield row[0], row[1], row[2], row[3], json.loads(row[4])
+
+    def token_totals(self) -> dict[str, int]:
+        """Tokens every finished line used, for /metrics."""
+        with self._db() as db:
+            row = db.execute("SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines")
+            prompt, completion = row.fetchone()
+        return {"prompt": int(prompt), "completion": int(completion)}
+
+    def line_counts(self) -> dict[str, int]:
+        """Lines of every batch by state, for /metrics."""
+        with self._db() as db:
+            rows = db.execute("SELECT state, COUNT(*) FROM lines GROUP BY state").fetchall()
+        return {state.value: 0 for state in LineState} | {row[0]: int(row[1]) for row in rows}
+
+
+_HOLDERS = "SELECT DISTINCT owner FROM lines WHERE batch_id = ? AND state = ? AND owner IS NOT NULL AND lease_until >= ?"
+
+
+def runner_name() -> str:
+    """This process's name as a holder of lines: host, pid and a nonce (a reused pid is another runner)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def _is_dead(owner: str) -> bool:
+    """Whether `owner` was a process of this host that is gone (another host's: only its lease tells)."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _counts(db: sqlite3.Connection, batch_id: str) -> dict[str, int]:
+    rows = db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY state", (batch_id,)).fetchall()
+    by_state = {row[0]: int(row[1]) for row in rows}
+    done, failed = by_state.get(LineState.DONE, 0), by_state.get(LineState.FAILED, 0)
+    return {"total": sum(by_state.values()), "completed": done, "failed": failed}
+
+
+def _dump(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))

@@ -1,0 +1,153 @@
+"""The runner over a real SQLite store, with the request call as the seam: lines checked up front, run at most
+`max_inflight` at once, each result committed once, files in input order; a restart on the same database
+runs only the unfinished lines; cancel and expiry keep what finished."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_cli.batch.runner import BatchRunner
+from dynamo_cli.batch.store import BatchStore, Result, Status, new_id
+
+CHAT = "/v1/chat/completions"
+
+
+def _line(custom_id: str, content: str = "hi", **body: Any) -> bytes:
+    request = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT, "body": request}).encode()
+
+
+def _batch(store: BatchStore, lines: list[bytes], window_s: int = 3600) -> str:
+    file_id = new_id("file-")
+    store.file_path(file_id).write_bytes(b"\n".join(lines) + b"\n")
+    store.add_file(file_id, "batch", "in.jsonl", 1)
+    batch_id = new_id("batch_")
+    store.create_batch(batch_id, CHAT, file_id, window_s, {"k": "v"})
+    return batch_id
+
+
+class Calls:
+    """The request seam: answers each line with its content echoed, counting concurrency."""
+
+    def __init__(self, delay: float = 0.0, gate: asyncio.Event | None = None) -> None:
+        self.delay, self.gate = delay, gate
+        self.seen: list[str] = []
+        self.now = self.most = 0
+
+    async def __call__(self, endpoint: str, body: dict[str, Any], left_s: float) -> Result:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            await asyncio.sleep(self.delay)
+            content = body["messages"][0]["content"]
+            self.seen.append(content)
+            reply = {"choices": [{"message": {"content": content}}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+            return Result(200, reply, 3, 1)
+        finally:
+            self.now -= 1
+
+
+async def _until(store: BatchStore, batch_id: str, statuses: set[str], runner: BatchRunner) -> dict[str, Any]:
+    task = asyncio.create_task(runner.run())
+    try:
+        for _ in range(500):
+            batch = store.batch(batch_id)
+            assert batch is not None
+            if batch["status"] in statuses:
+                return batch
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"batch stayed {batch['status']}")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _rows(store: BatchStore, file_id: str | None) -> list[dict[str, Any]]:
+    return [] if file_id is None else [json.loads(x) for x in store.file_path(file_id).read_text().splitlines()]
+
+
+async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in_order(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.db")
+    good = [_line(f"r{i}", f"q{i}") for i in range(20)]
+    bad = [b"not json", _line("r3"), _line("r20", max_tokens=-1), _line("r21", stream=True)]
+    batch_id = _batch(store, good[:10] + bad + good[10:])
+    calls = Calls(delay=0.01)
+    batch = await _until(store, batch_id, {"completed"}, BatchRunner(store, calls, max_inflight=3))
+    assert batch["request_counts"] == {"total": 24, "completed": 20, "failed": 4}
+    assert calls.most <= 3 and sorted(calls.seen) == sorted(f"q{i}" for i in range(20))
+    out, err = _rows(store, batch["output_file_id"]), _rows(store, batch["error_file_id"])
+    assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(20)]
+    assert [r["response"]["body"]["choices"][0]["message"]["content"] for r in out] == [f"q{i}" for i in range(20)]
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in err] == [
+        (None, 400),
+        (None, 400),  # r3 again: its custom_id repeats an earlier line's
+        ("r20", 400),
+        ("r21", 400),
+    ]
+    assert err[2]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert store.token_totals() == {"prompt": 60, "completion": 20}
+
+
+async def test_a_restart_runs_only_the_unfinished_lines(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.db")
+    batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(10)])
+    gate = asyncio.Event()
+    first = Calls(gate=gate)
+    runner = BatchRunner(store, first, max_inflight=4, owner=f"{socket.gethostname()}:999999999:x")  # a gone pid
+    task = asyncio.create_task(runner.run())
+    while first.now < 4:
+        await asyncio.sleep(0.01)
+    store.finish_line(batch_id, 0, Result(200, {"done": "before"}), runner.owner)  # as if line 0 had finished before the kill
+    task.cancel()  # the "kill": 4 lines in flight, cancelled, never committed
+    await asyncio.gather(task, return_exceptions=True)
+    second = Calls()
+    batch = await _until(BatchStore(tmp_path / "b.db"), batch_id, {"completed"}, BatchRunner(store, second, 4))
+    assert sorted(second.seen) == sorted(f"q{i}" for i in range(1, 10))
+    out = _rows(store, batch["output_file_id"])
+    assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(10)]
+    assert out[0]["response"]["body"] == {"done": "before"}
+
+
+async def test_cancel_keeps_what_finished_and_stops_the_rest(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.db")
+    batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(50)])
+    calls = Calls(delay=0.05)
+    runner = BatchRunner(store, calls, max_inflight=2)
+    task = asyncio.create_task(runner.run())
+    while store.batch(batch_id)["request_counts"]["completed"] < 4:  # type: ignore[index]
+        await asyncio.sleep(0.01)
+    assert store.set_status(batch_id, Status.CANCELLING)
+    runner.wake()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    batch = await _until(store, batch_id, {"cancelled"}, runner)
+    out = _rows(store, batch["output_file_id"])
+    assert batch["request_counts"]["completed"] == len(out) < 50
+    assert len({r["custom_id"] for r in out}) == len(out)
+
+
+async def test_an_expired_batch_reports_its_counts(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.db")
+    batch_id = _batch(store, [_line(f"r{i}") for i in range(5)] + [b"[]"], window_s=0)
+    batch = await _until(store, batch_id, {"expired"}, BatchRunner(store, Calls(), 2))
+    assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 1}
+    assert batch["output_file_id"] is None and len(_rows(store, batch["error_file_id"])) == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n"])
+async def test_an_empty_file_fails_the_batch(tmp_path: Path, content: bytes) -> None:
+    store = BatchStore(tmp_path / "b.db")
+    file_id = new_id("file-")
+    store.file_path(file_id).write_bytes(content)
+    store.add_file(file_id, "batch", "in.jsonl", len(content))
+    store.create_batch("batch_x", CHAT, file_id, 60, None)
+    batch = await _until(store, "batch_x", {"failed"}, BatchRunner(store, Calls(), 2))
+    assert json.loads(batch["errors"])["data"][0]["code"] == "empty_file"
