@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from dynamo_cli.batch.service import batch_service
 from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
@@ -187,6 +188,8 @@ async def _serve(
     port = sock.getsockname()[1]
     url = f"{config.frontend.scheme}://{config.frontend.host}:{port}"
     service = FrontendService(config.frontend, discovery, bus)
+    if config.frontend.batch.is_enabled:  # one frontend of a group runs the batches; every one serves them
+        service.attach(*batch_service(config.frontend, service.app, runs=not config.joins_group))
     # the children share this process's planes: the embedded discovery's directory made explicit
     shared = replace(planes, discovery=_shared_discovery(planes.discovery, discovery))
     connector = await _start_workers(config, pools.workers, shared, planned=plan is not None)

@@ -32,6 +32,7 @@ SECURITY = "Security"
 HTTP = "HTTP server"
 SUPERVISION = "Supervision"
 OBSERVABILITY = "Observability (probes, metrics, traces, logs)"
+BATCH = "Batch API (/v1/files, /v1/batches)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
                                 contract)
     router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
     frontend                    the OpenAI server (router, model, runtime ...)
+    batch                       OpenAI's Batch API: batches in SQLite, run through the frontend in process
+                                (frontend, runtime)
     worker                      one engine behind the request plane (the contract, kv, runtime)
     engines/                    plugins: only the contract, kv, model, errors, config and timing
     bench                       an HTTP load generator (errors, model for token counts)
@@ -55,6 +57,7 @@ _EVERYTHING = {
     "router",
     "lora",
     "frontend",
+    "batch",
     "worker",
     "worker_metrics",
     "tracing",
@@ -82,6 +85,7 @@ ALLOWED: dict[str, set[str]] = {
     "lora": _CONTRACT,
     "router": _CONTRACT | {"runtime", "tracing", "lora"},
     "frontend": _CONTRACT | {"model", "runtime", "router", "tracing", "lora"},
+    "batch": _CONTRACT | {"frontend", "runtime"},
     "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora"},
     "worker_metrics": {"errors", "kv", "wire"},
     "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},

@@ -139,7 +139,7 @@ class BatchApi:
         if row is None or row["purpose"] != "batch":
             raise RequestError(f"input_file_id {file_id!r} names no uploaded batch file", param="input_file_id")
         batch_id = new_id("batch_")
-        await asyncio.to_thread(self.store.create_batch, batch_id, endpoint, file_id, WINDOWS[window], metadata)
+        await asyncio.to_thread(self.store.create_batch, batch_id, endpoint, str(file_id), WINDOWS[window], metadata)
         self.runner.wake()
         return JSONResponse(batch_object(await self._batch(batch_id)))
 
@@ -224,13 +224,19 @@ def _metadata(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
     ok = isinstance(value, dict) and len(value) <= MAX_METADATA
-    ok = ok and all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items())
+    ok = ok and all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()
+    )
     if not ok:
         raise RequestError(
             f"metadata must be an object of at most {MAX_METADATA} string pairs (keys of 64, values of 512 characters)",
             param="metadata",
         )
     return dict(value)
+
+
+def _is_pair(key: Any, value: Any) -> bool:
+    return isinstance(key, str) and isinstance(value, str) and len(key) <= 64 and len(value) <= 512
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -253,7 +259,9 @@ def _replies(handler: Any) -> Any:
         try:
             response: Response = await handler(request)
         except RequestError as exc:
-            return Response(error_body(str(exc), exc.error_type, exc.param, exc.code), exc.status, media_type="application/json")
+            return Response(
+                error_body(str(exc), exc.error_type, exc.param, exc.code), exc.status, media_type="application/json"
+            )
         return response
 
     route.__name__ = handler.__name__

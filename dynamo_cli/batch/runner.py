@@ -3,7 +3,7 @@
 Each line is one request to the frontend's own request path, in process (no socket): the same validation,
 routing, router queue and metrics as an HTTP request, at the lowest priority (`BATCH_PRIORITY`, below any
 a client may send) with the batch's window as its deadline. So a busy deployment serves interactive
-requests first, and the runner never holds more than `max_inflight` requests at once.
+requests first, and the runner never holds more than its budget of requests at once.
 
 NOTE: the loop, once a second or when woken (a batch created or cancelled):
     take up each open batch (validating: check its lines; in_progress: start lines up to the budget;
@@ -33,20 +33,25 @@ Call = Callable[[str, dict[str, Any], float], Awaitable[Result]]
 
 POLL_S = 1.0
 """How often the runner looks for work when nothing wakes it (and renews its leases)."""
+OVERLOAD_PAUSE_S = 1.0
+"""After a line was refused for overload, new lines wait this long (interactive requests come first)."""
 LEASE_S = 30.0
 """How long a line this runner holds stays its own without renewal: after that (a frontend on another host
 gone), another runner may take it. A holder on this host that is gone loses its lines at once."""
 
 
 class BatchRunner:
-    """Runs the lines of every open batch in `store`, at most `max_inflight` at once."""
+    """Runs the lines of every open batch in `store`, at most `budget()` at once."""
 
-    def __init__(self, store: BatchStore, call: Call, max_inflight: int, owner: str | None = None) -> None:
+    def __init__(self, store: BatchStore, call: Call, budget: Callable[[], int], owner: str | None = None) -> None:
         self.store = store
         self.owner = owner or runner_name()
         """This runner's name on the lines it holds (several frontends may share one database)."""
         self._call = call
-        self.max_inflight = max_inflight
+        self._budget = budget
+        """The most lines in flight now (the workers serving change: it is asked each round)."""
+        self._held_until = 0.0
+        """After an overload reply (503, 429), no new line starts before this `time.monotonic()`."""
         self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
         """The lines in flight, by (batch id, line number); each task owned here and cancelled on close."""
         self._wake = asyncio.Event()
@@ -102,16 +107,20 @@ class BatchRunner:
             return
         valid, invalid = await asyncio.to_thread(check_lines, endpoint, (ln for ln in raw.splitlines() if ln.strip()))
         if not valid and not invalid:
-            await asyncio.to_thread(self.store.fail_batch, batch["id"], [_error("empty_file", "the input file has no line")])
+            await asyncio.to_thread(
+                self.store.fail_batch, batch["id"], [_error("empty_file", "the input file has no line")]
+            )
             return
         await asyncio.to_thread(self.store.add_lines, batch["id"], valid, invalid)
-        await asyncio.to_thread(self.store.set_status, batch["id"], Status.IN_PROGRESS, only_from=frozenset({Status.VALIDATING}))
+        await asyncio.to_thread(
+            self.store.set_status, batch["id"], Status.IN_PROGRESS, only_from=frozenset({Status.VALIDATING})
+        )
         logger.info("batch %s: %d lines to run, %d refused", batch["id"], len(valid), len(invalid))
 
     async def _start_lines(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
-        room = self.max_inflight - len(self._running)
-        if room > 0:
+        room = self._budget() - len(self._running)
+        if room > 0 and time.monotonic() >= self._held_until:
             for line in await asyncio.to_thread(self.store.claim, batch_id, self.owner, room, LEASE_S):
                 task = asyncio.create_task(self._run_line(batch_id, batch["endpoint"], batch["expires_at"], line))
                 self._running[(batch_id, line.line_no)] = task
@@ -129,7 +138,8 @@ class BatchRunner:
             except RequestError as exc:
                 result = refusal(exc)
             if result.status_code in (429, 503) or result.status_code >= 500:
-                # overload or a failed worker: the line stays pending and runs again
+                # overload or a failed worker: the line stays pending and runs again, after a pause
+                self._held_until = time.monotonic() + OVERLOAD_PAUSE_S
                 await asyncio.to_thread(self.store.release, batch_id, self.owner, [line.line_no])
                 return
             await asyncio.to_thread(self.store.finish_line, batch_id, line.line_no, result, self.owner)

@@ -136,10 +136,11 @@ class BatchStore:
         return self.files_dir / file_id
 
     def add_file(self, file_id: str, purpose: str, filename: str, size: int, batch_id: str | None = None) -> None:
-        """Record a file already written at `file_path(file_id)` (again: its row replaced, as when finalizing reruns)."""
+        """Record a file written at `file_path(file_id)` (again: its row replaced, as when finalizing reruns)."""
         with self._db() as db:
             db.execute(
-                "INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, batch_id) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, batch_id)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
                 (file_id, purpose, filename, size, int(time.time()), batch_id),
             )
 
@@ -290,28 +291,33 @@ class BatchStore:
 
     def has_pending(self, batch_id: str) -> bool:
         with self._db() as db:
-            row = db.execute("SELECT 1 FROM lines WHERE batch_id = ? AND state = ? LIMIT 1", (batch_id, LineState.PENDING))
+            row = db.execute(
+                "SELECT 1 FROM lines WHERE batch_id = ? AND state = ? LIMIT 1", (batch_id, LineState.PENDING)
+            )
             return row.fetchone() is not None
 
     def finish_line(self, batch_id: str, line_no: int, result: Result, owner: str) -> bool:
         """Commit one line's result, if `owner` still holds it (a result never replaces another); False if not."""
         state = LineState.DONE if result.status_code == 200 else LineState.FAILED
         with self._db() as db:
-            db.execute(
-                "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?,"
-                " request = NULL, owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?",
-                (
-                    state,
-                    result.status_code,
-                    _dump(result.body),
-                    result.prompt_tokens,
-                    result.completion_tokens,
-                    batch_id,
-                    line_no,
-                    LineState.PENDING,
-                    owner,
-                ),
-            ).rowcount > 0
+            return (
+                db.execute(
+                    "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?,"
+                    " request = NULL, owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?",
+                    (
+                        state,
+                        result.status_code,
+                        _dump(result.body),
+                        result.prompt_tokens,
+                        result.completion_tokens,
+                        batch_id,
+                        line_no,
+                        LineState.PENDING,
+                        owner,
+                    ),
+                ).rowcount
+                > 0
+            )
 
     def results(self, batch_id: str) -> Iterator[tuple[int, str | None, str, int, dict[str, Any]]]:
         """The finished lines in input order: line_no, custom_id, state, status code, body."""
@@ -338,7 +344,9 @@ class BatchStore:
         return {state.value: 0 for state in LineState} | {row[0]: int(row[1]) for row in rows}
 
 
-_HOLDERS = "SELECT DISTINCT owner FROM lines WHERE batch_id = ? AND state = ? AND owner IS NOT NULL AND lease_until >= ?"
+_HOLDERS = (
+    "SELECT DISTINCT owner FROM lines WHERE batch_id = ? AND state = ? AND owner IS NOT NULL AND lease_until >= ?"
+)
 
 
 def runner_name() -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.settings import HTTP, OVERLOAD, ROUTING, SECURITY, setting
+from dynamo_cli.settings import BATCH, HTTP, OVERLOAD, ROUTING, SECURITY, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,61 @@ def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[s
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """OpenAI's Batch API on the frontend: where batches are kept and how much of the workers they may take."""
+
+    db: str = setting(
+        "",
+        "--batch-db",
+        env="DYN_BATCH_DB",
+        help="SQLite file of the batches (default: $DYN_STATE_DIR/NAMESPACE/batches.db; off: no batch API).",
+        panel=BATCH,
+    )
+    """The database file; "" = `batches.db` in the namespace's state directory (`$DYN_STATE_DIR`, default
+    ~/.local/state/dyn): the frontends of one deployment share it; "off" = no /v1/files, no /v1/batches."""
+    max_inflight: int = setting(
+        0,
+        "--batch-max-inflight",
+        env="DYN_BATCH_MAX_INFLIGHT",
+        help="Batch requests in flight at once (0: half the requests the workers run before they count as busy).",
+        panel=BATCH,
+    )
+    """The most batch lines running at once across the deployment's workers; 0 = half of what the workers
+    serving a batch's model run before they count as busy (so interactive requests find room)."""
+    max_file_bytes: int = setting(
+        200 * 1024 * 1024,
+        "--batch-max-file-mb",
+        env="DYN_BATCH_MAX_FILE_MB",
+        help="Largest batch input file (MiB).",
+        panel=BATCH,
+        cli_type=float,
+        parse=lambda mb: int(mb * 1024 * 1024),
+        show=lambda nbytes: nbytes / 1024 / 1024,
+    )
+    max_lines: int = setting(
+        50_000, "--batch-max-lines", env="DYN_BATCH_MAX_LINES", help="Most lines in a batch input file.", panel=BATCH
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 0 or self.max_file_bytes <= 0 or self.max_lines <= 0:
+            raise ConfigError(
+                f"--batch-max-inflight must be >= 0 ({self.max_inflight}), --batch-max-file-mb and --batch-max-lines"
+                f" > 0 ({self.max_file_bytes / 1024 / 1024:g}, {self.max_lines})"
+            )
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.db != "off"
+
+    def path(self, namespace: str) -> Path:
+        """The database file of `namespace`'s batches."""
+        if self.db:
+            return Path(self.db).expanduser()
+        state = os.environ.get("DYN_STATE_DIR") or str(Path.home() / ".local" / "state" / "dyn")
+        return Path(state) / namespace / "batches.db"
+
+
 ROUTER_MODES = ("round-robin", "random", "kv", "remote")
 """`--router`: how the frontend picks a worker (`remote`: `dyn router` replicas pick)."""
 
@@ -162,6 +218,8 @@ class FrontendConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """OpenAI's Batch API (`/v1/files`, `/v1/batches`): its database and limits."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Traces and logs (its system port is the workers' base in `dyn serve`: the frontend serves its own probes)."""
     graceful_shutdown_s: float = 30.0

@@ -31,6 +31,7 @@ from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, id_headers, int_header, pinned_header, too_large
+from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
 from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
@@ -64,6 +65,16 @@ if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace, Tracing
 
 logger = logging.getLogger(__name__)
+
+
+def _priority(scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, float | None]:
+    """The request's place in the router queue: a client's headers, or an internal request's class and deadline."""
+    internal_deadline = scope.get(INTERNAL_DEADLINE)
+    if internal_deadline is not None:
+        return INTERNAL_PRIORITY, float(internal_deadline)
+    priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
+    deadline_ms = int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
+    return priority or 0, time.monotonic() + deadline_ms / 1000 if deadline_ms else None
 
 
 class Frontend:
@@ -125,6 +136,15 @@ class Frontend:
             await self._route(scope, receive, send)
         finally:
             admission.release()
+
+    def add_routes(self, routes: list[Route]) -> None:
+        """More routes on the ordinary (Starlette) path, behind the API-key gate: the Batch API's."""
+        self._rest.router.routes.extend(routes)
+
+    async def serve_internal(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request from this process itself (frontend/internal.py): past the API-key gate, which let its
+        batch in."""
+        await self._route(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -227,9 +247,7 @@ class Frontend:
         # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
         client_id = client_request_id(headers.get(b"x-request-id"))
         pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
-        priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
-        deadline_ms = int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
-        deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms else None
+        priority, deadline = _priority(scope, headers)
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
@@ -242,7 +260,7 @@ class Frontend:
                     pinned_worker=pinned,
                     client_request_id=client_id,
                     is_explained=explain in (b"1", b"true", b"yes"),
-                    priority=priority or 0,
+                    priority=priority,
                     deadline=deadline,
                     trace=trace,
                     lora=lora,

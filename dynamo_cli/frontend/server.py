@@ -13,9 +13,11 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+from starlette.routing import Route
 
 from dynamo_cli.config import BusyThresholds, FrontendConfig, TlsConfig
 from dynamo_cli.errors import ConfigError
@@ -146,6 +148,14 @@ class FrontendService:
         self._tasks = ServiceTasks()
         """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
         catch-up, and the HTTP server itself; cancelled when `run` returns."""
+        self._loops: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        """Loops of services attached to this frontend (the batch runner), run by `run` as its tasks."""
+
+    def attach(self, routes: list[Route], loop: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
+        """A service on this frontend: its routes behind the gate, and its loop owned by `run`."""
+        self.app.add_routes(routes)
+        if loop is not None:
+            self._loops.append(loop)
 
     async def run(
         self,
@@ -174,6 +184,8 @@ class FrontendService:
                 self._tasks.spawn(loop)
             if self.group is not None:
                 self._tasks.spawn(self.group.share(self.app.refresh_metrics))
+            for attached in self._loops:
+                self._tasks.spawn(attached())
             if serve_first:
                 server = self._tasks.spawn(self._serve_http(sock, stop))
                 await on_ready()

@@ -49,7 +49,10 @@ class Calls:
             await asyncio.sleep(self.delay)
             content = body["messages"][0]["content"]
             self.seen.append(content)
-            reply = {"choices": [{"message": {"content": content}}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+            reply = {
+                "choices": [{"message": {"content": content}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            }
             return Result(200, reply, 3, 1)
         finally:
             self.now -= 1
@@ -80,7 +83,7 @@ async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in
     bad = [b"not json", _line("r3"), _line("r20", max_tokens=-1), _line("r21", stream=True)]
     batch_id = _batch(store, good[:10] + bad + good[10:])
     calls = Calls(delay=0.01)
-    batch = await _until(store, batch_id, {"completed"}, BatchRunner(store, calls, max_inflight=3))
+    batch = await _until(store, batch_id, {"completed"}, BatchRunner(store, calls, lambda: 3))
     assert batch["request_counts"] == {"total": 24, "completed": 20, "failed": 4}
     assert calls.most <= 3 and sorted(calls.seen) == sorted(f"q{i}" for i in range(20))
     out, err = _rows(store, batch["output_file_id"]), _rows(store, batch["error_file_id"])
@@ -101,15 +104,17 @@ async def test_a_restart_runs_only_the_unfinished_lines(tmp_path: Path) -> None:
     batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(10)])
     gate = asyncio.Event()
     first = Calls(gate=gate)
-    runner = BatchRunner(store, first, max_inflight=4, owner=f"{socket.gethostname()}:999999999:x")  # a gone pid
+    runner = BatchRunner(store, first, lambda: 4, owner=f"{socket.gethostname()}:999999999:x")  # a gone pid
     task = asyncio.create_task(runner.run())
     while first.now < 4:
         await asyncio.sleep(0.01)
-    store.finish_line(batch_id, 0, Result(200, {"done": "before"}), runner.owner)  # as if line 0 had finished before the kill
+    store.finish_line(
+        batch_id, 0, Result(200, {"done": "before"}), runner.owner
+    )  # as if line 0 had finished before the kill
     task.cancel()  # the "kill": 4 lines in flight, cancelled, never committed
     await asyncio.gather(task, return_exceptions=True)
     second = Calls()
-    batch = await _until(BatchStore(tmp_path / "b.db"), batch_id, {"completed"}, BatchRunner(store, second, 4))
+    batch = await _until(BatchStore(tmp_path / "b.db"), batch_id, {"completed"}, BatchRunner(store, second, lambda: 4))
     assert sorted(second.seen) == sorted(f"q{i}" for i in range(1, 10))
     out = _rows(store, batch["output_file_id"])
     assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(10)]
@@ -120,7 +125,7 @@ async def test_cancel_keeps_what_finished_and_stops_the_rest(tmp_path: Path) -> 
     store = BatchStore(tmp_path / "b.db")
     batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(50)])
     calls = Calls(delay=0.05)
-    runner = BatchRunner(store, calls, max_inflight=2)
+    runner = BatchRunner(store, calls, lambda: 2)
     task = asyncio.create_task(runner.run())
     while store.batch(batch_id)["request_counts"]["completed"] < 4:  # type: ignore[index]
         await asyncio.sleep(0.01)
@@ -137,7 +142,7 @@ async def test_cancel_keeps_what_finished_and_stops_the_rest(tmp_path: Path) -> 
 async def test_an_expired_batch_reports_its_counts(tmp_path: Path) -> None:
     store = BatchStore(tmp_path / "b.db")
     batch_id = _batch(store, [_line(f"r{i}") for i in range(5)] + [b"[]"], window_s=0)
-    batch = await _until(store, batch_id, {"expired"}, BatchRunner(store, Calls(), 2))
+    batch = await _until(store, batch_id, {"expired"}, BatchRunner(store, Calls(), lambda: 2))
     assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 1}
     assert batch["output_file_id"] is None and len(_rows(store, batch["error_file_id"])) == 1
 
@@ -149,5 +154,5 @@ async def test_an_empty_file_fails_the_batch(tmp_path: Path, content: bytes) -> 
     store.file_path(file_id).write_bytes(content)
     store.add_file(file_id, "batch", "in.jsonl", len(content))
     store.create_batch("batch_x", CHAT, file_id, 60, None)
-    batch = await _until(store, "batch_x", {"failed"}, BatchRunner(store, Calls(), 2))
+    batch = await _until(store, "batch_x", {"failed"}, BatchRunner(store, Calls(), lambda: 2))
     assert json.loads(batch["errors"])["data"][0]["code"] == "empty_file"
