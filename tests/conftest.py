@@ -7,6 +7,7 @@ import re
 import secrets
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -33,6 +34,8 @@ from tests.planes import (  # noqa: F401  (fixtures)
 # No hub at test time: engines that take HF directories (vLLM) must find everything on disk.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The batch databases of deployments the tests start outside `dyn_serve` (which gives each its own) stay here.
+os.environ.setdefault("DYN_STATE_DIR", tempfile.mkdtemp(prefix="dyn-state-"))
 
 READY = re.compile(r"dyn serve ready: (https?://\S+)")
 
@@ -193,6 +196,8 @@ def _serve_factory(tmp_path: Path, started: list[DynProcess]):  # type: ignore[n
         # each other's workers (a frontend would route to the other's, which hold another cluster secret).
         disc = discovery or f"file://{tmp_path}/discovery-{len(started)}"
         args = ["serve", "--port", "0", "--discovery", disc, "--events", events, *flags]
+        # and one batch database: a deployment's batch runner takes up every open batch of its database
+        env = {"DYN_BATCH_DB": str(tmp_path / f"batches-{len(started)}.db"), **(env or {})}
         handle = start_dyn(args, timeout=timeout, env=env)
         handle.discovery, handle.events = disc, events
         started.append(handle)

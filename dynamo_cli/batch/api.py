@@ -13,6 +13,8 @@ import json
 from typing import Any
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -67,7 +69,13 @@ class BatchApi:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_file_bytes + 64 * 1024:
             raise TooLarge(f"the file is over the limit of {self.max_file_bytes} bytes", param="file")
-        async with request.form(max_files=1, max_fields=8) as form:
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except (MultiPartException, HTTPException) as exc:
+            raise RequestError(
+                f"the upload is not a multipart form with purpose and file: {exc}", param="file"
+            ) from None
+        try:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose != "batch":
                 raise RequestError("purpose must be 'batch'", param="purpose")
@@ -75,6 +83,8 @@ class BatchApi:
                 raise RequestError("file is missing", param="file")
             file_id = new_id("file-")
             size = await self._save(upload, file_id)
+        finally:
+            await form.close()
         filename = (upload.filename or "input.jsonl")[:255]
         await asyncio.to_thread(self.store.add_file, file_id, "batch", filename, size)
         return JSONResponse(_file_object(await asyncio.to_thread(self.store.file, file_id)))

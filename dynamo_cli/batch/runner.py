@@ -142,7 +142,7 @@ class BatchRunner:
                 self._held_until = time.monotonic() + OVERLOAD_PAUSE_S
                 await asyncio.to_thread(self.store.release, batch_id, self.owner, [line.line_no])
                 return
-            await asyncio.to_thread(self.store.finish_line, batch_id, line.line_no, result, self.owner)
+            await _uncancelled(asyncio.to_thread(self.store.finish_line, batch_id, line.line_no, result, self.owner))
         except Exception:
             logger.exception("batch %s line %d", batch_id, line.line_no)
         finally:
@@ -196,6 +196,17 @@ class BatchRunner:
             self.store.add_file(file_id, "batch_output", f"{batch_id}_{state.value}.jsonl", final_size, batch_id)
             out[state] = file_id
         return out[LineState.DONE], out[LineState.FAILED]
+
+
+async def _uncancelled(work: Awaitable[Any]) -> None:
+    """Await `work` to its end even when cancelled meanwhile (then re-raised): a result being committed is in the
+    database before the task ends, so files written once the batch's tasks ended hold every committed line."""
+    future = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await future
+        raise
 
 
 def _error(code: str, message: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.routing import Route
 
 from dynamo_cli.batch.api import BatchApi
+from dynamo_cli.batch.metrics import BatchMetrics
 from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import BatchStore, Result
 from dynamo_cli.config import FrontendConfig
@@ -50,6 +51,7 @@ def batch_service(
 
     runner = BatchRunner(store, call, budget)
     api = BatchApi(store, runner, settings.max_file_bytes, settings.max_lines)
+    frontend.metrics.registry.register(BatchMetrics(store, (lambda: runner.inflight) if runs else None))
     logger.info("batch API on %s (%s)", store.path, "runs batches" if runs else "serves them")
     return api.routes(), runner.run if runs else None
 

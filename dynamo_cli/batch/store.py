@@ -297,27 +297,13 @@ class BatchStore:
             return row.fetchone() is not None
 
     def finish_line(self, batch_id: str, line_no: int, result: Result, owner: str) -> bool:
-        """Commit one line's result, if `owner` still holds it (a result never replaces another); False if not."""
+        """Commit one line's result, if `owner` still holds it and its batch is open (a result never replaces
+        another, and a closed batch's files stay as written); False if not."""
         state = LineState.DONE if result.status_code == 200 else LineState.FAILED
+        values = (state, result.status_code, _dump(result.body), result.prompt_tokens, result.completion_tokens)
+        where = (batch_id, line_no, LineState.PENDING, owner, *sorted(TERMINAL))
         with self._db() as db:
-            return (
-                db.execute(
-                    "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?,"
-                    " request = NULL, owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?",
-                    (
-                        state,
-                        result.status_code,
-                        _dump(result.body),
-                        result.prompt_tokens,
-                        result.completion_tokens,
-                        batch_id,
-                        line_no,
-                        LineState.PENDING,
-                        owner,
-                    ),
-                ).rowcount
-                > 0
-            )
+            return db.execute(_FINISH, (*values, *where)).rowcount > 0
 
     def results(self, batch_id: str) -> Iterator[tuple[int, str | None, str, int, dict[str, Any]]]:
         """The finished lines in input order: line_no, custom_id, state, status code, body."""
@@ -344,6 +330,11 @@ class BatchStore:
         return {state.value: 0 for state in LineState} | {row[0]: int(row[1]) for row in rows}
 
 
+_FINISH = (
+    "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?, request = NULL,"
+    " owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?"
+    " AND (SELECT status FROM batches WHERE id = batch_id) NOT IN (?, ?, ?, ?)"
+)
 _HOLDERS = (
     "SELECT DISTINCT owner FROM lines WHERE batch_id = ? AND state = ? AND owner IS NOT NULL AND lease_until >= ?"
 )

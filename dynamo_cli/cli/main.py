@@ -35,6 +35,7 @@ _SUBCOMMANDS = {
     "top": "dynamo_cli.cli.top",
     "monitoring": "dynamo_cli.cli.monitoring",
     "k8s": "dynamo_cli.cli.k8s",
+    "batch": "dynamo_cli.cli.batch",
 }
 
 

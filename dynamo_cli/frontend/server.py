@@ -184,14 +184,14 @@ class FrontendService:
                 self._tasks.spawn(loop)
             if self.group is not None:
                 self._tasks.spawn(self.group.share(self.app.refresh_metrics))
-            for attached in self._loops:
-                self._tasks.spawn(attached())
             if serve_first:
                 server = self._tasks.spawn(self._serve_http(sock, stop))
                 await on_ready()
             else:
                 await on_ready()
                 server = self._tasks.spawn(self._serve_http(sock, stop))
+            for attached in self._loops:  # once ready: the batch runner finds the workers `dyn serve` started
+                self._tasks.spawn(attached())
             freeze_heap()
             await server
         finally:
