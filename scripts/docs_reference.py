@@ -18,6 +18,7 @@ import inspect
 import json
 import re
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -292,6 +293,8 @@ def _grouped(kind: str) -> str:
 def render_metrics() -> str:
     from prometheus_client import CollectorRegistry
 
+    from dynamo_cli.batch.metrics import BatchMetrics
+    from dynamo_cli.batch.store import BatchStore
     from dynamo_cli.frontend.metrics import FrontendMetrics
     from dynamo_cli.planner.probes import PlannerMetrics
     from dynamo_cli.router.metrics import RouterMetrics
@@ -299,6 +302,7 @@ def render_metrics() -> str:
     from dynamo_cli.worker_metrics import WorkerMetrics
 
     frontend, router = FrontendMetrics(), RouterMetrics()
+    frontend.registry.register(BatchMetrics(BatchStore(Path(tempfile.mkdtemp()) / "batches.db"), lambda: 0))
     router.registry.register(ComponentMetrics(_request_server(), "dynamo", "router"))
     worker = CollectorRegistry()
     worker.register(ComponentMetrics(_request_server(), "dynamo", "backend"))

@@ -7,8 +7,8 @@ import re
 import secrets
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator

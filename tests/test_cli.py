@@ -44,6 +44,12 @@ def test_an_unknown_engine_is_one_line_listing_the_known_ones() -> None:
         (["serve", "--lora", "a=/x", "--lora", "a=/y"], "adapter 'a' is given twice"),
         (["worker", "--max-loras", "0"], "--max-loras must be between 1 and 1024, got 0"),
         (["serve", "--lora-replicas", "-1"], "--lora-replicas must be >= 0"),
+        (["serve", "--batch-max-inflight", "-1"], "--batch-max-inflight must be >= 0"),
+        (["serve", "--batch-max-lines", "0"], "--batch-max-lines > 0"),
+        (
+            ["serve", "--engine", "mocker", "--workers", "0", "--port", "0", "--batch-db", "/proc/no/b.db"],
+            "--batch-db '/proc/no/b.db'",
+        ),
         (["bench", "--model", "a,b", "--model-mix", "zipf:x"], "--model-mix 'zipf:x' is invalid"),
     ],
 )

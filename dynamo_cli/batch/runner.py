@@ -80,7 +80,7 @@ class BatchRunner:
             await cancel_and_wait(*self._running.values())
 
     async def _advance(self, batch_id: str) -> None:
-        batch = await asyncio.to_thread(self.store.batch, batch_id)
+        batch = await asyncio.to_thread(self.store.header, batch_id)
         if batch is None or batch["status"] in TERMINAL:
             return
         status = Status(batch["status"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -19,6 +20,7 @@ from dynamo_cli.batch.metrics import BatchMetrics
 from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import BatchStore, Result
 from dynamo_cli.config import FrontendConfig
+from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend import internal
 from dynamo_cli.frontend.app import Frontend
 
@@ -33,7 +35,13 @@ def batch_service(
 ) -> tuple[list[Route], Callable[[], Coroutine[Any, Any, None]] | None]:
     """The routes to add to `frontend`, and the runner's loop when this frontend `runs` batches."""
     settings = config.batch
-    store = BatchStore(settings.path(config.namespace))
+    path = settings.path(config.namespace)
+    try:
+        store = BatchStore(path)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(
+            f"--batch-db '{path}' cannot be opened ({exc}); pass a writable path, or --batch-db off"
+        ) from None
 
     async def call(endpoint: str, body: dict[str, Any], seconds_left: float) -> Result:
         raw = json.dumps(body).encode()

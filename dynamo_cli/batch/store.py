@@ -186,6 +186,12 @@ class BatchStore:
             counts = _counts(db, batch_id)
         return {**dict(row), "request_counts": counts}
 
+    def header(self, batch_id: str) -> dict[str, Any] | None:
+        """The batch's row without its line counts (what the runner needs each round: no scan of its lines)."""
+        with self._db() as db:
+            row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return None if row is None else dict(row)
+
     def batches(self, after: str | None, limit: int) -> list[dict[str, Any]]:
         query, args = "SELECT id FROM batches", []
         if after:

@@ -38,6 +38,19 @@ GET_ROUTES: dict[str, str] = {
     "/openapi.json": "This document",
 }
 
+BATCH_ROUTES: dict[tuple[str, str], str] = {
+    ("post", "/v1/files"): "Upload a batch input file (multipart: purpose=batch, file)",
+    ("get", "/v1/files"): "The uploaded and produced files, newest first (purpose, after, limit)",
+    ("get", "/v1/files/{file_id}"): "One file",
+    ("delete", "/v1/files/{file_id}"): "Delete a file",
+    ("get", "/v1/files/{file_id}/content"): "A file's bytes (a batch's output and error files are JSONL)",
+    ("post", "/v1/batches"): "Create a batch (input_file_id, endpoint, completion_window 24h, metadata)",
+    ("get", "/v1/batches"): "The batches, newest first (after, limit)",
+    ("get", "/v1/batches/{batch_id}"): "One batch: status, request_counts, output and error files",
+    ("post", "/v1/batches/{batch_id}/cancel"): "Cancel a batch (lines finished stay in its output)",
+}
+"""OpenAI's Files and Batch API (dynamo_cli/batch/), served unless `--batch-db off`."""
+
 _ERROR = {
     "type": "object",
     "properties": {
@@ -78,6 +91,9 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
         }
     for path, summary in GET_ROUTES.items():
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+    for (method, path), summary in BATCH_ROUTES.items():
+        responses = {"200": {"description": "OK"}, "400": _error_response("A field is invalid (named in param)")}
+        paths.setdefault(path, {})[method] = {"summary": summary, "responses": responses}
     return {
         "openapi": "3.1.0",
         "info": {"title": "dyn: OpenAI-compatible API", "version": _version()},

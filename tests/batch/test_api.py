@@ -1,0 +1,73 @@
+"""The Files and Batch routes over a real store, through Starlette's test client: the upload limits, each a
+4xx naming the limit with nothing kept; a file listed, read and deleted; OpenAI's list pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from dynamo_cli.batch.api import BatchApi
+from dynamo_cli.batch.runner import BatchRunner
+from dynamo_cli.batch.store import BatchStore, Result
+
+
+async def _never(endpoint: str, body: dict[str, object], left: float) -> Result:
+    raise AssertionError("no line runs here")
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> TestClient:
+    store = BatchStore(tmp_path / "b.db")
+    api = BatchApi(store, BatchRunner(store, _never, lambda: 1), max_file_bytes=1000, max_lines=3)
+    return TestClient(Starlette(routes=api.routes()))
+
+
+def _upload(client: TestClient, content: bytes, purpose: str = "batch") -> object:
+    return client.post("/v1/files", data={"purpose": purpose}, files={"file": ("in.jsonl", content)})
+
+
+def test_an_upload_over_a_limit_is_refused_naming_it_and_nothing_is_kept(client: TestClient, tmp_path: Path) -> None:
+    too_long = _upload(client, b"{}\n" * 4)
+    assert too_long.status_code == 400 and "limit of 3 lines" in too_long.json()["error"]["message"]  # type: ignore[attr-defined]
+    too_big = _upload(client, b"x" * 1001)
+    assert too_big.status_code == 413 and too_big.json()["error"]["param"] == "file"  # type: ignore[attr-defined]
+    wrong = _upload(client, b"{}", purpose="fine-tune")
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "purpose"  # type: ignore[attr-defined]
+    assert client.get("/v1/files").json()["data"] == []
+    assert [p.name for p in (tmp_path / "b-files").iterdir()] == []
+
+
+def test_a_file_is_listed_read_and_deleted(client: TestClient) -> None:
+    ids = [_upload(client, f"{{}}\n{i}\n".encode()).json()["id"] for i in range(3)]  # type: ignore[attr-defined]
+    page = client.get("/v1/files?limit=2").json()
+    assert [f["id"] for f in page["data"]] == ids[::-1][:2] and page["has_more"] is True
+    rest = client.get(f"/v1/files?limit=2&after={page['last_id']}").json()
+    assert [f["id"] for f in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    assert client.get(f"/v1/files/{ids[1]}/content").content == b"{}\n1\n"
+    assert client.delete(f"/v1/files/{ids[1]}").json() == {"id": ids[1], "object": "file", "deleted": True}
+    assert client.get(f"/v1/files/{ids[1]}").status_code == 404
+    assert client.get("/v1/files?limit=0").json()["error"]["param"] == "limit"
+
+
+def test_a_batch_body_is_checked_field_by_field(client: TestClient) -> None:
+    file_id = _upload(client, b"{}\n").json()["id"]  # type: ignore[attr-defined]
+    good = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    for change, param in [
+        ({"endpoint": "/v1/images"}, "endpoint"),
+        ({"completion_window": "7d"}, "completion_window"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input_file_id": "file-none"}, "input_file_id"),
+    ]:
+        response = client.post("/v1/batches", json=good | change)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, change
+    assert client.post("/v1/batches", content=b"[").json()["error"]["param"] == "body"
+    created = client.post("/v1/batches", json=good | {"metadata": {"team": "eval"}}).json()
+    assert created["status"] == "validating" and created["metadata"] == {"team": "eval"}
+    assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    cancelled = client.post(f"/v1/batches/{created['id']}/cancel").json()
+    assert cancelled["status"] == "cancelling" and cancelled["cancelling_at"] is not None
+    assert client.post("/v1/batches/batch_none/cancel").status_code == 404
