@@ -180,7 +180,8 @@ class AdapterSet:
                 continue
             self._freed.clear()
             try:
-                await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # wait_for can swallow a cancel
+                    await self._freed.wait()
             except TimeoutError:
                 raise Overloaded(
                     f"all {len(self.resident)} loaded LoRA adapters (--max-loras {self.max_loras}) are in use "

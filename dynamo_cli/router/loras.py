@@ -81,7 +81,8 @@ async def seen(registry: Registry[Any], done: Callable[[], bool]) -> None:
         if left <= 0:
             return  # confirmed by the workers; this view catches up on its own
         try:
-            await asyncio.wait_for(registry.changed.wait(), left)
+            async with asyncio.timeout(left):  # not wait_for: on 3.11 it can swallow a cancellation
+                await registry.changed.wait()
         except TimeoutError:
             return
 
