@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS lines (
     owner TEXT, lease_until REAL,
     PRIMARY KEY (batch_id, line_no)
 );
-CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, state);
+CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, line_no);
+CREATE INDEX IF NOT EXISTS lines_held ON lines (owner) WHERE owner IS NOT NULL;
 """
 
 
@@ -341,8 +342,9 @@ _FINISH = (
     " owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?"
     " AND (SELECT status FROM batches WHERE id = batch_id) NOT IN (?, ?, ?, ?)"
 )
-_HOLDERS = (
-    "SELECT DISTINCT owner FROM lines WHERE batch_id = ? AND state = ? AND owner IS NOT NULL AND lease_until >= ?"
+_HOLDERS = (  # through the partial index of held lines: a few rows, not the batch's pending ones
+    "SELECT DISTINCT owner FROM lines INDEXED BY lines_held"
+    " WHERE owner IS NOT NULL AND batch_id = ? AND state = ? AND lease_until >= ?"
 )
 
 

@@ -56,6 +56,7 @@ from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.router.core import Dispatch, DispatchRules
+from dynamo_cli.router.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.router.sequences import ActiveSequences
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.tracing.logs import enter_request
@@ -72,7 +73,7 @@ def _priority(scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, float | N
     internal_deadline = scope.get(INTERNAL_DEADLINE)
     if internal_deadline is not None:
         return INTERNAL_PRIORITY, float(internal_deadline)
-    priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", -1000, 1000)
+    priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", LOWEST_CLIENT_PRIORITY, 1000)
     deadline_ms = int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
     return priority or 0, time.monotonic() + deadline_ms / 1000 if deadline_ms else None
 

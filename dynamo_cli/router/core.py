@@ -18,6 +18,7 @@ to another worker mid-stream continues seamlessly: the tokens generated so far j
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -41,7 +42,8 @@ from dynamo_cli.router import prefill
 from dynamo_cli.router.base import RouteDecision, RouteRequest
 from dynamo_cli.router.disagg import falls_back, prefill_choice
 from dynamo_cli.router.plan import DispatchMetrics, NoMetrics, RequestPlan
-from dynamo_cli.router.registry import ModelEntry, Worker, not_busy
+from dynamo_cli.router.queue import BACKGROUND_WAIT_S, LOWEST_CLIENT_PRIORITY
+from dynamo_cli.router.registry import ModelEntry, Worker, free_of_prefill, not_busy
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.router.waits import interruptible
@@ -316,6 +318,8 @@ class Dispatch:
             if not candidates:
                 raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
         candidates = not_busy(candidates, workers, self.rules.busy, f"workers of '{entry.name}'")
+        if self.plan.queued.priority < LOWEST_CLIENT_PRIORITY:
+            candidates = free_of_prefill(candidates, workers)
         load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
         route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned, lora, load_s)
         self.decision = entry.policy.select(route, candidates)
@@ -340,9 +344,12 @@ class Dispatch:
             if not self.rules.queue.max_size:
                 raise
         queued_at = time.perf_counter()
+        rules = self.rules.queue
+        if self.plan.queued.priority < LOWEST_CLIENT_PRIORITY:  # background work waits its turn, however long
+            rules = dataclasses.replace(rules, max_wait_s=BACKGROUND_WAIT_S)
         try:
             with interruptible():  # a client that leaves meanwhile leaves the queue
-                return await self.entry.queue.take(self._choose, self.plan.queued, self.rules.queue)
+                return await self.entry.queue.take(self._choose, self.plan.queued, rules)
         finally:
             self.rules.metrics.observe_queue_wait(self.entry.name, time.perf_counter() - queued_at)
             if self.plan.trace is not None:
@@ -536,6 +543,7 @@ class Dispatch:
         """The held worker's first token (or the prefill hop's): the policy and the replicas hear it."""
         self._is_prefilled = True
         self._unqueue_local_prefill()
+        self.entry.queue.notify()  # a worker free of prefill may take background work now
         self.entry.policy.on_first_token(self.plan.request_id)
         if self.rules.replicas is not None:
             self.rules.replicas.prefill_completed(self.entry.name, self.plan.request_id)

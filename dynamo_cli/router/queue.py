@@ -42,6 +42,11 @@ from dynamo_cli.errors import Overloaded
 
 T = TypeVar("T")
 
+LOWEST_CLIENT_PRIORITY = -1000
+"""The lowest `x-dyn-priority` a client may send; below it is background work (a batch line, -1001), which goes
+only to workers prefilling nothing (registry.free_of_prefill) and may wait `BACKGROUND_WAIT_S` here."""
+BACKGROUND_WAIT_S = 60.0
+"""How long background work waits in the queue for a worker before its 503 (it is retried then)."""
 RETRY_AFTER_S = 1.0
 """What a refused request is told to wait before trying again (at least)."""
 RATE_WINDOW_S = 10.0

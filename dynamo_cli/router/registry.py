@@ -86,6 +86,16 @@ def not_busy(candidates: list[int], workers: dict[int, Worker], limits: BusyThre
     return [w for w in candidates if w not in reasons] if reasons else candidates
 
 
+def free_of_prefill(candidates: list[int], workers: dict[int, Worker]) -> list[int]:
+    """Background work (a batch line) goes only to a worker prefilling nothing this router sent it: so it fills
+    the capacity interactive requests leave, and never sits in the way of their prompts. Overloaded (it then waits
+    in the queue, behind every interactive request) when no candidate is free."""
+    free = [w for w in candidates if workers[w].pending_prefill_tokens <= 0]
+    if not free:
+        raise Overloaded(f"all {len(candidates)} candidates are prefilling: background work waits")
+    return free
+
+
 @dataclass(slots=True)
 class ModelEntry:
     """One model: its card, workers by role and routing policies."""

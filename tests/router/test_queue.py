@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -152,3 +153,20 @@ async def test_a_request_whose_expected_wait_is_too_long_is_refused_at_once() ->
     await asyncio.sleep(0.01)
     await _release_one_at_a_time(queue, slots, [urgent, *tasks])
     assert slots.order == ["urgent", "first", "second"]
+
+
+def test_background_work_goes_only_to_workers_prefilling_nothing() -> None:
+    """A batch line (priority below any client's) never joins a worker with a prompt in prefill: with every
+    candidate prefilling it is Overloaded, so it waits in the queue behind the interactive requests."""
+    from types import SimpleNamespace
+
+    from dynamo_cli.router.registry import free_of_prefill
+
+    workers: dict[int, Any] = {
+        1: SimpleNamespace(pending_prefill_tokens=512),
+        2: SimpleNamespace(pending_prefill_tokens=0),
+    }
+    assert free_of_prefill([1, 2], workers) == [2]
+    workers[2].pending_prefill_tokens = 40
+    with pytest.raises(Overloaded, match="prefilling"):
+        free_of_prefill([1, 2], workers)
