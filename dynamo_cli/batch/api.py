@@ -18,6 +18,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive
 
 from dynamo_cli.batch.lines import ENDPOINTS
 from dynamo_cli.batch.runner import BatchRunner
@@ -30,6 +31,8 @@ WINDOWS = {"24h": 24 * 3600}
 MAX_METADATA = 16
 """Key/value pairs in a batch's metadata (OpenAI's limits: 16 pairs, keys of 64 and values of 512 characters)."""
 CHUNK = 1 << 20
+FORM_OVERHEAD = 64 * 1024
+"""Bytes of a multipart upload beyond its file's: boundaries, headers, the purpose field."""
 
 
 class NotFound(RequestError):
@@ -66,9 +69,12 @@ class BatchApi:
     # -- files -------------------------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> Response:
+        too_large = TooLarge(f"the file is over the limit of {self.max_file_bytes} bytes", param="file")
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.max_file_bytes + 64 * 1024:
-            raise TooLarge(f"the file is over the limit of {self.max_file_bytes} bytes", param="file")
+        if length and length.isdigit() and int(length) > self.max_file_bytes + FORM_OVERHEAD:
+            raise too_large
+        # the body counted as it arrives too: a chunked upload names no length, and the form parser spools files
+        request = Request(request.scope, _capped(request.receive, self.max_file_bytes + FORM_OVERHEAD, too_large))
         try:
             form = await request.form(max_files=1, max_fields=8)
         except (MultiPartException, HTTPException) as exc:
@@ -260,6 +266,22 @@ async def _json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object", param="body")
     return body
+
+
+def _capped(receive: Receive, limit: int, error: RequestError) -> Receive:
+    """`receive`, raising `error` once the request's body passes `limit` bytes."""
+    seen = 0
+
+    async def capped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise error
+        return message
+
+    return capped
 
 
 def _replies(handler: Any) -> Any:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,38 @@ def test_a_batch_body_is_checked_field_by_field(client: TestClient) -> None:
     cancelled = client.post(f"/v1/batches/{created['id']}/cancel").json()
     assert cancelled["status"] == "cancelling" and cancelled["cancelling_at"] is not None
     assert client.post("/v1/batches/batch_none/cancel").status_code == 404
+
+
+def test_a_chunked_upload_with_no_length_is_cut_off_at_the_limit(client: TestClient, tmp_path: Path) -> None:
+    """No Content-Length to refuse up front: the body is counted as it arrives, so a stranger cannot fill the
+    disk through the form parser's spooled files."""
+    head = b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    head += b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n'
+
+    def body() -> Iterator[bytes]:
+        yield head
+        for _ in range(200):  # 200 KiB of file: over 1000 bytes + the form's allowance
+            yield b"x" * 1024
+        yield b"\r\n--b--\r\n"
+
+    response = client.post("/v1/files", content=body(), headers={"content-type": "multipart/form-data; boundary=b"})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "file"
+    assert client.get("/v1/files").json()["data"] == []
+    assert [p.name for p in (tmp_path / "b-files").iterdir()] == []
+
+
+async def test_the_body_cap_stops_reading_at_the_limit() -> None:
+    from dynamo_cli.batch.api import TooLarge, _capped
+
+    calls = 0
+
+    async def receive() -> dict[str, object]:
+        nonlocal calls
+        calls += 1
+        return {"type": "http.request", "body": b"x" * 100, "more_body": True}
+
+    capped = _capped(receive, 1000, TooLarge("over", param="file"))
+    with pytest.raises(TooLarge):
+        while True:
+            await capped()
+    assert calls == 11  # 1,100 bytes read, none after: the rest of the upload is never taken in
