@@ -24,7 +24,8 @@ from dynamo_cli.batch.lines import ENDPOINTS
 from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import TERMINAL, BatchStore, Status, new_id
 from dynamo_cli.errors import RequestError
-from dynamo_cli.frontend.openai import error_body
+from dynamo_cli.frontend.openai import check_depth
+from dynamo_cli.frontend.replies import error_response
 
 WINDOWS = {"24h": 24 * 3600}
 """`completion_window` values and their seconds (OpenAI offers 24h only)."""
@@ -259,6 +260,7 @@ async def _json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > 64 * 1024:
         raise TooLarge("the body is over 64 KiB", param="body")
+    check_depth(raw)  # before json.loads recurses into it
     try:
         body = json.loads(raw)
     except ValueError:
@@ -291,9 +293,7 @@ def _replies(handler: Any) -> Any:
         try:
             response: Response = await handler(request)
         except RequestError as exc:
-            return Response(
-                error_body(str(exc), exc.error_type, exc.param, exc.code), exc.status, media_type="application/json"
-            )
+            return error_response(exc)
         return response
 
     route.__name__ = handler.__name__

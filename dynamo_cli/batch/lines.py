@@ -70,7 +70,8 @@ def _custom_id(item: dict[str, Any], seen: set[str]) -> str:
     return custom_id
 
 
-def _body(item: dict[str, Any], endpoint: str) -> dict[str, Any]:
+def _body(item: dict[str, Any], endpoint: str) -> bytes:
+    """The line's request body as JSON, once its endpoint's edge would take it."""
     if item.get("method", "POST") != "POST":
         raise RequestError("method must be POST", param="method")
     if item.get("url") != endpoint:
@@ -80,5 +81,6 @@ def _body(item: dict[str, Any], endpoint: str) -> dict[str, Any]:
         raise RequestError("body must be a JSON object", param="body")
     if body.get("stream"):
         raise RequestError("a batch request cannot stream", param="body.stream")
-    ENDPOINTS[endpoint](json.dumps(body).encode())
-    return body
+    raw = json.dumps(body).encode()
+    ENDPOINTS[endpoint](raw)
+    return raw

@@ -1,9 +1,9 @@
 """The batch runner: takes up every unfinished batch, runs its lines through the frontend, writes its files.
 
 Each line is one request to the frontend's own request path, in process (no socket): the same validation,
-routing, router queue and metrics as an HTTP request, at the lowest priority (`BATCH_PRIORITY`, below any
-a client may send) with the batch's window as its deadline. So a busy deployment serves interactive
-requests first, and the runner never holds more than its budget of requests at once.
+routing, router queue and metrics as an HTTP request, at the lowest priority (frontend/internal.py
+`INTERNAL_PRIORITY`, below any a client may send) with the batch's window as its deadline. So a busy deployment
+serves interactive requests first, and the runner never holds more than its budget of requests at once.
 
 NOTE: the loop, once a second or when woken (a batch created or cancelled):
     take up each open batch (validating: check its lines; in_progress: start lines up to the budget;
@@ -28,8 +28,8 @@ from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-Call = Callable[[str, dict[str, Any], float], Awaitable[Result]]
-"""Runs one request: (endpoint path, body, seconds left in the window) -> its status and body."""
+Call = Callable[[str, bytes, float], Awaitable[Result]]
+"""Runs one request: (endpoint path, body JSON, seconds left in the window) -> its status and body."""
 
 POLL_S = 1.0
 """How often the runner looks for work when nothing wakes it (and renews its leases)."""

@@ -43,8 +43,7 @@ def batch_service(
             f"--batch-db '{path}' cannot be opened ({exc}); pass a writable path, or --batch-db off"
         ) from None
 
-    async def call(endpoint: str, body: dict[str, Any], seconds_left: float) -> Result:
-        raw = json.dumps(body).encode()
+    async def call(endpoint: str, raw: bytes, seconds_left: float) -> Result:
         status, reply = await internal.call(frontend.serve_internal, endpoint, raw, seconds_left)
         payload = _json(reply)
         usage = payload.get("usage")

@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS batches (
     metadata TEXT, errors TEXT
 );
 CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, request TEXT,
+    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, request BLOB,
     state TEXT NOT NULL, status_code INTEGER, body TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,
     owner TEXT, lease_until REAL,
     PRIMARY KEY (batch_id, line_no)
@@ -94,8 +94,8 @@ class Line:
     line_no: int
     """0-based, its place in the input file (the output keeps the input's order)."""
     custom_id: str
-    request: dict[str, Any]
-    """The request's body, already validated at the edge."""
+    request: bytes
+    """The request's body (JSON), already validated at the edge: sent as it is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +244,7 @@ class BatchStore:
             db.execute("BEGIN")
             db.executemany(
                 "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, request, state) VALUES (?, ?, ?, ?, ?)",
-                [(batch_id, line.line_no, line.custom_id, _dump(line.request), LineState.PENDING) for line in valid],
+                [(batch_id, line.line_no, line.custom_id, line.request, LineState.PENDING) for line in valid],
             )
             db.executemany(
                 "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, state, status_code, body)"
@@ -278,7 +278,7 @@ class BatchStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return [Line(row[0], row[1], json.loads(row[2])) for row in rows]
+        return [Line(row[0], row[1], bytes(row[2])) for row in rows]
 
     def renew(self, owner: str, lease_s: float) -> None:
         """Extend the lease on every pending line `owner` holds."""

@@ -21,7 +21,7 @@ from dynamo_cli.config.processes import check_lora_name
 from dynamo_cli.errors import ConfigError, DynError, RequestError
 from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import decode_body
-from dynamo_cli.frontend.replies import error_reply
+from dynamo_cli.frontend.replies import error_response
 from dynamo_cli.router import loras
 from dynamo_cli.wire import LoraCommand
 
@@ -65,14 +65,14 @@ class LoraAdmin:
             body: LoadLora = await _body(request, _LOAD)
             return JSONResponse(await self._load(body))
         except DynError as exc:
-            return _error(exc)
+            return error_response(exc)
 
     async def unload(self, request: Request) -> Response:
         try:
             body: UnloadLora = await _body(request, _UNLOAD)
             return JSONResponse(await self._unload(body.lora_name))
         except DynError as exc:
-            return _error(exc)
+            return error_response(exc)
 
     async def listing(self, request: Request) -> Response:
         """`GET /v1/loras`: every adapter, its base and where it is served and loaded."""
@@ -177,8 +177,3 @@ async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
         if len(body) > MAX_BODY:
             raise RequestError(f"the request body is over {MAX_BODY} bytes", param="body")
     return decode_body(decoder, body)
-
-
-def _error(exc: DynError) -> Response:
-    status, headers, body = error_reply(exc)
-    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from starlette.responses import Response
 from starlette.types import Receive, Send
 
 from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
@@ -163,3 +164,9 @@ def error_reply(exc: DynError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     headers = [*JSON_HEADERS, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else JSON_HEADERS
     headers = [*JSON_HEADERS, (b"www-authenticate", b"Bearer")] if status == 401 else headers
     return status, headers, body
+
+
+def error_response(exc: DynError) -> Response:
+    """`error_reply(exc)` as a Starlette response, for the routes off the raw ASGI path (LoRA, batches)."""
+    status, headers, body = error_reply(exc)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})

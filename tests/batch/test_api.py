@@ -15,7 +15,7 @@ from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import BatchStore, Result
 
 
-async def _never(endpoint: str, body: dict[str, object], left: float) -> Result:
+async def _never(endpoint: str, raw: bytes, left: float) -> Result:
     raise AssertionError("no line runs here")
 
 
@@ -107,3 +107,8 @@ async def test_the_body_cap_stops_reading_at_the_limit() -> None:
         while True:
             await capped()
     assert calls == 11  # 1,100 bytes read, none after: the rest of the upload is never taken in
+
+
+def test_a_batch_body_nested_too_deeply_is_a_400(client: TestClient) -> None:
+    response = client.post("/v1/batches", content=b"[" * 5000 + b"]" * 5000)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"

@@ -40,7 +40,8 @@ class Calls:
         self.seen: list[str] = []
         self.now = self.most = 0
 
-    async def __call__(self, endpoint: str, body: dict[str, Any], left_s: float) -> Result:
+    async def __call__(self, endpoint: str, raw: bytes, left_s: float) -> Result:
+        body = json.loads(raw)
         self.now += 1
         self.most = max(self.most, self.now)
         try:
