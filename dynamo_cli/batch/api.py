@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -23,9 +24,11 @@ from starlette.types import Message, Receive
 from dynamo_cli.batch.lines import ENDPOINTS
 from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import TERMINAL, BatchStore, Status, new_id
-from dynamo_cli.errors import RequestError
+from dynamo_cli.errors import Overloaded, RequestError
 from dynamo_cli.frontend.openai import check_depth
 from dynamo_cli.frontend.replies import error_response
+
+logger = logging.getLogger(__name__)
 
 WINDOWS = {"24h": 24 * 3600}
 """`completion_window` values and their seconds (OpenAI offers 24h only)."""
@@ -55,16 +58,21 @@ class BatchApi:
         self.max_lines = max_lines
 
     def routes(self) -> list[Route]:
+        unavailable = self.store.database.unavailable
+
+        def _replies_(handler: Any) -> Any:
+            return _replies(handler, unavailable)
+
         return [
-            Route("/v1/files", _replies(self.upload), methods=["POST"]),
-            Route("/v1/files", _replies(self.list_files), methods=["GET"]),
-            Route("/v1/files/{file_id}", _replies(self.get_file), methods=["GET"]),
-            Route("/v1/files/{file_id}", _replies(self.delete_file), methods=["DELETE"]),
-            Route("/v1/files/{file_id}/content", _replies(self.content), methods=["GET"]),
-            Route("/v1/batches", _replies(self.create), methods=["POST"]),
-            Route("/v1/batches", _replies(self.list_batches), methods=["GET"]),
-            Route("/v1/batches/{batch_id}", _replies(self.retrieve), methods=["GET"]),
-            Route("/v1/batches/{batch_id}/cancel", _replies(self.cancel), methods=["POST"]),
+            Route("/v1/files", _replies_(self.upload), methods=["POST"]),
+            Route("/v1/files", _replies_(self.list_files), methods=["GET"]),
+            Route("/v1/files/{file_id}", _replies_(self.get_file), methods=["GET"]),
+            Route("/v1/files/{file_id}", _replies_(self.delete_file), methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", _replies_(self.content), methods=["GET"]),
+            Route("/v1/batches", _replies_(self.create), methods=["POST"]),
+            Route("/v1/batches", _replies_(self.list_batches), methods=["GET"]),
+            Route("/v1/batches/{batch_id}", _replies_(self.retrieve), methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", _replies_(self.cancel), methods=["POST"]),
         ]
 
     # -- files -------------------------------------------------------------------------------------------
@@ -88,31 +96,24 @@ class BatchApi:
                 raise RequestError("purpose must be 'batch'", param="purpose")
             if not isinstance(upload, UploadFile):
                 raise RequestError("file is missing", param="file")
+            await self._check(upload)
             file_id = new_id("file-")
-            size = await self._save(upload, file_id)
+            filename = (upload.filename or "input.jsonl")[:255]
+            await asyncio.to_thread(self.store.put_file, file_id, "batch", filename, upload.file)
         finally:
             await form.close()
-        filename = (upload.filename or "input.jsonl")[:255]
-        await asyncio.to_thread(self.store.add_file, file_id, "batch", filename, size)
         return JSONResponse(_file_object(await asyncio.to_thread(self.store.file, file_id)))
 
-    async def _save(self, upload: UploadFile, file_id: str) -> int:
-        """Copy the upload to the files directory, refusing it past either limit (nothing kept then)."""
-        path = self.store.file_path(file_id)
+    async def _check(self, upload: UploadFile) -> None:
+        """Refuse the upload past either limit (nothing kept then); else rewind it for the store to copy."""
         size = lines = 0
-        try:
-            with path.open("wb") as out:
-                while chunk := await upload.read(CHUNK):
-                    size, lines = size + len(chunk), lines + chunk.count(b"\n")
-                    if size > self.max_file_bytes:
-                        raise TooLarge(f"the file is over the limit of {self.max_file_bytes} bytes", param="file")
-                    if lines > self.max_lines:
-                        raise RequestError(f"the file has over the limit of {self.max_lines} lines", param="file")
-                    out.write(chunk)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return size
+        while chunk := await upload.read(CHUNK):
+            size, lines = size + len(chunk), lines + chunk.count(b"\n")
+            if size > self.max_file_bytes:
+                raise TooLarge(f"the file is over the limit of {self.max_file_bytes} bytes", param="file")
+            if lines > self.max_lines:
+                raise RequestError(f"the file has over the limit of {self.max_lines} lines", param="file")
+        await upload.seek(0)
 
     async def list_files(self, request: Request) -> Response:
         limit = _limit(request, 10_000)
@@ -131,7 +132,9 @@ class BatchApi:
 
     async def content(self, request: Request) -> Response:
         row = await self._file(request)
-        data = await asyncio.to_thread(self.store.file_path(row["id"]).read_bytes)
+        data = await asyncio.to_thread(self.store.file_bytes, row["id"])
+        if data is None:
+            raise NotFound(f"the file '{row['id']}' has no content any more", param="file_id")
         return Response(data, media_type="application/octet-stream")
 
     async def _file(self, request: Request) -> dict[str, Any]:
@@ -286,14 +289,18 @@ def _capped(receive: Receive, limit: int, error: RequestError) -> Receive:
     return capped
 
 
-def _replies(handler: Any) -> Any:
-    """`handler` with its RequestErrors as OpenAI-shaped error replies."""
+def _replies(handler: Any, unavailable: tuple[type[Exception], ...]) -> Any:
+    """`handler` with its RequestErrors as OpenAI-shaped error replies, and its database out of reach (a
+    PostgreSQL server down, a SQLite file locked past its timeout) as a 503."""
 
     async def route(request: Request) -> Response:
         try:
             response: Response = await handler(request)
         except RequestError as exc:
             return error_response(exc)
+        except unavailable as exc:
+            logger.warning("batch database: %s", exc)
+            return error_response(Overloaded(f"the batch database is out of reach ({type(exc).__name__})", 5.0))
         return response
 
     route.__name__ = handler.__name__

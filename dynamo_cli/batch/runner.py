@@ -9,6 +9,8 @@ NOTE: the loop, once a second or when woken (a batch created or cancelled):
     take up each open batch (validating: check its lines; in_progress: start lines up to the budget;
     past its window: expire; cancelling: stop its lines; every line finished: finalize), then sleep.
 A restart runs the same loop over the same database: finished lines are kept, pending ones run again.
+Runners on several frontends may share one database (PostgreSQL): each line is run by the one holding its
+lease, the files by the one holding the batch's finalizing lease, and each runs its share of the budget.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,6 +41,8 @@ OVERLOAD_PAUSE_S = 1.0
 LEASE_S = 30.0
 """How long a line this runner holds stays its own without renewal: after that (a frontend on another host
 gone), another runner may take it. A holder on this host that is gone loses its lines at once."""
+HEARTBEAT_S = 10.0
+"""How often the runner says it is alive in the database, and counts the runners sharing the budget."""
 
 
 class BatchRunner:
@@ -55,6 +60,9 @@ class BatchRunner:
         self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
         """The lines in flight, by (batch id, line number); each task owned here and cancelled on close."""
         self._wake = asyncio.Event()
+        self._share = 1
+        """The runners sharing the database (frontends on several hosts): each runs its part of the budget."""
+        self._said_at = -HEARTBEAT_S
 
     def wake(self) -> None:
         """A batch was created or cancelled: look at once, not at the next poll."""
@@ -68,6 +76,9 @@ class BatchRunner:
         """Until cancelled (the owner's task group): advance every open batch, then wait."""
         try:
             while True:
+                if time.monotonic() - self._said_at >= HEARTBEAT_S:
+                    self._share = await asyncio.to_thread(self.store.runners, self.owner, LEASE_S)
+                    self._said_at = time.monotonic()
                 if self._running:
                     await asyncio.to_thread(self.store.renew, self.owner, LEASE_S)
                 for batch_id in await asyncio.to_thread(self.store.unfinished):
@@ -78,6 +89,8 @@ class BatchRunner:
                         await self._wake.wait()
         finally:
             await cancel_and_wait(*self._running.values())
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.store.leave, self.owner)
 
     async def _advance(self, batch_id: str) -> None:
         batch = await asyncio.to_thread(self.store.header, batch_id)
@@ -98,12 +111,11 @@ class BatchRunner:
             await self._start_lines(batch)
 
     async def _validate(self, batch: dict[str, Any]) -> None:
-        path = self.store.file_path(batch["input_file_id"])
         endpoint = batch["endpoint"]
-        try:
-            raw = await asyncio.to_thread(path.read_bytes)
-        except OSError as exc:
-            await asyncio.to_thread(self.store.fail_batch, batch["id"], [_error("file_unreadable", str(exc))])
+        raw = await asyncio.to_thread(self.store.file_bytes, batch["input_file_id"])
+        if raw is None:
+            message = f"the input file {batch['input_file_id']} has no content (deleted?)"
+            await asyncio.to_thread(self.store.fail_batch, batch["id"], [_error("file_unreadable", message)])
             return
         valid, invalid = await asyncio.to_thread(check_lines, endpoint, (ln for ln in raw.splitlines() if ln.strip()))
         if not valid and not invalid:
@@ -119,7 +131,7 @@ class BatchRunner:
 
     async def _start_lines(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
-        room = self._budget() - len(self._running)
+        room = max(1, self._budget() // self._share) - len(self._running)
         if room > 0 and time.monotonic() >= self._held_until:
             for line in await asyncio.to_thread(self.store.claim, batch_id, self.owner, room, LEASE_S):
                 task = asyncio.create_task(self._run_line(batch_id, batch["endpoint"], batch["expires_at"], line))
@@ -160,7 +172,10 @@ class BatchRunner:
         await asyncio.to_thread(self.store.release, batch_id, self.owner, stopped)
 
     async def _finalize(self, batch_id: str, final: Status) -> None:
-        """Write the output and error files from the finished lines, then mark the batch `final`."""
+        """Write the output and error files from the finished lines, then mark the batch `final` (unless another
+        runner sharing the database is writing them now)."""
+        if not await asyncio.to_thread(self.store.claim_finalizing, batch_id, self.owner, LEASE_S):
+            return
         output_id, error_id = await asyncio.to_thread(self._write_files, batch_id)
         await asyncio.to_thread(self.store.set_files, batch_id, output_id, error_id)
         await asyncio.to_thread(self.store.set_status, batch_id, final)
@@ -169,9 +184,9 @@ class BatchRunner:
     def _write_files(self, batch_id: str) -> tuple[str | None, str | None]:
         suffix = batch_id.removeprefix("batch_")
         ids = {LineState.DONE: f"file-out{suffix}", LineState.FAILED: f"file-err{suffix}"}
-        handles = {state: self.store.file_path(fid).with_suffix(".part").open("w") for state, fid in ids.items()}
-        written = dict.fromkeys(ids, 0)
-        try:
+        with contextlib.ExitStack() as files:
+            spools = {state: files.enter_context(tempfile.TemporaryFile()) for state in ids}
+            written = dict.fromkeys(ids, 0)
             for line_no, custom_id, state, status_code, body in self.store.results(batch_id):
                 row = {
                     "id": f"batch_req_{suffix}_{line_no}",
@@ -179,22 +194,15 @@ class BatchRunner:
                     "response": {"status_code": status_code, "request_id": f"{suffix}-{line_no}", "body": body},
                     "error": None,
                 }
-                handles[LineState(state)].write(json.dumps(row, separators=(",", ":")) + "\n")
+                spools[LineState(state)].write(json.dumps(row, separators=(",", ":")).encode() + b"\n")
                 written[LineState(state)] += 1
-        finally:
-            for handle in handles.values():
-                handle.close()
-        out: dict[LineState, str | None] = {}
-        for state, file_id in ids.items():
-            part, final = self.store.file_path(file_id).with_suffix(".part"), self.store.file_path(file_id)
-            if not written[state]:
-                part.unlink(missing_ok=True)
-                out[state] = None
-                continue
-            part.replace(final)
-            final_size = final.stat().st_size
-            self.store.add_file(file_id, "batch_output", f"{batch_id}_{state.value}.jsonl", final_size, batch_id)
-            out[state] = file_id
+            out: dict[LineState, str | None] = dict.fromkeys(ids)
+            for state, file_id in ids.items():
+                if written[state]:
+                    spools[state].seek(0)
+                    name = f"{batch_id}_{state.value}.jsonl"
+                    self.store.put_file(file_id, "batch_output", name, spools[state], batch_id)
+                    out[state] = file_id
         return out[LineState.DONE], out[LineState.FAILED]
 
 

@@ -1,15 +1,17 @@
-"""The Batch API on one frontend: its store, its routes, and (on the frontend that runs batches) its runner.
+"""The Batch API on one frontend: its store, its routes, and (on the frontend that runs batches) its runner
+and the batch series of /metrics.
 
 Every frontend of a deployment serves `/v1/files` and `/v1/batches` over the same database; the runner's
-line leases (batch/store.py) let any number of them run lines without running one twice, but `dyn serve
---frontends N` runs it on its first frontend only, so `--batch-max-inflight` holds for the deployment.
+line leases (batch/store.py) let any number of them run lines without running one twice. `dyn serve
+--frontends N` runs it on its first frontend only; frontends on several hosts sharing a PostgreSQL database
+each run one, and split `--batch-max-inflight` between them (batch/runner.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -18,6 +20,7 @@ from starlette.routing import Route
 from dynamo_cli.batch.api import BatchApi
 from dynamo_cli.batch.metrics import BatchMetrics
 from dynamo_cli.batch.runner import BatchRunner
+from dynamo_cli.batch.sql import without_password
 from dynamo_cli.batch.store import BatchStore, Result
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.errors import ConfigError
@@ -35,12 +38,14 @@ def batch_service(
 ) -> tuple[list[Route], Callable[[], Coroutine[Any, Any, None]] | None]:
     """The routes to add to `frontend`, and the runner's loop when this frontend `runs` batches."""
     settings = config.batch
-    path = settings.path(config.namespace)
+    where = settings.where(config.namespace)
     try:
-        store = BatchStore(path)
-    except (OSError, sqlite3.Error) as exc:
+        store = BatchStore(where)
+    except Exception as exc:  # noqa: BLE001  (sqlite3's, psycopg's, the filesystem's: each named in the line)
+        shown = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"--batch-db '{path}' cannot be opened ({exc}); pass a writable path, or --batch-db off"
+            f"--batch-db '{without_password(where)}' cannot be opened ({shown}); pass a writable path, a reachable"
+            " postgresql:// URL, or --batch-db off"
         ) from None
 
     async def call(endpoint: str, raw: bytes, seconds_left: float) -> Result:
@@ -58,9 +63,20 @@ def batch_service(
 
     runner = BatchRunner(store, call, budget)
     api = BatchApi(store, runner, settings.max_file_bytes, settings.max_lines)
-    frontend.metrics.registry.register(BatchMetrics(store, (lambda: runner.inflight) if runs else None))
-    logger.info("batch API on %s (%s)", store.path, "runs batches" if runs else "serves them")
-    return api.routes(), runner.run if runs else None
+    logger.info("batch API on %s (%s)", store.name, "runs batches" if runs else "serves them")
+    if not runs:
+        return api.routes(), None
+    # the series on the running frontend only: the others of a `--frontends N` group would add the same
+    # database's figures up N times in the group's /metrics
+    metrics = BatchMetrics(store, lambda: runner.inflight)
+    frontend.metrics.registry.register(metrics)
+
+    async def loop() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(runner.run())
+            tasks.create_task(metrics.refresh())
+
+    return api.routes(), loop
 
 
 def _json(reply: bytes) -> dict[str, Any]:

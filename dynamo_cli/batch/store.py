@@ -1,13 +1,18 @@
-"""Batches, their files and their lines in SQLite: what survives a SIGKILL of the frontend.
+"""Batches, their files and their lines in a database: what survives a SIGKILL of the frontend.
 
-One database file (`--batch-db`), uploaded and produced files beside it (`files/`). Every state change is
-one transaction, and a line's result is committed when it is known, so a restart finds each line either
-finished (its result kept, never run again) or not (run again): the output then holds each `custom_id`
-exactly once. SQLite in WAL mode with `synchronous=NORMAL` loses no committed transaction when the process
-dies; only a power cut can take the last ones back, and then those lines simply run again.
+SQLite by default (`--batch-db PATH`, files' bytes in a directory beside it), or PostgreSQL (`--batch-db
+postgresql://...`, files' bytes in a table) for frontends on several hosts sharing batches: batch/sql.py holds
+what differs. Every state change is one transaction, and a line's result is committed when it is known, so a
+restart finds each line either finished (its result kept, never run again) or not (run again): the output then
+holds each `custom_id` exactly once. SQLite in WAL mode with `synchronous=NORMAL` loses no committed transaction
+when the process dies; only a power cut can take the last ones back, and then those lines simply run again.
 
-The store is synchronous and does no I/O beyond its database and files directory: the API and the runner
-call it through `asyncio.to_thread` (batch/service.py), one connection per call.
+Several runners may share one database (frontends on several hosts): a line is run by the runner holding its
+lease, a batch's files are written by the runner holding its finalizing lease, and the runners split the
+budget of lines in flight between them (`runners`).
+
+The store is synchronous and does no I/O beyond its database (and files directory): the API and the runner
+call it through `asyncio.to_thread` (batch/service.py).
 
 NOTE: a batch's life, as OpenAI's Batch API defines it:
 
@@ -25,34 +30,13 @@ import json
 import os
 import secrets
 import socket
-import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL, batch_id TEXT
-);
-CREATE TABLE IF NOT EXISTS batches (
-    id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
-    status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
-    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
-    cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
-    metadata TEXT, errors TEXT
-);
-CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, request BLOB,
-    state TEXT NOT NULL, status_code INTEGER, body TEXT, prompt_tokens INTEGER, completion_tokens INTEGER,
-    owner TEXT, lease_until REAL,
-    PRIMARY KEY (batch_id, line_no)
-);
-CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, line_no);
-CREATE INDEX IF NOT EXISTS lines_held ON lines (owner) WHERE owner IS NOT NULL;
-"""
+from dynamo_cli.batch.sql import Conn, open_database
 
 
 class Status(enum.StrEnum):
@@ -109,63 +93,59 @@ class Result:
 
 
 class BatchStore:
-    """The database and the files directory of one deployment's batches."""
+    """The batches of one deployment, their lines and files, in SQLite or PostgreSQL (batch/sql.py)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.files_dir = path.parent / (path.stem + "-files")
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.files_dir.mkdir(exist_ok=True, mode=0o700)
-        with self._db() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
+    def __init__(self, where: Path | str) -> None:
+        self.database = open_database(str(where))
+        self.name = self.database.name
+        """Where the batches are, for logs (a URL without its password)."""
+        self._order = self.database.order
 
-    @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        try:
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=30000")
-            yield db
-        finally:
-            db.close()
+    def _db(self) -> contextlib.AbstractContextManager[Conn]:
+        return self.database.connection()
 
     # -- files -------------------------------------------------------------------------------------------
 
-    def file_path(self, file_id: str) -> Path:
-        return self.files_dir / file_id
-
-    def add_file(self, file_id: str, purpose: str, filename: str, size: int, batch_id: str | None = None) -> None:
-        """Record a file written at `file_path(file_id)` (again: its row replaced, as when finalizing reruns)."""
+    def put_file(
+        self, file_id: str, purpose: str, filename: str, source: IO[bytes], batch_id: str | None = None
+    ) -> int:
+        """Keep `source`'s bytes as the file `file_id` (again: its bytes and row replaced, as when finalizing
+        reruns); its size."""
+        size = self.database.put_bytes(file_id, source)
         with self._db() as db:
             db.execute(
-                "INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, batch_id)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO files (id, purpose, filename, bytes, created_at, batch_id) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (id) DO UPDATE SET purpose = excluded.purpose, filename = excluded.filename,"
+                " bytes = excluded.bytes, created_at = excluded.created_at, batch_id = excluded.batch_id",
                 (file_id, purpose, filename, size, int(time.time()), batch_id),
             )
+        return size
+
+    def file_bytes(self, file_id: str) -> bytes | None:
+        """The file's bytes; None when they are gone."""
+        return self.database.get_bytes(file_id)
 
     def file(self, file_id: str) -> dict[str, Any] | None:
         with self._db() as db:
-            row = db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
-        return None if row is None else dict(row)
+            return _visible(db.one("SELECT * FROM files WHERE id = ?", (file_id,)))
 
     def files(self, purpose: str | None, after: str | None, limit: int) -> list[dict[str, Any]]:
         """Newest first, as OpenAI lists them."""
-        query, args = "SELECT * FROM files WHERE 1", []
+        query, args = "SELECT * FROM files WHERE TRUE", []
         if purpose:
             query, args = query + " AND purpose = ?", [purpose]
         if after:
-            query += " AND rowid < (SELECT rowid FROM files WHERE id = ?)"
+            query += f" AND {self._order} < (SELECT {self._order} FROM files WHERE id = ?)"
             args.append(after)
         with self._db() as db:
-            rows = db.execute(query + " ORDER BY rowid DESC LIMIT ?", (*args, limit)).fetchall()
-        return [dict(row) for row in rows]
+            cursor = db.execute(query + f" ORDER BY {self._order} DESC LIMIT ?", (*args, limit))
+            names = [d[0] for d in cursor.description or ()]
+            return [_visible(dict(zip(names, row, strict=True))) or {} for row in cursor.fetchall()]
 
     def delete_file(self, file_id: str) -> bool:
         with self._db() as db:
             deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
-        self.file_path(file_id).unlink(missing_ok=True)
+        self.database.drop_bytes(file_id)
         return deleted
 
     # -- batches -----------------------------------------------------------------------------------------
@@ -181,24 +161,23 @@ class BatchStore:
 
     def batch(self, batch_id: str) -> dict[str, Any] | None:
         with self._db() as db:
-            row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            row = _visible(db.one("SELECT * FROM batches WHERE id = ?", (batch_id,)))
             if row is None:
                 return None
             counts = _counts(db, batch_id)
-        return {**dict(row), "request_counts": counts}
+        return {**row, "request_counts": counts}
 
     def header(self, batch_id: str) -> dict[str, Any] | None:
         """The batch's row without its line counts (what the runner needs each round: no scan of its lines)."""
         with self._db() as db:
-            row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return None if row is None else dict(row)
+            return _visible(db.one("SELECT * FROM batches WHERE id = ?", (batch_id,)))
 
     def batches(self, after: str | None, limit: int) -> list[dict[str, Any]]:
         query, args = "SELECT id FROM batches", []
         if after:
-            query, args = query + " WHERE rowid < (SELECT rowid FROM batches WHERE id = ?)", [after]
+            query, args = query + f" WHERE {self._order} < (SELECT {self._order} FROM batches WHERE id = ?)", [after]
         with self._db() as db:
-            ids = [row[0] for row in db.execute(query + " ORDER BY rowid DESC LIMIT ?", (*args, limit))]
+            ids = [row[0] for row in db.execute(query + f" ORDER BY {self._order} DESC LIMIT ?", (*args, limit))]
         return [row for row in map(self.batch, ids) if row is not None]
 
     def unfinished(self) -> list[str]:
@@ -206,7 +185,7 @@ class BatchStore:
         open_ = [s.value for s in Status if s not in TERMINAL]
         marks = ",".join("?" * len(open_))
         with self._db() as db:
-            rows = db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY rowid", open_)
+            rows = db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY {self._order}", open_)
             return [row[0] for row in rows]
 
     def set_status(self, batch_id: str, status: Status, *, only_from: frozenset[Status] | None = None) -> bool:
@@ -236,22 +215,56 @@ class BatchStore:
                 (output_file_id, error_file_id, batch_id),
             )
 
+    def claim_finalizing(self, batch_id: str, owner: str, lease_s: float) -> bool:
+        """Whether `owner` may write the batch's files now: no other live runner is writing them (two frontends
+        finalizing one batch at once would each write its files)."""
+        now = time.time()
+        with self._db() as db:
+            row = db.one("SELECT finalizer FROM batches WHERE id = ?", (batch_id,))
+            holder = None if row is None else row["finalizer"]
+            gone = holder if holder is not None and _is_dead(holder) else owner
+            return (
+                db.execute(
+                    "UPDATE batches SET finalizer = ?, finalizer_until = ? WHERE id = ? AND (finalizer IS NULL"
+                    " OR finalizer = ? OR finalizer = ? OR finalizer_until < ?)",
+                    (owner, now + lease_s, batch_id, owner, gone, now),
+                ).rowcount
+                > 0
+            )
+
+    def runners(self, owner: str, within_s: float) -> int:
+        """Say `owner` runs batches now; how many runners said so in the last `within_s` (they share the budget)."""
+        now = time.time()
+        with self._db() as db:
+            db.execute(
+                "INSERT INTO runners (owner, seen_at) VALUES (?, ?) ON CONFLICT (owner) DO UPDATE SET"
+                " seen_at = excluded.seen_at",
+                (owner, now),
+            )
+            db.execute("DELETE FROM runners WHERE seen_at < ?", (now - 10 * within_s,))
+            row = db.execute("SELECT COUNT(*) FROM runners WHERE seen_at >= ?", (now - within_s,)).fetchone()
+        return max(1, int(row[0]))
+
+    def leave(self, owner: str) -> None:
+        """`owner` runs no batch any more (its share of the budget goes to the others at once)."""
+        with self._db() as db:
+            db.execute("DELETE FROM runners WHERE owner = ?", (owner,))
+
     # -- lines -------------------------------------------------------------------------------------------
 
     def add_lines(self, batch_id: str, valid: list[Line], invalid: list[tuple[int, str | None, Result]]) -> None:
         """Every input line at once, in one transaction: the valid ones pending, the invalid ones failed."""
-        with self._db() as db:
-            db.execute("BEGIN")
+        with self._db() as db, self.database.transaction(db):
             db.executemany(
-                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, request, state) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO lines (batch_id, line_no, custom_id, request, state) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT DO NOTHING",
                 [(batch_id, line.line_no, line.custom_id, line.request, LineState.PENDING) for line in valid],
             )
             db.executemany(
-                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, state, status_code, body)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO lines (batch_id, line_no, custom_id, state, status_code, body)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 [(batch_id, no, cid, LineState.FAILED, r.status_code, _dump(r.body)) for no, cid, r in invalid],
             )
-            db.execute("COMMIT")
 
     def claim(self, batch_id: str, owner: str, limit: int, lease_s: float) -> list[Line]:
         """Up to `limit` pending lines no live runner holds, in input order, now held by `owner` for `lease_s`.
@@ -260,25 +273,20 @@ class BatchStore:
         host that is gone (a frontend killed and restarted takes its lines back at once, not after the lease).
         """
         now = time.time()
-        with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                dead = [o for (o,) in db.execute(_HOLDERS, (batch_id, LineState.PENDING, now)) if _is_dead(o)]
-                marks = ",".join("?" * len(dead)) or "NULL"
-                rows = db.execute(
-                    "SELECT line_no, custom_id, request FROM lines WHERE batch_id = ? AND state = ? AND (owner IS NULL"
-                    f" OR lease_until < ? OR owner IN ({marks})) ORDER BY line_no LIMIT ?",
-                    (batch_id, LineState.PENDING, now, *dead, limit),
-                ).fetchall()
-                db.executemany(
-                    "UPDATE lines SET owner = ?, lease_until = ? WHERE batch_id = ? AND line_no = ?",
-                    [(owner, now + lease_s, batch_id, row[0]) for row in rows],
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        return [Line(row[0], row[1], bytes(row[2])) for row in rows]
+        with self._db() as db, self.database.transaction(db):
+            holders = _HOLDERS.format(index=self.database.held_index)
+            dead = [o for (o,) in db.execute(holders, (batch_id, LineState.PENDING, now)) if _is_dead(o)]
+            marks = ",".join("?" * len(dead)) or "NULL"
+            rows = db.execute(
+                "SELECT line_no, custom_id, request FROM lines WHERE batch_id = ? AND state = ? AND (owner IS NULL"
+                f" OR lease_until < ? OR owner IN ({marks})) ORDER BY line_no LIMIT ?{self.database.lock_claimed}",
+                (batch_id, LineState.PENDING, now, *dead, limit),
+            ).fetchall()
+            db.executemany(
+                "UPDATE lines SET owner = ?, lease_until = ? WHERE batch_id = ? AND line_no = ?",
+                [(owner, now + lease_s, batch_id, row[0]) for row in rows],
+            )
+        return [Line(int(row[0]), row[1], bytes(row[2])) for row in rows]
 
     def renew(self, owner: str, lease_s: float) -> None:
         """Extend the lease on every pending line `owner` holds."""
@@ -313,15 +321,21 @@ class BatchStore:
             return db.execute(_FINISH, (*values, *where)).rowcount > 0
 
     def results(self, batch_id: str) -> Iterator[tuple[int, str | None, str, int, dict[str, Any]]]:
-        """The finished lines in input order: line_no, custom_id, state, status code, body."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT line_no, custom_id, state, status_code, body FROM lines WHERE batch_id = ? AND state != ?"
-                " ORDER BY line_no",
-                (batch_id, LineState.PENDING),
-            )
+        """The finished lines in input order: line_no, custom_id, state, status code, body (read a page at a
+        time: a large batch's bodies are never all in memory)."""
+        after = -1
+        while True:
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT line_no, custom_id, state, status_code, body FROM lines WHERE batch_id = ? AND state != ?"
+                    " AND line_no > ? ORDER BY line_no LIMIT ?",
+                    (batch_id, LineState.PENDING, after, RESULTS_PAGE),
+                ).fetchall()
             for row in rows:
-                yield row[0], row[1], row[2], row[3], json.loads(row[4])
+                yield int(row[0]), row[1], row[2], int(row[3]), json.loads(row[4])
+            if len(rows) < RESULTS_PAGE:
+                return
+            after = int(rows[-1][0])
 
     def token_totals(self) -> dict[str, int]:
         """Tokens every finished line used, for /metrics."""
@@ -337,13 +351,18 @@ class BatchStore:
         return {state.value: 0 for state in LineState} | {row[0]: int(row[1]) for row in rows}
 
 
+RESULTS_PAGE = 1000
+_HIDDEN = ("seq", "finalizer", "finalizer_until")
+"""Bookkeeping columns, not part of what the API shows."""
+
+
 _FINISH = (
     "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?, request = NULL,"
     " owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?"
-    " AND (SELECT status FROM batches WHERE id = batch_id) NOT IN (?, ?, ?, ?)"
+    " AND (SELECT status FROM batches WHERE batches.id = lines.batch_id) NOT IN (?, ?, ?, ?)"
 )
 _HOLDERS = (  # through the partial index of held lines: a few rows, not the batch's pending ones
-    "SELECT DISTINCT owner FROM lines INDEXED BY lines_held"
+    "SELECT DISTINCT owner FROM lines{index}"
     " WHERE owner IS NOT NULL AND batch_id = ? AND state = ? AND lease_until >= ?"
 )
 
@@ -368,7 +387,11 @@ def _is_dead(owner: str) -> bool:
     return False
 
 
-def _counts(db: sqlite3.Connection, batch_id: str) -> dict[str, int]:
+def _visible(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if row is None else {k: v for k, v in row.items() if k not in _HIDDEN}
+
+
+def _counts(db: Conn, batch_id: str) -> dict[str, int]:
     rows = db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY state", (batch_id,)).fetchall()
     by_state = {row[0]: int(row[1]) for row in rows}
     done, failed = by_state.get(LineState.DONE, 0), by_state.get(LineState.FAILED, 0)

@@ -23,6 +23,7 @@ from dynamo_cli.cli import options as o
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import serve, settings
 from dynamo_cli.cli import worker as worker_cmd
+from dynamo_cli.cli.k8s_batches import BatchStorage, batch_storage
 from dynamo_cli.cli.k8s_planes import plane_url
 from dynamo_cli.cli.k8s_status import status_command
 from dynamo_cli.config import (
@@ -130,6 +131,14 @@ K8S = [
     _k8s("storage_class", "--storage-class", str | None, None, "The bundled planes' volumes (default: the cluster's)."),
     _k8s("service_type", "--service-type", str, "ClusterIP", "The frontend Service: ClusterIP|NodePort|LoadBalancer."),
     _k8s("metrics_namespace", "--metrics-namespace", str | None, None, "Namespace of a Prometheus let in to scrape."),
+    _k8s("batch_storage", "--batch-storage", str, "10Gi", "The frontend's batch database volume (SQLite --batch-db)."),
+    _k8s(
+        "batch_db_password_file",
+        "--batch-db-password-file",
+        Path | None,
+        None,
+        "File holding a postgresql:// --batch-db's password: a Secret, the frontend's PGPASSWORD.",
+    ),
 ]
 """Render's own options: where and how the deployment runs on Kubernetes."""
 EXTRA = [
@@ -166,6 +175,7 @@ class Target:
     secrets: list[SecretSource]
     worker_resources: Resources
     model_pvc: str | None
+    batches: BatchStorage
 
 
 def _render(**values: Any) -> None:
@@ -236,7 +246,10 @@ def _target(values: dict[str, Any]) -> Target:
         metrics_namespace=k8s["metrics_namespace"],
     )
     resources = Resources(k8s["worker_cpu"], k8s["worker_memory"], k8s["gpus_per_worker"])
-    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"])
+    batches = batch_storage(config.frontend.batch.db, k8s["batch_storage"], k8s["batch_db_password_file"], names)
+    if batches.secret is not None:
+        secrets.append(batches.secret)
+    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"], batches)
 
 
 def _check_image(image: str) -> None:
@@ -280,13 +293,13 @@ def _components(target: Target) -> tuple[list[Component], dict[str, dict[str, st
 
 
 def _frontend(target: Target) -> Component:
-    config = target.config
-    frontend = replace(config.frontend, host="0.0.0.0")
+    config, batches = target.config, target.batches
+    frontend = replace(config.frontend, host="0.0.0.0", batch=replace(config.frontend.batch, db=batches.db))
     pod = replace(config, frontend=frontend, num_workers=0, num_prefill_workers=0, num_routers=0)
     args = ["serve", *settings.arguments(pod, FRONTEND_KNOBS)]
     if "--workers" not in args:
         args += ["--workers", "0"]
-    mounts: list[Mount] = []
+    mounts = list(batches.mounts)
     if frontend.auth.api_keys:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_KEY}"]
         mounts.append(Mount("api-keys", API_KEYS_DIR, secret=target.cluster.names.api_keys))
@@ -307,6 +320,7 @@ def _frontend(target: Target) -> Component:
         scrape_port=frontend.port,
         mounts=tuple(mounts),
         grace_s=config.worker.graceful_shutdown_s,
+        secret_env=batches.secret_env,
     )
 
 

@@ -114,6 +114,11 @@ def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[s
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+def is_postgres(db: str) -> bool:
+    """Whether `--batch-db` names a PostgreSQL database (a URL) rather than a SQLite file."""
+    return db.startswith(("postgresql://", "postgres://"))
+
+
 @dataclass(frozen=True, slots=True)
 class BatchConfig:
     """OpenAI's Batch API on the frontend: where batches are kept and how much of the workers they may take."""
@@ -122,11 +127,14 @@ class BatchConfig:
         "",
         "--batch-db",
         env="DYN_BATCH_DB",
-        help="SQLite file of the batches (default: $DYN_STATE_DIR/NAMESPACE/batches.db; off: no batch API).",
+        help="Where batches are kept: a SQLite file (default: $DYN_STATE_DIR/NAMESPACE/batches.db), a"
+        " postgresql:// URL shared by several frontends (password from PGPASSWORD), or off (no batch API).",
         panel=BATCH,
     )
-    """The database file; "" = `batches.db` in the namespace's state directory (`$DYN_STATE_DIR`, default
-    ~/.local/state/dyn): the frontends of one deployment share it; "off" = no /v1/files, no /v1/batches."""
+    """The database: a SQLite file's path ("" = `batches.db` in the namespace's state directory, `$DYN_STATE_DIR`,
+    default ~/.local/state/dyn: the frontends of one `dyn serve` share it); a `postgresql://` URL (frontends on
+    several hosts share it; the password comes from libpq's PGPASSWORD, never the command line); "off" = no
+    /v1/files, no /v1/batches."""
     max_inflight: int = setting(
         0,
         "--batch-max-inflight",
@@ -161,12 +169,14 @@ class BatchConfig:
     def is_enabled(self) -> bool:
         return self.db != "off"
 
-    def path(self, namespace: str) -> Path:
-        """The database file of `namespace`'s batches."""
+    def where(self, namespace: str) -> str:
+        """The database of `namespace`'s batches: a URL, or a SQLite file's path."""
+        if is_postgres(self.db):
+            return self.db
         if self.db:
-            return Path(self.db).expanduser()
+            return str(Path(self.db).expanduser())
         state = os.environ.get("DYN_STATE_DIR") or str(Path.home() / ".local" / "state" / "dyn")
-        return Path(state) / namespace / "batches.db"
+        return str(Path(state) / namespace / "batches.db")
 
 
 ROUTER_MODES = ("round-robin", "random", "kv", "remote")

@@ -14,6 +14,7 @@ from dynamo_cli.k8s.objects import (
     Obj,
     Probe,
     Resources,
+    claim_spec,
     container_security,
     disruption_budget,
     metadata,
@@ -104,12 +105,7 @@ def _stateful(
     names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None
 ) -> list[Obj]:
     """The StatefulSet, its headless Service (the stable DNS name) and its disruption budget."""
-    claim: Obj = {
-        "metadata": {"name": "data", "labels": names.labels(part)},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}},
-    }
-    if storage_class is not None:
-        claim["spec"]["storageClassName"] = storage_class
+    claim = {"metadata": {"name": "data", "labels": names.labels(part)}, "spec": claim_spec(storage, storage_class)}
     pod = {
         "automountServiceAccountToken": False,
         "securityContext": pod_security(),

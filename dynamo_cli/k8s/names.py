@@ -106,6 +106,16 @@ class Names:
         return f"{self.instance}-planes"
 
     @property
+    def batches(self) -> str:
+        """PersistentVolumeClaim mounted at BATCHES_DIR: the frontend's SQLite batch database and its files."""
+        return f"{self.instance}-batches"
+
+    @property
+    def batch_db(self) -> str:
+        """Secret with key `password`: the PostgreSQL batch database's password (the frontend's PGPASSWORD)."""
+        return f"{self.instance}-batch-db"
+
+    @property
     def planner_profile(self) -> str:
         """ConfigMap with key `profile.json`: the planner's profile (`dyn plan profile`)."""
         return f"{self.instance}-planner-profile"
@@ -113,11 +123,13 @@ class Names:
 
 CLUSTER_SECRET_KEY = "secret"
 API_KEYS_KEY = "keys"
+BATCH_DB_KEY = "password"
 SECRETS_DIR = "/etc/dyn"
 API_KEYS_DIR = f"{SECRETS_DIR}/api-keys"
 TLS_DIR = f"{SECRETS_DIR}/tls"
 PLANES_DIR = f"{SECRETS_DIR}/planes"
 PROFILE_DIR = f"{SECRETS_DIR}/profile"
+BATCHES_DIR = "/var/lib/dyn/batches"
 
 
 _LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")

@@ -43,9 +43,12 @@ class Mount:
     secret: str | None = None
     config_map: str | None = None
     claim: str | None = None
-    """A PersistentVolumeClaim, mounted read-only (model weights)."""
+    """A PersistentVolumeClaim: one of yours, mounted read-only (model weights), or a `writable` one."""
+    writable: bool = False
+    """The claim is mounted read-write and rendered with the deployment (ReadWriteOnce, of `size`): the
+    frontend's batch database. Its Deployment recreates its pod instead of surging a second one."""
     size: str | None = None
-    """An emptyDir's sizeLimit."""
+    """An emptyDir's sizeLimit, or the storage a writable claim requests."""
     memory: bool = False
     """An emptyDir in RAM (`/dev/shm` for GPU engines)."""
 
@@ -55,13 +58,24 @@ class Mount:
         if self.config_map is not None:
             return {"name": self.name, "configMap": {"name": self.config_map}}
         if self.claim is not None:
-            return {"name": self.name, "persistentVolumeClaim": {"claimName": self.claim, "readOnly": True}}
+            read_only: Obj = {} if self.writable else {"readOnly": True}
+            return {"name": self.name, "persistentVolumeClaim": {"claimName": self.claim} | read_only}
         empty: Obj = {"medium": "Memory"} if self.memory else {}
         return {"name": self.name, "emptyDir": empty | ({"sizeLimit": self.size} if self.size else {})}
 
     def mount(self) -> Obj:
         read_only = self.secret is not None or self.config_map is not None or self.claim is not None
+        read_only = read_only and not self.writable
         return {"name": self.name, "mountPath": self.path} | ({"readOnly": True} if read_only else {})
+
+
+@dataclass(frozen=True, slots=True)
+class SecretEnv:
+    """An environment variable read from a Secret's key (secretKeyRef): the value never in the manifest."""
+
+    name: str
+    secret: str
+    key: str
 
 
 TMP = Mount("tmp", "/tmp", size="1Gi")
@@ -108,6 +122,12 @@ class Component:
     """terminationGracePeriodSeconds: SIGTERM drains in-flight streams first."""
     service_account: str | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
+    secret_env: tuple[SecretEnv, ...] = ()
+    """Variables from Secrets (the batch database's PGPASSWORD), beside the cluster secret."""
+
+    @property
+    def has_writable_claim(self) -> bool:
+        return any(m.claim is not None and m.writable for m in self.mounts)
 
 
 def metadata(names: Names, namespace: str, part: Part | None, name: str | None = None) -> Obj:
@@ -119,11 +139,14 @@ def metadata(names: Names, namespace: str, part: Part | None, name: str | None =
 
 
 def pod_security() -> Obj:
+    """UID 10001, no root; fsGroup makes a claim's volume writable by it (the kubelet gives the volume that group,
+    only when its root does not have it yet, so a full volume does not slow every restart)."""
     return {
         "runAsNonRoot": True,
         "runAsUser": UID,
         "runAsGroup": UID,
         "fsGroup": UID,
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -132,12 +155,27 @@ def container_security() -> Obj:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
+def volume_claim(names: Names, namespace: str, part: Part, mount: Mount, storage_class: str | None) -> Obj:
+    """The PersistentVolumeClaim a writable mount names, labelled as the part that mounts it."""
+    assert mount.claim is not None and mount.size is not None, "a rendered claim has a name and a size"
+    spec = claim_spec(mount.size, storage_class)
+    meta = metadata(names, namespace, part, mount.claim)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
+def claim_spec(storage: str, storage_class: str | None) -> Obj:
+    """ReadWriteOnce, `storage` of `storage_class` (None: the cluster's default)."""
+    spec: Obj = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}}
+    return spec | ({"storageClassName": storage_class} if storage_class is not None else {})
+
+
 def deployment(names: Names, namespace: str, image: str, component: Component, cluster_secret: str) -> Obj:
-    """The component's Deployment: rolling updates one pod at a time, no surge beyond one."""
+    """The component's Deployment: rolling updates one pod at a time, no surge beyond one (Recreate for a pod
+    holding a ReadWriteOnce claim)."""
     part = component.part
     spec: Obj = {
         "selector": {"matchLabels": names.selector(part)},
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(component)},
+        "strategy": _strategy(component),
         "template": _pod_template(names, image, component, cluster_secret),
     }
     if component.replicas is not None:
@@ -145,11 +183,18 @@ def deployment(names: Names, namespace: str, image: str, component: Component, c
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(names, namespace, part), "spec": spec}
 
 
-def _rollout(component: Component) -> Obj:
-    """A new pod before an old one goes; with GPUs the other way round (a full cluster has no GPU to surge onto)."""
+def _strategy(component: Component) -> Obj:
+    """A new pod before an old one goes; with GPUs the other way round (a full cluster has no GPU to surge onto).
+
+    A ReadWriteOnce claim attaches to one node at a time. A surge pod scheduled on another node cannot attach it
+    while the old pod, which waits for the new one to be ready, holds it: the rollout never finishes. `maxSurge: 0`
+    is not enough either: it creates the new pod as soon as the old one starts terminating, and that pod waits on
+    a Multi-Attach error while the old one drains. Recreate starts the new pod once every old one is gone."""
+    if component.has_writable_claim:
+        return {"type": "Recreate"}
     if component.resources.gpus:
-        return {"maxUnavailable": 1, "maxSurge": 0}
-    return {"maxUnavailable": 0, "maxSurge": 1}
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
 
 
 def _pod_template(names: Names, image: str, component: Component, cluster_secret: str) -> Obj:
@@ -180,6 +225,9 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
     if component.cluster_secret:
         ref = {"name": cluster_secret, "key": CLUSTER_SECRET_KEY}
         env.append({"name": "DYN_CLUSTER_SECRET", "valueFrom": {"secretKeyRef": ref}})
+    for secret in component.secret_env:
+        ref = {"name": secret.secret, "key": secret.key}
+        env.append({"name": secret.name, "valueFrom": {"secretKeyRef": ref}})
     probe = component.probe
     return {
         "name": component.part.value,

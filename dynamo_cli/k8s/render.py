@@ -1,6 +1,6 @@
 """A whole deployment as Kubernetes objects: the components' Deployments, the frontend's Service, the bundled
-planes, the planner's RBAC, disruption budgets and NetworkPolicies; and the `kubectl` lines that create the
-Secrets they reference (no secret value is ever written into a manifest)."""
+planes, the claims the components write to, the planner's RBAC, disruption budgets and NetworkPolicies; and the
+`kubectl` lines that create the Secrets they reference (no secret value is ever written into a manifest)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dynamo_cli.k8s.objects import (
     network_policies,
     planner_rbac,
     service,
+    volume_claim,
 )
 
 
@@ -35,7 +36,8 @@ class Cluster:
     etcd_bundled: bool = True
     nats_bundled: bool = True
     storage_class: str | None = None
-    """The bundled planes' claims' class (None: the cluster's default)."""
+    """The class of the claims rendered here, the bundled planes' and the batch database's (None: the cluster's
+    default)."""
     metrics_namespace: str | None = None
     """A namespace whose pods (Prometheus) may scrape the metrics ports; None: only the frontend's HTTP port is
     reachable from outside the namespace."""
@@ -73,6 +75,9 @@ def render(
         objects += bundled.etcd(names, ns, "1Gi", cluster.storage_class)
     if cluster.nats_bundled:
         objects += bundled.nats(names, ns, "2Gi", cluster.storage_class)
+    for component in components:  # before the pods that mount them
+        claims = [m for m in component.mounts if m.claim is not None and m.writable]
+        objects += [volume_claim(names, ns, component.part, m, cluster.storage_class) for m in claims]
     for component in components:
         objects.append(deployment(names, ns, cluster.image, component, names.cluster_secret))
         if component.part is Part.FRONTEND:

@@ -3,7 +3,8 @@ model as they build) and rendered to the JSON Grafana imports.
 
 What it shows is data (`ROWS`: rows of panels of PromQL queries); every query names only series that the
 metrics registries export (tests/monitoring/test_dashboard.py reads both). Panels filter on the dashboard's
-`$model` variable; the worker rows read each process's system port (`dynamo_component_*`).
+`$model` variable (but the Batch API's, whose series have no model); the worker rows read each process's system
+port (`dynamo_component_*`).
 """
 
 from __future__ import annotations
@@ -277,6 +278,27 @@ FAULTS = (
         ),
     ),
 )
+BATCHES = (
+    PanelSpec(
+        "Batch lines by state",
+        "short",
+        (Query("max by (state) (dynamo_frontend_batch_lines)", "{{state}}"),),
+        "Lines of every batch: pending, done, failed. Read from the batch database at each scrape, so the "
+        "frontends sharing one report the same figures (hence max, not sum).",
+    ),
+    PanelSpec(
+        "Batch tokens/s",
+        "short",
+        (Query(f"max by (kind) (rate(dynamo_frontend_batch_tokens_total[{WINDOW}]))", "{{kind}}"),),
+        "Prompt and completion tokens of the batch lines that finished (max over frontends, as above).",
+    ),
+    PanelSpec(
+        "Batch lines in flight",
+        "short",
+        (_gauge("dynamo_frontend_batch_inflight", "{{instance}}", ""),),
+        "Lines each frontend's batch runner has running on the workers (at most --batch-max-inflight).",
+    ),
+)
 ROWS = (
     ("Requests", REQUESTS),
     ("Latency", LATENCY),
@@ -285,6 +307,7 @@ ROWS = (
     ("Components (system ports)", COMPONENTS),
     ("Disaggregation and KV transfer", DISAGGREGATION),
     ("Faults", FAULTS),
+    ("Batch API", BATCHES),  # last: the panels above keep their ids (links to a panel name its id)
 )
 """The dashboard, top to bottom."""
 

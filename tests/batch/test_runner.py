@@ -1,10 +1,12 @@
-"""The runner over a real SQLite store, with the request call as the seam: lines checked up front, run at most
-`max_inflight` at once, each result committed once, files in input order; a restart on the same database
-runs only the unfinished lines; cancel and expiry keep what finished."""
+"""The runner over a real store, SQLite and PostgreSQL (the same tests on each), with the request call as the
+seam: lines checked up front, run at most `max_inflight` at once, each result committed once, files in input
+order; a restart on the same database runs only the unfinished lines; cancel and expiry keep what finished;
+two runners on one database run each line once and share the budget."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import socket
 from pathlib import Path
@@ -12,10 +14,19 @@ from typing import Any
 
 import pytest
 
+from dynamo_cli.batch import runner as runner_module
 from dynamo_cli.batch.runner import BatchRunner
 from dynamo_cli.batch.store import BatchStore, Result, Status, new_id
 
 CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The database a test's store opens: a SQLite file, or a fresh PostgreSQL database (skipped without one)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "b.db")
+    return str(request.getfixturevalue("postgres_url"))
 
 
 def _line(custom_id: str, content: str = "hi", **body: Any) -> bytes:
@@ -25,8 +36,7 @@ def _line(custom_id: str, content: str = "hi", **body: Any) -> bytes:
 
 def _batch(store: BatchStore, lines: list[bytes], window_s: int = 3600) -> str:
     file_id = new_id("file-")
-    store.file_path(file_id).write_bytes(b"\n".join(lines) + b"\n")
-    store.add_file(file_id, "batch", "in.jsonl", 1)
+    store.put_file(file_id, "batch", "in.jsonl", io.BytesIO(b"\n".join(lines) + b"\n"))
     batch_id = new_id("batch_")
     store.create_batch(batch_id, CHAT, file_id, window_s, {"k": "v"})
     return batch_id
@@ -59,8 +69,8 @@ class Calls:
             self.now -= 1
 
 
-async def _until(store: BatchStore, batch_id: str, statuses: set[str], runner: BatchRunner) -> dict[str, Any]:
-    task = asyncio.create_task(runner.run())
+async def _until(store: BatchStore, batch_id: str, statuses: set[str], runner: BatchRunner | None) -> dict[str, Any]:
+    task = asyncio.create_task(runner.run() if runner is not None else asyncio.sleep(3600))
     try:
         for _ in range(500):
             batch = store.batch(batch_id)
@@ -75,11 +85,11 @@ async def _until(store: BatchStore, batch_id: str, statuses: set[str], runner: B
 
 
 def _rows(store: BatchStore, file_id: str | None) -> list[dict[str, Any]]:
-    return [] if file_id is None else [json.loads(x) for x in store.file_path(file_id).read_text().splitlines()]
+    return [] if file_id is None else [json.loads(x) for x in (store.file_bytes(file_id) or b"").splitlines()]
 
 
-async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in_order(tmp_path: Path) -> None:
-    store = BatchStore(tmp_path / "b.db")
+async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in_order(where: str) -> None:
+    store = BatchStore(where)
     good = [_line(f"r{i}", f"q{i}") for i in range(20)]
     bad = [b"not json", _line("r3"), _line("r20", max_tokens=-1), _line("r21", stream=True)]
     batch_id = _batch(store, good[:10] + bad + good[10:])
@@ -100,8 +110,8 @@ async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in
     assert store.token_totals() == {"prompt": 60, "completion": 20}
 
 
-async def test_a_restart_runs_only_the_unfinished_lines(tmp_path: Path) -> None:
-    store = BatchStore(tmp_path / "b.db")
+async def test_a_restart_runs_only_the_unfinished_lines(where: str) -> None:
+    store = BatchStore(where)
     batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(10)])
     gate = asyncio.Event()
     first = Calls(gate=gate)
@@ -115,15 +125,15 @@ async def test_a_restart_runs_only_the_unfinished_lines(tmp_path: Path) -> None:
     task.cancel()  # the "kill": 4 lines in flight, cancelled, never committed
     await asyncio.gather(task, return_exceptions=True)
     second = Calls()
-    batch = await _until(BatchStore(tmp_path / "b.db"), batch_id, {"completed"}, BatchRunner(store, second, lambda: 4))
+    batch = await _until(BatchStore(where), batch_id, {"completed"}, BatchRunner(store, second, lambda: 4))
     assert sorted(second.seen) == sorted(f"q{i}" for i in range(1, 10))
     out = _rows(store, batch["output_file_id"])
     assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(10)]
     assert out[0]["response"]["body"] == {"done": "before"}
 
 
-async def test_cancel_keeps_what_finished_and_stops_the_rest(tmp_path: Path) -> None:
-    store = BatchStore(tmp_path / "b.db")
+async def test_cancel_keeps_what_finished_and_stops_the_rest(where: str) -> None:
+    store = BatchStore(where)
     batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(50)])
     calls = Calls(delay=0.05)
     runner = BatchRunner(store, calls, lambda: 2)
@@ -140,8 +150,8 @@ async def test_cancel_keeps_what_finished_and_stops_the_rest(tmp_path: Path) -> 
     assert len({r["custom_id"] for r in out}) == len(out)
 
 
-async def test_an_expired_batch_reports_its_counts(tmp_path: Path) -> None:
-    store = BatchStore(tmp_path / "b.db")
+async def test_an_expired_batch_reports_its_counts(where: str) -> None:
+    store = BatchStore(where)
     batch_id = _batch(store, [_line(f"r{i}") for i in range(5)] + [b"[]"], window_s=0)
     batch = await _until(store, batch_id, {"expired"}, BatchRunner(store, Calls(), lambda: 2))
     assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 1}
@@ -149,11 +159,54 @@ async def test_an_expired_batch_reports_its_counts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n"])
-async def test_an_empty_file_fails_the_batch(tmp_path: Path, content: bytes) -> None:
-    store = BatchStore(tmp_path / "b.db")
+async def test_an_empty_file_fails_the_batch(where: str, content: bytes) -> None:
+    store = BatchStore(where)
     file_id = new_id("file-")
-    store.file_path(file_id).write_bytes(content)
-    store.add_file(file_id, "batch", "in.jsonl", len(content))
+    store.put_file(file_id, "batch", "in.jsonl", io.BytesIO(content))
     store.create_batch("batch_x", CHAT, file_id, 60, None)
     batch = await _until(store, "batch_x", {"failed"}, BatchRunner(store, Calls(), lambda: 2))
     assert json.loads(batch["errors"])["data"][0]["code"] == "empty_file"
+
+
+async def test_two_runners_on_one_database_run_each_line_once_and_share_the_budget(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frontends on several hosts: each line runs on one of them, once; together they hold the budget, not
+    each; one of them writes the files."""
+    monkeypatch.setattr(runner_module, "HEARTBEAT_S", 0.0)  # the share counted each round, not every 10 s
+    store = BatchStore(where)
+    batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(40)])
+    calls, by = Calls(delay=0.1), {"a": 0, "b": 0}  # long enough for both to take part (a poll is 1 s)
+
+    def tagged(tag: str) -> Any:
+        async def call(endpoint: str, raw: bytes, left_s: float) -> Result:
+            by[tag] += 1
+            return await calls(endpoint, raw, left_s)
+
+        return call
+
+    runners = [BatchRunner(BatchStore(where), tagged(tag), lambda: 4, owner=f"host-{tag}:1:x") for tag in by]
+    for runner in runners:  # both alive before either claims a line
+        store.runners(runner.owner, 30.0)
+    tasks = [asyncio.create_task(runner.run()) for runner in runners]
+    try:
+        batch = await _until(store, batch_id, {"completed"}, None)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert sorted(calls.seen) == sorted(f"q{i}" for i in range(40))  # each line once
+    assert calls.most <= 4 and by["a"] > 0 and by["b"] > 0
+    assert [r["custom_id"] for r in _rows(store, batch["output_file_id"])] == [f"r{i}" for i in range(40)]
+
+
+def test_only_one_runner_writes_a_batchs_files_until_its_lease_runs_out(where: str) -> None:
+    store = BatchStore(where)
+    batch_id = _batch(store, [_line("r0")])
+    assert store.claim_finalizing(batch_id, "host-a:1:x", 30.0)
+    assert not store.claim_finalizing(batch_id, "host-b:1:x", 30.0)
+    assert store.claim_finalizing(batch_id, "host-a:1:x", -1.0)  # its own again (a lease already over, now)
+    assert store.claim_finalizing(batch_id, "host-b:1:x", 30.0)  # a's lease ran out
+    second = _batch(store, [_line("r0")])
+    assert store.claim_finalizing(second, f"{socket.gethostname()}:999999999:x", 30.0)  # a process now gone
+    assert store.claim_finalizing(second, "host-d:1:x", 30.0)  # taken at once, not after its lease

@@ -100,15 +100,19 @@ def test_a_batch_with_bad_lines_gives_one_line_per_input_each_as_interactive(dep
         assert got["choices"][0]["message"]["content"] == alone.choices[0].message.content
         assert got["usage"]["completion_tokens"] == alone.usage.completion_tokens  # type: ignore[union-attr]
     assert any(b.id == batch.id for b in client.batches.list(limit=10).data)
-    scraped = httpx.get(f"{deployment.url}/metrics", headers=deployment.auth, timeout=10).text
-    series = {
-        (s.name, s.labels.get("state") or s.labels.get("kind")): s.value
-        for family in text_string_to_metric_families(scraped)
-        for s in family.samples
-        if s.name.startswith("dynamo_frontend_batch")
-    }
-    assert series[("dynamo_frontend_batch_lines", "done")] >= 195
-    assert series[("dynamo_frontend_batch_tokens_total", "completion")] >= 195
+
+    def series() -> dict[tuple[str, str | None], float]:
+        scraped = httpx.get(f"{deployment.url}/metrics", headers=deployment.auth, timeout=10).text
+        return {
+            (s.name, s.labels.get("state") or s.labels.get("kind")): s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+            if s.name.startswith("dynamo_frontend_batch")
+        }
+
+    # read from the database every 2 s (never at the scrape, which answers on the event loop)
+    assert wait_until(lambda: series().get(("dynamo_frontend_batch_lines", "done"), 0) >= 195, 10)
+    assert series()[("dynamo_frontend_batch_tokens_total", "completion")] >= 195
 
 
 def test_the_dyn_batch_command_lists_shows_and_cancels(deployment: DynProcess) -> None:

@@ -16,11 +16,14 @@ from tests.planes import make_tls_files
 API_KEY = "sk-render-test-5ecret-key"
 CLUSTER_SECRET = "ab" * 32
 PLANES_PASSWORD = "planes-pa55word"
+BATCH_DB_PASSWORD = "batch-db-pa55word"
+BATCH_DB_URL = "postgresql://dyn@pg.infra:5432/batches?sslmode=require"
 
 
 @dataclass(frozen=True)
 class Files:
-    """Local files a render reads: API keys, cluster secret, TLS, a profile, a planes password file."""
+    """Local files a render reads: API keys, cluster secret, TLS, a profile, a planes and a batch database
+    password file."""
 
     root: Path
     api_keys: Path
@@ -30,11 +33,12 @@ class Files:
     ca: Path
     profile: Path
     password: Path
+    batch_db_password: Path
 
     def secret_texts(self) -> list[str]:
         """Every secret value these files hold: none may appear in a manifest."""
         pem_key = self.key.read_text().strip().splitlines()[1]  # a line of the private key's base64
-        return [API_KEY, CLUSTER_SECRET, PLANES_PASSWORD, pem_key]
+        return [API_KEY, CLUSTER_SECRET, PLANES_PASSWORD, BATCH_DB_PASSWORD, pem_key]
 
 
 def make_files(root: Path) -> Files:
@@ -49,7 +53,9 @@ def make_files(root: Path) -> Files:
     profile.write_text(json.dumps(_profile()))
     password = root / "etcd-password"
     password.write_text(PLANES_PASSWORD)
-    return Files(root, api_keys, secret, cert, key, ca, profile, password)
+    batch_db_password = root / "pg-password"
+    batch_db_password.write_text(BATCH_DB_PASSWORD)  # no newline: it is PGPASSWORD byte for byte
+    return Files(root, api_keys, secret, cert, key, ca, profile, password, batch_db_password)
 
 
 def _profile() -> dict[str, Any]:
@@ -151,7 +157,11 @@ def cases(files: Files) -> dict[str, list[str]]:
             "fast-ssd",
             "--port",
             "8080",
+            "--batch-storage",
+            "50Gi",
         ],
+        "batch-postgres": ["--batch-db", BATCH_DB_URL, "--batch-db-password-file", str(files.batch_db_password)],
+        "batch-off": ["--batch-db", "off"],
     }
 
 

@@ -127,12 +127,12 @@ def test_the_version_and_llama_flags_are_pyprojects_and_the_makefiles() -> None:
 
 
 @pytest.mark.parametrize("engine", sorted(PYPROJECT["project"]["entry-points"]["dyn.engines"]))
-def test_every_engine_installs_its_extra_and_the_kubernetes_client(engine: str) -> None:
+def test_every_engine_installs_its_extra_the_kubernetes_client_and_postgres(engine: str) -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
     result = engine_extras(engine)
     assert result.returncode == 0, result.stderr
     chosen = set(result.stdout.strip().split(","))
-    assert chosen == ({engine, "k8s"} if engine in extras else {"k8s"})
+    assert chosen == ({engine, "k8s", "postgres"} if engine in extras else {"k8s", "postgres"})
     assert chosen <= set(extras)
 
 

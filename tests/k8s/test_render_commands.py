@@ -23,6 +23,7 @@ from dynamo_cli.cli import options as o
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import serve
 from dynamo_cli.cli import worker as worker_cmd
+from dynamo_cli.cli.k8s_batches import BATCH_DB
 from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, read_api_keys
 from dynamo_cli.engine import Role
 from tests.k8s.render_cases import CLUSTER_SECRET, Files, deployment, make_files, render
@@ -87,6 +88,9 @@ SHAPES = {
     ],
     "remote": ["--router", "remote", "--routers", "2", "--router-queue-size", "64", "--decode-busy-threshold", "0.8"],
     "disk-tier": ["--kv-disk-cache-gb", "5", "--kv-host-cache-gb", "1"],
+    "batch-path": ["--batch-db", "/srv/dyn/batches.db", "--batch-max-inflight", "8"],
+    "batch-postgres": ["--batch-db", "postgresql://dyn@pg.infra:5432/batches?sslmode=require"],
+    "batch-off": ["--batch-db", "off"],
 }
 
 
@@ -145,7 +149,10 @@ def test_each_pods_command_line_builds_the_config_dyn_serve_builds_from_the_same
 
     frontend = _serve_config(_mounted(pods["frontend"][1:], files), files)
     assert pods["frontend"][0] == "serve" and frontend.num_workers == 0
-    assert frontend.frontend == replace(want.frontend, host="0.0.0.0")
+    batch = want.frontend.batch
+    if batch.db != "off" and not batch.db.startswith("postgresql://"):  # a SQLite file: on the pod's claim
+        batch = replace(batch, db=BATCH_DB)
+    assert frontend.frontend == replace(want.frontend, host="0.0.0.0", batch=batch)
 
     monkeypatch.setenv("DYN_WORKER_HOST", POD_IP)
     disk = want.worker.kv_tiers
@@ -183,8 +190,9 @@ def test_each_pods_command_line_builds_the_config_dyn_serve_builds_from_the_same
 ##### The rendered command lines, run here #####
 
 
-def _as_here(args: list[str], etcd: str, nats: str, ports: dict[str, int]) -> list[str]:
-    """A pod's args as one machine runs them: the planes' URLs and free ports for the fixed container ports."""
+def _as_here(args: list[str], etcd: str, nats: str, ports: dict[str, int], batch_db: str = "off") -> list[str]:
+    """A pod's args as one machine runs them: the planes' URLs, free ports for the fixed container ports, and
+    `batch_db` for the claim's batch database."""
     out = []
     for i, arg in enumerate(args):
         before = args[i - 1] if i else ""
@@ -192,6 +200,8 @@ def _as_here(args: list[str], etcd: str, nats: str, ports: dict[str, int]) -> li
             arg = etcd
         elif before == "--events":
             arg = nats
+        elif before == "--batch-db":
+            arg = batch_db
         elif before == "--host":
             arg = "127.0.0.1"
         elif before in ports:
@@ -222,7 +232,7 @@ def _start(args: list[str], env: dict[str, str], lines: list[str]) -> subprocess
 
 
 def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
-    etcd_server: str, nats_server: str, files: Files
+    etcd_server: str, nats_server: str, files: Files, tmp_path: Path
 ) -> None:
     etcd, nats = etcd_server, nats_server
     flags = [
@@ -260,7 +270,8 @@ def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
                 "--kv-transfer-port": 0,
             }
             lines[part] = []
-            procs.append(_start(_as_here(pods[part], etcd, nats, ports), env, lines[part]))
+            batch_db = str(tmp_path / "claim" / "batches.db")
+            procs.append(_start(_as_here(pods[part], etcd, nats, ports, batch_db), env, lines[part]))
         url = f"http://127.0.0.1:{http_port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from dynamo_cli.batch.metrics import BatchMetrics
+from dynamo_cli.batch.store import BatchStore
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.kv.tier_stats import KvTierStats
 from dynamo_cli.monitoring.alerts import alert_rules, render_rules
@@ -25,18 +27,31 @@ from tests.monitoring.promql import exported_series, metric_names
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 
 
-def _registries() -> list[CollectorRegistry]:
-    """Every registry a dyn process serves: the frontend's, a `dyn router`'s, a worker's system port."""
+def _batch_registry(state_dir: Path) -> CollectorRegistry:
+    """The frontend's Batch API series (on its registry when batches are on), over a real store."""
+    batches = CollectorRegistry()
+    batches.register(BatchMetrics(BatchStore(state_dir / "batches.db"), lambda: 0))  # a runner: its inflight too
+    return batches
+
+
+def _registries(state_dir: Path) -> list[CollectorRegistry]:
+    """Every registry a dyn process serves: the frontend's (with its batch series), a `dyn router`'s, a worker's
+    system port."""
     component, worker = CollectorRegistry(), CollectorRegistry()
     component.register(ComponentMetrics(RequestServer(), "dynamo", "backend"))
     load = LoadMetrics(worker_id=1, kv_tiers=KvTierStats())  # tiers on: the kvbm_* series too
     worker.register(WorkerMetrics(lambda: load, "dynamo", "backend", "smollm2"))
-    return [FrontendMetrics().registry, RouterMetrics().registry, component, worker]
+    return [FrontendMetrics().registry, _batch_registry(state_dir), RouterMetrics().registry, component, worker]
 
 
 @pytest.fixture(scope="module")
-def exported() -> set[str]:
-    return exported_series(_registries())
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("batches")
+
+
+@pytest.fixture(scope="module")
+def exported(state_dir: Path) -> set[str]:
+    return exported_series(_registries(state_dir))
 
 
 def unknown_series(exprs: list[str], exported: set[str]) -> dict[str, set[str]]:
@@ -66,6 +81,8 @@ def test_the_registries_export_what_the_system_ports_and_frontend_serve(exported
         "dynamo_component_request_duration_seconds_count",
         "dynamo_component_kvstats_gpu_cache_usage_percent",
         "kvbm_host_cache_hit_rate",
+        "dynamo_frontend_batch_lines",
+        "dynamo_frontend_batch_tokens_total",
     } <= exported
 
 
@@ -73,6 +90,21 @@ def test_every_dashboard_query_names_only_exported_series(exported: set[str]) ->
     exprs = _dashboard_exprs(json.loads((DEPLOY / "dashboard.json").read_text()))
     assert len(exprs) > 40
     assert unknown_series(exprs, exported) == {}
+
+
+def test_the_batch_api_row_draws_every_batch_series(state_dir: Path) -> None:
+    dashboard = json.loads((DEPLOY / "dashboard.json").read_text())
+    drawn = set().union(*(metric_names(expr) for expr in _dashboard_exprs(dashboard)))
+    batch_series = exported_series([_batch_registry(state_dir)])
+    assert batch_series == {
+        "dynamo_frontend_batch_lines",
+        "dynamo_frontend_batch_tokens_total",
+        "dynamo_frontend_batch_inflight",
+    }
+    assert batch_series <= drawn
+    titles = [p["title"] for p in dashboard["panels"]]
+    row = titles.index("Batch API")
+    assert titles[row + 1 : row + 4] == ["Batch lines by state", "Batch tokens/s", "Batch lines in flight"]
 
 
 def test_every_alert_rule_names_only_exported_series(exported: set[str]) -> None:
