@@ -10,6 +10,7 @@ Per side: interactive TTFT p50/p99 and requests/s; for `batch`, the batch's line
 share of the idle capacity, (capacity − interactive requests/s).
 
     python benchmarks/batch.py [--rounds 2] [--seconds 60] [--lines 20000] [--load 0.6] [--batch-max-inflight 0]
+        [--batch-db postgresql://USER@HOST/DB]   # the PostgreSQL store instead of SQLite
 
 The bars (issue 39): TTFT p99 with the batch ≤ 1.1× alone; the batch's share of the idle capacity ≥ 80 %.
 The load average at the start and the end is recorded: figures are only valid on an otherwise quiet machine.
@@ -164,13 +165,19 @@ def main() -> None:
     parser.add_argument("--batch-max-inflight", type=int, default=0, help="0: dyn serve's default.")
     parser.add_argument("--probe-concurrency", type=int, default=48)
     parser.add_argument("--probe-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--batch-db",
+        default="",
+        help="The store: '' = a SQLite file in a temporary directory; a postgresql:// URL (password in PGPASSWORD).",
+    )
     parser.add_argument("--json", default=str(harness.results_path("batch")))
     args = parser.parse_args()
     load_start = harness.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--engine", "mocker", "--workers", str(args.workers), "--router", "kv"]
         flags += ["--speedup-ratio", str(args.speedup_ratio), "--discovery", f"file://{tmp}/d"]
-        flags += ["--batch-db", f"{tmp}/batches.db", "--batch-max-inflight", str(args.batch_max_inflight)]
+        store = args.batch_db or f"{tmp}/batches.db"
+        flags += ["--batch-db", store, "--batch-max-inflight", str(args.batch_max_inflight)]
         with harness.serving(flags, Path(tmp) / "serve.log", min_instances=args.workers) as deployment:
             url = deployment.url
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=2, timeout=120)
