@@ -65,10 +65,12 @@ pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
 if [[ -z "$(pg_bin)" ]]; then
     if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null; then
         apt_postgres() {
-            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql >/dev/null
-            local rc=$?
-            rm -f /usr/sbin/policy-rc.d
+            local made=0 rc=0
+            if [[ ! -e /usr/sbin/policy-rc.d ]]; then  # a machine's own policy is left as it is
+                printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made=1
+            fi
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql >/dev/null || rc=$?
+            if [[ "$made" -eq 1 ]]; then rm -f /usr/sbin/policy-rc.d; fi
             return "$rc"
         }
         apt_postgres || { apt-get update -q >/dev/null && apt_postgres; } || true
