@@ -173,12 +173,12 @@ class BatchRunner:
 
     async def _finalize(self, batch_id: str, final: Status) -> None:
         """Write the output and error files from the finished lines, then mark the batch `final` (unless another
-        runner sharing the database is writing them now)."""
+        runner sharing the database is writing them now). Once this runner holds the batch, no line's result is
+        committed any more (store.finish_line): the files and the counts hold the same lines."""
         if not await asyncio.to_thread(self.store.claim_finalizing, batch_id, self.owner, LEASE_S):
             return
         output_id, error_id = await asyncio.to_thread(self._write_files, batch_id)
-        await asyncio.to_thread(self.store.set_files, batch_id, output_id, error_id)
-        await asyncio.to_thread(self.store.set_status, batch_id, final)
+        await asyncio.to_thread(self.store.close_batch, batch_id, final, output_id, error_id)
         logger.info("batch %s %s", batch_id, final.value)
 
     def _write_files(self, batch_id: str) -> tuple[str | None, str | None]:

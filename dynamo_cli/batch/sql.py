@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS batches (
     status TEXT NOT NULL, created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL,
     in_progress_at BIGINT, finalizing_at BIGINT, completed_at BIGINT, failed_at BIGINT, expired_at BIGINT,
     cancelling_at BIGINT, cancelled_at BIGINT, output_file_id TEXT, error_file_id TEXT,
-    metadata TEXT, errors TEXT, finalizer TEXT, finalizer_until {real}
+    metadata TEXT, errors TEXT, finalizer TEXT, finalizer_until {real},
+    lines_pending BIGINT, lines_done BIGINT, lines_failed BIGINT, tokens_prompt BIGINT, tokens_completion BIGINT
 );
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no BIGINT NOT NULL, custom_id TEXT, request {blob},
@@ -49,7 +50,14 @@ CREATE TABLE IF NOT EXISTS runners (owner TEXT PRIMARY KEY, seen_at {real} NOT N
 CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, line_no);
 CREATE INDEX IF NOT EXISTS lines_held ON lines (owner) WHERE owner IS NOT NULL
 """
-ADDED_COLUMNS = (("batches", "finalizer", "TEXT"), ("batches", "finalizer_until", "{real}"))
+TALLIES = ("lines_pending", "lines_done", "lines_failed", "tokens_prompt", "tokens_completion")
+"""A closed batch's figures, kept in its row when it closes (its lines change no more): /metrics sums these
+instead of scanning every line ever run."""
+ADDED_COLUMNS = (
+    ("batches", "finalizer", "TEXT"),
+    ("batches", "finalizer_until", "{real}"),
+    *(("batches", tally, "BIGINT") for tally in TALLIES),
+)
 """Columns a database made by an earlier version lacks: added when it is opened."""
 FILE_DATA = "CREATE TABLE IF NOT EXISTS file_data (file_id TEXT NOT NULL, chunk BIGINT NOT NULL, data BYTEA NOT NULL,"
 FILE_DATA += " PRIMARY KEY (file_id, chunk))"
@@ -100,6 +108,9 @@ class Database(Protocol):
     """Appended to the claim's SELECT: the rows it takes stay its own until it commits."""
     held_index: str
     """How the query of held lines names the partial index over them (SQLite's planner needs telling)."""
+    share_lock: str
+    """Appended to the read of a batch's row before a line's result is committed: a finalizer's claim waits for
+    the commit, and the commit for the claim (SQLite: BEGIN IMMEDIATE serializes every writer already)."""
     unavailable: tuple[type[Exception], ...]
     """What a call raises when the database is out of reach (not a mistake of the caller's)."""
 
@@ -123,6 +134,7 @@ class Sqlite:
     order = "rowid"
     lock_claimed = ""  # BEGIN IMMEDIATE took the database's write lock
     held_index = " INDEXED BY lines_held"
+    share_lock = ""
     unavailable: tuple[type[Exception], ...] = (sqlite3.OperationalError, OSError)
 
     def __init__(self, path: Path) -> None:
@@ -185,6 +197,7 @@ class Postgres:
     order = "seq"
     lock_claimed = " FOR UPDATE SKIP LOCKED"  # another frontend's claim skips these rows instead of waiting
     held_index = ""
+    share_lock = " FOR SHARE"
 
     def __init__(self, url: str) -> None:
         try:

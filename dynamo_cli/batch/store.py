@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from dynamo_cli.batch.sql import Conn, open_database
+from dynamo_cli.batch.sql import TALLIES, Conn, open_database
 
 
 class Status(enum.StrEnum):
@@ -100,6 +100,7 @@ class BatchStore:
         self.name = self.database.name
         """Where the batches are, for logs (a URL without its password)."""
         self._order = self.database.order
+        self._backfill()
 
     def _db(self) -> contextlib.AbstractContextManager[Conn]:
         return self.database.connection()
@@ -161,11 +162,15 @@ class BatchStore:
 
     def batch(self, batch_id: str) -> dict[str, Any] | None:
         with self._db() as db:
-            row = _visible(db.one("SELECT * FROM batches WHERE id = ?", (batch_id,)))
+            row = db.one("SELECT * FROM batches WHERE id = ?", (batch_id,))
             if row is None:
                 return None
-            counts = _counts(db, batch_id)
-        return {**row, "request_counts": counts}
+            if row["lines_done"] is not None:  # closed: its tallies, no scan of its lines
+                done, failed = int(row["lines_done"]), int(row["lines_failed"])
+                counts = {"total": int(row["lines_pending"]) + done + failed, "completed": done, "failed": failed}
+            else:
+                counts = _counts(db, batch_id)
+        return {**(_visible(row) or {}), "request_counts": counts}
 
     def header(self, batch_id: str) -> dict[str, Any] | None:
         """The batch's row without its line counts (what the runner needs each round: no scan of its lines)."""
@@ -208,11 +213,16 @@ class BatchStore:
                 (Status.FAILED, int(time.time()), _dump({"object": "list", "data": errors}), batch_id),
             )
 
-    def set_files(self, batch_id: str, output_file_id: str | None, error_file_id: str | None) -> None:
-        with self._db() as db:
+    def close_batch(self, batch_id: str, status: Status, output_file_id: str | None, error_file_id: str | None) -> None:
+        """Give the batch its files and its final `status`, with its tallies (its lines change no more once a
+        finalizer holds it: batch/runner.py), in one transaction."""
+        with self._db() as db, self.database.transaction(db):
+            tallies = _tallies(db, batch_id)
             db.execute(
-                "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE id = ?",
-                (output_file_id, error_file_id, batch_id),
+                f"UPDATE batches SET status = ?, {status.value}_at = ?, output_file_id = ?, error_file_id = ?, "
+                + ", ".join(f"{name} = ?" for name in TALLIES)
+                + " WHERE id = ?",
+                (status.value, int(time.time()), output_file_id, error_file_id, *tallies, batch_id),
             )
 
     def claim_finalizing(self, batch_id: str, owner: str, lease_s: float) -> bool:
@@ -312,13 +322,17 @@ class BatchStore:
             return row.fetchone() is not None
 
     def finish_line(self, batch_id: str, line_no: int, result: Result, owner: str) -> bool:
-        """Commit one line's result, if `owner` still holds it and its batch is open (a result never replaces
-        another, and a closed batch's files stay as written); False if not."""
+        """Commit one line's result, if `owner` still holds it and its batch is open with no runner writing its
+        files (a result never replaces another, and a batch's files hold every line committed); False if not."""
         state = LineState.DONE if result.status_code == 200 else LineState.FAILED
         values = (state, result.status_code, _dump(result.body), result.prompt_tokens, result.completion_tokens)
-        where = (batch_id, line_no, LineState.PENDING, owner, *sorted(TERMINAL))
-        with self._db() as db:
-            return db.execute(_FINISH, (*values, *where)).rowcount > 0
+        with self._db() as db, self.database.transaction(db):
+            batch = db.execute(
+                f"SELECT status, finalizer FROM batches WHERE id = ?{self.database.share_lock}", (batch_id,)
+            ).fetchone()
+            if batch is None or batch[0] in TERMINAL or batch[1] is not None:
+                return False
+            return db.execute(_FINISH, (*values, batch_id, line_no, LineState.PENDING, owner)).rowcount > 0
 
     def results(self, batch_id: str) -> Iterator[tuple[int, str | None, str, int, dict[str, Any]]]:
         """The finished lines in input order: line_no, custom_id, state, status code, body (read a page at a
@@ -338,28 +352,55 @@ class BatchStore:
             after = int(rows[-1][0])
 
     def token_totals(self) -> dict[str, int]:
-        """Tokens every finished line used, for /metrics."""
+        """Tokens every finished line used, for /metrics: the closed batches' tallies and the open ones' lines."""
         with self._db() as db:
-            row = db.execute("SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines")
-            prompt, completion = row.fetchone()
-        return {"prompt": int(prompt), "completion": int(completion)}
+            closed = db.execute(
+                "SELECT COALESCE(SUM(tokens_prompt), 0), COALESCE(SUM(tokens_completion), 0) FROM batches"
+            )
+            prompt, completion = closed.fetchone()
+            opened = db.execute(
+                "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines"
+                f" WHERE batch_id IN (SELECT id FROM batches WHERE {_OPEN})"
+            )
+            more_prompt, more_completion = opened.fetchone()
+        return {"prompt": int(prompt) + int(more_prompt), "completion": int(completion) + int(more_completion)}
 
     def line_counts(self) -> dict[str, int]:
-        """Lines of every batch by state, for /metrics."""
+        """Lines of every batch by state, for /metrics: the closed batches' tallies and the open ones' lines."""
         with self._db() as db:
-            rows = db.execute("SELECT state, COUNT(*) FROM lines GROUP BY state").fetchall()
-        return {state.value: 0 for state in LineState} | {row[0]: int(row[1]) for row in rows}
+            closed = db.execute(
+                "SELECT " + ", ".join(f"COALESCE(SUM({name}), 0)" for name in TALLIES[:3]) + " FROM batches"
+            ).fetchone()
+            rows = db.execute(
+                "SELECT state, COUNT(*) FROM lines"
+                f" WHERE batch_id IN (SELECT id FROM batches WHERE {_OPEN}) GROUP BY state"
+            ).fetchall()
+        counts = {state.value: int(n) for state, n in zip(LineState, closed, strict=True)}
+        for state, n in rows:
+            counts[state] += int(n)
+        return counts
+
+    def _backfill(self) -> None:
+        """Tallies for the batches a version before them closed (once: they are kept from then on)."""
+        with self._db() as db:
+            ids = [r[0] for r in db.execute(f"SELECT id FROM batches WHERE NOT {_OPEN} AND lines_done IS NULL")]
+            for batch_id in ids:
+                tallies = _tallies(db, batch_id)
+                sets = ", ".join(f"{name} = ?" for name in TALLIES)
+                db.execute(f"UPDATE batches SET {sets} WHERE id = ? AND lines_done IS NULL", (*tallies, batch_id))
 
 
 RESULTS_PAGE = 1000
-_HIDDEN = ("seq", "finalizer", "finalizer_until")
+_HIDDEN = ("seq", "finalizer", "finalizer_until", *TALLIES)
 """Bookkeeping columns, not part of what the API shows."""
 
 
+_CLOSED = ",".join(f"'{status.value}'" for status in sorted(TERMINAL))
+_OPEN = f"status NOT IN ({_CLOSED})"
+"""A batch whose lines may still change (its figures read from its lines, not its tallies)."""
 _FINISH = (
     "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?, request = NULL,"
     " owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?"
-    " AND (SELECT status FROM batches WHERE batches.id = lines.batch_id) NOT IN (?, ?, ?, ?)"
 )
 _HOLDERS = (  # through the partial index of held lines: a few rows, not the batch's pending ones
     "SELECT DISTINCT owner FROM lines{index}"
@@ -389,6 +430,19 @@ def _is_dead(owner: str) -> bool:
 
 def _visible(row: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if row is None else {k: v for k, v in row.items() if k not in _HIDDEN}
+
+
+def _tallies(db: Conn, batch_id: str) -> tuple[int, int, int, int, int]:
+    """Lines pending, done and failed, prompt and completion tokens: what a closed batch keeps in its row."""
+    rows = db.execute(
+        "SELECT state, COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines"
+        " WHERE batch_id = ? GROUP BY state",
+        (batch_id,),
+    ).fetchall()
+    by_state = {row[0]: int(row[1]) for row in rows}
+    prompt, completion = sum(int(row[2]) for row in rows), sum(int(row[3]) for row in rows)
+    pending, done, failed = (by_state.get(state.value, 0) for state in LineState)
+    return pending, done, failed, prompt, completion
 
 
 def _counts(db: Conn, batch_id: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ import pytest
 
 from dynamo_cli.batch import runner as runner_module
 from dynamo_cli.batch.runner import BatchRunner
-from dynamo_cli.batch.store import BatchStore, Result, Status, new_id
+from dynamo_cli.batch.store import BatchStore, Line, Result, Status, new_id
 
 CHAT = "/v1/chat/completions"
 
@@ -210,3 +210,66 @@ def test_only_one_runner_writes_a_batchs_files_until_its_lease_runs_out(where: s
     second = _batch(store, [_line("r0")])
     assert store.claim_finalizing(second, f"{socket.gethostname()}:999999999:x", 30.0)  # a process now gone
     assert store.claim_finalizing(second, "host-d:1:x", 30.0)  # taken at once, not after its lease
+
+
+def _scanned(store: BatchStore) -> tuple[dict[str, int], dict[str, int]]:
+    """The figures counted the slow way: every line ever run."""
+    with store.database.connection() as db:
+        rows = db.execute("SELECT state, COUNT(*) FROM lines GROUP BY state").fetchall()
+        tokens = db.execute("SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines")
+        prompt, completion = tokens.fetchone()
+    lines = {"pending": 0, "done": 0, "failed": 0} | {state: int(n) for state, n in rows}
+    return lines, {"prompt": int(prompt), "completion": int(completion)}
+
+
+async def test_the_metrics_figures_read_closed_batches_from_their_tallies_and_agree_with_every_line(
+    where: str,
+) -> None:
+    """/metrics sums a closed batch's tallies (kept when it closed) instead of scanning its lines: the figures
+    are those of every line, open batches and closed ones, cancelled lines left pending included."""
+    store = BatchStore(where)
+    done = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(6)] + [b"[]"])
+    await _until(store, done, {"completed"}, BatchRunner(store, Calls(), lambda: 3))
+    cancelled = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(30)])
+    runner = BatchRunner(store, Calls(delay=0.05), lambda: 2)
+    task = asyncio.create_task(runner.run())
+    while store.batch(cancelled)["request_counts"]["completed"] < 2:  # type: ignore[index]
+        await asyncio.sleep(0.01)
+    store.set_status(cancelled, Status.CANCELLING)
+    runner.wake()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    closed = await _until(store, cancelled, {"cancelled"}, runner)
+    still_open = _batch(store, [_line("o0"), b"{"])
+    await _until(store, still_open, {"in_progress"}, BatchRunner(store, Calls(gate=asyncio.Event()), lambda: 1))
+    assert (store.line_counts(), store.token_totals()) == _scanned(store)
+    with store.database.connection() as db:  # the closed ones are read from their rows
+        row = db.one("SELECT lines_pending, lines_done, lines_failed FROM batches WHERE id = ?", (cancelled,))
+    assert row is not None and row["lines_done"] == closed["request_counts"]["completed"] >= 2
+    assert row["lines_pending"] + row["lines_done"] == 30 and row["lines_failed"] == 0
+
+
+def test_no_line_is_committed_once_a_runner_writes_the_batchs_files(where: str) -> None:
+    """Two frontends, a cancel: the one writing the files holds the batch, and a line the other was running
+    stays pending (out of the files and the counts) instead of landing after the files were read."""
+    store = BatchStore(where)
+    batch_id = _batch(store, [_line("r0"), _line("r1")])
+    store.add_lines(batch_id, [Line(0, "r0", b"{}"), Line(1, "r1", b"{}")], [])
+    assert [line.line_no for line in store.claim(batch_id, "host-a:1:x", 2, 30.0)] == [0, 1]
+    assert store.finish_line(batch_id, 0, Result(200, {"ok": 0}), "host-a:1:x")
+    assert store.claim_finalizing(batch_id, "host-b:1:x", 30.0)
+    assert not store.finish_line(batch_id, 1, Result(200, {"ok": 1}), "host-a:1:x")
+    store.close_batch(batch_id, Status.CANCELLED, None, None)
+    assert store.batch(batch_id)["request_counts"] == {"total": 2, "completed": 1, "failed": 0}  # type: ignore[index]
+
+
+def test_a_database_whose_closed_batches_have_no_tallies_gets_them_when_opened(where: str) -> None:
+    """A database a version before the tallies closed batches in: the store counts them once, when opened."""
+    store = BatchStore(where)
+    batch_id = _batch(store, [_line("r0")])
+    store.add_lines(batch_id, [Line(0, "r0", b"{}")], [])
+    store.claim(batch_id, "host-a:1:x", 1, 30.0)
+    store.finish_line(batch_id, 0, Result(200, {}, 5, 2), "host-a:1:x")
+    store.set_status(batch_id, Status.COMPLETED)  # closed with no tallies, as before them
+    assert BatchStore(where).line_counts() == {"pending": 0, "done": 1, "failed": 0}
+    assert BatchStore(where).token_totals() == {"prompt": 5, "completion": 2}
