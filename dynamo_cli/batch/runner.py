@@ -41,6 +41,9 @@ OVERLOAD_PAUSE_S = 1.0
 LEASE_S = 30.0
 """How long a line this runner holds stays its own without renewal: after that (a frontend on another host
 gone), another runner may take it. A holder on this host that is gone loses its lines at once."""
+FINALIZE_LEASE_S = 600.0
+"""How long a runner writing a batch's files holds it (a runner of another host that died mid-way: another
+takes over after this; one of this host, at once). Long: a 200 MB output takes well under it to write."""
 HEARTBEAT_S = 10.0
 """How often the runner says it is alive in the database, and counts the runners sharing the budget."""
 
@@ -63,6 +66,8 @@ class BatchRunner:
         self._share = 1
         """The runners sharing the database (frontends on several hosts): each runs its part of the budget."""
         self._said_at = -HEARTBEAT_S
+        self._failing = False
+        """The last round failed (said once in the log, not every round)."""
 
     def wake(self) -> None:
         """A batch was created or cancelled: look at once, not at the next poll."""
@@ -76,13 +81,16 @@ class BatchRunner:
         """Until cancelled (the owner's task group): advance every open batch, then wait."""
         try:
             while True:
-                if time.monotonic() - self._said_at >= HEARTBEAT_S:
-                    self._share = await asyncio.to_thread(self.store.runners, self.owner, LEASE_S)
-                    self._said_at = time.monotonic()
-                if self._running:
-                    await asyncio.to_thread(self.store.renew, self.owner, LEASE_S)
-                for batch_id in await asyncio.to_thread(self.store.unfinished):
-                    await self._advance(batch_id)
+                try:
+                    await self._round()
+                except Exception as exc:  # noqa: BLE001  (the database out of reach: the next round tries again)
+                    if not self._failing:
+                        logger.warning("batch runner: %s; trying again every %.0f s", exc, POLL_S)
+                    self._failing = True
+                else:
+                    if self._failing:
+                        logger.info("batch runner: the database answers again")
+                    self._failing = False
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
                     async with asyncio.timeout(POLL_S):
@@ -91,6 +99,20 @@ class BatchRunner:
             await cancel_and_wait(*self._running.values())
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.store.leave, self.owner)
+
+    async def _round(self) -> None:
+        if time.monotonic() - self._said_at >= HEARTBEAT_S:
+            self._share = await asyncio.to_thread(self.store.runners, self.owner, LEASE_S)
+            self._said_at = time.monotonic()
+        if self._running:
+            await asyncio.to_thread(self.store.renew, self.owner, LEASE_S)
+        for batch_id in await asyncio.to_thread(self.store.unfinished):
+            try:
+                await self._advance(batch_id)
+            except self.store.database.unavailable:
+                raise
+            except Exception:  # one batch's fault stops neither the others nor the frontend
+                logger.exception("batch %s", batch_id)
 
     async def _advance(self, batch_id: str) -> None:
         batch = await asyncio.to_thread(self.store.header, batch_id)
@@ -133,7 +155,8 @@ class BatchRunner:
         batch_id = batch["id"]
         room = max(1, self._budget() // self._share) - len(self._running)
         if room > 0 and time.monotonic() >= self._held_until:
-            for line in await asyncio.to_thread(self.store.claim, batch_id, self.owner, room, LEASE_S):
+            running = [no for bid, no in self._running if bid == batch_id]
+            for line in await asyncio.to_thread(self.store.claim, batch_id, self.owner, room, LEASE_S, running):
                 task = asyncio.create_task(self._run_line(batch_id, batch["endpoint"], batch["expires_at"], line))
                 self._running[(batch_id, line.line_no)] = task
         mine = any(bid == batch_id for bid, _ in self._running)
@@ -175,7 +198,7 @@ class BatchRunner:
         """Write the output and error files from the finished lines, then mark the batch `final` (unless another
         runner sharing the database is writing them now). Once this runner holds the batch, no line's result is
         committed any more (store.finish_line): the files and the counts hold the same lines."""
-        if not await asyncio.to_thread(self.store.claim_finalizing, batch_id, self.owner, LEASE_S):
+        if not await asyncio.to_thread(self.store.claim_finalizing, batch_id, self.owner, FINALIZE_LEASE_S):
             return
         output_id, error_id = await asyncio.to_thread(self._write_files, batch_id)
         await asyncio.to_thread(self.store.close_batch, batch_id, final, output_id, error_id)

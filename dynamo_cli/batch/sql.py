@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -24,6 +25,8 @@ from dynamo_cli.config.frontend import is_postgres
 
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_MS = 30_000
+PING_AFTER_S = 1.0
+"""A connection idle longer is checked (`SELECT 1`, one round trip) before use, and replaced if it broke."""
 CHUNK = 1 << 20
 """A file's bytes are kept in PostgreSQL in rows of this size (a row is read whole)."""
 
@@ -220,6 +223,11 @@ class Postgres:
     @contextlib.contextmanager
     def connection(self) -> Iterator[Conn]:
         raw = getattr(self._local, "raw", None)
+        if raw is not None and not raw.closed and time.monotonic() - self._local.used > PING_AFTER_S:
+            try:  # idle a while: the server may have restarted since (a stale connection fails its next call)
+                raw.execute("SELECT 1")
+            except self._psycopg.OperationalError:
+                raw.close()
         if raw is None or raw.closed or raw.broken:
             raw = self._psycopg.connect(
                 self.url,
@@ -233,7 +241,10 @@ class Postgres:
                 options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
             )
             self._local.raw = raw
-        yield Conn(raw, "%s")
+        try:
+            yield Conn(raw, "%s")
+        finally:
+            self._local.used = time.monotonic()
 
     @contextlib.contextmanager
     def transaction(self, db: Conn) -> Iterator[None]:

@@ -31,7 +31,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -276,21 +276,25 @@ class BatchStore:
                 [(batch_id, no, cid, LineState.FAILED, r.status_code, _dump(r.body)) for no, cid, r in invalid],
             )
 
-    def claim(self, batch_id: str, owner: str, limit: int, lease_s: float) -> list[Line]:
+    def claim(self, batch_id: str, owner: str, limit: int, lease_s: float, running: Collection[int] = ()) -> list[Line]:
         """Up to `limit` pending lines no live runner holds, in input order, now held by `owner` for `lease_s`.
 
-        A line is free when nobody holds it, its holder's lease ran out, or its holder was a process of this
-        host that is gone (a frontend killed and restarted takes its lines back at once, not after the lease).
+        A line is free when nobody holds it, its holder's lease ran out, its holder was a process of this host
+        that is gone (a frontend killed and restarted takes its lines back at once, not after the lease), or it
+        is `owner`'s own and not among the lines it is `running` (its result could not be committed: the
+        database was out of reach).
         """
         now = time.time()
         with self._db() as db, self.database.transaction(db):
             holders = _HOLDERS.format(index=self.database.held_index)
             dead = [o for (o,) in db.execute(holders, (batch_id, LineState.PENDING, now)) if _is_dead(o)]
             marks = ",".join("?" * len(dead)) or "NULL"
+            mine = "owner = ?" + (f" AND line_no NOT IN ({','.join('?' * len(running))})" if running else "")
             rows = db.execute(
                 "SELECT line_no, custom_id, request FROM lines WHERE batch_id = ? AND state = ? AND (owner IS NULL"
-                f" OR lease_until < ? OR owner IN ({marks})) ORDER BY line_no LIMIT ?{self.database.lock_claimed}",
-                (batch_id, LineState.PENDING, now, *dead, limit),
+                f" OR lease_until < ? OR owner IN ({marks}) OR ({mine})) ORDER BY line_no LIMIT ?"
+                + self.database.lock_claimed,
+                (batch_id, LineState.PENDING, now, *dead, owner, *running, limit),
             ).fetchall()
             db.executemany(
                 "UPDATE lines SET owner = ?, lease_until = ? WHERE batch_id = ? AND line_no = ?",

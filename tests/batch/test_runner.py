@@ -6,6 +6,7 @@ two runners on one database run each line once and share the budget."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import socket
@@ -273,3 +274,38 @@ def test_a_database_whose_closed_batches_have_no_tallies_gets_them_when_opened(w
     store.set_status(batch_id, Status.COMPLETED)  # closed with no tallies, as before them
     assert BatchStore(where).line_counts() == {"pending": 0, "done": 1, "failed": 0}
     assert BatchStore(where).token_totals() == {"prompt": 5, "completion": 2}
+
+
+async def test_the_runner_outlives_a_database_outage_and_finishes_the_batch(postgres_server: object) -> None:
+    """PostgreSQL stopped mid-batch: each round fails (said once in the log), the runner, and so the frontend,
+    goes on; with the server back the batch completes with every line once."""
+    from tests.postgres import find_postgres, start_postgres
+
+    bindir = find_postgres()
+    assert bindir is not None
+    pg = start_postgres(bindir)
+    try:
+        store = BatchStore(pg.new_database())
+        batch_id = _batch(store, [_line(f"r{i}", f"q{i}") for i in range(30)])
+        calls = Calls(delay=0.05)
+        task = asyncio.create_task(BatchRunner(store, calls, lambda: 2).run())
+        while len(calls.seen) < 4:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(pg.stop)
+        await asyncio.sleep(2.5)  # two rounds or more against no server
+        assert not task.done()
+        await asyncio.to_thread(pg.start)
+        batch = None
+        for _ in range(600):
+            with contextlib.suppress(*store.database.unavailable):  # this thread's own connection broke too
+                batch = await asyncio.to_thread(store.batch, batch_id)
+            if batch is not None and batch["status"] == "completed":
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert batch is not None and batch["status"] == "completed", batch
+        out = _rows(store, batch["output_file_id"])
+        assert [r["custom_id"] for r in out] == [f"r{i}" for i in range(30)]
+    finally:
+        pg.remove()
