@@ -58,22 +58,35 @@ class BatchApi:
         self.max_lines = max_lines
 
     def routes(self) -> list[Route]:
+        return [
+            Route("/v1/files", self._replies(self.upload), methods=["POST"]),
+            Route("/v1/files", self._replies(self.list_files), methods=["GET"]),
+            Route("/v1/files/{file_id}", self._replies(self.get_file), methods=["GET"]),
+            Route("/v1/files/{file_id}", self._replies(self.delete_file), methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", self._replies(self.content), methods=["GET"]),
+            Route("/v1/batches", self._replies(self.create), methods=["POST"]),
+            Route("/v1/batches", self._replies(self.list_batches), methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self._replies(self.retrieve), methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self._replies(self.cancel), methods=["POST"]),
+        ]
+
+    def _replies(self, handler: Any) -> Any:
+        """`handler` with its RequestErrors as OpenAI-shaped error replies, and its database out of reach (a
+        PostgreSQL server down, a SQLite file locked past its timeout) as a 503."""
         unavailable = self.store.database.unavailable
 
-        def _replies_(handler: Any) -> Any:
-            return _replies(handler, unavailable)
+        async def route(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+            except RequestError as exc:
+                return error_response(exc)
+            except unavailable as exc:
+                logger.warning("batch database: %s", exc)
+                return error_response(Overloaded(f"the batch database is out of reach ({type(exc).__name__})", 5.0))
+            return response
 
-        return [
-            Route("/v1/files", _replies_(self.upload), methods=["POST"]),
-            Route("/v1/files", _replies_(self.list_files), methods=["GET"]),
-            Route("/v1/files/{file_id}", _replies_(self.get_file), methods=["GET"]),
-            Route("/v1/files/{file_id}", _replies_(self.delete_file), methods=["DELETE"]),
-            Route("/v1/files/{file_id}/content", _replies_(self.content), methods=["GET"]),
-            Route("/v1/batches", _replies_(self.create), methods=["POST"]),
-            Route("/v1/batches", _replies_(self.list_batches), methods=["GET"]),
-            Route("/v1/batches/{batch_id}", _replies_(self.retrieve), methods=["GET"]),
-            Route("/v1/batches/{batch_id}/cancel", _replies_(self.cancel), methods=["POST"]),
-        ]
+        route.__name__ = handler.__name__
+        return route
 
     # -- files -------------------------------------------------------------------------------------------
 
@@ -287,24 +300,6 @@ def _capped(receive: Receive, limit: int, error: RequestError) -> Receive:
         return message
 
     return capped
-
-
-def _replies(handler: Any, unavailable: tuple[type[Exception], ...]) -> Any:
-    """`handler` with its RequestErrors as OpenAI-shaped error replies, and its database out of reach (a
-    PostgreSQL server down, a SQLite file locked past its timeout) as a 503."""
-
-    async def route(request: Request) -> Response:
-        try:
-            response: Response = await handler(request)
-        except RequestError as exc:
-            return error_response(exc)
-        except unavailable as exc:
-            logger.warning("batch database: %s", exc)
-            return error_response(Overloaded(f"the batch database is out of reach ({type(exc).__name__})", 5.0))
-        return response
-
-    route.__name__ = handler.__name__
-    return route
 
 
 __all__ = ["BatchApi", "batch_object"]

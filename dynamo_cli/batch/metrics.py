@@ -34,13 +34,10 @@ class BatchMetrics(Collector):
         the last ones (and says why in the log)."""
         while True:
             try:
-                self._lines, self._tokens = await asyncio.to_thread(self._read)
+                self._lines, self._tokens = await asyncio.to_thread(self.store.figures)
             except Exception as exc:  # noqa: BLE001  (the database out of reach: the next round tries again)
                 logger.warning("batch metrics not refreshed: %s", exc)
             await asyncio.sleep(REFRESH_S)
-
-    def _read(self) -> tuple[dict[str, int], dict[str, int]]:
-        return self.store.line_counts(), self.store.token_totals()
 
     def collect(self) -> Iterator[Metric]:
         lines = GaugeMetricFamily(

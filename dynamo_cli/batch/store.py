@@ -166,8 +166,7 @@ class BatchStore:
             if row is None:
                 return None
             if row["lines_done"] is not None:  # closed: its tallies, no scan of its lines
-                done, failed = int(row["lines_done"]), int(row["lines_failed"])
-                counts = {"total": int(row["lines_pending"]) + done + failed, "completed": done, "failed": failed}
+                counts = _request_counts(row["lines_pending"], row["lines_done"], row["lines_failed"])
             else:
                 counts = _counts(db, batch_id)
         return {**(_visible(row) or {}), "request_counts": counts}
@@ -187,11 +186,8 @@ class BatchStore:
 
     def unfinished(self) -> list[str]:
         """Batches a runner must take up (after a restart too): oldest first."""
-        open_ = [s.value for s in Status if s not in TERMINAL]
-        marks = ",".join("?" * len(open_))
         with self._db() as db:
-            rows = db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY {self._order}", open_)
-            return [row[0] for row in rows]
+            return [row[0] for row in db.execute(f"SELECT id FROM batches WHERE {_OPEN} ORDER BY {self._order}")]
 
     def set_status(self, batch_id: str, status: Status, *, only_from: frozenset[Status] | None = None) -> bool:
         """Move a batch to `status`, stamping `<status>_at`; with `only_from`, only from one of those (False if not)."""
@@ -219,9 +215,8 @@ class BatchStore:
         with self._db() as db, self.database.transaction(db):
             tallies = _tallies(db, batch_id)
             db.execute(
-                f"UPDATE batches SET status = ?, {status.value}_at = ?, output_file_id = ?, error_file_id = ?, "
-                + ", ".join(f"{name} = ?" for name in TALLIES)
-                + " WHERE id = ?",
+                f"UPDATE batches SET status = ?, {status.value}_at = ?, output_file_id = ?, error_file_id = ?,"
+                f" {_SET_TALLIES} WHERE id = ?",
                 (status.value, int(time.time()), output_file_id, error_file_id, *tallies, batch_id),
             )
 
@@ -355,34 +350,24 @@ class BatchStore:
                 return
             after = int(rows[-1][0])
 
-    def token_totals(self) -> dict[str, int]:
-        """Tokens every finished line used, for /metrics: the closed batches' tallies and the open ones' lines."""
+    def figures(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Lines of every batch by state, and the tokens the finished ones used, for /metrics: the closed
+        batches' tallies, and one pass over the open batches' lines."""
         with self._db() as db:
             closed = db.execute(
-                "SELECT COALESCE(SUM(tokens_prompt), 0), COALESCE(SUM(tokens_completion), 0) FROM batches"
-            )
-            prompt, completion = closed.fetchone()
-            opened = db.execute(
-                "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) FROM lines"
-                f" WHERE batch_id IN (SELECT id FROM batches WHERE {_OPEN})"
-            )
-            more_prompt, more_completion = opened.fetchone()
-        return {"prompt": int(prompt) + int(more_prompt), "completion": int(completion) + int(more_completion)}
-
-    def line_counts(self) -> dict[str, int]:
-        """Lines of every batch by state, for /metrics: the closed batches' tallies and the open ones' lines."""
-        with self._db() as db:
-            closed = db.execute(
-                "SELECT " + ", ".join(f"COALESCE(SUM({name}), 0)" for name in TALLIES[:3]) + " FROM batches"
+                "SELECT " + ", ".join(f"COALESCE(SUM({name}), 0)" for name in TALLIES) + " FROM batches"
             ).fetchone()
             rows = db.execute(
-                "SELECT state, COUNT(*) FROM lines"
-                f" WHERE batch_id IN (SELECT id FROM batches WHERE {_OPEN}) GROUP BY state"
+                "SELECT state, COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
+                f" FROM lines WHERE batch_id IN (SELECT id FROM batches WHERE {_OPEN}) GROUP BY state"
             ).fetchall()
-        counts = {state.value: int(n) for state, n in zip(LineState, closed, strict=True)}
-        for state, n in rows:
-            counts[state] += int(n)
-        return counts
+        lines = {state.value: int(n) for state, n in zip(LineState, closed[:3], strict=True)}
+        tokens = {"prompt": int(closed[3]), "completion": int(closed[4])}
+        for state, n, prompt, completion in rows:
+            lines[state] += int(n)
+            tokens["prompt"] += int(prompt)
+            tokens["completion"] += int(completion)
+        return lines, tokens
 
     def _backfill(self) -> None:
         """Tallies for the batches a version before them closed (once: they are kept from then on)."""
@@ -390,8 +375,9 @@ class BatchStore:
             ids = [r[0] for r in db.execute(f"SELECT id FROM batches WHERE NOT {_OPEN} AND lines_done IS NULL")]
             for batch_id in ids:
                 tallies = _tallies(db, batch_id)
-                sets = ", ".join(f"{name} = ?" for name in TALLIES)
-                db.execute(f"UPDATE batches SET {sets} WHERE id = ? AND lines_done IS NULL", (*tallies, batch_id))
+                db.execute(
+                    f"UPDATE batches SET {_SET_TALLIES} WHERE id = ? AND lines_done IS NULL", (*tallies, batch_id)
+                )
 
 
 RESULTS_PAGE = 1000
@@ -402,6 +388,7 @@ _HIDDEN = ("seq", "finalizer", "finalizer_until", *TALLIES)
 _CLOSED = ",".join(f"'{status.value}'" for status in sorted(TERMINAL))
 _OPEN = f"status NOT IN ({_CLOSED})"
 """A batch whose lines may still change (its figures read from its lines, not its tallies)."""
+_SET_TALLIES = ", ".join(f"{name} = ?" for name in TALLIES)
 _FINISH = (
     "UPDATE lines SET state = ?, status_code = ?, body = ?, prompt_tokens = ?, completion_tokens = ?, request = NULL,"
     " owner = NULL WHERE batch_id = ? AND line_no = ? AND state = ? AND owner = ?"
@@ -452,8 +439,12 @@ def _tallies(db: Conn, batch_id: str) -> tuple[int, int, int, int, int]:
 def _counts(db: Conn, batch_id: str) -> dict[str, int]:
     rows = db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY state", (batch_id,)).fetchall()
     by_state = {row[0]: int(row[1]) for row in rows}
-    done, failed = by_state.get(LineState.DONE, 0), by_state.get(LineState.FAILED, 0)
-    return {"total": sum(by_state.values()), "completed": done, "failed": failed}
+    return _request_counts(*(by_state.get(state.value, 0) for state in LineState))
+
+
+def _request_counts(pending: int, done: int, failed: int) -> dict[str, int]:
+    """A batch's `request_counts`, as OpenAI shows them."""
+    return {"total": int(pending) + int(done) + int(failed), "completed": int(done), "failed": int(failed)}
 
 
 def _dump(value: Any) -> str | None:

@@ -108,7 +108,7 @@ async def test_a_batch_runs_its_good_lines_and_refuses_its_bad_ones_each_once_in
         ("r21", 400),
     ]
     assert err[2]["response"]["body"]["error"]["param"] == "max_tokens"
-    assert store.token_totals() == {"prompt": 60, "completion": 20}
+    assert store.figures()[1] == {"prompt": 60, "completion": 20}
 
 
 async def test_a_restart_runs_only_the_unfinished_lines(where: str) -> None:
@@ -243,7 +243,7 @@ async def test_the_metrics_figures_read_closed_batches_from_their_tallies_and_ag
     closed = await _until(store, cancelled, {"cancelled"}, runner)
     still_open = _batch(store, [_line("o0"), b"{"])
     await _until(store, still_open, {"in_progress"}, BatchRunner(store, Calls(gate=asyncio.Event()), lambda: 1))
-    assert (store.line_counts(), store.token_totals()) == _scanned(store)
+    assert store.figures() == _scanned(store)
     with store.database.connection() as db:  # the closed ones are read from their rows
         row = db.one("SELECT lines_pending, lines_done, lines_failed FROM batches WHERE id = ?", (cancelled,))
     assert row is not None and row["lines_done"] == closed["request_counts"]["completed"] >= 2
@@ -272,8 +272,7 @@ def test_a_database_whose_closed_batches_have_no_tallies_gets_them_when_opened(w
     store.claim(batch_id, "host-a:1:x", 1, 30.0)
     store.finish_line(batch_id, 0, Result(200, {}, 5, 2), "host-a:1:x")
     store.set_status(batch_id, Status.COMPLETED)  # closed with no tallies, as before them
-    assert BatchStore(where).line_counts() == {"pending": 0, "done": 1, "failed": 0}
-    assert BatchStore(where).token_totals() == {"prompt": 5, "completion": 2}
+    assert BatchStore(where).figures() == ({"pending": 0, "done": 1, "failed": 0}, {"prompt": 5, "completion": 2})
 
 
 async def test_the_runner_outlives_a_database_outage_and_finishes_the_batch(postgres_server: object) -> None:
