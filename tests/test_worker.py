@@ -20,7 +20,8 @@ from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import RemoteError
 from dynamo_cli.kv.events import KvDump
-from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.runtime.request_client import RequestClient
+from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import (
     KV_DUMP_ENDPOINT,
     KV_EVENTS_SINCE_ENDPOINT,

@@ -19,7 +19,8 @@ from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.kv_repair import repair_gap
-from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.runtime.request_client import RequestClient
+from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery
 from dynamo_cli.worker import KV_HISTORY, WorkerService
 

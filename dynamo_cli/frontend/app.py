@@ -237,7 +237,7 @@ class Frontend:
                     "supported yet; send them in separate requests",
                     param="n" if request.n > 1 else "logprobs",
                 )
-        prompt_ids, max_tokens, echo = prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
+        prompt_ids, max_tokens, echo = await prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
         if tokenize is not None:
             tokenize.end_tokenize(len(prompt_ids))
         sampling = sampling_of(request, chat.guided if chat is not None else None)

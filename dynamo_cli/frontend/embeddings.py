@@ -74,7 +74,7 @@ async def embed(entry: ServedModel, request: EmbeddingRequest) -> bytes:
     tokenizer = await entry.tokenizer
     raw = request.input
     items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
-    inputs = [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in items]
+    inputs = [await tokenizer.encode_async(item) if isinstance(item, str) else list(item) for item in items]
     for ids in inputs:
         check_token_ids(ids, "input", tokenizer.vocab_size)
     vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs))

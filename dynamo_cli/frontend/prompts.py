@@ -24,20 +24,20 @@ if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace
 
 
-def prompt_of(
+async def prompt_of(
     request: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer, chat_prompt: str | None
 ) -> tuple[list[int], int | None, str]:
     """The prompt's token ids, the max_tokens asked (None: as many as fit) and the text to echo; a chat
     request's prompt comes rendered (tools/chat.py)."""
     if isinstance(request, ChatCompletionRequest):
         assert chat_prompt is not None
-        return tokenizer.encode(chat_prompt), request.max_completion_tokens or request.max_tokens, ""
+        return await tokenizer.encode_async(chat_prompt), request.max_completion_tokens or request.max_tokens, ""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
         prompt_ids = cast(list[int], list(prompt))  # every item an int (parse_completion checked)
         check_token_ids(prompt_ids, "prompt", tokenizer.vocab_size)  # a client's ids may lie outside it
     else:
-        prompt_ids = tokenizer.encode(prompt if isinstance(prompt, str) else cast(str, prompt[0]))
+        prompt_ids = await tokenizer.encode_async(prompt if isinstance(prompt, str) else cast(str, prompt[0]))
     echo = "" if not request.echo else prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
     return prompt_ids, request.max_tokens if request.max_tokens is not None else 16, echo
 

@@ -102,29 +102,32 @@ class ClientGone(Exception):
 
 
 async def unless_gone(prepare: Callable[[], Coroutine[Any, Any, T]], receive: Receive) -> tuple[T, bool]:
-    """Run `prepare()` in a task of its own whose interruptible waits end when the client leaves (ClientGone);
-    its result, and whether the client left after all (the caller then closes what was prepared).
+    """Run `prepare()` in this task, its interruptible waits ended when the client leaves (ClientGone); its result,
+    and whether the client left after all (the caller then closes what was prepared).
 
-    NOTE: the task's context holds the guard and the guard the task, a reference cycle; left in place it
-    would keep the whole prepared request (prompt, dispatch, routing decision) alive after the response
-    until a garbage-collection pass, and a frontend at ~70 requests/s then spent 2-5 ms per such pass
-    freeing them, a stall every ~0.7 s that delayed whichever requests were being dispatched. Clearing
-    `guard.task` when the wait is over lets reference counting free each request as it ends."""
-    guard = Interruptible()
+    NOTE: no task is made for it and the client is watched only once a wait begins (`Interruptible(on_wait)`): a
+    request that waits for nothing goes from its tokens to its worker without yielding the event loop, where a burst
+    of arrivals would put it behind every other arrival's parsing and tokenizing at each turn. The watcher, when one
+    was started, is cancelled and awaited before this returns; `guard.task` is cleared so the guard holds nothing
+    after the wait (a reference cycle kept the whole prepared request alive until a garbage-collection pass)."""
+    watcher: asyncio.Task[None] | None = None
+
+    def watch() -> None:
+        nonlocal watcher
+        if watcher is None:
+            watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, guard.interrupt))
+
+    guard = Interruptible(on_wait=watch)
+    guard.task = task = asyncio.current_task()
     token = INTERRUPTIBLE.set(guard)
     try:
-        task: asyncio.Task[T] = asyncio.ensure_future(prepare())
-        guard.task = task  # the task's context has the guard
-    finally:
-        INTERRUPTIBLE.reset(token)
-    watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, guard.interrupt))
-    try:
-        return await task, guard.is_gone
+        return await prepare(), guard.is_gone
     except asyncio.CancelledError:
-        if guard.is_gone:  # the disconnect cancelled it, not our own caller
+        if guard.has_cancelled and task is not None and task.uncancel() == 0:  # our own interrupt, not a shutdown
             raise ClientGone() from None
         raise
     finally:
+        INTERRUPTIBLE.reset(token)
         guard.task = None
         await cancel_and_wait(watcher)
 

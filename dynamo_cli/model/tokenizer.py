@@ -7,10 +7,13 @@ sends are the model's own (the same ids llama.cpp would produce).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,24 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.model.chat_template import ChatTemplate
 from dynamo_cli.model.detokenizer import ByteDetokenizer, Detokenizer, TextDetokenizer
 from dynamo_cli.model.paths import resolve_model_path
+from dynamo_cli.model.words import WordTable
 
 _CONTROL = 3  # GGUF token_type of special/control tokens
 _USER_DEFINED = 4
 
 SEGMENT_CACHE = 4096
 """Text segments (between special tokens) whose ids are kept: system prompts, earlier turns."""
+SEGMENT_CACHE_TOKENS = 1 << 20
+"""...and the most token ids they hold together (about 40 MB): a stream of long unique prompts does not fill memory."""
+INLINE_CHARS = 2048
+"""Texts up to this long are tokenized on the caller's thread (about 2 ms here); longer ones on a tokenizer thread,
+so a burst of long prompts neither blocks the event loop (every other stream's chunks wait behind it) nor runs one
+prompt at a time: `encode_batch` releases the GIL, so two threads tokenize two prompts at once."""
+INLINE_PLAIN_CHARS = 32768
+"""Plain text up to this long is tokenized on the caller's thread too: the word table (model/words.py) takes about
+0.1 us a character, in Python, so a thread would only add a hand-over and a share of the GIL."""
+TOKENIZER_THREADS = 2
+"""Tokenizer threads per process (the engines' own cores do the rest)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +57,26 @@ class Tokenizer:
     """Per-id raw bytes for byte-level BPE (fast incremental detokenization); None otherwise."""
     segments: SegmentCache | None = None
     """Exact segment cache; None when the model has no special tokens to split on."""
+    words: WordTable | None = None
+    """Plain text a word at a time (model/words.py); None for a tokenizer of another shape."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens recognised, no BOS added."""
         if self.segments is not None:
             return self.segments.encode(text)
-        return self.hf.encode(text, add_special_tokens=False).ids
+        ids = self.words.encode(text) if self.words is not None else None
+        if ids is None:
+            encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)  # releases the GIL (encode does not)
+            ids = encode([text], add_special_tokens=False)[0].ids
+        return ids
+
+    async def encode_async(self, text: str) -> list[int]:
+        """`encode`, for a long text on a tokenizer thread (the event loop goes on meanwhile)."""
+        if len(text) <= INLINE_CHARS or (
+            len(text) <= INLINE_PLAIN_CHARS and self.words is not None and self.words.is_plain(text)
+        ):
+            return self.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(_pool(), self.encode, text)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens skipped."""
@@ -76,40 +105,79 @@ class SegmentCache:
     A chat's system prompt and earlier turns are then tokenized once, not on every request.
     """
 
-    def __init__(self, hf: HfTokenizer, specials: dict[str, int]) -> None:
+    def __init__(self, hf: HfTokenizer, specials: dict[str, int], words: WordTable | None = None) -> None:
         import re
         from collections import OrderedDict
 
         self._hf = hf
+        self._words = words
         self._specials = specials
         longest_first = sorted(specials, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(s) for s in longest_first) + ")").split
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        # encode_batch_fast skips computing offsets: ~1/3 cheaper per prompt, same ids
+        self._num_tokens = 0
+        self._lock = threading.Lock()
+        """Held around the cache's bookkeeping, never around tokenizing: tokenizer threads share the cache."""
+        # encode_batch_fast skips computing offsets: ~1/3 cheaper per prompt, same ids; it releases the GIL
         self._encode_fast = getattr(hf, "encode_batch_fast", hf.encode_batch)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
-        cache, specials = self._cache, self._specials
+        cache, specials, lock = self._cache, self._specials, self._lock
         for i, piece in enumerate(self._split(text)):
             if i % 2:
                 ids.append(specials[piece])
             elif piece:
-                hit = cache.get(piece)
+                with lock:
+                    hit = cache.get(piece)
+                    if hit is not None:
+                        cache.move_to_end(piece)
                 if hit is None:
-                    hit = self._encode_fast([piece], add_special_tokens=False)[0].ids
-                    cache[piece] = hit
-                    if len(cache) > SEGMENT_CACHE:
-                        cache.popitem(last=False)
-                else:
-                    cache.move_to_end(piece)
+                    hit = self._words.encode(piece) if self._words is not None else None
+                    if hit is None:
+                        hit = self._encode_fast([piece], add_special_tokens=False)[0].ids
+                    with lock:
+                        self._keep(piece, hit)
                 ids += hit
         return ids
 
+    def _keep(self, piece: str, ids: list[int]) -> None:
+        cache = self._cache
+        if piece in cache or len(ids) > SEGMENT_CACHE_TOKENS // 8:
+            return
+        cache[piece] = ids
+        self._num_tokens += len(ids)
+        while len(cache) > SEGMENT_CACHE or self._num_tokens > SEGMENT_CACHE_TOKENS:
+            self._num_tokens -= len(cache.popitem(last=False)[1])
 
-def _segment_cache(hf: HfTokenizer) -> SegmentCache | None:
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's tokenizer threads, started at the first long text (they end with the process)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="dyn-tokenize")
+        return _POOL
+
+
+def _segment_cache(hf: HfTokenizer, words: WordTable | None) -> SegmentCache | None:
     specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
-    return SegmentCache(hf, specials) if specials else None
+    return SegmentCache(hf, specials, words) if specials else None
+
+
+def _tokenizer(
+    hf: HfTokenizer,
+    template: ChatTemplate | None,
+    eos_token_ids: tuple[int, ...],
+    bos_token_id: int | None,
+    token_bytes: tuple[bytes, ...] | None,
+) -> Tokenizer:
+    words = WordTable.of(hf)
+    return Tokenizer(hf, template, eos_token_ids, bos_token_id, token_bytes, _segment_cache(hf, words), words)
 
 
 def load_tokenizer(source: str) -> Tokenizer:
@@ -219,7 +287,7 @@ def _assemble(hf: HfTokenizer, meta: dict[str, Any]) -> Tokenizer:
             bos_token=id_to_text.get(bos, "") if bos is not None else "",
             eos_token=id_to_text.get(eos, "") if eos is not None else "",
         )
-    return Tokenizer(hf, template, tuple(sorted(eos_ids)), bos, tuple(table), _segment_cache(hf))
+    return _tokenizer(hf, template, tuple(sorted(eos_ids)), bos, tuple(table))
 
 
 ##### HF directory #####
@@ -242,4 +310,4 @@ def _from_dir(path: str) -> Tokenizer:
     if template_src is None and os.path.exists(os.path.join(path, "chat_template.jinja")):
         template_src = Path(path, "chat_template.jinja").read_text()
     template = ChatTemplate(template_src, bos_token=bos_text, eos_token=eos_text) if template_src else None
-    return Tokenizer(hf, template, eos_ids, bos_id, None, _segment_cache(hf))
+    return _tokenizer(hf, template, eos_ids, bos_id, None)

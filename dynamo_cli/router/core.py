@@ -47,7 +47,7 @@ from dynamo_cli.router.registry import ModelEntry, Worker, free_of_prefill, not_
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.router.waits import interruptible
-from dynamo_cli.runtime.transport import ResponseStream
+from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import (
     DEADLINE_ANNOTATION,
     PIN_ANNOTATION,

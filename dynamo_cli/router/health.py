@@ -29,7 +29,7 @@ from dynamo_cli.router import prefill
 from dynamo_cli.router.plan import HealthMetrics
 from dynamo_cli.router.registry import ModelEntry, Registry, Worker
 from dynamo_cli.router.stalls import mark_hung
-from dynamo_cli.runtime.transport import ResponseStream
+from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import GenerateChunk, health_check_request
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, S
 from dynamo_cli.router.base import RouteRequest, RoutingPolicy
 from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
+from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.runtime.transport import ResponseStream
 from dynamo_cli.wire import KV_RELEASE_ENDPOINT, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from dynamo_cli.router.queue import WaitQueue
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Connections, Instance, InstanceRecord, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
-from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import msgspec
 from dynamo_cli.errors import StreamTimeout, WorkerHung
 from dynamo_cli.router.plan import HealthMetrics, NoMetrics
 from dynamo_cli.router.registry import Worker
-from dynamo_cli.runtime.transport import ResponseStream
+from dynamo_cli.runtime.request_client import ResponseStream
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ import msgspec
 
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.names import EndpointName, parse_instance_key
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.runtime.transport import Handler, RequestClient, RequestServer
+from dynamo_cli.runtime.transport import Handler, RequestServer
 
 logger = logging.getLogger(__name__)
 

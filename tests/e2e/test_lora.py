@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_cli.errors import RemoteError
-from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery
 from tests.conftest import DynProcess
 

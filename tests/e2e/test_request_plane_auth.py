@@ -22,7 +22,7 @@ from dynamo_cli.errors import AuthenticationFailed
 from dynamo_cli.kv.events import KvDump
 from dynamo_cli.runtime.framing import FrameCodec, Open
 from dynamo_cli.runtime.handshake import HELLO_BYTES, MAGIC
-from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, KvDumpQuery, SamplingParams
 from tests.conftest import DynProcess, wait_until
 

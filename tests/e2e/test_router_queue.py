@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from dynamo_cli.errors import RemoteError
-from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import GenerateRequest
 from tests.conftest import DynProcess, wait_until
 from tests.e2e.test_router_service import CALL_TIMEOUT_S, ENV, SECRET, best_worker, of, request

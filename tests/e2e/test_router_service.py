@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from dynamo_cli.errors import RemoteError
-from dynamo_cli.runtime.transport import RequestClient, ResponseStream
+from dynamo_cli.runtime.request_client import RequestClient, ResponseStream
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
 from tests.conftest import DynProcess, wait_until
 

@@ -69,14 +69,44 @@ async def test_a_client_that_leaves_while_the_request_waits_ends_the_wait() -> N
         await asyncio.wait_for(waiting, 5)
 
 
-async def test_a_client_that_leaves_outside_a_wait_is_reported_not_cancelled() -> None:
+async def test_the_task_that_was_interrupted_goes_on_uncancelled_after_client_gone() -> None:
     left = asyncio.Event()
-    leaves = _leaves_when(left)
+    left.set()  # gone before the wait begins: the watcher, started with the wait, sees it at once
+
+    async def prepare() -> Prepared:
+        with interruptible():
+            await asyncio.sleep(3600)
+        return Prepared()
+
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(unless_gone(prepare, _leaves_when(left)), 5)
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # no cancellation left pending on the handler's task
+
+
+async def test_a_request_that_waits_for_nothing_is_prepared_without_yielding_the_event_loop() -> None:
+    # Issue 47: every yield put a request behind the parsing and tokenizing of every other arrival of a burst.
+    others: list[str] = []
+    asyncio.get_running_loop().call_soon(others.append, "another arrival's turn")
+
+    async def prepare() -> Prepared:
+        return Prepared()
+
+    result, is_gone = await unless_gone(prepare, _stays)
+    assert isinstance(result, Prepared) and not is_gone
+    assert others == []  # nothing else ran in between: no task, no watcher, no turn of the loop
+
+
+async def test_a_client_that_leaves_outside_a_wait_is_not_cancelled_and_what_was_prepared_comes_back() -> None:
+    # Outside a wait the client is not watched (the stream's own watcher notices the departure next and aborts
+    # the work); what was prepared is returned whole, so it can be closed.
+    left = asyncio.Event()
 
     async def prepare() -> Prepared:
         left.set()
-        await asyncio.sleep(0.01)  # not an interruptible wait: finishes, so what it made can be closed
+        await asyncio.sleep(0.01)  # not an interruptible wait
         return Prepared()
 
-    result, is_gone = await asyncio.wait_for(unless_gone(prepare, leaves), 5)
-    assert is_gone and isinstance(result, Prepared)
+    result, is_gone = await asyncio.wait_for(unless_gone(prepare, _leaves_when(left)), 5)
+    assert isinstance(result, Prepared) and not is_gone

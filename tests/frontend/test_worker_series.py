@@ -10,7 +10,7 @@ from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.endpoint import InstanceRecord
-from dynamo_cli.runtime.transport import RequestClient
+from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import LoadMetrics
 
 

@@ -16,7 +16,8 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.router.stalls import Deadline
 from dynamo_cli.runtime.endpoint import InstanceRecord
-from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.runtime.request_client import RequestClient
+from dynamo_cli.runtime.transport import RequestServer
 
 FIRST = msgspec.msgpack.encode("first")
 

@@ -16,8 +16,9 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Connections, Endpoint, Instance, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_discovery
+from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.runtime.supervisor import ServiceTasks
-from dynamo_cli.runtime.transport import RequestServer, ResponseStream
+from dynamo_cli.runtime.transport import RequestServer
 
 etcd_process = tests.planes.etcd_process
 etcd_server = tests.planes.etcd_server

@@ -9,7 +9,8 @@ import pytest
 
 from dynamo_cli.errors import RemoteError, RequestError, WorkerDisconnected
 from dynamo_cli.runtime.framing import FrameCodec, FrameError
-from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.runtime.request_client import RequestClient
+from dynamo_cli.runtime.transport import RequestServer
 
 enc = msgspec.msgpack.encode
 

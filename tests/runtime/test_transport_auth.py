@@ -13,7 +13,8 @@ from dynamo_cli.errors import AuthenticationFailed, ConfigError, WorkerDisconnec
 from dynamo_cli.runtime import transport
 from dynamo_cli.runtime.framing import Data, FrameCodec, Open
 from dynamo_cli.runtime.handshake import ANSWER_BYTES, HELLO_BYTES, MAGIC, frame
-from dynamo_cli.runtime.transport import RequestClient, RequestServer
+from dynamo_cli.runtime.request_client import RequestClient
+from dynamo_cli.runtime.transport import RequestServer
 
 SECRET = bytes(range(32))
 WRONG = bytes(range(1, 33))
