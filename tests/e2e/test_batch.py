@@ -117,7 +117,9 @@ def test_a_batch_with_bad_lines_gives_one_line_per_input_each_as_interactive(dep
 
 def test_the_dyn_batch_command_lists_shows_and_cancels(deployment: DynProcess) -> None:
     client = client_of(deployment)
-    batch_id = submit(client, [line(i, max_tokens=400) for i in range(400)])
+    # ~30 s of work at 8 lines in flight: it outlasts the two `dyn batch` commands before the cancel even on a loaded
+    # machine (400 tokens a line, ~6 s in all, finished first there: the test raced the runner)
+    batch_id = submit(client, [line(i, max_tokens=2000) for i in range(400)])
     until(client, batch_id, {"in_progress"})
     env = {"DYN_URL": deployment.url, "DYN_API_KEY": deployment.api_key, "PATH": "/usr/bin:/bin"}
     dyn = [sys.executable, "-m", "dynamo_cli.cli.main", "batch"]

@@ -38,6 +38,7 @@ def served(dyn_serve_module, tmp_path_factory: pytest.TempPathFactory) -> DynPro
     return dyn_serve_module("--deterministic", env={"DYN_BATCH_DB": str(database)})
 
 
+@pytest.mark.timeout(300)  # the batch may take its 240 s below on a loaded machine (the default 120 s cut it off)
 def test_a_batch_on_the_real_model_answers_as_interactive_requests_do(served: DynProcess) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.api_key, max_retries=0, timeout=60)
     bad = {3: "{", 40: json.dumps({"custom_id": "x40"}), 80: "[1, 2]", 120: "null", 160: '"text"'}

@@ -170,9 +170,11 @@ async def test_a_shared_prefix_goes_to_the_worker_that_caches_it(deployment: Dyn
     probe = PREFIX + [8] * 40
 
     async def holder_known() -> dict[str, Any] | None:
-        # and that "prefix-first" ended: while a prompt is in flight a copy of it is free (time_cost.py point 4)
+        # and that "prefix-first" ended: while a prompt is in flight a copy of it is free (time_cost.py point 4), and
+        # its load, synced from replica A, may still count on the holder there: settled once B chooses the holder
         reply = await best_worker(replica_b, probe)
-        settled = max(overlaps(reply).values()) == 8 and reply["explanation"]["reason"] == "argmin"
+        chosen = reply["overlap_blocks"] == 8
+        settled = chosen and max(overlaps(reply).values()) == 8 and reply["explanation"]["reason"] == "argmin"
         return reply if settled else None
 
     reply = await eventually(holder_known)
