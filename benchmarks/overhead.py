@@ -236,7 +236,9 @@ def compare(args: argparse.Namespace) -> None:
         for round_ in range(1, args.rounds + 1):
             for side, root in sides.items():
                 out = Path(tmp) / f"{side}-{round_}.json"
-                env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1", **extra_env.get(side, {})}
+                # the side's own code, and its benchmarks/ for `import harness` (PYTHONSAFEPATH drops the script's dir)
+                path = os.pathsep.join((str(root), str(root / "benchmarks")))
+                env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1", **extra_env.get(side, {})}
                 script = root / "benchmarks" / "overhead.py"
                 subprocess.run([sys.executable, str(script), *level, "--json", str(out)], cwd=root, env=env, check=True)
                 for row in harness.read_results(out)["rows"]:
