@@ -187,7 +187,7 @@ class Frontend:
             elif request.stream:
                 status = await self._stream(generation, request, send, receive, is_chat)
             else:
-                status = await self._complete(generation, send, is_chat)
+                status = await self._complete(generation, send, receive, is_chat)
         finally:
             for gen in generations:
                 await gen.dispatch.aclose()  # idempotent: load and prefilled KV never leak
@@ -322,7 +322,8 @@ class Frontend:
         await send({"type": "http.response.body", "body": head + tail + DONE, "more_body": False})
         return status
 
-    async def _complete(self, gen: Generation, send: Send, is_chat: bool) -> str:
+    async def _complete(self, gen: Generation, send: Send, receive: Receive, is_chat: bool) -> str:
+        """One JSON body; a client that leaves meanwhile aborts the work (the worker frees its KV at once)."""
         d = gen.dispatch
         fmt = ChunkFormatter(d.plan.request_id, d.model, is_chat=is_chat)
 
@@ -333,7 +334,16 @@ class Frontend:
             reason = out.finish_reason(reason) if out is not None else reason
             return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
 
-        return await reply_json(send, body, lambda: id_headers(gen), d.plan.request_id)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
+        try:
+            status = await reply_json(send, body, lambda: id_headers(gen), d.plan.request_id)
+        finally:
+            await cancel_and_wait(watcher)
+        if d.is_aborted:
+            self.metrics.disconnected.labels(d.entry.name).inc()
+            self.metrics.cancellations.labels(d.entry.name).inc()
+            return "cancelled"
+        return status
 
     async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""

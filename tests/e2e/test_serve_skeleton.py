@@ -282,6 +282,32 @@ async def test_a_client_that_disconnects_frees_the_worker_within_a_second(deploy
         assert time.monotonic() - disconnected_at < 1.5
 
 
+async def test_a_client_of_a_unary_request_that_disconnects_frees_the_worker_within_a_second(
+    deployment: DynProcess,
+) -> None:
+    body = {
+        "model": "smollm2",
+        "max_tokens": 7000,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "long story"}],
+    }
+    async with _load_watch(deployment) as latest:
+        assert await _until(lambda: len(latest) == 2, timeout=10), latest  # both workers heard from
+        async with httpx.AsyncClient(base_url=deployment.url, headers=deployment.auth, timeout=30) as http:
+            waiting = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+            assert await _until(lambda: sum(n for n, _ in latest.values()) == 1, timeout=5), latest
+            waiting.cancel()  # the client gives up on the answer: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        disconnected_at = time.monotonic()
+
+        def freed() -> bool:
+            return all(n == 0 and at > disconnected_at for n, at in latest.values())
+
+        assert await _until(freed, timeout=1.0), latest
+        assert time.monotonic() - disconnected_at < 1.5
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
