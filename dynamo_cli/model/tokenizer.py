@@ -40,7 +40,8 @@ so a burst of long prompts neither blocks the event loop (every other stream's c
 prompt at a time: `encode_batch` releases the GIL, so two threads tokenize two prompts at once."""
 INLINE_PLAIN_CHARS = 32768
 """Plain text up to this long is tokenized on the caller's thread too: the word table (model/words.py) takes about
-0.1 us a character, in Python, so a thread would only add a hand-over and a share of the GIL."""
+0.15 us a character (1.7 ms for a 1,900-token prompt), in Python, so a thread would only add a hand-over and a
+share of the GIL."""
 TOKENIZER_THREADS = 2
 """Tokenizer threads per process (the engines' own cores do the rest)."""
 
