@@ -8,7 +8,6 @@ unless `--metrics-require-key`) passes `auth.Gate` first, before any body is rea
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -47,18 +46,16 @@ from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import nth_seed, plan_request, prompt_of, sampling_of, stops_of
 from dynamo_cli.frontend.replies import SSE_HEADERS as _SSE
-from dynamo_cli.frontend.replies import ClientGone, Write, reply_json, stream_sse, unless_gone
+from dynamo_cli.frontend.replies import ClientGone, Write, reply_json, stream_sse, unless_gone, watching
 from dynamo_cli.frontend.replies import error_type as _error_type
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
-from dynamo_cli.frontend.replies import watch_disconnect as _watch_disconnect
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
 from dynamo_cli.frontend.tools.chat import prepare_chat
 from dynamo_cli.frontend.translation import TRANSLATIONS, Translation
 from dynamo_cli.router.core import Dispatch, DispatchRules
 from dynamo_cli.router.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.router.sequences import ActiveSequences
-from dynamo_cli.runtime.supervisor import cancel_and_wait
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
@@ -290,35 +287,32 @@ class Frontend:
         fmt = ChunkFormatter(d.plan.request_id, d.model, is_chat=is_chat)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *id_headers(gen)]})
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
         status = "success"
         head = fmt.role() if is_chat else b""  # rides with the first content chunk: one write fewer
         out = gen.output
-        try:
-            async for piece in gen.text():
-                body = fmt.text(piece) if out is None else b"".join(fmt.delta(x) for x in out.push(piece))
-                if body:
-                    await send({"type": "http.response.body", "body": head + body, "more_body": True})
-                    head = b""
-            if d.is_aborted:
-                status = "cancelled"
-            reason = gen.finish_reason or "length"
-            tail = b"" if out is None else b"".join(fmt.delta(x) for x in out.finish())
-            tail = b"" if status == "cancelled" else tail + fmt.finish(out.finish_reason(reason) if out else reason)
-            if include_usage and status != "cancelled":
-                tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
-        except DynError as exc:
-            status = "error"
-            tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
-        except Exception as exc:  # the stream still ends with an error event and [DONE]
-            status = "error"
-            error = _internal(exc, f"streaming request {d.plan.request_id}")
-            tail = fmt.error(str(error), "internal_error", "internal_error")
-        finally:
-            await cancel_and_wait(watcher)
+        async with watching(receive, d.abort):
+            try:
+                async for piece in gen.text():
+                    body = fmt.text(piece) if out is None else b"".join(fmt.delta(x) for x in out.push(piece))
+                    if body:
+                        await send({"type": "http.response.body", "body": head + body, "more_body": True})
+                        head = b""
+                if d.is_aborted:
+                    status = "cancelled"
+                reason = gen.finish_reason or "length"
+                tail = b"" if out is None else b"".join(fmt.delta(x) for x in out.finish())
+                tail = b"" if status == "cancelled" else tail + fmt.finish(out.finish_reason(reason) if out else reason)
+                if include_usage and status != "cancelled":
+                    tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
+            except DynError as exc:
+                status = "error"
+                tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
+            except Exception as exc:  # the stream still ends with an error event and [DONE]
+                status = "error"
+                error = _internal(exc, f"streaming request {d.plan.request_id}")
+                tail = fmt.error(str(error), "internal_error", "internal_error")
         if status == "cancelled":
-            self.metrics.disconnected.labels(d.entry.name).inc()
-            self.metrics.cancellations.labels(d.entry.name).inc()
+            self._count_gone(d)
         await send({"type": "http.response.body", "body": head + tail + DONE, "more_body": False})
         return status
 
@@ -334,16 +328,16 @@ class Frontend:
             reason = out.finish_reason(reason) if out is not None else reason
             return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
 
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, d.abort))
-        try:
+        async with watching(receive, d.abort):
             status = await reply_json(send, body, lambda: id_headers(gen), d.plan.request_id)
-        finally:
-            await cancel_and_wait(watcher)
         if d.is_aborted:
-            self.metrics.disconnected.labels(d.entry.name).inc()
-            self.metrics.cancellations.labels(d.entry.name).inc()
+            self._count_gone(d)
             return "cancelled"
         return status
+
+    def _count_gone(self, d: Dispatch) -> None:
+        self.metrics.disconnected.labels(d.entry.name).inc()
+        self.metrics.cancellations.labels(d.entry.name).inc()
 
     async def _choices(self, gens: list[Generation], request: Any, send: Send, receive: Receive, is_chat: bool) -> str:
         """n choices and/or logprobs (choices.py): one body, or SSE events naming each choice's index."""

@@ -4,10 +4,11 @@ client's disconnect. Shared by the routes of app.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.responses import Response
@@ -71,16 +72,14 @@ async def stream_sse(
     async def write(data: bytes) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
-    watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, on_disconnect))
     status = "success"
-    try:
-        tail = await produce(write)
-    except DynError as exc:
-        status, tail = "error", error_event(exc)
-    except Exception as exc:
-        status, tail = "error", error_event(internal(exc, f"streaming request {request_id}"))
-    finally:
-        await cancel_and_wait(watcher)
+    async with watching(receive, on_disconnect):
+        try:
+            tail = await produce(write)
+        except DynError as exc:
+            status, tail = "error", error_event(exc)
+        except Exception as exc:
+            status, tail = "error", error_event(internal(exc, f"streaming request {request_id}"))
     if gone:
         status, tail = "cancelled", b""
     await send({"type": "http.response.body", "body": tail + done, "more_body": False})
@@ -123,12 +122,24 @@ async def unless_gone(prepare: Callable[[], Coroutine[Any, Any, T]], receive: Re
     try:
         return await prepare(), guard.is_gone
     except asyncio.CancelledError:
-        if guard.has_cancelled and task is not None and task.uncancel() == 0:  # our own interrupt, not a shutdown
+        if guard.has_cancelled and task is not None:
+            task.uncancel()  # our own interrupt's
+        if guard.is_gone and (task is None or task.cancelling() == 0):  # the client left, not a shutdown
             raise ClientGone() from None
         raise
     finally:
         INTERRUPTIBLE.reset(token)
         guard.task = None
+        await cancel_and_wait(watcher)
+
+
+@contextlib.asynccontextmanager
+async def watching(receive: Receive, on_disconnect: Callable[[], None]) -> AsyncIterator[None]:
+    """`on_disconnect()` is called if the client leaves while the block runs; the watcher ends with the block."""
+    watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, on_disconnect))
+    try:
+        yield
+    finally:
         await cancel_and_wait(watcher)
 
 

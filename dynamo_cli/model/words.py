@@ -39,12 +39,24 @@ _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True
 _DIGITS_ISOLATED = {"type": "Split", "pattern": {"Regex": "\\p{N}"}, "behavior": "Isolated", "invert": False}
 
 
+def batch_encoder(hf: HfTokenizer) -> Callable[..., list[Encoding]]:
+    """The library's batch encode: it releases the GIL (`encode` does not), and the `_fast` form skips computing
+    offsets (about a third cheaper, the same ids)."""
+    return getattr(hf, "encode_batch_fast", hf.encode_batch)
+
+
+def plain_ids(words: WordTable | None, encode: Callable[..., list[Encoding]], text: str) -> list[int]:
+    """The ids of `text` (no special token in it): from the word table when it takes the text, else the library's."""
+    ids = words.encode(text) if words is not None else None
+    return ids if ids is not None else encode([text], add_special_tokens=False)[0].ids
+
+
 class WordTable:
     """The ids of a byte-level BPE tokenizer's pre-tokens, encoded once each (thread-safe: a lost race encodes a word
     twice, to the same ids)."""
 
     def __init__(self, hf: HfTokenizer, isolate_digits: bool) -> None:
-        self._encode: Callable[..., list[Encoding]] = getattr(hf, "encode_batch_fast", hf.encode_batch)
+        self._encode = batch_encoder(hf)
         self._single: dict[str, int] = {}
         """Pre-tokens that are one token (most of them), looked up in C for a whole text at once."""
         self._multi: dict[str, list[int]] = {}

@@ -85,6 +85,27 @@ async def test_the_task_that_was_interrupted_goes_on_uncancelled_after_client_go
     await asyncio.sleep(0)  # no cancellation left pending on the handler's task
 
 
+async def test_a_client_gone_between_two_waits_ends_the_second_as_client_gone() -> None:
+    left = asyncio.Event()
+    second_began = asyncio.Event()
+
+    async def prepare() -> Prepared:
+        with interruptible():  # the watcher starts here, and sees the client leave after this wait
+            await asyncio.sleep(0)
+        left.set()
+        await asyncio.sleep(0.05)  # not interruptible: the departure is only noted
+        second_began.set()
+        with interruptible():  # gone already: this wait does not begin
+            await asyncio.sleep(3600)
+        return Prepared()
+
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(unless_gone(prepare, _leaves_when(left)), 5)
+    assert second_began.is_set()
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+
 async def test_a_request_that_waits_for_nothing_is_prepared_without_yielding_the_event_loop() -> None:
     # Issue 47: every yield put a request behind the parsing and tokenizing of every other arrival of a burst.
     others: list[str] = []
