@@ -10,6 +10,10 @@ Both mockers run Dynamo's timing model at speedup 1 with the same KV blocks, blo
 - `disagg`: 1 prefill + 1 decode worker, closed loop at `--concurrency`, unique prompts of `--isl`, OSL `--osl`
   (dyn's default conditional policy; Dynamo's prefill router).
 - `agg2`: 2 workers, the same closed loop.
+- `cpu-CxT` (`cpu-1x16`, `cpu-8x128`, `cpu-32x16`, `cpu-64x16`): CPU per request, frontend + worker. 1 worker, both
+  mockers at speedup 1000 (the engine's time near zero), closed loop of C clients for `--seconds`, unique ~100-token
+  prompts, T output tokens. `cpu_ms_req` is the CPU seconds of every process of the side (dyn serve and its
+  children; Dynamo's frontend and mocker) over the round, per completed request.
 
 Requests are chat completions of one user message (the model's default system prompt around it), streamed, with
 `ignore_eos`. Prompts longer than the model's context are clipped in the trace, so both sides serve the same work.
@@ -52,40 +56,53 @@ from dyn_engines.hf_export import hf_model_dir
 SERVED = "smol"
 """The model name both sides serve under."""
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation.jsonl"
-SETUPS = ("trace-kv", "trace-rr", "disagg", "agg2")
-FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p99", "e2e_p90", "req_s", "hit_rate")
+CPU_CELLS = {"cpu-1x16": (1, 16), "cpu-8x128": (8, 128), "cpu-32x16": (32, 16), "cpu-64x16": (64, 16)}
+"""CPU cells: (concurrency, output tokens)."""
+SETUPS = ("trace-kv", "trace-rr", "disagg", "agg2", *CPU_CELLS)
+FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p99", "e2e_p90", "req_s", "hit_rate", "cpu_ms_req")
+CPU_ISL = 100
+TRANSFER = {"kv_transfer_bandwidth": 64, "kv_bytes_per_token": 23040}
+"""The modelled KV transfer, the same on both sides: 64 GB/s, SmolLM2-135M's KV (30 layers x 2 x 3 KV heads x 64 x 2
+bytes; dyn's mocker and Dynamo's read the same from the model, but an unset bandwidth is no delay at all in both)."""
 CONTEXT = 8192
 """dyn's mocker context; trace prompts are clipped below it (Dynamo's mocker has no limit)."""
 
 
 def shape(setup: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Workers, router and KV blocks of a setup, the same on both sides."""
+    """Workers, router, KV blocks and mocker speedup of a setup, the same on both sides."""
     if setup.startswith("trace"):
-        return {"workers": 4, "router": "kv" if setup == "trace-kv" else "round-robin", "blocks": args.blocks}
-    if setup == "agg2":
-        return {"workers": 2, "router": "kv", "blocks": 16384}
-    return {"workers": 0, "router": "kv", "blocks": 16384}
+        router = "kv" if setup == "trace-kv" else "round-robin"
+        return {"workers": 4, "router": router, "blocks": args.blocks, "speedup": 1}
+    if setup in CPU_CELLS:
+        return {"workers": 1, "router": "round-robin", "blocks": 16384, "speedup": 1000}
+    return {"workers": 2 if setup == "agg2" else 0, "router": "kv", "blocks": 16384, "speedup": 1}
 
 
 def dyn_flags(setup: str, args: argparse.Namespace) -> list[str]:
     s = shape(setup, args)
-    flags = ["--engine", "mocker", "--speedup-ratio", "1", "--router", s["router"], "--served-model-name", SERVED]
-    flags += ["--num-gpu-blocks", str(s["blocks"]), "--engine-arg", "kv_transfer_bandwidth=64"]
+    flags = ["--engine", "mocker", "--speedup-ratio", str(s["speedup"]), "--router", s["router"]]
+    flags += ["--served-model-name", SERVED]
+    flags += ["--num-gpu-blocks", str(s["blocks"])]
+    flags += [arg for key, value in TRANSFER.items() for arg in ("--engine-arg", f"{key}={value}")]
     if s["workers"]:
         return [*flags, "--workers", str(s["workers"])]
     return [*flags, "--disagg", "--prefill-workers", "1", "--decode-workers", "1"]
 
 
 @contextlib.contextmanager
-def dynamo(python: str, setup: str, args: argparse.Namespace, tmp: Path, timeout_s: float = 120.0) -> Iterator[str]:
-    """Dynamo 1.6.1 in `setup`: its mocker workers and frontend as processes, up for the block, then stopped."""
+def dynamo(
+    python: str, setup: str, args: argparse.Namespace, tmp: Path, timeout_s: float = 120.0
+) -> Iterator[tuple[str, list[int]]]:
+    """Dynamo 1.6.1 in `setup`: its mocker workers and frontend as processes, up for the block (its URL and PIDs),
+    then stopped."""
     s = shape(setup, args)
     store = tmp / f"dynamo-{setup}.kv"
     store.mkdir()
     env = {**os.environ, "DYN_FILE_KV": str(store), "DYN_LOG": "warn"}
     planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     model = ["--model-path", hf_model_dir(disagg.MODEL), "--model-name", SERVED]
-    model += ["--num-gpu-blocks-override", str(s["blocks"])]
+    model += ["--num-gpu-blocks-override", str(s["blocks"]), "--speedup-ratio", str(s["speedup"])]
+    model += [arg for key, value in TRANSFER.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     workers = (
         [["--num-workers", str(s["workers"])]]
         if s["workers"]
@@ -104,7 +121,7 @@ def dynamo(python: str, setup: str, args: argparse.Namespace, tmp: Path, timeout
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, procs, log, timeout_s)
         print(f"  dynamo-{setup}: {url}", flush=True)
-        yield url
+        yield url, [p.pid for p in procs]
     finally:
         for proc in procs:
             harness.stop_process(proc)
@@ -138,6 +155,9 @@ def jobs_for(setup: str, args: argparse.Namespace, words: rc.Words, rnd: int) ->
             max_output=args.max_output,
             salt=rnd,
         )
+    if setup in CPU_CELLS:
+        concurrency, osl = CPU_CELLS[setup]
+        return rc.unique_jobs(words, int(args.seconds * 40_000 / osl) + concurrency, CPU_ISL, osl, seed=rnd)
     per_client = max(4, int(args.seconds * 2))
     return rc.unique_jobs(words, args.concurrency * per_client, args.isl, args.osl, seed=rnd)
 
@@ -148,14 +168,24 @@ def warm(url: str, words: rc.Words) -> None:
     asyncio.run(rc.closed(url, SERVED, jobs, concurrency=4, warmup=0))
 
 
-def run(setup: str, url: str, jobs: list[rc.Job], args: argparse.Namespace) -> dict[str, Any]:
+def run(setup: str, url: str, pids: list[int], jobs: list[rc.Job], args: argparse.Namespace) -> dict[str, Any]:
+    """One round on one side; `pids`: the side's processes, whose CPU is counted per request."""
+    tree = [q for pid in pids for q in harness.process_tree(pid)]
+    cpu = sum(map(harness.cpu_seconds, tree))
     started = time.perf_counter()
     if setup.startswith("trace"):
         records = asyncio.run(rc.replay(url, SERVED, jobs))
+    elif setup in CPU_CELLS:
+        concurrency = CPU_CELLS[setup][0]
+        records = asyncio.run(rc.closed(url, SERVED, jobs, concurrency, warmup=0, seconds=args.seconds))
     else:
         records = asyncio.run(rc.closed(url, SERVED, jobs, args.concurrency, warmup=args.concurrency))
     wall = time.perf_counter() - started
-    return {"summary": rc.summary(records, wall), "records": rc.rows(records)}
+    cpu = sum(map(harness.cpu_seconds, tree)) - cpu
+    summary = rc.summary(records, wall)
+    done = summary["requests"] - summary["errors"]
+    summary["cpu_ms_req"] = cpu / done * 1e3 if done else float("nan")
+    return {"summary": summary, "records": rc.rows(records) if not setup.startswith("cpu") else []}
 
 
 def median(values: list[float]) -> float:
@@ -215,20 +245,21 @@ def main() -> None:
         for setup in setups:
             ours = disagg.Side(setup, dyn_flags(setup, args))
             with contextlib.ExitStack() as stack:
-                urls: dict[str, str] = {}
+                urls: dict[str, tuple[str, list[int]]] = {}
                 if args.only in ("both", "dyn"):
                     stack.enter_context(disagg.deployed([ours], tmp))
-                    urls["dyn"] = ours.url
+                    assert ours.deployment is not None
+                    urls["dyn"] = ours.url, [ours.deployment.pid]
                 if args.only in ("both", "dynamo"):
                     urls["dynamo"] = stack.enter_context(dynamo(args.dynamo_python, setup, args, tmp))
-                for url in urls.values():
+                for url, _ in urls.values():
                     warm(url, words)
                 runs[setup] = {name: [] for name in ("dyn", "dynamo")}
                 for rnd in range(args.rounds):
                     jobs = jobs_for(setup, args, words, rnd)
                     order = list(urls.items())
-                    for name, url in order if rnd % 2 == 0 else order[::-1]:
-                        result = run(setup, url, jobs, args)
+                    for name, (url, pids) in order if rnd % 2 == 0 else order[::-1]:
+                        result = run(setup, url, pids, jobs, args)
                         runs[setup][name].append(result["summary"])
                         records[f"{setup}-{name}-r{rnd}"] = result["records"]
                         figures = "  ".join(f"{k} {v:.4g}" for k, v in result["summary"].items())

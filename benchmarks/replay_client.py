@@ -220,15 +220,19 @@ async def replay(url: str, model: str, jobs: Sequence[Job]) -> list[Record]:
         return list(await asyncio.gather(*(timed(job) for job in jobs)))
 
 
-async def closed(url: str, model: str, jobs: Sequence[Job], concurrency: int, warmup: int) -> list[Record]:
-    """Closed loop: `concurrency` clients take the jobs in order; the first `warmup` records are dropped."""
+async def closed(
+    url: str, model: str, jobs: Sequence[Job], concurrency: int, warmup: int, seconds: float = math.inf
+) -> list[Record]:
+    """Closed loop: `concurrency` clients take the jobs in order until they run out or `seconds` pass; the first
+    `warmup` records are dropped."""
     queue = list(reversed(jobs))
     records: list[Record] = []
     async with _session(limit=concurrency) as session:
         t0 = time.perf_counter()
+        deadline = t0 + seconds
 
         async def client() -> None:
-            while queue:
+            while queue and time.perf_counter() < deadline:
                 records.append(await send(session, url, model, queue.pop(), t0))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))

@@ -12,20 +12,21 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HfTokenizer
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.model.chat_template import ChatTemplate
 from dynamo_cli.model.detokenizer import ByteDetokenizer, Detokenizer, TextDetokenizer
 from dynamo_cli.model.paths import resolve_model_path
-from dynamo_cli.model.words import WordTable, batch_encoder, plain_ids
+from dynamo_cli.model.words import WordTable, batch_encoder, plain_ids, slices
 
 _CONTROL = 3  # GGUF token_type of special/control tokens
 _USER_DEFINED = 4
@@ -35,13 +36,15 @@ SEGMENT_CACHE = 4096
 SEGMENT_CACHE_TOKENS = 1 << 20
 """...and the most token ids they hold together (about 40 MB): a stream of long unique prompts does not fill memory."""
 INLINE_CHARS = 2048
-"""Texts up to this long are tokenized on the caller's thread (about 2 ms here); longer ones on a tokenizer thread,
-so a burst of long prompts neither blocks the event loop (every other stream's chunks wait behind it) nor runs one
-prompt at a time: `encode_batch` releases the GIL, so two threads tokenize two prompts at once."""
-INLINE_PLAIN_CHARS = 32768
-"""Plain text up to this long is tokenized on the caller's thread too: the word table (model/words.py) takes about
-0.15 us a character (1.7 ms for a 1,900-token prompt), in Python, so a thread would only add a hand-over and a
-share of the GIL."""
+"""Texts up to this long are tokenized at once on the caller's thread (the library: about 2 ms here). A longer text
+that is not plain goes to a tokenizer thread, so a burst of long prompts neither blocks the event loop (every other
+stream's chunks wait behind it) nor runs one prompt at a time: `encode_batch` releases the GIL, so two threads
+tokenize two prompts at once."""
+SLICE_CHARS = 2048
+"""Longer plain text is tokenized by the word table (model/words.py: about 0.15 us a character, in Python, holding
+the GIL, so a thread would not free the loop) in slices of about this many characters, a third of a millisecond
+each, the event loop running between two: a 3,000-token prompt took 2-3 ms of the loop at once, and every stream's
+next chunk waited behind it (the disaggregated ITL p99 in benchmarks/RESULTS.md)."""
 TOKENIZER_THREADS = 2
 """Tokenizer threads per process (the engines' own cores do the rest)."""
 
@@ -68,11 +71,14 @@ class Tokenizer:
         return plain_ids(self.words, batch_encoder(self.hf), text)
 
     async def encode_async(self, text: str) -> list[int]:
-        """`encode`, for a long text on a tokenizer thread (the event loop goes on meanwhile)."""
-        if len(text) <= INLINE_CHARS or (
-            len(text) <= INLINE_PLAIN_CHARS and self.words is not None and self.words.is_plain(text)
-        ):
+        """`encode`, the event loop going on meanwhile for a long text: plain text in slices (SLICE_CHARS), one
+        prompt after another in arrival order; any other on a tokenizer thread."""
+        if len(text) <= INLINE_CHARS:
             return self.encode(text)
+        if self.words is not None and self.words.is_plain(text):
+            if self.segments is not None:
+                return await self.segments.encode_sliced(text)
+            return await sliced_ids(self.words, batch_encoder(self.hf), text)
         return await asyncio.get_running_loop().run_in_executor(_pool(), self.encode, text)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -119,21 +125,40 @@ class SegmentCache:
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
-        cache, specials, lock = self._cache, self._specials, self._lock
-        for i, piece in enumerate(self._split(text)):
-            if i % 2:
-                ids.append(specials[piece])
-            elif piece:
-                with lock:
+        for piece, hit in self._lookup(text):
+            if hit is None:
+                hit = plain_ids(self._words, self._encode, piece)
+                with self._lock:
+                    self._keep(piece, hit)
+            ids += hit
+        return ids
+
+    async def encode_sliced(self, text: str) -> list[int]:
+        """`encode` of plain text, each piece not cached tokenized by `sliced_ids`."""
+        assert self._words is not None
+        ids: list[int] = []
+        for piece, hit in self._lookup(text):
+            if hit is None:
+                hit = await sliced_ids(self._words, self._encode, piece)
+                with self._lock:
+                    self._keep(piece, hit)
+            ids += hit
+        return ids
+
+    def _lookup(self, text: str) -> list[tuple[str, list[int] | None]]:
+        """The text's pieces between special tokens, each with its ids when known (a special token's, or cached)."""
+        out: list[tuple[str, list[int] | None]] = []
+        cache, specials = self._cache, self._specials
+        with self._lock:
+            for i, piece in enumerate(self._split(text)):
+                if i % 2:
+                    out.append((piece, [specials[piece]]))
+                elif piece:
                     hit = cache.get(piece)
                     if hit is not None:
                         cache.move_to_end(piece)
-                if hit is None:
-                    hit = plain_ids(self._words, self._encode, piece)
-                    with lock:
-                        self._keep(piece, hit)
-                ids += hit
-        return ids
+                    out.append((piece, hit))
+        return out
 
     def _keep(self, piece: str, ids: list[int]) -> None:
         cache = self._cache
@@ -143,6 +168,30 @@ class SegmentCache:
         self._num_tokens += len(ids)
         while len(cache) > SEGMENT_CACHE or self._num_tokens > SEGMENT_CACHE_TOKENS:
             self._num_tokens -= len(cache.popitem(last=False)[1])
+
+
+_LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+"""Per event loop: held while a long text is tokenized in slices, so prompts finish in the order they came (taking
+turns slice by slice, a burst of arrivals would all finish at the end of the burst)."""
+
+
+async def sliced_ids(words: WordTable, encode: Callable[..., list[Encoding]], text: str) -> list[int]:
+    """The ids of plain `text` (no special token in it), SLICE_CHARS at a time, the event loop running between two
+    slices, one text at a time per loop (`_LANES`)."""
+    parts = slices(text, SLICE_CHARS)
+    if len(parts) == 1:
+        return plain_ids(words, encode, text)
+    loop = asyncio.get_running_loop()
+    lane = _LANES.get(loop)
+    if lane is None:
+        lane = _LANES[loop] = asyncio.Lock()
+    ids: list[int] = []
+    async with lane:
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(0)
+            ids += plain_ids(words, encode, part)
+    return ids
 
 
 _POOL: ThreadPoolExecutor | None = None

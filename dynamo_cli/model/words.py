@@ -51,6 +51,28 @@ def plain_ids(words: WordTable | None, encode: Callable[..., list[Encoding]], te
     return ids if ids is not None else encode([text], add_special_tokens=False)[0].ids
 
 
+def slices(text: str, size: int) -> list[str]:
+    """`text` cut into pieces of about `size` characters whose ids, put together, are the ids of `text` (plain text).
+
+    NOTE: a cut goes before a space that has something other than whitespace on both sides. In both patterns above,
+    the piece holding the character before the cut cannot hold the space (letters, digits and punctuation runs stop
+    at a space; contractions hold none; that character is no whitespace), so a piece ends at the cut in the whole
+    text as in the first part; and what the pattern matches from the cut on (a space and a word) looks at nothing
+    before it. A text with no such space stays whole."""
+    out: list[str] = []
+    start, end = 0, len(text)
+    while end - start > size:
+        cut = text.find(" ", start + size, end - 1)
+        while cut > 0 and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.find(" ", cut + 1, end - 1)
+        if cut <= 0:
+            break
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
 class WordTable:
     """The ids of a byte-level BPE tokenizer's pre-tokens, encoded once each (thread-safe: a lost race encodes a word
     twice, to the same ids)."""

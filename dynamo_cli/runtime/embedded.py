@@ -264,14 +264,32 @@ class FileDiscovery:
 CHANNEL_PREFIX = "v1/event_channels/"
 
 
+RECEIVE_BATCH = 256
+"""Messages a SUB socket takes before letting the event loop run something else."""
+
+
+def _topic(subject: str) -> bytes:
+    """A message's ZMQ topic: the subject's last token, a space, then the subject. ZMQ filters by prefix at the
+    publisher, and the patterns subscribed name their last token (`namespace.ns.component.*.kv-metrics`): with
+    the kind first, a frontend routing round-robin is not sent every worker's KV events (it dropped them itself)."""
+    return f"{subject.rpartition('.')[2]} {subject}".encode()
+
+
+def _topic_prefix(pattern: str) -> bytes:
+    """The topic prefix every subject matching `pattern` has (`_topic`)."""
+    prefix = pattern.split("*", 1)[0].split(">", 1)[0]
+    last = pattern.rpartition(".")[2]
+    return f"{last} {prefix}".encode() if "*" not in last and ">" not in last else b""
+
+
 class _ZmqSubscription:
     """One subscription: a bounded queue that the bus's SUB socket feeds the messages matching `pattern`."""
 
     def __init__(self, bus: ZmqEventBus, pattern: str) -> None:
         self.dropped = 0
         self._pattern = pattern
-        self.literal = pattern.split("*", 1)[0].split(">", 1)[0].encode()
-        """The pattern up to its first wildcard: the SUB socket's prefix filter."""
+        self.literal = _topic_prefix(pattern)
+        """The SUB socket's prefix filter (`_topic`): the publisher sends only what passes it."""
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(SUBSCRIBER_QUEUE)
         self._bus = bus
 
@@ -308,7 +326,9 @@ class ZmqEventBus:
     def __init__(self, discovery: Discovery) -> None:
         self._discovery = discovery
         self._context = zmq.asyncio.Context()
-        self._pub: zmq.asyncio.Socket | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        """A plain (not asyncio) socket: a PUB send with NOBLOCK never waits, and the asyncio wrapper's futures
+        and poller registration cost more than the send itself (a worker publishes a KV batch every pass)."""
         self._sub: zmq.asyncio.Socket | None = None
         self._subs: list[_ZmqSubscription] = []
         self._sub_tasks: list[asyncio.Task[None]] = []
@@ -317,7 +337,7 @@ class ZmqEventBus:
         self._closed = False
 
     async def start(self) -> None:
-        pub = self._context.socket(zmq.PUB)
+        pub: zmq.Socket[bytes] = zmq.Context.shadow(self._context.underlying).socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_QUEUE)
         pub.setsockopt(zmq.LINGER, 0)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -327,7 +347,7 @@ class ZmqEventBus:
     async def publish(self, subject: str, payload: bytes) -> None:
         assert self._pub is not None, "start() first"
         try:
-            await self._pub.send_multipart([subject.encode(), payload], flags=zmq.NOBLOCK)
+            self._pub.send_multipart([_topic(subject), payload], flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # PUB drops at its high-water mark: the event plane never blocks a publisher
 
@@ -361,12 +381,25 @@ class ZmqEventBus:
                     self._sub.disconnect(self._connected.pop(event.key))
 
     async def _receive(self) -> None:
+        """Offer every message to the subscriptions. After each awaited receive, what is already queued is taken
+        without waiting (the loop yielding every RECEIVE_BATCH): one asyncio wake-up per burst, not per message."""
         assert self._sub is not None
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
         while True:
-            subject_raw, payload = await self._sub.recv_multipart()
-            subject = subject_raw.decode()
-            for sub in self._subs:
-                sub.offer(subject, payload)
+            message = await self._sub.recv_multipart()
+            taken = 0
+            while True:
+                topic, payload = message
+                subject = topic.decode().partition(" ")[2]
+                for sub in self._subs:
+                    sub.offer(subject, payload)
+                taken += 1
+                if taken % RECEIVE_BATCH == 0:
+                    await asyncio.sleep(0)
+                try:
+                    message = now.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
 
     async def close(self) -> None:
         if self._closed:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dynamo_cli.config import TIER_DISK_GBS, TIER_DISK_LATENCY_S, TIER_HOST_GBS, TIER_HOST_LATENCY_S
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.model.gguf_meta import read_gguf_metadata
+from dynamo_cli.model.paths import resolve_model_path
 from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
@@ -16,7 +20,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CONTEXT_LENGTH = 8192
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
-"""Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes."""
+"""Llama-3-8B in bf16: 32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes. Used when the model's own size is
+not known (`model_kv_bytes_per_token`)."""
 KV_TRANSFER_MODES = ("pull", "rendezvous")
 """How a prefill-role mocker hands its KV on (engines/mocker/handoff.py)."""
 PREEMPTION_MODES = ("lifo", "fifo")
@@ -133,9 +138,7 @@ class MockerConfig:
             enable_prefix_caching=_boolean("enable_prefix_caching", extra.get("enable_prefix_caching", True)),
             speedup_ratio=_positive_float("speedup_ratio", extra.get("speedup_ratio", 1.0)),
             decode_speedup_ratio=_positive_float("decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)),
-            kv_bytes_per_token=_positive_int(
-                "kv_bytes_per_token", extra.get("kv_bytes_per_token", DEFAULT_KV_BYTES_PER_TOKEN)
-            ),
+            kv_bytes_per_token=_positive_int("kv_bytes_per_token", _kv_bytes_per_token(extra, args.model)),
             kv_transfer_bandwidth=_non_negative_float("kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 0.0)),
             vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
             kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", TIER_HOST_GBS)),
@@ -154,6 +157,34 @@ class MockerConfig:
         if self.kv_transfer_bandwidth == 0:
             return 0.0
         return nbytes / (self.kv_transfer_bandwidth * 1e9)
+
+
+def _kv_bytes_per_token(extra: dict[str, Any], model: str) -> Any:
+    if "kv_bytes_per_token" in extra:
+        return extra["kv_bytes_per_token"]
+    return model_kv_bytes_per_token(model) or DEFAULT_KV_BYTES_PER_TOKEN
+
+
+def model_kv_bytes_per_token(model: str) -> int | None:
+    """The KV bytes one token of `model` takes in 16-bit precision (layers x 2 x KV heads x head dim x 2), from its
+    GGUF metadata or its directory's config.json, as Dynamo's mocker computes it from the model's config; None when
+    the model says nothing of it (a bare directory)."""
+    try:
+        path = Path(resolve_model_path(model))
+        if path.is_file():
+            meta = read_gguf_metadata(str(path))
+            arch = meta["general.architecture"]
+            layers, heads = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.attention.head_count"])
+            kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+            head_dim = int(meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // heads)
+        else:
+            config = json.loads((path / "config.json").read_text())
+            layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (ConfigError, OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return layers * 2 * kv_heads * head_dim * 2 if layers > 0 and kv_heads > 0 and head_dim > 0 else None
 
 
 def _scheduling_rules(extra: dict[str, Any]) -> dict[str, str]:

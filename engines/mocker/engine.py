@@ -52,6 +52,12 @@ spread."""
 MAX_CATCH_UP_S = 0.005
 """A busy loop that wakes this late starts the next pass at its nominal time, so the simulated clock
 does not drift by the event loop's oversleep; later than that (a starved CPU) it starts afresh."""
+EVENT_INTERVAL_S = 0.001
+"""Passes shorter than this (high speedup ratios) publish their KV events together: at most once per interval
+of wall time, and before the loop idles. A real engine's pass takes milliseconds, and so does the mocker's at
+speedup 1; at speedup 1000 a pass takes microseconds, and one event batch per pass measured the event plane
+(three publishes per request, a tenth of the CPU per request in benchmarks/mocker_live.py's cpu cells), not an
+engine's behaviour. The router's view lags by at most the interval."""
 
 
 class EngineState(enum.Enum):
@@ -122,6 +128,8 @@ class MockerEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None  # when the current pass ends, in loop time
+        self._events_taken_at = 0.0
+        """When KV events were last taken for publishing (time.monotonic)."""
         self._info: EngineInfo | None = None
         self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
         self._loras: set[str] = set()
@@ -201,6 +209,7 @@ class MockerEngine:
             except asyncio.CancelledError:
                 pass
         self._end_all(FinishReason.CANCELLED)
+        self._take_events()  # what short passes kept back
         self._events.close()
 
     ##### The step loop #####
@@ -218,9 +227,9 @@ class MockerEngine:
                 result = self._scheduler.step()
                 if self._tiers is not None:
                     self._tiers.after_pass()
-                self._publish_events("pass_start")
+                self._publish_events("pass_start", result.duration_ms)
                 await self._sleep_pass(result.duration_ms)
-                self._publish_events("pass_end")
+                self._publish_events("pass_end", result.duration_ms)
                 self._deliver(result)
                 self._count_pass(result, loop.time() - started)
         except asyncio.CancelledError:
@@ -248,16 +257,23 @@ class MockerEngine:
     async def _wait_for_work(self) -> None:
         if self._scheduler.has_work:
             return
+        self._take_events()  # what short passes left for later: nothing comes later while idle
         self._deadline = None  # idle: the next pass starts whenever work arrives
         self._wakeup.clear()
         while not self._scheduler.has_work:
             await self._wakeup.wait()
             self._wakeup.clear()
 
-    def _publish_events(self, moment: str) -> None:
+    def _publish_events(self, moment: str, pass_ms: float) -> None:
         if moment != self.config.kv_event_visibility:
             return
+        if pass_ms < EVENT_INTERVAL_S * 1e3 and time.monotonic() - self._events_taken_at < EVENT_INTERVAL_S:
+            return  # a short pass: its events go with a later pass's, or before the loop idles
+        self._take_events()
+
+    def _take_events(self) -> None:
         batch = self._kv.take_events(timestamp=time.time())
+        self._events_taken_at = time.monotonic()
         if batch is not None:
             self._events.append(batch)
 

@@ -8,7 +8,6 @@ shows in the event ids; the overflow is counted and logged once), so the step lo
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -70,7 +69,8 @@ class EventRing:
                 logger.warning("a KV event subscriber fell %d batches behind; events were lost", first - next_id)
             self.num_skipped += first - next_id
             next_id = first
-        return list(itertools.islice(batches, next_id - first, None))
+        count = batches[-1].event_id + 1 - next_id  # the newest ones, read from the right end: O(count), not O(ring)
+        return [batches[i] for i in range(-count, 0)] if count > 0 else []
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -110,6 +110,10 @@ class KvManager:
         `seq_hashes` / `local_hashes` name every full block of the first `num_tokens` tokens (more are fine).
         """
         table = self._tables.setdefault(request_id, [])
+        if table:  # a decode step inside the last block (most calls) changes nothing: answered before any planning
+            block_size, has_partial = self.block_size, table[-1] < 0
+            if num_tokens <= (len(table) - has_partial) * block_size + has_partial * (block_size - 1):
+                return True
         if not self.enable_prefix_caching:
             return self._allocate_private(table, blocks_needed(num_tokens, self.block_size))
         num_full = num_tokens // self.block_size

@@ -26,6 +26,7 @@ from .kv_manager import KvManager
 
 TOKEN_ID_LOW = 1000
 TOKEN_ID_HIGH = 2000
+_TOKEN_ID_SPAN = TOKEN_ID_HIGH - TOKEN_ID_LOW
 
 
 class MockRequest:
@@ -87,7 +88,7 @@ class MockRequest:
 
     def emit_token(self, block_size: int) -> int:
         """Draw the next output token, append it to the sequence and return it."""
-        token = self._rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH)
+        token = TOKEN_ID_LOW + int(self._rng.random() * _TOKEN_ID_SPAN)  # randrange's checks cost 3x: once a token
         self.token_ids.append(token)
         self.num_output_tokens += 1
         if len(self.token_ids) % block_size == 0:
@@ -193,10 +194,9 @@ class Scheduler:
         budget, num_preempted = self._schedule_running(budget, scheduled)
         if num_preempted == 0:
             self._schedule_waiting(budget, scheduled)
-        decoding = self._decoding(scheduled)
-        num_prefill_tokens = self._compute(scheduled)
+        decoding, num_prefill_tokens = self._compute(scheduled)
         emitted, finished, failed = self._emit_tokens(scheduled)
-        duration = self._duration_ms(num_prefill_tokens, decoding, emitted)
+        duration = self._duration_ms(num_prefill_tokens, decoding, emitted, failed)
         self._release(finished + [request for request, _ in failed])
         return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted, failed)
 
@@ -270,29 +270,39 @@ class Scheduler:
                 return num_new
         return 0
 
-    @staticmethod
-    def _decoding(scheduled: _Scheduled) -> list[MockRequest]:
-        return [request for request, num_new in scheduled if _is_decode(request, num_new)]  # before compute
-
-    def _duration_ms(self, num_prefill_tokens: int, decoding: list[MockRequest], emitted: list[MockRequest]) -> float:
+    def _duration_ms(
+        self,
+        num_prefill_tokens: int,
+        decoding: list[MockRequest],
+        emitted: list[MockRequest],
+        failed: list[tuple[MockRequest, str]],
+    ) -> float:
+        """The pass's simulated time; `decoding` were told apart before computing, and only those that emitted count
+        (a prefilled request chunked like a prompt, or one whose data failed, did not)."""
         kv, config = self.kv, self.config
         if config.is_prefill_only:
             return self.timing.pass_ms(num_prefill_tokens, 0, 0.0)
         if config.decode_kv_input == "active_blocks":
             return self.timing.pass_ms(num_prefill_tokens, len(emitted), kv.usage)
-        emitting = {id(request) for request in emitted}
-        decoding = [request for request in decoding if id(request) in emitting]
+        if failed or config.prefilled_admission != "materialized":  # else every decoding request emitted
+            emitting = {id(request) for request in emitted}
+            decoding = [request for request in decoding if id(request) in emitting]
         num_tokens = sum(len(request.token_ids) - 1 for request in decoding)  # as before this pass's token
         return self.timing.pass_ms(num_prefill_tokens, len(decoding), num_tokens / (kv.num_blocks * kv.block_size))
 
-    def _compute(self, scheduled: _Scheduled) -> int:
+    def _compute(self, scheduled: _Scheduled) -> tuple[list[MockRequest], int]:
+        """Count the pass's tokens as computed; the requests that decoded (told apart before computing), and the
+        prompt tokens computed."""
+        decoding: list[MockRequest] = []
         num_prefill_tokens = 0
         for request, num_new in scheduled:
-            if not _is_decode(request, num_new):
+            if _is_decode(request, num_new):
+                decoding.append(request)
+            else:
                 num_prefill_tokens += num_new
             request.num_computed_tokens += num_new
         self.num_prefill_tokens_computed += num_prefill_tokens
-        return num_prefill_tokens
+        return decoding, num_prefill_tokens
 
     def _emit_tokens(
         self, scheduled: _Scheduled

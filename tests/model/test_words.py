@@ -3,6 +3,7 @@ BPE it takes (GPT-2's pre-tokenizer, and the GGUF's with digits isolated), and d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HfTokenizer
 
 from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
-from dynamo_cli.model.words import WordTable
+from dynamo_cli.model.words import WordTable, slices
 
 # Letters, digits, the whitespace GPT-2's pattern treats specially, apostrophes of its contractions, punctuation, and
 # characters outside ASCII (which take the library's path) mixed in.
@@ -64,6 +65,63 @@ def test_gpt2s_pre_tokenizer_gives_the_librarys_ids_on_any_text(
     assert ids is None or ids == library(gpt2, text)
     if text.isascii() and all(c.isprintable() or c in "\t\n\r" for c in text):
         assert ids is not None  # plain text takes the fast path
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=TEXT, size=st.integers(1, 12))
+def test_a_text_cut_into_slices_has_the_ids_of_the_whole(
+    gguf: Tokenizer, gpt2: HfTokenizer, gpt2_table: WordTable, pieces: list[str], size: int
+) -> None:
+    text = "".join(pieces)
+    parts = slices(text, size)
+    assert "".join(parts) == text
+    for part in parts[:-1]:  # each cut before a space with something other than whitespace on both sides
+        assert len(part) >= size and not part[-1].isspace()
+    plain = WordTable.is_plain(text)
+    for hf, table in ((gguf.hf, gguf.words), (gpt2, gpt2_table)):
+        assert table is not None
+        got = [table.encode(part) if plain else library(hf, part) for part in parts]
+        assert [i for ids in got for i in (ids or [])] == library(hf, text)
+
+
+def test_a_long_prompt_is_tokenized_in_slices_the_event_loop_running_between(gguf: Tokenizer) -> None:
+    text = " ".join(f"slice{i % 89} {i}, it's {i * 7 % 13}." for i in range(3000))  # ~66,000 characters
+    text = text[:30000]
+    ticks = 0
+
+    async def main() -> list[int]:
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        ticks_before = ticks
+        try:
+            ids = await gguf.encode_async(text)
+        finally:
+            ticker.cancel()
+        assert ticks - ticks_before >= 10  # 30,000 characters in slices of 2,048: the loop ran between them
+        return ids
+
+    assert asyncio.run(main()) == library(gguf.hf, text)
+
+
+def test_long_prompts_tokenized_at_once_finish_in_the_order_they_came(gguf: Tokenizer) -> None:
+    texts = [" ".join(f"lane{k}w{i}" for i in range(2500 if k == 0 else 400)) for k in range(3)]  # 20,000; 3,000
+    done: list[int] = []
+
+    async def one(k: int) -> None:
+        assert await gguf.encode_async(texts[k]) == library(gguf.hf, texts[k])
+        done.append(k)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(k) for k in range(3)))
+
+    asyncio.run(main())
+    assert done == [0, 1, 2]
 
 
 def test_a_long_prompt_of_words_and_numbers_matches_and_comes_from_the_table(gguf: Tokenizer) -> None:

@@ -1,6 +1,7 @@
 """MockerEngine behind the Engine contract: streams, cancellation, KV events, roles, validation."""
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -360,3 +361,18 @@ async def test_a_request_that_breaks_a_pass_fails_alone_and_the_engine_serves_on
         assert engine.state.value == "running"
     finally:
         await engine.stop()
+
+
+def test_the_kv_bytes_per_token_are_the_models_own_unless_given(model_dir: str, tmp_path: Path) -> None:
+    """As Dynamo's mocker: layers x 2 x KV heads x head dim x 2 bytes, from the GGUF's metadata or config.json."""
+    assert MockerConfig.from_args(EngineArgs(model="smollm2")).kv_bytes_per_token == 30 * 2 * 3 * 64 * 2
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {"num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    (hf / "config.json").write_text(json.dumps(config))
+    assert MockerConfig.from_args(EngineArgs(model=str(hf))).kv_bytes_per_token == 24 * 2 * 8 * 128 * 2
+    assert MockerConfig.from_args(EngineArgs(model=model_dir)).kv_bytes_per_token == 131072  # says nothing: the default
+    given = EngineArgs(model="smollm2", extra={"kv_bytes_per_token": 1000})
+    assert MockerConfig.from_args(given).kv_bytes_per_token == 1000
+    with pytest.raises(ConfigError, match="kv_bytes_per_token"):
+        MockerConfig.from_args(EngineArgs(model="smollm2", extra={"kv_bytes_per_token": 0}))
