@@ -61,6 +61,8 @@ CPU_CELLS = {"cpu-1x16": (1, 16), "cpu-8x128": (8, 128), "cpu-32x16": (32, 16), 
 SETUPS = ("trace-kv", "trace-rr", "disagg", "agg2", *CPU_CELLS)
 FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p99", "e2e_p90", "req_s", "hit_rate", "cpu_ms_req")
 CPU_ISL = 100
+CPU_TOKENS_PER_S = 40_000
+"""More output tokens a second than either side streams at speedup 1000: a cell's jobs outlast its `--seconds`."""
 TRANSFER = {"kv_transfer_bandwidth": 64, "kv_bytes_per_token": 23040}
 """The modelled KV transfer, the same on both sides: 64 GB/s, SmolLM2-135M's KV (30 layers x 2 x 3 KV heads x 64 x 2
 bytes; dyn's mocker and Dynamo's read the same from the model, but an unset bandwidth is no delay at all in both)."""
@@ -157,7 +159,7 @@ def jobs_for(setup: str, args: argparse.Namespace, words: rc.Words, rnd: int) ->
         )
     if setup in CPU_CELLS:
         concurrency, osl = CPU_CELLS[setup]
-        return rc.unique_jobs(words, int(args.seconds * 40_000 / osl) + concurrency, CPU_ISL, osl, seed=rnd)
+        return rc.unique_jobs(words, int(args.seconds * CPU_TOKENS_PER_S / osl) + concurrency, CPU_ISL, osl, seed=rnd)
     per_client = max(4, int(args.seconds * 2))
     return rc.unique_jobs(words, args.concurrency * per_client, args.isl, args.osl, seed=rnd)
 
@@ -185,7 +187,7 @@ def run(setup: str, url: str, pids: list[int], jobs: list[rc.Job], args: argpars
     summary = rc.summary(records, wall)
     done = summary["requests"] - summary["errors"]
     summary["cpu_ms_req"] = cpu / done * 1e3 if done else float("nan")
-    return {"summary": summary, "records": rc.rows(records) if not setup.startswith("cpu") else []}
+    return {"summary": summary, "records": [] if setup in CPU_CELLS else rc.rows(records)}
 
 
 def median(values: list[float]) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Role, check_request
@@ -29,7 +28,7 @@ from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
 
 from .config import MockerConfig
-from .events import EventRing
+from .events import EventPacer, EventRing
 from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from .kv_manager import KvManager
 from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
@@ -52,12 +51,6 @@ spread."""
 MAX_CATCH_UP_S = 0.005
 """A busy loop that wakes this late starts the next pass at its nominal time, so the simulated clock
 does not drift by the event loop's oversleep; later than that (a starved CPU) it starts afresh."""
-EVENT_INTERVAL_S = 0.001
-"""Passes shorter than this (high speedup ratios) publish their KV events together: at most once per interval
-of wall time, and before the loop idles. A real engine's pass takes milliseconds, and so does the mocker's at
-speedup 1; at speedup 1000 a pass takes microseconds, and one event batch per pass measured the event plane
-(three publishes per request, a tenth of the CPU per request in benchmarks/mocker_live.py's cpu cells), not an
-engine's behaviour. The router's view lags by at most the interval."""
 
 
 class EngineState(enum.Enum):
@@ -125,11 +118,10 @@ class MockerEngine:
         self._tiers = self._make_tiers(args) if args.kv_tiers.enabled and config.enable_prefix_caching else None
         self._streams: dict[str, _Stream] = {}
         self._events = EventRing()
+        self._pacer = EventPacer(self._kv, self._events)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None  # when the current pass ends, in loop time
-        self._events_taken_at = 0.0
-        """When KV events were last taken for publishing (time.monotonic)."""
         self._info: EngineInfo | None = None
         self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
         self._loras: set[str] = set()
@@ -209,7 +201,7 @@ class MockerEngine:
             except asyncio.CancelledError:
                 pass
         self._end_all(FinishReason.CANCELLED)
-        self._take_events()  # what short passes kept back
+        self._pacer.flush()  # what short passes kept back
         self._events.close()
 
     ##### The step loop #####
@@ -257,7 +249,7 @@ class MockerEngine:
     async def _wait_for_work(self) -> None:
         if self._scheduler.has_work:
             return
-        self._take_events()  # what short passes left for later: nothing comes later while idle
+        self._pacer.flush()  # what short passes left for later: nothing comes later while idle
         self._deadline = None  # idle: the next pass starts whenever work arrives
         self._wakeup.clear()
         while not self._scheduler.has_work:
@@ -267,15 +259,7 @@ class MockerEngine:
     def _publish_events(self, moment: str, pass_ms: float) -> None:
         if moment != self.config.kv_event_visibility:
             return
-        if pass_ms < EVENT_INTERVAL_S * 1e3 and time.monotonic() - self._events_taken_at < EVENT_INTERVAL_S:
-            return  # a short pass: its events go with a later pass's, or before the loop idles
-        self._take_events()
-
-    def _take_events(self) -> None:
-        batch = self._kv.take_events(timestamp=time.time())
-        self._events_taken_at = time.monotonic()
-        if batch is not None:
-            self._events.append(batch)
+        self._pacer.after_pass(pass_ms)
 
     async def _sleep_pass(self, duration_ms: float) -> None:
         loop = asyncio.get_running_loop()

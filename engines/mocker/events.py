@@ -3,20 +3,32 @@
 Like Dynamo's per-worker local indexer buffer, the ring keeps the last `capacity` batches: a subscriber
 that joins late replays what is kept, and one that falls behind skips what was overwritten (the gap
 shows in the event ids; the overflow is counted and logged once), so the step loop never blocks.
+`EventPacer` moves the KV manager's events into the ring, a batch a pass (fewer at high speedup ratios).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from dynamo_cli.kv.events import KvEventBatch
+
+if TYPE_CHECKING:
+    from .kv_manager import KvManager
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 4096
+EVENT_INTERVAL_S = 0.001
+"""Passes shorter than this (high speedup ratios) publish their KV events together: at most once per interval
+of wall time, and before the loop idles. A real engine's pass takes milliseconds, and so does the mocker's at
+speedup 1; at speedup 1000 a pass takes microseconds, and one event batch per pass measured the event plane
+(three publishes per request, a tenth of the CPU per request in benchmarks/mocker_live.py's cpu cells), not an
+engine's behaviour. The router's view lags by at most the interval."""
 
 
 class EventRing:
@@ -78,3 +90,27 @@ class EventRing:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+
+class EventPacer:
+    """Takes a KV manager's events as one batch into a ring after each pass, a short pass's together with a later
+    one's (EVENT_INTERVAL_S); `flush()` takes what is left (before idling, at stop)."""
+
+    __slots__ = ("_kv", "_ring", "_taken_at")
+
+    def __init__(self, kv: KvManager, ring: EventRing) -> None:
+        self._kv = kv
+        self._ring = ring
+        self._taken_at = 0.0
+        """When events were last taken (time.monotonic)."""
+
+    def after_pass(self, pass_ms: float) -> None:
+        if pass_ms < EVENT_INTERVAL_S * 1e3 and time.monotonic() - self._taken_at < EVENT_INTERVAL_S:
+            return  # a short pass: its events go with a later pass's, or at the flush before the loop idles
+        self.flush()
+
+    def flush(self) -> None:
+        batch = self._kv.take_events(timestamp=time.time())
+        self._taken_at = time.monotonic()
+        if batch is not None:
+            self._ring.append(batch)

@@ -196,7 +196,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         decoding, num_prefill_tokens = self._compute(scheduled)
         emitted, finished, failed = self._emit_tokens(scheduled)
-        duration = self._duration_ms(num_prefill_tokens, decoding, emitted, failed)
+        duration = self._duration_ms(num_prefill_tokens, decoding, emitted)
         self._release(finished + [request for request, _ in failed])
         return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted, failed)
 
@@ -270,13 +270,7 @@ class Scheduler:
                 return num_new
         return 0
 
-    def _duration_ms(
-        self,
-        num_prefill_tokens: int,
-        decoding: list[MockRequest],
-        emitted: list[MockRequest],
-        failed: list[tuple[MockRequest, str]],
-    ) -> float:
+    def _duration_ms(self, num_prefill_tokens: int, decoding: list[MockRequest], emitted: list[MockRequest]) -> float:
         """The pass's simulated time; `decoding` were told apart before computing, and only those that emitted count
         (a prefilled request chunked like a prompt, or one whose data failed, did not)."""
         kv, config = self.kv, self.config
@@ -284,9 +278,8 @@ class Scheduler:
             return self.timing.pass_ms(num_prefill_tokens, 0, 0.0)
         if config.decode_kv_input == "active_blocks":
             return self.timing.pass_ms(num_prefill_tokens, len(emitted), kv.usage)
-        if failed or config.prefilled_admission != "materialized":  # else every decoding request emitted
-            emitting = {id(request) for request in emitted}
-            decoding = [request for request in decoding if id(request) in emitting]
+        emitting = {id(request) for request in emitted}
+        decoding = [request for request in decoding if id(request) in emitting]
         num_tokens = sum(len(request.token_ids) - 1 for request in decoding)  # as before this pass's token
         return self.timing.pass_ms(num_prefill_tokens, len(decoding), num_tokens / (kv.num_blocks * kv.block_size))
 
