@@ -39,12 +39,16 @@ def test_serve_with_the_planner_adds_workers_under_a_load_step_and_drains_them_a
     )
     assert len(deployment.serving_pids()) == 1
     failures: list[int] = []
-    loader = threading.Thread(target=_load, args=(deployment.url, 6.0, threading.Event(), failures))
+    stop = threading.Event()
+    # the load lasts until the added workers serve (their startup under load on 2 cores is 3-5 s), then 2 s more
+    loader = threading.Thread(target=_load, args=(deployment.url, 40.0, stop, failures))
     loader.start()
     sizes: list[int] = []
-    while loader.is_alive():
+    while loader.is_alive() and (max(sizes, default=0) < 2 or len(sizes) < sizes.index(max(sizes)) + 7):
         sizes.append(len(deployment.serving_pids()))
         time.sleep(0.3)
+    stop.set()
+    loader.join()
     assert max(sizes) >= 2, sizes  # discovery shows the workers the planner added
     decisions = [line for line in deployment.lines if " INFO dynamo_cli.planner.planner: decision " in line]
     # logged as `dyn plan run` prints them, with the inputs behind each: what was observed and forecast
