@@ -73,7 +73,7 @@ lint:
 	hadolint --config .hadolint.yaml Containerfile
 
 sz:
-	@find dynamo_cli engines -name '*.py' | xargs wc -l | sort -n | tail -15
+	@$(PYTHON) scripts/seams.py
 	@$(PYTHON) -m pytest -q tests/test_layout.py
 
 # The docs site (mkdocs.yml): a warning (a broken link, a page left out of the nav) fails the build.

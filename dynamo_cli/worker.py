@@ -379,7 +379,7 @@ class KvMover:
             KvTransferClient(secret=secret, use_nixl=backend != "tcp") if config.role is not Role.PREFILL else None
         )
         self.address = ""
-        self._backend = backend
+        self._backend, self._role = backend, config.role
 
     async def start(self) -> None:
         if self._backend == "nixl" and load_agent_class() is None:
@@ -389,6 +389,8 @@ class KvMover:
             )
         if self.server is not None:
             self.address = await self.server.start()
+        if self.client is not None and self._role is Role.DECODE:  # it pulls every request's KV
+            await self.client.prepare()
 
     async def close(self) -> None:
         for part in (self.server, self.client):

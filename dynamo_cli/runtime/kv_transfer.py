@@ -314,10 +314,15 @@ class KvTransferClient:
         self._timeout_s = timeout_s
         self._nixl = NixlSink() if use_nixl else None
 
+    async def prepare(self) -> None:
+        """Import NIXL now (off the loop), not on the first pull."""
+        if self._nixl is not None:
+            await self._nixl.is_available()
+
     async def pull(self, address: str, transfer_id: str, nbytes: int, nixl: bytes | None = None) -> Pulled:
         """Fetch the payload `transfer_id` of `nbytes` from `address`; TransferFailed on any failure."""
         started = time.perf_counter()
-        use_nixl = nixl is not None and self._nixl is not None and self._nixl.is_available
+        use_nixl = nixl is not None and self._nixl is not None and await self._nixl.is_available()
         try:
             raw_id = bytes.fromhex(transfer_id)
             if len(raw_id) != 16:
