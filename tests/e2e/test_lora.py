@@ -26,7 +26,9 @@ MODEL = "smollm2"
 SECRET = secrets.token_bytes(32)
 """The cluster secret of the `--router remote` deployment, so the test can ask its router directly."""
 STREAMS = 16
-STREAM_TOKENS = 200
+STREAM_TOKENS = 600
+"""~5 s a stream: the load, the listing, a completion on the adapter and the unload (~1.5 s, more on a loaded
+machine) all happen while every stream runs (at 200 tokens the streams ended first one run in ten with -n 2)."""
 
 
 @pytest.fixture(scope="module")
