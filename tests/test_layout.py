@@ -63,7 +63,6 @@ KNOWN_OVER = {
     "engines/llamacpp/runner.py:Runner": 355,
     "engines/llamacpp/scheduler.py:Scheduler": 365,
     "engines/llamacpp/scheduler.py:Scheduler.__init__": 41,
-    "engines/mocker/engine.py:MockerEngine": 313,
     "engines/sglang/engine.py:SglangEngine.generate": 41,
     "engines/vllm/engine.py:VllmEngine": 403,
 }

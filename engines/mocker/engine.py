@@ -32,7 +32,7 @@ from .events import EventPacer, EventRing
 from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from .kv_manager import KvManager
 from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
-from .tiers import MockerTiers, TierTiming
+from .tiers import MockerTiers
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,11 @@ class MockerEngine:
             ),
             self._timing,
         )
-        self._tiers = self._make_tiers(args) if args.kv_tiers.enabled and config.enable_prefix_caching else None
+        self._tiers = (
+            MockerTiers.for_mocker(config, args.kv_tiers, self._kv)
+            if args.kv_tiers.enabled and config.enable_prefix_caching
+            else None
+        )
         self._streams: dict[str, _Stream] = {}
         self._events = EventRing()
         self._pacer = EventPacer(self._kv, self._events)
@@ -133,7 +137,7 @@ class MockerEngine:
         """Start the step loop; the model is only a tokenizer source, nothing is loaded."""
         if self._info is None:
             await asyncio.sleep(self.config.startup_time)
-            self._info = self._engine_info()
+            self._info = engine_info(self.config)
         if self.state is EngineState.CREATED:
             # The engine owns its one loop task and cancels it in stop().
             self._task = asyncio.get_running_loop().create_task(self._run(), name="mocker-step-loop")
@@ -291,19 +295,6 @@ class MockerEngine:
 
     ##### Tiers #####
 
-    def _make_tiers(self, args: EngineArgs) -> MockerTiers:
-        config = self.config
-        timing = TierTiming(
-            config.kv_host_bandwidth,
-            config.kv_disk_bandwidth,
-            config.kv_host_latency_ms,
-            config.kv_disk_latency_ms,
-            config.speedup_ratio,
-        )
-        block_bytes = config.kv_bytes_per_token * config.block_size
-        fingerprint = f"mocker:{config.model}:{config.block_size}:{config.kv_bytes_per_token}"
-        return MockerTiers(args.kv_tiers, self._kv, timing=timing, block_bytes=block_bytes, fingerprint=fingerprint)
-
     async def _onboard(self, mock: MockRequest) -> None:
         """Bring the prompt's prefix up from host or disk (in simulated transfer time) before it is queued;
         a stream closed meanwhile leaves nothing behind."""
@@ -383,31 +374,32 @@ class MockerEngine:
     def _vocab_size(self) -> int:
         return self._info.vocab_size if self._info is not None else self.config.vocab_size
 
-    def _engine_info(self) -> EngineInfo:
-        config = self.config
-        tokenizer_source = resolve_model_path(config.model)
-        return EngineInfo(
-            model_name=config.served_model_name or model_display_name(config.model),
-            tokenizer_source=tokenizer_source,
-            block_size=config.block_size,
-            context_length=config.context_length,
-            total_kv_blocks=config.num_gpu_blocks,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
-            extra=self._info_extra(),
-            features=frozenset({Feature.LOGPROBS}),  # fakes: see the module docstring
-        )
 
-    def _info_extra(self) -> dict[str, object]:
-        config = self.config
-        extra: dict[str, object] = {"engine": "mocker", "speedup_ratio": config.speedup_ratio}
-        extra["role"] = config.role.value
-        extra["kv_bytes_per_block"] = config.kv_bytes_per_token * config.block_size  # the router's tier costs
-        bootstrap = bootstrap_address(config)
-        if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
-            extra["bootstrap"] = bootstrap
-        return extra
+def engine_info(config: MockerConfig) -> EngineInfo:
+    """What a mocker with these settings tells the worker (and through its card, the frontend) of itself."""
+    tokenizer_source = resolve_model_path(config.model)
+    return EngineInfo(
+        model_name=config.served_model_name or model_display_name(config.model),
+        tokenizer_source=tokenizer_source,
+        block_size=config.block_size,
+        context_length=config.context_length,
+        total_kv_blocks=config.num_gpu_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
+        extra=_info_extra(config),
+        features=frozenset({Feature.LOGPROBS}),  # fakes: see the module docstring
+    )
+
+
+def _info_extra(config: MockerConfig) -> dict[str, object]:
+    extra: dict[str, object] = {"engine": "mocker", "speedup_ratio": config.speedup_ratio}
+    extra["role"] = config.role.value
+    extra["kv_bytes_per_block"] = config.kv_bytes_per_token * config.block_size  # the router's tier costs
+    bootstrap = bootstrap_address(config)
+    if bootstrap is not None:  # a rendezvous prefill: the frontend makes the SglangKv up front
+        extra["bootstrap"] = bootstrap
+    return extra
 
 
 def fake_logprobs(token: int, top_n: int) -> TokenLogprob:

@@ -23,7 +23,7 @@ from dynamo_cli.config import TIER_DISK_GBS, TIER_HOST_GBS
 from dynamo_cli.kv.events import DISK, HOST, KvEvent, Tier
 from dynamo_cli.kv.tiers import KvTierConfig, KvTierStats, OffloadBlock, TieredBlockStore
 
-from .config import DISK_MS, HOST_MS
+from .config import DISK_MS, HOST_MS, MockerConfig
 from .kv_manager import KvManager
 
 
@@ -66,6 +66,20 @@ class MockerTiers:
         self._block_bytes = block_bytes
         self.store = TieredBlockStore(config, fingerprint=fingerprint, block_size=kv.block_size)
         kv.collect_evicted = True
+
+    @classmethod
+    def for_mocker(cls, mocker: MockerConfig, config: KvTierConfig, kv: KvManager) -> MockerTiers:
+        """The tiers of a mocker with these settings: its bandwidths, latencies and bytes per block."""
+        timing = TierTiming(
+            mocker.kv_host_bandwidth,
+            mocker.kv_disk_bandwidth,
+            mocker.kv_host_latency_ms,
+            mocker.kv_disk_latency_ms,
+            mocker.speedup_ratio,
+        )
+        block_bytes = mocker.kv_bytes_per_token * mocker.block_size
+        fingerprint = f"mocker:{mocker.model}:{mocker.block_size}:{mocker.kv_bytes_per_token}"
+        return cls(config, kv, timing=timing, block_bytes=block_bytes, fingerprint=fingerprint)
 
     def plan(self, seq_hashes: Sequence[int]) -> tuple[int, list[Tier], float]:
         """For a prompt's full blocks: device hits, the tiers of the blocks that continue them below, and
