@@ -35,9 +35,19 @@ import math
 
 
 class DynError(Exception):
-    """Base of every error dyn raises on purpose."""
+    """Base of every error dyn raises on purpose; how the CLI, the request plane and the HTTP edge report it
+    is read off its class (an instance may say more: a remote worker's status, a queue's retry hint)."""
 
     exit_code = 1
+    """The CLI's exit status."""
+    status = 500
+    """The HTTP status it maps to (the request plane carries it across processes)."""
+    code: str | None = None
+    """OpenAI's `error.code`, where there is one."""
+    is_migratable = False
+    """Whether another worker may take the request over (a worker gone, not a request at fault)."""
+    retry_after: float | None = None
+    """Seconds a client should wait before trying again (`Retry-After`), where known."""
 
 
 class ConfigError(DynError):
@@ -216,7 +226,8 @@ class NoWorkers(DynError):
 class TransportError(DynError):
     """A request-plane failure."""
 
-    is_migratable = False
+    status = 502
+    code = "worker_error"
 
 
 class WorkerDisconnected(TransportError):
@@ -277,3 +288,13 @@ class RemoteError(TransportError):
         self.retry_after = retry_after
         """A remote Overloaded's hint (seconds), for `Retry-After`; None if it gave none."""
         super().__init__(message)
+
+    @property
+    def is_client_error(self) -> bool:
+        """The remote side refused the request itself (a 4xx): it is the client's to fix, not a reason to try
+        another worker, count a failure against this one or prefill elsewhere."""
+        return 400 <= self.status < 500
+
+    def as_request_error(self, param: str | None = None) -> RequestError:
+        """This refusal as the client's error at this edge (a 400 naming `param`, the remote code kept)."""
+        return RequestError(str(self), param=param, code=self.code)

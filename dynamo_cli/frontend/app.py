@@ -306,7 +306,7 @@ class Frontend:
                     tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
             except DynError as exc:
                 status = "error"
-                tail = fmt.error(str(exc), _error_type(exc), getattr(exc, "code", None))
+                tail = fmt.error(str(exc), _error_type(exc), exc.code)
             except Exception as exc:  # the stream still ends with an error event and [DONE]
                 status = "error"
                 error = _internal(exc, f"streaming request {d.plan.request_id}")
@@ -367,7 +367,7 @@ class Frontend:
                 gen.dispatch.abort()
 
         def error_tail(exc: DynError) -> bytes:
-            return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), getattr(exc, "code", None))
+            return ChunkFormatter("", "", is_chat=is_chat).error(str(exc), _error_type(exc), exc.code)
 
         return await stream_sse(
             send, receive, id_headers(gens[0]), produce, abort, error_tail, d.plan.request_id, done=DONE

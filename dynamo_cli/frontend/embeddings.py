@@ -107,8 +107,8 @@ async def _on_worker(entry: ServedModel, request: EmbedRequest) -> list[list[flo
             raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")
         return _decode_response(batch[0]).embeddings
     except RemoteError as exc:
-        if 400 <= exc.status < 500:
-            raise RequestError(str(exc), code=exc.code) from None
+        if exc.is_client_error:
+            raise exc.as_request_error() from None
         raise
     finally:
         worker.num_inflight -= 1

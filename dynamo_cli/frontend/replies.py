@@ -170,11 +170,11 @@ def error_reply(exc: DynError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     elif isinstance(exc, NoWorkers | Overloaded):
         status, param, code = 503, None, "service_unavailable"
     elif isinstance(exc, TransportError):
-        status, param, code = getattr(exc, "status", 502), None, getattr(exc, "code", "worker_error")
+        status, param, code = exc.status, None, exc.code
     else:
         status, param, code = 500, None, "internal_error"
     body = error_body(str(exc), error_type(exc), param, code)
-    retry_after = max(1, math.ceil(getattr(exc, "retry_after", None) or 1))
+    retry_after = max(1, math.ceil(exc.retry_after or 1))
     headers = [*JSON_HEADERS, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else JSON_HEADERS
     headers = [*JSON_HEADERS, (b"www-authenticate", b"Bearer")] if status == 401 else headers
     return status, headers, body

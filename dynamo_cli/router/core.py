@@ -32,7 +32,6 @@ from dynamo_cli.errors import (
     NoWorkers,
     Overloaded,
     RemoteError,
-    RequestError,
     StreamTimeout,
     TransportError,
     UnknownInstance,
@@ -459,8 +458,8 @@ class Dispatch:
         try:
             result = await hop.run()
         except (NoWorkers, Overloaded, TransportError) as exc:
-            if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
-                raise RequestError(str(exc), code=exc.code) from None
+            if isinstance(exc, RemoteError) and exc.is_client_error:
+                raise exc.as_request_error() from None
             if not falls_back(self.rules.disagg, exc):
                 raise
             logger.warning(
@@ -511,8 +510,8 @@ class Dispatch:
             with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
                 self._pending = await stream.next_batch()
         except RemoteError as exc:
-            if 400 <= exc.status < 500:
-                raise RequestError(str(exc), code=exc.code) from None
+            if exc.is_client_error:
+                raise exc.as_request_error() from None
             if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
                 raise Overloaded.relayed(str(exc), exc.retry_after) from None
             raise

@@ -121,7 +121,7 @@ def falls_back(config: DisaggConfig, exc: Exception) -> bool:
     `--enforce-disagg`, or unless the prefill worker refused the request itself (a 4xx: the client's error)."""
     if not isinstance(exc, NoWorkers | Overloaded | TransportError) or config.enforce:
         return False
-    return not (isinstance(exc, RemoteError) and 400 <= exc.status < 500)
+    return not (isinstance(exc, RemoteError) and exc.is_client_error)
 
 
 def inputs_for(decode: Worker, prefill_pool: list[Worker], prompt_tokens: int, overlap_blocks: int) -> DisaggInputs:

@@ -105,7 +105,7 @@ class HealthMonitor:
         except TimeoutError:
             return f"a canary got no answer within {self.config.check_timeout_s:.0f} s"
         except RemoteError as exc:
-            return None if exc.status < 500 else f"a canary failed: {exc}"
+            return None if exc.is_client_error else f"a canary failed: {exc}"
         except TransportError as exc:
             return f"a canary failed: {exc}"
         finally:

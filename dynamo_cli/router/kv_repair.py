@@ -54,7 +54,7 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
                 logger.info("KV router: replayed events of worker %x from %d", worker.instance_id, first_missing)
                 return "replay"
             except TransportError as exc:
-                if getattr(exc, "code", None) != "too_old":
+                if exc.code != "too_old":
                     raise
             stream = await worker.client.open_stream(KV_DUMP_ENDPOINT, _encode(KvDumpQuery()))
             async for raw in stream:

@@ -89,8 +89,8 @@ async def seen(registry: Registry[Any], done: Callable[[], bool]) -> None:
 
 def client_error(exc: BaseException, param: str) -> BaseException:
     """A worker's refusal (a bad file, a bad name) as the client's 4xx; anything else as it is."""
-    if isinstance(exc, RemoteError) and 400 <= exc.status < 500:
-        return RequestError(str(exc), param=param, code=exc.code)
+    if isinstance(exc, RemoteError) and exc.is_client_error:
+        return exc.as_request_error(param)
     return exc
 
 

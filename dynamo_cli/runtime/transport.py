@@ -215,9 +215,8 @@ class _ServerConnection(asyncio.Protocol):
             writer.send(Fail(sid, exc.code or "invalid_request", exc.message, exc.status))
         except DynError as exc:
             stats.errors += 1
-            migratable = getattr(exc, "is_migratable", False)  # a proxy's lost backend: the caller may retry
-            status, retry_after = getattr(exc, "status", 500), getattr(exc, "retry_after", None)
-            writer.send(Fail(sid, type(exc).__name__, str(exc), status, migratable, retry_after))
+            # is_migratable: a proxy's lost backend, which the caller may retry elsewhere
+            writer.send(Fail(sid, type(exc).__name__, str(exc), exc.status, exc.is_migratable, exc.retry_after))
         except Exception as exc:
             stats.errors += 1
             logger.exception("endpoint handler failed")

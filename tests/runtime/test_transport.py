@@ -7,7 +7,7 @@ import asyncio
 import msgspec
 import pytest
 
-from dynamo_cli.errors import RemoteError, RequestError, WorkerDisconnected
+from dynamo_cli.errors import Overloaded, RemoteError, RequestError, WorkerDisconnected
 from dynamo_cli.runtime.framing import FrameCodec, FrameError
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
@@ -37,13 +37,21 @@ class Endpoints:
         yield enc(0)
         raise RequestError("max_tokens is too large", param="max_tokens")
 
+    async def busy(self, body: msgspec.Raw):  # type: ignore[no-untyped-def]
+        yield enc(0)
+        raise Overloaded("every worker is busy", retry_after=2.5)
+
+    async def lost(self, body: msgspec.Raw):  # type: ignore[no-untyped-def]
+        yield enc(0)
+        raise WorkerDisconnected("the backend behind this proxy went away")
+
 
 @pytest.fixture(params=[None, bytes(range(32))], ids=["open", "authenticated"])
 async def served(request):  # type: ignore[no-untyped-def]
     """Every test runs both without a cluster secret (loopback) and with one on both sides."""
     endpoints = Endpoints()
     server = RequestServer(secret=request.param)
-    for name in ("count", "forever", "bad"):
+    for name in ("count", "forever", "bad", "busy", "lost"):
         server.add_endpoint(name, getattr(endpoints, name))
     address = await server.start()
     client = RequestClient(address, secret=request.param)
@@ -80,7 +88,18 @@ async def test_a_handler_error_reaches_the_caller_with_its_message(served) -> No
     _, _, client = served
     with pytest.raises(RemoteError, match="max_tokens is too large") as info:
         await collect(client, "bad", 0)
-    assert info.value.status == 400
+    assert info.value.status == 400 and info.value.is_client_error
+    assert info.value.as_request_error("max_tokens").param == "max_tokens"
+
+
+async def test_an_error_crosses_the_plane_with_its_class_status_retry_hint_and_migratability(served) -> None:  # type: ignore[no-untyped-def]
+    _, _, client = served
+    with pytest.raises(RemoteError, match="every worker is busy") as busy:
+        await collect(client, "busy", 0)
+    assert (busy.value.status, busy.value.retry_after, busy.value.is_client_error) == (503, 2.5, False)
+    with pytest.raises(WorkerDisconnected, match="went away") as lost:  # a proxy's lost backend: migratable
+        await collect(client, "lost", 0)
+    assert lost.value.is_migratable
 
 
 async def test_an_unknown_endpoint_fails_as_migratable(served) -> None:  # type: ignore[no-untyped-def]
