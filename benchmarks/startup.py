@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,16 +38,16 @@ def time_to_ready(argv: list[str], ready: str, env: dict[str, str], cwd: Path, t
         command = [sys.executable, "-m", "dynamo_cli.cli.main", *argv[:1], "--discovery", f"file://{tmp}", *argv[1:]]
         started = time.perf_counter()
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd)
+        killer = threading.Timer(timeout_s, proc.kill)  # a process that hangs silently ends the read below too
+        killer.start()
         try:
             assert proc.stdout is not None
-            deadline = started + timeout_s
             for line in proc.stdout:
                 if line.startswith(ready):
                     return time.perf_counter() - started
-                if time.perf_counter() > deadline:
-                    break
             raise RuntimeError(f"{' '.join(argv)}: no ready line within {timeout_s:.0f} s")
         finally:
+            killer.cancel()
             harness.stop_process(proc)
 
 

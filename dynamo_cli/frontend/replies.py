@@ -165,14 +165,15 @@ async def send_error(send: Send, exc: DynError) -> None:
 
 def error_reply(exc: DynError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The status, headers and OpenAI-shaped body of the response for `exc`."""
+    status = exc.status  # from its class (an instance may say more: a remote worker's, a body too large)
     if isinstance(exc, RequestError):
-        status, param, code = exc.status, exc.param, exc.code
+        param, code = exc.param, exc.code
     elif isinstance(exc, NoWorkers | Overloaded):
-        status, param, code = 503, None, "service_unavailable"
+        param, code = None, "service_unavailable"
     elif isinstance(exc, TransportError):
-        status, param, code = exc.status, None, exc.code
+        param, code = None, exc.code
     else:
-        status, param, code = 500, None, "internal_error"
+        param, code = None, "internal_error"
     body = error_body(str(exc), error_type(exc), param, code)
     retry_after = max(1, math.ceil(exc.retry_after or 1))
     headers = [*JSON_HEADERS, (b"retry-after", str(retry_after).encode())] if status in (429, 503) else JSON_HEADERS
