@@ -419,7 +419,7 @@ class Frontend:
             return
         except DynError as exc:
             return await _send_error(send, exc)
-        status = await reply_json(send, lambda: embed(entry, request), list, "embeddings")
+        status = await reply_json(send, lambda: embed(entry, request, self.rules), list, "embeddings")
         self.metrics.requests.labels(entry.name, "embeddings", "unary", status).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:

@@ -2,8 +2,10 @@
 plane (endpoint `embed`), and return OpenAI's list of vectors (floats, or base64 of little-endian float32).
 
 NOTE: only a model whose card lists Feature.EMBEDDINGS is served (llamacpp with `embeddings=true`);
-any other is a 400 naming the model and its engine. The worker is the one with the fewest requests in
-flight from this frontend: embeddings leave no KV behind, so there is no prefix to route to.
+any other is a 400 naming the model and its engine. The worker is held as a generation's is (router/holds.py):
+the one with the fewest requests in flight among the live, not busy ones, since embeddings leave no KV behind
+to route to; with every one busy the request waits in the model's queue; a worker that fails or sends nothing
+for the stall timeout (it is hung) is left for another, up to the migration limit.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.engine import Feature, check_token_ids
-from dynamo_cli.errors import NoWorkers, RemoteError, RequestError
+from dynamo_cli.errors import Overloaded, RemoteError, RequestError, TransportError
 from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
+from dynamo_cli.router.core import DispatchRules
+from dynamo_cli.router.holds import Hold, Pool, Wanted, choose, wait_for
+from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import EMBED_ENDPOINT, EmbedRequest, EmbedResponse
 
 MAX_INPUTS = 2048
@@ -61,8 +66,8 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
     return request
 
 
-async def embed(entry: ServedModel, request: EmbeddingRequest) -> bytes:
-    """The response body for `request` on `entry`'s model."""
+async def embed(entry: ServedModel, request: EmbeddingRequest, rules: DispatchRules) -> bytes:
+    """The response body for `request` on `entry`'s model, its worker held under the process's `rules`."""
     card = entry.card
     if Feature.EMBEDDINGS.value not in card.features:
         raise RequestError(
@@ -77,7 +82,7 @@ async def embed(entry: ServedModel, request: EmbeddingRequest) -> bytes:
     inputs = [await tokenizer.encode_async(item) if isinstance(item, str) else list(item) for item in items]
     for ids in inputs:
         check_token_ids(ids, "input", tokenizer.vocab_size)
-    vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs))
+    vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs), rules)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
         for i, v in enumerate(vectors)
@@ -93,25 +98,44 @@ async def embed(entry: ServedModel, request: EmbeddingRequest) -> bytes:
     )
 
 
-async def _on_worker(entry: ServedModel, request: EmbedRequest) -> list[list[float]]:
-    if not entry.workers:
-        raise NoWorkers(f"model '{entry.name}'")
-    worker = min(entry.workers.values(), key=lambda w: w.num_inflight)
-    worker.num_inflight += 1
-    stream = None
+async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchRules) -> list[list[float]]:
+    pool = Pool(entry.name, entry.workers, queue=entry.queue)
+    wanted, failed = Wanted(request.request_id), set[int]()
+    async with asyncio.timeout(EMBED_TIMEOUT_S):
+        while True:
+            hold = await _held(pool, wanted, rules, failed)
+            try:
+                return await _embed_on(hold, request, rules, entry.name)
+            except RemoteError as exc:
+                if exc.is_client_error:
+                    raise exc.as_request_error() from None
+                raise
+            except TransportError as exc:
+                if not exc.is_migratable or len(failed) >= rules.migration_limit:
+                    raise
+                failed.add(hold.worker.instance_id)
+            finally:
+                hold.release()
+
+
+async def _held(pool: Pool, wanted: Wanted, rules: DispatchRules, failed: set[int]) -> Hold:
     try:
-        async with asyncio.timeout(EMBED_TIMEOUT_S):
-            stream = await worker.client.open_stream(EMBED_ENDPOINT, _encode(request))
-            batch = await stream.next_batch()
+        return choose(pool, wanted, rules.busy, failed)
+    except Overloaded:
+        if not rules.queue.max_size:
+            raise
+    return await wait_for(pool, wanted, rules.busy, failed, QueuedRequest(), rules.queue)
+
+
+async def _embed_on(hold: Hold, request: EmbedRequest, rules: DispatchRules, model: str) -> list[list[float]]:
+    worker, stream = hold.worker, None
+    try:
+        stream = await worker.client.open_stream(EMBED_ENDPOINT, _encode(request))
+        batch = await rules.deadline.next_batch(stream, worker, model)
         if not batch:
             raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")
         return _decode_response(batch[0]).embeddings
-    except RemoteError as exc:
-        if exc.is_client_error:
-            raise exc.as_request_error() from None
-        raise
     finally:
-        worker.num_inflight -= 1
         if stream is not None:
             stream.cancel()
 

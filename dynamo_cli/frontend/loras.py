@@ -23,6 +23,7 @@ from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import decode_body
 from dynamo_cli.frontend.replies import error_response
 from dynamo_cli.router import loras
+from dynamo_cli.router.holds import ONLY_HUNG, Pool, Wanted, choose
 from dynamo_cli.wire import LoraCommand
 
 MAX_BODY = 64 * 1024
@@ -114,11 +115,14 @@ class LoraAdmin:
 
     async def _via_router(self, entry: ServedModel, command: LoraCommand) -> None:
         """Hand the command to one of the model's `dyn router`s; wait to see its card list the adapter (or not)."""
-        router = min(entry.workers.values(), key=lambda w: w.num_inflight)
+        pool = Pool(entry.name, entry.workers, noun="routers")
+        hold = choose(pool, Wanted(f"lora-{command.action}-{command.name}"), ONLY_HUNG)
         try:
-            await loras.call(router, command)
+            await loras.call(hold, command)
         except DynError as exc:
             raise loras.client_error(exc, "lora_path") from None
+        finally:
+            hold.release()
         is_load = command.action == "load"
         await loras.seen(self._registry, lambda: (command.name in self._registry.adapters) == is_load)
 

@@ -38,11 +38,12 @@ from dynamo_cli.errors import (
 )
 from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
 from dynamo_cli.router import prefill
-from dynamo_cli.router.base import RouteDecision, RouteRequest
+from dynamo_cli.router.base import RouteDecision
 from dynamo_cli.router.disagg import falls_back, prefill_choice
+from dynamo_cli.router.holds import Hold, Pool, Wanted, choose, wait_for
 from dynamo_cli.router.plan import DispatchMetrics, NoMetrics, RequestPlan
 from dynamo_cli.router.queue import BACKGROUND_WAIT_S, LOWEST_CLIENT_PRIORITY
-from dynamo_cli.router.registry import ModelEntry, Worker, free_of_prefill, not_busy
+from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.router.waits import interruptible
@@ -192,20 +193,19 @@ class Dispatch:
         """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
         self.lora_loaded: bool | None = None
         """With a LoRA adapter: whether the chosen worker had it loaded (False: it loads it first)."""
+        self._pool = Pool(entry.name, entry.workers, entry.policy, queue=entry.queue, replicas=rules.replicas)
+        self._hold: Hold | None = None
+        """The claim on `worker` (router/holds.py), from its choice to its release."""
         self._excluded: set[int] = set()
         self._stream: ResponseStream | None = None
         self._pending: list[msgspec.Raw] = []
         """A first batch read by `await_report` (a router's report), relayed first."""
-        self._is_held = False
-        self._is_prefilled = False
         self._handle: KvHandle | None = None
         """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
         on to the next); still set at the end, it is released on the prefill worker."""
         self._prefill_worker: Worker | None = None
         self._rendezvous: prefill.Rendezvous | None = None
         """NOTE: SGLang's prefill, drained beside the decode; owned here, closed in `close`/`aclose`."""
-        self._local_prefill_tokens = 0
-        """Tokens the held worker prefills itself, counted in its queue until its first token."""
 
     @property
     def model(self) -> str:
@@ -304,34 +304,25 @@ class Dispatch:
 
     def _choose(self) -> Worker:
         """Hop 1: pick a worker by policy among the live, not busy, not failed ones; hold it."""
-        entry, workers = self.entry, self.entry.workers
-        candidates = [w for w in workers if w not in self._excluded]
-        if not candidates:
-            raise NoWorkers(f"model '{entry.name}'")
-        pinned = self.rules.upstream.pin(self.plan)
-        if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
-            candidates = [pinned]
-        lora = self.plan.request.lora
-        if lora:  # only workers serving the adapter; each at what loading it there would cost
-            candidates = [w for w in candidates if workers[w].adapters.serves(lora)]
-            if not candidates:
-                raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
-        candidates = not_busy(candidates, workers, self.rules.busy, f"workers of '{entry.name}'")
-        if self.plan.queued.priority < LOWEST_CLIENT_PRIORITY:
-            candidates = free_of_prefill(candidates, workers)
-        load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
-        route = RouteRequest(self.plan.request_id, self.plan.prompt_ids + self.output_ids, pinned, lora, load_s)
-        self.decision = entry.policy.select(route, candidates)
-        if self.rules.replicas is not None:
-            self.rules.replicas.added(entry.name, self.plan.request_id, entry.policy)  # type: ignore[arg-type]
-        worker = self.worker = workers[self.decision.worker_id]
-        if lora:
-            self.lora_loaded = worker.adapters.is_resident(lora)
-            worker.adapters.routed(lora)
-        worker.num_inflight += 1
-        worker.used_at = time.monotonic()
-        self._is_held, self._is_prefilled = True, False
-        self.rules.metrics.count_served(entry.name, worker.instance_id, worker.card.role)
+        return self._took(choose(self._pool, self._wanted(), self.rules.busy, self._excluded))
+
+    def _wanted(self) -> Wanted:
+        plan = self.plan
+        return Wanted(
+            plan.request_id,
+            plan.prompt_ids + self.output_ids,
+            self.rules.upstream.pin(plan),
+            plan.request.lora,
+            plan.queued.priority < LOWEST_CLIENT_PRIORITY,
+        )
+
+    def _took(self, hold: Hold) -> Worker:
+        self._hold = hold
+        self.decision = hold.decision
+        if hold.lora_loaded is not None:
+            self.lora_loaded = hold.lora_loaded
+        worker = self.worker = hold.worker
+        self.rules.metrics.count_served(self.entry.name, worker.instance_id, worker.card.role)
         return worker
 
     async def _choose_or_wait(self) -> Worker:
@@ -347,8 +338,8 @@ class Dispatch:
         if self.plan.queued.priority < LOWEST_CLIENT_PRIORITY:  # background work waits its turn, however long
             rules = dataclasses.replace(rules, max_wait_s=BACKGROUND_WAIT_S)
         try:
-            with interruptible():  # a client that leaves meanwhile leaves the queue
-                return await self.entry.queue.take(self._choose, self.plan.queued, rules)
+            hold = await wait_for(self._pool, self._wanted(), self.rules.busy, self._excluded, self.plan.queued, rules)
+            return self._took(hold)
         finally:
             self.rules.metrics.observe_queue_wait(self.entry.name, time.perf_counter() - queued_at)
             if self.plan.trace is not None:
@@ -356,19 +347,19 @@ class Dispatch:
 
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""
-        assert self.worker is not None and self._is_held, "open only a chosen worker"
-        worker, request = self.worker, self._request()
-        if not self._is_prefilled:
-            self._local_prefill_tokens = len(request.token_ids)
-            worker.pending_prefill_tokens += self._local_prefill_tokens
+        hold = self._hold
+        assert hold is not None and hold.is_held, "open only a chosen worker"
+        worker, request = hold.worker, self._request()
+        hold.queue_prefill(len(request.token_ids))  # none once the prefill's first token came
         self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
         return self._stream
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
         """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker. Each wait
         is under the stall deadline (router/stalls.py), inline: this loop runs once per batch of every stream."""
-        worker, deadline = self.worker, self.rules.deadline
-        assert worker is not None
+        hold, deadline = self._hold, self.rules.deadline
+        assert hold is not None
+        worker = hold.worker
         stall = deadline.stall_s or None
         batch, self._pending = self._pending, []
         while True:
@@ -384,8 +375,8 @@ class Dispatch:
             token_ids = self._absorb(batch)
             if token_ids:
                 self._handle = None  # the decode worker has pulled the KV: nothing left to release
-                if not self._is_prefilled:
-                    self._prefilled()
+                if not hold.has_first_token:
+                    hold.first_token()
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 self.output_ids += token_ids
@@ -492,8 +483,8 @@ class Dispatch:
         self.first_token_at = time.perf_counter()
         self.cached_tokens = result.cached_tokens
         self.finish_reason = result.finish_reason
-        if not self._is_prefilled:
-            self._prefilled()
+        if self._hold is not None:
+            self._hold.first_token()  # the decode worker's queue, and the policy, see the prefill done
 
     ##### Internals #####
 
@@ -538,34 +529,13 @@ class Dispatch:
                 self.rules.metrics.observe_transfer(self.entry.name, chunk.transfer)
         return token_ids
 
-    def _prefilled(self) -> None:
-        """The held worker's first token (or the prefill hop's): the policy and the replicas hear it."""
-        self._is_prefilled = True
-        self._unqueue_local_prefill()
-        self.entry.queue.notify()  # a worker free of prefill may take background work now
-        self.entry.policy.on_first_token(self.plan.request_id)
-        if self.rules.replicas is not None:
-            self.rules.replicas.prefill_completed(self.entry.name, self.plan.request_id)
-
     def _release(self) -> None:
         """The end of the held worker's part, for any reason: done, failed, migrated, client gone."""
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.cancel()  # the consumer left (client gone, stop string) or the stream failed: abort it
-        self._unqueue_local_prefill()
-        if self._is_held and self.worker is not None:
-            self._is_held = False
-            self.worker.num_inflight -= 1
-            self.worker.used_at = time.monotonic()
-            self.entry.policy.on_finish(self.plan.request_id)
-            if self.rules.replicas is not None:
-                self.rules.replicas.freed(self.entry.name, self.plan.request_id)
-            self.entry.queue.freed()
-
-    def _unqueue_local_prefill(self) -> None:
-        if self._local_prefill_tokens and self.worker is not None:
-            self.worker.pending_prefill_tokens -= self._local_prefill_tokens
-        self._local_prefill_tokens = 0
+        if self._hold is not None:
+            self._hold.release()
 
     def _request(self) -> GenerateRequest:
         """What the held worker gets now: the plan's request, carried on after the output so far."""

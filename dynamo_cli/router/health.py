@@ -26,6 +26,7 @@ import msgspec
 from dynamo_cli.config import HealthChecks
 from dynamo_cli.errors import RemoteError, TransportError
 from dynamo_cli.router import prefill
+from dynamo_cli.router.holds import Hold
 from dynamo_cli.router.plan import HealthMetrics
 from dynamo_cli.router.registry import ModelEntry, Registry, Worker
 from dynamo_cli.router.stalls import mark_hung
@@ -76,11 +77,12 @@ class HealthMonitor:
         return due
 
     async def _probe(self, entry: ModelEntry, worker: Worker) -> None:
+        hold = Hold(worker, "canary")  # a canary is traffic too: its release starts the idle wait again
         try:
             problem = await self._canary(worker)
         finally:
+            hold.release()
             self._probing.discard(worker.instance_id)
-            worker.used_at = time.monotonic()  # a canary is traffic too: the idle wait starts again
         if problem is None and worker.hung is not None:
             logger.warning("worker %x (model %s) answered a canary: routed to again", worker.instance_id, entry.name)
             worker.hung = None

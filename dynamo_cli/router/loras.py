@@ -1,10 +1,11 @@
 """LoRA adapters loaded and unloaded at run time on a model's workers: the fan-out both the frontend
 (`POST /v1/load_lora_adapter`) and a `dyn router` (its `lora` endpoint, for frontends behind routers) run.
 
-A load goes to the model's adapter-taking workers (every one, or the `replicas` least loaded of each pool) over
-the request plane; each worker loads the file, which checks it, then publishes a card listing the adapter. The
-call returns once the caller's registry sees every one of those cards, so the next request for the adapter
-finds it. A file one worker refuses is the client's error, and the workers that had loaded it unload it again:
+A load goes to the model's adapter-taking workers that are not hung (every one, or the `replicas` least loaded of
+each pool) over the request plane, each held while its command runs (router/holds.py); each worker loads the file,
+which checks it, then publishes a card listing the adapter. The call returns once the caller's registry sees every
+one of those cards, so the next request for the adapter finds it. A file one worker refuses is the client's error,
+and the workers that had loaded it unload it again:
 an adapter is served by the workers asked, or by none.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 
 import msgspec
 
-from dynamo_cli.errors import ModelNotFound, RemoteError, RequestError
+from dynamo_cli.errors import ModelNotFound, NoWorkers, RemoteError, RequestError
+from dynamo_cli.router.holds import Hold
 from dynamo_cli.router.registry import EntryT, ModelEntry, Registry, Worker
 from dynamo_cli.wire import LORA_ENDPOINT, LoraCommand, LoraReply
 
@@ -31,12 +33,11 @@ async def load(registry: Registry[Any], entry: ModelEntry, command: LoraCommand,
     """Load `command`'s adapter on `entry`'s workers (all, or `replicas` of each pool); the workers that took it.
     A refusal (a bad file) is RequestError(param="lora_path") and no worker keeps the adapter."""
     targets = _targets(entry, replicas)
-    results = await asyncio.gather(*(call(w, command) for w in targets), return_exceptions=True)
+    results = await _on_each(targets, command)
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         loaded = [w for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
-        undo = LoraCommand(action="unload", name=command.name)
-        await asyncio.gather(*(call(w, undo) for w in loaded), return_exceptions=True)
+        await _on_each(loaded, LoraCommand(action="unload", name=command.name))
         raise client_error(failed, "lora_path")
     await seen(registry, lambda: all(w.adapters.serves(command.name) for w in targets))
     return targets
@@ -48,8 +49,7 @@ async def unload(registry: Registry[EntryT], name: str) -> EntryT:
     if entry is None:
         raise ModelNotFound(name, sorted(registry.adapters))
     targets = [w for w in (*entry.workers.values(), *entry.prefill_workers.values()) if w.adapters.serves(name)]
-    command = LoraCommand(action="unload", name=name)
-    results = await asyncio.gather(*(call(w, command) for w in targets), return_exceptions=True)
+    results = await _on_each(targets, LoraCommand(action="unload", name=name))
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None and not isinstance(failed, RemoteError):  # a worker that had it no more: fine
         raise failed
@@ -57,9 +57,19 @@ async def unload(registry: Registry[EntryT], name: str) -> EntryT:
     return entry
 
 
-async def call(worker: Worker, command: LoraCommand) -> LoraReply:
-    """One `lora` command on one worker (or `dyn router`)."""
-    stream = None
+async def _on_each(workers: list[Worker], command: LoraCommand) -> list[LoraReply | BaseException]:
+    """`command` on each of `workers` at once, each held meanwhile: each one's reply or error."""
+    holds = [Hold(w, f"lora-{command.action}-{command.name}") for w in workers]
+    try:
+        return await asyncio.gather(*(call(h, command) for h in holds), return_exceptions=True)
+    finally:
+        for hold in holds:
+            hold.release()
+
+
+async def call(hold: Hold, command: LoraCommand) -> LoraReply:
+    """One `lora` command on one held worker (or `dyn router`)."""
+    worker, stream = hold.worker, None
     try:
         async with asyncio.timeout(LORA_CALL_S):
             stream = await worker.client.open_stream(LORA_ENDPOINT, msgspec.msgpack.encode(command))
@@ -95,12 +105,15 @@ def client_error(exc: BaseException, param: str) -> BaseException:
 
 
 def _targets(entry: ModelEntry, replicas: int) -> list[Worker]:
-    """Each pool's adapter-taking workers, or its `replicas` least loaded."""
+    """Each pool's adapter-taking workers that are not hung, or its `replicas` least loaded of them. A hung
+    worker would hold the command until it timed out; it serves the adapters of its card when it is back."""
     targets: list[Worker] = []
     for pool in (entry.workers, entry.prefill_workers):
-        takers = sorted((w for w in pool.values() if w.card.max_loras), key=_load_of)
+        takers = sorted((w for w in pool.values() if w.card.max_loras and w.hung is None), key=_load_of)
         targets += takers[:replicas] if replicas else takers
     if not any(w.instance_id in entry.workers for w in targets):
+        if any(w.card.max_loras for w in entry.workers.values()):
+            raise NoWorkers(f"an adapter-taking worker of '{entry.name}' that answers (every one is hung)")
         raise RequestError(
             f"the workers of '{entry.name}' ({entry.card.engine} engine) serve no LoRA adapters", param="model"
         )

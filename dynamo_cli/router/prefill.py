@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamo_cli.config import BusyThresholds
-from dynamo_cli.errors import NoWorkers, Overloaded, TransportError
+from dynamo_cli.errors import TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
-from dynamo_cli.router.base import RouteRequest, RoutingPolicy
+from dynamo_cli.router.holds import Hold, Pool, Wanted, choose
 from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.runtime.request_client import ResponseStream
@@ -109,12 +109,21 @@ class PrefillHop:
         return result
 
     async def _attempts(self) -> PrefillResult:
+        pool = Pool(
+            self.entry.name,
+            self.entry.prefill_workers,
+            self.entry.prefill_policy,
+            noun="prefill workers",
+            where=f"the prefill pool of model '{self.entry.name}'",
+        )
+        wanted = Wanted(self.request.request_id, self.request.token_ids, lora=self.request.lora)
         while True:
-            worker, explanation = self._choose()
+            hold = choose(pool, wanted, self.busy, self.failed)
+            worker = hold.worker
             try:
                 if worker.card.bootstrap is not None:
-                    return await self._start_rendezvous(worker, explanation)
-                return await self._run_on(worker, explanation)
+                    return await self._start_rendezvous(hold)
+                return await self._run_on(hold)
             except TransportError as exc:
                 if not exc.is_migratable or self._is_cancelled or len(self.failed) + 1 >= self.attempts:
                     raise
@@ -132,84 +141,63 @@ class PrefillHop:
         if self._stream is not None:
             self._stream.cancel()
 
-    def _choose(self) -> tuple[Worker, dict[str, Any]]:
-        pool = self.entry.prefill_workers
-        candidates = [w for w in pool if w not in self.failed]
-        if not candidates:
-            raise NoWorkers(f"the prefill pool of model '{self.entry.name}'")
-        lora = self.request.lora
-        if lora:
-            candidates = [w for w in candidates if pool[w].adapters.serves(lora)]
-            if not candidates:
-                raise NoWorkers(f"a prefill worker serving LoRA adapter '{lora}' of model '{self.entry.name}'")
-        idle = [w for w in candidates if pool[w].busy_reason(self.busy) is None]
-        if not idle:
-            raise Overloaded(f"all {len(candidates)} prefill workers of '{self.entry.name}' are busy")
-        load_s = {w: pool[w].adapters.cost_s(lora) for w in idle} if lora else None
-        route = RouteRequest(self.request.request_id, self.request.token_ids, lora=lora, lora_load_s=load_s)
-        decision = self.entry.prefill_policy.select(route, idle)
-        if lora:
-            pool[decision.worker_id].adapters.routed(lora)
-        return pool[decision.worker_id], {"overlap_blocks": decision.overlap_blocks, **decision.explanation}
-
-    async def _run_on(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:
-        policy, prompt_tokens = self.entry.prefill_policy, len(self.request.token_ids)
-        worker.num_inflight += 1
-        worker.pending_prefill_tokens += prompt_tokens
+    async def _run_on(self, hold: Hold) -> PrefillResult:
+        worker = hold.worker
+        hold.queue_prefill(len(self.request.token_ids))
         try:
             self._stream = stream = await worker.client.open_stream(worker.record.endpoint, _encode(self.request))
             chunks: list[GenerateChunk] = []
             while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
                 chunks += [_decode_chunk(raw) for raw in batch]
-            return _result(chunks, worker.instance_id, explanation)
+            return _result(chunks, worker.instance_id, _explained(hold))
         finally:
             self._stream = None
-            worker.num_inflight -= 1
-            worker.pending_prefill_tokens -= prompt_tokens
-            policy.on_finish(self.request.request_id)
+            hold.release()
 
-    async def _start_rendezvous(self, worker: Worker, explanation: dict[str, Any]) -> PrefillResult:
-        host, _, port = (worker.card.bootstrap or "").rpartition(":")
-        handle = SglangKv(
-            num_tokens=len(self.request.token_ids),
-            first_token=UNKNOWN_FIRST_TOKEN,
-            bootstrap_host=host,
-            bootstrap_port=int(port),
-            bootstrap_room=secrets.randbits(63),
-        )
-        request = msgspec.structs.replace(self.request, kv_transfer=handle)
-        held = Rendezvous(worker, self.entry.prefill_policy, self.request.request_id, len(self.request.token_ids))
+    async def _start_rendezvous(self, hold: Hold) -> PrefillResult:
+        worker = hold.worker
+        held = Rendezvous(hold, len(self.request.token_ids))
         try:
+            host, _, port = (worker.card.bootstrap or "").rpartition(":")
+            handle = SglangKv(
+                num_tokens=len(self.request.token_ids),
+                first_token=UNKNOWN_FIRST_TOKEN,
+                bootstrap_host=host,
+                bootstrap_port=int(port),
+                bootstrap_room=secrets.randbits(63),
+            )
+            request = msgspec.structs.replace(self.request, kv_transfer=handle)
             held.stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
         except BaseException:
             held.close()
             raise
         self.rendezvous = held
-        return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, explanation)
+        return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, _explained(hold))
+
+
+def _explained(hold: Hold) -> dict[str, Any]:
+    decision = hold.decision
+    return {"overlap_blocks": decision.overlap_blocks, **decision.explanation} if decision is not None else {}
 
 
 class Rendezvous:
     """SGLang: one request's prefill stream, running beside its decode until it ends (no token comes).
 
-    From its creation it holds the prefill worker as `PrefillHop` holds one for a pulled prefill: in
-    flight, its prompt tokens queued, counted by the prefill policy; `close` (idempotent, also at the end
-    of the drain) lets go of all three and aborts the prefill if it still runs (the decode ended first or
-    the client left). The owner calls `start` once and `aclose` always."""
+    It takes over the prefill hop's hold on the prefill worker (in flight, its prompt tokens queued, counted by
+    the prefill policy); `close` (idempotent, also at the end of the drain) releases it and aborts the prefill
+    if it still runs (the decode ended first or the client left). The owner calls `start` once and `aclose`
+    always."""
 
-    def __init__(self, worker: Worker, policy: RoutingPolicy, request_id: str, num_tokens: int) -> None:
-        self.worker = worker
-        self.policy = policy
-        self.request_id = request_id
-        self.num_tokens = num_tokens
+    def __init__(self, hold: Hold, num_tokens: int) -> None:
+        self.hold = hold
+        self.request_id = hold.request_id
         self.stream: ResponseStream | None = None
         self._task: asyncio.Task[None] | None = None
-        self._is_held = True
-        worker.num_inflight += 1
-        worker.pending_prefill_tokens += num_tokens
+        hold.queue_prefill(num_tokens)
 
     def start(self) -> None:
         """Drain the prefill stream in a task this object owns."""
-        if self._task is None and self._is_held:
+        if self._task is None and self.hold.is_held:
             self._task = asyncio.get_running_loop().create_task(self._drain(), name=f"rendezvous-{self.request_id}")
 
     def close(self) -> None:
@@ -218,11 +206,7 @@ class Rendezvous:
             self._task.cancel()
         if self.stream is not None:
             self.stream.cancel()  # a no-op once the stream ended
-        if self._is_held:
-            self._is_held = False
-            self.worker.num_inflight -= 1
-            self.worker.pending_prefill_tokens -= self.num_tokens
-            self.policy.on_finish(self.request_id)
+        self.hold.release()
 
     async def aclose(self) -> None:
         """`close()`, and wait for the drain task to end."""

@@ -1,5 +1,6 @@
 """A hung worker (alive, registered, producing nothing) is found, taken out of routing, its streams migrate and
-complete, and it is routed to again once it answers: SIGSTOP one of three workers under 32 streams, then SIGCONT."""
+complete, and it is routed to again once it answers: SIGSTOP one of three workers under 32 streams, then SIGCONT.
+Embeddings and LoRA commands leave a stopped worker out too."""
 
 from __future__ import annotations
 
@@ -101,3 +102,60 @@ def test_with_canaries_an_idle_stopped_worker_is_found_without_traffic_and_comes
         os.kill(stopped.pid, signal.SIGCONT)
     assert wait_until(lambda: _metric(d, "dynamo_frontend_worker_recoveries_total", stopped_id) == 1, timeout=10)
     assert stopped_id in {_served_by(d) for _ in range(4)}
+
+
+def _stop_one(d: DynProcess) -> tuple[int, str]:
+    """SIGSTOP one worker: its pid and instance id (hex)."""
+    stopped = next(r for r in d.instance_records() if r.component != "router")
+    os.kill(stopped.pid, signal.SIGSTOP)
+    return stopped.pid, f"{stopped.instance_id:x}"
+
+
+def test_embeddings_leave_a_stopped_worker_for_another_and_then_avoid_it(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d: DynProcess = dyn_serve(
+        "--workers", "2", "--engine-arg", "embeddings=true", "--stall-timeout", "2", "--lease-ttl", "60",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, timeout=20, max_retries=0)
+
+    def embedding(n: int) -> list[float]:
+        return client.embeddings.create(model="smollm2", input=f"text {n}").data[0].embedding
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert len(list(pool.map(embedding, range(2)))) == 2  # both workers have served: it stops while connected
+    pid, stopped_id = _stop_one(d)
+    try:
+        started = time.monotonic()
+        # Four at once go two to each worker (the fewest in flight): the stopped one's are left for the other after
+        # the stall timeout, and it is out of routing for the rest.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            vectors = list(pool.map(embedding, range(4)))
+        assert time.monotonic() - started < 12
+        assert all(len(v) == len(vectors[0]) > 0 for v in vectors)
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert len(list(pool.map(embedding, range(4, 8)))) == 4
+        assert time.monotonic() - started < 1.5  # no wait on the stopped worker (its stall timeout is 2 s)
+        assert _metric(d, "dynamo_frontend_worker_stalls_total", stopped_id) == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_lora_load_leaves_out_a_stopped_worker_that_the_canary_found(dyn_serve, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    adapter = tmp_path / "c.gguf"
+    adapter.write_bytes(b"adapter c")  # the mocker reads no adapter file
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--workers", "2", "--max-loras", "2", "--lora-dir", str(tmp_path),
+        "--health-check", "--canary-wait", "1", "--health-check-timeout", "1", "--lease-ttl", "60",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key, timeout=20, max_retries=0)
+    pid, stopped_id = _stop_one(d)
+    try:
+        assert wait_until(lambda: _metric(d, "dynamo_frontend_worker_stalls_total", stopped_id) == 1, timeout=10)
+        body = {"lora_name": "c", "lora_path": str(adapter)}
+        loaded = client.post("/load_lora_adapter", body=body, cast_to=httpx.Response)
+        assert loaded.status_code == 200, loaded.text
+        taken = loaded.json()["workers"]
+        assert len(taken) == 1 and stopped_id not in taken  # the other worker only, at once
+        assert client.completions.create(model="c", prompt="hello", max_tokens=3).model == "c"
+    finally:
+        os.kill(pid, signal.SIGCONT)
