@@ -475,7 +475,9 @@ class Dispatch:
         self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
         self.rules.metrics.count_served(self.entry.name, result.worker_id, "prefill")
         self._handle = result.handle
-        self.prefill.update(prefill_worker_id=result.worker_id, prefill_route=result.explanation)
+        self.prefill["prefill_worker_id"] = result.worker_id
+        if self.plan.is_explained:  # built for a request that shows it only (x-dyn-explain-route)
+            self.prefill["prefill_route"] = result.explanation
         if result.first_token == UNKNOWN_FIRST_TOKEN:
             return  # a rendezvous: the decode stream brings every token
         self.output_ids = [result.first_token]

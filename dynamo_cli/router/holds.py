@@ -57,6 +57,10 @@ class Pool:
     """Router replicas that share this pool's decisions, first tokens and ends."""
 
 
+UNCHOSEN = Pool("", {})
+"""The pool of a worker held without a choice (a canary, a LoRA command): no policy, queue or replicas hear of it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Wanted:
     """What a choice looks at."""
@@ -80,10 +84,7 @@ class Hold:
         "has_first_token",
         "is_held",
         "lora_loaded",
-        "policy",
-        "pool_model",
-        "queue",
-        "replicas",
+        "pool",
         "request_id",
         "worker",
     )
@@ -92,16 +93,14 @@ class Hold:
         self,
         worker: Worker,
         request_id: str,
-        pool: Pool | None = None,
+        pool: Pool = UNCHOSEN,
         decision: RouteDecision | None = None,
         lora_loaded: bool | None = None,
     ) -> None:
         self.worker = worker
         self.request_id = request_id
-        self.policy = pool.policy if pool is not None else None
-        self.queue = pool.queue if pool is not None else None
-        self.replicas = pool.replicas if pool is not None else None
-        self.pool_model = pool.model if pool is not None else ""
+        self.pool = pool
+        """Who hears of the hold: the pool's policy, queue and replicas (none for a worker held without a choice)."""
         self.decision = decision
         """The policy's decision (None for a worker held without one)."""
         self.lora_loaded = lora_loaded
@@ -125,12 +124,13 @@ class Hold:
             return
         self.has_first_token = True
         self._unqueue_prefill()
-        if self.queue is not None:
-            self.queue.notify()
-        if self.policy is not None:
-            self.policy.on_first_token(self.request_id)
-        if self.replicas is not None:
-            self.replicas.prefill_completed(self.pool_model, self.request_id)
+        pool = self.pool
+        if pool.queue is not None:
+            pool.queue.notify()
+        if pool.policy is not None:
+            pool.policy.on_first_token(self.request_id)
+        if pool.replicas is not None:
+            pool.replicas.prefill_completed(pool.model, self.request_id)
 
     def release(self) -> None:
         """The end of the request's part on the worker, for any reason: done, failed, migrated, client gone."""
@@ -141,12 +141,13 @@ class Hold:
         worker = self.worker
         worker.num_inflight -= 1
         worker.used_at = _monotonic()
-        if self.policy is not None:
-            self.policy.on_finish(self.request_id)
-        if self.replicas is not None:
-            self.replicas.freed(self.pool_model, self.request_id)
-        if self.queue is not None:
-            self.queue.freed()
+        pool = self.pool
+        if pool.policy is not None:
+            pool.policy.on_finish(self.request_id)
+        if pool.replicas is not None:
+            pool.replicas.freed(pool.model, self.request_id)
+        if pool.queue is not None:
+            pool.queue.freed()
 
     def _unqueue_prefill(self) -> None:
         if self._prefill_tokens:

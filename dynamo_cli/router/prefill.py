@@ -27,6 +27,7 @@ import msgspec
 from dynamo_cli.config import BusyThresholds
 from dynamo_cli.errors import TransportError
 from dynamo_cli.kv.handles import PULLED_KINDS, UNKNOWN_FIRST_TOKEN, KvHandle, SglangKv
+from dynamo_cli.router.base import RouteDecision
 from dynamo_cli.router.holds import Hold, Pool, Wanted, choose
 from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
@@ -56,9 +57,16 @@ class PrefillResult:
     handle: KvHandle | None
     cached_tokens: int | None
     worker_id: int
-    explanation: dict[str, Any] = field(default_factory=dict)
+    decision: RouteDecision | None = None
+    """The prefill policy's choice of the worker: `explanation` builds why, for a request that asks."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """The first token's logprobs, when the request asked for them."""
+
+    @property
+    def explanation(self) -> dict[str, Any]:
+        """Why this prefill worker (x-dyn-explain-route); built anew on each read."""
+        decision = self.decision
+        return {"overlap_blocks": decision.overlap_blocks, **decision.explanation} if decision is not None else {}
 
 
 class PrefillHop:
@@ -149,7 +157,7 @@ class PrefillHop:
             chunks: list[GenerateChunk] = []
             while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
                 chunks += [_decode_chunk(raw) for raw in batch]
-            return _result(chunks, worker.instance_id, _explained(hold))
+            return _result(chunks, worker.instance_id, hold.decision)
         finally:
             self._stream = None
             hold.release()
@@ -172,12 +180,7 @@ class PrefillHop:
             held.close()
             raise
         self.rendezvous = held
-        return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, _explained(hold))
-
-
-def _explained(hold: Hold) -> dict[str, Any]:
-    decision = hold.decision
-    return {"overlap_blocks": decision.overlap_blocks, **decision.explanation} if decision is not None else {}
+        return PrefillResult(UNKNOWN_FIRST_TOKEN, None, handle, None, worker.instance_id, hold.decision)
 
 
 class Rendezvous:
@@ -230,7 +233,7 @@ async def _batches(stream: ResponseStream) -> AsyncIterator[list[msgspec.Raw]]:
         yield batch
 
 
-def _result(chunks: list[GenerateChunk], worker_id: int, explanation: dict[str, Any]) -> PrefillResult:
+def _result(chunks: list[GenerateChunk], worker_id: int, decision: RouteDecision | None) -> PrefillResult:
     tokens = [t for c in chunks for t in c.token_ids]
     if not tokens:
         raise TransportError(f"prefill worker {worker_id:x} returned no token")
@@ -240,7 +243,7 @@ def _result(chunks: list[GenerateChunk], worker_id: int, explanation: dict[str, 
     # A prefill worker ends its one-token stream with "length" when it exported KV: the request goes on.
     is_done = finish is not None and (finish != "length" or handle is None)
     logprobs = [lp for c in chunks for lp in c.logprobs or ()][:1]
-    return PrefillResult(tokens[0], finish if is_done else None, handle, cached, worker_id, explanation, logprobs)
+    return PrefillResult(tokens[0], finish if is_done else None, handle, cached, worker_id, decision, logprobs)
 
 
 async def release(worker: Worker, handle: KvHandle) -> None:
