@@ -55,7 +55,6 @@ KNOWN_OVER = {
     "dynamo_cli/planner/profiler.py:profile_engine": 43,
     "dynamo_cli/planner/service.py:serve_planner": 47,
     "dynamo_cli/planner/simulate.py:simulate": 63,
-    "dynamo_cli/router/core.py:Dispatch": 413,
     "dynamo_cli/router/metrics.py:DispatchSeries.__init__": 46,
     "dynamo_cli/router/time_cost.py:time_terms": 51,
     "engines/llamacpp/engine.py:LlamaCppEngine": 461,

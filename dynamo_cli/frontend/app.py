@@ -303,7 +303,7 @@ class Frontend:
                 tail = b"" if out is None else b"".join(fmt.delta(x) for x in out.finish())
                 tail = b"" if status == "cancelled" else tail + fmt.finish(out.finish_reason(reason) if out else reason)
                 if include_usage and status != "cancelled":
-                    tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens)
+                    tail += fmt.usage(len(d.plan.prompt_ids), gen.completion_tokens, gen.cached_tokens)
             except DynError as exc:
                 status = "error"
                 tail = fmt.error(str(exc), _error_type(exc), exc.code)
@@ -326,7 +326,7 @@ class Frontend:
             reason, out = gen.finish_reason or "length", gen.output
             message = out.message(text) if out is not None else None
             reason = out.finish_reason(reason) if out is not None else reason
-            return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, d.cached_tokens, message)
+            return fmt.full(text, reason, len(d.plan.prompt_ids), gen.completion_tokens, gen.cached_tokens, message)
 
         async with watching(receive, d.abort):
             status = await reply_json(send, body, lambda: id_headers(gen), d.plan.request_id)
@@ -449,12 +449,12 @@ class Frontend:
         m.osl.labels(model).observe(gen.completion_tokens)
         m.output_tokens.labels(model).inc(gen.completion_tokens)
         m.duration.labels(model).observe(end - d.started_at)
-        if d.cached_tokens is not None:
-            m.cached.labels(model).observe(d.cached_tokens)
-        if d.first_token_at is not None:
-            m.ttft.labels(model).observe(d.first_token_at - d.started_at)
+        if gen.cached_tokens is not None:
+            m.cached.labels(model).observe(gen.cached_tokens)
+        if (first := d.output.first_token_at) is not None:
+            m.ttft.labels(model).observe(first - d.started_at)
             if gen.completion_tokens > 1:
-                m.itl.labels(model).observe((end - d.first_token_at) / (gen.completion_tokens - 1))
+                m.itl.labels(model).observe((end - first) / (gen.completion_tokens - 1))
 
     ##### REST #####
 

@@ -115,9 +115,9 @@ class ChoicesResponse:
 
     def usage(self) -> dict[str, Any]:
         """The prompt counted once, the completions summed."""
-        first = self.generations[0].dispatch
+        first = self.generations[0]
         completion = sum(g.completion_tokens for g in self.generations)
-        return usage(len(first.plan.prompt_ids), completion, first.cached_tokens)
+        return usage(len(first.dispatch.plan.prompt_ids), completion, first.cached_tokens)
 
     def _logprobs(self, index: int, items: list[tuple[int, TokenLogprob]]) -> dict[str, Any] | None:
         formatter = self.formatters[index]

@@ -20,11 +20,11 @@ import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.engine import Feature, check_token_ids
-from dynamo_cli.errors import Overloaded, RemoteError, RequestError, TransportError
+from dynamo_cli.errors import RemoteError, RequestError, TransportError
 from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 from dynamo_cli.router.core import DispatchRules
-from dynamo_cli.router.holds import Hold, Pool, Wanted, choose, wait_for
+from dynamo_cli.router.holds import Hold, Pool, Wanted, choose_or_wait
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import EMBED_ENDPOINT, EmbedRequest, EmbedResponse
 
@@ -103,7 +103,7 @@ async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchR
     wanted, failed = Wanted(request.request_id), set[int]()
     async with asyncio.timeout(EMBED_TIMEOUT_S):
         while True:
-            hold = await _held(pool, wanted, rules, failed)
+            hold = await choose_or_wait(pool, wanted, rules.busy, failed, QueuedRequest(), rules.queue)
             try:
                 return await _embed_on(hold, request, rules, entry.name)
             except RemoteError as exc:
@@ -116,15 +116,6 @@ async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchR
                 failed.add(hold.worker.instance_id)
             finally:
                 hold.release()
-
-
-async def _held(pool: Pool, wanted: Wanted, rules: DispatchRules, failed: set[int]) -> Hold:
-    try:
-        return choose(pool, wanted, rules.busy, failed)
-    except Overloaded:
-        if not rules.queue.max_size:
-            raise
-    return await wait_for(pool, wanted, rules.busy, failed, QueuedRequest(), rules.queue)
 
 
 async def _embed_on(hold: Hold, request: EmbedRequest, rules: DispatchRules, model: str) -> list[list[float]]:

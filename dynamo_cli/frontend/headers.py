@@ -63,10 +63,11 @@ def id_headers(gen: Generation) -> list[tuple[bytes, bytes]]:
         if d.lora_loaded is not None:  # a LoRA request: was its adapter loaded where it went, or loaded there first
             explanation = {**explanation, "lora": {"name": d.plan.request.lora, "was_loaded": d.lora_loaded}}
         headers.append((b"x-dyn-route", msgspec.json.encode(_hexid_headers(explanation))))
-    if d.plan.is_explained and d.prefill is not None:
-        headers.append((b"x-dyn-prefill-route", msgspec.json.encode(_hexid_headers(d.prefill))))
-    if d.prefill is not None and "prefill_worker_id" in d.prefill:
-        headers.append((b"x-dyn-prefill-instance-id", f"{d.prefill['prefill_worker_id']:x}".encode()))
+    prefill = d.prefill.explanation
+    if d.plan.is_explained and prefill is not None:
+        headers.append((b"x-dyn-prefill-route", msgspec.json.encode(_hexid_headers(prefill))))
+    if prefill is not None and "prefill_worker_id" in prefill:
+        headers.append((b"x-dyn-prefill-instance-id", f"{prefill['prefill_worker_id']:x}".encode()))
     return headers
 
 

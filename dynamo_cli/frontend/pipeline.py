@@ -34,17 +34,21 @@ class Generation:
 
     def take_logprobs(self) -> list[tuple[int, TokenLogprob]]:
         """(token id, logprobs) of the tokens received since the last call (when the request asked)."""
-        d, start = self.dispatch, self._num_logprobs_taken
-        self._num_logprobs_taken = len(d.logprobs)
-        return list(zip(d.output_ids[start:], d.logprobs[start:], strict=False))
+        output, start = self.dispatch.output, self._num_logprobs_taken
+        self._num_logprobs_taken = len(output.logprobs)
+        return list(zip(output.token_ids[start:], output.logprobs[start:], strict=False))
 
     @property
     def finish_reason(self) -> str | None:
-        return "stop" if self.is_stopped else self.dispatch.finish_reason
+        return "stop" if self.is_stopped else self.dispatch.output.finish_reason
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.dispatch.output_ids)
+        return len(self.dispatch.output.token_ids)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self.dispatch.output.cached_tokens
 
     async def text(self) -> AsyncIterator[str]:
         """Text pieces as they become final; ends with `finish_reason` set."""

@@ -119,7 +119,7 @@ class ResponseWriter:
                 "input_tokens": prompt,
                 "output_tokens": completion,
                 "total_tokens": prompt + completion,
-                "input_tokens_details": {"cached_tokens": g.dispatch.cached_tokens or 0},
+                "input_tokens_details": {"cached_tokens": g.cached_tokens or 0},
                 "output_tokens_details": {"reasoning_tokens": 0},
             }
         return {

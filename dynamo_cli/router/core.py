@@ -18,7 +18,7 @@ to another worker mid-stream continues seamlessly: the tokens generated so far j
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -28,21 +28,13 @@ from typing import Protocol
 import msgspec
 
 from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig
-from dynamo_cli.errors import (
-    NoWorkers,
-    Overloaded,
-    RemoteError,
-    StreamTimeout,
-    TransportError,
-    UnknownInstance,
-)
-from dynamo_cli.kv.handles import UNKNOWN_FIRST_TOKEN, KvHandle
-from dynamo_cli.router import prefill
+from dynamo_cli.errors import Overloaded, RemoteError, StreamTimeout, TransportError, UnknownInstance
 from dynamo_cli.router.base import RouteDecision
-from dynamo_cli.router.disagg import falls_back, prefill_choice
-from dynamo_cli.router.holds import Hold, Pool, Wanted, choose, wait_for
+from dynamo_cli.router.holds import Hold, Pool, Wanted, choose, choose_or_wait
+from dynamo_cli.router.output import Output
 from dynamo_cli.router.plan import DispatchMetrics, NoMetrics, RequestPlan
-from dynamo_cli.router.queue import BACKGROUND_WAIT_S, LOWEST_CLIENT_PRIORITY
+from dynamo_cli.router.prefill_stage import PrefillStage
+from dynamo_cli.router.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.replicas import ReplicaSync
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
@@ -55,7 +47,6 @@ from dynamo_cli.wire import (
     REPORT_WORKER_ANNOTATION,
     GenerateChunk,
     GenerateRequest,
-    TokenLogprob,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,6 +54,7 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.msgpack.Encoder().encode
 _monotonic = time.monotonic
 _decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
+_perf_counter = time.perf_counter
 
 
 ##### Upstreams: what "a worker" is #####
@@ -106,7 +98,7 @@ class ToWorkers:
         dispatch.served_by = dispatch.worker.instance_id
 
     async def prepare(self, dispatch: Dispatch) -> None:
-        await dispatch.prefill_stage()
+        await dispatch.run_prefill_stage()
 
     def router_id(self, dispatch: Dispatch) -> int | None:
         return None
@@ -180,17 +172,13 @@ class Dispatch:
         self.served_by: int | None = None
         """The backend instance serving the request: the worker, or the one a router reports."""
         self.decision: RouteDecision | None = None
-        self.output_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        """With `sampling.logprobs` set: one per output id, as the workers sent them."""
-        self.finish_reason: str | None = None
-        self.cached_tokens: int | None = None
-        self.started_at = time.perf_counter()
-        self.first_token_at: float | None = None
+        self.output = Output(functools.partial(rules.metrics.observe_transfer, entry.name))
+        """What the workers have sent so far, across migrations."""
+        self.prefill = PrefillStage(entry, plan, rules)
+        """Disaggregation: the prefill stage, its KV handle and why the prompt went where it did."""
+        self.started_at = _perf_counter()
         self.num_migrations = 0
         self.is_aborted = False
-        self.prefill: dict[str, object] | None = None
-        """Disaggregation: where the prompt was prefilled and why (x-dyn-explain-route)."""
         self.lora_loaded: bool | None = None
         """With a LoRA adapter: whether the chosen worker had it loaded (False: it loads it first)."""
         self._pool = Pool(entry.name, entry.workers, entry.policy, queue=entry.queue, replicas=rules.replicas)
@@ -200,12 +188,6 @@ class Dispatch:
         self._stream: ResponseStream | None = None
         self._pending: list[msgspec.Raw] = []
         """A first batch read by `await_report` (a router's report), relayed first."""
-        self._handle: KvHandle | None = None
-        """The prefill's KV handle until a decode worker answers (a decode worker that fails first hands it
-        on to the next); still set at the end, it is released on the prefill worker."""
-        self._prefill_worker: Worker | None = None
-        self._rendezvous: prefill.Rendezvous | None = None
-        """NOTE: SGLang's prefill, drained beside the decode; owned here, closed in `close`/`aclose`."""
 
     @property
     def model(self) -> str:
@@ -229,7 +211,17 @@ class Dispatch:
         worker (behind a router: its report of the backend)."""
         try:
             self._check_pin()
-            await self._choose_or_wait()
+            self._took(
+                await choose_or_wait(
+                    self._pool,
+                    self._wanted(),
+                    self.rules.busy,
+                    self._excluded,
+                    self.plan.queued,
+                    self.rules.queue,
+                    self._waited,
+                )
+            )
             await self.rules.upstream.settle(self)
         except BaseException:
             self.close()
@@ -247,11 +239,12 @@ class Dispatch:
 
     async def stream(self) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
         """Each batch of chunks the workers send, with its token ids, across migrations; the remote prefill's
-        first token comes first (with no batch). Ends with `finish_reason` set."""
+        first token comes first (with no batch). Ends with `output.finish_reason` set."""
+        output = self.output
         try:
-            if self.output_ids and not self.is_aborted:
-                yield [], list(self.output_ids)
-            while not self.is_aborted and self.finish_reason is None:
+            if output.token_ids and not self.is_aborted:
+                yield [], list(output.token_ids)
+            while not self.is_aborted and output.finish_reason is None:
                 try:
                     stream = self._stream or await self._open()
                     async for batch in self._relay(stream):
@@ -266,16 +259,9 @@ class Dispatch:
         """The stream as encoded GenerateChunks (`dyn router`'s relay): the prefill's first token, then the
         worker's chunks as received."""
         async with contextlib.aclosing(self.stream()) as stream:
-            async for batch, token_ids in stream:
+            async for batch, _ in stream:
                 if not batch:  # the remote prefill's first token
-                    yield _encode(
-                        GenerateChunk(
-                            token_ids=token_ids,
-                            finish_reason=self.finish_reason,
-                            num_cached_tokens=self.cached_tokens,
-                            logprobs=list(self.logprobs) or None,
-                        )
-                    )
+                    yield self.output.encoded()
                 for raw in batch:
                     yield bytes(raw)
 
@@ -288,17 +274,12 @@ class Dispatch:
     def close(self) -> None:
         """Let go of the worker, whatever happened (idempotent): load never leaks."""
         self._release()
-        if self._rendezvous is not None:
-            self._rendezvous.close()
+        self.prefill.close()
 
     async def aclose(self) -> None:
         """`close()`, and free on its prefill worker a prefilled KV no decode worker was sent (the client left)."""
         self._release()
-        if self._rendezvous is not None:
-            await self._rendezvous.aclose()
-        if self._handle is not None and self._prefill_worker is not None:
-            handle, self._handle = self._handle, None
-            await prefill.release(self._prefill_worker, handle)
+        await self.prefill.aclose()
 
     ##### Hops #####
 
@@ -310,7 +291,7 @@ class Dispatch:
         plan = self.plan
         return Wanted(
             plan.request_id,
-            plan.prompt_ids + self.output_ids,
+            plan.prompt_ids + self.output.token_ids,
             self.rules.upstream.pin(plan),
             plan.request.lora,
             plan.queued.priority < LOWEST_CLIENT_PRIORITY,
@@ -325,25 +306,11 @@ class Dispatch:
         self.rules.metrics.count_served(self.entry.name, worker.instance_id, worker.card.role)
         return worker
 
-    async def _choose_or_wait(self) -> Worker:
-        """Hop 1, at the start: every worker busy, wait in the model's queue for one (503 when the queue is
-        full or the wait too long; at once with `--router-queue-size 0`)."""
-        try:
-            return self._choose()
-        except Overloaded:
-            if not self.rules.queue.max_size:
-                raise
-        queued_at = time.perf_counter()
-        rules = self.rules.queue
-        if self.plan.queued.priority < LOWEST_CLIENT_PRIORITY:  # background work waits its turn, however long
-            rules = dataclasses.replace(rules, max_wait_s=BACKGROUND_WAIT_S)
-        try:
-            hold = await wait_for(self._pool, self._wanted(), self.rules.busy, self._excluded, self.plan.queued, rules)
-            return self._took(hold)
-        finally:
-            self.rules.metrics.observe_queue_wait(self.entry.name, time.perf_counter() - queued_at)
-            if self.plan.trace is not None:
-                self.plan.trace.queued(queued_at)
+    def _waited(self, queued_at: float) -> None:
+        """Hop 1 waited in the model's queue since `queued_at` (every worker was busy)."""
+        self.rules.metrics.observe_queue_wait(self.entry.name, _perf_counter() - queued_at)
+        if self.plan.trace is not None:
+            self.plan.trace.queued(queued_at)
 
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""
@@ -357,7 +324,7 @@ class Dispatch:
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
         """Hop 3: the worker's chunks as they come; the policy learns the first token of each worker. Each wait
         is under the stall deadline (router/stalls.py), inline: this loop runs once per batch of every stream."""
-        hold, deadline = self._hold, self.rules.deadline
+        hold, deadline, output = self._hold, self.rules.deadline, self.output
         assert hold is not None
         worker = hold.worker
         stall = deadline.stall_s or None
@@ -372,36 +339,32 @@ class Dispatch:
                     worker.heard_at = _monotonic()
                 if not batch:
                     break
-            token_ids = self._absorb(batch)
+            token_ids = output.absorb(batch)
             if token_ids:
-                self._handle = None  # the decode worker has pulled the KV: nothing left to release
+                self.prefill.decoded()
                 if not hold.has_first_token:
                     hold.first_token()
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                self.output_ids += token_ids
             yield batch, token_ids
             batch = []
         if self.is_aborted:
-            self.finish_reason = "cancelled"
+            output.finish_reason = "cancelled"
         self._stream = None  # ended cleanly: nothing to cancel
 
     def migrate(self, exc: TransportError) -> Worker:
         """Hop 4: the worker failed; let it go and choose another, up to the migration limit."""
         worker = self.worker
         self._release()
-        rules = self.rules
+        rules, is_ongoing = self.rules, bool(self.output.token_ids)
         if (
             not exc.is_migratable
             or worker is None
             or self.num_migrations >= rules.migration_limit
-            or (self.output_ids and not rules.migrates_after_output)
+            or (is_ongoing and not rules.migrates_after_output)
         ):
             raise exc
         self.num_migrations += 1
         self._excluded.add(worker.instance_id)
-        kind = "ongoing_request" if self.output_ids else "new_request"
-        rules.metrics.count_migration(self.entry.name, kind)
+        rules.metrics.count_migration(self.entry.name, "ongoing_request" if is_ongoing else "new_request")
         logger.warning(
             "request %s: worker %x failed (%s); migrating (%d/%d)",
             self.plan.request_id,
@@ -415,78 +378,16 @@ class Dispatch:
             self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
         return chosen
 
-    async def prefill_stage(self) -> None:
-        """Disaggregation, between choosing the decode worker and opening it: prefill remotely or locally
-        (router/disagg.py), and if remotely run the prefill hop now; its first token is the stream's first.
-
-        The hop is not tied to the client (Dynamo's rule: a prefill cut off mid-transfer leaks KV); a
-        client gone by then has the handle released in `aclose()`. No prefill worker left, or all busy:
-        the decode worker prefills (503 with `--enforce-disagg`)."""
-        entry, config, worker = self.entry, self.rules.disagg, self.worker
-        assert worker is not None
-        pool = [w for w in entry.prefill_workers.values() if w.instance_id not in self._excluded]
-        overlap = self.decision.overlap_blocks if self.decision is not None else 0
-        chosen = prefill_choice(config, entry.name, worker, pool, len(self.plan.prompt_ids), overlap)
-        if chosen is None:
-            return
-        choice, inputs = chosen
-        self.prefill = choice.explain(inputs, config.policy)
-        if choice.is_prefill_remote:
-            await self._run_prefill(choice.outcome)
-        else:
-            self.rules.metrics.count_disagg(entry.name, choice.outcome)
-
-    async def _run_prefill(self, outcome: str) -> None:
-        attempts = self.rules.migration_limit + 1
-        hop = prefill.PrefillHop(
-            self.entry,
-            self._request(),
-            self.rules.busy,
-            attempts=attempts,
-            trace=self.plan.trace,
-            deadline=self.rules.deadline,
-        )
-        try:
-            result = await hop.run()
-        except (NoWorkers, Overloaded, TransportError) as exc:
-            if isinstance(exc, RemoteError) and exc.is_client_error:
-                raise exc.as_request_error() from None
-            if not falls_back(self.rules.disagg, exc):
-                raise
-            logger.warning(
-                "request %s: remote prefill failed (%s); prefilling on the decode worker", self.plan.request_id, exc
-            )
-            self._excluded.update(hop.failed)
-            outcome = "local_fallback"
-        else:
-            if hop.rendezvous is not None:  # SGLang: the prefill runs on while the decode meets it
-                self._rendezvous = hop.rendezvous
-                self._rendezvous.start()
-            self._take_prefill(result)
-        finally:
-            hop.cancel()  # a no-op once it ended; aborts the prefill if this request was cancelled meanwhile
-            self.rules.metrics.count_disagg(self.entry.name, outcome)
-            if self.prefill is not None:
-                self.prefill["outcome"] = outcome
-
-    def _take_prefill(self, result: prefill.PrefillResult) -> None:
-        """The prefill's first token is the stream's; the decode worker gets its handle and no prefill."""
-        assert self.prefill is not None
-        self._prefill_worker = self.entry.prefill_workers.get(result.worker_id)
-        self.rules.metrics.count_served(self.entry.name, result.worker_id, "prefill")
-        self._handle = result.handle
-        self.prefill["prefill_worker_id"] = result.worker_id
-        if self.plan.is_explained:  # built for a request that shows it only (x-dyn-explain-route)
-            self.prefill["prefill_route"] = result.explanation
-        if result.first_token == UNKNOWN_FIRST_TOKEN:
-            return  # a rendezvous: the decode stream brings every token
-        self.output_ids = [result.first_token]
-        self.logprobs = list(result.logprobs)
-        self.first_token_at = time.perf_counter()
-        self.cached_tokens = result.cached_tokens
-        self.finish_reason = result.finish_reason
-        if self._hold is not None:
-            self._hold.first_token()  # the decode worker's queue, and the policy, see the prefill done
+    async def run_prefill_stage(self) -> None:
+        """Disaggregation, between choosing the decode worker and opening it (router/prefill_stage.py): a remote
+        prefill's first token is the stream's first, and the decode worker's queue and policy see it done."""
+        assert self.worker is not None
+        result = await self.prefill.run(self.worker, self.decision, self._excluded, self._request())
+        self._excluded.update(self.prefill.failed)
+        if result is not None:
+            self.output.took_prefill(result)
+            if self._hold is not None:
+                self._hold.first_token()
 
     ##### Internals #####
 
@@ -508,28 +409,11 @@ class Dispatch:
             if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
                 raise Overloaded.relayed(str(exc), exc.retry_after) from None
             raise
-        self._absorb(self._pending, count=False)
+        if self.served_by is None:
+            reported = (_decode_chunk(raw).worker_id for raw in self._pending)
+            self.served_by = next((w for w in reported if w is not None), None)
         if self.served_by is None and self.worker is not None:
             self.served_by = self.worker.instance_id
-
-    def _absorb(self, batch: list[msgspec.Raw], *, count: bool = True) -> list[int]:
-        token_ids: list[int] = []
-        for raw in batch:
-            chunk = _decode_chunk(raw)
-            if chunk.worker_id is not None and self.served_by is None:
-                self.served_by = chunk.worker_id
-            if not count:
-                continue
-            token_ids += chunk.token_ids
-            if chunk.logprobs:
-                self.logprobs += chunk.logprobs
-            if chunk.num_cached_tokens is not None and self.cached_tokens is None:
-                self.cached_tokens = chunk.num_cached_tokens
-            if chunk.finish_reason is not None:
-                self.finish_reason = chunk.finish_reason
-            if chunk.transfer is not None:
-                self.rules.metrics.observe_transfer(self.entry.name, chunk.transfer)
-        return token_ids
 
     def _release(self) -> None:
         """The end of the held worker's part, for any reason: done, failed, migrated, client gone."""
@@ -541,11 +425,11 @@ class Dispatch:
 
     def _request(self) -> GenerateRequest:
         """What the held worker gets now: the plan's request, carried on after the output so far."""
-        request = self.plan.request
-        if self.output_ids:
-            request = request.continued(self.output_ids, self._handle)
-        elif self._handle is not None:
-            request = msgspec.structs.replace(request, kv_transfer=self._handle)
+        request, handle = self.plan.request, self.prefill.handle
+        if self.output.token_ids:
+            request = request.continued(self.output.token_ids, handle)
+        elif handle is not None:
+            request = msgspec.structs.replace(request, kv_transfer=handle)
         annotations = self.rules.upstream.annotations(self.plan)
         if not annotations:
             return request

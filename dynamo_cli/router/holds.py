@@ -3,6 +3,7 @@
     choose(pool, wanted, busy, excluded)  the pool's policy picks among its live, not busy, not excluded
                                           workers (the least loaded where it has no policy): a Hold
     wait_for(pool, wanted, ...)           the same, once a worker stops being busy (the model's wait queue)
+    choose_or_wait(pool, wanted, ...)     `choose`, and where every worker is busy `wait_for`
     Hold(worker, request_id)              a given worker held without a choice (a canary, a LoRA command)
     hold.queue_prefill(n)                 n prompt tokens the worker prefills for the request, until...
     hold.first_token()                    ...its first token: the policy and the replicas hear it
@@ -17,15 +18,16 @@ decode and prefill hops, the SGLang rendezvous, embeddings, LoRA commands and ca
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynamo_cli.config import BusyThresholds, QueueConfig
-from dynamo_cli.errors import NoWorkers
+from dynamo_cli.errors import NoWorkers, Overloaded
 from dynamo_cli.router.base import RouteDecision, RouteRequest, RoutingPolicy
-from dynamo_cli.router.queue import QueuedRequest, WaitQueue
+from dynamo_cli.router.queue import BACKGROUND_WAIT_S, QueuedRequest, WaitQueue
 from dynamo_cli.router.registry import Worker, free_of_prefill, not_busy
 from dynamo_cli.router.waits import interruptible
 
@@ -204,3 +206,30 @@ async def wait_for(
     assert pool.queue is not None, "a pool without a queue cannot wait"
     with interruptible():
         return await pool.queue.take(lambda: choose(pool, wanted, busy, excluded), queued, config)
+
+
+async def choose_or_wait(
+    pool: Pool,
+    wanted: Wanted,
+    busy: BusyThresholds,
+    excluded: Collection[int],
+    queued: QueuedRequest,
+    config: QueueConfig,
+    waited: Callable[[float], None] | None = None,
+) -> Hold:
+    """`choose`; where every worker is busy, `wait_for` one (Overloaded at once where the pool has no queue or
+    `--router-queue-size` is 0). Background work waits its turn, however long. `waited` hears when a wait that
+    began (its `time.perf_counter()`) ends, however it ends."""
+    try:
+        return choose(pool, wanted, busy, excluded)
+    except Overloaded:
+        if not config.max_size or pool.queue is None:
+            raise
+    if wanted.is_background:
+        config = dataclasses.replace(config, max_wait_s=BACKGROUND_WAIT_S)
+    queued_at = time.perf_counter()
+    try:
+        return await wait_for(pool, wanted, busy, excluded, queued, config)
+    finally:
+        if waited is not None:
+            waited(queued_at)

@@ -167,18 +167,18 @@ class RouterService:
             await dispatch.aclose()
             self._observe(dispatch, status)
             if plan.trace is not None:
-                plan.trace.end(dispatch.finish_reason, status)
+                plan.trace.end(dispatch.output.finish_reason, status)
 
     def _observe(self, dispatch: Dispatch, status: str) -> None:
         """A routed request's figures, as its end leaves them."""
         prompt = len(dispatch.plan.prompt_ids)
         decision, block_size = dispatch.decision, dispatch.entry.card.kv_cache_block_size
         hit = min(1.0, decision.overlap_blocks * block_size / prompt) if decision is not None and prompt else 0.0
-        first = dispatch.first_token_at
+        first = dispatch.output.first_token_at
         ttft = first - dispatch.started_at if first is not None else None
         now = time.perf_counter()
         self.metrics.observe_request(
-            dispatch.entry.name, status, prompt, len(dispatch.output_ids), ttft, now - dispatch.started_at, hit
+            dispatch.entry.name, status, prompt, len(dispatch.output.token_ids), ttft, now - dispatch.started_at, hit
         )
 
     async def lora(self, body: msgspec.Raw) -> AsyncIterator[bytes]:

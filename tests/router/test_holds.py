@@ -12,7 +12,7 @@ import pytest
 from dynamo_cli.config import BusyThresholds, KvRouterConfig, QueueConfig
 from dynamo_cli.errors import NoWorkers, Overloaded
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.holds import ONLY_HUNG, Hold, Pool, Wanted, choose, wait_for
+from dynamo_cli.router.holds import ONLY_HUNG, Hold, Pool, Wanted, choose, choose_or_wait, wait_for
 from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.queue import QueuedRequest, WaitQueue
 from dynamo_cli.router.registry import Worker
@@ -107,6 +107,22 @@ async def test_a_waiter_takes_the_worker_a_release_frees() -> None:
     first.release()
     second = await asyncio.wait_for(waiter, 2)
     assert second.worker is first.worker and second.worker.num_inflight == 1
+    second.release()
+
+
+async def test_choose_or_wait_waits_only_where_every_worker_is_busy_and_says_when_it_waited() -> None:
+    p, waits = pool(1, queue=WaitQueue()), list[float]()
+    config = QueueConfig(max_size=4)
+    first = await choose_or_wait(p, Wanted("a"), ONE_EACH, (), QueuedRequest(), config, waits.append)
+    assert waits == []  # chosen at once: no wait to tell of
+    waiter = asyncio.create_task(choose_or_wait(p, Wanted("b"), ONE_EACH, (), QueuedRequest(), config, waits.append))
+    await asyncio.sleep(0.05)
+    first.release()
+    second = await asyncio.wait_for(waiter, 2)
+    assert len(waits) == 1 and second.worker is first.worker
+    with pytest.raises(Overloaded):  # no room to wait: refused at once, and no wait told of
+        await choose_or_wait(p, Wanted("c"), ONE_EACH, (), QueuedRequest(), QueueConfig(max_size=0), waits.append)
+    assert len(waits) == 1
     second.release()
 
 
