@@ -58,7 +58,7 @@ from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import frontend_key
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
-from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery, BestWorkerReply
+from dynamo_cli.wire import BEST_WORKER, BestWorkerQuery
 
 if TYPE_CHECKING:
     from dynamo_cli.frontend.server import FrontendService
@@ -137,12 +137,10 @@ async def _backends_seen(router: Worker) -> int:
     worker and lists `prefill_workers`; 0 while it cannot answer yet."""
     try:
         async with asyncio.timeout(10):
-            query = msgspec.msgpack.encode(BestWorkerQuery(token_ids=[]))
-            stream = await router.client.open_stream(BEST_WORKER_ENDPOINT, query)
-            replies = [msgspec.msgpack.decode(raw, type=BestWorkerReply) async for raw in stream]
+            reply = await router.client.call(BEST_WORKER, BestWorkerQuery(token_ids=[]))
     except (TransportError, TimeoutError):
         return 0
-    return sum(len(reply.in_flight) + len(reply.prefill_workers) for reply in replies)
+    return len(reply.in_flight) + len(reply.prefill_workers)
 
 
 async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:

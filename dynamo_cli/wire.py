@@ -10,29 +10,64 @@ unchanged through the frontend, a `dyn router`, migration and the prefill hop.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 
+from dynamo_cli.errors import RemoteError, RequestError
+from dynamo_cli.kv.events import KvDump, KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, TransferReport
 from dynamo_cli.kv.tiers import KvTierStats
 
-##### Endpoint names #####
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
-GENERATE_ENDPOINT = "generate"
-"""Worker and `dyn router`: GenerateRequest in, a stream of GenerateChunk out; closing the stream aborts it."""
-EMBED_ENDPOINT = "embed"
-"""Worker (engines with `Feature.EMBEDDINGS`): EmbedRequest in, one EmbedResponse out."""
-KV_EVENTS_SINCE_ENDPOINT = "kv_events_since"
-"""Worker: KvEventsSince in, the kept KvEventBatch messages from that id on; error code `too_old` when gone."""
-KV_DUMP_ENDPOINT = "kv_dump"
-"""Worker: KvDumpQuery in, one KvDump (kv/events.py) out: the whole cached block set."""
-KV_RELEASE_ENDPOINT = "kv_release"
-"""Prefill worker: KvRelease in, one bool out (whether a held payload was freed)."""
-BEST_WORKER_ENDPOINT = "best_worker_id"
-"""`dyn router`: BestWorkerQuery in, one BestWorkerReply out; routes nothing."""
-LORA_ENDPOINT = "lora"
-"""Worker: LoraCommand in (load or unload an adapter), one LoraReply out once the worker's card says so."""
+##### Endpoints: each one's name and types (declared at the end, after their messages) #####
+
+
+class EndpointSpec(Generic[Req, Rep]):
+    """One request-plane endpoint: its name, the request it takes and the type of each reply item. Both sides use
+    it: the server decodes each request once (`RequestServer.add_endpoint(spec, handler)`), the client encodes once
+    (`RequestClient.open(spec, request)`, `call(spec, request)`) and decodes what comes back (`decode_reply`)."""
+
+    __slots__ = ("name", "request", "reply", "_decode_request", "_decode_reply")
+
+    def __init__(self, name: str, request: type[Req], reply: type[Rep]) -> None:
+        self.name = name
+        self.request = request
+        self.reply = reply
+        self._decode_request = msgspec.msgpack.Decoder(request).decode
+        self._decode_reply = msgspec.msgpack.Decoder(reply).decode
+
+    def __repr__(self) -> str:
+        return f"EndpointSpec({self.name!r}, {_type_name(self.request)}, {_type_name(self.reply)})"
+
+    def decode_request(self, body: bytes) -> Req:
+        """A request body as this endpoint's request; one that is not is the caller's error (RequestError)."""
+        try:
+            return self._decode_request(body)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise RequestError(f"malformed {self.name} request ({_type_name(self.request)}): {exc}") from exc
+
+    def decode_reply(self, body: bytes) -> Rep:
+        """One reply item; one that is not this endpoint's reply is the server's fault (RemoteError, 502)."""
+        try:
+            return self._decode_reply(body)
+        except msgspec.DecodeError as exc:
+            raise RemoteError(f"malformed {self.name} reply ({_type_name(self.reply)}): {exc}", status=502) from exc
+
+    @staticmethod
+    def encode(message: object) -> bytes:
+        """A request or a reply item as msgpack."""
+        return _encode(message)
+
+
+def _type_name(kind: type) -> str:
+    return getattr(kind, "__name__", str(kind))
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
 
 ##### GenerateRequest annotations (frontend -> `dyn router`; the trace context to every hop) #####
 
@@ -312,3 +347,22 @@ class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """Cumulative adapter loads (at start, at run time and again after an eviction)."""
     lora_load_s: float = 0.0
     """Seconds the last adapter load took (0: none yet): the router's cost of sending an adapter here."""
+
+
+##### Endpoints #####
+
+GENERATE = EndpointSpec("generate", GenerateRequest, GenerateChunk)
+"""Worker and `dyn router`: a stream of chunks; closing the stream aborts it. Its name is the `--endpoint` setting's
+default (a worker registers under the name it is given; callers open `worker.record.endpoint`)."""
+EMBED = EndpointSpec("embed", EmbedRequest, EmbedResponse)
+"""Worker (engines with `Feature.EMBEDDINGS`): one reply."""
+KV_EVENTS_SINCE = EndpointSpec("kv_events_since", KvEventsSince, KvEventBatch)
+"""Worker: the kept batches from that id on; error code `too_old` when they are gone."""
+KV_DUMP = EndpointSpec("kv_dump", KvDumpQuery, KvDump)
+"""Worker: one reply, the whole cached block set."""
+KV_RELEASE = EndpointSpec("kv_release", KvRelease, bool)
+"""Prefill worker: one reply, whether a held payload was freed."""
+BEST_WORKER = EndpointSpec("best_worker_id", BestWorkerQuery, BestWorkerReply)
+"""`dyn router`: one reply, the backend `generate` would choose now; routes nothing."""
+LORA = EndpointSpec("lora", LoraCommand, LoraReply)
+"""Worker and `dyn router`: load or unload an adapter; one reply, once the worker's card says so."""

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -34,17 +34,19 @@ from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
-from dynamo_cli.runtime.transport import RequestServer
+from dynamo_cli.runtime.transport import RequestServer, Spec
 from dynamo_cli.tracing import start_tracing
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import trace_id_of
 from dynamo_cli.wire import (
-    EMBED_ENDPOINT,
-    KV_DUMP_ENDPOINT,
-    KV_EVENTS_SINCE_ENDPOINT,
-    KV_RELEASE_ENDPOINT,
-    LORA_ENDPOINT,
+    EMBED,
+    GENERATE,
+    KV_DUMP,
+    KV_EVENTS_SINCE,
+    KV_RELEASE,
+    LORA,
     EmbedRequest,
+    EmbedResponse,
     GenerateChunk,
     GenerateRequest,
     KvDumpQuery,
@@ -90,8 +92,9 @@ class WorkerService:
         self.bus = bus
         self.name = EndpointName(config.namespace, config.component, config.endpoint)
         self.server = RequestServer(config.host, config.port, secret=config.planes.cluster_secret)
-        self._request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
-        self._chunk_encoder = msgspec.msgpack.Encoder()
+        """Its request plane: `generate` once registered (`_serve_until`), the side endpoints from the start."""
+        for spec, handler in self._side_endpoints():
+            self.server.add_endpoint(spec, handler)
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
         self._blocks: dict[str, set[int]] = {tier: set() for tier in TIERS}
         """Tier -> the blocks held there (a block may sit on several tiers)."""
@@ -113,15 +116,20 @@ class WorkerService:
     def instance_id(self) -> int:
         return self.discovery.lease_id
 
-    async def generate(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """The `generate` endpoint: decode, run, encode; closing aborts the engine request. A request with a
-        KV handle has its payload pulled first; a prefill's exported payload is held for its decode worker."""
-        try:
-            request = self._request_decoder.decode(body)
-        except msgspec.DecodeError as exc:  # ValidationError included
-            raise RequestError(f"malformed generate request: {exc}") from exc
+    def _side_endpoints(self) -> list[tuple[Spec[Any, Any], Callable[[Any], AsyncIterator[Any]]]]:
+        return [
+            (KV_EVENTS_SINCE, self.kv_events_since),
+            (KV_DUMP, self.kv_dump),
+            (KV_RELEASE, self.kv_release),
+            (EMBED, self.embed),
+            (LORA, self.lora),
+        ]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The `generate` endpoint: run the request; closing aborts the engine request. A request with a KV handle
+        has its payload pulled first; a prefill's exported payload is held for its decode worker."""
         enter_request(request.request_id, trace_id_of(request.annotations))
-        tracing, encode = self.tracing, self._chunk_encoder.encode
+        tracing = self.tracing
         trace = tracing.stream(request, self.instance_id, self.config.role.value) if tracing is not None else None
         try:
             request, report = await self.kv.take(request)
@@ -136,7 +144,7 @@ class WorkerService:
                         chunk, report = msgspec.structs.replace(chunk, transfer=report), None
                     if trace is not None:
                         trace.saw(chunk)
-                    yield encode(chunk)
+                    yield chunk
         except BaseException as exc:
             if trace is not None:
                 trace.end(exc)
@@ -146,21 +154,18 @@ class WorkerService:
         if trace is not None:
             trace.end()
 
-    async def embed(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def embed(self, request: EmbedRequest) -> AsyncIterator[EmbedResponse]:
         """Endpoint: the embeddings of tokenized inputs, when the engine serves them (Feature.EMBEDDINGS)."""
-        request = _decode(body, EmbedRequest, EMBED_ENDPOINT)
         if not isinstance(self.engine, Embeds):
             raise RequestError(f"the {self.config.engine} engine serves no embeddings", param="model")
-        yield msgspec.msgpack.encode(await self.engine.embed(request))
+        yield await self.engine.embed(request)
 
-    async def kv_release(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def kv_release(self, release: KvRelease) -> AsyncIterator[bool]:
         """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
-        transfer_id = _decode(body, KvRelease, KV_RELEASE_ENDPOINT).transfer_id
-        yield msgspec.msgpack.encode(self.kv.server is not None and self.kv.server.release(transfer_id))
+        yield self.kv.server is not None and self.kv.server.release(release.transfer_id)
 
-    async def lora(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def lora(self, command: LoraCommand) -> AsyncIterator[LoraReply]:
         """Endpoint: load or unload an adapter; the reply comes once this instance's card says so."""
-        command = _decode(body, LoraCommand, LORA_ENDPOINT)
         if self.card is None or self.endpoint is None or self.state is not ServingState.READY:
             raise DynError(f"worker {self.instance_id:x} is {self.state.value}, not serving")
         if command.action == "load":
@@ -170,7 +175,7 @@ class WorkerService:
         async with self._card_lock:  # one card write at a time: the last one written lists every change
             self.card = card = msgspec.structs.replace(self.card, loras=sorted(self.loras.served))
             await self.endpoint.update_card(card)
-        yield msgspec.msgpack.encode(LoraReply(loras=card.loras, resident=list(self.loras.resident)))
+        yield LoraReply(loras=card.loras, resident=list(self.loras.resident))
 
     async def start_engine(self) -> ModelCard:
         """Start the engine and load the `--lora` adapters; the card it will be served with."""
@@ -248,28 +253,26 @@ class WorkerService:
             elif type(event) is AllBlocksCleared:  # the device tier; lower tiers send their own removals
                 self._blocks[DEVICE].clear()
 
-    async def kv_events_since(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """Endpoint: replay kept KV event batches from `first_event_id` on; `too_old` if they are gone."""
-        since = _decode(body, KvEventsSince, KV_EVENTS_SINCE_ENDPOINT).first_event_id
+    async def kv_events_since(self, query: KvEventsSince) -> AsyncIterator[bytes]:
+        """Endpoint: replay kept KV event batches (encoded as published) from `first_event_id` on; `too_old` if
+        they are gone."""
+        since = query.first_event_id
         if not self._history or since < self._history[0][0]:
             oldest = self._history[0][0] if self._history else self._last_event_id + 1
-            raise RequestError(f"KV events before {oldest} are no longer kept; ask {KV_DUMP_ENDPOINT}", code="too_old")
+            raise RequestError(f"KV events before {oldest} are no longer kept; ask {KV_DUMP.name}", code="too_old")
         for event_id, payload in list(self._history):
             if event_id >= since:
                 yield payload
 
-    async def kv_dump(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def kv_dump(self, query: KvDumpQuery) -> AsyncIterator[KvDump]:
         """Endpoint: the whole cached block set, per tier, and the event id it is current to."""
-        _decode(body, KvDumpQuery, KV_DUMP_ENDPOINT)
         device, host, disk = (sorted(self._blocks[tier]) for tier in TIERS)
-        yield msgspec.msgpack.encode(
-            KvDump(
-                worker_id=self.instance_id,
-                last_event_id=self._last_event_id,
-                block_hashes=device,
-                host_hashes=host,
-                disk_hashes=disk,
-            )
+        yield KvDump(
+            worker_id=self.instance_id,
+            last_event_id=self._last_event_id,
+            block_hashes=device,
+            host_hashes=host,
+            disk_hashes=disk,
         )
 
     async def pump_load(self) -> None:
@@ -308,11 +311,6 @@ async def serve_worker(config: WorkerConfig) -> None:
 
 async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
     config = worker.config
-    worker.server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)
-    worker.server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)
-    worker.server.add_endpoint(KV_RELEASE_ENDPOINT, worker.kv_release)
-    worker.server.add_endpoint(EMBED_ENDPOINT, worker.embed)
-    worker.server.add_endpoint(LORA_ENDPOINT, worker.lora)
     address = await worker.server.start()
     system, registry = _system_server(worker)
     system_text = f" system={await system.start()}" if system is not None else ""
@@ -325,7 +323,12 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
             component = worker.name.component
             registry.register(WorkerMetrics(worker.load_now, config.namespace, component, card.display_name, counters))
             async with endpoint.serve_endpoint(
-                worker.server, worker.generate, card, role=config.role.value, grace_s=config.graceful_shutdown_s
+                worker.server,
+                GENERATE,
+                worker.generate,
+                card,
+                role=config.role.value,
+                grace_s=config.graceful_shutdown_s,
             ):
                 # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
                 tasks.spawn(worker.pump_kv_events())
@@ -430,14 +433,6 @@ class KvMover:
         taken = msgspec.structs.replace(handle, payload=bytes(pulled.payload), blob=None)
         report = TransferReport(nbytes=blob.nbytes, seconds=pulled.seconds, backend=pulled.backend)
         return msgspec.structs.replace(request, kv_transfer=taken), report
-
-
-def _decode(body: msgspec.Raw, kind: type[T], endpoint: str) -> T:
-    """A side endpoint's body as its wire struct; a body that is not one is the caller's error (RequestError)."""
-    try:
-        return msgspec.msgpack.decode(body, type=kind)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise RequestError(f"malformed {endpoint} request ({kind.__name__}): {exc}") from exc
 
 
 def _engine_args(config: WorkerConfig) -> EngineArgs:

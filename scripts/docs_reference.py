@@ -467,10 +467,20 @@ def _constants(module: ModuleType) -> list[list[str]]:
     for node, after in zip(tree.body, tree.body[1:], strict=False):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
             continue
-        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str) and _is_doc(after):
-            doc = after.value.value  # type: ignore[attr-defined]
-            rows.append([_code(node.targets[0].id), _code(node.value.value), _text(" ".join(doc.split()))])
+        if not _is_doc(after):
+            continue
+        doc = " ".join(after.value.value.split())  # type: ignore[attr-defined]
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            rows.append([_code(node.targets[0].id), _code(node.value.value), _text(doc)])
+        elif _is_spec(node.value):  # an EndpointSpec(name, request, reply): its types lead the meaning
+            name, request, reply = (ast.unparse(arg) for arg in node.value.args)  # type: ignore[attr-defined]
+            meaning = f"{request} in, {reply} out. {doc}"
+            rows.append([_code(node.targets[0].id), _code(ast.literal_eval(name)), _text(meaning)])
     return rows
+
+
+def _is_spec(value: ast.expr) -> bool:
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "EndpointSpec"
 
 
 def _is_doc(node: ast.stmt) -> bool:

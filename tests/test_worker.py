@@ -19,16 +19,9 @@ from dyn_engines.mocker.engine import MockerEngine
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import RemoteError
-from dynamo_cli.kv.events import KvDump
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
-from dynamo_cli.wire import (
-    KV_DUMP_ENDPOINT,
-    KV_EVENTS_SINCE_ENDPOINT,
-    KV_RELEASE_ENDPOINT,
-    GenerateRequest,
-    KvDumpQuery,
-)
+from dynamo_cli.wire import GENERATE, KV_DUMP, KV_EVENTS_SINCE, KV_RELEASE, GenerateRequest, KvDumpQuery
 from dynamo_cli.worker import WorkerService
 
 
@@ -39,13 +32,11 @@ async def test_a_request_the_engine_refuses_fails_as_not_migratable(tmp_path: Pa
     config = WorkerConfig(engine="mocker", model=str(tmp_path))
     worker = WorkerService(config, engine, None, None)  # type: ignore[arg-type]  # generate() uses neither plane
     server = RequestServer()
-    server.add_endpoint("generate", worker.generate)
+    server.add_endpoint(GENERATE, worker.generate)
     client = RequestClient(await server.start())
     try:
-        body = msgspec.msgpack.encode(
-            GenerateRequest(request_id=f"w-{time.monotonic_ns()}", token_ids=[5, bad, 7], max_tokens=4)
-        )
-        stream = await client.open_stream("generate", body)
+        request = GenerateRequest(request_id=f"w-{time.monotonic_ns()}", token_ids=[5, bad, 7], max_tokens=4)
+        stream = await client.open(GENERATE, request)
         with pytest.raises(RemoteError, match="outside this model's vocabulary") as refused:
             [item async for item in stream]
         assert refused.value.status == 400 and not refused.value.is_migratable
@@ -58,35 +49,29 @@ async def test_a_request_the_engine_refuses_fails_as_not_migratable(tmp_path: Pa
 @pytest.mark.parametrize(
     ("endpoint", "body"),
     [
-        pytest.param(KV_EVENTS_SINCE_ENDPOINT, msgspec.msgpack.encode(3), id="kv_events_since-bare-int"),
+        pytest.param(KV_EVENTS_SINCE.name, msgspec.msgpack.encode(3), id="kv_events_since-bare-int"),
         pytest.param(
-            KV_EVENTS_SINCE_ENDPOINT, msgspec.msgpack.encode({"first_event_id": "3"}), id="kv_events_since-string-id"
+            KV_EVENTS_SINCE.name, msgspec.msgpack.encode({"first_event_id": "3"}), id="kv_events_since-string-id"
         ),
-        pytest.param(KV_DUMP_ENDPOINT, b"\x00", id="kv_dump-bare-int"),
-        pytest.param(KV_RELEASE_ENDPOINT, msgspec.msgpack.encode("t-1"), id="kv_release-bare-string"),
-        pytest.param(KV_RELEASE_ENDPOINT, msgspec.msgpack.encode({}), id="kv_release-no-transfer-id"),
+        pytest.param(KV_DUMP.name, b"\x00", id="kv_dump-bare-int"),
+        pytest.param(KV_RELEASE.name, msgspec.msgpack.encode("t-1"), id="kv_release-bare-string"),
+        pytest.param(KV_RELEASE.name, msgspec.msgpack.encode({}), id="kv_release-no-transfer-id"),
     ],
 )
 async def test_a_malformed_side_endpoint_body_is_refused_as_a_request_error(endpoint: str, body: bytes) -> None:
     config = WorkerConfig(engine="mocker", model="m")
     worker = WorkerService(config, None, SimpleNamespace(lease_id=0x9), None)  # type: ignore[arg-type]  # side endpoints only
     server = RequestServer()
-    for name, handler in [
-        (KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since),
-        (KV_DUMP_ENDPOINT, worker.kv_dump),
-        (KV_RELEASE_ENDPOINT, worker.kv_release),
-    ]:
-        server.add_endpoint(name, handler)
+    server.add_endpoint(KV_EVENTS_SINCE, worker.kv_events_since)
+    server.add_endpoint(KV_DUMP, worker.kv_dump)
+    server.add_endpoint(KV_RELEASE, worker.kv_release)
     client = RequestClient(await server.start())
     try:
         with pytest.raises(RemoteError, match=f"malformed {endpoint} request") as refused:
             [item async for item in await client.open_stream(endpoint, body)]
         assert refused.value.status == 400 and not refused.value.is_migratable
-        query = msgspec.msgpack.encode(KvDumpQuery())
-        dump = [
-            msgspec.msgpack.decode(raw, type=KvDump) async for raw in await client.open_stream(KV_DUMP_ENDPOINT, query)
-        ]
-        assert [d.worker_id for d in dump] == [0x9]  # the worker still serves
+        dump = await client.call(KV_DUMP, KvDumpQuery())
+        assert dump.worker_id == 0x9  # the worker still serves
     finally:
         await client.close()
         await server.close()

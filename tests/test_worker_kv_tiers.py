@@ -11,17 +11,15 @@ import random
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import msgspec
-
 from dynamo_cli.config import KvRouterConfig, WorkerConfig
-from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvDump, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.router.base import RouteRequest
 from dynamo_cli.router.kv import KvRoutingPolicy
 from dynamo_cli.router.kv_repair import repair_gap
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
-from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery
+from dynamo_cli.wire import KV_DUMP, KV_EVENTS_SINCE, KvDumpQuery
 from dynamo_cli.worker import KV_HISTORY, WorkerService
 
 BLOCK = 16
@@ -61,14 +59,11 @@ async def test_a_router_that_missed_a_restarted_workers_disk_tier_repairs_it_fro
     )  # type: ignore[arg-type]
     await worker.pump_kv_events()
     server = RequestServer()
-    server.add_endpoint(KV_EVENTS_SINCE_ENDPOINT, worker.kv_events_since)
-    server.add_endpoint(KV_DUMP_ENDPOINT, worker.kv_dump)
+    server.add_endpoint(KV_EVENTS_SINCE, worker.kv_events_since)
+    server.add_endpoint(KV_DUMP, worker.kv_dump)
     client = RequestClient(await server.start())
     try:
-        query = msgspec.msgpack.encode(KvDumpQuery())
-        dump = msgspec.msgpack.decode(
-            b"".join([raw async for raw in await client.open_stream(KV_DUMP_ENDPOINT, query)]), type=KvDump
-        )
+        dump = await client.call(KV_DUMP, KvDumpQuery())
         assert (dump.block_hashes, dump.host_hashes) == (sorted(HASHES[:4]), sorted(HASHES[:2]))
         assert dump.disk_hashes == sorted(HASHES) and dump.last_event_id == KV_HISTORY + 2
 

@@ -27,7 +27,7 @@ from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import DISAGG, ENGINE, HTTP, PLANES, ROUTING, SUPERVISION, setting
-from dynamo_cli.wire import GENERATE_ENDPOINT
+from dynamo_cli.wire import GENERATE
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")
 MAX_FRONTENDS = 256
@@ -137,7 +137,7 @@ class WorkerConfig:
         "", "--component", env="DYN_COMPONENT", help="Default: backend, or the role.", panel=PLANES
     )
     """The component it registers under; empty: `backend` (role both) or the role's name."""
-    endpoint: str = setting(GENERATE_ENDPOINT, "--endpoint", env="DYN_ENDPOINT", help="Endpoint name.", panel=PLANES)
+    endpoint: str = setting(GENERATE.name, "--endpoint", env="DYN_ENDPOINT", help="Endpoint name.", panel=PLANES)
     role: Role = setting(
         Role.BOTH,
         "--role",

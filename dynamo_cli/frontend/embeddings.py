@@ -26,7 +26,7 @@ from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 from dynamo_cli.router.core import DispatchRules
 from dynamo_cli.router.holds import Hold, Pool, Wanted, choose_or_wait
 from dynamo_cli.router.queue import QueuedRequest
-from dynamo_cli.wire import EMBED_ENDPOINT, EmbedRequest, EmbedResponse
+from dynamo_cli.wire import EMBED, EmbedRequest
 
 MAX_INPUTS = 2048
 EMBED_TIMEOUT_S = 120.0
@@ -46,8 +46,6 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
-_encode = msgspec.msgpack.Encoder().encode
-_decode_response = msgspec.msgpack.Decoder(EmbedResponse).decode
 
 
 def parse_embeddings(body: bytes) -> EmbeddingRequest:
@@ -121,11 +119,11 @@ async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchR
 async def _embed_on(hold: Hold, request: EmbedRequest, rules: DispatchRules, model: str) -> list[list[float]]:
     worker, stream = hold.worker, None
     try:
-        stream = await worker.client.open_stream(EMBED_ENDPOINT, _encode(request))
+        stream = await worker.client.open(EMBED, request)
         batch = await rules.deadline.next_batch(stream, worker, model)
         if not batch:
             raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")
-        return _decode_response(batch[0]).embeddings
+        return EMBED.decode_reply(batch[0]).embeddings
     finally:
         if stream is not None:
             stream.cancel()

@@ -42,18 +42,16 @@ from dynamo_cli.router.waits import interruptible
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import (
     DEADLINE_ANNOTATION,
+    GENERATE,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
-    GenerateChunk,
     GenerateRequest,
 )
 
 logger = logging.getLogger(__name__)
 
-_encode = msgspec.msgpack.Encoder().encode
 _monotonic = time.monotonic
-_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
 _perf_counter = time.perf_counter
 
 
@@ -318,7 +316,7 @@ class Dispatch:
         assert hold is not None and hold.is_held, "open only a chosen worker"
         worker, request = hold.worker, self._request()
         hold.queue_prefill(len(request.token_ids))  # none once the prefill's first token came
-        self._stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+        self._stream = await worker.client.open(GENERATE, request, name=worker.record.endpoint)
         return self._stream
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
@@ -410,7 +408,7 @@ class Dispatch:
                 raise Overloaded.relayed(str(exc), exc.retry_after) from None
             raise
         if self.served_by is None:
-            reported = (_decode_chunk(raw).worker_id for raw in self._pending)
+            reported = (GENERATE.decode_reply(raw).worker_id for raw in self._pending)
             self.served_by = next((w for w in reported if w is not None), None)
         if self.served_by is None and self.worker is not None:
             self.served_by = self.worker.instance_id

@@ -21,8 +21,6 @@ import logging
 import time
 from typing import Any
 
-import msgspec
-
 from dynamo_cli.config import HealthChecks
 from dynamo_cli.errors import RemoteError, TransportError
 from dynamo_cli.router import prefill
@@ -31,15 +29,12 @@ from dynamo_cli.router.plan import HealthMetrics
 from dynamo_cli.router.registry import ModelEntry, Registry, Worker
 from dynamo_cli.router.stalls import mark_hung
 from dynamo_cli.runtime.request_client import ResponseStream
-from dynamo_cli.wire import GenerateChunk, health_check_request
+from dynamo_cli.wire import GENERATE, health_check_request
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.5
 """How often the monitor looks for workers to probe."""
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
 
 
 class HealthMonitor:
@@ -94,14 +89,14 @@ class HealthMonitor:
 
     async def _canary(self, worker: Worker) -> str | None:
         """None if a one-token generation on `worker` ended in time, else why not. A refusal (4xx) is an answer."""
-        request = _encode(health_check_request(worker.card.health_check_token))
+        request = health_check_request(worker.card.health_check_token)
         stream: ResponseStream | None = None
         try:
             async with asyncio.timeout(self.config.check_timeout_s):
-                stream = await worker.client.open_stream(worker.record.endpoint, request)
+                stream = await worker.client.open(GENERATE, request, name=worker.record.endpoint)
                 while batch := await stream.next_batch():
                     for raw in batch:
-                        handle = _decode_chunk(raw).kv_transfer
+                        handle = GENERATE.decode_reply(raw).kv_transfer
                         if handle is not None:  # a prefill worker holds its KV for a decode: free it
                             await prefill.release(worker, handle)
         except TimeoutError:

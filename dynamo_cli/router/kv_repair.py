@@ -7,22 +7,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from dynamo_cli.errors import TransportError
-from dynamo_cli.kv.events import KvDump, KvEventBatch
 from dynamo_cli.router.base import RepairsKvGaps
 from dynamo_cli.router.registry import Registry, Worker
-from dynamo_cli.wire import KV_DUMP_ENDPOINT, KV_EVENTS_SINCE_ENDPOINT, KvDumpQuery, KvEventsSince
+from dynamo_cli.wire import KV_DUMP, KV_EVENTS_SINCE, KvDumpQuery, KvEventsSince
 
 logger = logging.getLogger(__name__)
 
 REPAIR_INTERVAL_S = 0.5
 REPAIR_TIMEOUT_S = 5.0
-
-_decode_batch = msgspec.msgpack.Decoder(KvEventBatch).decode
-_decode_dump = msgspec.msgpack.Decoder(KvDump).decode
-_encode = msgspec.msgpack.encode
 
 
 async def repair_loop(registry: Registry[Any], on_repair: Callable[[str], None] | None = None) -> None:
@@ -46,22 +39,17 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
     try:
         async with asyncio.timeout(REPAIR_TIMEOUT_S):
             try:
-                stream = await worker.client.open_stream(
-                    KV_EVENTS_SINCE_ENDPOINT, _encode(KvEventsSince(first_event_id=first_missing))
-                )
+                stream = await worker.client.open(KV_EVENTS_SINCE, KvEventsSince(first_event_id=first_missing))
                 async for raw in stream:
-                    policy.apply_kv_events(_decode_batch(raw))
+                    policy.apply_kv_events(KV_EVENTS_SINCE.decode_reply(raw))
                 logger.info("KV router: replayed events of worker %x from %d", worker.instance_id, first_missing)
                 return "replay"
             except TransportError as exc:
                 if exc.code != "too_old":
                     raise
-            stream = await worker.client.open_stream(KV_DUMP_ENDPOINT, _encode(KvDumpQuery()))
-            async for raw in stream:
-                dump = _decode_dump(raw)
-                policy.load_dump(
-                    worker.instance_id, dump.block_hashes, dump.last_event_id, dump.host_hashes, dump.disk_hashes
-                )
+            dump = await worker.client.call(KV_DUMP, KvDumpQuery())
+            hashes = dump.block_hashes, dump.last_event_id, dump.host_hashes, dump.disk_hashes
+            policy.load_dump(worker.instance_id, *hashes)
             logger.info("KV router: reloaded worker %x from a dump", worker.instance_id)
             return "dump"
     except (TransportError, TimeoutError) as exc:

@@ -16,12 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from dynamo_cli.errors import ModelNotFound, NoWorkers, RemoteError, RequestError
 from dynamo_cli.router.holds import Hold
 from dynamo_cli.router.registry import EntryT, ModelEntry, Registry, Worker
-from dynamo_cli.wire import LORA_ENDPOINT, LoraCommand, LoraReply
+from dynamo_cli.wire import LORA, LoraCommand, LoraReply
 
 LORA_CALL_S = 120.0
 """How long one worker may take to load an adapter (a large file, a busy engine)."""
@@ -69,17 +67,8 @@ async def _on_each(workers: list[Worker], command: LoraCommand) -> list[LoraRepl
 
 async def call(hold: Hold, command: LoraCommand) -> LoraReply:
     """One `lora` command on one held worker (or `dyn router`)."""
-    worker, stream = hold.worker, None
-    try:
-        async with asyncio.timeout(LORA_CALL_S):
-            stream = await worker.client.open_stream(LORA_ENDPOINT, msgspec.msgpack.encode(command))
-            batch = await stream.next_batch()
-        if not batch:
-            raise RemoteError(f"instance {worker.instance_id:x} did not answer the {command.action}")
-        return msgspec.msgpack.decode(batch[0], type=LoraReply)
-    finally:
-        if stream is not None:
-            stream.cancel()
+    async with asyncio.timeout(LORA_CALL_S):
+        return await hold.worker.client.call(LORA, command)
 
 
 async def seen(registry: Registry[Any], done: Callable[[], bool]) -> None:

@@ -10,10 +10,10 @@ import msgspec
 
 from dynamo_cli.kv.handles import TransferReport
 from dynamo_cli.router.prefill import PrefillResult
-from dynamo_cli.wire import GenerateChunk, TokenLogprob
+from dynamo_cli.wire import GENERATE, GenerateChunk, TokenLogprob
 
-_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
-_encode = msgspec.msgpack.Encoder().encode
+_decode_chunk = GENERATE.decode_reply
+_encode = GENERATE.encode
 _perf_counter = time.perf_counter
 
 

@@ -33,7 +33,7 @@ from dynamo_cli.router.registry import ModelEntry, Worker
 from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.wire import KV_RELEASE_ENDPOINT, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob
+from dynamo_cli.wire import GENERATE, KV_RELEASE, GenerateChunk, GenerateRequest, KvRelease, TokenLogprob
 
 if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace
@@ -41,9 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 2.0
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode_chunk = msgspec.msgpack.Decoder(GenerateChunk).decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +150,10 @@ class PrefillHop:
         worker = hold.worker
         hold.queue_prefill(len(self.request.token_ids))
         try:
-            self._stream = stream = await worker.client.open_stream(worker.record.endpoint, _encode(self.request))
+            self._stream = stream = await worker.client.open(GENERATE, self.request, name=worker.record.endpoint)
             chunks: list[GenerateChunk] = []
             while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
-                chunks += [_decode_chunk(raw) for raw in batch]
+                chunks += [GENERATE.decode_reply(raw) for raw in batch]
             return _result(chunks, worker.instance_id, hold.decision)
         finally:
             self._stream = None
@@ -175,7 +172,7 @@ class PrefillHop:
                 bootstrap_room=secrets.randbits(63),
             )
             request = msgspec.structs.replace(self.request, kv_transfer=handle)
-            held.stream = await worker.client.open_stream(worker.record.endpoint, _encode(request))
+            held.stream = await worker.client.open(GENERATE, request, name=worker.record.endpoint)
         except BaseException:
             held.close()
             raise
@@ -252,8 +249,4 @@ async def release(worker: Worker, handle: KvHandle) -> None:
         return
     with contextlib.suppress(TransportError, TimeoutError):
         async with asyncio.timeout(RELEASE_TIMEOUT_S):
-            stream = await worker.client.open_stream(
-                KV_RELEASE_ENDPOINT, _encode(KvRelease(transfer_id=handle.blob.transfer_id))
-            )
-            while await stream.next_batch():
-                pass
+            await worker.client.call(KV_RELEASE, KvRelease(transfer_id=handle.blob.transfer_id))

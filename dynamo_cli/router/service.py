@@ -59,10 +59,10 @@ from dynamo_cli.tracing import start_tracing
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import trace_context, trace_id_of
 from dynamo_cli.wire import (
-    BEST_WORKER_ENDPOINT,
+    BEST_WORKER,
     DEADLINE_ANNOTATION,
-    GENERATE_ENDPOINT,
-    LORA_ENDPOINT,
+    GENERATE,
+    LORA,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
@@ -92,7 +92,7 @@ class RouterService:
 
     def __init__(self, config: RouterConfig, discovery: Discovery, bus: EventBus) -> None:
         self.config = config
-        self.name = EndpointName(config.namespace, ROUTER_COMPONENT, GENERATE_ENDPOINT)
+        self.name = EndpointName(config.namespace, ROUTER_COMPONENT, GENERATE.name)
         secret = config.planes.cluster_secret
         self.registry = RouterRegistry(
             discovery,
@@ -125,7 +125,6 @@ class RouterService:
         """The model this router serves: the first backend card's (set at registration)."""
         self._discovery = discovery
         self._bus = bus
-        self._decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
         self.tracing = start_tracing(config.telemetry, "dyn-router")
         """Spans of the requests routed here (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
 
@@ -135,12 +134,8 @@ class RouterService:
 
     ##### Endpoints #####
 
-    async def generate(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
-        """Route `body` (a GenerateRequest) to a backend and relay its chunks; closing aborts it."""
-        try:
-            request = self._decode_request(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise RequestError(f"malformed generate request: {exc}") from exc
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk | bytes]:
+        """Route `request` to a backend and relay its chunks as they came (encoded); closing aborts it."""
         enter_request(request.request_id, trace_id_of(request.annotations))
         trace = self.tracing.continue_request("router.generate", request) if self.tracing is not None else None
         try:
@@ -154,7 +149,7 @@ class RouterService:
         try:
             await dispatch.route()
             if request.annotations.get(REPORT_WORKER_ANNOTATION) == "1":  # before any token: the frontend's
-                yield _encode(GenerateChunk(token_ids=[], worker_id=dispatch.served_by))  # response names it
+                yield GenerateChunk(token_ids=[], worker_id=dispatch.served_by)  # the response names it
             await dispatch.prepare()
             async with contextlib.aclosing(dispatch.frames()) as frames:
                 async for frame in frames:
@@ -181,18 +176,14 @@ class RouterService:
             dispatch.entry.name, status, prompt, len(dispatch.output.token_ids), ttft, now - dispatch.started_at, hit
         )
 
-    async def lora(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def lora(self, command: LoraCommand) -> AsyncIterator[LoraReply]:
         """Endpoint: load or unload a LoRA adapter on the backends (a `--router remote` frontend's run-time load)."""
-        try:
-            command = msgspec.msgpack.decode(body, type=LoraCommand)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise RequestError(f"malformed lora command: {exc}") from exc
         if command.action == "load":
             await loras.load(self.registry, self._entry(), command, replicas=0)
         else:
             await loras.unload(self.registry, command.name)
         entry = self._entry()
-        yield _encode(LoraReply(loras=sorted(entry.adapters), resident=[]))
+        yield LoraReply(loras=sorted(entry.adapters), resident=[])
 
     async def _advertise_adapters(self, endpoint: Endpoint, card: ModelCard) -> None:
         """Keep this router's card listing the adapters its backends serve (frontends list them from it)."""
@@ -207,12 +198,8 @@ class RouterService:
             self.registry.changed.clear()
             await self.registry.changed.wait()
 
-    async def best_worker_id(self, body: msgspec.Raw) -> AsyncIterator[bytes]:
+    async def best_worker_id(self, query: BestWorkerQuery) -> AsyncIterator[BestWorkerReply]:
         """The backend `generate` would choose now, explained, with the in-flight view; routes nothing."""
-        try:
-            query = msgspec.msgpack.decode(body, type=BestWorkerQuery)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise RequestError(f'malformed best_worker_id query: {exc}; send {{"token_ids": [...]}}') from exc
         entry = self._entry()
         policy = entry.policy
         assert isinstance(policy, KvRoutingPolicy)
@@ -224,19 +211,17 @@ class RouterService:
         load_s = {w: entry.workers[w].adapters.cost_s(lora) for w in workers} if lora else None
         route = RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id, lora, load_s)
         decision = policy.peek(route, workers)
-        yield _encode(
-            BestWorkerReply(
-                worker_id=decision.worker_id,
-                overlap_blocks=decision.overlap_blocks,
-                explanation=decision.explanation,
-                router_id=self.instance_id,
-                model=entry.name,
-                in_flight=in_flight_view(policy, workers),
-                queued=len(entry.queue),
-                indexed_workers=sorted(policy.indexer.workers()),
-                prefill_workers=sorted(entry.prefill_workers),
-                settings=self._settings,
-            )
+        yield BestWorkerReply(
+            worker_id=decision.worker_id,
+            overlap_blocks=decision.overlap_blocks,
+            explanation=decision.explanation,
+            router_id=self.instance_id,
+            model=entry.name,
+            in_flight=in_flight_view(policy, workers),
+            queued=len(entry.queue),
+            indexed_workers=sorted(policy.indexer.workers()),
+            prefill_workers=sorted(entry.prefill_workers),
+            settings=self._settings,
         )
 
     def _entry(self) -> ModelEntry:
@@ -249,8 +234,8 @@ class RouterService:
 
     async def run(self, stop: asyncio.Event, announce: Callable[[str], None]) -> None:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
-        self.server.add_endpoint(BEST_WORKER_ENDPOINT, self.best_worker_id)
-        self.server.add_endpoint(LORA_ENDPOINT, self.lora)
+        self.server.add_endpoint(BEST_WORKER, self.best_worker_id)
+        self.server.add_endpoint(LORA, self.lora)
         address = await self.server.start()
         system = self._system_server()
         system_text = f" system={await system.start()}" if system is not None else ""
@@ -262,7 +247,7 @@ class RouterService:
                     return
                 endpoint = Endpoint(self.name, self._discovery)
                 async with endpoint.serve_endpoint(
-                    self.server, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
+                    self.server, GENERATE, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
                 ):
                     tasks.spawn(self._advertise_adapters(endpoint, card))
                     backends = f"{self.config.namespace}/{self.config.component}"

@@ -27,7 +27,7 @@ from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.names import EndpointName, parse_instance_key
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.supervisor import cancel_and_wait
-from dynamo_cli.runtime.transport import Handler, RequestServer
+from dynamo_cli.runtime.transport import Handler, RequestServer, Spec
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,20 @@ class Endpoint:
 
     @contextlib.asynccontextmanager
     async def serve_endpoint(
-        self, server: RequestServer, handler: Handler, card: msgspec.Struct, *, role: str, grace_s: float
+        self,
+        server: RequestServer,
+        spec: Spec[Any, Any],
+        handler: Handler,
+        card: msgspec.Struct,
+        *,
+        role: str,
+        grace_s: float,
     ) -> AsyncIterator[InstanceRecord]:
-        """Serve `handler` on `server` (started) and register this instance with `card` for the body;
-        when the body returns, deregister first, then drain in-flight streams for up to `grace_s`.
-        If the body raises, nothing is waited for: the lease takes the keys when the process closes it."""
-        server.add_endpoint(self.name.endpoint, handler)
+        """Serve `handler` for `spec`'s requests on `server` (started), under this endpoint's name, and register this
+        instance with `card` for the body; when the body returns, deregister first, then drain in-flight streams for
+        up to `grace_s`. If the body raises, nothing is waited for: the lease takes the keys when the process closes
+        it."""
+        server.add_endpoint(spec, handler, name=self.name.endpoint)
         record = InstanceRecord(
             namespace=self.name.namespace,
             component=self.name.component,

@@ -12,13 +12,17 @@ import itertools
 import socket
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import msgspec
 
 from dynamo_cli.errors import AuthenticationFailed, RemoteError, StreamTimeout, TransportError, WorkerDisconnected
 from dynamo_cli.runtime.framing import Cancel, Data, End, Fail, FrameCodec, FrameError, Open
 from dynamo_cli.runtime.handshake import HANDSHAKE_TIMEOUT_S, MAGIC, ClientHandshake, HandshakeError
-from dynamo_cli.runtime.transport import CONNECT_TIMEOUT_S, STREAM_BUFFER, STREAM_IDLE_TIMEOUT_S, FrameWriter
+from dynamo_cli.runtime.transport import CONNECT_TIMEOUT_S, STREAM_BUFFER, STREAM_IDLE_TIMEOUT_S, FrameWriter, Spec
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 
 class ResponseStream:
@@ -198,8 +202,25 @@ class RequestClient:
         """Streams open on this connection."""
         return len(self._streams)
 
+    async def open(self, spec: Spec[Req, Any], request: Req, *, name: str | None = None) -> ResponseStream:
+        """Start a stream of `spec`'s replies to `request` (under `name` where the deployment names the endpoint);
+        each item is `spec.decode_reply`'s to read. WorkerDisconnected if the server cannot be reached."""
+        return await self.open_stream(name or spec.name, spec.encode(request))
+
+    async def call(self, spec: Spec[Req, Rep], request: Req, *, name: str | None = None) -> Rep:
+        """`spec`'s one reply to `request`; RemoteError if the stream ends with none. The stream is closed after."""
+        stream = await self.open(spec, request, name=name)
+        try:
+            batch = await stream.next_batch()
+        finally:
+            stream.cancel()  # a no-op once it ended
+        if not batch:
+            raise RemoteError(f"{self.address} sent no {spec.name} reply", status=502)
+        return spec.decode_reply(batch[0])
+
     async def open_stream(self, endpoint: str, body: bytes) -> ResponseStream:
-        """Start a stream; raise WorkerDisconnected if the server cannot be reached."""
+        """Start a stream with an encoded body (`open` encodes it); raise WorkerDisconnected if the server cannot be
+        reached."""
         if self._writer.transport is None or self._writer.transport.is_closing():
             await self._connect()
         stream = ResponseStream(self, next(self._ids))

@@ -1,6 +1,8 @@
 """The TCP request plane: many concurrent response streams multiplexed on one connection per peer.
 
-`RequestServer` serves named endpoints: a handler takes a request body and yields response bodies.
+`RequestServer` serves endpoints declared with their types (wire.py's `EndpointSpec`, seen here as a `Spec`): it
+decodes each request once and hands it to the endpoint's handler, which yields reply items that it encodes (or bytes,
+already encoded: a relay); a body that is not the endpoint's request fails alone, as the caller's error (400).
 `RequestClient` (request_client.py) holds one connection to one server and opens streams on it. Writes are coalesced
 (one syscall per loop iteration, not per frame). Overflow policy: a server stream waits while the
 socket's write buffer is over its high-water mark; a client stream that buffers more than
@@ -20,7 +22,8 @@ import logging
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -40,8 +43,36 @@ from dynamo_cli.runtime.stats import EndpointStats
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[msgspec.Raw], AsyncIterator[bytes]]
-"""An endpoint: request body in, encoded response bodies out; cancelled when the caller cancels."""
+Req_co = TypeVar("Req_co", covariant=True)
+Rep_co = TypeVar("Rep_co", covariant=True)
+Req = TypeVar("Req")
+
+
+class Spec(Protocol[Req_co, Rep_co]):
+    """An endpoint's declaration, as the request plane uses it (wire.py's `EndpointSpec`): its name, its request's
+    decoder (RequestError for a body that is not one), its reply's decoder and the encoder of both."""
+
+    @property
+    def name(self) -> str: ...
+
+    def decode_request(self, body: bytes) -> Req_co: ...
+
+    def decode_reply(self, body: bytes) -> Rep_co: ...
+
+    def encode(self, message: object) -> bytes: ...
+
+
+Handler = Callable[[Any], AsyncIterator[Any]]
+"""An endpoint's work: its decoded request in, reply items out (bytes pass as already encoded); cancelled when the
+caller cancels."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    spec: Spec[Any, Any]
+    handler: Handler
+    stats: EndpointStats
+
 
 CONNECT_TIMEOUT_S = 3.0
 STREAM_IDLE_TIMEOUT_S = 600.0
@@ -186,24 +217,26 @@ class _ServerConnection(asyncio.Protocol):
                 self._streams[frame.sid].cancel()
 
     def _open(self, frame: Open) -> None:
-        handler = self._server._handlers.get(frame.endpoint)
-        if handler is None or self._server._is_closing:
-            reason = "shutting down" if handler else f"no endpoint '{frame.endpoint}' here"
+        served = self._server._endpoints.get(frame.endpoint)
+        if served is None or self._server._is_closing:
+            reason = "shutting down" if served else f"no endpoint '{frame.endpoint}' here"
             self._writer.send(Fail(frame.sid, "unavailable", reason, 503, True))
             return
-        stats = self._server.stats[frame.endpoint]
-        self._streams[frame.sid] = self._loop.create_task(self._serve(frame.sid, handler, frame.body, stats))
+        self._streams[frame.sid] = self._loop.create_task(self._serve(frame.sid, served, frame.body))
 
-    async def _serve(self, sid: int, handler: Handler, body: msgspec.Raw, stats: EndpointStats) -> None:
-        server, writer = self._server, self._writer
+    async def _serve(self, sid: int, served: _Served, body: msgspec.Raw) -> None:
+        server, writer, stats, encode = self._server, self._writer, served.stats, served.spec.encode
         server._inflight += 1
         stats.requests += 1
         stats.inflight += 1
         stats.request_bytes += len(body)
         started = time.perf_counter()
         try:
-            async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], handler(body))) as items:
+            request = served.spec.decode_request(body)
+            async with contextlib.aclosing(cast(AsyncGenerator[Any, None], served.handler(request))) as items:
                 async for item in items:
+                    if type(item) is not bytes:
+                        item = encode(item)
                     stats.response_bytes += len(item)
                     writer.send(Data(sid, msgspec.Raw(item)))
                     await writer.drained()
@@ -259,7 +292,7 @@ class RequestServer:
         self._num_handshaking = 0
         self._num_refused = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
-        self._handlers: dict[str, Handler] = {}
+        self._endpoints: dict[str, _Served] = {}
         self.stats: dict[str, EndpointStats] = {}
         """Endpoint -> its counts (requests served, in flight, bytes, durations)."""
         self._connections: set[_ServerConnection] = set()
@@ -276,10 +309,12 @@ class RequestServer:
             raise RuntimeError("RequestServer.address read before start()")
         return self._address
 
-    def add_endpoint(self, name: str, handler: Handler) -> None:
-        """Serve `handler` under `name`."""
-        self._handlers[name] = handler
-        self.stats.setdefault(name, EndpointStats())
+    def add_endpoint(
+        self, spec: Spec[Req, Any], handler: Callable[[Req], AsyncIterator[Any]], *, name: str | None = None
+    ) -> None:
+        """Serve `handler` for `spec`'s requests, under `name` where the deployment names it (`--endpoint`)."""
+        name = name or spec.name
+        self._endpoints[name] = _Served(spec, handler, self.stats.setdefault(name, EndpointStats()))
 
     async def start(self) -> str:
         """Listen; return the address `host:port` callers should dial. ConfigError if exposed without a secret."""

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_cli.errors import RemoteError
 from dynamo_cli.runtime.request_client import RequestClient
-from dynamo_cli.wire import BEST_WORKER_ENDPOINT, BestWorkerQuery
+from dynamo_cli.wire import BEST_WORKER, BestWorkerQuery
 from tests.conftest import DynProcess
 
 MODEL = "smollm2"
@@ -168,7 +168,7 @@ async def best_worker(address: str, query: BestWorkerQuery) -> dict[str, Any]:
     client = RequestClient(address, secret=SECRET)
     try:
         async with asyncio.timeout(10):
-            stream = await client.open_stream(BEST_WORKER_ENDPOINT, msgspec.msgpack.encode(query))
+            stream = await client.open(BEST_WORKER, query)
             replies = [msgspec.msgpack.decode(raw) async for raw in stream]
     finally:
         await client.close()

@@ -22,6 +22,7 @@ from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.supervisor import ServiceTasks
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import LoadMetrics
+from tests.request_plane import raw
 
 WAIT_S = 5.0
 
@@ -46,7 +47,9 @@ async def register(discovery: Discovery, component: str, role: Role) -> None:
     name = EndpointName("ns", component, "generate")
     server = RequestServer()
     await server.start()
-    serving = Endpoint(name, discovery).serve_endpoint(server, _never, card(role), role=role.value, grace_s=0)
+    serving = Endpoint(name, discovery).serve_endpoint(
+        server, raw("generate"), _never, card(role), role=role.value, grace_s=0
+    )
     await serving.__aenter__()  # left registered: the lease takes the keys at the end of the test
     await server.close()
 
@@ -139,7 +142,12 @@ async def test_an_adapter_is_a_model_of_its_base_and_a_new_card_adds_or_takes_it
             server = RequestServer()
             await server.start()
             serving = Endpoint(EndpointName("ns", "backend", "generate"), discovery).serve_endpoint(
-                server, _never, lora_card if discovery is first else card(Role.BOTH), role="both", grace_s=0
+                server,
+                raw("generate"),
+                _never,
+                lora_card if discovery is first else card(Role.BOTH),
+                role="both",
+                grace_s=0,
             )
             await serving.__aenter__()
             await server.close()

@@ -18,6 +18,7 @@ from dynamo_cli.router.stalls import Deadline
 from dynamo_cli.runtime.endpoint import InstanceRecord
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
+from tests.request_plane import raw
 
 FIRST = msgspec.msgpack.encode("first")
 
@@ -50,7 +51,7 @@ async def _open(server: RequestServer) -> tuple[Worker, RequestClient]:
 
 async def test_a_silent_worker_is_hung_after_the_stall_timeout_and_leaves_routing() -> None:
     server = RequestServer()
-    server.add_endpoint("generate", _one_then_silence)
+    server.add_endpoint(raw("generate"), _one_then_silence)
     worker, client = await _open(server)
     metrics = Counted()
     try:
@@ -70,7 +71,7 @@ async def test_a_silent_worker_is_hung_after_the_stall_timeout_and_leaves_routin
 
 async def test_a_worker_that_still_reports_its_load_is_slow_not_hung() -> None:
     server = RequestServer()
-    server.add_endpoint("generate", _one_then_silence)
+    server.add_endpoint(raw("generate"), _one_then_silence)
     worker, client = await _open(server)
     metrics = Counted()
 

@@ -19,6 +19,7 @@ from dynamo_cli.runtime.planes import open_discovery
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.runtime.supervisor import ServiceTasks
 from dynamo_cli.runtime.transport import RequestServer
+from tests.request_plane import raw
 
 etcd_process = tests.planes.etcd_process
 etcd_server = tests.planes.etcd_server
@@ -105,7 +106,9 @@ async def test_a_served_endpoint_is_visible_to_a_client_with_its_card_until_it_s
 ) -> None:
     server_side, client_side = planes
     async with server_and_client(client_side) as (server, client):
-        async with Endpoint(NAME, server_side).serve_endpoint(server, echo, Card(label="a"), role="both", grace_s=1):
+        async with Endpoint(NAME, server_side).serve_endpoint(
+            server, raw(NAME.endpoint), echo, Card(label="a"), role="both", grace_s=1
+        ):
             await wait_for(client, 1)
             [instance] = client.instances()
             assert (instance.instance_id, instance.card, instance.record.address) == (
@@ -133,7 +136,9 @@ async def test_stopping_deregisters_first_then_drains_the_streams_in_flight(
 
     async with server_and_client(client_side) as (server, client):
         endpoint = Endpoint(NAME, server_side)
-        serving = endpoint.serve_endpoint(server, slow, Card(label="a"), role="both", grace_s=WAIT_S)
+        serving = endpoint.serve_endpoint(
+            server, raw(NAME.endpoint), slow, Card(label="a"), role="both", grace_s=WAIT_S
+        )
         await serving.__aenter__()
         await wait_for(client, 1)
         _, stream = await client.open_stream(msgspec.msgpack.encode(None))
@@ -166,7 +171,9 @@ async def test_a_watch_counts_an_instance_only_while_both_its_record_and_card_ar
         assert (watch.instances, joined) == ({}, [])  # a card alone is not an instance
         server = RequestServer()
         await server.start()
-        async with Endpoint(NAME, server_side).serve_endpoint(server, echo, Card(label="a"), role="both", grace_s=1):
+        async with Endpoint(NAME, server_side).serve_endpoint(
+            server, raw(NAME.endpoint), echo, Card(label="a"), role="both", grace_s=1
+        ):
             async with asyncio.timeout(WAIT_S):
                 while not joined:
                     await asyncio.sleep(0.05)

@@ -11,6 +11,7 @@ from dynamo_cli.errors import Overloaded, RemoteError, RequestError, WorkerDisco
 from dynamo_cli.runtime.framing import FrameCodec, FrameError
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
+from tests.request_plane import raw
 
 enc = msgspec.msgpack.encode
 
@@ -52,7 +53,7 @@ async def served(request):  # type: ignore[no-untyped-def]
     endpoints = Endpoints()
     server = RequestServer(secret=request.param)
     for name in ("count", "forever", "bad", "busy", "lost"):
-        server.add_endpoint(name, getattr(endpoints, name))
+        server.add_endpoint(raw(name), getattr(endpoints, name))
     address = await server.start()
     client = RequestClient(address, secret=request.param)
     yield endpoints, server, client

@@ -15,6 +15,7 @@ from dynamo_cli.runtime.framing import Data, FrameCodec, Open
 from dynamo_cli.runtime.handshake import ANSWER_BYTES, HELLO_BYTES, MAGIC, frame
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
+from tests.request_plane import raw
 
 SECRET = bytes(range(32))
 WRONG = bytes(range(1, 33))
@@ -41,8 +42,8 @@ class Spy:
 async def guarded():  # type: ignore[no-untyped-def]
     spy = Spy()
     server = RequestServer(secret=SECRET)
-    server.add_endpoint("generate", spy.generate)
-    server.add_endpoint("kv_dump", spy.kv_dump)
+    server.add_endpoint(raw("generate"), spy.generate)
+    server.add_endpoint(raw("kv_dump"), spy.kv_dump)
     address = await server.start()
     yield spy, server, address
     await server.close()
@@ -182,7 +183,7 @@ async def test_the_client_gives_up_on_a_server_that_does_not_start_the_handshake
     monkeypatch.setattr(transport, "HANDSHAKE_TIMEOUT_S", 0.3)
     spy = Spy()
     unauthenticated = RequestServer()  # an old or misconfigured member: no secret, so no hello
-    unauthenticated.add_endpoint("generate", spy.generate)
+    unauthenticated.add_endpoint(raw("generate"), spy.generate)
     client = RequestClient(await unauthenticated.start(), secret=SECRET)
     try:
         with pytest.raises(AuthenticationFailed, match="no handshake within"):
