@@ -297,7 +297,7 @@ async def _serve_started(
     served: set[str] = set()
     pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
     pools.frontends.on_restart = lambda index, code: service.metrics.frontend_restarts.inc()
-    service.app.standby = lambda model: (pool.retry_after() or 1.0) if model in served and pool.is_live() else None
+    service.app.lifecycle.standby = lambda m: (pool.retry_after() or 1.0) if m in served and pool.is_live() else None
     async with ServiceTasks() as tasks:  # owns the pools' supervision; closed on the way out
 
         async def on_ready() -> None:
@@ -323,9 +323,7 @@ async def _serve_started(
             tasks.spawn(pools.frontends.supervise())
             print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
 
-        await service.run(
-            sock, stop, on_ready, serve_first=not config.joins_group
-        )  # serve_all stops the pools on every way out
+        await service.run(sock, stop, on_ready, serve_first=not config.joins_group)  # serve_all stops the pools
 
 
 async def _spawn_frontends(
@@ -372,7 +370,7 @@ def _planner(
     """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
     and what follows their load."""
     namespace = config.frontend.namespace
-    source = TextSnapshotter(lambda: service.app.metrics_text().decode())  # with --frontends N: the group's
+    source = TextSnapshotter(lambda: service.app.rest.metrics_text().decode())  # with --frontends N: the group's
     loads = WorkerLoads()
     planner = Planner(
         plan.config, profile, source, connector, lambda: count_workers(discovery, namespace), loads=loads.total

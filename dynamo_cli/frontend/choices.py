@@ -2,7 +2,8 @@
 
 NOTE: a request with n > 1 is n generations of the same prompt, each dispatched on its own (the prefix
 cache and the KV router share the prompt); their streams are merged as they come, every chunk naming
-its choice's index. Plain requests (n = 1, no logprobs) never come here: app.py's hot path serves them.
+its choice's index. Plain requests (n = 1, no logprobs) never come here: completions.py's plain stream
+and body serve them.
 """
 
 from __future__ import annotations

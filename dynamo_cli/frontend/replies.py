@@ -1,5 +1,6 @@
 """Writing replies on raw ASGI: OpenAI-shaped errors, a JSON body, an SSE stream raced against the
-client's disconnect. Shared by the routes of app.py."""
+client's disconnect. Shared by the generation APIs (completions.py, translation.py), the lifecycle and the
+LoRA and batch routes."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ class FrontendService:
             for loop in self.sync.loops(self._discovery) if self.sync is not None else ():
                 self._tasks.spawn(loop)
             if self.group is not None:
-                self._tasks.spawn(self.group.share(self.app.refresh_metrics))
+                self._tasks.spawn(self.group.share(self.app.rest.refresh_metrics))
             if serve_first:
                 server = self._tasks.spawn(self._serve_http(sock, stop))
                 await on_ready()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dynamo_cli.kv.events import KvEventBatch
@@ -47,6 +47,29 @@ class RouteDecision:
         return self.explain() if self.explain is not None else {}
 
 
+@dataclass(frozen=True, slots=True)
+class InFlightLoad:
+    """What a policy counts on one worker now (with replica sync, every frontend's and router's)."""
+
+    num_requests: int
+    active_blocks: int
+    """Unique KV blocks of the requests in flight."""
+    active_prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySnapshot:
+    """What a policy counts, for `/health`, `/metrics` and `best_worker_id`; empty for one that counts nothing."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    """Its monotonic counters (decisions, hit blocks, ...), by name."""
+    in_flight: dict[int, InFlightLoad] = field(default_factory=dict)
+    """Worker -> what it counts there, for the workers asked about."""
+
+
+NOTHING_COUNTED = PolicySnapshot()
+
+
 class RoutingPolicy(Protocol):
     """Chooses a worker among the live candidates."""
 
@@ -74,6 +97,10 @@ class RoutingPolicy(Protocol):
         """Ingest a worker's published load (no-op for load-blind policies)."""
         ...
 
+    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
+        """Its counters, and what it counts in flight on each of `workers`."""
+        ...
+
 
 class _Blind:
     """Shared no-op hooks of the cache- and load-blind policies."""
@@ -92,6 +119,9 @@ class _Blind:
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         pass
+
+    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
+        return NOTHING_COUNTED
 
 
 class RoundRobinPolicy(_Blind):

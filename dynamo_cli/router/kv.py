@@ -30,7 +30,7 @@ from dynamo_cli.kv.events import DEVICE, BlockStored, KvEventBatch
 from dynamo_cli.kv.hashing import lora_seed, sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.approx import ApproxConfig, ApproxIndexer
-from dynamo_cli.router.base import RouteDecision, RouteRequest
+from dynamo_cli.router.base import InFlightLoad, PolicySnapshot, RouteDecision, RouteRequest
 from dynamo_cli.router.cost import Candidates, CostConfig, Reason, Rounds, Selection, explain_pinned, select
 from dynamo_cli.router.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.router.sequences import STALE_REQUEST_S, ActiveSequences
@@ -195,6 +195,13 @@ class KvRoutingPolicy:
         for event in batch.events:  # a pass storing a pending prompt's last block is computing it
             if type(event) is BlockStored and event.tier == DEVICE:
                 self.sequences.mark_stored(batch.worker_id, [block.block_hash for block in event.blocks], now)
+
+    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
+        s = self.sequences
+        in_flight = {
+            w: InFlightLoad(s.num_requests(w), s.active_blocks(w), s.active_prefill_tokens(w)) for w in workers
+        }
+        return PolicySnapshot(self.counters.to_dict(), in_flight)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last

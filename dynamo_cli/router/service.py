@@ -325,15 +325,15 @@ class RouterService:
 
 def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[InFlight]:
     """Per worker: requests in flight, unique active blocks, outstanding prefill tokens (this replica)."""
-    s = policy.sequences
+    loads = policy.snapshot(sorted(workers)).in_flight
     return [
         InFlight(
             worker_id=w,
-            num_requests=s.num_requests(w),
-            active_blocks=s.active_blocks(w),
-            active_prefill_tokens=s.active_prefill_tokens(w),
+            num_requests=load.num_requests,
+            active_blocks=load.active_blocks,
+            active_prefill_tokens=load.active_prefill_tokens,
         )
-        for w in sorted(workers)
+        for w, load in loads.items()
     ]
 
 

@@ -284,3 +284,40 @@ def test_unknown_fields_are_refused_by_name(served: DynProcess) -> None:
         timeout=10,
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "best_of"
+
+
+def _counted(d: DynProcess, series: str) -> float:
+    """The sum of a /metrics series over the label sets that contain every `key="value"` given in `series`."""
+    name, _, wanted = series.partition("{")
+    labels = [label for label in wanted.rstrip("}").split(",") if label]
+    text = httpx.get(f"{d.url}/metrics", headers=d.auth, timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(label in line for label in labels)
+    )
+
+
+LONG = 4000
+LEAVING = {
+    "chat_completions": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": LONG, "n": 2, "stream": True}),
+    "completions": ("/v1/completions", {"prompt": "Once", "max_tokens": LONG, "stream": True}),
+    "responses": ("/v1/responses", {"input": "Say hi", "max_output_tokens": LONG, "stream": True}),
+    "messages": ("/v1/messages", {"messages": MESSAGES, "max_tokens": LONG, "stream": True}),
+}
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_as_gone_whatever_its_api(served: DynProcess) -> None:
+    gone = 'dynamo_frontend_disconnected_clients_total{model="alpha"'
+    before = _counted(served, gone)
+    cancelled = {api: f'dynamo_frontend_requests_total{{endpoint="{api}",status="cancelled"' for api in LEAVING}
+    cancelled_before = {api: _counted(served, series) for api, series in cancelled.items()}
+    for path, body in LEAVING.values():
+        with httpx.stream(
+            "POST", f"{served.url}{path}", headers=served.auth, json={"model": "alpha", **body}, timeout=30
+        ) as stream:
+            lines = stream.iter_lines()  # one event with text, then the client leaves mid-stream
+            assert any(line.startswith("data:") and len(line) > 40 for line in lines)
+    assert wait_until(lambda: _counted(served, gone) >= before + len(LEAVING), timeout=10), _counted(served, gone)
+    for api, series in cancelled.items():
+        assert _counted(served, series) == cancelled_before[api] + 1, api

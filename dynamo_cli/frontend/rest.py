@@ -1,0 +1,146 @@
+"""The frontend's ordinary routes (Starlette): `/v1/models`, the LoRA admin routes, `/health`, `/live`, `/metrics` and
+`/openapi.json`, with OpenAI-shaped 404/405/500 pages; the generation APIs take the raw ASGI path (app.py)."""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dynamo_cli.config import FrontendConfig
+from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
+from dynamo_cli.frontend.metrics import FrontendMetrics
+from dynamo_cli.frontend.metrics_group import MetricsGroup
+from dynamo_cli.frontend.models import FrontendRegistry
+from dynamo_cli.frontend.openai import error_body
+from dynamo_cli.frontend.openapi import openapi_document
+from dynamo_cli.frontend.replies import internal
+
+
+class Rest:
+    """The Starlette routes over the frontend's registry and metrics; `app` serves them."""
+
+    def __init__(
+        self,
+        config: FrontendConfig,
+        registry: FrontendRegistry,
+        metrics: FrontendMetrics,
+        group: MetricsGroup | None,
+        instance_id: int,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.group = group
+        """`dyn serve --frontends N`: /metrics shows the group's totals."""
+        self.instance_id = instance_id
+        """This frontend's id on the planes (its lease), which `/health` names."""
+        self._openapi = msgspec.json.encode(openapi_document())
+        loras = LoraAdmin(config, registry)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.list_models),
+                Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
+                Route("/v1/loras", loras.listing),
+                Route("/health", self.health),
+                Route("/live", self.live),
+                Route("/metrics", self.prometheus),
+                Route("/openapi.json", self.openapi),
+            ],
+            exception_handlers={404: _not_found, 405: _not_found, Exception: _server_error},
+        )
+
+    async def list_models(self, request: Request) -> Response:
+        # servable(): a model only prefill workers serve has nothing to decode on, so it is not listed
+        data = [
+            {
+                "id": e.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dyn",
+                "max_model_len": e.card.context_length,
+                "num_workers": len(e.workers) + len(e.prefill_workers),
+            }
+            for e in self.registry.servable()
+        ]
+        return JSONResponse({"object": "list", "data": data + adapter_rows(self.registry)})
+
+    async def health(self, request: Request) -> Response:
+        instances = []
+        for e in self.registry.servable():
+            workers = {**e.workers, **e.prefill_workers}
+            in_flight = e.policy.snapshot(workers).in_flight
+            for wid, w in workers.items():
+                row: dict[str, object] = {
+                    "model": e.name,
+                    "instance_id": f"{wid:x}",
+                    "address": w.record.address,
+                    "role": w.card.role,
+                }
+                if w.hung is not None:
+                    row["hung"] = w.hung
+                load = in_flight.get(wid)
+                if load is not None:  # the KV router's count (every replica's, with replica sync)
+                    row |= {"in_flight_requests": load.num_requests, "active_blocks": load.active_blocks}
+                instances.append(row)
+        healthy = bool(instances)
+        body: dict[str, object] = {"status": "healthy" if healthy else "unhealthy", "frontend": f"{self.instance_id:x}"}
+        body["instances"] = instances
+        if not healthy:
+            body["message"] = "No endpoints available"
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "live"})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    def metrics_text(self) -> bytes:
+        """What `/metrics` shows: this frontend's registry, or with `--frontends N` the group's totals."""
+        if self.group is not None:
+            return self.group.merged(self.refresh_metrics)
+        self.refresh_metrics()
+        return generate_latest(self.metrics.registry)
+
+    def refresh_metrics(self) -> None:
+        """Set the gauges read at scrape time: workers, queues, KV tiers, the router's counters."""
+        for name, entry in self.registry.models.items():
+            self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
+            self.metrics.queued.labels(name).set(len(entry.queue))
+            for worker in (*entry.workers.values(), *entry.prefill_workers.values()):
+                if worker.load is not None and worker.load.kv_tiers is not None:
+                    self.metrics.export_kv_tiers(name, worker.instance_id, worker.load.kv_tiers)
+            counters = entry.policy.snapshot().counters
+            if counters:  # a policy that counts (the KV router)
+                self.metrics.export_router(name, counters)
+        self.metrics.export_workers(
+            (name, worker)
+            for name, entry in self.registry.models.items()
+            for worker in (*entry.workers.values(), *entry.prefill_workers.values())
+        )
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    error = internal(exc, f"serving {request.method} {request.url.path}")
+    return Response(
+        error_body(str(error), "internal_error", None, "internal_error"),
+        status_code=500,
+        media_type="application/json",
+    )
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} not allowed"
+    return Response(
+        error_body(message, "not_found_error" if status == 404 else "invalid_request_error"),
+        status_code=status,
+        media_type="application/json",
+    )
