@@ -73,6 +73,10 @@ class Upstream(Protocol):
         """After the first choice: learn who serves (a router reports the backend it chose)."""
         ...
 
+    def moved(self, dispatch: Dispatch) -> None:
+        """After a migration's choice: who serves now, where this side knows it at once."""
+        ...
+
     async def prepare(self, dispatch: Dispatch) -> None:
         """After settling, before the first `open`: the prefill stage where this side runs it."""
         ...
@@ -92,6 +96,9 @@ class ToWorkers:
         return {}
 
     async def settle(self, dispatch: Dispatch) -> None:
+        self.moved(dispatch)
+
+    def moved(self, dispatch: Dispatch) -> None:
         assert dispatch.worker is not None
         dispatch.served_by = dispatch.worker.instance_id
 
@@ -126,6 +133,9 @@ class ToRouters:
                 await dispatch.await_report()
             except TransportError as exc:
                 dispatch.migrate(exc)
+
+    def moved(self, dispatch: Dispatch) -> None:
+        pass  # the backend the next router chooses is in its own first report, which a stream's headers precede
 
     async def prepare(self, dispatch: Dispatch) -> None:
         pass
@@ -316,7 +326,9 @@ class Dispatch:
         assert hold is not None and hold.is_held, "open only a chosen worker"
         worker, request = hold.worker, self._request()
         hold.queue_prefill(len(request.token_ids))  # none once the prefill's first token came
-        self._stream = await worker.client.open(GENERATE, request, name=worker.record.endpoint)
+        self._stream = await self.rules.deadline.opened(
+            worker, self.entry.name, lambda: worker.client.open(GENERATE, request, name=worker.record.endpoint)
+        )
         return self._stream
 
     async def _relay(self, stream: ResponseStream) -> AsyncGenerator[tuple[list[msgspec.Raw], list[int]], None]:
@@ -372,6 +384,7 @@ class Dispatch:
             rules.migration_limit,
         )
         chosen = self._choose()
+        rules.upstream.moved(self)  # a unary reply's headers, sent after its body, name the worker that served
         if self.plan.trace is not None:
             self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
         return chosen

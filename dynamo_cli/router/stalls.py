@@ -8,8 +8,10 @@ reports go on. A stopped process, a frozen host or a cut network does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -40,6 +42,40 @@ class Deadline:
         if self.stall_s:
             worker.heard_at = time.monotonic()
         return batch
+
+    async def opened(
+        self, worker: Worker, model: str, open_stream: Callable[[], Awaitable[ResponseStream]]
+    ) -> ResponseStream:
+        """`open_stream()` under the deadline where it must first connect: a stopped process's kernel accepts the
+        connection but the handshake never comes (the request plane would wait HANDSHAKE_TIMEOUT_S for it, and
+        every request to the worker behind it). As a stream's wait: waited `stall_s`, the worker is hung unless it
+        is heard elsewhere (then the open waits on, up to the request plane's own limit)."""
+        if not self.stall_s or worker.client.is_connected:
+            return await open_stream()  # the common case: no wait, no task
+        opening = asyncio.ensure_future(open_stream())
+        try:
+            wait = self.stall_s
+            while True:
+                done, _ = await asyncio.wait({opening}, timeout=wait)
+                if done:
+                    worker.heard_at = time.monotonic()
+                    return opening.result()
+                wait = self.stall_s - (time.monotonic() - worker.heard_at)
+                if worker.hung is not None or wait <= 0:
+                    silent = time.monotonic() - worker.heard_at
+                    if worker.hung is None:
+                        mark_hung(
+                            worker,
+                            model,
+                            f"nothing from it for {silent:.1f} s while connecting",
+                            "deadline",
+                            self.metrics,
+                        )
+                    raise WorkerHung(f"worker {worker.instance_id:x} is not answering ({worker.hung})")
+        finally:
+            if not opening.done():
+                opening.cancel()
+                await asyncio.wait({opening})
 
     async def waited(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
         """After a wait of `stall_s` timed out (raise it again without a deadline): wait on while the worker

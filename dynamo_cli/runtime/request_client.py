@@ -198,6 +198,11 @@ class RequestClient:
         self._closed = False
 
     @property
+    def is_connected(self) -> bool:
+        """Connected (and authenticated): a stream opens without a wait."""
+        return self._writer.transport is not None and not self._writer.transport.is_closing()
+
+    @property
     def num_streams(self) -> int:
         """Streams open on this connection."""
         return len(self._streams)

@@ -159,3 +159,18 @@ def test_a_lora_load_leaves_out_a_stopped_worker_that_the_canary_found(dyn_serve
         assert client.completions.create(model="c", prompt="hello", max_tokens=3).model == "c"
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_a_worker_stopped_before_any_request_reached_it_is_left_within_the_stall_timeout(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--workers", "2", "--router", "round-robin", "--stall-timeout", "2",
+        "--lease-ttl", "60",
+    )  # fmt: skip
+    pid, stopped_id = _stop_one(d)  # the frontend has no connection to it yet: its kernel accepts, nothing answers
+    try:
+        started = time.monotonic()
+        served = {_served_by(d) for _ in range(4)}  # round-robin sends the first or second there
+        assert stopped_id not in served and time.monotonic() - started < 8  # not a 10 s handshake wait per request
+        assert _metric(d, "dynamo_frontend_worker_stalls_total", stopped_id) == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)

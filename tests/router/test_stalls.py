@@ -95,3 +95,53 @@ async def test_a_worker_that_still_reports_its_load_is_slow_not_hung() -> None:
     finally:
         await client.close()
         await server.close()
+
+
+async def _mute_server() -> tuple[asyncio.Server, str]:
+    """A listener that accepts and never speaks: what a stopped process's kernel does with a new connection."""
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _worker_at(address: str) -> Worker:
+    record = InstanceRecord(namespace="ns", component="backend", endpoint="generate", instance_id=7, transport={})
+    card = ModelCard(display_name="m", tokenizer_source="-", engine="mocker")
+    return Worker(7, record, card, RequestClient(address, secret=bytes(32)))
+
+
+async def test_a_first_connection_to_a_silent_worker_is_hung_after_the_stall_timeout_not_the_handshakes() -> None:
+    server, address = await _mute_server()
+    worker, metrics = _worker_at(address), Counted()
+    worker.heard_at = time.monotonic() - 5  # its load reports stopped with it
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerHung, match="while connecting"):
+            await Deadline(0.3, metrics).opened(worker, "m", lambda: worker.client.open_stream("generate", b"\x80"))
+        assert time.monotonic() - started < 2.0  # not the request plane's 10 s handshake wait
+        assert worker.hung is not None and metrics.stalls == [("m", 7, "deadline")]
+    finally:
+        await worker.client.close()
+        server.close()
+
+
+async def test_a_connecting_worker_that_still_reports_its_load_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynamo_cli.runtime.request_client as request_client
+
+    monkeypatch.setattr(request_client, "HANDSHAKE_TIMEOUT_S", 1.0)
+    server, address = await _mute_server()
+    worker, metrics = _worker_at(address), Counted()
+
+    async def reports() -> None:
+        while True:
+            worker.heard_at = time.monotonic()  # what a load report does (Registry.apply_load)
+            await asyncio.sleep(0.05)
+
+    reporter = asyncio.create_task(reports())
+    try:
+        with pytest.raises(Exception, match="no handshake within") as failed:  # the plane's own limit, not hung
+            await Deadline(0.3, metrics).opened(worker, "m", lambda: worker.client.open_stream("generate", b"\x80"))
+        assert failed.value.is_migratable and worker.hung is None and metrics.stalls == []  # type: ignore[attr-defined]
+    finally:
+        reporter.cancel()
+        await worker.client.close()
+        server.close()
