@@ -10,6 +10,7 @@ unchanged through the frontend, a `dyn router`, migration and the prefill hop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
 import msgspec
@@ -30,14 +31,17 @@ class EndpointSpec(Generic[Req, Rep]):
     it: the server decodes each request once (`RequestServer.add_endpoint(spec, handler)`), the client encodes once
     (`RequestClient.open(spec, request)`, `call(spec, request)`) and decodes what comes back (`decode_reply`)."""
 
-    __slots__ = ("name", "request", "reply", "_decode_request", "_decode_reply")
+    __slots__ = ("name", "request", "reply", "reply_decoder", "encode", "_decode_request")
 
     def __init__(self, name: str, request: type[Req], reply: type[Rep]) -> None:
         self.name = name
         self.request = request
         self.reply = reply
         self._decode_request = msgspec.msgpack.Decoder(request).decode
-        self._decode_reply = msgspec.msgpack.Decoder(reply).decode
+        self.reply_decoder = msgspec.msgpack.Decoder(reply).decode
+        """The bare decoder of a reply item, for a loop over many (it raises msgspec.DecodeError itself)."""
+        self.encode: Callable[[object], bytes] = _encode
+        """A request or a reply item as msgpack (the C encoder itself: the server calls it once per reply item)."""
 
     def __repr__(self) -> str:
         return f"EndpointSpec({self.name!r}, {_type_name(self.request)}, {_type_name(self.reply)})"
@@ -52,14 +56,9 @@ class EndpointSpec(Generic[Req, Rep]):
     def decode_reply(self, body: bytes) -> Rep:
         """One reply item; one that is not this endpoint's reply is the server's fault (RemoteError, 502)."""
         try:
-            return self._decode_reply(body)
+            return self.reply_decoder(body)
         except msgspec.DecodeError as exc:
             raise RemoteError(f"malformed {self.name} reply ({_type_name(self.reply)}): {exc}", status=502) from exc
-
-    @staticmethod
-    def encode(message: object) -> bytes:
-        """A request or a reply item as msgpack."""
-        return _encode(message)
 
 
 def _type_name(kind: type) -> str:

@@ -8,11 +8,12 @@ from collections.abc import Callable
 
 import msgspec
 
+from dynamo_cli.errors import RemoteError
 from dynamo_cli.kv.handles import TransferReport
 from dynamo_cli.router.prefill import PrefillResult
 from dynamo_cli.wire import GENERATE, GenerateChunk, TokenLogprob
 
-_decode_chunk = GENERATE.decode_reply
+_decode_chunk = GENERATE.reply_decoder
 _encode = GENERATE.encode
 _perf_counter = time.perf_counter
 
@@ -37,7 +38,10 @@ class Output:
         """One batch of encoded chunks: the token ids it brings, which are added to the output."""
         token_ids: list[int] = []
         for raw in batch:
-            chunk = _decode_chunk(raw)
+            try:
+                chunk = _decode_chunk(raw)
+            except msgspec.DecodeError as exc:  # free unless raised (a zero-cost try)
+                raise RemoteError(f"malformed generate reply (GenerateChunk): {exc}", status=502) from exc
             token_ids += chunk.token_ids
             if chunk.logprobs:
                 self.logprobs += chunk.logprobs
