@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.routing import Route
 
-from dynamo_cli.config import BusyThresholds, FrontendConfig, TlsConfig
+from dynamo_cli.config import ROUTER_MODES, FrontendConfig, TlsConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
@@ -27,21 +27,16 @@ from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.models import FrontendRegistry
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
-from dynamo_cli.router.core import DispatchRules, ToRouters, ToWorkers
-from dynamo_cli.router.feeds import follow_workers
-from dynamo_cli.router.health import HealthMonitor
+from dynamo_cli.router.core import ToRouters, ToWorkers
 from dynamo_cli.router.kv import kv_policy_factory
 from dynamo_cli.router.registry import ROUTER_COMPONENT
-from dynamo_cli.router.replicas import ReplicaSync
-from dynamo_cli.router.stalls import NO_DEADLINE, Deadline
+from dynamo_cli.router.stack import Routing, routing_stack
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
 from dynamo_cli.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
-
-ROUTER_MODES = ("round-robin", "random", "kv", "remote")
 
 
 def policy_factory(config: FrontendConfig, mode: str | None = None) -> Callable[[ModelCard], RoutingPolicy]:
@@ -108,8 +103,7 @@ class FrontendService:
         check_tls(config.tls)
         self.config = config
         self.metrics = FrontendMetrics()
-        behind_routers = config.router == "remote"  # then the routers choose, queue and apply the busy thresholds
-        busy = BusyThresholds() if behind_routers else config.busy
+        behind_routers = config.router == "remote"  # then the routers choose, queue and watch their backends
         accept = (lambda name: name.component == ROUTER_COMPONENT) if behind_routers else None
         prefill_mode = config.disagg.prefill_router_mode
         self.registry = FrontendRegistry(
@@ -120,28 +114,24 @@ class FrontendService:
             secret=config.planes.cluster_secret,
             prefill_policy_factory=policy_factory(config, prefill_mode),
         )
-        self.sync = (
-            ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
-            if config.replica_sync and config.router == "kv"
-            else None
-        )
-        """The in-flight load shared with the other frontends and `dyn router`s (`--router-replica-sync`)."""
-        rules = DispatchRules(
+        routing = Routing(
             config.migration_limit,
-            busy,
+            config.busy,
+            config.disagg,
+            config.queue,
+            config.health,
+            kv_events="kv" in (config.router, prefill_mode),
+            replica_sync=config.replica_sync and config.router == "kv",  # `--router-replica-sync`
             upstream=ToRouters() if behind_routers else ToWorkers(),
-            disagg=config.disagg,
-            queue=config.queue,
-            metrics=self.metrics,
-            replicas=self.sync,
-            deadline=NO_DEADLINE if behind_routers else Deadline(config.health.stall_timeout_s, self.metrics),
+            watches_workers=not behind_routers,
         )
-        self.health = None if behind_routers else HealthMonitor(self.registry, config.health, self.metrics)
-        """Probes hung (and idle) workers; behind `dyn router`s, the routers watch their backends."""
+        self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
+        """The registry, rules, health monitor and replicas' sync this frontend routes with."""
         self.tracing = start_tracing(config.telemetry, "dyn-frontend")
         """Each request's spans (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
         self.group = MetricsGroup(Path(config.metrics_dir), self.metrics.registry) if config.metrics_dir else None
         """`dyn serve --frontends N`: the frontends' shared metrics (/metrics shows the group's totals)."""
+        rules = self.stack.rules
         self.app = Frontend(config, self.registry, self.metrics, rules, self.tracing, self.group, discovery.lease_id)
         self._discovery = discovery
         self._bus = bus
@@ -169,19 +159,7 @@ class FrontendService:
         deployment's alone; its clients wait for the ready line); else only once it returned (a frontend joining
         a group on a shared port: until it knows the workers, the kernel hands its connections to the others)."""
         try:
-            kv_events = "kv" in (self.config.router, self.config.disagg.prefill_router_mode)
-            await follow_workers(
-                self.registry,
-                self._bus,
-                self.config.namespace,
-                self._tasks,
-                kv_events=kv_events,
-                on_repair=self.metrics.count_repair,
-            )
-            if self.health is not None:
-                self._tasks.spawn(self.health.run())
-            for loop in self.sync.loops(self._discovery) if self.sync is not None else ():
-                self._tasks.spawn(loop)
+            await self.stack.start(self._tasks, self._bus, self._discovery, self.config.namespace)
             if self.group is not None:
                 self._tasks.spawn(self.group.share(self.app.rest.refresh_metrics))
             if serve_first:

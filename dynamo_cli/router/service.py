@@ -37,16 +37,13 @@ from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.router import loras
 from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.core import Dispatch, DispatchRules
-from dynamo_cli.router.feeds import follow_workers
-from dynamo_cli.router.health import HealthMonitor
+from dynamo_cli.router.core import Dispatch
 from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.router.metrics import RouterMetrics
 from dynamo_cli.router.plan import RequestPlan
 from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
-from dynamo_cli.router.replicas import ReplicaSync
-from dynamo_cli.router.stalls import Deadline
+from dynamo_cli.router.stack import Routing, routing_stack
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
@@ -104,18 +101,19 @@ class RouterService:
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.metrics = RouterMetrics()
         self.state = ServingState.STARTING
-        self.sync = ReplicaSync(bus, config.namespace, discovery.lease_id, self.registry)
-        self.rules = DispatchRules(
+        routing = Routing(
             MAX_REROUTES - 1,
             config.busy,
-            disagg=config.disagg,
-            queue=config.queue,
+            config.disagg,
+            config.queue,
+            config.health,
+            kv_events=config.kv_router.use_kv_events,
+            replica_sync=True,
             migrates_after_output=False,  # the frontend migrates a stream that already relayed tokens
-            replicas=self.sync,
-            metrics=self.metrics,
-            deadline=Deadline(config.health.stall_timeout_s, self.metrics),
         )
-        self.monitor = HealthMonitor(self.registry, config.health, self.metrics)
+        self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
+        """The registry, rules, health monitor and replicas' sync this router routes with."""
+        self.rules = self.stack.rules
         c = config
         self._settings = msgspec.to_builtins(
             {"kv_router": c.kv_router, "disagg": c.disagg, "queue": c.queue, "busy": c.busy}
@@ -241,7 +239,8 @@ class RouterService:
         system_text = f" system={await system.start()}" if system is not None else ""
         try:
             async with ServiceTasks() as tasks:
-                await self._start_loops(tasks)
+                # NOTE: the router's background loops, owned by `tasks` (router/stack.py, as the frontend's)
+                await self.stack.start(tasks, self._bus, self._discovery, self.config.namespace)
                 card = await self._wait_for_card(stop, tasks)
                 if card is None:
                     return
@@ -289,20 +288,6 @@ class RouterService:
         if self.state is ServingState.READY and not backends:
             return HealthReport(False, "unhealthy", {**detail, "reason": "no backend to route to"})
         return HealthReport(self.state is ServingState.READY, self.state.value, detail)
-
-    async def _start_loops(self, tasks: ServiceTasks) -> None:
-        """NOTE: the router's background loops, owned by `tasks`: the backends' discovery, load and KV events
-        (with gap repair; router/feeds.py, as the frontend's), the replicas' sync, and the expiry of lost requests."""
-        await follow_workers(
-            self.registry,
-            self._bus,
-            self.config.namespace,
-            tasks,
-            kv_events=self.config.kv_router.use_kv_events,
-            on_repair=self.metrics.count_repair,
-        )
-        for loop in [*self.sync.loops(self._discovery), self.monitor.run()]:
-            tasks.spawn(loop)
 
     async def _wait_for_card(self, stop: asyncio.Event, tasks: ServiceTasks) -> ModelCard | None:
         """The card of the first decode (or aggregated) backend seen, or None if `stop` came first.

@@ -138,8 +138,13 @@ def test_a_migrated_stream_names_both_decode_workers_in_one_trace(disagg: DynPro
     assert usage is not None and usage.completion_tokens == 200
 
     def migrated(spans: list[ReceivedSpan]) -> bool:
-        decoders = {s.attributes.get("dyn.worker_id") for s in spans if s.service == "dyn-worker-decode"}
-        return any(s.name == "http.request" for s in spans) and bool(decoders - {victim})
+        # the survivor's own generate span (the victim's kv.pull names no worker: it must not count)
+        decoders = {
+            s.attributes.get("dyn.worker_id")
+            for s in spans
+            if s.service == "dyn-worker-decode" and s.name == "worker.generate"
+        }
+        return any(s.name == "http.request" for s in spans) and bool(decoders - {victim, None})
 
     spans = receiver.wait_for(trace_id, migrated)
     request = one(spans, "http.request", "dyn-frontend")
