@@ -76,6 +76,8 @@ class Deadline:
             if not opening.done():
                 opening.cancel()
                 await asyncio.wait({opening})
+                if not opening.cancelled():
+                    opening.exception()  # it failed as it was given up on: retrieved, so never logged as lost
 
     async def waited(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
         """After a wait of `stall_s` timed out (raise it again without a deadline): wait on while the worker
