@@ -57,7 +57,7 @@ from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import frontend_key
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, stop_on_signals
+from dynamo_cli.runtime.supervisor import PARENT_ENV, ServiceTasks, announce, ready_line, stop_on_signals
 from dynamo_cli.wire import BEST_WORKER, BestWorkerQuery
 
 if TYPE_CHECKING:
@@ -321,7 +321,7 @@ async def _serve_started(
                 return
             await _wait_frontends(discovery, config, pools.frontends, url)
             tasks.spawn(pools.frontends.supervise())
-            print(f"dyn serve ready: {url} ({_workers_text(config)}, router {config.frontend.router})", flush=True)
+            announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router})"))
 
         await service.run(sock, stop, on_ready, serve_first=not config.joins_group)  # serve_all stops the pools
 

@@ -32,7 +32,7 @@ from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.reaper import guard_descendants
-from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, announce, freeze_heap, ready_line, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer, Spec
 from dynamo_cli.tracing import start_tracing
@@ -334,11 +334,8 @@ async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
                 tasks.spawn(worker.pump_kv_events())
                 tasks.spawn(worker.pump_load())
                 worker.state = ServingState.READY
-                print(
-                    f"dyn worker ready: instance={worker.name}/{worker.instance_id:x} address={address} "
-                    f"model={card.display_name} engine={card.engine} role={card.role}{system_text}",
-                    flush=True,
-                )
+                where = f"instance={worker.name}/{worker.instance_id:x} address={address} model={card.display_name}"
+                announce(ready_line("worker", f"{where} engine={card.engine} role={card.role}{system_text}"))
                 freeze_heap()  # the engine and its model are built: out of the collector's reach
                 await tasks.wait_stop(stop)
                 worker.state = ServingState.DRAINING  # leaving the block deregisters, then drains

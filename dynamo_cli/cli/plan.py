@@ -25,7 +25,7 @@ from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
 from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
 from dynamo_cli.planner.sizing import Bounds, Targets
-from dynamo_cli.runtime.supervisor import PARENT_ENV
+from dynamo_cli.runtime.supervisor import PARENT_ENV, announce
 from dynamo_cli.runtime.supervisor import run as run_loop
 
 app = typer.Typer(
@@ -141,10 +141,6 @@ def profile_command(
 
 def _report(step: Step) -> None:
     print(step, flush=True)
-
-
-def _announce(line: str) -> None:
-    print(line, flush=True)
 
 
 _opt = o.planner_option
@@ -269,7 +265,7 @@ def run_command(
             ready_timeout_s=k8s_ready_timeout,
         ),
     )
-    run_loop(serve_planner(plan, load_profile(profile), _report, _announce))
+    run_loop(serve_planner(plan, load_profile(profile), _report, announce))
     sys.stdout.flush()
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import typer
-
 from dynamo_cli.cli import options as o
 from dynamo_cli.cli import settings
 from dynamo_cli.config import PlanesConfig, RouterConfig, config_document
 from dynamo_cli.router.service import serve_router
-from dynamo_cli.runtime.supervisor import die_with_parent, run
+from dynamo_cli.runtime.supervisor import announce, die_with_parent, run
 from dynamo_cli.runtime.transport import check_exposure
 from dynamo_cli.tracing.logs import use_log_format
 
@@ -23,7 +21,7 @@ def _command(**values: Any) -> None:
     config = config_document(RouterConfig) or _from_flags(values)  # `dyn serve`'s children get a document
     use_log_format(config.telemetry.log_format)
     check_exposure(config.host, config.planes.cluster_secret)
-    run(serve_router(config, lambda line: typer.echo(line)))
+    run(serve_router(config, announce))
 
 
 def _from_flags(values: dict[str, Any]) -> RouterConfig:

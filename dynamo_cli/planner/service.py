@@ -27,7 +27,7 @@ from dynamo_cli.planner.probes import WatchedSource, planner_system_server
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
-from dynamo_cli.runtime.supervisor import stop_on_signals
+from dynamo_cli.runtime.supervisor import ready_line, stop_on_signals
 from dynamo_cli.runtime.system import ServingState
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ async def serve_planner(
                 if await _first_read(planner, source, stop, run.planner.load_interval_s or run.planner.interval_s):
                     source.state = ServingState.READY
                     if announce is not None:
-                        announce(f"dyn planner ready: {_describe(run)}{system_text}")
+                        announce(ready_line("planner", f"{_describe(run)}{system_text}"))
                     await planner.run(stop)
                 source.state = ServingState.DRAINING
                 stop.set()

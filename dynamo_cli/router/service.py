@@ -49,7 +49,7 @@ from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, stop_on_signals
+from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, ready_line, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.tracing import start_tracing
@@ -251,10 +251,8 @@ class RouterService:
                     tasks.spawn(self._advertise_adapters(endpoint, card))
                     backends = f"{self.config.namespace}/{self.config.component}"
                     self.state = ServingState.READY
-                    announce(
-                        f"dyn router ready: instance={self.name}/{self.instance_id:x} address={address} "
-                        f"model={card.display_name} backends={backends}{system_text}"
-                    )
+                    where = f"instance={self.name}/{self.instance_id:x} address={address} model={card.display_name}"
+                    announce(ready_line("router", f"{where} backends={backends}{system_text}"))
                     freeze_heap()
                     await tasks.wait_stop(stop)
                     self.state = ServingState.DRAINING  # leaving the block deregisters, then drains

@@ -54,6 +54,17 @@ def freeze_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def ready_line(process: str, what: str) -> str:
+    """The one line each dyn process prints once it serves, `dyn PROCESS ready: WHAT`: `dyn serve`, the tests and
+    the benchmarks wait for it (`dyn serve ready: URL`), and an operator reads where each part listens."""
+    return f"dyn {process} ready: {what}"
+
+
+def announce(line: str) -> None:
+    """Print a ready line (or any line a supervisor waits for) at once."""
+    print(line, flush=True)
+
+
 def stop_on_signals(stop: asyncio.Event) -> None:
     """SIGTERM and SIGINT set `stop` (the process then drains) instead of killing it."""
     loop = asyncio.get_running_loop()
