@@ -13,13 +13,12 @@ from starlette.types import Receive, Send
 from dynamo_cli.errors import DynError
 from dynamo_cli.frontend.choices import ChoicesResponse, fan_in
 from dynamo_cli.frontend.headers import id_headers
-from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from dynamo_cli.frontend.openai import OpenAiRequest as Request
+from dynamo_cli.frontend.openai import parse_chat, parse_completion
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.replies import Write, reply_json, stream_sse, watching
 from dynamo_cli.frontend.replies import error_type as _error_type
 from dynamo_cli.frontend.streaming import DONE, ChunkFormatter
-
-Request = ChatCompletionRequest | CompletionRequest
 
 
 @dataclass(frozen=True, slots=True)

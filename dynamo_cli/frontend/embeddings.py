@@ -119,7 +119,7 @@ async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchR
 async def _embed_on(hold: Hold, request: EmbedRequest, rules: DispatchRules, model: str) -> list[list[float]]:
     worker, stream = hold.worker, None
     try:
-        stream = await rules.deadline.opened(worker, model, lambda: worker.client.open(EMBED, request))
+        stream = await rules.deadline.open(worker, model, EMBED, request)
         batch = await rules.deadline.next_batch(stream, worker, model)
         if not batch:
             raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")

@@ -30,7 +30,7 @@ from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_he
 from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
-from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
+from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import nth_seed, plan_request, prompt_of, sampling_of, stops_of
 from dynamo_cli.frontend.replies import ClientGone, reply_json, unless_gone
@@ -48,8 +48,6 @@ from dynamo_cli.wire import SamplingParams
 
 if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace, Tracing
-
-GenerateRequest = ChatCompletionRequest | CompletionRequest
 
 
 class Lifecycle:
@@ -144,7 +142,7 @@ class Lifecycle:
                 return b"".join(chunks)
 
     async def _prepare_unless_gone(
-        self, request: GenerateRequest, scope: Scope, receive: Receive, request_id: str
+        self, request: OpenAiRequest, scope: Scope, receive: Receive, request_id: str
     ) -> list[Generation]:
         """`_prepare`, watching for the client to leave: its waits for a worker end then (see `Interruptible`),
         and what was prepared for a client gone by the end is closed: ClientGone."""
@@ -155,7 +153,7 @@ class Lifecycle:
             raise ClientGone()
         return generations
 
-    async def _prepare(self, request: GenerateRequest, scope: Scope, request_id: str) -> list[Generation]:
+    async def _prepare(self, request: OpenAiRequest, scope: Scope, request_id: str) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
         entry, lora = self._entry(request.model)
         trace: RequestTrace | None = scope.get(TRACE_SCOPE_KEY) if self.tracing is not None else None
@@ -186,7 +184,7 @@ class Lifecycle:
             raise
         return generations
 
-    def _chat(self, request: GenerateRequest, entry: ServedModel, tokenizer: Tokenizer) -> ChatPlan | None:
+    def _chat(self, request: OpenAiRequest, entry: ServedModel, tokenizer: Tokenizer) -> ChatPlan | None:
         """A chat request's prompt, tools, response format and reasoning (tools/chat.py); None for completions."""
         if not isinstance(request, ChatCompletionRequest):
             return None

@@ -238,7 +238,11 @@ def logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+OpenAiRequest = ChatCompletionRequest | CompletionRequest
+"""A generation request of OpenAI's own two APIs (what every API at the edge becomes)."""
+
+
+def requested_logprobs(request: OpenAiRequest) -> int | None:
     """Alternatives per token the request asks for (None: no logprobs)."""
     if isinstance(request, ChatCompletionRequest):
         return (request.top_logprobs or 0) if request.logprobs else None

@@ -13,7 +13,7 @@ from starlette.types import Receive, Send
 from dynamo_cli.frontend import messages, responses
 from dynamo_cli.frontend.completions import CHAT, COMPLETIONS
 from dynamo_cli.frontend.headers import id_headers
-from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
+from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.replies import Write, reply_json, stream_sse
 
@@ -35,7 +35,7 @@ class Api(Protocol):
         """Body -> the API's request (RequestError naming the field); its `stream` says how it is answered."""
         ...
 
-    def to_generate(self, request: Any) -> ChatCompletionRequest | CompletionRequest:
+    def to_generate(self, request: Any) -> OpenAiRequest:
         """The generation request underneath."""
         ...
 

@@ -326,8 +326,8 @@ class Dispatch:
         assert hold is not None and hold.is_held, "open only a chosen worker"
         worker, request = hold.worker, self._request()
         hold.queue_prefill(len(request.token_ids))  # none once the prefill's first token came
-        self._stream = await self.rules.deadline.opened(
-            worker, self.entry.name, lambda: worker.client.open(GENERATE, request, name=worker.record.endpoint)
+        self._stream = await self.rules.deadline.open(
+            worker, self.entry.name, GENERATE, request, name=worker.record.endpoint
         )
         return self._stream
 

@@ -150,8 +150,8 @@ class PrefillHop:
         worker = hold.worker
         hold.queue_prefill(len(self.request.token_ids))
         try:
-            self._stream = stream = await self.deadline.opened(
-                worker, self.entry.name, lambda: worker.client.open(GENERATE, self.request, name=worker.record.endpoint)
+            self._stream = stream = await self.deadline.open(
+                worker, self.entry.name, GENERATE, self.request, name=worker.record.endpoint
             )
             chunks: list[GenerateChunk] = []
             while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
@@ -174,8 +174,8 @@ class PrefillHop:
                 bootstrap_room=secrets.randbits(63),
             )
             request = msgspec.structs.replace(self.request, kv_transfer=handle)
-            held.stream = await self.deadline.opened(
-                worker, self.entry.name, lambda: worker.client.open(GENERATE, request, name=worker.record.endpoint)
+            held.stream = await self.deadline.open(
+                worker, self.entry.name, GENERATE, request, name=worker.record.endpoint
             )
         except BaseException:
             held.close()

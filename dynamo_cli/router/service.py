@@ -113,7 +113,6 @@ class RouterService:
         )
         self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
         """The registry, rules, health monitor and replicas' sync this router routes with."""
-        self.rules = self.stack.rules
         c = config
         self._settings = msgspec.to_builtins(
             {"kv_router": c.kv_router, "disagg": c.disagg, "queue": c.queue, "busy": c.busy}
@@ -138,7 +137,7 @@ class RouterService:
         trace = self.tracing.continue_request("router.generate", request) if self.tracing is not None else None
         try:
             plan = plan_of(request, trace)  # a bad annotation is a 400 now, not after a wait
-            dispatch = Dispatch(self._entry(), plan, self.rules)
+            dispatch = Dispatch(self._entry(), plan, self.stack.rules)
         except BaseException as exc:
             if trace is not None:
                 trace.end(None, "error", exc)

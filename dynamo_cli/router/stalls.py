@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -20,6 +20,9 @@ from dynamo_cli.errors import StreamTimeout, WorkerHung
 from dynamo_cli.router.plan import HealthMetrics, NoMetrics
 from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.request_client import ResponseStream
+from dynamo_cli.runtime.transport import Spec
+
+Req = TypeVar("Req")
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +46,17 @@ class Deadline:
             worker.heard_at = time.monotonic()
         return batch
 
-    async def opened(
-        self, worker: Worker, model: str, open_stream: Callable[[], Awaitable[ResponseStream]]
+    async def open(
+        self, worker: Worker, model: str, spec: Spec[Req, Any], request: Req, *, name: str | None = None
     ) -> ResponseStream:
-        """`open_stream()` under the deadline where it must first connect: a stopped process's kernel accepts the
-        connection but the handshake never comes (the request plane would wait HANDSHAKE_TIMEOUT_S for it, and
-        every request to the worker behind it). As a stream's wait: waited `stall_s`, the worker is hung unless it
-        is heard elsewhere (then the open waits on, up to the request plane's own limit)."""
+        """`worker.client.open(spec, request, name=name)`, under the deadline where it must first connect: a
+        stopped process's kernel accepts the connection but the handshake never comes (the request plane would wait
+        HANDSHAKE_TIMEOUT_S for it, and every request to the worker behind it). As a stream's wait: waited
+        `stall_s`, the worker is hung unless it is heard elsewhere (then the open waits on, up to the request
+        plane's own limit)."""
         if not self.stall_s or worker.client.is_connected:
-            return await open_stream()  # the common case: no wait, no task
-        opening = asyncio.ensure_future(open_stream())
+            return await worker.client.open(spec, request, name=name)  # the common case: no wait, no task
+        opening = asyncio.ensure_future(worker.client.open(spec, request, name=name))
         try:
             wait = self.stall_s
             while True:

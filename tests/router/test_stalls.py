@@ -116,7 +116,7 @@ async def test_a_first_connection_to_a_silent_worker_is_hung_after_the_stall_tim
     started = time.monotonic()
     try:
         with pytest.raises(WorkerHung, match="while connecting"):
-            await Deadline(0.3, metrics).opened(worker, "m", lambda: worker.client.open_stream("generate", b"\x80"))
+            await Deadline(0.3, metrics).open(worker, "m", raw("generate"), msgspec.Raw(b"\x80"))
         assert time.monotonic() - started < 2.0  # not the request plane's 10 s handshake wait
         assert worker.hung is not None and metrics.stalls == [("m", 7, "deadline")]
     finally:
@@ -139,7 +139,7 @@ async def test_a_connecting_worker_that_still_reports_its_load_is_waited_for(mon
     reporter = asyncio.create_task(reports())
     try:
         with pytest.raises(Exception, match="no handshake within") as failed:  # the plane's own limit, not hung
-            await Deadline(0.3, metrics).opened(worker, "m", lambda: worker.client.open_stream("generate", b"\x80"))
+            await Deadline(0.3, metrics).open(worker, "m", raw("generate"), msgspec.Raw(b"\x80"))
         assert failed.value.is_migratable and worker.hung is None and metrics.stalls == []  # type: ignore[attr-defined]
     finally:
         reporter.cancel()
