@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -158,7 +159,7 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
             config = replace(config, frontend=frontend)
         async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
             try:
-                await _serve(config, discovery, bus, Pools(pool, frontends), stop, plan)
+                await Deployment(config, discovery, bus, Pools(pool, frontends), stop).run(plan)
             finally:
                 await frontends.stop(config.frontend.graceful_shutdown_s)  # their streams end before the workers go
                 await pool.stop(config.worker.graceful_shutdown_s)
@@ -172,41 +173,110 @@ class Pools:
     frontends: ProcessPool
 
 
-async def _serve(
-    config: ServeConfig,
-    discovery: Discovery,
-    bus: EventBus,
-    pools: Pools,
-    stop: asyncio.Event,
-    plan: ServePlan | None,
-) -> None:
-    planes = config.frontend.planes
-    profile = await _profile(config, plan) if plan is not None else None
-    # the children share this process's planes: the embedded discovery's directory made explicit
-    shared = replace(planes, discovery=_shared_discovery(planes.discovery, discovery))
-    # The workers first: they start (~0.8 s) while this process imports and builds the frontend (~1 s on 2 cores),
-    # not after it; they register in discovery, where the frontend's registry finds them when it starts.
-    connector = await _start_workers(config, pools.workers, shared, planned=plan is not None)
-    try:
-        from dynamo_cli.batch.service import batch_service
-        from dynamo_cli.frontend.server import FrontendService, bind_socket
+class Deployment:
+    """One `dyn serve`: its settings, planes and supervised children, the frontend in this process and (with
+    `--planner`) the planner that scales its workers."""
 
-        frontend = config.frontend  # a frontend joining its group's port takes no connection until it is ready
-        sock = bind_socket(frontend.host, frontend.port, reuse_port=frontend.reuse_port, listen=not config.joins_group)
-        port = sock.getsockname()[1]
-        url = f"{config.frontend.scheme}://{config.frontend.host}:{port}"
-        service = FrontendService(config.frontend, discovery, bus)
-        if config.frontend.batch.is_enabled:  # one frontend of a group runs the batches; every one serves them
-            service.attach(*batch_service(config.frontend, service.app, runs=not config.joins_group))
-        planner = (
-            None
-            if plan is None or profile is None
-            else _planner(plan, profile, service, connector, discovery, bus, config)
+    def __init__(
+        self, config: ServeConfig, discovery: Discovery, bus: EventBus, pools: Pools, stop: asyncio.Event
+    ) -> None:
+        self.config = config
+        self.discovery = discovery
+        self.bus = bus
+        self.pools = pools
+        self.stop = stop
+        planes = config.frontend.planes
+        self.planes = replace(planes, discovery=_shared_discovery(planes.discovery, discovery))
+        """The children's planes: this process's, the embedded discovery's directory made explicit."""
+        self.connector: LocalConnector | None = None
+        """`--planner`: the connector that owns the workers (else the pool supervises them)."""
+        self.served: set[str] = set()
+        """The models served once ready: a request for one while its worker restarts is a 503, not a 404."""
+
+    async def run(self, plan: ServePlan | None) -> None:
+        """Start the workers, then the frontend (and the planner); serve until the stop. The caller stops the pools."""
+        profile = await _profile(self.config, plan) if plan is not None else None
+        # The workers first: they start (~0.8 s) while this process imports and builds the frontend (~1 s on 2 cores),
+        # not after it; they register in discovery, where the frontend's registry finds them when it starts.
+        self.connector = await _start_workers(self.config, self.pools.workers, self.planes, planned=plan is not None)
+        try:
+            from dynamo_cli.batch.service import batch_service
+            from dynamo_cli.frontend.server import FrontendService, bind_socket
+
+            config, frontend = self.config, self.config.frontend  # joining a group's port: no connection until ready
+            sock = bind_socket(
+                frontend.host, frontend.port, reuse_port=frontend.reuse_port, listen=not config.joins_group
+            )
+            service = FrontendService(frontend, self.discovery, self.bus)
+            if frontend.batch.is_enabled:  # one frontend of a group runs the batches; every one serves them
+                service.attach(*batch_service(frontend, service.app, runs=not config.joins_group))
+            planner = None if plan is None or profile is None else self._planner(plan, profile, service)
+            await self._serve(service, sock, planner)
+        finally:
+            if self.connector is not None:
+                await self.connector.close()
+
+    async def _serve(self, service: FrontendService, sock: socket.socket, planner: _PlannerLoops | None) -> None:
+        config, pools = self.config, self.pools
+        url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
+        expected = config.num_workers + config.num_prefill_workers
+        if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
+            router = replace(config.router_config(), planes=self.planes)
+            for i in range(config.num_routers):
+                await _spawn(pools.workers, _system_port(router, _child_port(config, expected + i)))
+            expected = config.num_routers
+        if config.joins_group:
+            expected = config.ready_workers or 0
+        await _spawn_frontends(config, pools.frontends, self.planes, sock.getsockname()[1], expected)
+        pool, served = pools.workers, self.served
+        pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
+        pools.frontends.on_restart = lambda index, code: service.metrics.frontend_restarts.inc()
+        service.app.lifecycle.standby = lambda m: (
+            (pool.retry_after() or 1.0) if m in served and pool.is_live() else None
         )
-        await _serve_started(config, discovery, service, pools, connector, sock, url, stop, planner, shared)
-    finally:
-        if connector is not None:
-            await connector.close()
+        async with ServiceTasks() as tasks:  # owns the pools' supervision; closed on the way out
+            ready = functools.partial(self._on_ready, service, url, expected, planner, tasks)
+            await service.run(sock, self.stop, ready, serve_first=not config.joins_group)  # serve_all stops the pools
+
+    async def _on_ready(
+        self, service: FrontendService, url: str, expected: int, planner: _PlannerLoops | None, tasks: ServiceTasks
+    ) -> None:
+        """Once the frontend serves: wait for the workers (and routers), supervise them, run the planner, publish
+        this frontend, wait for the others, then the ready line."""
+        config, pools = self.config, self.pools
+        procs = pools.workers.procs + (self.connector.processes() if self.connector is not None else [])
+        await _wait_ready(service, procs, expected, config.ready_timeout_s)
+        if config.num_routers:  # the frontend sees only the routers: count the workers behind them
+            await _wait_backends(service, config, pools.workers.procs)
+        self.served.update(service.registry.models)
+        tasks.spawn(pools.workers.supervise())
+        if planner is not None:
+            tasks.spawn(planner[1]())  # the workers' load, from the event plane
+            tasks.spawn(planner[0].run(self.stop))
+        # leased: a planner finds this frontend's /metrics here, and its peers' routers its load; both lose it when
+        # this process goes
+        key = frontend_key(config.frontend.namespace, self.discovery.lease_id)
+        await self.discovery.put(key, msgspec.json.encode(FrontendRecord(url=url)))
+        if config.joins_group:
+            logger.info("frontend %x ready on %s", self.discovery.lease_id, url)
+            return
+        await _wait_frontends(self.discovery, config, pools.frontends, url)
+        tasks.spawn(pools.frontends.supervise())
+        announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router})"))
+
+    def _planner(self, plan: ServePlan, profile: Profile, service: FrontendService) -> _PlannerLoops:
+        """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
+        and what follows their load."""
+        namespace, discovery = self.config.frontend.namespace, self.discovery
+        source = TextSnapshotter(lambda: service.app.rest.metrics_text().decode())  # with --frontends N: the group's
+        loads = WorkerLoads()
+        planner = Planner(
+            plan.config, profile, source, self.connector, lambda: count_workers(discovery, namespace), loads=loads.total
+        )
+        return planner, lambda: follow_worker_loads(self.bus, namespace, loads)
+
+
+_PlannerLoops = tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]
 
 
 async def _start_workers(
@@ -272,60 +342,6 @@ async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:
     )
 
 
-async def _serve_started(
-    config: ServeConfig,
-    discovery: Discovery,
-    service: FrontendService,
-    pools: Pools,
-    connector: LocalConnector | None,
-    sock: socket.socket,
-    url: str,
-    stop: asyncio.Event,
-    planner: tuple[Planner, Callable[[], Coroutine[Any, Any, None]]] | None,
-    planes: PlanesConfig,
-) -> None:
-    pool = pools.workers
-    expected = config.num_workers + config.num_prefill_workers
-    if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
-        router = replace(config.router_config(), planes=planes)
-        for i in range(config.num_routers):
-            await _spawn(pool, _system_port(router, _child_port(config, expected + i)))
-        expected = config.num_routers
-    if config.joins_group:
-        expected = config.ready_workers or 0
-    await _spawn_frontends(config, pools.frontends, planes, sock.getsockname()[1], expected)
-    served: set[str] = set()
-    pool.on_restart = lambda index, code: service.metrics.worker_restarts.inc()
-    pools.frontends.on_restart = lambda index, code: service.metrics.frontend_restarts.inc()
-    service.app.lifecycle.standby = lambda m: (pool.retry_after() or 1.0) if m in served and pool.is_live() else None
-    async with ServiceTasks() as tasks:  # owns the pools' supervision; closed on the way out
-
-        async def on_ready() -> None:
-            procs = pool.procs + (connector.processes() if connector is not None else [])
-            await _wait_ready(service, procs, expected, config.ready_timeout_s)
-            if config.num_routers:  # the frontend sees only the routers: count the workers behind them
-                await _wait_backends(service, config, pool.procs)
-            served.update(service.registry.models)
-            tasks.spawn(pool.supervise())
-            if planner is not None:
-                tasks.spawn(planner[1]())  # the workers' load, from the event plane
-                tasks.spawn(planner[0].run(stop))
-            # leased: a planner finds this frontend's /metrics here, and its peers' routers its load; both lose
-            # it when this process goes
-            await discovery.put(
-                frontend_key(config.frontend.namespace, discovery.lease_id),
-                msgspec.json.encode(FrontendRecord(url=url)),
-            )
-            if config.joins_group:
-                logger.info("frontend %x ready on %s", discovery.lease_id, url)
-                return
-            await _wait_frontends(discovery, config, pools.frontends, url)
-            tasks.spawn(pools.frontends.supervise())
-            announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router})"))
-
-        await service.run(sock, stop, on_ready, serve_first=not config.joins_group)  # serve_all stops the pools
-
-
 async def _spawn_frontends(
     config: ServeConfig, pool: ProcessPool, planes: PlanesConfig, port: int, expected: int
 ) -> None:
@@ -356,26 +372,6 @@ async def _wait_frontends(discovery: Discovery, config: ServeConfig, pool: Proce
         if time.monotonic() > deadline:
             raise WorkerFailed(f"not all {config.num_frontends} frontends served within {config.ready_timeout_s:.0f} s")
         await asyncio.sleep(0.1)
-
-
-def _planner(
-    plan: ServePlan,
-    profile: Profile,
-    service: FrontendService,
-    connector: LocalConnector | None,
-    discovery: Discovery,
-    bus: EventBus,
-    config: ServeConfig,
-) -> tuple[Planner, Callable[[], Coroutine[Any, Any, None]]]:
-    """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
-    and what follows their load."""
-    namespace = config.frontend.namespace
-    source = TextSnapshotter(lambda: service.app.rest.metrics_text().decode())  # with --frontends N: the group's
-    loads = WorkerLoads()
-    planner = Planner(
-        plan.config, profile, source, connector, lambda: count_workers(discovery, namespace), loads=loads.total
-    )
-    return planner, lambda: follow_worker_loads(bus, namespace, loads)
 
 
 def _workers_text(config: ServeConfig) -> str:

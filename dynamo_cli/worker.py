@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -31,8 +31,9 @@ from dynamo_cli.runtime.kv_transfer import KvTransferClient, KvTransferServer
 from dynamo_cli.runtime.kv_transfer_nixl import load_agent_class
 from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_subject
 from dynamo_cli.runtime.planes import open_planes
+from dynamo_cli.runtime.process import Loop, Process, Serving, serve
 from dynamo_cli.runtime.reaper import guard_descendants
-from dynamo_cli.runtime.supervisor import ServiceTasks, announce, freeze_heap, ready_line, stop_on_signals
+from dynamo_cli.runtime.supervisor import announce, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer, Spec
 from dynamo_cli.tracing import start_tracing
@@ -92,7 +93,7 @@ class WorkerService:
         self.bus = bus
         self.name = EndpointName(config.namespace, config.component, config.endpoint)
         self.server = RequestServer(config.host, config.port, secret=config.planes.cluster_secret)
-        """Its request plane: `generate` once registered (`_serve_until`), the side endpoints from the start."""
+        """Its request plane: `generate` once registered (`begin`), the side endpoints from the start."""
         for spec, handler in self._side_endpoints():
             self.server.add_endpoint(spec, handler)
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
@@ -100,7 +101,11 @@ class WorkerService:
         """Tier -> the blocks held there (a block may sit on several tiers)."""
         self._last_event_id = -1
         self.kv = KvMover(config)
-        self.state = ServingState.STARTING
+        self.process = Process("worker")
+        """Its skeleton (runtime/process.py): tasks, parts closed in reverse, serving state."""
+        self.metrics = CollectorRegistry(auto_describe=True)
+        """Its series (the request plane's, the engine's), on `/metrics` with `--system-port`."""
+        self.metrics.register(ComponentMetrics(self.server, config.namespace, self.name.component))
         self.card: ModelCard | None = None
         self.last_output_at = 0.0
         """`time.monotonic()` when a request last ended: an engine that serves needs no health check."""
@@ -115,6 +120,10 @@ class WorkerService:
     @property
     def instance_id(self) -> int:
         return self.discovery.lease_id
+
+    @property
+    def state(self) -> ServingState:
+        return self.process.state
 
     def _side_endpoints(self) -> list[tuple[Spec[Any, Any], Callable[[Any], AsyncIterator[Any]]]]:
         return [
@@ -176,6 +185,30 @@ class WorkerService:
             self.card = card = msgspec.structs.replace(self.card, loras=sorted(self.loras.served))
             await self.endpoint.update_card(card)
         yield LoraReply(loras=card.loras, resident=list(self.loras.resident))
+
+    async def begin(self, process: Process, stop: asyncio.Event) -> Serving:
+        """The KV mover and the engine started (closed by `process`); what the worker then serves."""
+        await self.kv.start()
+        process.opens(self.kv.close)
+        process.opens(self.engine.stop)
+        card = await self.start_engine()
+        counters = self.engine.work_counters if isinstance(self.engine, CountsWork) else None
+        self.metrics.register(
+            WorkerMetrics(self.load_now, self.config.namespace, self.name.component, card.display_name, counters)
+        )
+        return Serving(
+            GENERATE,
+            self.generate,
+            card,
+            self.config.role.value,
+            f"model={card.display_name} engine={card.engine} role={card.role}",
+            self._serving,
+        )
+
+    def _serving(self, endpoint: Endpoint) -> list[Loop]:
+        """Registered: the endpoint an adapter load publishes a new card on, and the worker's loops."""
+        self.endpoint = endpoint
+        return [self.pump_kv_events(), self.pump_load()]
 
     async def start_engine(self) -> ModelCard:
         """Start the engine and load the `--lora` adapters; the card it will be served with."""
@@ -302,59 +335,28 @@ async def serve_worker(config: WorkerConfig) -> None:
         # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
         reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
         async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
-            await _serve_until(WorkerService(config, engine, discovery, bus, tracing), stop)
+            worker = WorkerService(config, engine, discovery, bus, tracing)
+            system, grace_s = _system_server(worker), config.graceful_shutdown_s
+            await serve(worker.process, worker, discovery, stop, announce, grace_s=grace_s, system=system)
         del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
     finally:
         if tracing is not None:
             tracing.shutdown()  # the last spans exported
 
 
-async def _serve_until(worker: WorkerService, stop: asyncio.Event) -> None:
-    config = worker.config
-    address = await worker.server.start()
-    system, registry = _system_server(worker)
-    system_text = f" system={await system.start()}" if system is not None else ""
-    await worker.kv.start()
-    endpoint = worker.endpoint = Endpoint(worker.name, worker.discovery)
-    try:
-        async with ServiceTasks() as tasks:
-            card = await worker.start_engine()
-            counters = worker.engine.work_counters if isinstance(worker.engine, CountsWork) else None
-            component = worker.name.component
-            registry.register(WorkerMetrics(worker.load_now, config.namespace, component, card.display_name, counters))
-            async with endpoint.serve_endpoint(
-                worker.server,
-                GENERATE,
-                worker.generate,
-                card,
-                role=config.role.value,
-                grace_s=config.graceful_shutdown_s,
-            ):
-                # NOTE: the worker's background loops; owned by `tasks`, cancelled on the way out.
-                tasks.spawn(worker.pump_kv_events())
-                tasks.spawn(worker.pump_load())
-                worker.state = ServingState.READY
-                where = f"instance={worker.name}/{worker.instance_id:x} address={address} model={card.display_name}"
-                announce(ready_line("worker", f"{where} engine={card.engine} role={card.role}{system_text}"))
-                freeze_heap()  # the engine and its model are built: out of the collector's reach
-                await tasks.wait_stop(stop)
-                worker.state = ServingState.DRAINING  # leaving the block deregisters, then drains
-    finally:
-        await worker.server.close()
-        await worker.kv.close()
-        await worker.engine.stop()
-        if system is not None:
-            await system.close()
-
-
-def _system_server(worker: WorkerService) -> tuple[SystemServer | None, CollectorRegistry]:
-    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`), and the registry its series go in."""
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(ComponentMetrics(worker.server, worker.config.namespace, worker.name.component))
+def _system_server(worker: WorkerService) -> Callable[[], Awaitable[str]] | None:
+    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`): starts it, closed by the process."""
     port = worker.config.telemetry.system_port
     if port is None:
-        return None, registry
-    return SystemServer(worker.config.host, port, worker.health, [registry]), registry
+        return None
+    system = SystemServer(worker.config.host, port, worker.health, [worker.metrics])
+
+    async def start() -> str:
+        address = await system.start()
+        worker.process.opens(system.close)
+        return f" system={address}"
+
+    return start
 
 
 class KvMover:

@@ -48,7 +48,6 @@ KNOWN_OVER = {
     "dynamo_cli/cli/plan.py:simulate_command": 62,
     "dynamo_cli/frontend/server.py:FrontendService.__init__": 41,
     "dynamo_cli/kv/tiers.py:TieredBlockStore": 355,
-    "dynamo_cli/launcher.py:_serve_started": 52,
     "dynamo_cli/planner/profiler.py:profile_engine": 43,
     "dynamo_cli/planner/service.py:serve_planner": 47,
     "dynamo_cli/planner/simulate.py:simulate": 63,

@@ -33,7 +33,9 @@ from dynamo_cli.router.registry import ROUTER_COMPONENT
 from dynamo_cli.router.stack import Routing, routing_stack
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
-from dynamo_cli.runtime.supervisor import ServiceTasks, cancel_and_wait, freeze_heap
+from dynamo_cli.runtime.process import Process
+from dynamo_cli.runtime.supervisor import cancel_and_wait, freeze_heap
+from dynamo_cli.runtime.system import ServingState
 from dynamo_cli.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
@@ -128,16 +130,16 @@ class FrontendService:
         self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
         """The registry, rules, health monitor and replicas' sync this frontend routes with."""
         self.tracing = start_tracing(config.telemetry, "dyn-frontend")
-        """Each request's spans (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
+        """Each request's spans (`--otlp-endpoint`); None: tracing off. Shut down by the process."""
         self.group = MetricsGroup(Path(config.metrics_dir), self.metrics.registry) if config.metrics_dir else None
         """`dyn serve --frontends N`: the frontends' shared metrics (/metrics shows the group's totals)."""
         rules = self.stack.rules
         self.app = Frontend(config, self.registry, self.metrics, rules, self.tracing, self.group, discovery.lease_id)
         self._discovery = discovery
         self._bus = bus
-        self._tasks = ServiceTasks()
-        """NOTE: the frontend's background tasks: discovery watches, event pumps, KV repair and
-        catch-up, and the HTTP server itself; cancelled when `run` returns."""
+        self.process = Process("serve", self.tracing)
+        """NOTE: its skeleton (runtime/process.py): the background tasks (discovery watches, event pumps, KV repair
+        and catch-up, the HTTP server itself) cancelled when `run` returns, the registry closed, tracing shut."""
         self._loops: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Loops of services attached to this frontend (the batch runner), run by `run` as its tasks."""
 
@@ -158,25 +160,23 @@ class FrontendService:
         """Serve until `stop` is set. `serve_first`: answer HTTP while `on_ready` waits (the port is this
         deployment's alone; its clients wait for the ready line); else only once it returned (a frontend joining
         a group on a shared port: until it knows the workers, the kernel hands its connections to the others)."""
-        try:
-            await self.stack.start(self._tasks, self._bus, self._discovery, self.config.namespace)
+        async with self.process as process:
+            tasks = process.tasks
+            process.opens(self.registry.close)
+            await self.stack.start(tasks, self._bus, self._discovery, self.config.namespace)
             if self.group is not None:
-                self._tasks.spawn(self.group.share(self.app.rest.refresh_metrics))
+                tasks.spawn(self.group.share(self.app.rest.refresh_metrics))
             if serve_first:
-                server = self._tasks.spawn(self._serve_http(sock, stop))
+                server = tasks.spawn(self._serve_http(sock, stop))
                 await on_ready()
             else:
                 await on_ready()
-                server = self._tasks.spawn(self._serve_http(sock, stop))
+                server = tasks.spawn(self._serve_http(sock, stop))
             for attached in self._loops:  # once ready: the batch runner finds the workers `dyn serve` started
-                self._tasks.spawn(attached())
+                tasks.spawn(attached())
+            process.state = ServingState.READY
             freeze_heap()
             await server
-        finally:
-            await self._tasks.close()
-            await self.registry.close()
-            if self.tracing is not None:
-                self.tracing.shutdown()  # the last spans exported
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -49,7 +49,8 @@ from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_planes
-from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, ready_line, stop_on_signals
+from dynamo_cli.runtime.process import Process, Serving, serve
+from dynamo_cli.runtime.supervisor import ServiceTasks, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.tracing import start_tracing
@@ -100,7 +101,10 @@ class RouterService:
         )
         self.server = RequestServer(config.host, config.port, secret=secret)
         self.metrics = RouterMetrics()
-        self.state = ServingState.STARTING
+        self.tracing = start_tracing(config.telemetry, "dyn-router")
+        """Spans of the requests routed here (`--otlp-endpoint`); None: tracing off. Shut down by the process."""
+        self.process = Process("router", self.tracing)
+        """Its skeleton (runtime/process.py): tasks, parts closed in reverse, serving state, tracing shut last."""
         routing = Routing(
             MAX_REROUTES - 1,
             config.busy,
@@ -122,12 +126,14 @@ class RouterService:
         """The model this router serves: the first backend card's (set at registration)."""
         self._discovery = discovery
         self._bus = bus
-        self.tracing = start_tracing(config.telemetry, "dyn-router")
-        """Spans of the requests routed here (`--otlp-endpoint`); None: tracing off. Shut down by `run`."""
 
     @property
     def instance_id(self) -> int:
         return self._discovery.lease_id
+
+    @property
+    def state(self) -> ServingState:
+        return self.process.state
 
     ##### Endpoints #####
 
@@ -233,43 +239,34 @@ class RouterService:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
         self.server.add_endpoint(BEST_WORKER, self.best_worker_id)
         self.server.add_endpoint(LORA, self.lora)
-        address = await self.server.start()
-        system = self._system_server()
-        system_text = f" system={await system.start()}" if system is not None else ""
-        try:
-            async with ServiceTasks() as tasks:
-                # NOTE: the router's background loops, owned by `tasks` (router/stack.py, as the frontend's)
-                await self.stack.start(tasks, self._bus, self._discovery, self.config.namespace)
-                card = await self._wait_for_card(stop, tasks)
-                if card is None:
-                    return
-                endpoint = Endpoint(self.name, self._discovery)
-                async with endpoint.serve_endpoint(
-                    self.server, GENERATE, self.generate, card, role=card.role, grace_s=self.config.graceful_shutdown_s
-                ):
-                    tasks.spawn(self._advertise_adapters(endpoint, card))
-                    backends = f"{self.config.namespace}/{self.config.component}"
-                    self.state = ServingState.READY
-                    where = f"instance={self.name}/{self.instance_id:x} address={address} model={card.display_name}"
-                    announce(ready_line("router", f"{where} backends={backends}{system_text}"))
-                    freeze_heap()
-                    await tasks.wait_stop(stop)
-                    self.state = ServingState.DRAINING  # leaving the block deregisters, then drains
-        finally:
-            await self.server.close()
-            await self.registry.close()
-            if self.tracing is not None:
-                self.tracing.shutdown()  # the last spans exported
-            if system is not None:
-                await system.close()
+        grace_s = self.config.graceful_shutdown_s
+        await serve(self.process, self, self._discovery, stop, announce, grace_s=grace_s, system=self._system_server())
 
-    def _system_server(self) -> SystemServer | None:
+    async def begin(self, process: Process, stop: asyncio.Event) -> Serving | None:
+        """The routing loops (router/stack.py, as the frontend's) and the first backend's card; None: stopped first."""
+        process.opens(self.registry.close)
+        await self.stack.start(process.tasks, self._bus, self._discovery, self.config.namespace)
+        card = await self._wait_for_card(stop, process.tasks)
+        if card is None:
+            return None
+        backends = f"{self.config.namespace}/{self.config.component}"
+        detail = f"model={card.display_name} backends={backends}"
+        return Serving(GENERATE, self.generate, card, card.role, detail, lambda e: [self._advertise_adapters(e, card)])
+
+    def _system_server(self) -> Callable[[], Awaitable[str]] | None:
         """`/live`, `/health`, `/metrics` with `--system-port`: the request plane's and the routing's series."""
         port = self.config.telemetry.system_port
         if port is None:
             return None
         self.metrics.registry.register(ComponentMetrics(self.server, self.config.namespace, ROUTER_COMPONENT))
-        return SystemServer(self.config.host, port, self.health, [self.metrics.registry], self._export_gauges)
+        system = SystemServer(self.config.host, port, self.health, [self.metrics.registry], self._export_gauges)
+
+        async def start() -> str:
+            address = await system.start()
+            self.process.opens(system.close)
+            return f" system={address}"
+
+        return start
 
     def _export_gauges(self) -> None:
         for entry in self.registry.models.values():

@@ -9,10 +9,10 @@ import pytest
 
 from dynamo_cli.config import KvRouterConfig, RouterConfig
 from dynamo_cli.engine import Role
-from dynamo_cli.router import service
 from dynamo_cli.router.base import RoundRobinPolicy
 from dynamo_cli.router.registry import ROUTER_COMPONENT, RouterRegistry
 from dynamo_cli.router.service import RouterService
+from dynamo_cli.runtime import process
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from dynamo_cli.runtime.supervisor import ServiceTasks
 from tests.router.test_registry import WAIT_S, register, wait_until
@@ -21,7 +21,7 @@ from tests.router.test_registry import WAIT_S, register, wait_until
 async def test_a_router_is_a_decode_worker_to_the_frontend_even_when_the_prefill_pool_registered_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(service, "freeze_heap", lambda: None)  # the GC settings of a service, not of pytest
+    monkeypatch.setattr(process, "freeze_heap", lambda: None)  # the GC settings of a service, not of pytest
     mine, prefill, decode, frontend = [open_discovery(f"file://{tmp_path / 'discovery'}", ttl=2.0) for _ in range(4)]
     for discovery in (mine, prefill, decode, frontend):
         await discovery.start()
