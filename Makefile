@@ -51,7 +51,7 @@ test: setup
 # The inner loop (under a minute): pure units of the router, KV, frontend parsing, tokenizer, request plane and the
 # layering rules; nothing that starts a process (`slow`, marked in tests/conftest.py). No set-up step: run it where
 # `make setup` ran.
-FAST_TESTS := tests/router tests/kv tests/frontend tests/model tests/runtime/test_handshake.py \
+FAST_TESTS := tests/routing tests/core tests/router tests/kv tests/frontend tests/model tests/runtime/test_handshake.py \
 	tests/runtime/test_urls.py tests/runtime/test_transport.py tests/runtime/test_typed_endpoints.py tests/runtime/test_private_dir.py \
 	tests/test_layering.py tests/test_layout.py
 

@@ -26,7 +26,7 @@ import harness
 from dyn_engines.mocker.kv_manager import KvManager
 from dyn_engines.mocker.scheduler import MockRequest, Scheduler, SchedulerConfig
 
-from dynamo_cli.router.disagg import STALL_WEIGHT
+from dynamo_cli.core.disagg import STALL_WEIGHT
 from dynamo_cli.timing import TimingModel
 
 BLOCK_SIZE, NUM_BLOCKS, OSL, KV_BYTES_PER_TOKEN, BANDWIDTH = 64, 16384, 150, 131072, 64e9
@@ -75,7 +75,7 @@ class Cluster:
         self.kick(engine, now)
 
     def is_prefill_remote(self, isl: int) -> bool:
-        """dynamo_cli.router.disagg.decide for one prefill and one decode worker, from the schedulers' queues."""
+        """dynamo_cli.core.disagg.decide for one prefill and one decode worker, from the schedulers' queues."""
         if self.mode == "always":
             return True
         if isl <= MAX_LOCAL_PREFILL:

@@ -33,9 +33,9 @@ import numpy as np
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.indexer import KvIndexer
-from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.indexer import KvIndexer
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)

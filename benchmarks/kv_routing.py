@@ -12,7 +12,7 @@ Regimes:
   (b) cache pressure: P and `--num-gpu-blocks` such that the P prompts fit in the 4 workers' caches
       together but not in any one (default P = 40 x 31 blocks = 1,240 blocks vs 512 per worker).
 
-`kv` is the router's default cost (`time`, router/time_cost.py); `kv:w=W` is Dynamo's formula with
+`kv` is the router's default cost (`time`, routing/time_cost.py); `kv:w=W` is Dynamo's formula with
 weight W (`kv:cost=dynamo` with the default w = 1). Regime b runs Dynamo's formula twice by default:
 with its default overlap weight (w = 1) and with w = 4 (`--modes-b kv,kv:w=1,kv:w=4,round-robin,random`;
 a mode `kv:w=W:t=T:noguard:cost=C` sets the kv knobs). Before

@@ -60,8 +60,8 @@ from dyn_engines.mocker.kv_manager import KvManager
 from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 
 from dynamo_cli.config import KvRouterConfig
-from dynamo_cli.router.base import RoundRobinPolicy, RouteRequest
-from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.routing.base import RoundRobinPolicy, RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import LoadMetrics
 

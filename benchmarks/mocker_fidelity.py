@@ -10,7 +10,7 @@ spread; benchmarks/RESULTS.md, issue 35). Routing over two aggregated workers is
 (Dynamo's `router_mode="round_robin"`; here a global counter in arrival order); 1P+1D sends every prompt to the
 prefill worker, then to the decode worker with its KV, no transfer delay on either side (both defaults).
 
-TTFT is what each system's client sees: dyn streams the prefill worker's token at once (router/core.py
+TTFT is what each system's client sees: dyn streams the prefill worker's token at once (core/dispatch.py
 `_take_prefill`), Dynamo's replay counts the decode worker's first token; `dyn@decode` in the JSON is dyn's
 TTFT at the decode worker's first token, the mocker-to-mocker comparison. ITL: per gap (every token after the
 first) and per request ((last - first) / (OSL - 1)), p50 of each, p99 per gap.

@@ -1,7 +1,7 @@
 """The router's wait queue against the immediate 503, at 120 % of capacity (issue 15 item 5).
 
 `dyn serve --engine mocker --workers 2 --max-inflight-per-worker 8`: a worker with 8 streams is busy,
-and with every worker busy a request either waits in the router's queue (router/queue.py) or, with
+and with every worker busy a request either waits in the router's queue (core/queue.py) or, with
 `--router-queue-size 0`, gets a 503 at once. Steps:
 
 1. capacity: closed loop with exactly workers x max-inflight clients (16) for `--capacity-seconds`, on a

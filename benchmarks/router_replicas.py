@@ -40,14 +40,14 @@ import harness
 import msgspec
 
 from dynamo_cli.config import KvRouterConfig
+from dynamo_cli.core.registry import ModelEntry, RouterRegistry
+from dynamo_cli.core.replicas import ActiveSequenceEvent, ReplicaSync
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRoutingPolicy
-from dynamo_cli.router.registry import ModelEntry, RouterRegistry
-from dynamo_cli.router.replicas import ActiveSequenceEvent, ReplicaSync
-from dynamo_cli.router.sequences import ActiveSequences
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.sequences import ActiveSequences
 
 MODEL = "m"
 

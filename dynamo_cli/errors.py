@@ -259,7 +259,7 @@ class StreamTimeout(TransportError):
 
 class WorkerHung(TransportError):
     """The worker sent nothing on any stream, nor a load report, for the stall timeout: it is taken out of
-    routing (router/health.py) and its streams migrate."""
+    routing (core/health.py) and its streams migrate."""
 
     is_migratable = True
 

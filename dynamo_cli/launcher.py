@@ -2,7 +2,7 @@
 
 With `--frontends N` the N - 1 other frontends are `dyn serve` children too: each binds the same port with
 SO_REUSEPORT (the kernel spreads connections over them), runs its own router with the in-flight load shared
-(`--router-replica-sync`, router/replicas.py) and writes its metrics where the others merge them (frontend/
+(`--router-replica-sync`, core/replicas.py) and writes its metrics where the others merge them (frontend/
 metrics_group.py). Each is restarted if it dies, as a worker is; only its own open streams are lost. This process
 is the first of them and their supervisor: it going takes the others with it.
 
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
+from dynamo_cli.core.registry import Worker
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
 from dynamo_cli.planner.connectors import LocalConnector, ScaleTarget
@@ -53,7 +54,6 @@ from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
 from dynamo_cli.planner.profiler import profile_mocker_as_deployed
 from dynamo_cli.process_pool import ProcessPool, RestartPolicy
-from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.discovery import Discovery, HostLocal
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.names import frontend_key

@@ -34,7 +34,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """Adapters resident at once (`--max-loras`); 0: the engine serves no adapters."""
     bootstrap: str | None = None
     """A prefill engine whose KV moves by rendezvous (SGLang): its bootstrap server's host:port, where
-    the decode engine meets it while both run (router/prefill.py)."""
+    the decode engine meets it while both run (core/prefill.py)."""
 
     @property
     def health_check_token(self) -> int:

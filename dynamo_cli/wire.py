@@ -300,7 +300,7 @@ class BestWorkerReply(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: int
     overlap_blocks: int
     explanation: dict[str, object]
-    """The decision explained: candidates, their cost terms and the margin (router/kv.py)."""
+    """The decision explained: candidates, their cost terms and the margin (routing/kv_policy.py)."""
     router_id: int
     """The answering replica's instance id."""
     model: str

@@ -295,9 +295,9 @@ def render_metrics() -> str:
 
     from dynamo_cli.batch.metrics import BatchMetrics
     from dynamo_cli.batch.store import BatchStore
+    from dynamo_cli.core.metrics import RouterMetrics
     from dynamo_cli.frontend.metrics import FrontendMetrics
     from dynamo_cli.planner.probes import PlannerMetrics
-    from dynamo_cli.router.metrics import RouterMetrics
     from dynamo_cli.runtime.system import ComponentMetrics
     from dynamo_cli.worker_metrics import WorkerMetrics
 
@@ -397,7 +397,7 @@ WIRE_MODULES = {
     "dynamo_cli.wire": "Request plane: endpoints and their messages",
     "dynamo_cli.runtime.framing": "Request plane: frames",
     "dynamo_cli.kv.events": "Event plane: KV cache events",
-    "dynamo_cli.router.replicas": "Event plane: router replicas' sequence events",
+    "dynamo_cli.core.replicas": "Event plane: router replicas' sequence events",
     "dynamo_cli.planner.connectors": "Event plane: the planner's virtual connector",
     "dynamo_cli.runtime.discovery": "Control plane: discovery watches",
     "dynamo_cli.runtime.endpoint": "Control plane: instance records",
@@ -415,7 +415,7 @@ NOT_WIRE = {
     "dynamo_cli.frontend.loras": "an HTTP body (http.md)",
     "dynamo_cli.frontend.messages": "an HTTP body (http.md)",
     "dynamo_cli.frontend.openai": "an HTTP body (http.md)",
-    "dynamo_cli.frontend.responses": "an HTTP body (http.md)",
+    "dynamo_cli.frontend.responses_api": "an HTTP body (http.md)",
     "dynamo_cli.frontend.tools.types": "an HTTP body (http.md)",
     "dynamo_cli.bench.workload": "a line of a trace file `dyn bench --trace` reads",
     "dynamo_cli.planner.profile": "the profile file `dyn plan profile` writes",

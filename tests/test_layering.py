@@ -15,8 +15,12 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
                                 naming their request (the contract)
     lora                        multi-LoRA: a worker's served and loaded adapters, the routers' view of them (the
                                 contract)
-    router                      KV-aware routing (kv, the contract, runtime; no model, no frontend)
-    frontend                    the OpenAI server (router, model, runtime ...)
+    routing                     the routing policy: which worker, by KV overlap, load and cost (the contract only:
+                                no runtime, no request core, no I/O)
+    core                        the request core: one request's stream across workers and the pool it draws on,
+                                for the frontend and `dyn router` (routing, the contract, runtime, tracing, lora)
+    router                      `dyn router`: the request core as a service (core, routing, runtime)
+    frontend                    the OpenAI server (core, routing, model, runtime ...; not `dyn router`)
     batch                       OpenAI's Batch API: batches in SQLite, run through the frontend in process
                                 (frontend, runtime)
     worker                      one engine behind the request plane (the contract, kv, runtime)
@@ -54,6 +58,8 @@ _EVERYTHING = {
     "model",
     "model_card",
     "runtime",
+    "routing",
+    "core",
     "router",
     "lora",
     "frontend",
@@ -83,8 +89,10 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"errors", "config"},
     "tracing": {"errors", "config", "kv", "wire"},
     "lora": _CONTRACT,
-    "router": _CONTRACT | {"runtime", "tracing", "lora"},
-    "frontend": _CONTRACT | {"model", "runtime", "router", "tracing", "lora"},
+    "routing": _CONTRACT,
+    "core": _CONTRACT | {"runtime", "tracing", "lora", "routing"},
+    "router": _CONTRACT | {"runtime", "tracing", "lora", "routing", "core"},
+    "frontend": _CONTRACT | {"model", "runtime", "routing", "core", "tracing", "lora"},
     "batch": _CONTRACT | {"frontend", "runtime"},
     "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora"},
     "worker_metrics": {"errors", "kv", "wire"},
@@ -115,7 +123,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    """`dynamo_cli.router.kv` -> router, `dynamo_cli` -> dynamo_cli, `engines.vllm.engine` -> engines."""
+    """`dynamo_cli.routing.kv_policy` -> router, `dynamo_cli` -> dynamo_cli, `engines.vllm.engine` -> engines."""
     parts = module.split(".")
     if parts[0] == "engines":
         return "engines"
@@ -173,8 +181,10 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
 
 
 def test_a_function_local_import_counts() -> None:
-    source = "def f():\n    from dynamo_cli.frontend.models import ModelRegistry\n"
-    assert violations("engines.mocker.engine", source) == {("engines.mocker.engine", "dynamo_cli.frontend.models")}
+    source = "def f():\n    from dynamo_cli.frontend.served_models import ModelRegistry\n"
+    assert violations("engines.mocker.engine", source) == {
+        ("engines.mocker.engine", "dynamo_cli.frontend.served_models")
+    }
 
 
 def test_from_package_imports_resolve_to_the_module() -> None:

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from dynamo_cli.config import KvRouterConfig, WorkerConfig
+from dynamo_cli.core.kv_repair import repair_gap
 from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import sequence_hashes
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRoutingPolicy
-from dynamo_cli.router.kv_repair import repair_gap
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import KV_DUMP, KV_EVENTS_SINCE, KvDumpQuery

@@ -43,7 +43,7 @@ import kv_routing_sim as sim  # noqa: E402
 
 from dynamo_cli.frontend.headers import _hexid_headers  # noqa: E402
 from dynamo_cli.kv.events import KvEventBatch  # noqa: E402
-from dynamo_cli.router.base import RouteDecision, RouteRequest  # noqa: E402
+from dynamo_cli.routing.base import RouteDecision, RouteRequest  # noqa: E402
 from dynamo_cli.wire import LoadMetrics  # noqa: E402
 
 PARTS = ("route", "explain", "kv_ingest", "load", "first", "finish")
@@ -82,7 +82,7 @@ class TimedPolicy:
         self.meter.trace.append((self.replay.now, hook, argument))
 
     def select(self, request: RouteRequest, workers: list[int]) -> RouteDecision:
-        def route() -> RouteDecision:  # router/core.py `_choose`: the prompt plus what was generated so far
+        def route() -> RouteDecision:  # core/dispatch.py `_choose`: the prompt plus what was generated so far
             return self.policy.select(RouteRequest(request.request_id, list(request.token_ids) + []), workers)
 
         self._record("select", (request.request_id, list(request.token_ids), list(workers)))

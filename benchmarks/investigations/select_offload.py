@@ -39,8 +39,8 @@ import harness  # noqa: E402
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.hashing import sequence_hashes
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 
 BLOCK_SIZE = 64
 TICK = os.sysconf("SC_CLK_TCK")

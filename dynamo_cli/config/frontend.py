@@ -224,7 +224,7 @@ class FrontendConfig:
     """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
-    """The wait queue for requests that find every worker busy (router/queue.py)."""
+    """The wait queue for requests that find every worker busy (core/queue.py)."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -258,7 +258,7 @@ class FrontendConfig:
         help="KV router: share in-flight load with the other frontends and dyn routers (on with --frontends > 1).",
         panel=ROUTING,
     )
-    """Publish this frontend's routing decisions and count its peers' (router/replicas.py), as `dyn router`
+    """Publish this frontend's routing decisions and count its peers' (core/replicas.py), as `dyn router`
     replicas do: several frontends in front of the same workers then see one in-flight load."""
     lora_replicas: int = setting(
         0,

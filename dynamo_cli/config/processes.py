@@ -222,7 +222,7 @@ class RouterConfig:
         help="Component of the prefill workers (disaggregation).",
         panel=PLANES,
     )
-    """Component of the prefill workers: a model that has some gets a prefill stage (router/disagg.py)."""
+    """Component of the prefill workers: a model that has some gets a prefill stage (core/disagg.py)."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""

@@ -22,7 +22,7 @@ KV_BYTES_PER_TOKEN = 131_072
 
 TIER_HOST_GBS = 20.0
 """GB/s of a KV onboard from host memory: pinned copies over PCIe 4.0 x16 (~25 peak, 20 sustained). One
-figure for the router's cost (router/tiers.py) and the mocker's timing model, so they agree by default."""
+figure for the router's cost (routing/tier_costs.py) and the mocker's timing model, so they agree by default."""
 TIER_DISK_GBS = 4.0
 """GB/s of a KV onboard from local disk: one NVMe Gen4 SSD's sequential read (3-7 GB/s)."""
 TIER_HOST_LATENCY_S = 20e-6
@@ -64,7 +64,7 @@ class KvRouterConfig:
         help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode).",
         panel=ROUTING,
     )
-    """`time`: seconds of prefill, evictions and KV queueing (router/time_cost.py); `dynamo`: Dynamo's
+    """`time`: seconds of prefill, evictions and KV queueing (routing/time_cost.py); `dynamo`: Dynamo's
     `w * prefill_blocks + decode_blocks`."""
     overlap_score_weight: float = setting(
         1.0,
@@ -129,7 +129,7 @@ class KvRouterConfig:
         help="KV router: GB/s of an onboard from the host-memory tier.",
         panel=ROUTING,
     )
-    """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; router/tiers.py)."""
+    """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; routing/tier_costs.py)."""
     disk_bandwidth_gbs: float = setting(
         TIER_DISK_GBS,
         "--router-disk-bandwidth-gbs",
@@ -137,7 +137,7 @@ class KvRouterConfig:
         help="KV router: GB/s of an onboard from the disk tier.",
         panel=ROUTING,
     )
-    """GB/s of an onboard from local disk (one NVMe Gen4 SSD; router/tiers.py)."""
+    """GB/s of an onboard from local disk (one NVMe Gen4 SSD; routing/tier_costs.py)."""
     tier_weights: tuple[tuple[str, float], ...] = setting(
         (),
         "--router-tier-weights",
@@ -196,7 +196,7 @@ DISAGG_POLICIES = ("adaptive", "always", "isl", "load", "isl-or-load")
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
     """When a request's prompt is prefilled on a prefill worker rather than on its decode worker
-    (router/disagg.py has the rules). Applies to a model that has prefill workers."""
+    (core/disagg.py has the rules). Applies to a model that has prefill workers."""
 
     policy: str = setting(
         "adaptive",
@@ -284,7 +284,7 @@ def parse_queue_policy(value: str) -> QueuePolicy:
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
-    """The wait queue of requests that find every worker busy (router/queue.py)."""
+    """The wait queue of requests that find every worker busy (core/queue.py)."""
 
     max_size: int = setting(
         256,
@@ -302,7 +302,7 @@ class QueueConfig:
         panel=OVERLOAD,
     )
     """The longest a request waits for a worker before its 503; one whose expected wait is longer is
-    refused at once (router/queue.py). Set it to what the deployment's TTFT target leaves."""
+    refused at once (core/queue.py). Set it to what the deployment's TTFT target leaves."""
     policy: QueuePolicy = setting(
         QueuePolicy.FCFS,
         "--router-queue-policy",
@@ -346,7 +346,7 @@ class BusyThresholds:
 @dataclass(frozen=True, slots=True)
 class HealthChecks:
     """How a router (the frontend's, or `dyn router`) finds a hung worker, takes it out of routing and lets it
-    back in (router/health.py): a per-stream inter-token deadline while streams are open, and canary requests."""
+    back in (core/health.py): a per-stream inter-token deadline while streams are open, and canary requests."""
 
     stall_timeout_s: float = setting(
         10.0,

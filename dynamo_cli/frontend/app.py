@@ -18,16 +18,16 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
+from dynamo_cli.core.dispatch import DispatchRules
 from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.lifecycle import Lifecycle
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
-from dynamo_cli.frontend.models import FrontendRegistry
 from dynamo_cli.frontend.replies import send_error
 from dynamo_cli.frontend.rest import Rest
+from dynamo_cli.frontend.served_models import FrontendRegistry
 from dynamo_cli.frontend.translation import APIS
-from dynamo_cli.router.core import DispatchRules
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 plane (endpoint `embed`), and return OpenAI's list of vectors (floats, or base64 of little-endian float32).
 
 NOTE: only a model whose card lists Feature.EMBEDDINGS is served (llamacpp with `embeddings=true`);
-any other is a 400 naming the model and its engine. The worker is held as a generation's is (router/holds.py):
+any other is a 400 naming the model and its engine. The worker is held as a generation's is (core/holds.py):
 the one with the fewest requests in flight among the live, not busy ones, since embeddings leave no KV behind
 to route to; with every one busy the request waits in the model's queue; a worker that fails or sends nothing
 for the stall timeout (it is hung) is left for another, up to the migration limit.
@@ -19,13 +19,13 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from dynamo_cli.core.dispatch import DispatchRules
+from dynamo_cli.core.holds import Hold, Pool, Wanted, choose_or_wait
+from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.engine import Feature, check_token_ids
 from dynamo_cli.errors import RemoteError, RequestError, TransportError
-from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
-from dynamo_cli.router.core import DispatchRules
-from dynamo_cli.router.holds import Hold, Pool, Wanted, choose_or_wait
-from dynamo_cli.router.queue import QueuedRequest
+from dynamo_cli.frontend.served_models import ServedModel
 from dynamo_cli.wire import EMBED, EmbedRequest
 
 MAX_INPUTS = 2048

@@ -14,12 +14,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message
 
-from dynamo_cli.router.queue import LOWEST_CLIENT_PRIORITY
+from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY
 
 INTERNAL_DEADLINE = "dyn.internal_deadline"
 """Scope key: the `time.monotonic()` by which the request must have started (the batch's window)."""
 INTERNAL_PRIORITY = LOWEST_CLIENT_PRIORITY - 1
-"""Below any client's `x-dyn-priority`: background work to the router (router/queue.py)."""
+"""Below any client's `x-dyn-priority`: background work to the router (core/queue.py)."""
 
 
 async def call(app: ASGIApp, path: str, body: bytes, seconds_left: float) -> tuple[int, bytes]:

@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING
 from starlette.types import Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
+from dynamo_cli.core.dispatch import Dispatch, DispatchRules
+from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY
+from dynamo_cli.core.request_plan import RequestPlan
 from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
@@ -29,19 +32,16 @@ from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_header, too_large
 from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import nth_seed, plan_request, prompt_of, sampling_of, stops_of
 from dynamo_cli.frontend.replies import ClientGone, reply_json, unless_gone
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
+from dynamo_cli.frontend.served_models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.tools.chat import ChatPlan, prepare_chat
 from dynamo_cli.frontend.translation import Api
 from dynamo_cli.model.tokenizer import Tokenizer
-from dynamo_cli.router.core import Dispatch, DispatchRules
-from dynamo_cli.router.plan import RequestPlan
-from dynamo_cli.router.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 from dynamo_cli.wire import SamplingParams

@@ -1,7 +1,7 @@
 """LoRA adapters at run time: `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's names and
 bodies) and `GET /v1/loras`; the adapters' rows of `/v1/models`.
 
-The frontend fans a load out to the base model's workers itself (router/loras.py); behind `dyn router`s
+The frontend fans a load out to the base model's workers itself (core/loras.py); behind `dyn router`s
 (`--router remote`) it hands the command to one router, which fans it out to its backends and advertises
 the adapter in its own card. Either way the reply comes once this frontend lists the adapter.
 """
@@ -18,12 +18,12 @@ from starlette.responses import JSONResponse, Response
 
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.config.processes import check_lora_name
+from dynamo_cli.core import loras
+from dynamo_cli.core.holds import ONLY_HUNG, Pool, Wanted, choose
 from dynamo_cli.errors import ConfigError, DynError, RequestError
-from dynamo_cli.frontend.models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.openai import decode_body
 from dynamo_cli.frontend.replies import error_response
-from dynamo_cli.router import loras
-from dynamo_cli.router.holds import ONLY_HUNG, Pool, Wanted, choose
+from dynamo_cli.frontend.served_models import FrontendRegistry, ServedModel
 from dynamo_cli.wire import LoraCommand
 
 MAX_BODY = 64 * 1024

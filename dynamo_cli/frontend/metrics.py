@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 
+from dynamo_cli.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, DispatchSeries
+from dynamo_cli.core.registry import Worker
 from dynamo_cli.kv.tier_stats import KVBM_SERIES
 from dynamo_cli.kv.tiers import KvTierStats
-from dynamo_cli.router.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, DispatchSeries
-from dynamo_cli.router.registry import Worker
 
 WORKER_SERIES = {
     "active_decode_blocks": "KV blocks in use on the worker (its last load report)",
@@ -26,7 +26,7 @@ WORKER_SERIES = {
 
 
 class FrontendMetrics(DispatchSeries):
-    """One registry per app (no global state): the dispatch series (router/metrics.py) and the frontend's own."""
+    """One registry per app (no global state): the dispatch series (core/metrics.py) and the frontend's own."""
 
     def __init__(self, prefix: str = "dynamo_frontend", *, gc: bool = True) -> None:
         """`gc`: count garbage collections here (a process that serves the global registry too has them there)."""

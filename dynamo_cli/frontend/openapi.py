@@ -12,7 +12,7 @@ from dynamo_cli.frontend.embeddings import EmbeddingRequest
 from dynamo_cli.frontend.loras import LoadLora, UnloadLora
 from dynamo_cli.frontend.messages import MessagesRequest
 from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
-from dynamo_cli.frontend.responses import ResponsesRequest
+from dynamo_cli.frontend.responses_api import ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 

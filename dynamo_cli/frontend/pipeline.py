@@ -1,7 +1,7 @@
 """One request's text: the dispatched token stream, detokenized and cut at stop strings.
 
-NOTE: workers speak token ids and the request core (router/core.py) moves them (routing, migration); everything textual
-happens here, so the text side is the same whatever hops the request takes.
+NOTE: workers speak token ids and the request core (core/dispatch.py) moves them (routing, migration); everything
+textual happens here, so the text side is the same whatever hops the request takes.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from dynamo_cli.core.dispatch import Dispatch
 from dynamo_cli.frontend.stops import StopMatcher
 from dynamo_cli.frontend.tools.output import ChatOutput
 from dynamo_cli.model.tokenizer import Tokenizer
-from dynamo_cli.router.core import Dispatch
 from dynamo_cli.wire import TokenLogprob
 
 

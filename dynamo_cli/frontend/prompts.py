@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
+from dynamo_cli.core.queue import QueuedRequest
+from dynamo_cli.core.request_plan import RequestPlan, check_context
 from dynamo_cli.engine import check_token_ids
-from dynamo_cli.frontend.models import ServedModel
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -15,9 +16,8 @@ from dynamo_cli.frontend.openai import (
     requested_logprobs,
     stop_list,
 )
+from dynamo_cli.frontend.served_models import ServedModel
 from dynamo_cli.model.tokenizer import Tokenizer
-from dynamo_cli.router.plan import RequestPlan, check_context
-from dynamo_cli.router.queue import QueuedRequest
 from dynamo_cli.wire import GenerateRequest, Guided, SamplingParams
 
 if TYPE_CHECKING:

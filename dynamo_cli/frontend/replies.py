@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Send
 
+from dynamo_cli.core.waits import INTERRUPTIBLE, Interruptible
 from dynamo_cli.errors import DynError, NoWorkers, Overloaded, RequestError, TransportError
 from dynamo_cli.frontend.openai import error_body
-from dynamo_cli.router.waits import INTERRUPTIBLE, Interruptible
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from dynamo_cli.config import FrontendConfig
 from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
-from dynamo_cli.frontend.models import FrontendRegistry
 from dynamo_cli.frontend.openai import error_body
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.replies import internal
+from dynamo_cli.frontend.served_models import FrontendRegistry
 
 
 class Rest:

@@ -20,17 +20,17 @@ from typing import Any
 from starlette.routing import Route
 
 from dynamo_cli.config import ROUTER_MODES, FrontendConfig, TlsConfig
+from dynamo_cli.core.dispatch import ToRouters, ToWorkers
+from dynamo_cli.core.registry import ROUTER_COMPONENT
+from dynamo_cli.core.stack import Routing, routing_stack
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
-from dynamo_cli.frontend.models import FrontendRegistry
+from dynamo_cli.frontend.served_models import FrontendRegistry
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
-from dynamo_cli.router.core import ToRouters, ToWorkers
-from dynamo_cli.router.kv import kv_policy_factory
-from dynamo_cli.router.registry import ROUTER_COMPONENT
-from dynamo_cli.router.stack import Routing, routing_stack
+from dynamo_cli.routing.base import RandomPolicy, RoundRobinPolicy, RoutingPolicy
+from dynamo_cli.routing.kv_policy import kv_policy_factory
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.process import Process

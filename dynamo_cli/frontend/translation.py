@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from starlette.types import Receive, Send
 
-from dynamo_cli.frontend import messages, responses
+from dynamo_cli.frontend import messages, responses_api
 from dynamo_cli.frontend.completions import CHAT, COMPLETIONS
 from dynamo_cli.frontend.headers import id_headers
 from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
@@ -85,7 +85,9 @@ class Translation:
 APIS: dict[str, Api] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETIONS,
-    "/v1/responses": Translation("responses", responses.parse_responses, responses.to_chat, responses.ResponseWriter),
+    "/v1/responses": Translation(
+        "responses", responses_api.parse_responses, responses_api.to_chat, responses_api.ResponseWriter
+    ),
     "/v1/messages": Translation("messages", messages.parse_messages, messages.to_chat, messages.MessageWriter),
 }
 """Path -> the API served there."""

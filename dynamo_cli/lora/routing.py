@@ -6,7 +6,7 @@ between two reports, from this router's own decisions: a request sent with an ad
 decision already sees it. A report replaces the guess.
 
 What a worker that must load the adapter first costs is `load_s`: the seconds its last load took (reported),
-else DEFAULT_LOAD_S; the KV router adds it to that candidate's cost like an onboard (router/cost.py), so
+else DEFAULT_LOAD_S; the KV router adds it to that candidate's cost like an onboard (routing/cost.py), so
 requests go where their adapter is loaded until the queue there costs more than a load elsewhere: a hot
 adapter spreads by itself.
 """

@@ -2,7 +2,7 @@
 
 NOTE: to a frontend the router is a worker, to the workers it is a frontend. It registers under
 `{ns}/router/generate` with a copy of a backend's model card (so a `--router remote` frontend finds
-it), and runs each `generate` request through the request core the frontend runs (router/core.py):
+it), and runs each `generate` request through the request core the frontend runs (core/dispatch.py):
 choose a backend with `KvRoutingPolicy` (or wait in the queue), the prefill stage, then the worker's
 GenerateChunk bytes relayed unchanged; the policy and the other replicas (replicas.py) hear the choice,
 the first token and the end on every path: done, failed, cancelled. A backend that fails before any
@@ -13,7 +13,7 @@ listing the known ones.
 
 NOTE on the queue: a backend over the busy thresholds (`--max-inflight-per-worker`, counting this
 replica's streams, and `--active-decode-blocks-threshold`, from the backends' published load) is not
-chosen, and when every backend is busy the request waits in the model's `WaitQueue` (router/queue.py,
+chosen, and when every backend is busy the request waits in the model's `WaitQueue` (core/queue.py,
 the frontend's own) in the order of `--router-queue-policy`, after its priority; its priority and
 deadline come from the frontend's headers as annotations (`priority`, `deadline_ms`), its job size from
 the request. A refusal is Overloaded, which the frontend answers as a 503 with `Retry-After`. Each
@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from dynamo_cli.config import RouterConfig
+from dynamo_cli.core import loras
+from dynamo_cli.core.dispatch import Dispatch
+from dynamo_cli.core.metrics import RouterMetrics
+from dynamo_cli.core.queue import QueuedRequest
+from dynamo_cli.core.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
+from dynamo_cli.core.request_plan import RequestPlan
+from dynamo_cli.core.stack import Routing, routing_stack
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router import loras
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.core import Dispatch
-from dynamo_cli.router.kv import KvRoutingPolicy, kv_policy_factory
-from dynamo_cli.router.metrics import RouterMetrics
-from dynamo_cli.router.plan import RequestPlan
-from dynamo_cli.router.queue import QueuedRequest
-from dynamo_cli.router.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
-from dynamo_cli.router.stack import Routing, routing_stack
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy, kv_policy_factory
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
@@ -243,7 +243,7 @@ class RouterService:
         await serve(self.process, self, self._discovery, stop, announce, grace_s=grace_s, system=self._system_server())
 
     async def begin(self, process: Process, stop: asyncio.Event) -> Serving | None:
-        """The routing loops (router/stack.py, as the frontend's) and the first backend's card; None: stopped first."""
+        """The routing loops (core/stack.py, as the frontend's) and the first backend's card; None: stopped first."""
         process.opens(self.registry.close)
         await self.stack.start(process.tasks, self._bus, self._discovery, self.config.namespace)
         card = await self._wait_for_card(stop, process.tasks)

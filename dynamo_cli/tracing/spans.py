@@ -50,7 +50,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class RouteChoice(Protocol):
-    """What a route span reads of the policy's decision (router/base.py `RouteDecision`)."""
+    """What a route span reads of the policy's decision (routing/base.py `RouteDecision`)."""
 
     @property
     def overlap_blocks(self) -> int: ...
@@ -187,7 +187,7 @@ class ChildSpan:
 
 class RequestTrace:
     """One request's span in this process (a frontend's `http.request`, a router's `router.generate`) and its
-    children, which the request core adds as it goes (router/core.py); shared by a request's `n` choices."""
+    children, which the request core adds as it goes (core/dispatch.py); shared by a request's `n` choices."""
 
     def __init__(self, tracer: trace.Tracer, span: Span) -> None:
         self.tracer = tracer

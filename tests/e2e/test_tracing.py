@@ -159,7 +159,7 @@ def test_a_migrated_stream_names_both_decode_workers_in_one_trace(disagg: DynPro
     # the frontend's JSON log line about it names the request and its trace
     logged = [json.loads(line) for line in disagg.lines if line.startswith("{") and "migrating" in line]
     assert [(e["level"], e["logger"], e["trace_id"], e["request_id"]) for e in logged] == [
-        ("WARNING", "dynamo_cli.router.core", trace_id, request.attributes["dyn.request_id"])
+        ("WARNING", "dynamo_cli.core.dispatch", trace_id, request.attributes["dyn.request_id"])
     ]
 
 

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from dynamo_cli.core.waits import interruptible
 from dynamo_cli.frontend.replies import ClientGone, unless_gone
-from dynamo_cli.router.waits import interruptible
 
 
 class Prepared:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from dynamo_cli.core.registry import Worker
 from dynamo_cli.engine import Role
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.router.registry import Worker
 from dynamo_cli.runtime.endpoint import InstanceRecord
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.wire import LoadMetrics

@@ -11,8 +11,8 @@ from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.events import BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import hash_blocks, lora_seed
 from dynamo_cli.lora.routing import DEFAULT_LOAD_S, AdapterView
-from dynamo_cli.router.base import RouteRequest
-from dynamo_cli.router.kv import KvRoutingPolicy
+from dynamo_cli.routing.base import RouteRequest
+from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 from dynamo_cli.wire import LoadMetrics
 
 BLOCK = 16

@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from dynamo_cli.batch.metrics import BatchMetrics
 from dynamo_cli.batch.store import BatchStore
+from dynamo_cli.core.metrics import RouterMetrics
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.kv.tier_stats import KvTierStats
 from dynamo_cli.monitoring.alerts import alert_rules, render_rules
 from dynamo_cli.monitoring.dashboard import build_dashboard, render_dashboard
-from dynamo_cli.router.metrics import RouterMetrics
 from dynamo_cli.runtime.system import ComponentMetrics
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import LoadMetrics

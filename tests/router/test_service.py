@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from dynamo_cli.config import KvRouterConfig, RouterConfig
+from dynamo_cli.core.registry import ROUTER_COMPONENT, RouterRegistry
 from dynamo_cli.engine import Role
-from dynamo_cli.router.base import RoundRobinPolicy
-from dynamo_cli.router.registry import ROUTER_COMPONENT, RouterRegistry
 from dynamo_cli.router.service import RouterService
+from dynamo_cli.routing.base import RoundRobinPolicy
 from dynamo_cli.runtime import process
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
 from dynamo_cli.runtime.supervisor import ServiceTasks
-from tests.router.test_registry import WAIT_S, register, wait_until
+from tests.core.test_registry import WAIT_S, register, wait_until
 
 
 async def test_a_router_is_a_decode_worker_to_the_frontend_even_when_the_prefill_pool_registered_first(

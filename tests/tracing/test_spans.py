@@ -133,7 +133,7 @@ def test_a_worker_continues_its_requests_trace_only() -> None:
 
 @dataclass(frozen=True)
 class KvDecision:
-    """What a KV router's decision shows a route span (router/cost.py `Selection.to_dict`)."""
+    """What a KV router's decision shows a route span (routing/cost.py `Selection.to_dict`)."""
 
     overlap_blocks: int = 3
     explanation: dict[str, Any] = field(

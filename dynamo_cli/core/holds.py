@@ -1,0 +1,235 @@
+"""Holding a worker: a request's claim on one worker, counted in one place from the choice to the release.
+
+    choose(pool, wanted, busy, excluded)  the pool's policy picks among its live, not busy, not excluded
+                                          workers (the least loaded where it has no policy): a Hold
+    wait_for(pool, wanted, ...)           the same, once a worker stops being busy (the model's wait queue)
+    choose_or_wait(pool, wanted, ...)     `choose`, and where every worker is busy `wait_for`
+    Hold(worker, request_id)              a given worker held without a choice (a canary, a LoRA command)
+    hold.queue_prefill(n)                 n prompt tokens the worker prefills for the request, until...
+    hold.first_token()                    ...its first token: the policy and the replicas hear it
+    hold.release()                        the end, for any reason: the worker's counts, the policy, the
+                                          replicas and the wait queue hear it, once
+
+NOTE: this module is the only writer of a worker's in-flight ledger (`Worker.num_inflight`, what this process
+has open on it, and `Worker.pending_prefill_tokens`, what it sent it to prefill); the busy thresholds, the
+disaggregation decision, the canary's idle rule and the metrics read it. Every path to a worker holds one: the
+decode and prefill hops, the SGLang rendezvous, embeddings, LoRA commands and canaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dynamo_cli.config import BusyThresholds, QueueConfig
+from dynamo_cli.core.queue import BACKGROUND_WAIT_S, QueuedRequest, WaitQueue
+from dynamo_cli.core.registry import Worker, free_of_prefill, not_busy
+from dynamo_cli.core.waits import interruptible
+from dynamo_cli.errors import NoWorkers, Overloaded
+from dynamo_cli.routing.base import RouteDecision, RouteRequest, RoutingPolicy
+
+if TYPE_CHECKING:
+    from dynamo_cli.core.replicas import ReplicaSync
+
+ONLY_HUNG = BusyThresholds()
+"""Busy thresholds under which only a hung worker is busy: for commands that are not load (LoRA admin)."""
+
+_monotonic = time.monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The workers of one model and role as a choice sees them, and who hears of a hold on one of them."""
+
+    model: str
+    workers: dict[int, Worker]
+    policy: RoutingPolicy | None = None
+    """Chooses and counts the pool's requests; None: the worker with the least in flight (embeddings leave no
+    KV to route to, commands are not load)."""
+    noun: str = "workers"
+    """What the workers are called in an error ('prefill workers', 'routers')."""
+    where: str = ""
+    """What has no worker, in a NoWorkers error ("": model '<model>')."""
+    queue: WaitQueue | None = None
+    """The model's wait queue: a release frees a place in it, a first token may let background work in."""
+    replicas: ReplicaSync | None = None
+    """Router replicas that share this pool's decisions, first tokens and ends."""
+
+
+UNCHOSEN = Pool("", {})
+"""The pool of a worker held without a choice (a canary, a LoRA command): no policy, queue or replicas hear of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """What a choice looks at."""
+
+    request_id: str
+    token_ids: Sequence[int] = ()
+    pinned: int | None = None
+    """The worker the caller asked for: it is waited for rather than replaced (if it is a candidate at all)."""
+    lora: str = ""
+    """Only workers serving this adapter, each at what loading it there would cost."""
+    is_background: bool = False
+    """Background work (a batch line) goes only to a worker prefilling nothing this process sent it."""
+
+
+class Hold:
+    """One request's claim on one worker; `release()` is idempotent, so a hold never leaks."""
+
+    __slots__ = (
+        "_prefill_tokens",
+        "decision",
+        "has_first_token",
+        "is_held",
+        "lora_loaded",
+        "pool",
+        "request_id",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        worker: Worker,
+        request_id: str,
+        pool: Pool = UNCHOSEN,
+        decision: RouteDecision | None = None,
+        lora_loaded: bool | None = None,
+    ) -> None:
+        self.worker = worker
+        self.request_id = request_id
+        self.pool = pool
+        """Who hears of the hold: the pool's policy, queue and replicas (none for a worker held without a choice)."""
+        self.decision = decision
+        """The policy's decision (None for a worker held without one)."""
+        self.lora_loaded = lora_loaded
+        """With a LoRA adapter: whether the worker had it loaded (False: it loads it first)."""
+        self.has_first_token = False
+        self.is_held = True
+        self._prefill_tokens = 0
+        worker.num_inflight += 1
+        worker.used_at = _monotonic()
+
+    def queue_prefill(self, num_tokens: int) -> None:
+        """The worker prefills `num_tokens` for the request: counted in its queue until the first token."""
+        if self.is_held and not self.has_first_token:
+            self._prefill_tokens += num_tokens
+            self.worker.pending_prefill_tokens += num_tokens
+
+    def first_token(self) -> None:
+        """The request's prefill on the worker is done (its first token, or the remote prefill's): the policy
+        and the replicas hear it, and background work may now go to the worker. Idempotent."""
+        if self.has_first_token:
+            return
+        self.has_first_token = True
+        self._unqueue_prefill()
+        pool = self.pool
+        if pool.queue is not None:
+            pool.queue.notify()
+        if pool.policy is not None:
+            pool.policy.on_first_token(self.request_id)
+        if pool.replicas is not None:
+            pool.replicas.prefill_completed(pool.model, self.request_id)
+
+    def release(self) -> None:
+        """The end of the request's part on the worker, for any reason: done, failed, migrated, client gone."""
+        if not self.is_held:
+            return
+        self.is_held = False
+        self._unqueue_prefill()
+        worker = self.worker
+        worker.num_inflight -= 1
+        worker.used_at = _monotonic()
+        pool = self.pool
+        if pool.policy is not None:
+            pool.policy.on_finish(self.request_id)
+        if pool.replicas is not None:
+            pool.replicas.freed(pool.model, self.request_id)
+        if pool.queue is not None:
+            pool.queue.freed()
+
+    def _unqueue_prefill(self) -> None:
+        if self._prefill_tokens:
+            self.worker.pending_prefill_tokens -= self._prefill_tokens
+            self._prefill_tokens = 0
+
+
+def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collection[int] = ()) -> Hold:
+    """Hold the worker the pool's policy picks among the live, not busy, not `excluded` ones serving `wanted`.
+    NoWorkers when none is left to try, Overloaded (with the first reason) when every one is busy."""
+    workers = pool.workers
+    candidates = [w for w in workers if w not in excluded] if excluded else list(workers)
+    where = pool.where or f"model '{pool.model}'"
+    if not candidates:
+        raise NoWorkers(where)
+    pinned = wanted.pinned
+    if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
+        candidates = [pinned]
+    lora = wanted.lora
+    if lora:
+        candidates = [w for w in candidates if workers[w].adapters.serves(lora)]
+        if not candidates:
+            raise NoWorkers(f"LoRA adapter '{lora}' of {where}")
+    candidates = not_busy(candidates, workers, busy, f"{pool.noun} of '{pool.model}'")
+    if wanted.is_background:
+        candidates = free_of_prefill(candidates, workers)
+    policy = pool.policy
+    if policy is None:
+        decision = RouteDecision(min(candidates, key=lambda w: workers[w].num_inflight))
+    else:
+        load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
+        decision = policy.select(RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s), candidates)
+    worker = workers[decision.worker_id]
+    lora_loaded = None
+    if lora:
+        lora_loaded = worker.adapters.is_resident(lora)
+        worker.adapters.routed(lora)
+    hold = Hold(worker, wanted.request_id, pool, decision, lora_loaded)
+    if pool.replicas is not None and policy is not None:
+        pool.replicas.added(pool.model, wanted.request_id, policy)  # type: ignore[arg-type]
+    return hold
+
+
+async def wait_for(
+    pool: Pool,
+    wanted: Wanted,
+    busy: BusyThresholds,
+    excluded: Collection[int],
+    queued: QueuedRequest,
+    config: QueueConfig,
+) -> Hold:
+    """`choose` once this request is at the head of the pool's wait queue and a worker is free; Overloaded when
+    the queue is full or the wait too long. A client that leaves meanwhile leaves the queue."""
+    assert pool.queue is not None, "a pool without a queue cannot wait"
+    with interruptible():
+        return await pool.queue.take(lambda: choose(pool, wanted, busy, excluded), queued, config)
+
+
+async def choose_or_wait(
+    pool: Pool,
+    wanted: Wanted,
+    busy: BusyThresholds,
+    excluded: Collection[int],
+    queued: QueuedRequest,
+    config: QueueConfig,
+    waited: Callable[[float], None] | None = None,
+) -> Hold:
+    """`choose`; where every worker is busy, `wait_for` one (Overloaded at once where the pool has no queue or
+    `--router-queue-size` is 0). Background work waits its turn, however long. `waited` hears when a wait that
+    began (its `time.perf_counter()`) ends, however it ends."""
+    try:
+        return choose(pool, wanted, busy, excluded)
+    except Overloaded:
+        if not config.max_size or pool.queue is None:
+            raise
+    if wanted.is_background:
+        config = dataclasses.replace(config, max_wait_s=BACKGROUND_WAIT_S)
+    queued_at = time.perf_counter()
+    try:
+        return await wait_for(pool, wanted, busy, excluded, queued, config)
+    finally:
+        if waited is not None:
+            waited(queued_at)
