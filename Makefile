@@ -53,7 +53,7 @@ test: setup
 # `make setup` ran.
 FAST_TESTS := tests/routing tests/core tests/router tests/kv tests/frontend tests/model tests/runtime/test_handshake.py \
 	tests/runtime/test_urls.py tests/runtime/test_transport.py tests/runtime/test_typed_endpoints.py tests/runtime/test_private_dir.py \
-	tests/test_layering.py tests/test_layout.py
+	tests/test_layering.py tests/test_layout.py tests/test_settings.py
 
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)

@@ -9,10 +9,18 @@ process started by another receives the assembled config as one document (config
 new field with a `Setting` reaches every command and child that holds its config, with nothing else to edit.
 A `Setting` object shared by two fields (the namespace of the frontend and of its workers) is one option
 whose value goes to both.
+
+A field's prose is written once, as its docstring: the first paragraph is the option's `--help` (read from
+the class's source once, `field_help`), later paragraphs are notes for the code's reader. Only a `Setting`
+shared by several fields carries its own `help=`.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +51,8 @@ class Setting:
     """The option's names: `("--port", "-p")`, or a boolean's `("--kv-events/--no-kv-events",)`."""
     env: str | None
     """Its `DYN_*` environment twin (None: flag only)."""
-    help: str
+    help: str = ""
+    """The `--help` text of a shared Setting; empty: the first paragraph of the field's docstring."""
     panel: str | None = ESSENTIAL
     """The `--help` panel it is listed in."""
     cli_type: Any = None
@@ -67,3 +76,52 @@ def setting_of(metadata: Any) -> Setting | None:
     """The Setting in a field's metadata, if any."""
     found = metadata.get(SETTING) if metadata else None
     return found if isinstance(found, Setting) else None
+
+
+def field_help(cls: type, name: str) -> str:
+    """The first paragraph of field `name`'s docstring in `cls` (or a base), whitespace folded; "" if none."""
+    for klass in cls.__mro__:
+        doc = _field_docs(klass).get(name)
+        if doc is not None:
+            return " ".join(doc.split("\n\n")[0].split())
+    return ""
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal that follows its annotated assignment in `cls`'s body."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # a class defined without source (built in, or made at run time)
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for statement, following in zip(body, body[1:], strict=False):
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            continue
+        if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            if isinstance(following.value.value, str):
+                docs[statement.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _from_mib(mib: float) -> int:
+    return int(mib * 1024 * 1024)
+
+
+def _to_mib(nbytes: int) -> float:
+    return nbytes / 1024 / 1024
+
+
+def _listed(values: tuple[str, ...]) -> list[str] | None:
+    return list(values) or None
+
+
+IN_MIB: dict[str, Any] = {"cli_type": float, "parse": _from_mib, "show": _to_mib}
+"""`setting(..., **IN_MIB)`: a byte count the command line sets in MiB (`--body-limit-mb 45`)."""
+
+
+def repeated(parse: Callable[[Any], Any] = tuple) -> dict[str, Any]:
+    """`setting(..., **repeated(parse))`: a tuple of strings, one per use of the flag (`--lora A=x --lora B=y`),
+    checked by `parse`."""
+    return {"cli_type": list[str] | None, "parse": parse, "show": _listed}

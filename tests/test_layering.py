@@ -101,7 +101,8 @@ ALLOWED: dict[str, set[str]] = {
     # The planner sees frontends only through their HTTP /metrics and workers only through discovery
     # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
     # nor frontend; the processes it starts are command lines the CLI builds for it.
-    "planner": _CONTRACT | {"runtime", "timing", "k8s"},  # k8s: the API client its Kubernetes connector calls
+    "planner": _CONTRACT
+    | {"runtime", "timing", "k8s", "settings"},  # k8s: the API client its Kubernetes connector calls
     "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
     "monitoring": {"errors", "config"},  # scrape config, alerting rules, dashboard: text generated from code
     "top": {"errors"},  # `dyn top`: a frontend's /metrics over HTTP, none of the frontend's code

@@ -44,7 +44,6 @@ KNOWN_OVER = {
     "dynamo_cli/cli/bench.py:bench": 113,
     "dynamo_cli/cli/k8s.py:_target": 55,
     "dynamo_cli/cli/k8s.py:_worker": 41,
-    "dynamo_cli/cli/plan.py:run_command": 111,
     "dynamo_cli/cli/plan.py:simulate_command": 62,
     "dynamo_cli/frontend/server.py:FrontendService.__init__": 41,
     "dynamo_cli/kv/tiers.py:TieredBlockStore": 355,

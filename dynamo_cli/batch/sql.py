@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from dynamo_cli.config.frontend import is_postgres
+from dynamo_cli.config.batch import is_postgres
 
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_MS = 30_000

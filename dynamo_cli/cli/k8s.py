@@ -20,8 +20,8 @@ import yaml
 
 from dynamo_cli import __version__
 from dynamo_cli.cli import options as o
+from dynamo_cli.cli import plan, serve, settings
 from dynamo_cli.cli import router as router_cmd
-from dynamo_cli.cli import serve, settings
 from dynamo_cli.cli import worker as worker_cmd
 from dynamo_cli.cli.k8s_batches import BatchStorage, batch_storage
 from dynamo_cli.cli.k8s_planes import plane_url
@@ -400,11 +400,7 @@ def _planner(target: Target, pools: list[Part]) -> Component:
     args += ["--k8s-decode-deployment", names.of(pools[0])]
     if len(pools) > 1:
         args += ["--k8s-prefill-deployment", names.of(pools[1])]
-    args += ["--mode", planner.mode, "--profile", f"{PROFILE_DIR}/profile.json"]
-    args += ["--ttft", str(planner.targets.ttft_ms), "--itl", str(planner.targets.itl_ms)]
-    args += ["--min-workers", str(planner.bounds.min_workers), "--max-workers", str(planner.bounds.max_workers)]
-    args += ["--interval", str(planner.interval_s), "--load-interval", str(planner.load_interval_s)]
-    args += ["--startup", str(planner.startup_s)]
+    args += ["--profile", f"{PROFILE_DIR}/profile.json", *settings.arguments(planner, plan.PLANNER_KNOBS)]
     args += ["--frontend", f"http://{names.of(Part.FRONTEND)}:{config.frontend.port}"]
     args += ["--engine", worker.engine, "--model", worker.model, "--namespace", worker.namespace]
     args += ["--discovery", worker.planes.discovery, "--events", worker.planes.events]
@@ -439,6 +435,7 @@ def _write(out: Path, objects: list[Obj], lines: list[str]) -> None:
         raise ConfigError(f"--out {out}: cannot write the manifests ({exc.strerror or exc})") from None
 
 
-render_command = settings.command(_render, KNOBS, EXTRA, env=False)  # flags and --values only: reproducible
+RENDER_KNOBS = [*KNOBS, *serve.PLANNER_KNOBS]
+render_command = settings.command(_render, RENDER_KNOBS, EXTRA, env=False)  # flags and --values only: reproducible
 app.command("render", help=_render.__doc__)(render_command)
 app.command("status", help=status_command.__doc__)(status_command)

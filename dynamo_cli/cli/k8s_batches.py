@@ -13,7 +13,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamo_cli.config.frontend import is_postgres
+from dynamo_cli.config.batch import is_postgres
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s.names import BATCH_DB_KEY, BATCHES_DIR, Names
 from dynamo_cli.k8s.objects import Mount, SecretEnv

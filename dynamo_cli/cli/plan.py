@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from dynamo_cli.cli import options as o
+from dynamo_cli.cli import settings
 from dynamo_cli.config import DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig, WorkerConfig, child_command
 from dynamo_cli.config.telemetry import SYSTEM_PORT
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.kubernetes import KubernetesConfig
-from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_HELP, STARTUP_S, PlannerConfig, Step
+from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_S, PlannerConfig, Step
 from dynamo_cli.planner.predictors import PREDICTORS
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
@@ -155,118 +157,145 @@ SystemPort = Annotated[
 ]
 
 
-@app.command("run")
-def run_command(
-    profile: Annotated[Path, _opt("--profile", help="Profile JSON from `dyn plan profile`.")],
-    ttft: Annotated[float, _opt("--ttft", help="TTFT target (ms).")],
-    itl: Annotated[float, _opt("--itl", help="ITL target (ms).")],
-    frontend: Annotated[
-        list[str] | None, _opt("--frontend", help="Frontend URL to watch (repeatable; default: those in discovery).")
-    ] = None,
-    mode: Annotated[str, _opt("--mode", help="agg (one pool) | disagg (prefill + decode).")] = "agg",
-    interval: Annotated[float, _opt("--interval", help="Throughput step period (s).")] = INTERVAL_S,
-    load_interval: Annotated[float, _opt("--load-interval", help="Burst check period (s; 0: off).")] = LOAD_INTERVAL_S,
-    min_workers: Annotated[int, _opt("--min-workers", help="Per pool.")] = 1,
-    max_workers: Annotated[int, _opt("--max-workers", help="Per pool.")] = 8,
-    gpu_budget: Annotated[int, _opt("--gpu-budget", help="GPUs over all pools (-1: unlimited).")] = -1,
-    predictor: Annotated[str, _opt("--predictor", help=" | ".join(PREDICTORS))] = "constant",
-    headroom: Annotated[float, _opt("--headroom", help="agg: size for this fraction of each target.")] = 0.8,
-    startup: Annotated[float, _opt("--startup", help=STARTUP_HELP)] = STARTUP_S,
-    connector: Annotated[
-        str, _opt("--connector", help="local (dyn worker processes) | virtual | kubernetes (Deployment replicas).")
-    ] = "local",
-    dry_run: Annotated[bool, _opt("--dry-run", help="Only print decisions.")] = False,
-    duration: Annotated[float, _opt("--duration", help="Stop after this long (s; 0: never).")] = 0.0,
-    ack_timeout: Annotated[float, _opt("--ack-timeout", help="virtual: wait for the ack (s).")] = 1800.0,
-    k8s_namespace: Annotated[
-        str | None, _opt("--k8s-namespace", help="kubernetes: the Deployments' namespace.")
-    ] = None,
-    k8s_decode_deployment: Annotated[
-        str, _opt("--k8s-decode-deployment", help="kubernetes: the decode (agg: the one) pool's Deployment.")
-    ] = "dyn-decode",
-    k8s_prefill_deployment: Annotated[
-        str, _opt("--k8s-prefill-deployment", help="kubernetes, disagg: the prefill pool's Deployment.")
-    ] = "dyn-prefill",
-    kubeconfig: Annotated[
-        str | None, _opt("--kubeconfig", help="kubernetes: kubeconfig file (default: in-cluster, else KUBECONFIG).")
-    ] = None,
-    k8s_patch_interval: Annotated[
-        float, _opt("--k8s-patch-interval", help="kubernetes: least time between PATCHes of a Deployment (s).")
-    ] = 5.0,
-    k8s_ready_timeout: Annotated[
-        float, _opt("--k8s-ready-timeout", help="kubernetes: wait for a scale-up's readyReplicas (s).")
-    ] = 600.0,
-    engine: o.Engine = "mocker",
-    model: o.Model = DEFAULT_MODEL,
-    speedup_ratio: o.SpeedupRatio = None,
-    engine_arg: o.EngineArg = None,
-    graceful_shutdown: Annotated[float, _opt("--graceful-shutdown", help="local: drain time (s).")] = 5.0,
-    namespace: o.Namespace = DEFAULT_NAMESPACE,
-    discovery: o.Discovery = "embedded",
-    events: o.Events = "embedded",
-    lease_ttl: o.LeaseTtl = 10.0,
-    cluster_secret_file: o.ClusterSecretFile = None,
-    system_port: SystemPort = None,
-    host: Annotated[
-        str, _opt("--host", help="Address of the system server (--system-port); 0.0.0.0 for a kubelet's probes.")
-    ] = "127.0.0.1",
-) -> None:
+PLANNER_KNOBS = settings.knobs(PlannerConfig)
+"""The planner's own settings (targets, bounds, periods, forecast): `dyn serve --planner-*` takes them too."""
+
+
+def _run_option(name: str, flag: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
+    """One of `dyn plan run`'s options that is not the planner's: where it reads, what it scales, how."""
+    return settings.option(name, Annotated[kind, _opt(flag, help=help)], default)
+
+
+RUN_OPTIONS = [
+    _run_option("profile", "--profile", Path, ..., "Profile JSON from `dyn plan profile`."),
+    _run_option(
+        "frontend",
+        "--frontend",
+        list[str] | None,
+        None,
+        "Frontend URL to watch (repeatable; default: those in discovery).",
+    ),
+    _run_option(
+        "connector",
+        "--connector",
+        str,
+        "local",
+        "local (dyn worker processes) | virtual | kubernetes (Deployment replicas).",
+    ),
+    _run_option("dry_run", "--dry-run", bool, False, "Only print decisions."),
+    _run_option("duration", "--duration", float, 0.0, "Stop after this long (s; 0: never)."),
+    _run_option("ack_timeout", "--ack-timeout", float, 1800.0, "virtual: wait for the ack (s)."),
+    _run_option("k8s_namespace", "--k8s-namespace", str | None, None, "kubernetes: the Deployments' namespace."),
+    _run_option(
+        "k8s_decode_deployment",
+        "--k8s-decode-deployment",
+        str,
+        "dyn-decode",
+        "kubernetes: the decode (agg: the one) pool's Deployment.",
+    ),
+    _run_option(
+        "k8s_prefill_deployment",
+        "--k8s-prefill-deployment",
+        str,
+        "dyn-prefill",
+        "kubernetes, disagg: the prefill pool's Deployment.",
+    ),
+    _run_option(
+        "kubeconfig",
+        "--kubeconfig",
+        str | None,
+        None,
+        "kubernetes: kubeconfig file (default: in-cluster, else KUBECONFIG).",
+    ),
+    _run_option(
+        "k8s_patch_interval",
+        "--k8s-patch-interval",
+        float,
+        5.0,
+        "kubernetes: least time between PATCHes of a Deployment (s).",
+    ),
+    _run_option(
+        "k8s_ready_timeout", "--k8s-ready-timeout", float, 600.0, "kubernetes: wait for a scale-up's readyReplicas (s)."
+    ),
+    settings.option("engine", o.Engine, "mocker"),
+    settings.option("model", o.Model, DEFAULT_MODEL),
+    settings.option("speedup_ratio", o.SpeedupRatio, None),
+    settings.option("engine_arg", o.EngineArg, None),
+    _run_option("graceful_shutdown", "--graceful-shutdown", float, 5.0, "local: drain time (s)."),
+    settings.option("namespace", o.Namespace, DEFAULT_NAMESPACE),
+    settings.option("discovery", o.Discovery, "embedded"),
+    settings.option("events", o.Events, "embedded"),
+    settings.option("lease_ttl", o.LeaseTtl, 10.0),
+    settings.option("cluster_secret_file", o.ClusterSecretFile, None),
+    settings.option("system_port", SystemPort, None),
+    _run_option(
+        "host",
+        "--host",
+        str,
+        "127.0.0.1",
+        "Address of the system server (--system-port); 0.0.0.0 for a kubelet's probes.",
+    ),
+]
+
+
+def _run(**values: Any) -> None:
     """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
-    secret = o.cluster_secret(cluster_secret_file)
+    config = settings.build(PlannerConfig, values, PLANNER_KNOBS)
+    engine, mode, namespace = values["engine"], config.mode, values["namespace"]
+    discovery, events, lease_ttl = values["discovery"], values["events"], values["lease_ttl"]
+    secret = o.cluster_secret(values["cluster_secret_file"])
     worker = WorkerConfig(
         engine=engine,
-        model=model,
+        model=values["model"],
         namespace=namespace,
         role=Role.BOTH if mode == "agg" else Role.DECODE,
         component="backend",
-        graceful_shutdown_s=graceful_shutdown,
+        graceful_shutdown_s=values["graceful_shutdown"],
         planes=PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl, cluster_secret=secret),
-        extra=o.engine_extra(engine_arg, None, speedup_ratio=speedup_ratio),
+        extra=o.engine_extra(values["engine_arg"], None, speedup_ratio=values["speedup_ratio"]),
     )
     prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
     env = {PARENT_ENV: str(os.getpid())}  # the rest travels in each worker's config document
-    config = PlannerConfig(
-        targets=Targets(ttft, itl),
-        bounds=Bounds(min_workers, max_workers, gpu_budget),
-        mode=mode,
-        interval_s=interval,
-        load_interval_s=load_interval,
-        predictor=predictor,
-        headroom=headroom,
-        startup_s=startup,
-    )
     plan = PlanRun(
         planner=config,
-        frontends=tuple(frontend or ()),
+        frontends=tuple(values["frontend"] or ()),
         namespace=namespace,
         discovery=discovery,
         events=events,
         lease_ttl=lease_ttl,
-        connector=connector,
-        dry_run=dry_run,
+        connector=values["connector"],
+        dry_run=values["dry_run"],
         decode=child_command(worker),
         prefill=child_command(prefill),
         worker_env=env,
-        grace_s=graceful_shutdown,
-        ack_timeout_s=ack_timeout,
-        duration_s=duration,
-        host=host,
-        system_port=system_port,
-        kubernetes=None
-        if k8s_namespace is None
-        else KubernetesConfig(
-            namespace=k8s_namespace,
-            decode_deployment=k8s_decode_deployment,
-            prefill_deployment=k8s_prefill_deployment if mode == "disagg" else None,
-            kubeconfig=kubeconfig,
-            min_replicas=min_workers,
-            max_replicas=max_workers,
-            min_patch_interval_s=k8s_patch_interval,
-            ready_timeout_s=k8s_ready_timeout,
-        ),
+        grace_s=values["graceful_shutdown"],
+        ack_timeout_s=values["ack_timeout"],
+        duration_s=values["duration"],
+        host=values["host"],
+        system_port=values["system_port"],
+        kubernetes=_kubernetes(values, config),
     )
-    run_loop(serve_planner(plan, load_profile(profile), _report, announce))
+    run_loop(serve_planner(plan, load_profile(values["profile"]), _report, announce))
     sys.stdout.flush()
+
+
+def _kubernetes(values: dict[str, Any], config: PlannerConfig) -> KubernetesConfig | None:
+    """The Kubernetes connector's config (`--k8s-namespace` given), else None."""
+    if values["k8s_namespace"] is None:
+        return None
+    return KubernetesConfig(
+        namespace=values["k8s_namespace"],
+        decode_deployment=values["k8s_decode_deployment"],
+        prefill_deployment=values["k8s_prefill_deployment"] if config.mode == "disagg" else None,
+        kubeconfig=values["kubeconfig"],
+        min_replicas=config.bounds.min_workers,
+        max_replicas=config.bounds.max_workers,
+        min_patch_interval_s=values["k8s_patch_interval"],
+        ready_timeout_s=values["k8s_ready_timeout"],
+    )
+
+
+run_command = app.command("run")(settings.command(_run, PLANNER_KNOBS, RUN_OPTIONS))
 
 
 @app.command("simulate")
@@ -289,8 +318,8 @@ def simulate_command(
     mode: Annotated[str, typer.Option("--mode", help="agg (one pool) | disagg (prefill + decode pools).")] = "agg",
     interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = INTERVAL_S,
     load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = LOAD_INTERVAL_S,
-    min_workers: Annotated[int, typer.Option("--min-workers")] = 1,
-    max_workers: Annotated[int, typer.Option("--max-workers")] = 128,
+    min_workers: Annotated[int, typer.Option("--min-workers", help="Fewest workers per pool.")] = 1,
+    max_workers: Annotated[int, typer.Option("--max-workers", help="Most workers per pool.")] = 128,
     predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
     startup: Annotated[
         float, typer.Option("--startup", help="Seconds a new worker takes to serve (the planner is told).")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,16 +15,8 @@ from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import ServePlan, serve_all
-from dynamo_cli.planner.planner import (
-    INTERVAL_S,
-    LOAD_INTERVAL_S,
-    STARTUP_HELP,
-    STARTUP_S,
-    PlannerConfig,
-    log_decisions,
-)
+from dynamo_cli.planner.planner import PlannerConfig, log_decisions
 from dynamo_cli.planner.service import PlanRun, check_run
-from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.settings import DISAGG, ESSENTIAL
 from dynamo_cli.tracing.logs import use_log_format
@@ -44,10 +35,9 @@ SKIP = frozenset(
 KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
 
 
-def _planner_option(flag: str, kind: Any, help: str, default: Any) -> inspect.Parameter:
-    """`--planner-FLAG` (DYN_PLANNER_FLAG), the option `dyn plan run` takes as `--FLAG`."""
-    name = "planner_" + flag.replace("-", "_")
-    return settings.option(name, Annotated[kind, o.planner_option(f"--{flag}", help, prefix="planner-")], default)
+PLANNER_PANEL = "Planner (scales the workers to TTFT/ITL targets)"
+PLANNER_KNOBS = settings.knobs(PlannerConfig, skip={"PlannerConfig.mode"}, prefix="planner-", panel=PLANNER_PANEL)
+"""`dyn plan run`'s planner settings as `--planner-*` (the mode is --disagg's)."""
 
 
 EXTRA = [
@@ -99,28 +89,22 @@ EXTRA = [
                 envvar="DYN_PLANNER",
                 help="Run the SLA planner in this process: it scales the workers to --planner-ttft/--planner-itl "
                 "(--workers: the initial count).",
-                rich_help_panel="Planner (scales the workers to TTFT/ITL targets)",
+                rich_help_panel=PLANNER_PANEL,
             ),
         ],
         False,
     ),
-    *(
-        _planner_option(flag, kind, help, default)
-        for flag, kind, help, default in [
-            ("ttft", float, "TTFT target (ms).", 0.0),
-            ("itl", float, "ITL target (ms).", 0.0),
-            (
-                "profile",
-                Path | None,
+    settings.option(
+        "planner_profile",
+        Annotated[
+            Path | None,
+            o.planner_option(
+                "--profile",
                 "Profile JSON (`dyn plan profile`; default for the mocker: profiled at startup, a few seconds).",
-                None,
+                prefix="planner-",
             ),
-            ("min-workers", int, "Per pool.", 1),
-            ("max-workers", int, "Per pool.", 8),
-            ("interval", float, "Throughput step period (s).", INTERVAL_S),
-            ("load-interval", float, "Burst check period (s; 0: off).", LOAD_INTERVAL_S),
-            ("startup", float, STARTUP_HELP, STARTUP_S),
-        ]
+        ],
+        None,
     ),
 ]
 
@@ -187,16 +171,11 @@ def _plan(
         )
     if values["routers"] and in_process:
         raise ConfigError("--planner does not run with --routers yet; use `dyn plan run` beside the deployment")
-    config = PlannerConfig(
-        targets=Targets(options["planner_ttft"], options["planner_itl"]),
-        bounds=Bounds(options["planner_min_workers"], options["planner_max_workers"]),
-        mode="disagg" if disagg else "agg",
-        interval_s=options["planner_interval"],
-        load_interval_s=options["planner_load_interval"],
-        startup_s=options["planner_startup"],
+    config = settings.build(
+        PlannerConfig, options, PLANNER_KNOBS, {(PlannerConfig, "mode"): "disagg" if disagg else "agg"}
     )
     check_run(PlanRun(planner=config, frontends=("in-process",), namespace="serve", discovery="embedded"))
     return ServePlan(config=config, profile=options["planner_profile"])
 
 
-command = settings.command(_command, KNOBS, EXTRA)
+command = settings.command(_command, [*KNOBS, *PLANNER_KNOBS], EXTRA)

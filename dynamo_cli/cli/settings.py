@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from dynamo_cli.settings import Setting, setting_of
+from dynamo_cli.settings import Setting, field_help, setting_of
 
 T = TypeVar("T")
 
@@ -39,9 +39,18 @@ class Knob:
     default: Any
 
 
-def knobs(root: type, *, skip: Collection[str] = (), help: Mapping[str, str] | None = None) -> list[Knob]:
+def knobs(
+    root: type,
+    *,
+    skip: Collection[str] = (),
+    help: Mapping[str, str] | None = None,
+    prefix: str = "",
+    panel: str | None = None,
+) -> list[Knob]:
     """The options of every setting in `root`'s config tree, in declaration order; `skip`: fields written
-    `Class.field` that stay at their default; `help`: replacement help text by flag (computed at start)."""
+    `Class.field` that stay at their default; `help`: replacement help text by flag (computed at start);
+    `prefix`: put before each flag's name, and `panel` the help panel of each, when another command takes the
+    config among its own (`dyn serve --planner-ttft` is `dyn plan run --ttft`, one `DYN_*` twin for both)."""
     found: dict[int, Knob] = {}
     owner: dict[str, int] = {}
     for cls, f, hint in _settings_fields(root, set()):
@@ -49,18 +58,21 @@ def knobs(root: type, *, skip: Collection[str] = (), help: Mapping[str, str] | N
             continue
         spec = setting_of(f.metadata)
         assert spec is not None
-        known = found.get(id(spec))
+        key = id(spec)
+        known = found.get(key)
         if known is not None:
-            found[id(spec)] = dataclasses.replace(known, fields=(*known.fields, (cls, f.name)))
+            found[key] = dataclasses.replace(known, fields=(*known.fields, (cls, f.name)))
             continue
         for flag in _flag_names(spec):
-            if owner.setdefault(flag, id(spec)) != id(spec):
+            if owner.setdefault(flag, key) != key:
                 raise RuntimeError(f"{flag} is declared by two settings of {root.__name__}; skip one of them")
-        text = (help or {}).get(spec.flags[0], spec.help)
+        text = (help or {}).get(spec.flags[0]) or spec.help or field_help(cls, f.name)
+        if prefix:
+            spec = dataclasses.replace(spec, flags=tuple(_prefixed(flag, prefix) for flag in spec.flags), panel=panel)
         option = typer.Option(*spec.flags, envvar=spec.env, help=text, rich_help_panel=spec.panel)
         default = spec.show(f.default) if spec.show is not None else f.default
         cli_type = spec.cli_type if spec.cli_type is not None else hint
-        found[id(spec)] = Knob(_param_name(spec), spec, ((cls, f.name),), Annotated[cli_type, option], default)
+        found[key] = Knob(_param_name(spec), spec, ((cls, f.name),), Annotated[cli_type, option], default)
     return list(found.values())
 
 
@@ -202,6 +214,14 @@ def _flag_names(spec: Setting) -> list[str]:
     return [name for flag in spec.flags for name in flag.split("/")]
 
 
+def _prefixed(flag: str, prefix: str) -> str:
+    """`--ttft` -> `--planner-ttft`; `--a/--no-a` -> `--planner-a/--no-planner-a`."""
+    return "/".join(
+        name.replace("--no-", f"--no-{prefix}", 1) if name.startswith("--no-") else name.replace("--", f"--{prefix}", 1)
+        for name in flag.split("/")
+    )
+
+
 def _param_name(spec: Setting) -> str:
     return spec.flags[0].split("/")[0].lstrip("-").replace("-", "_")
 
@@ -213,4 +233,4 @@ def annotated(cls: type, name: str, *, help: str | None = None) -> Any:
     spec = setting_of(f.metadata)
     assert spec is not None, f"{cls.__name__}.{name} declares no setting"
     hint = spec.cli_type if spec.cli_type is not None else typing.get_type_hints(cls)[name]
-    return Annotated[hint, typer.Option(*spec.flags, envvar=spec.env, help=help or spec.help)]
+    return Annotated[hint, typer.Option(*spec.flags, envvar=spec.env, help=help or spec.help or field_help(cls, name))]

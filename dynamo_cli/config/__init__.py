@@ -6,11 +6,15 @@ environment (`child_command`, `config_document`), never as a rebuilt command lin
 
     common.py     defaults, the settings several configs share, PlanesConfig
     routing.py    KvRouterConfig, DisaggConfig, QueueConfig, BusyThresholds (the frontend's and `dyn router`'s)
-    frontend.py   FrontendConfig with its TlsConfig and AuthConfig
+    frontend.py   FrontendConfig
+    security.py   TlsConfig (HTTPS, mutual TLS) and AuthConfig (API keys, per-key limits)
+    batch.py      BatchConfig (the Batch API's store and limits)
+    lora.py       LoraConfig (a worker's adapters) and the adapter name rule
     telemetry.py  TelemetryConfig: system server port, OTLP traces, log format (every process)
     processes.py  WorkerConfig, RouterConfig, ServeConfig, and the child processes' config documents
 """
 
+from dynamo_cli.config.batch import BatchConfig
 from dynamo_cli.config.common import (
     BLOCK_SIZE,
     CLUSTER_SECRET_ENV,
@@ -21,7 +25,8 @@ from dynamo_cli.config.common import (
     NAMESPACE,
     PlanesConfig,
 )
-from dynamo_cli.config.frontend import ROUTER_MODES, AuthConfig, FrontendConfig, TlsConfig, read_api_keys
+from dynamo_cli.config.frontend import ROUTER_MODES, FrontendConfig
+from dynamo_cli.config.lora import LoraConfig
 from dynamo_cli.config.processes import (
     CONFIG_DOCUMENTS,
     KV_TRANSFERS,
@@ -50,6 +55,7 @@ from dynamo_cli.config.routing import (
     parse_queue_policy,
     parse_tier_weights,
 )
+from dynamo_cli.config.security import AuthConfig, TlsConfig, read_api_keys
 from dynamo_cli.config.telemetry import LOG_FORMATS, TelemetryConfig
 
 __all__ = [
@@ -74,11 +80,13 @@ __all__ = [
     "TIER_HOST_GBS",
     "TIER_HOST_LATENCY_S",
     "AuthConfig",
+    "BatchConfig",
     "BusyThresholds",
     "ChildCommand",
     "DisaggConfig",
     "FrontendConfig",
     "KvRouterConfig",
+    "LoraConfig",
     "PlanesConfig",
     "QueueConfig",
     "QueuePolicy",

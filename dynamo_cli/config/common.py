@@ -30,18 +30,12 @@ GRACEFUL_SHUTDOWN = Setting(
 class PlanesConfig:
     """Where the discovery and event planes are."""
 
-    discovery: str = setting(
-        "embedded",
-        "--discovery",
-        env="DYN_DISCOVERY",
-        help="embedded | file:///DIR | etcd://HOST:PORT[,HOST:PORT]",
-        panel=PLANES,
-    )
-    """`embedded`, `file:///DIR` or `etcd://HOST:PORT[,HOST:PORT]`."""
-    events: str = setting("embedded", "--events", env="DYN_EVENTS", help="embedded | nats://HOST:PORT", panel=PLANES)
-    """`embedded` (ZMQ advertised via discovery) or `nats://HOST:PORT`."""
-    lease_ttl: float = setting(10.0, "--lease-ttl", env="DYN_LEASE_TTL", help="Discovery lease TTL (s).", panel=PLANES)
-    """Seconds before a dead process's keys vanish."""
+    discovery: str = setting("embedded", "--discovery", env="DYN_DISCOVERY", panel=PLANES)
+    """The discovery plane: embedded | file:///DIR | etcd://HOST:PORT[,HOST:PORT]."""
+    events: str = setting("embedded", "--events", env="DYN_EVENTS", panel=PLANES)
+    """The event plane: embedded (ZMQ, advertised via discovery) | nats://HOST:PORT."""
+    lease_ttl: float = setting(10.0, "--lease-ttl", env="DYN_LEASE_TTL", panel=PLANES)
+    """Discovery lease TTL: seconds before a dead process's keys vanish."""
     cluster_secret: bytes | None = field(default=None, repr=False)
     """The request plane's shared secret (`--cluster-secret-file`, DYN_CLUSTER_SECRET; `dyn serve` makes
     one); every connection authenticates with it. None = unauthenticated, allowed on loopback only."""

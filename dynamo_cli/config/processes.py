@@ -4,7 +4,6 @@ how a process hands its child the config it runs (one JSON document in its envir
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from dynamo_cli.config.common import (
     PlanesConfig,
 )
 from dynamo_cli.config.frontend import FrontendConfig
+from dynamo_cli.config.lora import LoraConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
@@ -30,9 +30,9 @@ from dynamo_cli.settings import DISAGG, ENGINE, HTTP, PLANES, ROUTING, SUPERVISI
 from dynamo_cli.wire import GENERATE
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")
+"""`--kv-transfer`: NIXL when it imports, else TCP; or either one."""
 MAX_FRONTENDS = 256
 """`--frontends`: a bound, so that a typo cannot fork thousands of processes."""
-"""`--kv-transfer`: NIXL when it imports, else TCP; or either one."""
 
 
 def parse_role(value: str) -> Role:
@@ -43,142 +43,48 @@ def parse_role(value: str) -> Role:
         raise ConfigError(f"--role '{value}' is invalid; use one of: prefill, decode, both") from None
 
 
-LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
-"""What an adapter's served name may be (it is a model name clients send, a key suffix, a metric label)."""
-MAX_LORAS = 1024
-
-
-def check_lora_name(name: str, what: str = "--lora") -> str:
-    """`name` if it can serve as an adapter's model name, else ConfigError saying what may be."""
-    if not LORA_NAME.fullmatch(name):
-        raise ConfigError(
-            f"{what}: adapter name {name[:64]!r} is invalid; use 1-128 letters, digits and ._:/@+- "
-            "starting with a letter or digit"
-        )
-    return name
-
-
-def parse_loras(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """`--lora NAME=PATH` values, checked (a valid name, a path, no name twice); ConfigError otherwise."""
-    seen: set[str] = set()
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not path:
-            raise ConfigError(f"--lora {value!r} is invalid; write NAME=PATH (an adapter file)")
-        if check_lora_name(name) in seen:
-            raise ConfigError(f"--lora: adapter {name!r} is given twice")
-        seen.add(name)
-    return tuple(values)
-
-
-@dataclass(frozen=True, slots=True)
-class LoraConfig:
-    """LoRA adapters a worker serves over its base model (each one a model of its own; dynamo_cli/lora)."""
-
-    adapters: tuple[str, ...] = setting(
-        (),
-        "--lora",
-        env="DYN_LORAS",
-        help="NAME=PATH: serve adapter PATH as model NAME (repeatable).",
-        panel=ENGINE,
-        cli_type=list[str] | None,
-        parse=parse_loras,
-        show=lambda adapters: list(adapters) or None,
-    )
-    """`NAME=PATH` of each adapter served from the start."""
-    max_loras: int = setting(
-        4,
-        "--max-loras",
-        env="DYN_MAX_LORAS",
-        help="Adapters loaded at once; the least recently used goes first.",
-        panel=ENGINE,
-    )
-    """Adapters resident at once; a request for another one evicts the least recently used idle one and loads."""
-    lora_dirs: tuple[str, ...] = setting(
-        (),
-        "--lora-dir",
-        env="DYN_LORA_DIRS",
-        help="Where run-time loads may read adapters (repeatable; default: the --lora files' folders).",
-        panel=ENGINE,
-        cli_type=list[str] | None,
-        parse=tuple,
-        show=lambda dirs: list(dirs) or None,
-    )
-    """Folders `POST /v1/load_lora_adapter` may name files in: a load is a file read by the engine's parser on
-    the worker's machine, so only these (and the `--lora` files' folders) are open to it."""
-
-    def __post_init__(self) -> None:
-        for name in ("adapters", "lora_dirs"):  # an option left unset arrives as None
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, ())
-        parse_loras(self.adapters)
-        if not 1 <= self.max_loras <= MAX_LORAS:
-            raise ConfigError(f"--max-loras must be between 1 and {MAX_LORAS}, got {self.max_loras}")
-
-    def named(self) -> dict[str, str]:
-        """Adapter name -> path, in the order given."""
-        return dict(value.partition("=")[::2] for value in self.adapters)
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """`dyn worker`."""
 
-    engine: str = setting(DEFAULT_ENGINE, "--engine", "-e", env="DYN_ENGINE", help="Engine plugin.")
-    """Registry name of the engine plugin."""
-    model: str = setting(
-        DEFAULT_MODEL, "--model", "-m", env="DYN_MODEL", help="Model alias (smollm2), GGUF file or HF dir."
-    )
-    served_model_name: str | None = setting(
-        None, "--served-model-name", env="DYN_SERVED_MODEL_NAME", help="Name clients use."
-    )
+    engine: str = setting(DEFAULT_ENGINE, "--engine", "-e", env="DYN_ENGINE")
+    """Engine plugin, by its registry name."""
+    model: str = setting(DEFAULT_MODEL, "--model", "-m", env="DYN_MODEL")
+    """Model alias (smollm2), GGUF file or HF dir."""
+    served_model_name: str | None = setting(None, "--served-model-name", env="DYN_SERVED_MODEL_NAME")
+    """Name clients use."""
     namespace: str = setting(DEFAULT_NAMESPACE, NAMESPACE)
-    component: str = setting(
-        "", "--component", env="DYN_COMPONENT", help="Default: backend, or the role.", panel=PLANES
-    )
-    """The component it registers under; empty: `backend` (role both) or the role's name."""
-    endpoint: str = setting(GENERATE.name, "--endpoint", env="DYN_ENDPOINT", help="Endpoint name.", panel=PLANES)
+    component: str = setting("", "--component", env="DYN_COMPONENT", panel=PLANES)
+    """The component it registers under (default: backend with --role both, else the role's name)."""
+    endpoint: str = setting(GENERATE.name, "--endpoint", env="DYN_ENDPOINT", panel=PLANES)
+    """Endpoint name."""
     role: Role = setting(
         Role.BOTH,
         "--role",
         env="DYN_ROLE",
-        help="prefill | decode | both",
         cli_type=str,
         parse=parse_role,
         show=lambda role: role.value,
     )
-    host: str = setting("127.0.0.1", "--host", env="DYN_WORKER_HOST", help="Request-plane address.")
-    """Address the request plane listens on and advertises."""
-    port: int = setting(0, "--port", env="DYN_WORKER_PORT", help="Request-plane port (0: any).")
+    """What the worker runs: prefill | decode | both."""
+    host: str = setting("127.0.0.1", "--host", env="DYN_WORKER_HOST")
+    """Request-plane address: where it listens, and what it advertises."""
+    port: int = setting(0, "--port", env="DYN_WORKER_PORT")
+    """Request-plane port (0: any)."""
     block_size: int | None = setting(None, BLOCK_SIZE)
-    context_length: int | None = setting(
-        None, "--context-length", env="DYN_CONTEXT_LENGTH", help="Largest prompt + output.", panel=ENGINE
-    )
+    context_length: int | None = setting(None, "--context-length", env="DYN_CONTEXT_LENGTH", panel=ENGINE)
+    """Largest prompt + output, in tokens."""
     graceful_shutdown_s: float = setting(5.0, GRACEFUL_SHUTDOWN)
     """How long SIGTERM waits for in-flight streams after deregistering."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Engine-specific options (speedup_ratio, num_gpu_blocks, n_ctx...)."""
-    kv_transfer: str = setting(
-        "auto",
-        "--kv-transfer",
-        env="DYN_KV_TRANSFER",
-        help="How KV is pulled: " + " | ".join(KV_TRANSFERS),
-        panel=DISAGG,
-    )
-    """How decode workers pull prefilled KV: `tcp`, `nixl`, or `auto` (NIXL when it imports, else TCP)."""
-    kv_transfer_port: int = setting(
-        0, "--kv-transfer-port", env="DYN_KV_TRANSFER_PORT", help="Prefill role (0: any).", panel=DISAGG
-    )
-    """Port of a prefill worker's KV transfer server (0: any free port), on `host`."""
-    kv_transfer_ttl_s: float = setting(
-        30.0,
-        "--kv-transfer-ttl",
-        env="DYN_KV_TRANSFER_TTL",
-        help="Prefill role: seconds unpulled KV is kept.",
-        panel=DISAGG,
-    )
-    """Seconds a prefill worker keeps KV no decode worker pulled (the client left, the decode died)."""
+    kv_transfer: str = setting("auto", "--kv-transfer", env="DYN_KV_TRANSFER", panel=DISAGG)
+    """How decode workers pull prefilled KV: auto | tcp | nixl (auto: NIXL when it imports, else TCP)."""
+    kv_transfer_port: int = setting(0, "--kv-transfer-port", env="DYN_KV_TRANSFER_PORT", panel=DISAGG)
+    """Prefill role: port of the KV transfer server, on --host (0: any)."""
+    kv_transfer_ttl_s: float = setting(30.0, "--kv-transfer-ttl", env="DYN_KV_TRANSFER_TTL", panel=DISAGG)
+    """Prefill role: seconds KV no decode worker pulled is kept (the client left, the decode worker died)."""
     kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
     """Host and disk KV tiers below the engine's cache (`--kv-host-cache-gb`, `--kv-disk-cache-gb` ...)."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -199,30 +105,21 @@ class RouterConfig:
     """`dyn router`: one standalone KV router replica."""
 
     namespace: str = setting(DEFAULT_NAMESPACE, NAMESPACE)
-    component: str = setting(
-        "backend",
-        "--component",
-        env="DYN_ROUTER_BACKEND_COMPONENT",
-        help="Component of the backend workers to route to.",
-        panel=PLANES,
-    )
-    """Component of the backend workers routed to."""
-    host: str = setting("127.0.0.1", "--host", env="DYN_ROUTER_HOST", help="Request-plane address.")
-    """Address the request plane listens on and advertises."""
-    port: int = setting(0, "--port", env="DYN_ROUTER_PORT", help="Request-plane port (0: any).")
+    component: str = setting("backend", "--component", env="DYN_ROUTER_BACKEND_COMPONENT", panel=PLANES)
+    """Component of the backend workers to route to."""
+    host: str = setting("127.0.0.1", "--host", env="DYN_ROUTER_HOST")
+    """Request-plane address: where it listens, and what it advertises."""
+    port: int = setting(0, "--port", env="DYN_ROUTER_PORT")
+    """Request-plane port (0: any)."""
     kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     """The routing settings; `block_size` None = the backend card's."""
     graceful_shutdown_s: float = setting(5.0, GRACEFUL_SHUTDOWN)
     """How long SIGTERM waits for in-flight streams after deregistering."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
-    prefill_component: str = setting(
-        "prefill",
-        "--prefill-component",
-        env="DYN_ROUTER_PREFILL_COMPONENT",
-        help="Component of the prefill workers (disaggregation).",
-        panel=PLANES,
-    )
-    """Component of the prefill workers: a model that has some gets a prefill stage (core/disagg.py)."""
+    prefill_component: str = setting("prefill", "--prefill-component", env="DYN_ROUTER_PREFILL_COMPONENT", panel=PLANES)
+    """Component of the prefill workers (disaggregation): a model that has some gets a prefill stage.
+
+    The prefill stage: core/disagg.py."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
@@ -239,38 +136,20 @@ class ServeConfig:
 
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    num_workers: int = setting(1, "--workers", "-n", env="DYN_WORKERS", help="Worker processes (0: frontend only).")
-    """Aggregated workers, or with `--disagg` the decode workers."""
-    num_routers: int = setting(
-        0, "--routers", env="DYN_ROUTERS", help="With --router remote: `dyn router` replicas to start.", panel=ROUTING
-    )
-    """`dyn router` replicas to spawn (with `--router remote`); the frontend then waits for them."""
-    ready_timeout_s: float = setting(
-        300.0,
-        "--ready-timeout",
-        env="DYN_READY_TIMEOUT",
-        help="Seconds to wait for every worker to register.",
-        panel=SUPERVISION,
-    )
-    """How long to wait for every worker to register before giving up."""
-    max_restarts: int = setting(
-        5,
-        "--max-restarts",
-        env="DYN_MAX_RESTARTS",
-        help="Restarts of a worker that exits unexpectedly, within 5 minutes (0: never).",
-        panel=SUPERVISION,
-    )
-    """Restarts of one worker slot allowed within 5 minutes after it exits unexpectedly (0: never)."""
+    num_workers: int = setting(1, "--workers", "-n", env="DYN_WORKERS")
+    """Worker processes: aggregated ones, or with --disagg the decode workers (0: frontend only)."""
+    num_routers: int = setting(0, "--routers", env="DYN_ROUTERS", panel=ROUTING)
+    """With --router remote: `dyn router` replicas to start; the frontend then waits for them."""
+    ready_timeout_s: float = setting(300.0, "--ready-timeout", env="DYN_READY_TIMEOUT", panel=SUPERVISION)
+    """Seconds to wait for every worker to register before giving up."""
+    max_restarts: int = setting(5, "--max-restarts", env="DYN_MAX_RESTARTS", panel=SUPERVISION)
+    """Restarts of a worker slot allowed within 5 minutes when it exits unexpectedly (0: never)."""
     num_prefill_workers: int = 0
     """`--disagg`: prefill-role workers started beside the `num_workers` (then decode-role) workers."""
-    num_frontends: int = setting(
-        1,
-        "--frontends",
-        env="DYN_FRONTENDS",
-        help="Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.",
-        panel=HTTP,
-    )
-    """Frontend processes: this one and `num_frontends - 1` children on the same port (launcher.py)."""
+    num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
+    """Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.
+
+    This one and `num_frontends - 1` children on the same port (launcher.py)."""
     ready_workers: int | None = None
     """Workers (or routers) to see before ready; None: the ones this process starts. A frontend child of
     `dyn serve --frontends N` waits for its parent's."""

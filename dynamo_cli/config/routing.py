@@ -61,53 +61,53 @@ class KvRouterConfig:
         "time",
         "--router-cost",
         env="DYN_ROUTER_COST",
-        help="KV router cost: time (seconds of prefill, evictions, KV wait) | dynamo (w*prefill + decode).",
         panel=ROUTING,
     )
-    """`time`: seconds of prefill, evictions and KV queueing (routing/time_cost.py); `dynamo`: Dynamo's
-    `w * prefill_blocks + decode_blocks`."""
+    """KV router cost: time (seconds of prefill, evictions and KV wait) | dynamo (Dynamo's
+    w * prefill_blocks + decode_blocks).
+
+    The `time` cost is routing/time_cost.py."""
     overlap_score_weight: float = setting(
         1.0,
         "--kv-overlap-score-weight",
         env="DYN_KV_OVERLAP_SCORE_WEIGHT",
-        help="KV router: weight of prefill blocks in the cost.",
         panel=ROUTING,
     )
-    """`dynamo` cost: w in `w * prefill_blocks + decode_blocks`; 0 = pure load balancing."""
+    """KV router, dynamo cost: weight w of prefill blocks in w * prefill_blocks + decode_blocks (0: pure load
+    balancing)."""
     prefill_tokens_per_s: float | None = setting(
         None,
         "--router-prefill-tps",
         env="DYN_ROUTER_PREFILL_TPS",
-        help="KV router, time cost: a worker's prefill tokens/s (default: learned from first tokens).",
         panel=ROUTING,
     )
-    """`time` cost: a worker's prefill speed; None = learned from the first tokens the router sees."""
+    """KV router, time cost: a worker's prefill tokens/s (default: learned from the first tokens the
+    router sees)."""
     total_kv_blocks: int | None = None
     """`time` cost: a worker's KV capacity until it publishes its own; None = the card's."""
     temperature: float = setting(
         0.0,
         "--router-temperature",
         env="DYN_ROUTER_TEMPERATURE",
-        help="KV router: 0 = argmin, > 0 = softmax sampling.",
         panel=ROUTING,
     )
-    """0 = argmin; > 0 = softmax sampling over normalised logits."""
+    """KV router: 0 = argmin, > 0 = softmax sampling over normalised logits."""
     use_kv_events: bool = setting(
         True,
         "--kv-events/--no-kv-events",
         env="DYN_KV_EVENTS",
-        help="KV router: use workers' KV events, or approximate from own decisions.",
         panel=ROUTING,
     )
-    """False = approximate mode: the router's own decisions stand in for the workers' caches."""
+    """KV router: use the workers' KV events; off = approximate mode, from the router's own decisions."""
     hot_spot_guard: bool = setting(
         True,
         "--hot-spot-guard/--no-hot-spot-guard",
         env="DYN_HOT_SPOT_GUARD",
-        help="KV router: pick by load when load is badly imbalanced.",
         panel=ROUTING,
     )
-    """Ignore the cache and pick by load when active blocks are badly imbalanced."""
+    """KV router: ignore the cache and pick by load when active blocks are badly imbalanced.
+
+    Badly: max - min active blocks >= `hot_spot_min_blocks` and >= `hot_spot_ratio` * max (routing/cost.py)."""
     hot_spot_min_blocks: int = 512
     """Hot-spot absolute threshold: max - min active blocks."""
     hot_spot_ratio: float = 0.5
@@ -116,40 +116,40 @@ class KvRouterConfig:
         120.0,
         "--router-ttl",
         env="DYN_ROUTER_TTL_SECS",
-        help="KV router, approximate mode: seconds a routed prefix counts as cached.",
         panel=ROUTING,
     )
-    """Approximate mode: seconds a routed prefix is presumed cached."""
+    """KV router, approximate mode (`--no-kv-events`): seconds a routed prefix counts as cached."""
     approx_max_blocks: int = 1 << 20
     """Approximate mode: entries kept before pruning to 80 %."""
     host_bandwidth_gbs: float = setting(
         TIER_HOST_GBS,
         "--router-host-bandwidth-gbs",
         env="DYN_ROUTER_HOST_BANDWIDTH_GBS",
-        help="KV router: GB/s of an onboard from the host-memory tier.",
         panel=ROUTING,
     )
-    """GB/s of an onboard from host memory (PCIe 4.0 x16 pinned copies; routing/tier_costs.py)."""
+    """KV router: GB/s of an onboard from the host-memory tier (default: PCIe 4.0 x16 pinned copies).
+
+    Used by routing/tier_costs.py."""
     disk_bandwidth_gbs: float = setting(
         TIER_DISK_GBS,
         "--router-disk-bandwidth-gbs",
         env="DYN_ROUTER_DISK_BANDWIDTH_GBS",
-        help="KV router: GB/s of an onboard from the disk tier.",
         panel=ROUTING,
     )
-    """GB/s of an onboard from local disk (one NVMe Gen4 SSD; routing/tier_costs.py)."""
+    """KV router: GB/s of an onboard from the disk tier (default: one NVMe Gen4 SSD).
+
+    Used by routing/tier_costs.py."""
     tier_weights: tuple[tuple[str, float], ...] = setting(
         (),
         "--router-tier-weights",
         env="DYN_ROUTER_TIER_WEIGHTS",
-        help="KV router, dynamo cost: worth of a host/disk hit vs a device hit, host=W,disk=W "
-        "(default: from the bandwidths).",
         panel=ROUTING,
         cli_type=str,
         parse=parse_tier_weights,
         show=_show_tier_weights,
     )
-    """`dynamo` cost: (tier, weight) of a host or disk hit against a device hit; unset = from bandwidths."""
+    """KV router, dynamo cost: worth of a host or disk hit vs a device hit, host=W,disk=W with W in
+    [0, 1] (default: from the bandwidths)."""
     kv_bytes_per_block: int | None = None
     """KV bytes of one block; None = the card's, else KV_BYTES_PER_TOKEN per token."""
 
@@ -202,52 +202,49 @@ class DisaggConfig:
         "adaptive",
         "--disagg-policy",
         env="DYN_DISAGG_POLICY",
-        help="When a prompt is prefilled on a prefill worker: " + " | ".join(DISAGG_POLICIES),
         panel=DISAGG,
     )
-    """`adaptive` (default: weighs both pools' queued prefill work), `always`, `isl` (Dynamo's
-    isl_bounding), `load` (prefill_load) or `isl-or-load` (isl_or_load)."""
+    """When a prompt is prefilled on a prefill worker: adaptive (weighs both pools' queued prefill work)
+    | always | isl | load | isl-or-load (Dynamo's isl_bounding, prefill_load, isl_or_load)."""
     max_local_prefill_length: int = setting(
         512,
         "--max-local-prefill-length",
         env="DYN_MAX_LOCAL_PREFILL_LENGTH",
-        help="Uncached prompt tokens a decode worker prefills itself.",
         panel=DISAGG,
     )
-    """Uncached prompt tokens on the decode worker (effective ISL) at or below which it prefills locally."""
+    """Uncached prompt tokens (effective ISL) at or below which a decode worker prefills a prompt itself."""
     max_prefill_queue: int = setting(
         4,
         "--max-prefill-queue",
         env="DYN_MAX_PREFILL_QUEUE",
-        help="Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated.",
         panel=DISAGG,
     )
-    """`load`, `isl-or-load`: a prefill worker with this many prefills queued is saturated; all saturated
-    → prefill locally."""
+    """Policies load, isl-or-load: prefills queued on a prefill worker when it counts saturated;
+    all saturated → prefill locally."""
     decode_busy_threshold: float = setting(
         0.9,
         "--decode-busy-threshold",
         env="DYN_DECODE_BUSY_THRESHOLD",
-        help="KV usage of a decode worker above which long prompts always go to a prefill worker.",
         panel=DISAGG,
     )
-    """Circuit breaker: a decode worker whose KV is this full never prefills a long prompt locally."""
+    """KV usage fraction of a decode worker at or above which long prompts always go to a prefill worker,
+    whatever the policy.
+
+    A circuit breaker (core/disagg.py)."""
     enforce: bool = setting(
         False,
         "--enforce-disagg",
         env="DYN_ENFORCE_DISAGG",
-        help="Never prefill on a decode worker: no prefill worker → 503.",
         panel=DISAGG,
     )
-    """`--enforce-disagg`: no prefill worker → 503 naming the pool, never an aggregated fallback."""
+    """Never prefill on a decode worker: no prefill worker → 503 naming the pool, never an aggregated fallback."""
     prefill_router_mode: str | None = setting(
         None,
         "--prefill-router-mode",
         env="DYN_PREFILL_ROUTER_MODE",
-        help="kv | round-robin | random for the prefill hop (default: --router's).",
         panel=DISAGG,
     )
-    """Routing of the prefill hop (`kv`, `round-robin`, `random`); None = the frontend's `--router`."""
+    """Routing of the prefill hop: kv | round-robin | random (default: the frontend's `--router`)."""
 
     def __post_init__(self) -> None:
         if self.policy not in DISAGG_POLICIES:
@@ -290,29 +287,29 @@ class QueueConfig:
         256,
         "--router-queue-size",
         env="DYN_ROUTER_QUEUE_SIZE",
-        help="Requests that may wait per model when every worker is busy (0: 503 at once).",
         panel=OVERLOAD,
     )
-    """Requests that may wait per model; 0 = no queue (every worker busy is an immediate 503)."""
+    """Requests that may wait per model when every worker is busy (0: no queue, an immediate 503)."""
     max_wait_s: float = setting(
         0.5,
         "--router-queue-timeout",
         env="DYN_ROUTER_QUEUE_TIMEOUT",
-        help="Seconds a request waits for a worker before its 503.",
         panel=OVERLOAD,
     )
-    """The longest a request waits for a worker before its 503; one whose expected wait is longer is
-    refused at once (core/queue.py). Set it to what the deployment's TTFT target leaves."""
+    """Seconds a request waits for a worker before its 503; one whose expected wait is longer gets it at
+    once. Set it to what the deployment's TTFT target leaves.
+
+    The expected wait is core/queue.py's `expected_wait`."""
     policy: QueuePolicy = setting(
         QueuePolicy.FCFS,
         "--router-queue-policy",
         env="DYN_ROUTER_QUEUE_POLICY",
-        help="Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline.",
         panel=OVERLOAD,
         cli_type=str,
         parse=parse_queue_policy,
         show=lambda policy: policy.value,
     )
+    """Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline."""
 
     def __post_init__(self) -> None:
         if self.max_size < 0 or not self.max_wait_s > 0:
@@ -329,18 +326,18 @@ class BusyThresholds:
         0,
         "--max-inflight-per-worker",
         env="DYN_MAX_INFLIGHT_PER_WORKER",
-        help="Busy threshold: streams per worker (0: none); all workers busy → the wait queue, then 503.",
         panel=OVERLOAD,
     )
-    """Streams in flight from this process to one worker; 0 = no limit."""
+    """Busy threshold: streams in flight from this process to one worker (0: no limit); all workers
+    busy → the wait queue, then 503."""
     active_blocks_fraction: float = setting(
         1.0,
         "--active-decode-blocks-threshold",
         env="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-        help="Busy threshold: KV usage fraction (1.0: off).",
         panel=OVERLOAD,
     )
-    """Published active KV blocks / total blocks above this is busy; >= 1.0 never triggers."""
+    """Busy threshold: KV usage fraction (published active / total blocks) above which a worker is busy
+    (>= 1.0: off)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,33 +349,29 @@ class HealthChecks:
         10.0,
         "--stall-timeout",
         env="DYN_STALL_TIMEOUT",
-        help="Seconds a stream may wait for its worker while the worker sends nothing at all (no output on any"
-        " stream, no load report): then it counts as hung and its streams migrate (0: never).",
         panel=OVERLOAD,
     )
-    """A stream that received nothing for this long, from a worker that sent nothing on any stream and no load
-    report for as long, takes the worker out of routing and migrates; 0 disables the deadline."""
+    """Seconds a stream may wait for its worker while the worker sends nothing at all (no output on any stream,
+    no load report): then the worker counts as hung, leaves routing and its streams migrate (0: never)."""
     is_canary_enabled: bool = setting(
         False,
         "--health-check/--no-health-check",
         env="DYN_HEALTH_CHECK_ENABLED",
-        help="Send a one-token canary to workers idle for --canary-wait; one that does not answer in time is"
-        " taken out of routing (a hung worker is always probed until it answers again).",
         panel=OVERLOAD,
     )
-    """Canaries on idle workers (Dynamo: off locally, on under its Kubernetes operator)."""
-    canary_wait_s: float = setting(
-        10.0, "--canary-wait", env="DYN_CANARY_WAIT_TIME", help="Idle seconds before a canary.", panel=OVERLOAD
-    )
-    """Idle time on a worker (no stream of this process on it) before a canary is sent."""
+    """Send a one-token canary to workers idle for --canary-wait; one that does not answer in time
+    is taken out of routing (a hung worker is always probed until it answers again).
+
+    Off by default as in Dynamo (off locally, on under its Kubernetes operator)."""
+    canary_wait_s: float = setting(10.0, "--canary-wait", env="DYN_CANARY_WAIT_TIME", panel=OVERLOAD)
+    """Idle seconds on a worker (no stream of this process on it) before a canary is sent."""
     check_timeout_s: float = setting(
         3.0,
         "--health-check-timeout",
         env="DYN_HEALTH_CHECK_REQUEST_TIMEOUT",
-        help="Seconds a canary may take.",
         panel=OVERLOAD,
     )
-    """How long a canary may take before the worker counts as hung."""
+    """Seconds a canary may take before the worker counts as hung."""
 
     def __post_init__(self) -> None:
         if self.stall_timeout_s < 0 or self.canary_wait_s <= 0 or self.check_timeout_s <= 0:

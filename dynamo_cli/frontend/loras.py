@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dynamo_cli.config import FrontendConfig
-from dynamo_cli.config.processes import check_lora_name
+from dynamo_cli.config.lora import check_lora_name
 from dynamo_cli.core import loras
 from dynamo_cli.core.holds import ONLY_HUNG, Pool, Wanted, choose
 from dynamo_cli.errors import ConfigError, DynError, RequestError

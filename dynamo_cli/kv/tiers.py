@@ -60,40 +60,38 @@ class KvTierConfig:
         0,
         "--kv-host-cache-gb",
         env="DYN_KV_HOST_CACHE_GB",
-        help="KV tier in host memory below the engine's cache, GB (0: off).",
         panel=KV_TIERS,
         cli_type=float,
         parse=_bytes_of_gb,
         show=_gb_of_bytes,
     )
-    """Host-memory tier capacity in bytes (0: no host tier)."""
+    """KV tier in host memory below the engine's cache, in GB = 10^9 bytes (0: off).
+
+    The field holds the capacity in bytes."""
     disk_bytes: int = setting(
         0,
         "--kv-disk-cache-gb",
         env="DYN_KV_DISK_CACHE_GB",
-        help="KV tier on local disk below host memory, GB (0: off).",
         panel=KV_TIERS,
         cli_type=float,
         parse=_bytes_of_gb,
         show=_gb_of_bytes,
     )
-    """Disk tier capacity in bytes, file headers included (0: no disk tier)."""
-    disk_dir: str | None = setting(
-        None,
-        "--kv-disk-cache-dir",
-        env="DYN_KV_DISK_CACHE_DIR",
-        help="Directory of the disk KV tier; kept across restarts (default: a temporary one).",
-        panel=KV_TIERS,
-    )
-    """Directory of the disk tier's block files (None: a temporary one, removed at close)."""
+    """KV tier on local disk below host memory, in GB = 10^9 bytes, block file headers included (0: off).
+
+    The field holds the capacity in bytes."""
+    disk_dir: str | None = setting(None, "--kv-disk-cache-dir", env="DYN_KV_DISK_CACHE_DIR", panel=KV_TIERS)
+    """Directory of the disk KV tier's block files, kept across restarts (default: a temporary one, removed at
+    exit)."""
     disk_filter: bool = setting(
         True,
         "--kv-disk-offload-filter/--no-kv-disk-offload-filter",
         env="DYN_KV_DISK_OFFLOAD_FILTER",
-        help="Move host→disk only KV blocks reused at least once (Dynamo's default).",
         panel=KV_TIERS,
     )
-    """Move host→disk only blocks hit at least once (frequency >= 2), as Dynamo does by default."""
+    """Move host→disk only KV blocks reused at least once (Dynamo's default).
+
+    Reused: frequency >= 2, the disk-offload filter of the module docstring."""
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes < 0:

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from dynamo_cli.config.processes import check_lora_name
+from dynamo_cli.config.lora import check_lora_name
 from dynamo_cli.engine import ServesLoras
 from dynamo_cli.errors import ConfigError, ModelNotFound, Overloaded, RequestError
 

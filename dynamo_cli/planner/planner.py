@@ -42,6 +42,7 @@ from dynamo_cli.planner.sizing import (
     max_ramp_slope,
     plan_replicas,
 )
+from dynamo_cli.settings import setting
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,6 @@ LOAD_INTERVAL_S = 2.0
 this long, plus a worker's startup, for capacity."""
 STARTUP_S = 30.0
 """A new worker's default time to serve (`--startup`)."""
-STARTUP_HELP = (
-    "Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the "
-    "load's trend this far ahead (0: off)."
-)
 TREND_SPAN_S = 60.0
 """The burst check fits the arrival rate's trend over the load windows of at least this many latest seconds."""
 TREND_LEADS = 2.0
@@ -85,23 +82,26 @@ class PlannerConfig:
     """TTFT and ITL targets."""
     bounds: Bounds
     """Per-pool min/max and the GPU budget."""
-    mode: str = "disagg"
-    """agg (one pool) or disagg (prefill and decode pools)."""
-    interval_s: float = INTERVAL_S
-    """Throughput step period (Dynamo: 180 s)."""
-    load_interval_s: float = LOAD_INTERVAL_S
-    """Burst check period (0: off; Dynamo's load interval: 5 s)."""
-    predictor: str = "constant"
-    """constant | moving-average | kalman."""
+    mode: str = setting("agg", "--mode", env="DYN_PLANNER_MODE")
+    """agg (one pool) | disagg (prefill + decode pools)."""
+    interval_s: float = setting(INTERVAL_S, "--interval", env="DYN_PLANNER_INTERVAL")
+    """Throughput step period (s; Dynamo: 180 s)."""
+    load_interval_s: float = setting(LOAD_INTERVAL_S, "--load-interval", env="DYN_PLANNER_LOAD_INTERVAL")
+    """Burst check period (s; 0: off; Dynamo's load interval: 5 s)."""
+    predictor: str = setting("constant", "--predictor", env="DYN_PLANNER_PREDICTOR")
+    """The load forecast: constant | moving-average | kalman."""
     default_isl: float = 3000.0
     """ISL assumed before any request is seen (Dynamo's profiling default)."""
     default_osl: float = 150.0
     """OSL assumed before any request is seen."""
-    headroom: float = 0.8
-    """agg: size so the predicted mean TTFT and ITL stay within this fraction of the targets."""
-    startup_s: float = STARTUP_S
-    """How long a new worker takes to serve, until measured: the burst check projects the arrival rate's
-    trend this far plus one load interval ahead (0: no projection, nothing measured)."""
+    headroom: float = setting(0.8, "--headroom", env="DYN_PLANNER_HEADROOM")
+    """agg: size so the predicted mean TTFT and ITL stay within this fraction of each target."""
+    startup_s: float = setting(STARTUP_S, "--startup", env="DYN_PLANNER_STARTUP")
+    """Seconds a new worker takes to serve, until measured on the first scale-up: bursts project the load's
+    trend this far ahead (0: off).
+
+    The burst check projects the arrival rate's trend this far plus one load interval ahead; the planner
+    replaces it with the startup it measures (Planner.startup_s)."""
 
 
 @dataclass(frozen=True, slots=True)

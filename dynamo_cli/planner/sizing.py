@@ -22,6 +22,7 @@ from dynamo_cli.planner.profile import (
     prefill_throughput_per_gpu,
     prefill_ttft_ms,
 )
+from dynamo_cli.settings import setting
 
 _EPS = 1e-9  # ceil(3.0000000001) must be 3: demand / capacity is computed in floating point
 _FIXED_POINT_STEPS = 60
@@ -32,21 +33,21 @@ _BISECTION_STEPS = 30
 class Targets:
     """The SLOs the planner sizes for."""
 
-    ttft_ms: float
-    """Time-to-first-token target."""
-    itl_ms: float
-    """Inter-token latency target."""
+    ttft_ms: float = setting(0.0, "--ttft", env="DYN_PLANNER_TTFT")
+    """TTFT target (ms; required)."""
+    itl_ms: float = setting(0.0, "--itl", env="DYN_PLANNER_ITL")
+    """ITL target (ms; required)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
     """Limits on what the planner may ask for."""
 
-    min_workers: int = 1
-    """Per pool (Dynamo's min_endpoint)."""
-    max_workers: int = 8
-    """Per pool."""
-    gpu_budget: int = -1
+    min_workers: int = setting(1, "--min-workers", env="DYN_PLANNER_MIN_WORKERS")
+    """Fewest workers per pool (Dynamo's min_endpoint)."""
+    max_workers: int = setting(8, "--max-workers", env="DYN_PLANNER_MAX_WORKERS")
+    """Most workers per pool."""
+    gpu_budget: int = setting(-1, "--gpu-budget", env="DYN_PLANNER_GPU_BUDGET")
     """GPUs over all pools (-1: unlimited; Dynamo's max_gpu_budget)."""
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.routing.tier_costs import AS_DEVICE, TierCosts
 from dynamo_cli.routing.time_cost import Across, Speed, SpeedEstimator, TimeTerms, time_terms
 
@@ -46,28 +47,17 @@ EXPLAIN_LIMIT = 16
 VECTOR_MIN = 12
 """From this many candidates on, the cost is evaluated on numpy arrays; below, per candidate. The two take the
 same time at 12 (a cost table of 4 candidates: 35 us per candidate, 84 us on arrays; of 32: 151 and 66 us)."""
-COSTS = ("time", "dynamo")
 DEFAULT_SPEED = SpeedEstimator().speed
 
 
 @dataclass(frozen=True, slots=True)
 class CostConfig:
-    """The knobs of worker selection (the product's defaults are in `KvRouterConfig`)."""
+    """What worker selection reads: a router config's knobs (`KvRouterConfig`: the cost, its weight, the
+    temperature, the hot-spot guard), its block size resolved, and what a lower tier's hit costs."""
 
     block_size: int
-    """Tokens per KV block."""
-    cost: str = "dynamo"
-    """`time` or `dynamo` (the reference formula, this pure function's default)."""
-    overlap_score_weight: float = 1.0
-    """`dynamo`'s w: weight of prefill work against decode load (0 = pure load balancing)."""
-    temperature: float = 0.0
-    """0 = deterministic argmin; > 0 = softmax sampling over normalised logits."""
-    hot_spot_guard: bool = True
-    """Pick by load alone when active blocks are badly imbalanced (both thresholds reached)."""
-    hot_spot_min_blocks: int = 512
-    """Absolute threshold: max - min active blocks across the candidates."""
-    hot_spot_ratio: float = 0.5
-    """Relative threshold: (max - min) / max active blocks."""
+    """Tokens per KV block (the router config's, or its model card's)."""
+    router: KvRouterConfig
     tiers: TierCosts = AS_DEVICE
     """What a host or disk hit costs (onboard time) or counts for (weight); default: as a device hit."""
 
@@ -309,7 +299,7 @@ class Selection:
 def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, speed: Speed) -> CostTable:
     """Every candidate's cost for a request of `isl` tokens and `num_blocks` full blocks."""
     bs = config.block_size
-    if config.cost == "dynamo":
+    if config.router.cost == "dynamo":
         overlap: Sequence[float] = c.overlap_blocks
         if c.tiered:  # a lower tier's hit counts as its weight of a device hit
             h, d = 1 - config.tiers.host_weight, 1 - config.tiers.disk_weight
@@ -321,7 +311,7 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         if c.lora_load_s is not None:  # the load's seconds as the prompt blocks computed meanwhile
             per_s = speed.prefill_tokens_per_s / bs
             prefill = [p + s * per_s for p, s in zip(prefill, c.lora_load_s, strict=True)]
-        w = config.overlap_score_weight
+        w = config.router.overlap_score_weight
         logits = [w * p + d for p, d in zip(prefill, decode, strict=True)]
         return CostTable(c, logits, {}, isl, num_blocks, bs, prefill, decode)
     across = Across(max(c.overlap_blocks), max(c.active_overlap_blocks) > 0, min(c.active_prefill_tokens) > 0)
@@ -418,11 +408,11 @@ def candidate_cost(load: CandidateLoad, isl: int, num_blocks: int, config: CostC
 
 def is_hot_spot(active_blocks: Sequence[int], config: CostConfig) -> bool:
     """True when max - min active blocks reaches both the absolute and the relative threshold."""
-    if not config.hot_spot_guard or len(active_blocks) < 2:
+    if not config.router.hot_spot_guard or len(active_blocks) < 2:
         return False
     high, low = max(active_blocks), min(active_blocks)
     spread = high - low
-    return spread >= config.hot_spot_min_blocks and spread >= config.hot_spot_ratio * high
+    return spread >= config.router.hot_spot_min_blocks and spread >= config.router.hot_spot_ratio * high
 
 
 def select(
@@ -445,9 +435,9 @@ def select(
         index, _ = _argmin(scores, [c.cached_blocks], rng)
         return Selection(c.worker_ids[index], Reason.HOT_SPOT, table, index, _margin(scores, index), "load")
     logits = table.logits
-    if config.temperature > 0:
-        index, reason = softmax_sample(logits, config.temperature, rng), Reason.SOFTMAX
-    elif config.cost == "time":
+    if config.router.temperature > 0:
+        index, reason = softmax_sample(logits, config.router.temperature, rng), Reason.SOFTMAX
+    elif config.router.cost == "time":
         queue, busy = table.times["queue_s"], table.times.get("busy_s")
         index, reason = (rounds or Rounds()).deal(c.worker_ids, logits, queue, speed.pass_s, busy)
     else:

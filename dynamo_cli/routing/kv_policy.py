@@ -44,16 +44,7 @@ logger = logging.getLogger(__name__)
 def cost_config(config: KvRouterConfig) -> CostConfig:
     """The selection knobs of a resolved config (its block size known: see `KvRouterConfig.for_card`)."""
     assert config.block_size is not None, "KvRouterConfig.block_size unresolved; call for_card(card)"
-    return CostConfig(
-        block_size=config.block_size,
-        cost=config.cost,
-        overlap_score_weight=config.overlap_score_weight,
-        temperature=config.temperature,
-        hot_spot_guard=config.hot_spot_guard,
-        hot_spot_min_blocks=config.hot_spot_min_blocks,
-        hot_spot_ratio=config.hot_spot_ratio,
-        tiers=config_tier_costs(config),
-    )
+    return CostConfig(config.block_size, config, config_tier_costs(config))
 
 
 def config_tier_costs(config: KvRouterConfig) -> TierCosts:

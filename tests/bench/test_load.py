@@ -156,7 +156,11 @@ async def test_a_ramp_up_starts_the_closed_loops_streams_evenly_over_it(serve) -
     arrivals = rhythm.arrivals[1:]  # the first POST is the probe
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert len(arrivals) == 4
-    assert all(0.06 <= gap <= 0.12 for gap in gaps), gaps  # 0.3 s / 4 slots = 75 ms apart, not at once
+    # 0.3 s / 4 slots: starts 75 ms apart, not at once (< 5 ms apart without the ramp). Measured where the server
+    # reads each request, one late read shortens the gap after it by as much: tens of ms on a loaded machine
+    # (0.042 s seen there, under a full test suite), so each gap and the spread of the three are bounded loosely.
+    assert all(0.03 <= gap <= 0.14 for gap in gaps), gaps
+    assert 0.16 <= arrivals[-1] - arrivals[0] <= 0.32, gaps
 
 
 async def test_a_zipf_model_mix_asks_each_model_about_as_often_as_its_weight(serve) -> None:

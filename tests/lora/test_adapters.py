@@ -11,7 +11,7 @@ import pytest
 import xxhash
 from dyn_engines.mocker.engine import MockerEngine
 
-from dynamo_cli.config.processes import LoraConfig, parse_loras
+from dynamo_cli.config.lora import LoraConfig, parse_loras
 from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import ConfigError, ModelNotFound, Overloaded, RequestError
 from dynamo_cli.kv.events import BlockStored

@@ -85,7 +85,7 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
     # 600 req/60 s of ISL 2000, OSL 200, TTFT as profiled (p_corr 1), ITL 28.1 ms at 4 decode workers (d_corr 1):
     # test_sizing' worked example, 3 prefill and 4 decode workers.
     recorder = Recorder()
-    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 100), interval_s=60.0)
+    config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 100), mode="disagg", interval_s=60.0)
 
     async def counts() -> tuple[int, int]:
         return (1, 4)

@@ -9,7 +9,6 @@ import pytest
 
 from dynamo_cli.routing.cost import (
     CandidateLoad,
-    CostConfig,
     Reason,
     candidate_cost,
     explain_pinned,
@@ -17,8 +16,9 @@ from dynamo_cli.routing.cost import (
     select_worker,
     softmax_sample,
 )
+from tests.routing.configs import cost_config
 
-CONFIG = CostConfig(block_size=16)
+CONFIG = cost_config(16, cost="dynamo")
 
 # Reference dynamo.md 4.5: weight 1, W1 = 8 + 10 = 18, W2 = 5 + 5 = 10 (chosen), W3 = 2 + 9 = 11.
 # A 4-block request (isl 64, block size 16):
@@ -70,14 +70,14 @@ def test_prefill_blocks_are_fractional_and_never_negative() -> None:
 
 
 def test_the_weight_scales_only_the_prefill_term() -> None:
-    config = CostConfig(block_size=16, overlap_score_weight=2.5)
+    config = cost_config(16, cost="dynamo", overlap_score_weight=2.5)
     cost = candidate_cost(WORKED_EXAMPLE[0], isl=64, num_blocks=4, config=config)
 
     assert cost.logit == 2.5 * 8 + 10
 
 
 def test_weight_zero_balances_load_alone() -> None:
-    config = CostConfig(block_size=16, overlap_score_weight=0.0)
+    config = cost_config(16, cost="dynamo", overlap_score_weight=0.0)
     selection = select_worker(WORKED_EXAMPLE, isl=64, num_blocks=4, config=config, rng=random.Random(0))
 
     assert [c.logit for c in selection.candidates] == [10.0, 5.0, 9.0]
@@ -148,7 +148,7 @@ def test_softmax_with_equal_logits_is_uniform() -> None:
 
 
 def test_temperature_above_zero_samples_reproducibly_and_marks_the_reason() -> None:
-    config = CostConfig(block_size=16, temperature=1.0)
+    config = cost_config(16, cost="dynamo", temperature=1.0)
 
     def choices(seed: int) -> list[int]:
         rng = random.Random(seed)
@@ -159,7 +159,7 @@ def test_temperature_above_zero_samples_reproducibly_and_marks_the_reason() -> N
     assert select_worker(WORKED_EXAMPLE, 64, 4, config, random.Random(1)).reason is Reason.SOFTMAX
 
 
-GUARD = CostConfig(block_size=16, hot_spot_min_blocks=100, hot_spot_ratio=0.5)
+GUARD = cost_config(16, cost="dynamo", hot_spot_min_blocks=100, hot_spot_ratio=0.5)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_the_hot_spot_guard_triggers_exactly_at_its_thresholds(active_blocks: li
 
 
 def test_the_hot_spot_guard_can_be_switched_off() -> None:
-    off = CostConfig(block_size=16, hot_spot_guard=False, hot_spot_min_blocks=100, hot_spot_ratio=0.5)
+    off = cost_config(16, cost="dynamo", hot_spot_guard=False, hot_spot_min_blocks=100, hot_spot_ratio=0.5)
 
     assert is_hot_spot([0, 100_000], off) is False
 
@@ -203,7 +203,7 @@ def test_over_the_thresholds_the_least_loaded_worker_wins_despite_the_cache() ->
 
 
 def test_without_the_guard_the_cache_wins_the_same_case() -> None:
-    off = CostConfig(block_size=16, hot_spot_guard=False)
+    off = cost_config(16, cost="dynamo", hot_spot_guard=False)
     selection = select_worker(HOT, isl=1024, num_blocks=64, config=off, rng=random.Random(0))
 
     assert selection.worker_id == 1

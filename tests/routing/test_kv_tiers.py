@@ -12,11 +12,12 @@ from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Kv
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
-from dynamo_cli.routing.cost import CandidateLoad, Candidates, CostConfig, select
+from dynamo_cli.routing.cost import CandidateLoad, Candidates, select
 from dynamo_cli.routing.indexer import KvIndexer, TierHits
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy, config_tier_costs
 from dynamo_cli.routing.tier_costs import tier_costs
 from dynamo_cli.routing.time_cost import Speed
+from tests.routing.configs import cost_config
 
 A, B, C, D = 101, 102, 103, 104
 BLOCK = 16
@@ -110,7 +111,7 @@ LOADS = [  # equal load; an 8-block prefix held on device, host, disk, or not at
 
 @pytest.mark.parametrize("cost", ["time", "dynamo"])
 def test_a_device_hit_beats_a_host_hit_beats_a_disk_hit_beats_a_miss(cost: str) -> None:
-    config = CostConfig(block_size=BLOCK, cost=cost, tiers=TIERS)
+    config = cost_config(BLOCK, cost=cost, tiers=TIERS)
     selection = select(Candidates.from_loads(LOADS), 8 * BLOCK + 5, 8, config, random.Random(0), SPEED)
 
     logits = [c.logit for c in selection.candidates]
@@ -119,7 +120,7 @@ def test_a_device_hit_beats_a_host_hit_beats_a_disk_hit_beats_a_miss(cost: str) 
 
 
 def test_the_time_cost_charges_the_onboard_time_instead_of_the_recompute() -> None:
-    config = CostConfig(block_size=BLOCK, cost="time", tiers=TIERS)
+    config = cost_config(BLOCK, cost="time", tiers=TIERS)
     rows = select(Candidates.from_loads(LOADS), 8 * BLOCK, 8, config, random.Random(0), SPEED).candidates
 
     # 8 blocks of 2 MiB: 8 * 2097152 / 20e9 + 20 us from host, / 4e9 + 200 us from disk; a miss recomputes 128 tokens

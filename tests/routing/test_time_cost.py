@@ -8,11 +8,12 @@ from dataclasses import replace
 import pytest
 
 from dynamo_cli.routing import cost
-from dynamo_cli.routing.cost import CandidateLoad, Candidates, CostConfig, Reason, Rounds, cost_table, select
+from dynamo_cli.routing.cost import CandidateLoad, Candidates, Reason, Rounds, cost_table, select
 from dynamo_cli.routing.tier_costs import tier_costs
 from dynamo_cli.routing.time_cost import MAX_PASS_S, PRIOR_PREFILL_TPS, Speed, SpeedEstimator
+from tests.routing.configs import cost_config
 
-TIME = CostConfig(block_size=64, cost="time")
+TIME = cost_config(64, cost="time")
 SPEED = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.0)
 """No tie band: the worked examples compare exact costs."""
 ISL, BLOCKS = 2100, 32  # a 2,000-token system prompt (31 full blocks) + 100 unique tokens
