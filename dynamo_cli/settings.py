@@ -63,13 +63,14 @@ class Setting:
     """Field default -> the command line's default (default: the same)."""
 
 
-def setting(default: Any, *flags: str | Setting, **kwargs: Any) -> Any:
+def setting(default: Any, *flags: str | Setting, repr: bool = True, **kwargs: Any) -> Any:
     """A dataclass field with `default` and its Setting: a shared one (`setting(None, BLOCK_SIZE)`), or one made
-    from `flags` and `kwargs` (env=, help=, panel=, cli_type=, parse=, show=)."""
+    from `flags` and `kwargs` (env=, help=, panel=, cli_type=, parse=, show=); `repr=False` keeps a secret out
+    of the config's repr."""
     spec = flags[0] if len(flags) == 1 and isinstance(flags[0], Setting) else None
     if spec is None:
         spec = Setting(flags=tuple(str(f) for f in flags), **kwargs)
-    return field(default=default, metadata={SETTING: spec})
+    return field(default=default, repr=repr, metadata={SETTING: spec})
 
 
 def setting_of(metadata: Any) -> Setting | None:

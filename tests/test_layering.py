@@ -97,7 +97,7 @@ ALLOWED: dict[str, set[str]] = {
     "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora"},
     "worker_metrics": {"errors", "kv", "wire"},
     "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},
-    "bench": {"errors", "model"},
+    "bench": {"errors", "model", "settings"},
     # The planner sees frontends only through their HTTP /metrics and workers only through discovery
     # and the engine contract, so it sits beside the frontend, above runtime, and imports neither router
     # nor frontend; the processes it starts are command lines the CLI builds for it.

@@ -41,7 +41,6 @@ KNOWN_OVER = {
     "dynamo_cli/batch/service.py:batch_service": 44,
     "dynamo_cli/bench/session.py:run_bench": 49,
     "dynamo_cli/bench/sse.py:Response._dechunk": 43,
-    "dynamo_cli/cli/bench.py:bench": 113,
     "dynamo_cli/cli/k8s.py:_target": 55,
     "dynamo_cli/cli/k8s.py:_worker": 41,
     "dynamo_cli/cli/plan.py:simulate_command": 62,

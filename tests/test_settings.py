@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import typer.main
 
-from dynamo_cli.cli import main, plan, serve, settings
+from dynamo_cli.cli import bench, main, plan, serve, settings
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import worker as worker_cmd
 from dynamo_cli.config import ServeConfig
@@ -56,6 +56,7 @@ COMMANDS = {
     "worker": worker_cmd.KNOBS,
     "router": router_cmd.KNOBS,
     "plan run": plan.PLANNER_KNOBS,
+    "bench": bench.KNOBS,
 }
 
 

@@ -21,6 +21,10 @@ from typing import Any, Literal
 from dynamo_cli.bench.http import HttpClient, RequestRecord
 from dynamo_cli.bench.workload import Conversation, Turn
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.settings import Setting, setting
+
+SEED = Setting(("--seed",), None, "Seed of every random choice (prompts, lengths, gaps): a run is reproducible.")
+"""One `--seed` for the load's gaps and the workload's prompts."""
 
 Endpoint = Literal["chat", "completions"]
 
@@ -29,24 +33,26 @@ Endpoint = Literal["chat", "completions"]
 class LoadConfig:
     """How many requests, how fast."""
 
-    concurrency: int | None = None
-    """Slots in flight (closed loop); with a request rate, the cap on requests in flight."""
-    request_rate: float | None = None
-    """Requests per second (open loop); None for pure concurrency."""
-    arrival: Literal["constant", "poisson"] = "constant"
-    """Gaps between request starts in rate mode."""
-    num_requests: int | None = None
-    """Stop issuing after this many measured requests."""
-    duration_s: float | None = None
+    concurrency: int | None = setting(None, "--concurrency", "-c", env=None)
+    """Requests in flight (closed loop); with --request-rate, a cap."""
+    request_rate: float | None = setting(None, "--request-rate", env=None)
+    """Requests per second (open loop)."""
+    arrival: Literal["constant", "poisson"] = setting("constant", "--arrival", env=None, cli_type=str)
+    """Gaps between request starts in rate mode: constant | poisson."""
+    num_requests: int | None = setting(None, "--num-requests", "-n", env=None)
+    """Measured requests (default: 100 without --duration; a whole --trace)."""
+    duration_s: float | None = setting(None, "--duration", env=None)
     """Stop issuing after this many seconds."""
-    warmup: int = 0
-    """Requests sent before the measured ones, excluded from the figures."""
-    seed: int = 0
+    warmup: int = setting(0, "--warmup", env=None)
+    """Warm-up requests, sent first and excluded from the figures."""
+    seed: int = setting(0, SEED)
     """Seeds the Poisson gaps."""
-    ramp_up_s: float = 0.0
-    """Closed loop: the slots start evenly over this many seconds, not all at once. A closed loop at fixed
-    output lengths keeps the start pattern: streams started together finish together and come back together
-    (prefill waves), streams started apart stay apart, so two systems compared must start alike."""
+    ramp_up_s: float = setting(0.0, "--ramp-up", env=None)
+    """Closed loop: start the --concurrency streams evenly over this many seconds (0: at once).
+
+    A closed loop at fixed output lengths keeps the start pattern: streams started together finish together and
+    come back together (prefill waves), streams started apart stay apart, so two systems compared must start
+    alike."""
 
     def __post_init__(self) -> None:
         if self.ramp_up_s < 0:
@@ -55,6 +61,8 @@ class LoadConfig:
             raise ConfigError(f"--concurrency ({self.concurrency}) must be ≥ 1")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ConfigError(f"--request-rate ({self.request_rate}) must be > 0")
+        if self.arrival not in ("constant", "poisson"):
+            raise ConfigError(f"--arrival must be constant or poisson, got {self.arrival}")
         if self.num_requests is None and self.duration_s is None:
             raise ConfigError("give --num-requests or --duration")
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from dynamo_cli.bench import workload as wl
 from dynamo_cli.bench.http import EndpointError, EndpointUnreachable, HttpClient, RequestRecord
-from dynamo_cli.bench.load import Endpoint, LoadConfig, LoadRunner, RequestBuilder, parse_model_mix
-from dynamo_cli.bench.metrics import RequestMetrics, Slo, Summary, request_metrics, summarize
+from dynamo_cli.bench.load import SEED, Endpoint, LoadConfig, LoadRunner, RequestBuilder, parse_model_mix
+from dynamo_cli.bench.metrics import RequestMetrics, Slo, Summary, parse_slo, request_metrics, summarize
 from dynamo_cli.errors import ConfigError, ModelNotFound
+from dynamo_cli.settings import setting
 
 _UNBOUNDED_CONNECTIONS = 4096
 
@@ -24,55 +25,81 @@ _UNBOUNDED_CONNECTIONS = 4096
 class WorkloadConfig:
     """Which prompts to send (the first of trace, prompts_file, shared prefix, synthetic that is set)."""
 
-    isl: float = 512
-    """Mean prompt length in tokens (synthetic)."""
-    isl_stddev: float = 0
-    """Its standard deviation."""
-    osl: float = 128
-    """Mean max_tokens (with ignore_eos: the output length)."""
-    osl_stddev: float = 0
-    """Its standard deviation."""
-    turns: int = 1
-    """User turns per conversation (multi-turn sessions when > 1)."""
-    num_prefixes: int = 0
-    """> 0 selects the shared-prefix workload with this many distinct prefixes."""
-    prefix_len: int = 0
-    """Tokens of each shared prefix."""
-    suffix_len: int = 0
-    """Tokens after the prefix, unique to each prompt (defaults to --isl)."""
-    trace: str | None = None
-    """A Mooncake JSONL trace to replay."""
-    trace_time_scale: float = 1.0
-    """Send time = trace timestamp × this (0.5 replays twice as fast)."""
-    trace_block_size: int = 512
-    """Tokens per hash id."""
-    prompts_file: str | None = None
-    """A file of prompts (one per line, or JSONL with "text")."""
-    seed: int = 0
+    isl: float = setting(512, "--isl", env=None)
+    """Mean input tokens (synthetic prompts)."""
+    isl_stddev: float = setting(0, "--isl-stddev", env=None)
+    """Input tokens' standard deviation."""
+    osl: float = setting(128, "--osl", env=None)
+    """Mean output tokens (max_tokens; with --ignore-eos, the output length)."""
+    osl_stddev: float = setting(0, "--osl-stddev", env=None)
+    """Output tokens' standard deviation."""
+    turns: int = setting(1, "--turns", env=None)
+    """User turns per session (multi-turn when > 1)."""
+    num_prefixes: int = setting(0, "--num-prefixes", env=None)
+    """Shared-prefix workload: number of distinct prefixes (0: off)."""
+    prefix_len: int = setting(0, "--prefix-len", env=None)
+    """Shared-prefix workload: tokens per prefix."""
+    suffix_len: int = setting(0, "--suffix-len", env=None)
+    """Shared-prefix workload: unique tokens after it (default: --isl)."""
+    trace: str | None = setting(None, "--trace", env=None)
+    """Mooncake JSONL trace to replay (timestamps in ms)."""
+    trace_time_scale: float = setting(1.0, "--trace-time-scale", env=None)
+    """Send time = timestamp × this (0.5 = twice as fast)."""
+    trace_block_size: int = setting(512, "--trace-block-size", env=None)
+    """Tokens per trace hash id."""
+    prompts_file: str | None = setting(None, "--prompts-file", env=None)
+    """Prompts, one per line or JSONL with "text"."""
+    seed: int = setting(0, SEED)
     """Seeds every random choice, so a run is reproducible."""
 
 
-@dataclass(frozen=True, slots=True)
+def parse_sweep(spec: str | None) -> tuple[str, tuple[float, ...]] | None:
+    """`concurrency=1,2,4` or `request_rate=5,10` → (parameter, values)."""
+    if not spec:
+        return None
+    name, _, values = spec.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in ("concurrency", "request_rate") or not values:
+        raise ConfigError(f"--sweep {spec!r}: expected concurrency=1,2,4 or request_rate=5,10")
+    try:
+        numbers = tuple(float(v) for v in values.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--sweep {spec!r}: the values must be numbers") from None
+    return name, numbers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """Everything one benchmark run needs."""
 
-    url: str
+    url: str = setting("http://127.0.0.1:8000", "--url", env="DYN_BENCH_URL")
+    """Server base URL, http://host:port."""
     load: LoadConfig
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    model: str | None = None
-    """None: the first model of GET /v1/models. With `model_mix`, several, comma-separated."""
-    model_mix: str | None = None
-    """`uniform` or `zipf:S`: each conversation asks one of the `model`s, drawn so (LoRA tenants)."""
-    endpoint: Endpoint = "chat"
-    tokenizer: str | None = None
-    """Alias or path of the tokenizer; None: try the model name."""
-    ignore_eos: bool = True
-    slo: Slo = field(default_factory=Slo)
-    request_timeout: float = 600.0
-    sweep: tuple[str, tuple[float, ...]] | None = None
-    """(parameter, values): run once per value of concurrency or request_rate."""
-    api_key: str | None = field(default=None, repr=False)
-    """Sent as `Authorization: Bearer KEY` (a frontend started with `--api-key`); never reported."""
+    model: str | None = setting(None, "--model", env="DYN_BENCH_MODEL")
+    """Model name (with --model-mix: names, comma-separated); default: the first of GET /v1/models."""
+    model_mix: str | None = setting(None, "--model-mix", env=None)
+    """uniform or zipf:S: each conversation asks one of the --model names (LoRA tenants: zipf:1.1)."""
+    endpoint: Endpoint = setting("chat", "--endpoint", env=None, cli_type=str)
+    """chat (/v1/chat/completions) | completions (/v1/completions)."""
+    tokenizer: str | None = setting(None, "--tokenizer", env="DYN_BENCH_TOKENIZER")
+    """Tokenizer alias or path; default: the model name."""
+    ignore_eos: bool = setting(True, "--ignore-eos/--no-ignore-eos", env=None)
+    """Send ignore_eos/min_tokens so the output length is met."""
+    slo: Slo = setting(Slo(), "--slo", env=None, cli_type=list[str] | None, parse=parse_slo, show=lambda _: None)
+    """Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000' (repeatable)."""
+    request_timeout: float = setting(600.0, "--timeout", env=None)
+    """Per-request timeout in seconds."""
+    sweep: tuple[str, tuple[float, ...]] | None = setting(
+        None, "--sweep", env=None, cli_type=str | None, parse=parse_sweep
+    )
+    """Run once per value: concurrency=1,2,4 or request_rate=5,10."""
+    api_key: str | None = setting(None, "--api-key", env="DYN_BENCH_API_KEY", repr=False)
+    """Key of a frontend started with --api-key (sent as `Authorization: Bearer KEY`; never reported)."""
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("chat", "completions"):
+            raise ConfigError(f"--endpoint must be chat or completions, got {self.endpoint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +122,6 @@ class BenchResult:
 
 OnRecord = Callable[[RequestRecord], None]
 OnPhase = Callable[[str, LoadConfig], None]
-
-
-def parse_sweep(spec: str | None) -> tuple[str, tuple[float, ...]] | None:
-    """`concurrency=1,2,4` or `request_rate=5,10` → (parameter, values)."""
-    if not spec:
-        return None
-    name, _, values = spec.partition("=")
-    name = name.strip().replace("-", "_")
-    if name not in ("concurrency", "request_rate") or not values:
-        raise ConfigError(f"--sweep {spec!r}: expected concurrency=1,2,4 or request_rate=5,10")
-    try:
-        numbers = tuple(float(v) for v in values.split(",") if v.strip())
-    except ValueError:
-        raise ConfigError(f"--sweep {spec!r}: the values must be numbers") from None
-    return name, numbers
 
 
 async def resolve_model(client: HttpClient, model: str | None) -> str:

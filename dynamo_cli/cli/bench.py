@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from typing import Annotated, Any
@@ -14,131 +15,56 @@ from rich.table import Table
 from dynamo_cli.bench import report
 from dynamo_cli.bench.http import RequestRecord
 from dynamo_cli.bench.load import LoadConfig, parse_model_mix, run_async
-from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, Summary, parse_slo
-from dynamo_cli.bench.session import BenchConfig, BenchResult, WorkloadConfig, parse_sweep, run_bench
+from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, Summary
+from dynamo_cli.bench.session import BenchConfig, BenchResult, run_bench
 from dynamo_cli.bench.workload import read_trace
-from dynamo_cli.errors import ConfigError
+from dynamo_cli.cli import settings
 
 app = typer.Typer(help="Benchmark an OpenAI-compatible endpoint (TTFT, ITL, throughput, goodput).")
 
-_Url = Annotated[str, typer.Option(envvar="DYN_BENCH_URL", help="Server base URL, http://host:port.")]
-_Opt = typer.Option
+KNOBS = settings.knobs(BenchConfig)
+"""The run's settings, declared on BenchConfig, LoadConfig and WorkloadConfig."""
 
 
-@app.callback(invoke_without_command=True)
-def bench(
-    ctx: typer.Context,
-    url: _Url = "http://127.0.0.1:8000",
-    model: Annotated[
-        str | None,
-        _Opt(
-            envvar="DYN_BENCH_MODEL",
-            help="Model name (with --model-mix: names, comma-separated); default: the first of GET /v1/models.",
-        ),
-    ] = None,
-    model_mix: Annotated[
-        str | None,
-        _Opt(help="uniform or zipf:S: each conversation asks one of the --model names (LoRA tenants: zipf:1.1)."),
-    ] = None,
-    endpoint: Annotated[str, _Opt(help="chat (/v1/chat/completions) or completions (/v1/completions).")] = "chat",
-    api_key: Annotated[
-        str | None, _Opt("--api-key", envvar="DYN_BENCH_API_KEY", help="Key of a frontend started with --api-key.")
-    ] = None,
-    tokenizer: Annotated[
-        str | None,
-        _Opt(envvar="DYN_BENCH_TOKENIZER", help="Tokenizer alias or path; default: the model name."),
-    ] = None,
-    concurrency: Annotated[
-        int | None, _Opt("--concurrency", "-c", help="Requests in flight; with --request-rate, a cap.")
-    ] = None,
-    request_rate: Annotated[float | None, _Opt(help="Requests per second (open loop).")] = None,
-    arrival: Annotated[str, _Opt(help="constant or poisson gaps in rate mode.")] = "constant",
-    num_requests: Annotated[
-        int | None, _Opt("--num-requests", "-n", help="Measured requests (default 100 without --duration).")
-    ] = None,
-    duration: Annotated[float | None, _Opt(help="Stop issuing after this many seconds.")] = None,
-    warmup: Annotated[int, _Opt(help="Warm-up requests, excluded from the figures.")] = 0,
-    ramp_up: Annotated[
-        float, _Opt(help="Closed loop: start the --concurrency streams evenly over this many seconds (0: at once).")
-    ] = 0.0,
-    isl: Annotated[float, _Opt(help="Mean input tokens.")] = 512,
-    isl_stddev: Annotated[float, _Opt(help="Input tokens stddev.")] = 0,
-    osl: Annotated[float, _Opt(help="Mean output tokens (max_tokens).")] = 128,
-    osl_stddev: Annotated[float, _Opt(help="Output tokens stddev.")] = 0,
-    turns: Annotated[int, _Opt(help="User turns per session (multi-turn when > 1).")] = 1,
-    num_prefixes: Annotated[int, _Opt(help="Shared-prefix workload: number of distinct prefixes.")] = 0,
-    prefix_len: Annotated[int, _Opt(help="Shared-prefix workload: tokens per prefix.")] = 0,
-    suffix_len: Annotated[int, _Opt(help="Shared-prefix workload: unique tokens after it (default --isl).")] = 0,
-    trace: Annotated[str | None, _Opt(help="Mooncake JSONL trace to replay (timestamp in ms).")] = None,
-    trace_time_scale: Annotated[float, _Opt(help="Send time = timestamp × this (0.5 = twice as fast).")] = 1.0,
-    trace_block_size: Annotated[int, _Opt(help="Tokens per trace hash id.")] = 512,
-    prompts_file: Annotated[str | None, _Opt(help="Prompts, one per line or JSONL with 'text'.")] = None,
-    ignore_eos: Annotated[bool, _Opt(help="Send ignore_eos/min_tokens so the output length is met.")] = True,
-    slo: Annotated[list[str] | None, _Opt(help="Goodput SLOs in ms, e.g. --slo 'ttft=200 itl=25 e2e=2000'.")] = None,
-    sweep: Annotated[str | None, _Opt(help="Run once per value: concurrency=1,2,4 or request_rate=5,10.")] = None,
-    seed: Annotated[int, _Opt(help="Seed of every random choice.")] = 0,
-    timeout: Annotated[float, _Opt(help="Per-request timeout in seconds.")] = 600.0,
-    json_path: Annotated[str | None, _Opt("--json", help="Write the summary as JSON.")] = None,
-    csv_path: Annotated[str | None, _Opt("--csv", help="Write the summary as CSV.")] = None,
-    jsonl_path: Annotated[str | None, _Opt("--jsonl", help="Write one JSON line per request.")] = None,
-    plot: Annotated[str | None, _Opt(help="Write plots to this PNG (needs matplotlib).")] = None,
-    progress: Annotated[bool, _Opt(help="Show live progress.")] = True,
-) -> None:
+def _output(name: str, flag: str, help: str) -> inspect.Parameter:
+    return settings.option(name, Annotated[str | None, typer.Option(flag, help=help)], None)
+
+
+OUTPUTS = [
+    settings.option("ctx", typer.Context, inspect.Parameter.empty),
+    _output("json_path", "--json", "Write the summary as JSON."),
+    _output("csv_path", "--csv", "Write the summary as CSV."),
+    _output("jsonl_path", "--jsonl", "Write one JSON line per request."),
+    _output("plot", "--plot", "Write plots to this PNG (needs matplotlib)."),
+    settings.option(
+        "progress", Annotated[bool, typer.Option("--progress/--no-progress", help="Show live progress.")], True
+    ),
+]
+"""Where the results go (and the typer context: `dyn bench compare` is a subcommand)."""
+
+
+def _bench(**values: Any) -> None:
     """Run a benchmark against --url and print the summary."""
-    if ctx.invoked_subcommand is not None:
+    if values["ctx"].invoked_subcommand is not None:
         return
-    if endpoint not in ("chat", "completions") or arrival not in ("constant", "poisson"):
-        raise ConfigError(
-            f"--endpoint must be chat|completions and --arrival constant|poisson, got {endpoint}, {arrival}"
-        )
-    if model_mix is not None:
-        parse_model_mix([model or "m"], model_mix)  # a bad spec fails here, before any connection
-    if plot:
-        report.require_matplotlib()
+    trace, duration = values["trace"], values["duration"]
+    num_requests = values["num_requests"]
     if trace and not (num_requests or duration):
         num_requests = len(read_trace(trace))  # replay the whole trace
-    load = LoadConfig(
-        concurrency=concurrency,
-        request_rate=request_rate,
-        arrival=arrival,  # type: ignore[arg-type]
-        num_requests=num_requests if num_requests or duration else 100,
-        duration_s=duration,
-        warmup=warmup,
-        seed=seed,
-        ramp_up_s=ramp_up,
-    )
-    workload = WorkloadConfig(
-        isl,
-        isl_stddev,
-        osl,
-        osl_stddev,
-        turns,
-        num_prefixes,
-        prefix_len,
-        suffix_len,
-        trace,
-        trace_time_scale,
-        trace_block_size,
-        prompts_file,
-        seed,
-    )
-    config = BenchConfig(
-        url=url,
-        load=load,
-        workload=workload,
-        model=model,
-        model_mix=model_mix,
-        endpoint=endpoint,  # type: ignore[arg-type]
-        tokenizer=tokenizer,
-        ignore_eos=ignore_eos,
-        slo=parse_slo(slo or []),
-        request_timeout=timeout,
-        sweep=parse_sweep(sweep),
-        api_key=api_key,
-    )
-    result = _run(config, progress)
+    given: dict[tuple[type, str], Any] = {
+        (LoadConfig, "num_requests"): num_requests if num_requests or duration else 100
+    }
+    config = settings.build(BenchConfig, values, KNOBS, given)
+    if config.model_mix is not None:
+        parse_model_mix([config.model or "m"], config.model_mix)  # a bad spec fails here, before any connection
+    if values["plot"]:
+        report.require_matplotlib()
+    result = _run(config, values["progress"])
     _print(result, config)
-    _write(result, json_path, csv_path, jsonl_path, plot)
+    _write(result, values["json_path"], values["csv_path"], values["jsonl_path"], values["plot"])
+
+
+bench = app.callback(invoke_without_command=True)(settings.command(_bench, KNOBS, OUTPUTS))
 
 
 @app.command()

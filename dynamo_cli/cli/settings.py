@@ -127,7 +127,9 @@ def build(
     chosen: dict[tuple[type, str], Any] = dict(given)
     for knob in knobs:
         value = values[knob.name]
-        parsed = knob.setting.parse(value) if knob.setting.parse is not None and value is not None else value
+        if value is None:  # left unset: the field's default (a list option's default shows as None)
+            continue
+        parsed = knob.setting.parse(value) if knob.setting.parse is not None else value
         for target in knob.fields:
             chosen.setdefault(target, parsed)
     built: dict[type, Any] = {}
