@@ -79,6 +79,11 @@ def setting_of(metadata: Any) -> Setting | None:
     return found if isinstance(found, Setting) else None
 
 
+def help_of(spec: Setting, cls: type, name: str) -> str:
+    """The `--help` of field `name` of `cls` declaring `spec`: a shared Setting's own, else the field's docstring's."""
+    return spec.help or field_help(cls, name)
+
+
 def field_help(cls: type, name: str) -> str:
     """The first paragraph of field `name`'s docstring in `cls` (or a base), whitespace folded; "" if none."""
     for klass in cls.__mro__:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -344,19 +344,10 @@ async def serve_worker(config: WorkerConfig) -> None:
             tracing.shutdown()  # the last spans exported
 
 
-def _system_server(worker: WorkerService) -> Callable[[], Awaitable[str]] | None:
-    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`): starts it, closed by the process."""
+def _system_server(worker: WorkerService) -> SystemServer | None:
+    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`)."""
     port = worker.config.telemetry.system_port
-    if port is None:
-        return None
-    system = SystemServer(worker.config.host, port, worker.health, [worker.metrics])
-
-    async def start() -> str:
-        address = await system.start()
-        worker.process.opens(system.close)
-        return f" system={address}"
-
-    return start
+    return None if port is None else SystemServer(worker.config.host, port, worker.health, [worker.metrics])
 
 
 class KvMover:

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from dynamo_cli.settings import Setting, field_help, setting_of
+from dynamo_cli.settings import Setting, help_of, setting_of
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ def knobs(
         for flag in _flag_names(spec):
             if owner.setdefault(flag, key) != key:
                 raise RuntimeError(f"{flag} is declared by two settings of {root.__name__}; skip one of them")
-        text = (help or {}).get(spec.flags[0]) or spec.help or field_help(cls, f.name)
+        text = (help or {}).get(spec.flags[0]) or help_of(spec, cls, f.name)
         if prefix:
             spec = dataclasses.replace(spec, flags=tuple(_prefixed(flag, prefix) for flag in spec.flags), panel=panel)
         option = typer.Option(*spec.flags, envvar=spec.env, help=text, rich_help_panel=spec.panel)
@@ -235,4 +235,4 @@ def annotated(cls: type, name: str, *, help: str | None = None) -> Any:
     spec = setting_of(f.metadata)
     assert spec is not None, f"{cls.__name__}.{name} declares no setting"
     hint = spec.cli_type if spec.cli_type is not None else typing.get_type_hints(cls)[name]
-    return Annotated[hint, typer.Option(*spec.flags, envvar=spec.env, help=help or spec.help or field_help(cls, name))]
+    return Annotated[hint, typer.Option(*spec.flags, envvar=spec.env, help=help or help_of(spec, cls, name))]

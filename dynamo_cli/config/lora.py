@@ -63,9 +63,6 @@ class LoraConfig:
     A load is a file read by the engine's parser on the worker's machine, so only these folders are open to it."""
 
     def __post_init__(self) -> None:
-        for name in ("adapters", "lora_dirs"):  # an option left unset arrives as None
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, ())
         parse_loras(self.adapters)
         if not 1 <= self.max_loras <= MAX_LORAS:
             raise ConfigError(f"--max-loras must be between 1 and {MAX_LORAS}, got {self.max_loras}")

@@ -35,7 +35,6 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.process import Process
 from dynamo_cli.runtime.supervisor import cancel_and_wait, freeze_heap
-from dynamo_cli.runtime.system import ServingState
 from dynamo_cli.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,6 @@ class FrontendService:
                 server = tasks.spawn(self._serve_http(sock, stop))
             for attached in self._loops:  # once ready: the batch runner finds the workers `dyn serve` started
                 tasks.spawn(attached())
-            process.state = ServingState.READY
             freeze_heap()
             await server
 

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -253,20 +253,13 @@ class RouterService:
         detail = f"model={card.display_name} backends={backends}"
         return Serving(GENERATE, self.generate, card, card.role, detail, lambda e: [self._advertise_adapters(e, card)])
 
-    def _system_server(self) -> Callable[[], Awaitable[str]] | None:
+    def _system_server(self) -> SystemServer | None:
         """`/live`, `/health`, `/metrics` with `--system-port`: the request plane's and the routing's series."""
         port = self.config.telemetry.system_port
         if port is None:
             return None
         self.metrics.registry.register(ComponentMetrics(self.server, self.config.namespace, ROUTER_COMPONENT))
-        system = SystemServer(self.config.host, port, self.health, [self.metrics.registry], self._export_gauges)
-
-        async def start() -> str:
-            address = await system.start()
-            self.process.opens(system.close)
-            return f" system={address}"
-
-        return start
+        return SystemServer(self.config.host, port, self.health, [self.metrics.registry], self._export_gauges)
 
     def _export_gauges(self) -> None:
         for entry in self.registry.models.values():

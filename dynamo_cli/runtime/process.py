@@ -20,7 +20,7 @@ from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.supervisor import ServiceTasks, freeze_heap, ready_line
-from dynamo_cli.runtime.system import ServingState
+from dynamo_cli.runtime.system import ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer, Spec
 
 Loop = Coroutine[Any, Any, None]
@@ -109,15 +109,18 @@ async def serve(
     announce: Callable[[str], None],
     *,
     grace_s: float,
-    system: Callable[[], Awaitable[str]] | None = None,
+    system: SystemServer | None = None,
 ) -> None:
-    """Run `served` in `process` until `stop`: its request server and system port (`system` starts it and gives
-    the ready line's ` system=...`), what its `begin` starts, then its endpoint registered until the stop,
-    deregistered and drained within `grace_s` on the way out."""
+    """Run `served` in `process` until `stop`: its request server and system port (`--system-port`), what its
+    `begin` starts, then its endpoint registered until the stop, deregistered and drained within `grace_s` on the
+    way out."""
     async with process:
         address = await served.server.start()
         process.opens(served.server.close, front=True)
-        system_text = await system() if system is not None else ""
+        system_text = ""
+        if system is not None:
+            system_text = f" system={await system.start()}"
+            process.opens(system.close)
         serving = await served.begin(process, stop)
         if serving is None:
             return
