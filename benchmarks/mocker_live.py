@@ -59,7 +59,18 @@ TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation.jsonl"
 CPU_CELLS = {"cpu-1x16": (1, 16), "cpu-8x128": (8, 128), "cpu-32x16": (32, 16), "cpu-64x16": (64, 16)}
 """CPU cells: (concurrency, output tokens)."""
 SETUPS = ("trace-kv", "trace-rr", "disagg", "agg2", *CPU_CELLS)
-FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p99", "e2e_p90", "req_s", "hit_rate", "cpu_ms_req")
+FIGURES = (
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "itl_p99",
+    "gap1_p50",
+    "itl_later_p99",
+    "e2e_p90",
+    "req_s",
+    "hit_rate",
+    "cpu_ms_req",
+)
 CPU_ISL = 100
 CPU_TOKENS_PER_S = 40_000
 """More output tokens a second than either side streams at speedup 1000: a cell's jobs outlast its `--seconds`."""

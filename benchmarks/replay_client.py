@@ -255,9 +255,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def summary(records: Sequence[Record], wall_s: float) -> dict[str, float]:
     """TTFT p50/p90/p99, ITL p50/p99, e2e p50/p90 (ms), req/s and output tok/s, hit rate (and the best any router
-    could reach), errors."""
+    could reach), errors. Apart: each request's first gap (p50; a disaggregated stream's hand-over from its prefill
+    worker's token to its decode worker's first) and the ITL p99 of the gaps after it."""
     ok = [r for r in records if not r.error and r.chunks]
     itl = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
+    first_gaps = [(r.chunks[1] - r.chunks[0]) * 1e3 for r in ok if len(r.chunks) > 1]
+    later = [b - a for r in ok for a, b in zip(r.chunks[1:], r.chunks[2:], strict=False)]
     ttft = [r.ttft * 1e3 for r in ok]
     e2e = [r.e2e * 1e3 for r in ok]
     prompt = sum(r.input_tokens for r in ok)
@@ -269,6 +272,8 @@ def summary(records: Sequence[Record], wall_s: float) -> dict[str, float]:
         "ttft_p99": pct(ttft, 99),
         "itl_p50": pct([x * 1e3 for x in itl], 50),
         "itl_p99": pct([x * 1e3 for x in itl], 99),
+        "gap1_p50": pct(first_gaps, 50),
+        "itl_later_p99": pct([x * 1e3 for x in later], 99),
         "e2e_p50": pct(e2e, 50),
         "e2e_p90": pct(e2e, 90),
         "req_s": len(ok) / wall_s if wall_s > 0 else math.nan,

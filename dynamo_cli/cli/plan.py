@@ -15,20 +15,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from dynamo_cli.cli import options as o
-from dynamo_cli.cli import settings
-from dynamo_cli.config import DEFAULT_MODEL, DEFAULT_NAMESPACE, PlanesConfig, WorkerConfig, child_command
+from dynamo_cli.cli import serve, settings
+from dynamo_cli.config import DEFAULT_MODEL, PlanesConfig, WorkerConfig, child_command
 from dynamo_cli.config.telemetry import SYSTEM_PORT
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.kubernetes import KubernetesConfig
-from dynamo_cli.planner.planner import INTERVAL_S, LOAD_INTERVAL_S, STARTUP_S, PlannerConfig, Step
-from dynamo_cli.planner.predictors import PREDICTORS
+from dynamo_cli.planner.planner import PlannerConfig, Step
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
 from dynamo_cli.planner.profiler import Sweep, profile_engine
 from dynamo_cli.planner.service import PlanRun, check_run, serve_planner
-from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.supervisor import PARENT_ENV, announce
 from dynamo_cli.runtime.supervisor import run as run_loop
+from dynamo_cli.tracing.logs import use_log_format
 
 app = typer.Typer(
     help="SLA planner: profile an engine, then scale prefill and decode workers to TTFT/ITL targets.",
@@ -160,6 +159,10 @@ SystemPort = Annotated[
 PLANNER_KNOBS = settings.knobs(PlannerConfig)
 """The planner's own settings (targets, bounds, periods, forecast): `dyn serve --planner-*` takes them too."""
 
+WORKER_KNOBS = settings.knobs(WorkerConfig, skip={*serve.SKIP, "TelemetryConfig.system_port"}, help=o.HELP)
+"""The local connector's workers, set as `dyn serve` sets its own (their address, name and role are the planner's
+to place; `--system-port` is the planner's own)."""
+
 
 def _run_option(name: str, flag: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
     """One of `dyn plan run`'s options that is not the planner's: where it reads, what it scales, how."""
@@ -217,15 +220,7 @@ RUN_OPTIONS = [
     _run_option(
         "k8s_ready_timeout", "--k8s-ready-timeout", float, 600.0, "kubernetes: wait for a scale-up's readyReplicas (s)."
     ),
-    settings.option("engine", o.Engine, "mocker"),
-    settings.option("model", o.Model, DEFAULT_MODEL),
-    settings.option("speedup_ratio", o.SpeedupRatio, None),
-    settings.option("engine_arg", o.EngineArg, None),
-    _run_option("graceful_shutdown", "--graceful-shutdown", float, 5.0, "local: drain time (s)."),
-    settings.option("namespace", o.Namespace, DEFAULT_NAMESPACE),
-    settings.option("discovery", o.Discovery, "embedded"),
-    settings.option("events", o.Events, "embedded"),
-    settings.option("lease_ttl", o.LeaseTtl, 10.0),
+    *o.ENGINE_OPTIONS,
     settings.option("cluster_secret_file", o.ClusterSecretFile, None),
     settings.option("system_port", SystemPort, None),
     _run_option(
@@ -240,43 +235,45 @@ RUN_OPTIONS = [
 
 def _run(**values: Any) -> None:
     """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
+    plan = plan_run(values)
+    run_loop(serve_planner(plan, load_profile(values["profile"]), _report, announce))
+    sys.stdout.flush()
+
+
+def plan_run(values: dict[str, Any]) -> PlanRun:
+    """What `dyn plan run`'s options (`values`) describe: the planner, and its local connector's workers built
+    from their own settings as `dyn worker` builds them (the role and component the pool's)."""
     config = settings.build(PlannerConfig, values, PLANNER_KNOBS)
-    engine, mode, namespace = values["engine"], config.mode, values["namespace"]
-    discovery, events, lease_ttl = values["discovery"], values["events"], values["lease_ttl"]
-    secret = o.cluster_secret(values["cluster_secret_file"])
-    worker = WorkerConfig(
-        engine=engine,
-        model=values["model"],
-        namespace=namespace,
-        role=Role.BOTH if mode == "agg" else Role.DECODE,
-        component="backend",
-        graceful_shutdown_s=values["graceful_shutdown"],
-        planes=PlanesConfig(discovery=discovery, events=events, lease_ttl=lease_ttl, cluster_secret=secret),
-        extra=o.engine_extra(values["engine_arg"], None, speedup_ratio=values["speedup_ratio"]),
-    )
+    given = {
+        (WorkerConfig, "extra"): o.engine_options(values),
+        (WorkerConfig, "role"): Role.BOTH if config.mode == "agg" else Role.DECODE,
+        (WorkerConfig, "component"): "backend",
+        (PlanesConfig, "cluster_secret"): o.cluster_secret(values["cluster_secret_file"]),
+    }
+    worker = settings.build(WorkerConfig, values, WORKER_KNOBS, given)
+    use_log_format(worker.telemetry.log_format)
+    namespace, planes = worker.namespace, worker.planes
     prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
     env = {PARENT_ENV: str(os.getpid())}  # the rest travels in each worker's config document
-    plan = PlanRun(
+    return PlanRun(
         planner=config,
         frontends=tuple(values["frontend"] or ()),
         namespace=namespace,
-        discovery=discovery,
-        events=events,
-        lease_ttl=lease_ttl,
+        discovery=planes.discovery,
+        events=planes.events,
+        lease_ttl=planes.lease_ttl,
         connector=values["connector"],
         dry_run=values["dry_run"],
         decode=child_command(worker),
         prefill=child_command(prefill),
         worker_env=env,
-        grace_s=values["graceful_shutdown"],
+        grace_s=worker.graceful_shutdown_s,
         ack_timeout_s=values["ack_timeout"],
         duration_s=values["duration"],
         host=values["host"],
         system_port=values["system_port"],
         kubernetes=_kubernetes(values, config),
     )
-    run_loop(serve_planner(plan, load_profile(values["profile"]), _report, announce))
-    sys.stdout.flush()
 
 
 def _kubernetes(values: dict[str, Any], config: PlannerConfig) -> KubernetesConfig | None:
@@ -295,58 +292,47 @@ def _kubernetes(values: dict[str, Any], config: PlannerConfig) -> KubernetesConf
     )
 
 
-run_command = app.command("run")(settings.command(_run, PLANNER_KNOBS, RUN_OPTIONS))
+run_command = app.command("run")(settings.command(_run, [*PLANNER_KNOBS, *WORKER_KNOBS], RUN_OPTIONS))
 
 
-@app.command("simulate")
-def simulate_command(
-    profile: Annotated[Path, typer.Option("--profile", help="Profile JSON from `dyn plan profile`.")],
-    ttft: Annotated[float, typer.Option("--ttft", help="TTFT target (ms).")],
-    itl: Annotated[float, typer.Option("--itl", help="ITL target (ms).")],
-    trace: Annotated[Path | None, typer.Option("--trace", help="Mooncake JSONL trace.")] = None,
-    rate_curve: Annotated[
-        str | None, typer.Option("--rate-curve", help="Synthetic Poisson load T:RATE,...,T_END:0 (s, req/s).")
-    ] = None,
-    linear: Annotated[
-        bool, typer.Option("--linear", help="--rate-curve: the rate moves in a line from each point to the next.")
-    ] = False,
-    isl: Annotated[int, typer.Option("--isl", help="--rate-curve: prompt tokens.")] = 2000,
-    osl: Annotated[int, typer.Option("--osl", help="--rate-curve: output tokens.")] = 150,
-    static: Annotated[
-        str, typer.Option("--static", help="Static pool sizes to compare (disagg: PREFILL+DECODE, e.g. 1+2,2+4).")
-    ] = "1,4",
-    mode: Annotated[str, typer.Option("--mode", help="agg (one pool) | disagg (prefill + decode pools).")] = "agg",
-    interval: Annotated[float, typer.Option("--interval", help="Planner throughput step (s).")] = INTERVAL_S,
-    load_interval: Annotated[float, typer.Option("--load-interval", help="Burst check (s; 0: off).")] = LOAD_INTERVAL_S,
-    min_workers: Annotated[int, typer.Option("--min-workers", help="Fewest workers per pool.")] = 1,
-    max_workers: Annotated[int, typer.Option("--max-workers", help="Most workers per pool.")] = 128,
-    predictor: Annotated[str, typer.Option("--predictor", help=" | ".join(PREDICTORS))] = "constant",
-    startup: Annotated[
-        float, typer.Option("--startup", help="Seconds a new worker takes to serve (the planner is told).")
-    ] = STARTUP_S,
-    headroom: Annotated[float, typer.Option("--headroom", help="Size for this fraction of each target.")] = 0.8,
-) -> None:
-    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner and an oracle
-    (the planner's sizing, knowing the future load: each worker starts a startup before the rate needs it)."""
+def _simulate_option(name: str, flag: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
+    return settings.option(name, Annotated[kind, typer.Option(flag, help=help)], default)
+
+
+SIMULATE_OPTIONS = [
+    _simulate_option("profile", "--profile", Path, ..., "Profile JSON from `dyn plan profile`."),
+    _simulate_option("trace", "--trace", Path | None, None, "Mooncake JSONL trace."),
+    _simulate_option(
+        "rate_curve", "--rate-curve", str | None, None, "Synthetic Poisson load T:RATE,...,T_END:0 (s, req/s)."
+    ),
+    _simulate_option(
+        "linear", "--linear", bool, False, "--rate-curve: the rate moves in a line from each point to the next."
+    ),
+    _simulate_option("isl", "--isl", int, 2000, "--rate-curve: prompt tokens."),
+    _simulate_option("osl", "--osl", int, 150, "--rate-curve: output tokens."),
+    _simulate_option(
+        "static", "--static", str, "1,4", "Static pool sizes to compare (disagg: PREFILL+DECODE, e.g. 1+2,2+4)."
+    ),
+]
+
+
+def _simulate(**values: Any) -> None:
+    """Replay a trace through simulated mocker workers in virtual time: static pools vs the planner (as `dyn plan
+    run` would run with the same flags) and an oracle (the planner's sizing, knowing the future load: each worker
+    starts a startup before the rate needs it)."""
     from dynamo_cli.planner.simulate import curve_rates, load_trace, run_simulation
     from dynamo_cli.planner.simulate import rate_curve as make_curve
 
+    config = settings.build(PlannerConfig, values, PLANNER_KNOBS)
+    trace, rate_curve, isl, osl, linear = (values[k] for k in ("trace", "rate_curve", "isl", "osl", "linear"))
     if (trace is None) == (rate_curve is None):
         raise ConfigError("give exactly one of --trace FILE and --rate-curve T:RATE,...")
     requests = load_trace(trace) if trace is not None else make_curve(rate_curve or "", isl, osl, linear=linear)
-    config = PlannerConfig(
-        targets=Targets(ttft, itl),
-        bounds=Bounds(min_workers, max_workers),
-        mode=mode,
-        interval_s=interval,
-        load_interval_s=load_interval,
-        predictor=predictor,
-        headroom=headroom,
-        startup_s=startup,
-    )
+    ttft, itl, startup = config.targets.ttft_ms, config.targets.itl_ms, config.startup_s
     check_run(PlanRun(planner=config, frontends=("simulated",), namespace="sim", discovery="embedded"))
     rates = curve_rates(rate_curve, isl, osl, linear) if rate_curve is not None else None
-    results = run_simulation(requests, load_profile(profile), ttft, itl, _statics(static, mode), config, startup, rates)
+    statics = _statics(values["static"], config.mode)
+    results = run_simulation(requests, load_profile(values["profile"]), ttft, itl, statics, config, startup, rates)
     print(f"{len(requests)} requests; targets TTFT {ttft:g} ms, ITL {itl:g} ms")
     planned = next(r for r in results if r.policy == "planner")
     for result in results:
@@ -361,3 +347,6 @@ def simulate_command(
             f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
             f"{result.worker_seconds:10.0f}, most workers {result.max_workers}{gap}"
         )
+
+
+simulate_command = app.command("simulate")(settings.command(_simulate, PLANNER_KNOBS, SIMULATE_OPTIONS))

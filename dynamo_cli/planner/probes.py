@@ -12,8 +12,7 @@ deployment.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -86,20 +85,9 @@ class PlannerMetrics(Collector):
         yield from (decisions, failed, wanted)
 
 
-@contextlib.asynccontextmanager
-async def planner_system_server(
-    host: str, port: int | None, planner: Planner, source: WatchedSource
-) -> AsyncIterator[str]:
-    """`/live`, `/health` and `/metrics` on `host:port` (0: any free port) while the block runs; yields
-    ` system=HOST:PORT` for the ready line, or "" with no port (no server)."""
-    if port is None:
-        yield ""
-        return
+def planner_system_server(host: str, port: int, planner: Planner, source: WatchedSource) -> SystemServer:
+    """`/live`, `/health` and `/metrics` on `host:port` (0: any free port): the source's health, the planner's
+    figures."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(PlannerMetrics(planner, source))
-    server = SystemServer(host, port, source.health, [registry])
-    address = await server.start()
-    try:
-        yield f" system={address}"
-    finally:
-        await server.close()
+    return SystemServer(host, port, source.health, [registry])

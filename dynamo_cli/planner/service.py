@@ -27,7 +27,8 @@ from dynamo_cli.planner.probes import WatchedSource, planner_system_server
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.planes import open_discovery, open_event_bus
-from dynamo_cli.runtime.supervisor import ready_line, stop_on_signals
+from dynamo_cli.runtime.process import Process
+from dynamo_cli.runtime.supervisor import stop_on_signals
 from dynamo_cli.runtime.system import ServingState
 
 logger = logging.getLogger(__name__)
@@ -128,49 +129,49 @@ async def serve_planner(
     run: PlanRun, profile: Profile, report: Reporter | None = None, announce: Callable[[str], None] | None = None
 ) -> Planner:
     """Plan until SIGINT/SIGTERM (or `duration_s`), from the first time a frontend answers (`announce`d then);
-    a local connector's workers are drained on the way out."""
+    a local connector's workers are drained on the way out (the process skeleton closes its parts in reverse)."""
     check_run(run)
     stop = asyncio.Event()
     stop_on_signals(stop)
-    discovery = open_discovery(run.discovery, ttl=run.lease_ttl)
-    await discovery.start()
-    bus = open_event_bus(run.events, discovery)
-    connector = None
-    try:
+    async with Process("planner") as process:
+        discovery = open_discovery(run.discovery, ttl=run.lease_ttl)
+        await discovery.start()
+        process.opens(discovery.close)
+        bus = open_event_bus(run.events, discovery)
+        process.opens(bus.close)
         await bus.start()
         connector = _connector(run, discovery)
-        async with httpx.AsyncClient() as client:
-            urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
-            loads = WorkerLoads()
-            source = WatchedSource(FrontendScraper(urls, client))
-            planner = Planner(
-                run.planner,
-                profile,
-                source,
-                connector,
-                lambda: count_workers(discovery, run.namespace),
-                report,
-                loads.total,
-            )
-            system = planner_system_server(run.host, run.system_port, planner, source)
-            async with system as system_text, asyncio.TaskGroup() as group:
-                follow = group.create_task(follow_worker_loads(bus, run.namespace, loads))
-                if run.duration_s > 0:
-                    group.create_task(_stop_after(stop, run.duration_s))
-                if await _first_read(planner, source, stop, run.planner.load_interval_s or run.planner.interval_s):
-                    source.state = ServingState.READY
-                    if announce is not None:
-                        announce(ready_line("planner", f"{_describe(run)}{system_text}"))
-                    await planner.run(stop)
-                source.state = ServingState.DRAINING
-                stop.set()
-                follow.cancel()
-            return planner
-    finally:
         if connector is not None:
-            await connector.close()
-        await bus.close()
-        await discovery.close()
+            process.opens(connector.close)
+        client = httpx.AsyncClient()
+        process.opens(client.aclose)
+        urls = list(run.frontends) or (lambda: discovered_frontends(discovery, run.namespace))
+        loads = WorkerLoads()
+        source = WatchedSource(FrontendScraper(urls, client))
+        workers = lambda: count_workers(discovery, run.namespace)  # noqa: E731
+        planner = Planner(run.planner, profile, source, connector, workers, report, loads.total)
+        system_text = await _system_server(process, run, planner, source)
+        process.tasks.spawn(follow_worker_loads(bus, run.namespace, loads))
+        if run.duration_s > 0:
+            process.tasks.spawn(_stop_after(stop, run.duration_s))
+        if await _first_read(planner, source, stop, run.planner.load_interval_s or run.planner.interval_s):
+            source.state = ServingState.READY
+            process.ready(f"{_describe(run)}{system_text}", announce or logger.info)
+            await planner.run(stop)
+        source.state = ServingState.DRAINING
+        stop.set()
+    return planner
+
+
+async def _system_server(process: Process, run: PlanRun, planner: Planner, source: WatchedSource) -> str:
+    """The planner's `/live`, `/health` and `/metrics` (`--system-port`), opened on `process`: the ready line's
+    ` system=HOST:PORT`, or "" with no port."""
+    if run.system_port is None:
+        return ""
+    server = planner_system_server(run.host, run.system_port, planner, source)
+    address = await server.start()
+    process.opens(server.close)
+    return f" system={address}"
 
 
 async def _first_read(planner: Planner, source: WatchedSource, stop: asyncio.Event, retry_s: float) -> bool:

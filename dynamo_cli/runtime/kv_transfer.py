@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import secrets
 import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from dynamo_cli.errors import KvTransferFull, TransferFailed
 from dynamo_cli.runtime import handshake
@@ -350,9 +352,8 @@ class KvTransferClient:
         loop = asyncio.get_running_loop()
         host, _, port = address.rpartition(":")
         async with asyncio.timeout(self._timeout_s):
-            found = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-            family, kind, proto, _, target = found[0]
-            sock = socket.socket(family, kind, proto)
+            family, target = await _resolve(host.strip("[]"), int(port))
+            sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
                 await loop.sock_connect(sock, target)
@@ -407,3 +408,16 @@ class KvTransferClient:
             if received == 0:
                 raise ValueError(f"the server closed the connection after {done} of {view.nbytes} bytes")
             done += received
+
+
+async def _resolve(host: str, port: int) -> tuple[int, Any]:
+    """The address family and socket address of `host:port`: an IP address as it is (a decode worker pulls from
+    the address its prefill worker advertised; a resolver thread per pull costs a hop on a loaded machine),
+    a name through the resolver."""
+    try:
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, target = found[0]
+        return family, target
+    return (socket.AF_INET6 if version == 6 else socket.AF_INET), (host, port)

@@ -252,3 +252,37 @@ def test_a_local_planner_starts_workers_for_a_load_step_and_drains_them_after(dy
     assert max(sizes) >= 2, sizes
     assert failures == []  # no request failed while workers came and went
     assert wait_until(lambda: frontend.serving_pids() == [], 30)  # the planner's workers went with it
+
+
+def test_plan_run_builds_its_workers_from_the_worker_settings(profile_file: Path) -> None:
+    """`dyn plan run`'s workers take `dyn worker`'s own settings (one declaration): an engine option, a KV tier,
+    the log format and the planes reach each pool's config document, with the pool's role."""
+    import typer
+
+    from dynamo_cli.cli import plan
+    from dynamo_cli.config import WorkerConfig, config_document
+    from dynamo_cli.engine import Role
+
+    group = typer.main.get_command(plan.app)
+    args = ["--profile", str(profile_file), "--ttft", "500", "--itl", "50", "--mode", "disagg"]
+    args += ["--max-num-seqs", "7", "--kv-host-cache-gb", "2", "--log-format", "json", "--namespace", "team-a"]
+    args += ["--lease-ttl", "4", "--graceful-shutdown", "9", "--engine", "mocker"]
+    context = group.get_command(None, "run").make_context("run", args)  # type: ignore[union-attr]
+    run = plan.plan_run(dict(context.params))
+    assert (run.namespace, run.lease_ttl, run.grace_s) == ("team-a", 4.0, 9.0)
+    assert run.decode is not None and run.prefill is not None
+    decode = config_document(WorkerConfig, run.decode.env)
+    prefill = config_document(WorkerConfig, run.prefill.env)
+    assert decode is not None and prefill is not None
+    assert (decode.role, decode.component, prefill.role, prefill.component) == (
+        Role.DECODE,
+        "backend",
+        Role.PREFILL,
+        "prefill",
+    )
+    for worker in (decode, prefill):
+        assert worker.extra["max_num_seqs"] == 7
+        assert worker.kv_tiers.host_bytes == 2 * 10**9
+        assert worker.telemetry.log_format == "json"
+        assert (worker.namespace, worker.planes.lease_ttl, worker.graceful_shutdown_s) == ("team-a", 4.0, 9.0)
+        assert worker.telemetry.system_port is None  # --system-port is the planner's own
