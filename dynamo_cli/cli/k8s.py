@@ -11,77 +11,46 @@ from __future__ import annotations
 import difflib
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 
-from dynamo_cli import __version__
-from dynamo_cli.cli import options as o
 from dynamo_cli.cli import plan, serve, settings
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import worker as worker_cmd
-from dynamo_cli.cli.k8s_batches import BatchStorage, batch_storage
-from dynamo_cli.cli.k8s_planes import plane_url
 from dynamo_cli.cli.k8s_status import status_command
-from dynamo_cli.config import (
-    AuthConfig,
-    FrontendConfig,
-    PlanesConfig,
-    ServeConfig,
-    WorkerConfig,
-    read_api_keys,
-)
+from dynamo_cli.cli.k8s_target import K8S, KNOBS, TENSOR_PARALLEL, Target, opt, target_of
+from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.k8s import bundled
 from dynamo_cli.k8s.names import (
     API_KEYS_DIR,
     API_KEYS_KEY,
-    CLUSTER_SECRET_KEY,
     PLANES_DIR,
     PORTS,
     PROFILE_DIR,
     TLS_DIR,
-    Names,
     Part,
-    check_name,
 )
 from dynamo_cli.k8s.objects import Component, Mount, Obj, Probe, Resources
-from dynamo_cli.k8s.render import Cluster, SecretSource, kubectl_lines, render
+from dynamo_cli.k8s.render import kubectl_lines, render
 from dynamo_cli.kv.tiers import KvTierConfig
-from dynamo_cli.launcher import ServePlan
 from dynamo_cli.planner.profile import load_profile
 
 app = typer.Typer(help="Kubernetes: render a deployment's manifests, report its status.", no_args_is_help=True)
 
 
-@app.callback()
-def _group() -> None:
-    """Kubernetes: render a deployment's manifests, report its status."""
-
-
-SKIP = serve.SKIP | {
-    "FrontendConfig.host",  # every pod listens on its own address
-    "FrontendConfig.namespace",  # the Kubernetes namespace (--namespace) is the dyn namespace too
-    "WorkerConfig.namespace",
-    "PlanesConfig.discovery",  # --etcd / --nats
-    "PlanesConfig.events",
-    "TelemetryConfig.system_port",  # every worker, router and planner serves probes on PORTS.system
-    "ServeConfig.ready_timeout_s",  # Kubernetes waits (readiness) and restarts (restartPolicy)
-    "ServeConfig.max_restarts",
-}
-KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
 WORKER_ONLY = (WorkerConfig, KvTierConfig)
 FRONTEND_KNOBS = [k for k in serve.KNOBS if not all(cls in WORKER_ONLY for cls, _ in k.fields)]
 """`dyn serve --workers 0`'s options that act on the frontend (the pod runs no worker)."""
 
 
-def _k8s(name: str, flag: str, kind: Any, default: Any, help: str) -> Any:
-    panel = "Kubernetes"
-    return settings.option(name, Annotated[kind, typer.Option(flag, help=help, rich_help_panel=panel)], default)
+@app.callback()
+def _group() -> None:
+    """Kubernetes: render a deployment's manifests, report its status."""
 
 
 def _load_values(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -118,29 +87,6 @@ def _load_values(ctx: typer.Context, path: Path | None) -> Path | None:
     return path
 
 
-K8S = [
-    _k8s("k8s_namespace", "--namespace", str, "dyn", "Kubernetes namespace (also the dyn namespace)."),
-    _k8s("name", "--name", str, "dyn", "Prefix of every object's name; two deployments may share a namespace."),
-    _k8s("image", "--image", str | None, None, "The dyn image, tagged (default: dyn:VERSION-ENGINE, Containerfile)."),
-    _k8s("gpus_per_worker", "--gpus-per-worker", int, 0, "nvidia.com/gpu each worker requests."),
-    _k8s("worker_cpu", "--worker-cpu", str, "2", "CPU each worker requests."),
-    _k8s("worker_memory", "--worker-memory", str, "8Gi", "Memory each worker requests (and is limited to)."),
-    _k8s("model_pvc", "--model-pvc", str | None, None, "PersistentVolumeClaim of model files, mounted at /models."),
-    _k8s("etcd", "--etcd", str, "bundled", "bundled (a StatefulSet) or an etcd:// URL."),
-    _k8s("nats", "--nats", str, "bundled", "bundled (a StatefulSet) or a nats:// URL."),
-    _k8s("storage_class", "--storage-class", str | None, None, "The bundled planes' volumes (default: the cluster's)."),
-    _k8s("service_type", "--service-type", str, "ClusterIP", "The frontend Service: ClusterIP|NodePort|LoadBalancer."),
-    _k8s("metrics_namespace", "--metrics-namespace", str | None, None, "Namespace of a Prometheus let in to scrape."),
-    _k8s("batch_storage", "--batch-storage", str, "10Gi", "The frontend's batch database volume (SQLite --batch-db)."),
-    _k8s(
-        "batch_db_password_file",
-        "--batch-db-password-file",
-        Path | None,
-        None,
-        "File holding a postgresql:// --batch-db's password: a Secret, the frontend's PGPASSWORD.",
-    ),
-]
-"""Render's own options: where and how the deployment runs on Kubernetes."""
 EXTRA = [
     settings.option(
         "values",
@@ -157,34 +103,19 @@ EXTRA = [
         None,
     ),
     *K8S,
-    _k8s("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
+    opt("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
     *serve.EXTRA,
 ]
 """`--values`, render's own options, `--out`, then `dyn serve`'s (its shape, engine, API keys, planner)."""
-
-SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What one render writes: the deployment, where, and the Secrets it needs first."""
-
-    config: ServeConfig
-    plan: ServePlan | None
-    cluster: Cluster
-    secrets: list[SecretSource]
-    worker_resources: Resources
-    model_pvc: str | None
-    batches: BatchStorage
 
 
 def _render(**values: Any) -> None:
     """Write the Kubernetes manifests of a `dyn serve` deployment (same flags) as YAML: stdout or --out DIR."""
     out = values.pop("out")
-    target = _target(values)
+    target = target_of(values)
     components, config_maps = _components(target)
     objects = render(target.cluster, components, config_maps)
-    lines = kubectl_lines(target.cluster, target.secrets)
+    lines = kubectl_lines(target.cluster, target.secrets) + _yours(target)
     if out is None:
         sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     else:
@@ -192,82 +123,19 @@ def _render(**values: Any) -> None:
     typer.echo("# create the namespace and the Secrets the manifests reference, then apply:", err=True)
     for line in lines:
         typer.echo(line, err=True)
-    typer.echo(f"kubectl apply -f {out if out is not None else '-'}", err=True)
+    typer.echo(f"kubectl apply -k {out}" if out is not None else "kubectl apply -f -", err=True)
 
 
-def _target(values: dict[str, Any]) -> Target:
-    values.pop("values")
-    k8s = {p.name: values.pop(p.name) for p in K8S}
-    ns, names = check_name("--namespace", k8s["k8s_namespace"]), Names(check_name("--name", k8s["name"]))
-    if k8s["service_type"] not in SERVICE_TYPES:
-        raise ConfigError(f"--service-type '{k8s['service_type']}' is invalid; use one of {', '.join(SERVICE_TYPES)}")
-    if k8s["gpus_per_worker"] < 0:
-        raise ConfigError(f"--gpus-per-worker must be >= 0, got {k8s['gpus_per_worker']}")
-    image = k8s["image"] or f"dyn:{__version__}-{values['engine']}"
-    _check_image(image)
-    secrets = [_cluster_secret(names, values.pop("cluster_secret_file"))]
-    if values.pop("api_key"):
-        raise ConfigError("--api-key would write a key into the manifests; put the keys in a file: --api-key-file")
-    key_file = values.pop("api_key_file")
-    api_keys = read_api_keys([], key_file, {}) if key_file else ()  # checked here, never written
-    if key_file:
-        secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
-    discovery, etcd_files = plane_url(k8s["etcd"], "--etcd", bundled.etcd_url(names))
-    events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names))
-    if etcd_files or nats_files:
-        secrets.append(SecretSource(names.planes, etcd_files + nats_files))
-    given = {
-        (FrontendConfig, "namespace"): ns,
-        (WorkerConfig, "namespace"): ns,
-        (PlanesConfig, "discovery"): discovery,
-        (PlanesConfig, "events"): events,
-        (PlanesConfig, "cluster_secret"): None,
-        (AuthConfig, "api_keys"): api_keys,
-    }
-    config, plan = serve.deployment(values, given, KNOBS, in_process=False)
-    tls = config.frontend.tls
-    if tls.is_enabled:
-        files = [("tls.crt", tls.cert_file), ("tls.key", tls.key_file), ("ca.crt", tls.ca_file)]
-        secrets.append(SecretSource(names.tls, tuple((k, str(v)) for k, v in files if v is not None)))
-    if plan is not None and (tls.is_enabled or config.frontend.auth.metrics_require_key):
-        raise ConfigError(
-            "--planner reads the frontend's /metrics over plain HTTP with no key: "
-            "drop --tls-cert-file/--metrics-require-key, or run `dyn plan run` where it can reach /metrics"
-        )
-    cluster = Cluster(
-        namespace=ns,
-        names=names,
-        image=image,
-        http_port=config.frontend.port,
-        service_type=k8s["service_type"],
-        etcd_bundled=k8s["etcd"] == "bundled",
-        nats_bundled=k8s["nats"] == "bundled",
-        storage_class=k8s["storage_class"],
-        metrics_namespace=k8s["metrics_namespace"],
-    )
-    resources = Resources(k8s["worker_cpu"], k8s["worker_memory"], k8s["gpus_per_worker"])
-    batches = batch_storage(config.frontend.batch.db, k8s["batch_storage"], k8s["batch_db_password_file"], names)
-    if batches.secret is not None:
-        secrets.append(batches.secret)
-    return Target(config, plan, cluster, secrets, resources, k8s["model_pvc"], batches)
-
-
-def _check_image(image: str) -> None:
-    """A tag or digest that names one build: never `latest`, never none."""
-    name, _, tag = image.rpartition(":") if "@" not in image else (image, "", "digest")
-    if not name or "/" in tag or tag in ("", "latest"):
-        raise ConfigError(f"--image '{image}' must carry a pinned tag or digest (not latest), e.g. dyn:{__version__}")
-
-
-def _cluster_secret(names: Names, path: Path | None) -> SecretSource:
-    """The request plane's secret: the file given (checked as `dyn serve` checks it), else a new random one."""
-    if path is None:
-        return SecretSource(names.cluster_secret, random_key=CLUSTER_SECRET_KEY)
-    o.cluster_secret(path)
-    return SecretSource(names.cluster_secret, ((CLUSTER_SECRET_KEY, str(path)),))
-
-
-##### Components: the pods' command lines #####
+def _yours(target: Target) -> list[str]:
+    """Comment lines naming the Secrets the manifests reference that are yours to create (`--hf-token-secret`,
+    `--env-from`)."""
+    ns = target.cluster.namespace
+    lines = [
+        f"# yours: Secret {e.secret} with key {e.key} ({e.name}), e.g. kubectl -n {ns} create secret generic "
+        f"{e.secret} --from-file={e.key}=FILE"
+        for e in target.model.secret_env
+    ]
+    return lines + [f"# yours: Secret {name} (each key a variable of every dyn container)" for name in target.env_from]
 
 
 def _components(target: Target) -> tuple[list[Component], dict[str, dict[str, str]]]:
@@ -299,7 +167,7 @@ def _frontend(target: Target) -> Component:
     args = ["serve", *settings.arguments(pod, FRONTEND_KNOBS)]
     if "--workers" not in args:
         args += ["--workers", "0"]
-    mounts = list(batches.mounts)
+    mounts = [*batches.mounts, *target.model.mounts]
     if frontend.auth.api_keys:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_KEY}"]
         mounts.append(Mount("api-keys", API_KEYS_DIR, secret=target.cluster.names.api_keys))
@@ -319,8 +187,11 @@ def _frontend(target: Target) -> Component:
         probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=frontend.tls.ca_file is not None),
         scrape_port=frontend.port,
         mounts=tuple(mounts),
-        grace_s=config.worker.graceful_shutdown_s,
-        secret_env=batches.secret_env,
+        grace_s=frontend.graceful_shutdown_s,  # the HTTP server's own drain (uvicorn's graceful timeout)
+        env=(*target.model.env, *target.env),
+        secret_env=(*batches.secret_env, *target.model.secret_env),
+        env_from=target.env_from,
+        placement=target.pod_placement,
     )
 
 
@@ -334,31 +205,16 @@ def _mounted(args: list[str], files: dict[str, str]) -> list[str]:
 
 
 def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
-    base = target.config.worker
-    tiers = base.kv_tiers
-    mounts: list[Mount] = []
-    if tiers.disk_bytes:  # the disk tier on an emptyDir of its size
-        disk_dir = tiers.disk_dir or "/var/cache/dyn-kv"
-        tiers = replace(tiers, disk_dir=disk_dir)
-        mounts.append(Mount("kv-disk", disk_dir, size=f"{-(-tiers.disk_bytes // 10**9)}G"))
-    config = replace(
-        base,
-        role=role,
-        component="backend" if role is not Role.PREFILL else Role.PREFILL.value,
-        port=PORTS.request_plane,
-        kv_transfer_port=PORTS.kv_transfer if role is Role.PREFILL else 0,
-        telemetry=replace(base.telemetry, system_port=PORTS.system),
-        kv_tiers=tiers,
-    )
+    pool = target.pools[role]
+    config, mounts = _worker_config(target, role)
     args = ["worker", *settings.arguments(config, worker_cmd.KNOBS)]
     if "--engine" not in args:  # always named: the image's own DYN_ENGINE must not choose
         args[1:1] = ["--engine", config.engine]
     if config.extra:
         args += ["--extra-engine-args", json.dumps(config.extra, sort_keys=True)]
-    if target.model_pvc is not None:
-        mounts.append(Mount("model", "/models", claim=target.model_pvc))
-    if target.worker_resources.gpus:
-        mounts.append(Mount("shm", "/dev/shm", memory=True))
+    mounts += target.model.mounts
+    if pool.resources.gpus:
+        mounts.append(Mount("shm", "/dev/shm", size=target.shm_size, memory=True))
     ports = [("request", PORTS.request_plane), ("system", PORTS.system)]
     if role is Role.PREFILL:
         ports.append(("kv-transfer", PORTS.kv_transfer))
@@ -366,14 +222,45 @@ def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
         part=part,
         args=tuple(args),
         replicas=None if target.plan is not None else replicas,
-        resources=target.worker_resources,
+        resources=pool.resources,
         ports=tuple(ports),
         probe=Probe("system"),
         scrape_port=PORTS.system,
         advertise_env="DYN_WORKER_HOST",
         mounts=tuple(mounts),
         grace_s=config.graceful_shutdown_s,
+        startup_s=target.startup_s,
+        env=(*target.model.env, *target.env),
+        secret_env=target.model.secret_env,
+        env_from=target.env_from,
+        placement=target.placement,
     )
+
+
+def _worker_config(target: Target, role: Role) -> tuple[WorkerConfig, list[Mount]]:
+    """The pool's `dyn worker` config (its pod's address, ports and role, its engine over every GPU of the pod)
+    and the disk tier's emptyDir."""
+    base, pool = target.config.worker, target.pools[role]
+    extra = {**base.extra, **pool.engine_args}
+    parallel = TENSOR_PARALLEL.get(base.engine)
+    if parallel is not None and pool.resources.gpus > 1:  # one engine over the pod's GPUs, not one of them
+        extra.setdefault(parallel, pool.resources.gpus)
+    tiers, mounts = base.kv_tiers, []
+    if tiers.disk_bytes:  # the disk tier on an emptyDir of its size
+        disk_dir = tiers.disk_dir or "/var/cache/dyn-kv"
+        tiers = replace(tiers, disk_dir=disk_dir)
+        mounts.append(Mount("kv-disk", disk_dir, size=f"{-(-tiers.disk_bytes // 10**9)}G"))
+    config = replace(
+        base,
+        extra=extra,
+        role=role,
+        component="backend" if role is not Role.PREFILL else Role.PREFILL.value,
+        port=PORTS.request_plane,
+        kv_transfer_port=PORTS.kv_transfer if role is Role.PREFILL else 0,
+        telemetry=replace(base.telemetry, system_port=PORTS.system),
+        kv_tiers=tiers,
+    )
+    return config, mounts
 
 
 def _router(target: Target) -> Component:
@@ -389,6 +276,9 @@ def _router(target: Target) -> Component:
         scrape_port=PORTS.system,
         advertise_env="DYN_ROUTER_HOST",
         grace_s=config.graceful_shutdown_s,
+        env=target.env,
+        env_from=target.env_from,
+        placement=target.pod_placement,
     )
 
 
@@ -416,11 +306,17 @@ def _planner(target: Target, pools: list[Part]) -> Component:
         cluster_secret=False,
         mounts=(Mount("profile", PROFILE_DIR, config_map=names.planner_profile),),
         service_account=names.of(Part.PLANNER),
+        single_writer=True,
+        env=target.env,
+        env_from=target.env_from,
+        placement=target.pod_placement,
     )
 
 
 def _write(out: Path, objects: list[Obj], lines: list[str]) -> None:
-    """One file per component (and `deployment.yaml` for the whole deployment's objects), and secrets.sh."""
+    """One file per component (and `deployment.yaml` for the whole deployment's objects), a kustomization.yaml
+    listing them (an overlay of yours names this directory as its base, so its patches survive a re-render), and
+    secrets.sh."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         groups: dict[str, list[Obj]] = {}
@@ -429,6 +325,12 @@ def _write(out: Path, objects: list[Obj], lines: list[str]) -> None:
             groups.setdefault(part, []).append(obj)
         for part, group in groups.items():
             (out / f"{part}.yaml").write_text(yaml.safe_dump_all(group, sort_keys=False))
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [f"{part}.yaml" for part in groups],
+        }
+        (out / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
         script = "#!/bin/sh\n# The namespace and the Secrets the manifests reference (no value is in them).\nset -e\n"
         (out / "secrets.sh").write_text(script + "\n".join(lines) + "\n")
     except OSError as exc:

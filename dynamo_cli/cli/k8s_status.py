@@ -8,18 +8,18 @@ from typing import Annotated
 import typer
 
 from dynamo_cli.k8s.cluster import StatusConfig, read_status
+from dynamo_cli.k8s.names import DEFAULT_K8S_NAMESPACE
 
 
 def status_command(
     namespace: Annotated[
-        str | None,
+        str,
         typer.Option(
             "--namespace",
-            "-n",
             envvar="DYN_K8S_NAMESPACE",
-            help="The deployment's namespace (default: as kubectl, the kubeconfig context's, else default).",
+            help="The deployment's namespace, as given to `dyn k8s render --namespace`.",
         ),
-    ] = None,
+    ] = DEFAULT_K8S_NAMESPACE,
     name: Annotated[str, typer.Option("--name", help="The deployment's --name at render time.")] = "dyn",
     kubeconfig: Annotated[
         str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: in-cluster, else KUBECONFIG).")

@@ -20,6 +20,7 @@ from dynamo_cli.config import DEFAULT_MODEL, PlanesConfig, WorkerConfig, child_c
 from dynamo_cli.config.telemetry import SYSTEM_PORT
 from dynamo_cli.engine import EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.k8s.names import DEFAULT_K8S_NAMESPACE, Names, Part, check_name
 from dynamo_cli.planner.kubernetes import KubernetesConfig
 from dynamo_cli.planner.planner import PlannerConfig, Step
 from dynamo_cli.planner.profile import Profile, load_profile, save_profile
@@ -188,20 +189,27 @@ RUN_OPTIONS = [
     _run_option("dry_run", "--dry-run", bool, False, "Only print decisions."),
     _run_option("duration", "--duration", float, 0.0, "Stop after this long (s; 0: never)."),
     _run_option("ack_timeout", "--ack-timeout", float, 1800.0, "virtual: wait for the ack (s)."),
-    _run_option("k8s_namespace", "--k8s-namespace", str | None, None, "kubernetes: the Deployments' namespace."),
+    _run_option(
+        "k8s_namespace",
+        "--k8s-namespace",
+        str,
+        DEFAULT_K8S_NAMESPACE,
+        "kubernetes: the Deployments' namespace (`dyn k8s render --namespace`).",
+    ),
     _run_option(
         "k8s_decode_deployment",
         "--k8s-decode-deployment",
-        str,
-        "dyn-decode",
-        "kubernetes: the decode (agg: the one) pool's Deployment.",
+        str | None,
+        None,
+        "kubernetes: the decode pool's Deployment (default: as `dyn k8s render` names it: dyn-worker with --mode "
+        "agg, dyn-decode with disagg).",
     ),
     _run_option(
         "k8s_prefill_deployment",
         "--k8s-prefill-deployment",
-        str,
-        "dyn-prefill",
-        "kubernetes, disagg: the prefill pool's Deployment.",
+        str | None,
+        None,
+        "kubernetes, disagg: the prefill pool's Deployment (default: dyn-prefill, as `dyn k8s render` names it).",
     ),
     _run_option(
         "kubeconfig",
@@ -218,7 +226,11 @@ RUN_OPTIONS = [
         "kubernetes: least time between PATCHes of a Deployment (s).",
     ),
     _run_option(
-        "k8s_ready_timeout", "--k8s-ready-timeout", float, 600.0, "kubernetes: wait for a scale-up's readyReplicas (s)."
+        "k8s_ready_timeout",
+        "--k8s-ready-timeout",
+        float,
+        600.0,
+        "kubernetes: warn when a scale-up's pods are not ready this long after it (s; nothing waits for them).",
     ),
     *o.ENGINE_OPTIONS,
     settings.option("cluster_secret_file", o.ClusterSecretFile, None),
@@ -277,13 +289,15 @@ def plan_run(values: dict[str, Any]) -> PlanRun:
 
 
 def _kubernetes(values: dict[str, Any], config: PlannerConfig) -> KubernetesConfig | None:
-    """The Kubernetes connector's config (`--k8s-namespace` given), else None."""
-    if values["k8s_namespace"] is None:
+    """The Kubernetes connector's config (`--connector kubernetes`), else None."""
+    if values["connector"] != "kubernetes":
         return None
+    names, is_disagg = Names(), config.mode == "disagg"
+    decode = values["k8s_decode_deployment"] or names.of(Part.DECODE if is_disagg else Part.WORKER)
     return KubernetesConfig(
-        namespace=values["k8s_namespace"],
-        decode_deployment=values["k8s_decode_deployment"],
-        prefill_deployment=values["k8s_prefill_deployment"] if config.mode == "disagg" else None,
+        namespace=check_name("--k8s-namespace", values["k8s_namespace"]),
+        decode_deployment=decode,
+        prefill_deployment=(values["k8s_prefill_deployment"] or names.of(Part.PREFILL)) if is_disagg else None,
         kubeconfig=values["kubeconfig"],
         min_replicas=config.bounds.min_workers,
         max_replicas=config.bounds.max_workers,

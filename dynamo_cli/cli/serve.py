@@ -59,10 +59,13 @@ EXTRA = [
         Annotated[
             int,
             typer.Option(
-                "--prefill-workers", envvar="DYN_PREFILL_WORKERS", help="With --disagg.", rich_help_panel=DISAGG
+                "--prefill-workers",
+                envvar="DYN_PREFILL_WORKERS",
+                help="With --disagg (default: 1).",
+                rich_help_panel=DISAGG,
             ),
         ],
-        1,
+        None,
     ),
     settings.option(
         "decode_workers",
@@ -135,6 +138,10 @@ def deployment(
     """The deployment the flags (`knobs`' values) describe (`given`: fields set by the caller: the secrets, and for
     `dyn k8s render` the planes and namespace), and its planner (`--planner`; `in_process`: inside `dyn serve`)."""
     disagg, prefill, decode = values.pop("disagg"), values.pop("prefill_workers"), values.pop("decode_workers")
+    if not disagg and (prefill is not None or decode is not None):
+        flag = "--prefill-workers" if prefill is not None else "--decode-workers"
+        raise ConfigError(f"{flag} needs --disagg (without it every worker both prefills and decodes: --workers)")
+    prefill = 1 if prefill is None else prefill
     if disagg and (prefill < 1 or (decode is not None and decode < 1)):
         raise ConfigError(
             f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got {prefill} and {decode}"

@@ -23,6 +23,8 @@ from dynamo_cli.k8s.objects import (
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 NATS_IMAGE = "nats:2.10.24-alpine"
+ETCD_STORAGE = "4Gi"
+"""The etcd member's volume: room for its 2 GiB backend quota (etcd's default), the WAL and snapshots besides."""
 
 
 def etcd_url(names: Names) -> str:
@@ -105,10 +107,12 @@ def _stateful(
     names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None
 ) -> list[Obj]:
     """The StatefulSet, its headless Service (the stable DNS name) and its disruption budget."""
-    claim = {"metadata": {"name": "data", "labels": names.labels(part)}, "spec": claim_spec(storage, storage_class)}
+    # volumeClaimTemplates cannot change once applied: the selector's labels only, no version (an upgrade re-renders)
+    claim = {"metadata": {"name": "data", "labels": names.selector(part)}, "spec": claim_spec(storage, storage_class)}
     pod = {
         "automountServiceAccountToken": False,
         "securityContext": pod_security(),
+        "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
     }

@@ -130,6 +130,15 @@ TLS_DIR = f"{SECRETS_DIR}/tls"
 PLANES_DIR = f"{SECRETS_DIR}/planes"
 PROFILE_DIR = f"{SECRETS_DIR}/profile"
 BATCHES_DIR = "/var/lib/dyn/batches"
+MODELS_DIR = "/models"
+"""Where `--model-pvc` is mounted (read-only)."""
+MODEL_CACHE_DIR = "/var/cache/dyn-models"
+"""Where `--model-cache-pvc` is mounted (read-write) and HF_HOME points: hub downloads, shared by the pods."""
+HF_TOKEN_KEY = "token"
+"""The key of `--hf-token-secret` whose value is HF_TOKEN."""
+DEFAULT_K8S_NAMESPACE = "dyn"
+"""The namespace `dyn k8s render` writes to, `dyn k8s status` reads and `dyn plan run --connector kubernetes` scales
+when none is given."""
 
 
 _LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")

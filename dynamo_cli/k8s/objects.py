@@ -7,6 +7,7 @@ Role grants anything: `get`/`patch` on its worker Deployments' `scale` subresour
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +26,21 @@ class Resources:
     memory: str
     gpus: int = 0
     """`nvidia.com/gpu`, requested and limited (an extended resource must be both)."""
+    extra: tuple[tuple[str, str], ...] = ()
+    """Other extended resources (`rdma/ib`, `amd.com/gpu`, a MIG profile), requested and limited."""
+    ephemeral_storage: str | None = None
+    """Node disk the pod's emptyDirs may fill (the disk KV tier): requested, so the scheduler places it where that
+    much is free, and the kubelet does not evict it for using what it asked for."""
 
     def spec(self) -> Obj:
         requests: Obj = {"cpu": self.cpu, "memory": self.memory}
         limits: Obj = {"memory": self.memory}
         if self.gpus:
             requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(self.gpus)
+        for name, quantity in self.extra:
+            requests[name] = limits[name] = quantity
+        if self.ephemeral_storage is not None:
+            requests["ephemeral-storage"] = self.ephemeral_storage
         return {"requests": requests, "limits": limits}
 
 
@@ -47,6 +57,9 @@ class Mount:
     writable: bool = False
     """The claim is mounted read-write and rendered with the deployment (ReadWriteOnce, of `size`): the
     frontend's batch database. Its Deployment recreates its pod instead of surging a second one."""
+    shared: bool = False
+    """A claim of yours mounted read-write by every pod that names it (ReadWriteMany: the model cache the workers
+    download into); not rendered."""
     size: str | None = None
     """An emptyDir's sizeLimit, or the storage a writable claim requests."""
     memory: bool = False
@@ -58,15 +71,42 @@ class Mount:
         if self.config_map is not None:
             return {"name": self.name, "configMap": {"name": self.config_map}}
         if self.claim is not None:
-            read_only: Obj = {} if self.writable else {"readOnly": True}
+            read_only: Obj = {} if self.writable or self.shared else {"readOnly": True}
             return {"name": self.name, "persistentVolumeClaim": {"claimName": self.claim} | read_only}
         empty: Obj = {"medium": "Memory"} if self.memory else {}
         return {"name": self.name, "emptyDir": empty | ({"sizeLimit": self.size} if self.size else {})}
 
     def mount(self) -> Obj:
         read_only = self.secret is not None or self.config_map is not None or self.claim is not None
-        read_only = read_only and not self.writable
+        read_only = read_only and not self.writable and not self.shared
         return {"name": self.name, "mountPath": self.path} | ({"readOnly": True} if read_only else {})
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    """A taint the pod tolerates: `key` with `value` (None: any value, operator Exists) and `effect` (None: all)."""
+
+    key: str
+    value: str | None = None
+    effect: str | None = None
+
+    def spec(self) -> Obj:
+        found: Obj = {"key": self.key, "operator": "Exists" if self.value is None else "Equal"}
+        found |= {"value": self.value} if self.value is not None else {}
+        return found | ({"effect": self.effect} if self.effect is not None else {})
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a pod may run and what of the node it may use (GPU pools: taints, labels, RDMA)."""
+
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+    priority_class: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    ipc_lock: bool = False
+    """CAP_IPC_LOCK, which RDMA (NIXL over UCX verbs) needs to pin memory; outside the restricted Pod Security
+    Standard, so only on request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +119,12 @@ class SecretEnv:
 
 
 TMP = Mount("tmp", "/tmp", size="1Gi")
+"""HOME and scratch: small on purpose (a model is never downloaded here: render refuses a hub model with no model
+cache, `--model-cache-pvc`, or model claim, `--model-pvc`)."""
+STARTUP_PERIOD_S = 10
+PRE_STOP_S = 5
+"""The preStop sleep: the endpoints controller takes a terminating pod out of its Services meanwhile, so no new
+request reaches a process that is draining."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +165,19 @@ class Component:
     """Gets `DYN_CLUSTER_SECRET` from the cluster Secret."""
     mounts: tuple[Mount, ...] = ()
     grace_s: float = 30.0
-    """terminationGracePeriodSeconds: SIGTERM drains in-flight streams first."""
+    """The process's drain (`--graceful-shutdown`): terminationGracePeriodSeconds is the preStop sleep, this and
+    10 s, so SIGTERM finds no new request and the streams admitted before it finish."""
+    startup_s: float = 600.0
+    """How long the process may take to serve (`/live` answering) before liveness counts: the startupProbe."""
     service_account: str | None = None
     env: tuple[tuple[str, str], ...] = field(default=())
     secret_env: tuple[SecretEnv, ...] = ()
-    """Variables from Secrets (the batch database's PGPASSWORD), beside the cluster secret."""
+    """Variables from Secrets (the batch database's PGPASSWORD, HF_TOKEN), beside the cluster secret."""
+    env_from: tuple[str, ...] = ()
+    """Secrets whose every key becomes a variable (`--env-from`)."""
+    placement: Placement = Placement()
+    single_writer: bool = False
+    """At most one pod at any time, a rollout included (the planner: two would PATCH the same pools)."""
 
     @property
     def has_writable_claim(self) -> bool:
@@ -151,8 +205,9 @@ def pod_security() -> Obj:
     }
 
 
-def container_security() -> Obj:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+def container_security(*, ipc_lock: bool = False) -> Obj:
+    capabilities: Obj = {"drop": ["ALL"]} | ({"add": ["IPC_LOCK"]} if ipc_lock else {})
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": capabilities}
 
 
 def volume_claim(names: Names, namespace: str, part: Part, mount: Mount, storage_class: str | None) -> Obj:
@@ -180,6 +235,8 @@ def deployment(names: Names, namespace: str, image: str, component: Component, c
     }
     if component.replicas is not None:
         spec = {"replicas": component.replicas} | spec
+    # a rollout is failed only once a new pod had its whole start-up to become ready, and a bit more
+    spec["progressDeadlineSeconds"] = max(600, int(component.startup_s) + 300)
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(names, namespace, part), "spec": spec}
 
 
@@ -190,7 +247,7 @@ def _strategy(component: Component) -> Obj:
     while the old pod, which waits for the new one to be ready, holds it: the rollout never finishes. `maxSurge: 0`
     is not enough either: it creates the new pod as soon as the old one starts terminating, and that pod waits on
     a Multi-Attach error while the old one drains. Recreate starts the new pod once every old one is gone."""
-    if component.has_writable_claim:
+    if component.has_writable_claim or component.single_writer:
         return {"type": "Recreate"}
     if component.resources.gpus:
         return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
@@ -207,14 +264,36 @@ def _pod_template(names: Names, image: str, component: Component, cluster_secret
     }
     pod: Obj = {
         "automountServiceAccountToken": component.service_account is not None,
+        "enableServiceLinks": False,  # a Service named like dyn-router would inject DYN_ROUTER_PORT=tcp://...
         "securityContext": pod_security(),
-        "terminationGracePeriodSeconds": int(component.grace_s) + 10,
+        "terminationGracePeriodSeconds": PRE_STOP_S + int(component.grace_s) + 10,
         "containers": [_container(image, component, cluster_secret)],
         "volumes": [m.volume() for m in (TMP, *component.mounts)],
     }
     if component.service_account is not None:
         pod = {"serviceAccountName": component.service_account} | pod
+    pod |= _placement(names, component)
     return {"metadata": {"labels": names.labels(component.part), "annotations": annotations}, "spec": pod}
+
+
+def _placement(names: Names, component: Component) -> Obj:
+    """The pod's scheduling: its node selector, tolerations, priority and pull secrets; its replicas spread over
+    nodes where the scheduler can (a node lost takes one pod of a component, not all)."""
+    place, found = component.placement, Obj()
+    if place.node_selector:
+        found["nodeSelector"] = dict(place.node_selector)
+    if place.tolerations:
+        found["tolerations"] = [t.spec() for t in place.tolerations]
+    if place.priority_class is not None:
+        found["priorityClassName"] = place.priority_class
+    if place.image_pull_secrets:
+        found["imagePullSecrets"] = [{"name": name} for name in place.image_pull_secrets]
+    if component.replicas is None or component.replicas > 1:
+        spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+        found["topologySpreadConstraints"] = [
+            spread | {"labelSelector": {"matchLabels": names.selector(component.part)}}
+        ]
+    return found
 
 
 def _container(image: str, component: Component, cluster_secret: str) -> Obj:
@@ -229,17 +308,24 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
         ref = {"name": secret.secret, "key": secret.key}
         env.append({"name": secret.name, "valueFrom": {"secretKeyRef": ref}})
     probe = component.probe
-    return {
+    container: Obj = {
         "name": component.part.value,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "args": list(component.args),
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in component.ports],
         "env": env,
+    }
+    if component.env_from:
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in component.env_from]
+    return container | {
         "resources": component.resources.spec(),
-        "livenessProbe": probe.spec(probe.live, 10, 3),
+        # liveness counts only once the process served: a model load of up to `startup_s` is not a hang
+        "startupProbe": probe.spec(probe.live, STARTUP_PERIOD_S, max(3, math.ceil(component.startup_s / 10))),
+        "livenessProbe": probe.spec(probe.live, 10, 6),
         "readinessProbe": probe.spec(probe.ready, 5, 2),
-        "securityContext": container_security(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
+        "securityContext": container_security(ipc_lock=component.placement.ipc_lock),
         "volumeMounts": [m.mount() for m in (TMP, *component.mounts)],
     }
 

@@ -72,7 +72,7 @@ def render(
     if Part.PLANNER in parts:
         objects += planner_rbac(names, ns, [names.of(c.part) for c in components if c.part in WORKER_PARTS])
     if cluster.etcd_bundled:
-        objects += bundled.etcd(names, ns, "1Gi", cluster.storage_class)
+        objects += bundled.etcd(names, ns, bundled.ETCD_STORAGE, cluster.storage_class)
     if cluster.nats_bundled:
         objects += bundled.nats(names, ns, "2Gi", cluster.storage_class)
     for component in components:  # before the pods that mount them

@@ -2,17 +2,21 @@
 Scale subresource with the official client.
 
 Only `PATCH …/deployments/{name}/scale` with `{"spec": {"replicas": N}}` is sent, and only when `spec.replicas`
-differs: a scaler that patches the pod template rolls every pod instead of adding or removing some. A scale-up
-counts as served once the Deployment's `status.readyReplicas` reaches the target (the role the local
-connector's startup time plays); a scale-down once the PATCH is accepted (Kubernetes drains the pods).
-The client is blocking: each call runs in a thread under a timeout. The planner's RBAC needs `get`/`patch`
-on `deployments/scale` and `get` on `deployments`; a 403 is one warning naming the verb, and `apply` says False.
+differs: a scaler that patches the pod template rolls every pod instead of adding or removing some. Each pool
+is applied on its own, both at once, and `apply` returns once the PATCHes are accepted: it never waits for pods
+to start, so a prefill scale-up stuck Pending (no GPU free) neither delays nor skips the decode pool's, and the
+planner's loop keeps its cadence (it counts serving workers in discovery). A scale-up is followed on the next
+applies: `status.readyReplicas` reaching the target is logged, and a scale-up not ready `ready_timeout_s` after
+its PATCH is one warning. The client is blocking: each call runs in a thread under a timeout. The planner's RBAC
+needs `get`/`patch` on `deployments/scale` and `get` on `deployments`; a 403 is one warning naming the verb, and
+`apply` says False.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -51,15 +55,15 @@ class KubernetesConfig:
     max_replicas: int = 8
     """… and at most this."""
     min_patch_interval_s: float = 5.0
-    """Least time between two PATCHes of one Deployment; a sooner one waits for it."""
+    """Least time between two PATCHes of one Deployment; a sooner one is left to a later decision (`apply` says
+    False), not waited for."""
     max_attempts: int = 5
     """Tries per call on 409/429/5xx or a connection error."""
     backoff_s: float = 0.5
     """The first retry's wait; doubles per retry up to 8 s."""
     ready_timeout_s: float = 600.0
-    """Longest wait for `status.readyReplicas` to reach a scale-up's target."""
-    ready_poll_s: float = 2.0
-    """`status.readyReplicas` polling period."""
+    """A scale-up whose `status.readyReplicas` has not reached its target this long after its PATCH is warned
+    about once (its pods Pending, crash-looping, or still loading a model)."""
     request_timeout_s: float = 10.0
     """Timeout of each API call."""
 
@@ -78,7 +82,7 @@ def check_kubernetes(config: KubernetesConfig) -> None:
             f"--k8s-patch-interval and --k8s-ready-timeout must be >= 0, got {config.min_patch_interval_s} and "
             f"{config.ready_timeout_s}"
         )
-    if config.max_attempts < 1 or min(config.backoff_s, config.ready_poll_s) < 0 or config.request_timeout_s <= 0:
+    if config.max_attempts < 1 or config.backoff_s < 0 or config.request_timeout_s <= 0:
         raise ConfigError(f"the kubernetes connector needs positive attempts, waits and timeouts, got {config}")
 
 
@@ -105,6 +109,10 @@ class KubernetesConnector:
         self._api_exception: type[Exception] = client.ApiException
         self._next_id = 1
         self._last_patch: dict[str, float] = {}
+        self._rising: dict[str, tuple[int, float]] = {}
+        """Deployments scaled up and not yet ready: (target, when the PATCH was accepted)."""
+        self._late: set[str] = set()
+        """Those already warned about."""
         self._denied: set[str] = set()
         self._closed = False
 
@@ -112,21 +120,24 @@ class KubernetesConnector:
         return self._next_id
 
     async def apply(self, target: ScaleTarget) -> bool:
+        """PATCH each pool whose replicas differ, both at once; True once every pool has its target accepted."""
         self._next_id = target.decision_id + 1
-        roles = [("decode", self.config.decode_deployment, target.num_decode)]
+        pools = [("decode", self.config.decode_deployment, target.num_decode)]
         if self.config.prefill_deployment is not None:
-            roles.insert(0, ("prefill", self.config.prefill_deployment, target.num_prefill))
+            pools.append(("prefill", self.config.prefill_deployment, target.num_prefill))
+        applied = await asyncio.gather(
+            *(self._apply_pool(target.decision_id, role, name, self._clamp(n)) for role, name, n in pools)
+        )
+        return all(applied)
+
+    async def _apply_pool(self, decision_id: int, role: str, name: str, wanted: int) -> bool:
         try:
-            for role, name, wanted in roles:
-                if not await self._scale(role, name, self._clamp(wanted)):
-                    return False
+            return await self._scale(role, name, wanted)
         except PermissionDenied as denied:
             self._warn_denied(denied)
-            return False
         except CallFailed as failed:
-            logger.warning("decision %d not applied: %s", target.decision_id, failed)
-            return False
-        return True
+            logger.warning("decision %d not applied to the %s pool: %s", decision_id, role, failed)
+        return False
 
     async def close(self) -> None:
         if self._closed:
@@ -138,46 +149,54 @@ class KubernetesConnector:
         return max(self.config.min_replicas, min(self.config.max_replicas, wanted))
 
     async def _scale(self, role: str, name: str, wanted: int) -> bool:
-        """PATCH the scale when it differs; True once `wanted` pods are ready (scale-down: once accepted)."""
+        """PATCH the scale when it differs (False: too soon after the last PATCH, left to the next decision), then
+        follow the pool's latest scale-up."""
         ns = self.config.namespace
         scale = await self._call("get", "deployments/scale", self._apps.read_namespaced_deployment_scale, name, ns)
         current = scale.spec.replicas or 0
         if current != wanted:
-            await self._wait_patch_interval(name)
+            since = time.monotonic() - self._last_patch.get(name, -math.inf)
+            if since < self.config.min_patch_interval_s:
+                logger.debug("%s: deployment %s was patched %.1f s ago; left to a later decision", role, name, since)
+                return False
             body = {"spec": {"replicas": wanted}}
             patch = self._apps.patch_namespaced_deployment_scale
             await self._call("patch", "deployments/scale", patch, name, ns, body, _content_type=MERGE_PATCH)
             self._last_patch[name] = time.monotonic()
             logger.info("%s: deployment %s/%s replicas %d → %d", role, ns, name, current, wanted)
-        return await self._wait_ready(role, name, wanted)
+            self._rising.pop(name, None)
+            self._late.discard(name)
+            if wanted > current:
+                self._rising[name] = (wanted, time.monotonic())
+        await self._follow(role, name)
+        return True
 
-    async def _wait_patch_interval(self, name: str) -> None:
-        last = self._last_patch.get(name)
-        if last is not None:
-            left = last + self.config.min_patch_interval_s - time.monotonic()
-            if left > 0:
-                logger.debug("deployment %s was patched %.1f s ago; waiting %.1f s", name, -left, left)
-                await asyncio.sleep(left)
-
-    async def _wait_ready(self, role: str, name: str, wanted: int) -> bool:
-        ns, deadline = self.config.namespace, time.monotonic() + self.config.ready_timeout_s
-        while True:
-            deployment = await self._call("get", "deployments", self._apps.read_namespaced_deployment, name, ns)
-            ready = (deployment.status.ready_replicas if deployment.status else None) or 0
-            if ready >= wanted:
-                return True
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "%s: deployment %s/%s has %d of %d replicas ready after %.0f s",
-                    role,
-                    ns,
-                    name,
-                    ready,
-                    wanted,
-                    self.config.ready_timeout_s,
-                )
-                return False
-            await asyncio.sleep(min(self.config.ready_poll_s, max(0.0, deadline - time.monotonic())))
+    async def _follow(self, role: str, name: str) -> None:
+        """One read of a scaled-up pool's ready replicas: done once they reach the target; warned about once when
+        they have not `ready_timeout_s` after the PATCH."""
+        rising = self._rising.get(name)
+        if rising is None:
+            return
+        wanted, since = rising
+        ns = self.config.namespace
+        deployment = await self._call("get", "deployments", self._apps.read_namespaced_deployment, name, ns)
+        ready = (deployment.status.ready_replicas if deployment.status else None) or 0
+        waited = time.monotonic() - since
+        if ready >= wanted:
+            del self._rising[name]
+            logger.info("%s: deployment %s/%s has its %d replicas ready (%.0f s)", role, ns, name, wanted, waited)
+        elif waited >= self.config.ready_timeout_s and name not in self._late:
+            self._late.add(name)
+            logger.warning(
+                "%s: deployment %s/%s has %d of %d replicas ready %.0f s after its scale-up (pods pending or "
+                "failing: `dyn k8s status` says why); the other pool scales regardless",
+                role,
+                ns,
+                name,
+                ready,
+                wanted,
+                waited,
+            )
 
     async def _call(self, verb: str, resource: str, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """One API call in a thread under a timeout, retried with exponential backoff on 409/429/5xx."""

@@ -145,7 +145,8 @@ def test_each_pods_command_line_builds_the_config_dyn_serve_builds_from_the_same
     pods = _pods(render(flags)[0])
     monkeypatch.setenv("DYN_CLUSTER_SECRET", CLUSTER_SECRET)
     planes = ["--namespace", "dyn", "--discovery", "etcd://dyn-etcd:2379", "--events", "nats://dyn-nats:4222"]
-    want = _serve_config([*flags, *planes], files)
+    drain = [] if "--graceful-shutdown" in flags else ["--graceful-shutdown", "60"]  # render's default for a pod
+    want = _serve_config([*flags, *planes, *drain], files)
 
     frontend = _serve_config(_mounted(pods["frontend"][1:], files), files)
     assert pods["frontend"][0] == "serve" and frontend.num_workers == 0

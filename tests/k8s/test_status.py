@@ -347,7 +347,7 @@ def test_a_ready_deployment_counts_a_real_frontends_instances_and_exits_zero(
     app = typer.Typer()
     app.command()(status_command)
     for flags in ([], ["--frontend-url", frontend.url]):
-        result = CliRunner().invoke(app, ["-n", NS, "--kubeconfig", str(kubeconfig), *flags])
+        result = CliRunner().invoke(app, ["--namespace", NS, "--kubeconfig", str(kubeconfig), *flags])
         assert result.exit_code == 0, result.output
         assert result.output.splitlines() == [
             "NAME          KIND        DESIRED  READY  REGISTERED  REASON",
@@ -402,4 +402,5 @@ def test_bad_input_is_one_red_line_and_a_non_zero_exit(
     assert result.returncode == code and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and expected in lines[0] and "Traceback" not in result.stderr
     if code == 3:
-        assert "to list deployments in namespace inference" in lines[0] and "Connection refused" in lines[0]
+        # render's namespace, not the kubeconfig context's (`inference`): status looks where render wrote
+        assert "to list deployments in namespace dyn" in lines[0] and "Connection refused" in lines[0]

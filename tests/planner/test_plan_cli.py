@@ -286,3 +286,22 @@ def test_plan_run_builds_its_workers_from_the_worker_settings(profile_file: Path
         assert worker.telemetry.log_format == "json"
         assert (worker.namespace, worker.planes.lease_ttl, worker.graceful_shutdown_s) == ("team-a", 4.0, 9.0)
         assert worker.telemetry.system_port is None  # --system-port is the planner's own
+
+
+def test_plan_run_scales_the_deployments_dyn_k8s_render_writes_by_default(profile_file: Path) -> None:
+    """One namespace and name rule: without --k8s-* names the connector scales render's defaults."""
+    import typer
+
+    from dynamo_cli.cli import plan
+
+    run = typer.main.get_command(plan.app).get_command(None, "run")  # type: ignore[union-attr]
+    for mode, decode, prefill in (("agg", "dyn-worker", None), ("disagg", "dyn-decode", "dyn-prefill")):
+        args = ["--profile", str(profile_file), "--ttft", "500", "--itl", "50", "--mode", mode]
+        context = run.make_context("run", [*args, "--connector", "kubernetes"])
+        kubernetes = plan.plan_run(dict(context.params)).kubernetes
+        assert kubernetes is not None
+        assert (kubernetes.namespace, kubernetes.decode_deployment, kubernetes.prefill_deployment) == (
+            "dyn",
+            decode,
+            prefill,
+        )
