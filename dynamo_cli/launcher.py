@@ -218,7 +218,7 @@ class Deployment:
 
     async def _serve(self, service: FrontendService, sock: socket.socket, planner: _PlannerLoops | None) -> None:
         config, pools = self.config, self.pools
-        url = f"{config.frontend.scheme}://{config.frontend.host}:{sock.getsockname()[1]}"
+        url = f"{config.frontend.scheme}://{config.frontend.advertised_host}:{sock.getsockname()[1]}"
         expected = config.num_workers + config.num_prefill_workers
         if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
             router = replace(config.router_config(), planes=self.planes)

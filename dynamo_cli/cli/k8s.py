@@ -178,7 +178,7 @@ def _frontend(target: Target) -> Component:
     return Component(
         part=Part.FRONTEND,
         args=tuple(args),
-        replicas=1,
+        replicas=target.frontend_replicas,
         # `--frontends N`: N processes in the pod, on its port, with one router view and one /metrics
         resources=Resources(str(config.num_frontends), f"{2 * config.num_frontends}Gi"),
         ports=(("http", frontend.port),),
@@ -186,6 +186,7 @@ def _frontend(target: Target) -> Component:
         # must reach its /metrics to scale up from zero.
         probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=frontend.tls.ca_file is not None),
         scrape_port=frontend.port,
+        advertise_env="DYN_HTTP_ADVERTISE_HOST",  # the planner reads each pod's /metrics at the URL it registers
         mounts=tuple(mounts),
         grace_s=frontend.graceful_shutdown_s,  # the HTTP server's own drain (uvicorn's graceful timeout)
         env=(*target.model.env, *target.env),
@@ -291,7 +292,8 @@ def _planner(target: Target, pools: list[Part]) -> Component:
     if len(pools) > 1:
         args += ["--k8s-prefill-deployment", names.of(pools[1])]
     args += ["--profile", f"{PROFILE_DIR}/profile.json", *settings.arguments(planner, plan.PLANNER_KNOBS)]
-    args += ["--frontend", f"http://{names.of(Part.FRONTEND)}:{config.frontend.port}"]
+    # no --frontend: it reads every frontend pod's /metrics at the address the pod registered in discovery (through
+    # the Service, each scrape would land on a random pod and the counters' rates would be wrong)
     args += ["--engine", worker.engine, "--model", worker.model, "--namespace", worker.namespace]
     args += ["--discovery", worker.planes.discovery, "--events", worker.planes.events]
     args += ["--system-port", str(PORTS.system), "--host", "0.0.0.0"]  # the kubelet probes the pod's address

@@ -143,6 +143,14 @@ K8S = [
     opt("env", "--env", list[str] | None, None, "NAME=VALUE in every dyn container (repeatable)."),
     opt("env_from", "--env-from", list[str] | None, None, "A Secret whose keys become variables (repeatable)."),
     opt(
+        "frontend_replicas",
+        "--frontend-replicas",
+        int,
+        1,
+        "Frontend pods (each with --frontends processes): >1 shares the routers' load (--router-replica-sync) and "
+        "needs a --batch-db that is postgresql:// or off.",
+    ),
+    opt(
         "allow_public",
         "--allow-public",
         bool,
@@ -198,6 +206,7 @@ class Target:
     shm_size: str
     env: tuple[tuple[str, str], ...]
     env_from: tuple[str, ...]
+    frontend_replicas: int
     placement: Placement
     """The worker pods' (node selector, tolerations, RDMA) and, of it, what every pod gets (priority, pull
     Secrets): `pod_placement`."""
@@ -256,6 +265,8 @@ def target_of(values: dict[str, Any]) -> Target:
         (PlanesConfig, "cluster_secret"): None,
         (AuthConfig, "api_keys"): api_keys,
     }
+    if k8s["frontend_replicas"] > 1:  # the pods' routers see one in-flight load
+        given[(FrontendConfig, "replica_sync")] = True
     config, plan = serve.deployment(values, given, KNOBS, in_process=False)
     secrets += _frontend_secrets(config, plan, names)
     pools, model = _pools(config, k8s), _model_source(config.worker, k8s)
@@ -267,7 +278,10 @@ def target_of(values: dict[str, Any]) -> Target:
     env_from = tuple(check_name("--env-from", name) for name in k8s["env_from"] or ())
     cluster = _cluster(config, k8s, ns, names, image)
     startup_s, shm = k8s["startup_timeout"], k8s["shm_size"]
-    return Target(config, plan, cluster, secrets, pools, model, batches, startup_s, shm, env, env_from, _placement(k8s))
+    replicas, placement = k8s["frontend_replicas"], _placement(k8s)
+    return Target(
+        config, plan, cluster, secrets, pools, model, batches, startup_s, shm, env, env_from, replicas, placement
+    )
 
 
 def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
@@ -281,6 +295,14 @@ def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
         raise ConfigError(
             f"--service-type {k8s['service_type']} with no --api-key-file serves the API, the Files/Batch API and "
             "/metrics to anyone who reaches the node or the load balancer; add --api-key-file, or --allow-public"
+        )
+    if k8s["frontend_replicas"] < 1:
+        raise ConfigError(f"--frontend-replicas must be >= 1, got {k8s['frontend_replicas']}")
+    db = values["batch_db"]
+    if k8s["frontend_replicas"] > 1 and not (db == "off" or str(db).startswith("postgresql://")):
+        raise ConfigError(
+            "--frontend-replicas > 1 needs --batch-db postgresql://... (or off): a SQLite batch database's volume "
+            "attaches to one pod"
         )
     if values["port"] == 0:
         raise ConfigError("--port 0 (any free port) cannot be a Service's port; give the frontend's port")

@@ -25,6 +25,9 @@ class FrontendConfig:
     """HTTP address to listen on."""
     port: int = setting(8000, "--port", "-p", env="DYN_HTTP_PORT")
     """HTTP port (0: any free port)."""
+    advertise_host: str | None = setting(None, "--advertise-host", env="DYN_HTTP_ADVERTISE_HOST", panel=HTTP)
+    """The address a planner reaches this frontend's /metrics at, as registered in discovery (default: --host;
+    give it where --host is 0.0.0.0: a pod's IP)."""
     namespace: str = setting(DEFAULT_NAMESPACE, NAMESPACE)
     router: str = setting("round-robin", "--router", env="DYN_ROUTER_MODE")
     """How the frontend picks a worker: round-robin | random | kv | remote (spread over `dyn router` replicas)."""
@@ -90,6 +93,11 @@ class FrontendConfig:
             raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.lora_replicas < 0:
             raise ConfigError(f"--lora-replicas must be >= 0, got {self.lora_replicas}")
+
+    @property
+    def advertised_host(self) -> str:
+        """Where other processes reach this frontend: `advertise_host`, else `host`."""
+        return self.advertise_host or self.host
 
     @property
     def scheme(self) -> str:

@@ -148,12 +148,14 @@ def test_each_pods_command_line_builds_the_config_dyn_serve_builds_from_the_same
     drain = [] if "--graceful-shutdown" in flags else ["--graceful-shutdown", "60"]  # render's default for a pod
     want = _serve_config([*flags, *planes, *drain], files)
 
+    monkeypatch.setenv("DYN_HTTP_ADVERTISE_HOST", POD_IP)  # the downward API, as for the workers below
     frontend = _serve_config(_mounted(pods["frontend"][1:], files), files)
+    monkeypatch.delenv("DYN_HTTP_ADVERTISE_HOST")
     assert pods["frontend"][0] == "serve" and frontend.num_workers == 0
     batch = want.frontend.batch
     if batch.db != "off" and not batch.db.startswith("postgresql://"):  # a SQLite file: on the pod's claim
         batch = replace(batch, db=BATCH_DB)
-    assert frontend.frontend == replace(want.frontend, host="0.0.0.0", batch=batch)
+    assert frontend.frontend == replace(want.frontend, host="0.0.0.0", advertise_host=POD_IP, batch=batch)
 
     monkeypatch.setenv("DYN_WORKER_HOST", POD_IP)
     disk = want.worker.kv_tiers
@@ -333,7 +335,9 @@ def test_the_planner_pods_command_line_is_a_kubernetes_planner_of_the_rendered_p
     assert (values["ttft"], values["itl"], values["min_workers"], values["max_workers"]) == (250, 25, 2, 6)
     names = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
     assert {values["k8s_decode_deployment"], values["k8s_prefill_deployment"]} == {"dyn-decode", "dyn-prefill"} <= names
-    assert values["frontend"] == ["http://dyn-frontend:8000"] and values["system_port"] == 9090
+    assert not values["frontend"] and values["system_port"] == 9090  # the frontends it finds in discovery
+    run = plan.plan_run(values)
+    assert (run.discovery, run.namespace) == ("etcd://dyn-etcd:2379", "dyn")
     mounted = deployment(objects, "dyn-planner")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "profile", "configMap": {"name": "dyn-planner-profile"}} in mounted
     (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]

@@ -281,3 +281,21 @@ def test_out_writes_a_kustomization_an_overlay_can_patch(tmp_path: Path) -> None
     listed = sorted(kustomization["resources"])
     assert listed == sorted(p.name for p in out.glob("*.yaml") if p.name != "kustomization.yaml")
     assert f"kubectl apply -k {out}" in result.stderr
+
+
+def test_several_frontend_pods_share_one_routing_view_and_the_planner_reads_each(files: Files) -> None:
+    flags = ["--frontend-replicas", "3", "--batch-db", "off", "--router", "kv", "--engine", "mocker"]
+    flags += ["--planner", "--planner-ttft", "200", "--planner-itl", "20", "--planner-profile", str(files.profile)]
+    objects, _ = render(flags)
+    frontend = deployment(objects, "dyn-frontend")
+    assert frontend["spec"]["replicas"] == 3
+    assert frontend["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}  # drops no pod
+    container = frontend["spec"]["template"]["spec"]["containers"][0]
+    assert "--router-replica-sync" in container["args"]  # the pods' routers count each other's in-flight load
+    assert _env(container)["DYN_HTTP_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    budget = next(o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "dyn-frontend")
+    assert budget["spec"]["maxUnavailable"] == 1  # a drain leaves two of three up
+    planner = _pod(objects, "dyn-planner")["containers"][0]["args"]
+    assert "--frontend" not in planner  # each pod's /metrics, found in discovery, not a random pod behind the Service
+    with pytest.raises(ConfigError, match="--frontend-replicas > 1 needs --batch-db postgresql"):
+        render(["--frontend-replicas", "2"])
