@@ -143,6 +143,13 @@ K8S = [
     opt("env", "--env", list[str] | None, None, "NAME=VALUE in every dyn container (repeatable)."),
     opt("env_from", "--env-from", list[str] | None, None, "A Secret whose keys become variables (repeatable)."),
     opt(
+        "planes_replicas",
+        "--planes-replicas",
+        int,
+        1,
+        "Members of the bundled etcd and NATS: 1, or a quorum of 3 or 5 (each with a disruption budget).",
+    ),
+    opt(
         "frontend_replicas",
         "--frontend-replicas",
         int,
@@ -252,8 +259,9 @@ def target_of(values: dict[str, Any]) -> Target:
     api_keys = read_api_keys([], key_file, {}) if key_file else ()  # checked here, never written
     if key_file:
         secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
-    discovery, etcd_files = plane_url(k8s["etcd"], "--etcd", bundled.etcd_url(names))
-    events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names))
+    members = k8s["planes_replicas"]
+    discovery, etcd_files = plane_url(k8s["etcd"], "--etcd", bundled.etcd_url(names, members))
+    events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names, members))
     if etcd_files or nats_files:
         secrets.append(SecretSource(names.planes, etcd_files + nats_files))
     given = {
@@ -296,6 +304,8 @@ def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
             f"--service-type {k8s['service_type']} with no --api-key-file serves the API, the Files/Batch API and "
             "/metrics to anyone who reaches the node or the load balancer; add --api-key-file, or --allow-public"
         )
+    if k8s["planes_replicas"] not in (1, 3, 5):
+        raise ConfigError(f"--planes-replicas must be 1, 3 or 5 (a quorum), got {k8s['planes_replicas']}")
     if k8s["frontend_replicas"] < 1:
         raise ConfigError(f"--frontend-replicas must be >= 1, got {k8s['frontend_replicas']}")
     db = values["batch_db"]
@@ -333,6 +343,7 @@ def _cluster(config: ServeConfig, k8s: dict[str, Any], ns: str, names: Names, im
         etcd_bundled=k8s["etcd"] == "bundled",
         nats_bundled=k8s["nats"] == "bundled",
         storage_class=k8s["storage_class"],
+        planes_replicas=k8s["planes_replicas"],
         metrics_namespace=k8s["metrics_namespace"],
     )
 

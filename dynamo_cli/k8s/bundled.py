@@ -2,9 +2,11 @@
 each, with a persistent volume and a headless Service, reachable only from the deployment's own pods (the
 NetworkPolicy), so they run without credentials.
 
-One member each: losing its pod pauses discovery or the event plane until the StatefulSet brings it back on the
-same volume (workers keep serving the requests they hold; leases are renewed on reconnect). For a replicated
-etcd or NATS cluster, run one and pass `--etcd URL` / `--nats URL`.
+One member each by default: losing its pod pauses discovery or the event plane until the StatefulSet brings it back
+on the same volume (workers keep serving the requests they hold; leases are renewed on reconnect), and no
+disruption budget is written for it (one would either protect nothing or block every node drain). With
+`--planes-replicas 3` (or 5) each is a cluster: an etcd of that many members, a NATS cluster with routes between
+its servers, started together (`Parallel`), each with a budget that keeps a quorum up through a drain.
 """
 
 from __future__ import annotations
@@ -16,30 +18,38 @@ from dynamo_cli.k8s.objects import (
     Resources,
     claim_spec,
     container_security,
-    disruption_budget,
     metadata,
     pod_security,
 )
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 NATS_IMAGE = "nats:2.10.24-alpine"
+NATS_CLUSTER_PORT = 6222
 ETCD_STORAGE = "4Gi"
 """The etcd member's volume: room for its 2 GiB backend quota (etcd's default), the WAL and snapshots besides."""
 
 
-def etcd_url(names: Names) -> str:
-    """What `--discovery` is when etcd is bundled: its headless Service's name resolves to the member's pod."""
-    return f"etcd://{names.of(Part.ETCD)}:{PORTS.etcd_client}"
+def etcd_url(names: Names, replicas: int = 1) -> str:
+    """What `--discovery` is when etcd is bundled: the headless Service's name (one member), or each member's."""
+    return "etcd://" + ",".join(f"{host}:{PORTS.etcd_client}" for host in _hosts(names, Part.ETCD, replicas))
 
 
-def nats_url(names: Names) -> str:
-    return f"nats://{names.of(Part.NATS)}:{PORTS.nats_client}"
+def nats_url(names: Names, replicas: int = 1) -> str:
+    return "nats://" + ",".join(f"{host}:{PORTS.nats_client}" for host in _hosts(names, Part.NATS, replicas))
 
 
-def etcd(names: Names, namespace: str, storage: str, storage_class: str | None) -> list[Obj]:
-    """etcd 3.5, one member, its data on a claim."""
+def _hosts(names: Names, part: Part, replicas: int) -> list[str]:
+    service = names.of(part)
+    return [service] if replicas == 1 else [f"{service}-{i}.{service}" for i in range(replicas)]
+
+
+def etcd(names: Names, namespace: str, storage: str, storage_class: str | None, replicas: int = 1) -> list[Obj]:
+    """etcd 3.5, `replicas` members, each one's data on a claim; probed on /livez and /readyz (3.5.11+: a NOSPACE
+    alarm, which a restart cannot clear, fails neither)."""
     service = names.of(Part.ETCD)
     peer = f"http://$(POD_NAME).{service}:{PORTS.etcd_peer}"
+    members = [f"{service}-{i}=http://{service}-{i}.{service}:{PORTS.etcd_peer}" for i in range(replicas)]
+    cluster = ",".join(members) if replicas > 1 else f"$(POD_NAME)={peer}"
     args = [
         "--name=$(POD_NAME)",
         "--data-dir=/var/lib/etcd/data",
@@ -47,18 +57,20 @@ def etcd(names: Names, namespace: str, storage: str, storage_class: str | None) 
         f"--advertise-client-urls=http://$(POD_NAME).{service}:{PORTS.etcd_client}",
         f"--listen-peer-urls=http://0.0.0.0:{PORTS.etcd_peer}",
         f"--initial-advertise-peer-urls={peer}",
-        f"--initial-cluster=$(POD_NAME)={peer}",
+        f"--initial-cluster={cluster}",
+        "--initial-cluster-state=new",
         "--auto-compaction-retention=1h",
     ]
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     ports = [("client", PORTS.etcd_client), ("peer", PORTS.etcd_peer)]
     container = _container(Part.ETCD, ETCD_IMAGE, "etcd", args, ports, env)
-    container |= _probes(Probe("client"), "/health", "/health") | _data("/var/lib/etcd")
-    return _stateful(names, namespace, Part.ETCD, container, storage, storage_class)
+    container |= _probes(Probe("client"), "/livez", "/readyz") | _data("/var/lib/etcd")
+    return _stateful(names, namespace, Part.ETCD, container, storage, storage_class, replicas)
 
 
-def nats(names: Names, namespace: str, storage: str, storage_class: str | None) -> list[Obj]:
-    """nats-server 2.10 with JetStream on a claim; its monitoring port answers the probes."""
+def nats(names: Names, namespace: str, storage: str, storage_class: str | None, replicas: int = 1) -> list[Obj]:
+    """nats-server 2.10 with JetStream on a claim, `replicas` servers routed to each other; its monitoring port
+    answers the probes."""
     args = [
         "--port",
         str(PORTS.nats_client),
@@ -69,9 +81,16 @@ def nats(names: Names, namespace: str, storage: str, storage_class: str | None) 
         "/data",
     ]
     ports = [("client", PORTS.nats_client), ("monitor", PORTS.nats_monitor)]
-    container = _container(Part.NATS, NATS_IMAGE, "nats-server", args, ports)
+    env = None
+    if replicas > 1:
+        routes = ",".join(f"nats://{host}:{NATS_CLUSTER_PORT}" for host in _hosts(names, Part.NATS, replicas))
+        args += ["--server_name", "$(POD_NAME)", "--cluster_name", names.of(Part.NATS)]
+        args += ["--cluster", f"nats://0.0.0.0:{NATS_CLUSTER_PORT}", "--routes", routes]
+        ports.append(("cluster", NATS_CLUSTER_PORT))
+        env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    container = _container(Part.NATS, NATS_IMAGE, "nats-server", args, ports, env)
     container |= _probes(Probe("monitor"), "/healthz", "/healthz?js-enabled-only=true") | _data("/data")
-    return _stateful(names, namespace, Part.NATS, container, storage, storage_class)
+    return _stateful(names, namespace, Part.NATS, container, storage, storage_class, replicas)
 
 
 def _container(
@@ -104,9 +123,9 @@ def _data(path: str) -> Obj:
 
 
 def _stateful(
-    names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None
+    names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None, replicas: int
 ) -> list[Obj]:
-    """The StatefulSet, its headless Service (the stable DNS name) and its disruption budget."""
+    """The StatefulSet, its headless Service (the stable DNS names) and, for a cluster, its disruption budget."""
     # volumeClaimTemplates cannot change once applied: the selector's labels only, no version (an upgrade re-renders)
     claim = {"metadata": {"name": "data", "labels": names.selector(part)}, "spec": claim_spec(storage, storage_class)}
     pod = {
@@ -122,7 +141,8 @@ def _stateful(
         "metadata": metadata(names, namespace, part),
         "spec": {
             "serviceName": names.of(part),
-            "replicas": 1,
+            "replicas": replicas,
+            "podManagementPolicy": "Parallel",  # a cluster's members find each other only once all start
             "selector": {"matchLabels": names.selector(part)},
             "template": {"metadata": {"labels": names.labels(part)}, "spec": pod},
             "volumeClaimTemplates": [claim],
@@ -142,4 +162,8 @@ def _stateful(
             ],
         },
     }
-    return [statefulset, headless, disruption_budget(names, namespace, part)]
+    if replicas == 1:
+        return [statefulset, headless]
+    quorum = {"minAvailable": replicas // 2 + 1, "selector": {"matchLabels": names.selector(part)}}
+    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": metadata(names, namespace, part)}
+    return [statefulset, headless, budget | {"spec": quorum}]

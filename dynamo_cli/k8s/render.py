@@ -38,6 +38,8 @@ class Cluster:
     storage_class: str | None = None
     """The class of the claims rendered here, the bundled planes' and the batch database's (None: the cluster's
     default)."""
+    planes_replicas: int = 1
+    """Members of the bundled etcd and servers of the bundled NATS (1, or an odd quorum: 3, 5)."""
     metrics_namespace: str | None = None
     """A namespace whose pods (Prometheus) may scrape the metrics ports; None: only the frontend's HTTP port is
     reachable from outside the namespace."""
@@ -72,9 +74,9 @@ def render(
     if Part.PLANNER in parts:
         objects += planner_rbac(names, ns, [names.of(c.part) for c in components if c.part in WORKER_PARTS])
     if cluster.etcd_bundled:
-        objects += bundled.etcd(names, ns, bundled.ETCD_STORAGE, cluster.storage_class)
+        objects += bundled.etcd(names, ns, bundled.ETCD_STORAGE, cluster.storage_class, cluster.planes_replicas)
     if cluster.nats_bundled:
-        objects += bundled.nats(names, ns, "2Gi", cluster.storage_class)
+        objects += bundled.nats(names, ns, "2Gi", cluster.storage_class, cluster.planes_replicas)
     for component in components:  # before the pods that mount them
         claims = [m for m in component.mounts if m.claim is not None and m.writable]
         objects += [volume_claim(names, ns, component.part, m, cluster.storage_class) for m in claims]

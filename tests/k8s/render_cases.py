@@ -129,6 +129,7 @@ def cases(files: Files) -> dict[str, list[str]]:
             f"tls://nats.infra:4222?ca={files.ca}",
         ],
         "external-etcd-bundled-nats": ["--etcd", "etcd://10.0.0.5:2379,10.0.0.6:2379"],
+        "planes-quorum": ["--planes-replicas", "3", "--frontend-replicas", "2", "--batch-db", "off"],
         "gpu-vllm": [
             "--engine",
             "vllm",

@@ -299,3 +299,29 @@ def test_several_frontend_pods_share_one_routing_view_and_the_planner_reads_each
     assert "--frontend" not in planner  # each pod's /metrics, found in discovery, not a random pod behind the Service
     with pytest.raises(ConfigError, match="--frontend-replicas > 1 needs --batch-db postgresql"):
         render(["--frontend-replicas", "2"])
+
+
+def test_bundled_planes_run_as_quorums_with_budgets_that_keep_one_and_probes_a_restart_can_clear() -> None:
+    single, _ = render([])
+    assert not [o for o in single if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "dyn-etcd"]
+    objects, _ = render(["--planes-replicas", "3"])
+    etcd = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "dyn-etcd")
+    assert (etcd["spec"]["replicas"], etcd["spec"]["podManagementPolicy"]) == (3, "Parallel")
+    container = etcd["spec"]["template"]["spec"]["containers"][0]
+    cluster = next(a for a in container["args"] if a.startswith("--initial-cluster="))
+    assert cluster.count("=http://dyn-etcd-") == 3 and "dyn-etcd-2.dyn-etcd:2380" in cluster
+    assert (container["livenessProbe"]["httpGet"]["path"], container["readinessProbe"]["httpGet"]["path"]) == (
+        "/livez",
+        "/readyz",
+    )
+    nats = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "dyn-nats")
+    args = nats["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routes") + 1].count("nats://dyn-nats-") == 3
+    for name in ("dyn-etcd", "dyn-nats"):
+        budget = next(o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == name)
+        assert budget["spec"]["minAvailable"] == 2  # a drain takes one member, never the quorum
+    worker = _pod(objects, "dyn-worker")["containers"][0]["args"]
+    discovery = worker[worker.index("--discovery") + 1]
+    assert discovery == "etcd://dyn-etcd-0.dyn-etcd:2379,dyn-etcd-1.dyn-etcd:2379,dyn-etcd-2.dyn-etcd:2379"
+    with pytest.raises(ConfigError, match="--planes-replicas must be 1, 3 or 5"):
+        render(["--planes-replicas", "2"])
