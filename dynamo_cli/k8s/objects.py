@@ -399,5 +399,19 @@ def planner_rbac(names: Names, namespace: str, scaled: list[str]) -> list[Obj]:
     return [account, role, binding]
 
 
+def viewer_role(names: Names, namespace: str) -> Obj:
+    """`NAME-viewer`: what `dyn k8s status` reads, to bind to whoever runs it (`kubectl create rolebinding
+    --role NAME-viewer --group ...`): list of the deployment's workloads and pods, and the details (pod logs,
+    events, the frontend's /health through the service proxy). Read-only; no binding is rendered."""
+    rules = [
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods", "events"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["services/proxy"], "verbs": ["get"]},  # named https:NAME:PORT with TLS
+    ]
+    meta = metadata(names, namespace, None, f"{names.instance}-viewer")
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules}
+
+
 def config_map(names: Names, namespace: str, part: Part | None, name: str, data: dict[str, str]) -> Obj:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(names, namespace, part, name), "data": data}

@@ -18,6 +18,7 @@ from dynamo_cli.k8s.objects import (
     network_policies,
     planner_rbac,
     service,
+    viewer_role,
     volume_claim,
 )
 
@@ -87,7 +88,7 @@ def render(
             objects.append(service(names, ns, Part.FRONTEND, http, cluster.service_type))
         objects.append(disruption_budget(names, ns, component.part))
     objects += network_policies(names, ns, cluster.http_port, cluster.metrics_namespace)
-    return objects
+    return [*objects, viewer_role(names, ns)]
 
 
 def kubectl_lines(cluster: Cluster, secrets: list[SecretSource]) -> list[str]:

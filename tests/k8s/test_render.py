@@ -145,7 +145,7 @@ def test_the_planners_role_grants_exactly_scale_get_patch_and_deployment_get(
 ) -> None:
     for case in ("planner-agg", "planner-disagg"):
         objects = rendered[case]
-        (role,) = by_kind(objects, "Role")
+        (role,) = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "dyn-planner"]  # (and dyn-viewer)
         pools = sorted(
             o["metadata"]["name"]
             for o in by_kind(objects, "Deployment")
@@ -177,7 +177,8 @@ def test_the_planners_role_grants_exactly_scale_get_patch_and_deployment_get(
     for case in CASES:  # no other pod holds an API token, no other shape any RBAC
         tokens = [s for s in pod_specs(rendered[case]) if s.get("automountServiceAccountToken") is not False]
         assert len(tokens) == (1 if case.startswith("planner") else 0)
-        assert bool(by_kind(rendered[case], "Role")) == case.startswith("planner")
+        roles = {r["metadata"]["name"].rsplit("-", 1)[1] for r in by_kind(rendered[case], "Role")}
+        assert roles == ({"planner", "viewer"} if case.startswith("planner") else {"viewer"})  # the viewer: unbound
 
 
 def test_the_shapes_have_the_components_and_counts_the_flags_ask_for(

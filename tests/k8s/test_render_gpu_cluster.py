@@ -325,3 +325,28 @@ def test_bundled_planes_run_as_quorums_with_budgets_that_keep_one_and_probes_a_r
     assert discovery == "etcd://dyn-etcd-0.dyn-etcd:2379,dyn-etcd-1.dyn-etcd:2379,dyn-etcd-2.dyn-etcd:2379"
     with pytest.raises(ConfigError, match="--planes-replicas must be 1, 3 or 5"):
         render(["--planes-replicas", "2"])
+
+
+def test_a_viewer_role_grants_what_dyn_k8s_status_reads_and_nothing_more() -> None:
+    from dynamo_cli.k8s.cluster import PERMISSIONS
+
+    objects, _ = render([])
+    (viewer,) = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "dyn-viewer"]
+    granted = {
+        (group, resource, verb)
+        for r in viewer["rules"]
+        for group in r["apiGroups"]
+        for resource in r["resources"]
+        for verb in r["verbs"]
+    }
+    assert granted == {
+        ("apps", "deployments", "list"),
+        ("apps", "statefulsets", "list"),
+        ("", "pods", "list"),
+        ("", "events", "list"),
+        ("", "pods/log", "get"),
+        ("", "services/proxy", "get"),
+    }
+    for resource in ("deployments", "statefulsets", "pods", "pods/log", "services/proxy", "events"):
+        assert resource in PERMISSIONS  # what status says it needs is what the Role grants
+    assert not [o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "dyn-viewer"]
