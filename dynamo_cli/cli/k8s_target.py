@@ -252,13 +252,7 @@ def target_of(values: dict[str, Any]) -> Target:
     _check_flags(values, k8s)
     image = k8s["image"] or f"dyn:{__version__}-{values['engine']}"
     _check_image(image)
-    secrets = [_cluster_secret(names, values.pop("cluster_secret_file"))]
-    if values.pop("api_key"):
-        raise ConfigError("--api-key would write a key into the manifests; put the keys in a file: --api-key-file")
-    key_file = values.pop("api_key_file")
-    api_keys = read_api_keys([], key_file, {}) if key_file else ()  # checked here, never written
-    if key_file:
-        secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
+    secrets, api_keys = _key_secrets(values, names)
     members = k8s["planes_replicas"]
     discovery, etcd_files = plane_url(k8s["etcd"], "--etcd", bundled.etcd_url(names, members))
     events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names, members))
@@ -290,6 +284,19 @@ def target_of(values: dict[str, Any]) -> Target:
     return Target(
         config, plan, cluster, secrets, pools, model, batches, startup_s, shm, env, env_from, replicas, placement
     )
+
+
+def _key_secrets(values: dict[str, Any], names: Names) -> tuple[list[SecretSource], tuple[str, ...]]:
+    """The cluster secret's and the API keys' Secrets (their files read and checked here, never written), and the
+    keys; `--api-key VALUE` refused (it would be in the manifests)."""
+    secrets = [_cluster_secret(names, values.pop("cluster_secret_file"))]
+    if values.pop("api_key"):
+        raise ConfigError("--api-key would write a key into the manifests; put the keys in a file: --api-key-file")
+    key_file = values.pop("api_key_file")
+    api_keys = read_api_keys([], key_file, {}) if key_file else ()
+    if key_file:
+        secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
+    return secrets, tuple(api_keys)
 
 
 def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:

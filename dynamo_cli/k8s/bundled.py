@@ -122,6 +122,25 @@ def _data(path: str) -> Obj:
     return {"volumeMounts": [{"name": "data", "mountPath": path}]}
 
 
+def _headless(names: Names, namespace: str, part: Part, container: Obj) -> Obj:
+    """The headless Service: each member's stable DNS name (`NAME-0.NAME`), published before it is ready (the
+    members of a cluster must find each other to become ready)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(names, namespace, part),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.selector(part),
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+                for p in container["ports"]
+            ],
+        },
+    }
+
+
 def _stateful(
     names: Names, namespace: str, part: Part, container: Obj, storage: str, storage_class: str | None, replicas: int
 ) -> list[Obj]:
@@ -148,20 +167,7 @@ def _stateful(
             "volumeClaimTemplates": [claim],
         },
     }
-    headless = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(names, namespace, part),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": names.selector(part),
-            "ports": [
-                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-                for p in container["ports"]
-            ],
-        },
-    }
+    headless = _headless(names, namespace, part, container)
     if replicas == 1:
         return [statefulset, headless]
     quorum = {"minAvailable": replicas // 2 + 1, "selector": {"matchLabels": names.selector(part)}}
