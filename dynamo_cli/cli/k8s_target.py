@@ -142,6 +142,15 @@ K8S = [
     opt("image_pull_secret", "--image-pull-secret", list[str] | None, None, "Every pod's pull Secret (repeatable)."),
     opt("env", "--env", list[str] | None, None, "NAME=VALUE in every dyn container (repeatable)."),
     opt("env_from", "--env-from", list[str] | None, None, "A Secret whose keys become variables (repeatable)."),
+    opt("pod_monitor", "--pod-monitor", bool, False, "A prometheus-operator PodMonitor scraping every pod."),
+    opt(
+        "gateway",
+        "--gateway",
+        str | None,
+        None,
+        "[NAMESPACE/]NAME of a Gateway (Gateway API): an HTTPRoute from it to the frontend, with no request timeout.",
+    ),
+    opt("hostname", "--hostname", list[str] | None, None, "--gateway: a hostname the route answers (repeatable)."),
     opt(
         "planes_replicas",
         "--planes-replicas",
@@ -311,6 +320,8 @@ def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
             f"--service-type {k8s['service_type']} with no --api-key-file serves the API, the Files/Batch API and "
             "/metrics to anyone who reaches the node or the load balancer; add --api-key-file, or --allow-public"
         )
+    if k8s["hostname"] and k8s["gateway"] is None:
+        raise ConfigError("--hostname needs --gateway (it is the HTTPRoute's)")
     if k8s["planes_replicas"] not in (1, 3, 5):
         raise ConfigError(f"--planes-replicas must be 1, 3 or 5 (a quorum), got {k8s['planes_replicas']}")
     if k8s["frontend_replicas"] < 1:
@@ -351,8 +362,20 @@ def _cluster(config: ServeConfig, k8s: dict[str, Any], ns: str, names: Names, im
         nats_bundled=k8s["nats"] == "bundled",
         storage_class=k8s["storage_class"],
         planes_replicas=k8s["planes_replicas"],
+        pod_monitor=k8s["pod_monitor"],
+        gateway=_gateway(k8s["gateway"]),
+        hostnames=tuple(k8s["hostname"] or ()),
+        frontend_scheme=None if config.frontend.auth.metrics_require_key else config.frontend.scheme,
         metrics_namespace=k8s["metrics_namespace"],
     )
+
+
+def _gateway(text: str | None) -> tuple[str | None, str] | None:
+    """`--gateway [NAMESPACE/]NAME`."""
+    if text is None:
+        return None
+    namespace, _, name = text.rpartition("/")
+    return (check_name("--gateway", namespace) if namespace else None), check_name("--gateway", name)
 
 
 def _placement(k8s: dict[str, Any]) -> Placement:

@@ -399,6 +399,39 @@ def planner_rbac(names: Names, namespace: str, scaled: list[str]) -> list[Obj]:
     return [account, role, binding]
 
 
+def pod_monitor(names: Names, namespace: str, frontend_scheme: str | None) -> Obj:
+    """A prometheus-operator PodMonitor scraping every pod of the deployment on the ports the prometheus.io
+    annotations name: `system` (workers, routers, planner) and `http` (the frontend; None: its /metrics needs an
+    API key, so it is left out). A pod without one of the ports is not scraped on it."""
+    endpoints: list[Obj] = [{"port": "system", "path": "/metrics", "scheme": "http"}]
+    if frontend_scheme is not None:
+        endpoint: Obj = {"port": "http", "path": "/metrics", "scheme": frontend_scheme}
+        if frontend_scheme == "https":  # the frontend's certificate names its Service, not the pod IP scraped
+            endpoint["tlsConfig"] = {"insecureSkipVerify": True}
+        endpoints.append(endpoint)
+    meta = metadata(names, namespace, None, names.instance)
+    spec = {"selector": {"matchLabels": names.instance_selector()}, "podMetricsEndpoints": endpoints}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta, "spec": spec}
+
+
+def http_route(names: Names, namespace: str, gateway: tuple[str | None, str], hostnames: list[str], port: int) -> Obj:
+    """A Gateway API HTTPRoute from `gateway` ((namespace or None, name)) to the frontend Service, with no request
+    timeout (a stream runs as long as its tokens do)."""
+    gateway_namespace, gateway_name = gateway
+    parent: Obj = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway_name}
+    parent |= {"namespace": gateway_namespace} if gateway_namespace is not None else {}
+    rule = {
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"name": names.of(Part.FRONTEND), "port": port}],
+        "timeouts": {"request": "0s"},  # 0s: no timeout (the Gateway API's zero duration)
+    }
+    spec: Obj = {"parentRefs": [parent], "rules": [rule]}
+    if hostnames:
+        spec = {"hostnames": hostnames} | spec
+    meta = metadata(names, namespace, Part.FRONTEND)
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": meta, "spec": spec}
+
+
 def viewer_role(names: Names, namespace: str) -> Obj:
     """`NAME-viewer`: what `dyn k8s status` reads, to bind to whoever runs it (`kubectl create rolebinding
     --role NAME-viewer --group ...`): list of the deployment's workloads and pods, and the details (pod logs,

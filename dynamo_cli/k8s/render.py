@@ -15,8 +15,10 @@ from dynamo_cli.k8s.objects import (
     config_map,
     deployment,
     disruption_budget,
+    http_route,
     network_policies,
     planner_rbac,
+    pod_monitor,
     service,
     viewer_role,
     volume_claim,
@@ -39,6 +41,13 @@ class Cluster:
     storage_class: str | None = None
     """The class of the claims rendered here, the bundled planes' and the batch database's (None: the cluster's
     default)."""
+    pod_monitor: bool = False
+    """A prometheus-operator PodMonitor of every pod (`--pod-monitor`)."""
+    gateway: tuple[str | None, str] | None = None
+    """An HTTPRoute to the frontend from this Gateway (namespace or None, name; `--gateway`)."""
+    hostnames: tuple[str, ...] = ()
+    frontend_scheme: str | None = "http"
+    """The frontend's /metrics scheme for the PodMonitor; None: it needs an API key (not scraped by it)."""
     planes_replicas: int = 1
     """Members of the bundled etcd and servers of the bundled NATS (1, or an odd quorum: 3, 5)."""
     metrics_namespace: str | None = None
@@ -88,6 +97,10 @@ def render(
             objects.append(service(names, ns, Part.FRONTEND, http, cluster.service_type))
         objects.append(disruption_budget(names, ns, component.part))
     objects += network_policies(names, ns, cluster.http_port, cluster.metrics_namespace)
+    if cluster.pod_monitor:
+        objects.append(pod_monitor(names, ns, cluster.frontend_scheme))
+    if cluster.gateway is not None:
+        objects.append(http_route(names, ns, cluster.gateway, list(cluster.hostnames), cluster.http_port))
     return [*objects, viewer_role(names, ns)]
 
 

@@ -350,3 +350,41 @@ def test_a_viewer_role_grants_what_dyn_k8s_status_reads_and_nothing_more() -> No
     for resource in ("deployments", "statefulsets", "pods", "pods/log", "services/proxy", "events"):
         assert resource in PERMISSIONS  # what status says it needs is what the Role grants
     assert not [o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "dyn-viewer"]
+
+
+def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("extra", [[], ["--router", "remote", "--disagg"]])
+def test_a_pod_monitor_scrapes_every_pod_on_the_port_its_annotations_name(extra: list[str], files: Files) -> None:
+    objects, _ = render(["--pod-monitor", *extra])
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for workload in (o for o in objects if o["kind"] == "Deployment"):
+        template = workload["spec"]["template"]
+        assert _labels_match(selector, template["metadata"]["labels"]), workload["metadata"]["name"]
+        (container,) = template["spec"]["containers"]
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        scraped = [named[p] for p in ports if p in named]
+        assert scraped == [int(template["metadata"]["annotations"]["prometheus.io/port"])], workload["metadata"]["name"]
+    keyed, _ = render(["--pod-monitor", "--api-key-file", str(files.api_keys), "--metrics-require-key"])
+    (monitor,) = [o for o in keyed if o["kind"] == "PodMonitor"]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["system"]  # /metrics behind a key: not
+
+
+def test_an_http_route_sends_a_gateways_traffic_to_the_frontend_with_no_timeout() -> None:
+    objects, _ = render(["--gateway", "infra/public", "--hostname", "llm.example.com", "--port", "8080"])
+    (route,) = [o for o in objects if o["kind"] == "HTTPRoute"]
+    assert route["spec"]["parentRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "public", "namespace": "infra"}
+    ]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    (rule,) = route["spec"]["rules"]
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "dyn-frontend")
+    assert rule["backendRefs"] == [{"name": "dyn-frontend", "port": 8080}]
+    assert service["spec"]["ports"][0]["port"] == 8080
+    assert rule["timeouts"] == {"request": "0s"}  # a stream is not cut at the gateway's default
+    with pytest.raises(ConfigError, match="--hostname needs --gateway"):
+        render(["--hostname", "llm.example.com"])
