@@ -213,7 +213,7 @@ class Target:
     plan: ServePlan | None
     cluster: Cluster
     secrets: list[SecretSource]
-    pools: dict[Role, Pool]
+    pools: dict[Role, PoolShape]
     """The worker pools' resources and engine options, by role (BOTH, or DECODE and PREFILL)."""
     model: ModelSource
     batches: BatchStorage
@@ -235,7 +235,7 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
-class Pool:
+class PoolShape:
     """One worker pool's pods: what each requests, and the engine options only it gets."""
 
     resources: Resources
@@ -421,13 +421,13 @@ def _check_split_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
         raise ConfigError(f"--{planner[0].replace('_', '-')} needs --planner")
 
 
-def _pools(config: ServeConfig, k8s: dict[str, Any]) -> dict[Role, Pool]:
+def _pools(config: ServeConfig, k8s: dict[str, Any]) -> dict[Role, PoolShape]:
     """Each pool's resources and own engine options: the prefill pool's flags over the worker flags."""
     extra = tuple(_pair(item, "--worker-resource", "NAME=QUANTITY") for item in k8s["worker_resource"] or ())
     disk = _disk_request(config)
     worker = Resources(k8s["worker_cpu"], k8s["worker_memory"], k8s["gpus_per_worker"], extra, disk)
     if not config.num_prefill_workers:
-        return {Role.BOTH: Pool(worker, {})}
+        return {Role.BOTH: PoolShape(worker, {})}
     prefill = Resources(
         k8s["prefill_worker_cpu"] or worker.cpu,
         k8s["prefill_worker_memory"] or worker.memory,
@@ -436,8 +436,8 @@ def _pools(config: ServeConfig, k8s: dict[str, Any]) -> dict[Role, Pool]:
         worker.ephemeral_storage,
     )
     return {
-        Role.DECODE: Pool(worker, o.engine_extra(k8s["decode_engine_arg"], None)),
-        Role.PREFILL: Pool(prefill, o.engine_extra(k8s["prefill_engine_arg"], None)),
+        Role.DECODE: PoolShape(worker, o.engine_extra(k8s["decode_engine_arg"], None)),
+        Role.PREFILL: PoolShape(prefill, o.engine_extra(k8s["prefill_engine_arg"], None)),
     }
 
 
@@ -470,7 +470,7 @@ def _model_source(worker: WorkerConfig, k8s: dict[str, Any]) -> ModelSource:
     return ModelSource(tuple(mounts), tuple(env), tuple(secret_env))
 
 
-def _check_worker_fit(worker: WorkerConfig, pools: dict[Role, Pool], model: ModelSource) -> None:
+def _check_worker_fit(worker: WorkerConfig, pools: dict[Role, PoolShape], model: ModelSource) -> None:
     """Refuse what a worker pod could not run as rendered: a GPU engine with no GPU, a host KV tier over the
     memory limit, a LoRA adapter at a path of this machine."""
     for role, pool in pools.items():
