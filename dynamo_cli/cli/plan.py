@@ -248,6 +248,7 @@ RUN_OPTIONS = [
 def _run(**values: Any) -> None:
     """Scale a deployment: each interval read the frontends' metrics, forecast, size the pools, apply."""
     plan = plan_run(values)
+    use_log_format(values["log_format"])  # the planner's own lines as its workers' (theirs travel in their config)
     run_loop(serve_planner(plan, load_profile(values["profile"]), _report, announce))
     sys.stdout.flush()
 
@@ -263,7 +264,6 @@ def plan_run(values: dict[str, Any]) -> PlanRun:
         (PlanesConfig, "cluster_secret"): o.cluster_secret(values["cluster_secret_file"]),
     }
     worker = settings.build(WorkerConfig, values, WORKER_KNOBS, given)
-    use_log_format(worker.telemetry.log_format)
     namespace, planes = worker.namespace, worker.planes
     prefill = replace(worker, role=Role.PREFILL, component=Role.PREFILL.value)
     env = {PARENT_ENV: str(os.getpid())}  # the rest travels in each worker's config document

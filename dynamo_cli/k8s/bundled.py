@@ -25,6 +25,8 @@ from dynamo_cli.k8s.objects import (
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 NATS_IMAGE = "nats:2.10.24-alpine"
 NATS_CLUSTER_PORT = 6222
+POD_NAME_ENV = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+"""`$(POD_NAME)` in a member's arguments: its name, and through the headless Service its DNS name."""
 ETCD_STORAGE = "4Gi"
 """The etcd member's volume: room for its 2 GiB backend quota (etcd's default), the WAL and snapshots besides."""
 
@@ -61,9 +63,8 @@ def etcd(names: Names, namespace: str, storage: str, storage_class: str | None, 
         "--initial-cluster-state=new",
         "--auto-compaction-retention=1h",
     ]
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     ports = [("client", PORTS.etcd_client), ("peer", PORTS.etcd_peer)]
-    container = _container(Part.ETCD, ETCD_IMAGE, "etcd", args, ports, env)
+    container = _container(Part.ETCD, ETCD_IMAGE, "etcd", args, ports, POD_NAME_ENV)
     container |= _probes(Probe("client"), "/livez", "/readyz") | _data("/var/lib/etcd")
     return _stateful(names, namespace, Part.ETCD, container, storage, storage_class, replicas)
 
@@ -87,7 +88,7 @@ def nats(names: Names, namespace: str, storage: str, storage_class: str | None, 
         args += ["--server_name", "$(POD_NAME)", "--cluster_name", names.of(Part.NATS)]
         args += ["--cluster", f"nats://0.0.0.0:{NATS_CLUSTER_PORT}", "--routes", routes]
         ports.append(("cluster", NATS_CLUSTER_PORT))
-        env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+        env = POD_NAME_ENV
     container = _container(Part.NATS, NATS_IMAGE, "nats-server", args, ports, env)
     container |= _probes(Probe("monitor"), "/healthz", "/healthz?js-enabled-only=true") | _data("/data")
     return _stateful(names, namespace, Part.NATS, container, storage, storage_class, replicas)

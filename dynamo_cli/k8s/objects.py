@@ -321,7 +321,9 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
     return container | {
         "resources": component.resources.spec(),
         # liveness counts only once the process served: a model load of up to `startup_s` is not a hang
-        "startupProbe": probe.spec(probe.live, STARTUP_PERIOD_S, max(3, math.ceil(component.startup_s / 10))),
+        "startupProbe": probe.spec(
+            probe.live, STARTUP_PERIOD_S, max(3, math.ceil(component.startup_s / STARTUP_PERIOD_S))
+        ),
         "livenessProbe": probe.spec(probe.live, 10, 6),
         "readinessProbe": probe.spec(probe.ready, 5, 2),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
@@ -397,6 +399,11 @@ def planner_rbac(names: Names, namespace: str, scaled: list[str]) -> list[Obj]:
         "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": namespace}],
     }
     return [account, role, binding]
+
+
+def _startup_failures(startup_s: float) -> int:
+    """Failed start-up probes (every STARTUP_PERIOD_S) that make `startup_s`."""
+    return max(3, math.ceil(startup_s / STARTUP_PERIOD_S))
 
 
 def pod_monitor(names: Names, namespace: str, frontend_scheme: str | None) -> Obj:

@@ -86,6 +86,17 @@ def check_kubernetes(config: KubernetesConfig) -> None:
         raise ConfigError(f"the kubernetes connector needs positive attempts, waits and timeouts, got {config}")
 
 
+@dataclass(slots=True)
+class _ScaleUp:
+    """A pool's latest scale-up, followed until its pods are ready."""
+
+    wanted: int
+    since: float
+    """When its PATCH was accepted (monotonic)."""
+    warned: bool = False
+    """Not ready `ready_timeout_s` after it: said once."""
+
+
 class PermissionDenied(Exception):
     """The API server answered 403: the planner's Role lacks `verb` on `resource`."""
 
@@ -109,10 +120,8 @@ class KubernetesConnector:
         self._api_exception: type[Exception] = client.ApiException
         self._next_id = 1
         self._last_patch: dict[str, float] = {}
-        self._rising: dict[str, tuple[int, float]] = {}
-        """Deployments scaled up and not yet ready: (target, when the PATCH was accepted)."""
-        self._late: set[str] = set()
-        """Those already warned about."""
+        self._rising: dict[str, _ScaleUp] = {}
+        """Deployments scaled up and not yet ready."""
         self._denied: set[str] = set()
         self._closed = False
 
@@ -165,9 +174,8 @@ class KubernetesConnector:
             self._last_patch[name] = time.monotonic()
             logger.info("%s: deployment %s/%s replicas %d → %d", role, ns, name, current, wanted)
             self._rising.pop(name, None)
-            self._late.discard(name)
             if wanted > current:
-                self._rising[name] = (wanted, time.monotonic())
+                self._rising[name] = _ScaleUp(wanted, time.monotonic())
         await self._follow(role, name)
         return True
 
@@ -177,16 +185,15 @@ class KubernetesConnector:
         rising = self._rising.get(name)
         if rising is None:
             return
-        wanted, since = rising
-        ns = self.config.namespace
+        wanted, ns = rising.wanted, self.config.namespace
         deployment = await self._call("get", "deployments", self._apps.read_namespaced_deployment, name, ns)
         ready = (deployment.status.ready_replicas if deployment.status else None) or 0
-        waited = time.monotonic() - since
+        waited = time.monotonic() - rising.since
         if ready >= wanted:
             del self._rising[name]
             logger.info("%s: deployment %s/%s has its %d replicas ready (%.0f s)", role, ns, name, wanted, waited)
-        elif waited >= self.config.ready_timeout_s and name not in self._late:
-            self._late.add(name)
+        elif waited >= self.config.ready_timeout_s and not rising.warned:
+            rising.warned = True
             logger.warning(
                 "%s: deployment %s/%s has %d of %d replicas ready %.0f s after its scale-up (pods pending or "
                 "failing: `dyn k8s status` says why); the other pool scales regardless",

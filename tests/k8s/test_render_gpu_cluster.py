@@ -188,25 +188,6 @@ def test_variables_and_secrets_reach_every_dyn_container() -> None:
     assert "# yours: Secret team-env" in stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--prefill-workers", "2"], "--prefill-workers needs --disagg"),
-        (["--prefill-gpus-per-worker", "1"], "--prefill-gpus-per-worker needs --disagg"),
-        (["--planner-ttft", "200"], "--planner-ttft needs --planner"),
-        (["--port", "0"], "--port 0"),
-        (["--kv-host-cache-gb", "16", "--worker-memory", "8Gi"], "does not fit in the worker's memory limit"),
-        (["--engine", "vllm", "--model", "/models/m"], "--engine vllm runs on GPUs"),
-        (["--lora", "sql=/home/me/adapters/sql", "--engine", "mocker"], "a pod sees only its mounts"),
-        (["--env", "DYN_ROUTER_MODE=kv"], "DYN_* variables are dyn's settings"),
-        (["--env", "no-equals"], "must be NAME=VALUE"),
-    ],
-)
-def test_flags_that_would_be_dropped_are_refused(args: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
-        render(args)
-
-
 def _guide_renders(files: Files) -> list[tuple[int, list[str]]]:
     """Every `dyn k8s render` of the Kubernetes guide, with its local files made real and `--out` dropped."""
     local = {"api-keys.txt": files.api_keys, "profile.json": files.profile, "pg-password": files.batch_db_password}
