@@ -157,7 +157,7 @@ async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
             group = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="dyn-frontends-"))
             frontend = replace(config.frontend, reuse_port=True, metrics_dir=group, replica_sync=True)
             config = replace(config, frontend=frontend)
-        async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+        async with open_planes(planes) as (discovery, bus):
             try:
                 await Deployment(config, discovery, bus, Pools(pool, frontends), stop).run(plan)
             finally:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -328,26 +328,50 @@ async def serve_worker(config: WorkerConfig) -> None:
     stop_on_signals(stop)
     planes = config.planes
     tracing = start_tracing(config.telemetry, f"dyn-worker-{config.role.value}")  # no SDK: fails before the engine
+    system = _system_server(config)
     try:
-        # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s),
-        # and the lease must not go stale meanwhile.
-        engine = load_engine(config.engine)(_engine_args(config))
+        if system is not None:  # bound first: `/live` answers, and `/health` says starting, while the engine loads
+            await system.start()
+        # Built before the planes open: constructing an engine may import a large library (vLLM: ~15 s), and the
+        # lease must not go stale meanwhile; in a thread, so that the loop answers the system port.
+        engine = await asyncio.to_thread(_build_engine, config)
         # The watchdog outlives this process on purpose: it exits by itself once this process is gone.
         reaper = guard_descendants() if isinstance(engine, SpawnsProcesses) and engine.spawns_processes else None
-        async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+        if system is not None:
+            system.serve_for(_starting("joining the planes"), [])
+        async with open_planes(planes) as (discovery, bus):
             worker = WorkerService(config, engine, discovery, bus, tracing)
-            system, grace_s = _system_server(worker), config.graceful_shutdown_s
-            await serve(worker.process, worker, discovery, stop, announce, grace_s=grace_s, system=system)
+            if system is not None:
+                system.serve_for(worker.health, [worker.metrics])
+            await serve(
+                worker.process, worker, discovery, stop, announce, grace_s=config.graceful_shutdown_s, system=system
+            )
         del reaper  # held until here so its Popen is not collected (and warned about) while the worker runs
     finally:
+        if system is not None:
+            await system.close()  # idempotent: serve closed it already unless the start failed
         if tracing is not None:
             tracing.shutdown()  # the last spans exported
 
 
-def _system_server(worker: WorkerService) -> SystemServer | None:
-    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`)."""
-    port = worker.config.telemetry.system_port
-    return None if port is None else SystemServer(worker.config.host, port, worker.health, [worker.metrics])
+def _build_engine(config: WorkerConfig) -> Engine:
+    return load_engine(config.engine)(_engine_args(config))
+
+
+def _system_server(config: WorkerConfig) -> SystemServer | None:
+    """The worker's `/live`, `/health`, `/metrics` (with `--system-port`); until the worker is built, `/health`
+    says it is starting and `/metrics` has the process's series only."""
+    port = config.telemetry.system_port
+    return None if port is None else SystemServer(config.host, port, _starting("loading the engine"), [])
+
+
+def _starting(phase: str) -> Callable[[], Awaitable[HealthReport]]:
+    """`/health` before the worker serves: 503, starting, and what it is doing."""
+
+    async def health() -> HealthReport:
+        return HealthReport(False, ServingState.STARTING.value, {"phase": phase})
+
+    return health
 
 
 class KvMover:

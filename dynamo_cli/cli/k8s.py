@@ -21,6 +21,7 @@ import yaml
 from dynamo_cli.cli import plan, serve, settings
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import worker as worker_cmd
+from dynamo_cli.cli.k8s_keda import KEDA, keda_scaling
 from dynamo_cli.cli.k8s_status import status_command
 from dynamo_cli.cli.k8s_target import K8S, KNOBS, TENSOR_PARALLEL, Target, opt, target_of
 from dynamo_cli.config import WorkerConfig
@@ -103,16 +104,18 @@ EXTRA = [
         None,
     ),
     *K8S,
+    *KEDA,
     opt("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
     *serve.EXTRA,
 ]
-"""`--values`, render's own options, `--out`, then `dyn serve`'s (its shape, engine, API keys, planner)."""
+"""`--values`, render's own options (KEDA's among them), `--out`, then `dyn serve`'s (its shape, engine, API keys,
+planner)."""
 
 
 def _render(**values: Any) -> None:
     """Write the Kubernetes manifests of a `dyn serve` deployment (same flags) as YAML: stdout or --out DIR."""
     out = values.pop("out")
-    target = target_of(values)
+    target = _target(values)
     components, config_maps = _components(target)
     objects = render(target.cluster, components, config_maps)
     lines = kubectl_lines(target.cluster, target.secrets) + _yours(target)
@@ -124,6 +127,13 @@ def _render(**values: Any) -> None:
     for line in lines:
         typer.echo(line, err=True)
     typer.echo(f"kubectl apply -k {out}" if out is not None else "kubectl apply -f -", err=True)
+
+
+def _target(values: dict[str, Any]) -> Target:
+    """What the flags describe, with KEDA's scaling (checked first: it reads `--planner`, which target_of takes)."""
+    keda = keda_scaling(values)
+    target = target_of(values)
+    return replace(target, cluster=replace(target.cluster, keda=keda))
 
 
 def _yours(target: Target) -> list[str]:
@@ -222,7 +232,8 @@ def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
     return Component(
         part=part,
         args=tuple(args),
-        replicas=None if target.plan is not None else replicas,
+        # the planner's or KEDA's count: a re-apply must not reset it
+        replicas=None if target.plan is not None or target.cluster.keda is not None else replicas,
         resources=pool.resources,
         ports=tuple(ports),
         probe=Probe("system"),

@@ -41,6 +41,7 @@ SKIP = serve.SKIP | {
     "WorkerConfig.namespace",
     "PlanesConfig.discovery",  # --etcd / --nats
     "PlanesConfig.events",
+    "PlanesConfig.start_wait_s",  # the start-up allowance (--startup-timeout): etcd may bind its volume meanwhile
     "TelemetryConfig.system_port",  # every worker, router and planner serves probes on PORTS.system
     "ServeConfig.ready_timeout_s",  # Kubernetes waits (readiness) and restarts (restartPolicy)
     "ServeConfig.max_restarts",
@@ -267,18 +268,8 @@ def target_of(values: dict[str, Any]) -> Target:
     events, nats_files = plane_url(k8s["nats"], "--nats", bundled.nats_url(names, members))
     if etcd_files or nats_files:
         secrets.append(SecretSource(names.planes, etcd_files + nats_files))
-    given = {
-        (WorkerConfig, "graceful_shutdown_s"): k8s["graceful_shutdown"],
-        (FrontendConfig, "namespace"): ns,
-        (WorkerConfig, "namespace"): ns,
-        (PlanesConfig, "discovery"): discovery,
-        (PlanesConfig, "events"): events,
-        (PlanesConfig, "cluster_secret"): None,
-        (AuthConfig, "api_keys"): api_keys,
-    }
-    if k8s["frontend_replicas"] > 1:  # the pods' routers see one in-flight load
-        given[(FrontendConfig, "replica_sync")] = True
-    config, plan = serve.deployment(values, given, KNOBS, in_process=False)
+    planes = {"discovery": discovery, "events": events, "cluster_secret": None}
+    config, plan = serve.deployment(values, _given(k8s, ns, planes, api_keys), KNOBS, in_process=False)
     secrets += _frontend_secrets(config, plan, names)
     pools, model = _pools(config, k8s), _model_source(config.worker, k8s)
     _check_worker_fit(config.worker, pools, model)
@@ -293,6 +284,21 @@ def target_of(values: dict[str, Any]) -> Target:
     return Target(
         config, plan, cluster, secrets, pools, model, batches, startup_s, shm, env, env_from, replicas, placement
     )
+
+
+def _given(k8s: dict[str, Any], ns: str, planes: dict[str, Any], api_keys: tuple[str, ...]) -> dict[Any, Any]:
+    """The settings a pod's command line gets from render rather than from `dyn serve`'s flags."""
+    given: dict[Any, Any] = {(PlanesConfig, name): value for name, value in planes.items()}
+    given |= {
+        (WorkerConfig, "graceful_shutdown_s"): k8s["graceful_shutdown"],
+        (FrontendConfig, "namespace"): ns,
+        (WorkerConfig, "namespace"): ns,
+        (PlanesConfig, "start_wait_s"): float(k8s["startup_timeout"]),
+        (AuthConfig, "api_keys"): api_keys,
+    }
+    if k8s["frontend_replicas"] > 1:  # the pods' routers see one in-flight load
+        given[(FrontendConfig, "replica_sync")] = True
+    return given
 
 
 def _key_secrets(values: dict[str, Any], names: Names) -> tuple[list[SecretSource], tuple[str, ...]]:
@@ -334,7 +340,27 @@ def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
         )
     if values["port"] == 0:
         raise ConfigError("--port 0 (any free port) cannot be a Service's port; give the frontend's port")
+    _check_pool_sizes(values)
     _check_split_flags(values, k8s)
+
+
+def _check_pool_sizes(values: dict[str, Any]) -> None:
+    """With `--planner` the planner sizes the pools: a rendered count would be reset by every re-apply, and one
+    left out starts at 1, so a count is refused and the planner's floor named instead."""
+    given = [(flag, values[key]) for flag, key in POOL_SIZES if (values[key] or 1) > 1]
+    if values["planner"] and given:
+        flag, count = given[0]
+        raise ConfigError(
+            f"{flag} {count} with --planner: the planner sizes the pools (a count in the Deployment would be reset "
+            f"by every kubectl apply); give the pools' floor with --planner-min-workers {count}"
+        )
+
+
+POOL_SIZES = (
+    ("--workers", "workers"),
+    ("--decode-workers", "decode_workers"),
+    ("--prefill-workers", "prefill_workers"),
+)
 
 
 def _frontend_secrets(config: ServeConfig, plan: ServePlan | None, names: Names) -> list[SecretSource]:

@@ -36,6 +36,9 @@ class PlanesConfig:
     """The event plane: embedded (ZMQ, advertised via discovery) | nats://HOST:PORT."""
     lease_ttl: float = setting(10.0, "--lease-ttl", env="DYN_LEASE_TTL", panel=PLANES)
     """Discovery lease TTL: seconds before a dead process's keys vanish."""
+    start_wait_s: float = setting(0.0, "--planes-wait", env="DYN_PLANES_WAIT", panel=PLANES)
+    """Seconds to keep trying the planes at start while they are unreachable (etcd or NATS not up yet) before
+    failing; 0: fail at once. `dyn k8s render` sets it to the workers' start-up allowance."""
     cluster_secret: bytes | None = field(default=None, repr=False)
     """The request plane's shared secret (`--cluster-secret-file`, DYN_CLUSTER_SECRET; `dyn serve` makes
     one); every connection authenticates with it. None = unauthenticated, allowed on loopback only."""
@@ -43,3 +46,5 @@ class PlanesConfig:
     def __post_init__(self) -> None:
         if self.lease_ttl <= 0:
             raise ConfigError(f"--lease-ttl must be positive, got {self.lease_ttl}")
+        if self.start_wait_s < 0:
+            raise ConfigError(f"--planes-wait must be >= 0, got {self.start_wait_s}")

@@ -1,6 +1,7 @@
 """A whole deployment as Kubernetes objects: the components' Deployments, the frontend's Service, the bundled
-planes, the claims the components write to, the planner's RBAC, disruption budgets and NetworkPolicies; and the
-`kubectl` lines that create the Secrets they reference (no secret value is ever written into a manifest)."""
+planes, the claims the components write to, the planner's RBAC (or KEDA's ScaledObjects), disruption budgets and
+NetworkPolicies; and the `kubectl` lines that create the Secrets they reference (no secret value is ever written
+into a manifest)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shlex
 from dataclasses import dataclass
 
 from dynamo_cli.k8s import bundled
+from dynamo_cli.k8s.keda import KedaScaling, scaled_object
 from dynamo_cli.k8s.names import WORKER_PARTS, Names, Part
 from dynamo_cli.k8s.objects import (
     Component,
@@ -53,6 +55,8 @@ class Cluster:
     metrics_namespace: str | None = None
     """A namespace whose pods (Prometheus) may scrape the metrics ports; None: only the frontend's HTTP port is
     reachable from outside the namespace."""
+    keda: KedaScaling | None = None
+    """A KEDA ScaledObject per worker pool (`--keda-prometheus`); the pools' Deployments then carry no replicas."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,8 @@ def render(
         objects.append(pod_monitor(names, ns, cluster.frontend_scheme))
     if cluster.gateway is not None:
         objects.append(http_route(names, ns, cluster.gateway, list(cluster.hostnames), cluster.http_port))
+    if cluster.keda is not None:
+        objects += [scaled_object(names, ns, c.part, cluster.keda) for c in components if c.part in WORKER_PARTS]
     return [*objects, viewer_role(names, ns)]
 
 

@@ -340,5 +340,5 @@ async def serve_router(config: RouterConfig, announce: Callable[[str], None]) ->
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes
-    async with open_planes(planes.discovery, planes.events, planes.lease_ttl) as (discovery, bus):
+    async with open_planes(planes) as (discovery, bus):
         await RouterService(config, discovery, bus).run(stop, announce)

@@ -5,12 +5,22 @@ the embedded planes each import only the protocols (discovery.py, events.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
-from dynamo_cli.errors import ConfigError
+from dynamo_cli.config.common import PlanesConfig
+from dynamo_cli.errors import ConfigError, PlaneAuthFailed, PlaneUnavailable
 from dynamo_cli.runtime.discovery import DEFAULT_TTL_S, Discovery
 from dynamo_cli.runtime.events import EventBus
+
+logger = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 0.5
+"""The first wait before a plane unreachable at start is tried again; it doubles up to RETRY_MAX_S."""
+RETRY_MAX_S = 5.0
 
 
 def open_discovery(url: str, *, ttl: float = DEFAULT_TTL_S) -> Discovery:
@@ -41,14 +51,42 @@ def open_event_bus(url: str, discovery: object) -> EventBus:
 
 
 @asynccontextmanager
-async def open_planes(discovery_url: str, events_url: str, ttl: float) -> AsyncIterator[tuple[Discovery, EventBus]]:
-    """Discovery (with this process's lease) and the event bus, started; both closed on exit."""
-    discovery = open_discovery(discovery_url, ttl=ttl)
-    await discovery.start()
-    bus = open_event_bus(events_url, discovery)
+async def open_planes(planes: PlanesConfig) -> AsyncIterator[tuple[Discovery, EventBus]]:
+    """Discovery (with this process's lease) and the event bus, started; both closed on exit. A plane not
+    reachable yet (a first apply on Kubernetes: etcd still binding its volume) is tried again for up to
+    `planes.start_wait_s`; refused credentials are not."""
+    discovery = await _started(lambda: open_discovery(planes.discovery, ttl=planes.lease_ttl), planes.start_wait_s)
     try:
-        await bus.start()
-        yield discovery, bus
+        bus = await _started(lambda: open_event_bus(planes.events, discovery), planes.start_wait_s)
+        try:
+            yield discovery, bus
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
         await discovery.close()
+
+
+P = TypeVar("P", Discovery, EventBus)
+
+
+async def _started(build: Callable[[], P], wait_s: float) -> P:
+    """A plane built and started, tried again (backing off up to RETRY_MAX_S) while it is unreachable and
+    `wait_s` has not passed; then its PlaneUnavailable."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + wait_s, RETRY_FIRST_S
+    while True:
+        part = build()
+        try:
+            await part.start()
+            return part
+        except PlaneAuthFailed:
+            raise
+        except PlaneUnavailable as exc:
+            await part.close()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise
+            if pause == RETRY_FIRST_S:
+                logger.warning("%s; trying again for up to %.0f s", exc, left)
+            await asyncio.sleep(min(pause, left))
+            pause = min(RETRY_MAX_S, pause * 2)

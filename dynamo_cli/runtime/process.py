@@ -119,7 +119,7 @@ async def serve(
         process.opens(served.server.close, front=True)
         system_text = ""
         if system is not None:
-            system_text = f" system={await system.start()}"
+            system_text = f" system={system.address or await system.start()}"  # bound early by a worker
             process.opens(system.close)
         serving = await served.begin(process, stop)
         if serving is None:

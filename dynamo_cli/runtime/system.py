@@ -144,6 +144,12 @@ class SystemServer:
         self.address = f"{self._host}:{port}"
         return self.address
 
+    def serve_for(self, health: Health, registries: Sequence[CollectorRegistry]) -> None:
+        """Answer for a part built after the port was bound (a worker, once its engine is loaded): its health and
+        its series from now on."""
+        self._health = health
+        self._registries = [*registries, prometheus_client.REGISTRY]
+
     async def close(self) -> None:
         """Stop listening and end the requests being answered. Idempotent."""
         if self._server is not None:

@@ -3,17 +3,20 @@ the process from loading to ready to draining, and `/metrics` counts what it ser
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.conftest import DynProcess, wait_until
-from tests.planes import free_port, free_ports
+from tests.planes import EtcdProcess, find_etcd, free_port, free_ports
 
 
 def _get(port: int, path: str) -> httpx.Response:
@@ -92,6 +95,78 @@ def test_serve_children_count_requests_and_a_draining_worker_answers_503(dyn_ser
     assert wait_until(lambda: _health_status(worker) == (503, "draining"), timeout=10, interval=0.1)
     tokens = sum(1 for _ in stream)
     assert tokens > 100  # the stream went on (drained or migrated) while the worker left
+
+
+def _start_phases(
+    argv: list[str], port: int, timeout: float, until: str | None = None
+) -> tuple[subprocess.Popen[str], list[object]]:
+    """A worker started with `argv` and the `/health` phases its system port said, until it exits (or says
+    `until`)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    phases: list[object] = []
+
+    def said_phase() -> bool:
+        try:
+            reply, live = _get(port, "/health"), _get(port, "/live")
+        except httpx.HTTPError:
+            return proc.poll() is not None
+        assert live.status_code == 200
+        phases.append((reply.status_code, reply.json().get("phase")))
+        return until is not None and phases[-1] == (503, until)
+
+    wait_until(said_phase, timeout=timeout, interval=0.1)
+    return proc, phases
+
+
+def test_a_worker_answers_live_while_it_joins_the_planes_and_fails_in_one_line_when_it_cannot() -> None:
+    """The system port is bound before the planes: a worker whose etcd is not up yet is live and says it is
+    starting while it tries again (`--planes-wait`), then exits non-zero with one line naming etcd."""
+    port, closed = free_port(), free_port()
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--system-port", str(port)]
+    argv += ["--discovery", f"etcd://127.0.0.1:{closed}", "--events", "nats://127.0.0.1:1", "--planes-wait", "3"]
+    started = time.monotonic()
+    proc, phases = _start_phases(argv, port, timeout=30)
+    out = proc.communicate(timeout=15)[0]
+    assert (503, "joining the planes") in phases, (phases, out)
+    assert proc.returncode != 0 and "etcd" in out and "Traceback" not in out, out
+    assert out.count("etcd unreachable") == 2 and "trying again for up to" in out, out  # one warning, one error
+    assert time.monotonic() - started >= 3
+
+
+def test_a_worker_started_before_its_etcd_waits_for_it_and_serves(tmp_path: Path) -> None:
+    """A first apply on Kubernetes: the worker starts before etcd, tries again within `--planes-wait`, and is
+    ready once etcd comes up, with no restart."""
+    binary = find_etcd()
+    if binary is None:
+        pytest.skip("no etcd binary")
+    etcd = EtcdProcess(binary, tmp_path / "etcd", tmp_path / "etcd.log", client_port=free_port(), peer_port=free_port())
+    port = free_port()
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "mocker", "--system-port", str(port)]
+    argv += ["--discovery", etcd.url, "--planes-wait", "60"]
+    proc, phases = _start_phases(argv, port, timeout=30, until="joining the planes")
+    try:
+        assert proc.poll() is None, phases
+        etcd.start()
+        assert wait_until(lambda: _health_status(port) == (200, "ready"), timeout=30, interval=0.2)
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=15)[0]
+        etcd.stop()
+    assert "trying again for up to" in out and "Traceback" not in out, out
+
+
+def test_a_vllm_worker_answers_live_while_it_imports_vllm(tmp_path: Path) -> None:
+    """The engine is built in a thread after the system port is bound: `/live` answers during vLLM's import."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    port = free_port()
+    argv = [sys.executable, "-m", "dynamo_cli.cli.main", "worker", "--engine", "vllm", "--system-port", str(port)]
+    argv += ["--model", str(tmp_path / "absent"), "--discovery", f"file://{tmp_path}/d"]
+    proc, phases = _start_phases(argv, port, timeout=60, until="loading the engine")
+    proc.kill()
+    out = proc.communicate(timeout=15)[0]
+    assert (503, "loading the engine") in phases, (phases, out)
 
 
 def _health_status(port: int) -> tuple[int, str] | None:

@@ -317,6 +317,8 @@ def test_out_writes_one_file_per_component_and_the_secrets_script(files: Files, 
         (["--lora", "sql=/home/me/adapters/sql", "--engine", "mocker"], "a pod sees only its mounts"),
         (["--env", "DYN_ROUTER_MODE=kv"], "DYN_* variables are dyn's settings"),
         (["--env", "no-equals"], "must be NAME=VALUE"),
+        (["--planner", "--workers", "3", "--engine", "mocker"], "with --planner: the planner sizes the pools"),
+        (["--planner", "--disagg", "--decode-workers", "2"], "--planner-min-workers 2"),
     ],
 )
 def test_bad_input_is_a_config_error_naming_it(args: list[str], message: str) -> None:

@@ -146,6 +146,7 @@ def test_each_pods_command_line_builds_the_config_dyn_serve_builds_from_the_same
     monkeypatch.setenv("DYN_CLUSTER_SECRET", CLUSTER_SECRET)
     planes = ["--namespace", "dyn", "--discovery", "etcd://dyn-etcd:2379", "--events", "nats://dyn-nats:4222"]
     drain = [] if "--graceful-shutdown" in flags else ["--graceful-shutdown", "60"]  # render's default for a pod
+    drain += ["--planes-wait", "7200"]  # the start-up allowance (--startup-timeout's default)
     want = _serve_config([*flags, *planes, *drain], files)
 
     monkeypatch.setenv("DYN_HTTP_ADVERTISE_HOST", POD_IP)  # the downward API, as for the workers below
