@@ -19,6 +19,9 @@ PLANES_PASSWORD = "planes-pa55word"
 BATCH_DB_PASSWORD = "batch-db-pa55word"
 BATCH_DB_URL = "postgresql://dyn@pg.infra:5432/batches?sslmode=require"
 
+KUBE_VERSIONS = ("1.34.0", "1.35.0", "1.36.0", "1.37.0")
+"""The last four Kubernetes minors: every rendered object must be valid (strict) for each."""
+
 
 @dataclass(frozen=True)
 class Files:

@@ -13,6 +13,7 @@ import yaml
 
 from dynamo_cli.errors import ConfigError
 from tests.k8s.render_cases import (
+    KUBE_VERSIONS,
     Files,
     by_kind,
     cases,
@@ -27,8 +28,6 @@ from tests.k8s.render_cases import (
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 kubernetes = pytest.importorskip("kubernetes")
 
-VERSIONS = ("1.31.0", "1.35.0")
-"""Two Kubernetes minor versions the manifests must be valid for."""
 CASES = list(cases(make_files(Path("/tmp/unused-render-files"))))
 
 
@@ -51,7 +50,7 @@ def test_every_object_validates_strictly_against_two_kubernetes_versions(
     case: str, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
     for obj in rendered[case]:
-        for version in VERSIONS:
+        for version in KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as exc:

@@ -15,7 +15,7 @@ from dynamo_cli import __version__
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s import names as k8s_names
 from tests.docs.blocks import ROOT, fenced_blocks, shell_commands
-from tests.k8s.render_cases import Files, containers, deployment, make_files, pod_specs, render
+from tests.k8s.render_cases import KUBE_VERSIONS, Files, containers, deployment, make_files, pod_specs, render
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -213,7 +213,7 @@ def test_every_render_the_guide_shows_validates_strictly(files: Files) -> None:
     for line, args in shown:
         objects, _ = render(args)
         for obj in (o for o in objects if o["kind"] not in CRD_KINDS):
-            for version in ("1.31.0", "1.35.0"):
+            for version in KUBE_VERSIONS:
                 try:
                     kubernetes_validate.validate(obj, version, strict=True)
                 except kubernetes_validate.ValidationError as exc:

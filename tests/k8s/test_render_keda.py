@@ -19,7 +19,7 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s.keda import WORKER_LOAD
 from dynamo_cli.wire import LoadMetrics
 from dynamo_cli.worker_metrics import WorkerMetrics
-from tests.k8s.render_cases import Files, by_kind, deployment, make_files, render
+from tests.k8s.render_cases import KUBE_VERSIONS, Files, by_kind, deployment, make_files, render
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -68,8 +68,8 @@ def test_every_worker_pool_gets_a_scaled_object_of_its_deployment(extra: list[st
     assert deployment(objects, "dyn-frontend")["spec"]["replicas"] == 1  # only the worker pools are KEDA's
     assert not [o for o in objects if o["metadata"]["name"] == "dyn-planner"]
     for obj in objects:  # the rest of the deployment is as valid as without KEDA
-        if obj["kind"] != "ScaledObject":
-            kubernetes_validate.validate(obj, "1.35.0", strict=True)
+        for version in KUBE_VERSIONS if obj["kind"] != "ScaledObject" else ():
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_the_scaled_object_is_written_with_its_pool(tmp_path: Path) -> None:
