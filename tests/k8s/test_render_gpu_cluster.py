@@ -15,14 +15,20 @@ from dynamo_cli import __version__
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s import names as k8s_names
 from tests.docs.blocks import ROOT, fenced_blocks, shell_commands
-from tests.k8s.render_cases import KUBE_VERSIONS, Files, containers, deployment, make_files, pod_specs, render
+from tests.k8s.render_cases import (
+    CRD_KINDS,
+    KUBE_VERSIONS,
+    Files,
+    containers,
+    deployment,
+    make_files,
+    pod_specs,
+    render,
+)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 HUB = ["--engine", "vllm", "--model", "Qwen/Qwen3-8B", "--gpus-per-worker", "1"]
-CRD_KINDS = ("PodMonitor", "HTTPRoute", "ScaledObject")
-"""Kinds of CRDs, which kubernetes-validate has no schema of: checked against the pods they name (here and in
-test_render_keda.py), not validated."""
 
 
 @pytest.fixture(scope="module")
