@@ -4,9 +4,9 @@ NOTE: two cadences, as Dynamo's throughput and load intervals. Every `interval_s
 the SLA planner (sizing.py) on the interval's traffic and is the only step that scales down. Every
 `load_interval_s` the burst check scales up at once when a rate that needs more workers is surely reached:
 the window's arrivals less two Poisson deviations, the trend of the latest two leads (a worker's startup
-plus one window; predictors.RateTrend) projected one lead ahead less one deviation, or the workers' queue
-growth (`_queue_rates`). Demand is read from arrivals, not completions. One scale action is in flight at a
-time (the loop awaits `apply`).
+plus one window; predictors.RateTrend) projected one lead ahead less one deviation, the surest line through
+the latest windows less two (a ramp's start), or the workers' queue growth (`_queue_rates`). Demand is read
+from arrivals, not completions. One scale action is in flight at a time (the loop awaits `apply`).
 
 Design: docs/design/planner.md (the burst check's statistics, its caps, and why scale-down is bounded).
 """
@@ -70,6 +70,9 @@ SIGMAS = 2.0
 TREND_SIGMAS = 1.0
 """Standard deviations below the trend's projection that make it sure: fewer than a window's, since a false
 start costs one worker for a while (held until the projection falls) while a late one costs a ramp's requests."""
+KNEE_SIGMAS = 2.0
+"""... and below the surest line through the latest windows (predictors.RateTrend.knee): more than the whole
+span's, since the surest of many lines is picked for being high."""
 RECENT_WINDOWS = 3
 """The throughput step holds the pools the rate over this many latest load windows needs."""
 
@@ -259,22 +262,36 @@ class Planner:
     def _burst_rates(self, arrived: float, seconds: float) -> tuple[float, float, float, str]:
         """(sure, sized, held, why). From the latest window: the rate surely reached, SIGMAS below its count
         (noise alone rarely lifts it above the true rate, so a quiet spell never starts workers), and the rate
-        to size for, SIGMAS above. From the trend projected a worker's startup plus one load interval ahead
-        (rising at most SLOPE_CAP times the steepest ramp one worker's startup can follow): the projection,
-        which raises the rate to size for, TREND_SIGMAS below it, which raises the sure rate (a ramp is met by
-        workers started before it arrives, not after), and HOLD_SIGMAS above it, what the throughput step holds."""
+        to size for, SIGMAS above. From the trend a worker's startup plus one load interval ahead (`_trend_rates`):
+        a sure rate that raises the window's (a ramp is met by workers started before it arrives, not after), a
+        projection that raises the rate to size for, and the rate the throughput step holds."""
         spread = SIGMAS * math.sqrt(arrived)
         sure, sized = max(0.0, arrived - spread) / seconds, (arrived + spread) / seconds
         why = f"window {sure:.2f}..{sized:.2f} req/s"
         if self.startup_s <= 0:
             return sure, sized, 0.0, why
-        ahead = self.startup_s + self.config.load_interval_s
-        projected, deviation = self._trend.project(ahead)
+        low, projected, held, trend_why = self._trend_rates(self.startup_s + self.config.load_interval_s)
+        return max(sure, low), max(sized, projected), held, f"{why}, {trend_why}"
+
+    def _trend_rates(self, ahead: float) -> tuple[float, float, float, str]:
+        """(sure, projected, held, why) `ahead` seconds on, each rising at most SLOPE_CAP times the steepest ramp
+        one worker's startup can follow. Sure: the higher of the whole span's line TREND_SIGMAS below its
+        projection and the surest line through the latest windows KNEE_SIGMAS below its own (RateTrend.knee: a
+        ramp's first seconds show there first), with that line's projection. Held: the lowest line's ceiling
+        HOLD_SIGMAS above (RateTrend.ceiling: past a peak the latest windows already fall), never below sure:
+        the throughput step releasing what the next burst check asks for again costs the ramp a startup."""
         level, _ = self._trend.project(0.0)
-        projected = min(projected, level + SLOPE_CAP * self._steepest() * ahead)
+        cap = level + SLOPE_CAP * self._steepest() * ahead
+        projected, deviation = self._trend.project(ahead)
+        projected = min(projected, cap)
         low = max(0.0, projected - TREND_SIGMAS * deviation)
-        why += f", trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
-        return max(sure, low), max(sized, projected), projected + HOLD_SIGMAS * deviation, why
+        held = projected + HOLD_SIGMAS * deviation
+        knee, knee_deviation = self._trend.knee(ahead, KNEE_SIGMAS)
+        knee = min(knee, cap)
+        if knee - KNEE_SIGMAS * knee_deviation > low:
+            low, projected = knee - KNEE_SIGMAS * knee_deviation, max(projected, knee)
+        held = max(low, min(held, self._trend.ceiling(ahead, HOLD_SIGMAS)))
+        return low, projected, held, f"trend in {ahead:g} s {projected:.2f} ± {deviation:.2f} req/s"
 
     def _steepest(self) -> float:
         """The steepest ramp one worker's startup can follow at the forecast's ISL and OSL (req/s per second)."""

@@ -3,7 +3,8 @@
 Dynamo's planner feeds one predictor per series each interval and asks for the next value; these are
 its `constant` and `kalman` predictors plus a moving average (its ARIMA and Prophet need libraries
 dyn does not carry). All are deterministic and pure: `observe(x)` then `predict()`. `RateTrend` is the
-burst check's: a line through the latest load windows' arrival rates, projected a worker's startup ahead.
+burst check's: lines through the latest load windows' arrival rates, projected a worker's startup ahead (the
+whole span's, the one that starts a ramp surest, and the lowest ceiling a hold can rest on).
 """
 
 from __future__ import annotations
@@ -145,19 +146,54 @@ class RateTrend:
         self._windows.clear()
 
     def project(self, ahead: float) -> tuple[float, float]:
-        """(rate, standard deviation) `ahead` seconds past the latest window's end; (0, 0) before any window."""
-        if not self._windows:
-            return 0.0, 0.0
-        k = len(self._windows)
-        total, seconds = sum(n for _, n, _ in self._windows), sum(dt for _, _, dt in self._windows)
-        pooled = total / seconds
-        if k < 3:
-            return pooled, math.sqrt(pooled / seconds)
-        t_mean = sum(t for t, _, _ in self._windows) / k
-        y_mean = sum(n / dt for _, n, dt in self._windows) / k
-        sxx = sum((t - t_mean) ** 2 for t, _, _ in self._windows)
-        slope = sum((t - t_mean) * (n / dt - y_mean) for t, n, dt in self._windows) / sxx
-        last = self._windows[-1]
-        target = last[0] + last[2] / 2 + ahead
-        variance = pooled / (seconds / k) * (1 / k + (target - t_mean) ** 2 / sxx)
-        return max(0.0, y_mean + slope * (target - t_mean)), math.sqrt(variance)
+        """(rate, standard deviation) `ahead` seconds past the latest window's end, the line through every window
+        held; (0, 0) before any window."""
+        return _fit(list(self._windows), ahead)
+
+    def knee(self, ahead: float, sigmas: float) -> tuple[float, float]:
+        """The projection `ahead` whose lower bound (rate − `sigmas` deviations) is the highest over the lines
+        through the latest k windows, for every k from MIN_KNEE_WINDOWS up: a ramp that began within the span
+        shows in a short run's slope well before it tilts the whole span's line."""
+        windows, best, best_low = list(self._windows), (0.0, 0.0), -math.inf
+        for k in range(max(1, min(MIN_KNEE_WINDOWS, len(windows))), len(windows) + 1):
+            rate, deviation = _fit(windows[-k:], ahead)
+            if rate - sigmas * deviation > best_low:
+                best, best_low = (rate, deviation), rate - sigmas * deviation
+        return best
+
+    def ceiling(self, ahead: float, sigmas: float) -> float:
+        """The lowest, over the lines through the latest k windows (k from CEILING_WINDOWS up), of the higher of
+        the line's rate now and `ahead`, plus `sigmas` deviations: the most the rate will need within `ahead`.
+        A line through a ramp's peak still rises; the run since the peak already falls."""
+        windows, best = list(self._windows), math.inf
+        for k in range(max(1, min(CEILING_WINDOWS, len(windows))), len(windows) + 1):
+            (now, now_sd), (then, then_sd) = _fit(windows[-k:], 0.0), _fit(windows[-k:], ahead)
+            best = min(best, max(now + sigmas * now_sd, then + sigmas * then_sd))
+        return best if best < math.inf else 0.0
+
+
+MIN_KNEE_WINDOWS = 5
+"""The shortest run of latest windows `RateTrend.knee` draws a line through."""
+CEILING_WINDOWS = 8
+"""... and `RateTrend.ceiling`: a hold rests on more windows than a start does, since a release too early costs a
+ramp a start-up of its requests."""
+
+
+def _fit(windows: list[tuple[float, float, float]], ahead: float) -> tuple[float, float]:
+    """The least-squares line through (midpoint, arrivals, seconds) `windows` (RateTrend's NOTE), projected
+    `ahead` past the last one's end: (rate, standard deviation); (0, 0) for no window."""
+    if not windows:
+        return 0.0, 0.0
+    k = len(windows)
+    total, seconds = sum(n for _, n, _ in windows), sum(dt for _, _, dt in windows)
+    pooled = total / seconds
+    if k < 3:
+        return pooled, math.sqrt(pooled / seconds)
+    t_mean = sum(t for t, _, _ in windows) / k
+    y_mean = sum(n / dt for _, n, dt in windows) / k
+    sxx = sum((t - t_mean) ** 2 for t, _, _ in windows)
+    slope = sum((t - t_mean) * (n / dt - y_mean) for t, n, dt in windows) / sxx
+    last = windows[-1]
+    target = last[0] + last[2] / 2 + ahead
+    variance = pooled / (seconds / k) * (1 / k + (target - t_mean) ** 2 / sxx)
+    return max(0.0, y_mean + slope * (target - t_mean)), math.sqrt(variance)

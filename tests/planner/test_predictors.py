@@ -63,3 +63,32 @@ def test_a_rate_trend_projects_the_least_squares_line_with_its_poisson_deviation
     # windows that began over 60 s before the last end fall out: (4, 6] and (62, 64] remain, too few for a slope
     trend.observe(64.0, 2, 2.0)
     assert trend.project(4.0) == pytest.approx((8.0, math.sqrt(8.0 / 4.0)))
+
+
+def trend_of(rates: list[float], seconds: float = 2.0) -> RateTrend:
+    trend = RateTrend(span_s=seconds * len(rates))
+    for i, rate in enumerate(rates):
+        trend.observe(seconds * (i + 1), rate * seconds, seconds)
+    return trend
+
+
+def test_on_a_straight_line_the_surest_run_is_the_whole_span() -> None:
+    # every run of latest windows has the same line; the longest has the smallest deviation
+    trend = trend_of([5.0 + 0.5 * i for i in range(16)])
+    assert trend.knee(32.0, 2.0) == pytest.approx(trend.project(32.0))
+
+
+def test_a_ramp_begun_within_the_span_shows_in_the_surest_latest_run_first() -> None:
+    # 40 s at 5 req/s, then 10 s rising 0.7 req/s per s: the whole span's line is still nearly flat
+    trend = trend_of([5.0] * 20 + [5.0 + 1.4 * (i + 1) for i in range(5)])
+    whole, whole_sd = trend.project(32.0)
+    knee, knee_sd = trend.knee(32.0, 2.0)
+    assert knee - 2 * knee_sd > whole - 2 * whole_sd and knee > whole + 10
+
+
+def test_past_a_peak_the_ceiling_follows_the_fall_not_the_whole_spans_rise() -> None:
+    rates = [5.0 + 1.0 * i for i in range(24)] + [28.0 - 1.0 * i for i in range(8)]
+    trend = trend_of(rates)
+    whole, whole_sd = trend.project(32.0)
+    assert trend.ceiling(32.0, 0.5) < 30.0 < whole + 0.5 * whole_sd
+    assert RateTrend(span_s=60.0).ceiling(32.0, 0.5) == 0.0 and RateTrend(span_s=60.0).knee(32.0, 2.0) == (0.0, 0.0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 
+from dynamo_cli.config import CLUSTER_SECRET_ENV, PlanesConfig
 from dynamo_cli.planner.observe import PoolLoad, WorkerLoads, follow_worker_loads
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.sizing import Bounds, Targets
@@ -19,9 +21,13 @@ from tests.planner.test_sizing import PROFILE
 
 
 async def test_the_planner_hears_every_workers_load_over_the_embedded_event_plane(dyn_serve) -> None:  # type: ignore[no-untyped-def]
-    deployment: DynProcess = dyn_serve("--engine", "mocker", "--workers", "2", "--num-gpu-blocks", "1000")
+    secret = os.urandom(32).hex()
+    deployment: DynProcess = dyn_serve(
+        "--engine", "mocker", "--workers", "2", "--num-gpu-blocks", "1000", env={CLUSTER_SECRET_ENV: secret}
+    )
     loads = WorkerLoads()
-    async with open_planes(deployment.discovery, "embedded", 10.0) as (_, bus):
+    planes = PlanesConfig(discovery=deployment.discovery, cluster_secret=bytes.fromhex(secret))
+    async with open_planes(planes) as (_, bus):
         follower = asyncio.get_running_loop().create_task(follow_worker_loads(bus, "dynamo", loads))
         try:
             async with asyncio.timeout(20):
