@@ -8,8 +8,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from dynamo_cli.cli import serve
-from dynamo_cli.cli.k8s_target import KNOBS, opt
+from dynamo_cli.cli.k8s_target import opt, refuse_pool_counts
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s.keda import MAX_COOLDOWN_S, KedaScaling
 
@@ -41,8 +40,6 @@ KEDA = [
     ),
 ]
 """Render's KEDA options (in its Kubernetes panel)."""
-COUNTS = ("workers", "prefill_workers", "decode_workers")
-"""`dyn serve`'s worker counts, which KEDA sets instead."""
 
 
 def keda_scaling(values: dict[str, Any]) -> KedaScaling | None:
@@ -77,14 +74,8 @@ def _check_one_writer(values: dict[str, Any]) -> None:
             "--keda-prometheus and --planner would both set the worker pools' replicas (two writers of one count "
             "undo each other's decisions); pick one"
         )
-    defaults = {k.name: k.default for k in KNOBS} | {p.name: p.default for p in serve.EXTRA}
-    for name in COUNTS:
-        if values[name] != defaults[name]:
-            raise ConfigError(
-                f"--{_flag(name)} {values[name]} with --keda-prometheus: KEDA sizes the pools (a count in the "
-                "Deployment would be reset by every kubectl apply); give their bounds with --keda-min-workers and "
-                "--keda-max-workers"
-            )
+    hint = "give their bounds with --keda-min-workers and --keda-max-workers"
+    refuse_pool_counts(values, "--keda-prometheus", "KEDA", hint)
 
 
 def _check_bounds(keda: KedaScaling) -> None:

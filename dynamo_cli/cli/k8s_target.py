@@ -48,6 +48,12 @@ SKIP = serve.SKIP | {
     "WorkerConfig.graceful_shutdown_s",  # render's own --graceful-shutdown: a pod's drain, 60 s by default
 }
 KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
+POOL_SIZES = (
+    ("--workers", "workers"),
+    ("--decode-workers", "decode_workers"),
+    ("--prefill-workers", "prefill_workers"),
+)
+"""`dyn serve`'s worker counts: flag, value name."""
 
 
 def opt(name: str, flag: str, kind: Any, default: Any, help: str) -> Any:
@@ -340,27 +346,24 @@ def _check_flags(values: dict[str, Any], k8s: dict[str, Any]) -> None:
         )
     if values["port"] == 0:
         raise ConfigError("--port 0 (any free port) cannot be a Service's port; give the frontend's port")
-    _check_pool_sizes(values)
+    if values["planner"]:
+        refuse_pool_counts(
+            values, "--planner", "the planner", "give the pools' floor with --planner-min-workers {count}"
+        )
     _check_split_flags(values, k8s)
 
 
-def _check_pool_sizes(values: dict[str, Any]) -> None:
-    """With `--planner` the planner sizes the pools: a rendered count would be reset by every re-apply, and one
-    left out starts at 1, so a count is refused and the planner's floor named instead."""
-    given = [(flag, values[key]) for flag, key in POOL_SIZES if (values[key] or 1) > 1]
-    if values["planner"] and given:
-        flag, count = given[0]
+def refuse_pool_counts(values: dict[str, Any], flag: str, scaler: str, hint: str) -> None:
+    """With a scaler that sizes the worker pools (`flag`: `--planner`, `--keda-prometheus`), a worker count above 1 is
+    refused, `hint` (its `{count}` filled in) naming the scaler's own bound: rendered, the count would be reset by
+    every re-apply; left out, the pool starts at 1."""
+    given = [(name, values[key]) for name, key in POOL_SIZES if (values[key] or 1) > 1]
+    if given:
+        name, count = given[0]
         raise ConfigError(
-            f"{flag} {count} with --planner: the planner sizes the pools (a count in the Deployment would be reset "
-            f"by every kubectl apply); give the pools' floor with --planner-min-workers {count}"
+            f"{name} {count} with {flag}: {scaler} sizes the pools (a count in the Deployment would be reset by "
+            f"every kubectl apply); {hint.format(count=count)}"
         )
-
-
-POOL_SIZES = (
-    ("--workers", "workers"),
-    ("--decode-workers", "decode_workers"),
-    ("--prefill-workers", "prefill_workers"),
-)
 
 
 def _frontend_secrets(config: ServeConfig, plan: ServePlan | None, names: Names) -> list[SecretSource]:

@@ -321,9 +321,7 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
     return container | {
         "resources": component.resources.spec(),
         # liveness counts only once the process served: a model load of up to `startup_s` is not a hang
-        "startupProbe": probe.spec(
-            probe.live, STARTUP_PERIOD_S, max(3, math.ceil(component.startup_s / STARTUP_PERIOD_S))
-        ),
+        "startupProbe": probe.spec(probe.live, STARTUP_PERIOD_S, _startup_failures(component.startup_s)),
         "livenessProbe": probe.spec(probe.live, 10, 6),
         "readinessProbe": probe.spec(probe.ready, 5, 2),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},

@@ -79,12 +79,10 @@ async def _started(build: Callable[[], P], wait_s: float) -> P:
         try:
             await part.start()
             return part
-        except PlaneAuthFailed:
-            raise
-        except PlaneUnavailable as exc:
+        except BaseException as exc:
             await part.close()
             left = deadline - loop.time()
-            if left <= 0:
+            if not isinstance(exc, PlaneUnavailable) or isinstance(exc, PlaneAuthFailed) or left <= 0:
                 raise
             if pause == RETRY_FIRST_S:
                 logger.warning("%s; trying again for up to %.0f s", exc, left)
