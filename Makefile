@@ -3,6 +3,12 @@ PYTHON ?= python3
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PIP := $(PYTHON) -m pip
+# The scripts and tests run `dyn` (and the planes' binaries) by name: the chosen Python's own bin first, so that
+# `make demo PYTHON=venv/bin/python3` needs no activated venv.
+PYTHON_DIR := $(patsubst %/,%,$(dir $(shell command -v $(PYTHON) 2>/dev/null)))
+ifneq ($(PYTHON_DIR),)
+export PATH := $(PYTHON_DIR):$(PATH)
+endif
 # Every install goes through the versions CI tested (a fresh machine next month gets the same ones).
 CONSTRAINTS := -c constraints.txt
 # llama.cpp built portably: the native build's AMX kernel crashes on CPUs that advertise but lack AMX.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,19 @@ def test_make_setup_and_ci_install_through_the_constraints_file() -> None:
     setup = makefile.split("\nsetup:")[1].split("\n\n")[0]
     assert "$(CONSTRAINTS)" in setup
     assert "make setup" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_make_runs_dyn_from_the_chosen_pythons_own_bin_with_no_venv_activated(tmp_path: Path) -> None:
+    # `make demo PYTHON=venv/bin/python3` on a fresh machine: scripts/demo.sh and the tests run `dyn` by name
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    show = tmp_path / "show.mk"
+    show.write_text("include Makefile\nshow-path:\n\t@echo $$PATH\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    args = ["make", "-s", "-f", str(show), "show-path", f"PYTHON={bin_dir / 'python3'}"]
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out.strip().split(":")[0] == str(bin_dir)
 
 
 def _setup_packages() -> tuple[list[str], dict[str, str]]:
