@@ -36,6 +36,7 @@ from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.indexer import KvIndexer
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import Target, targets_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +223,10 @@ def bench_select(indexer: KvIndexer, args: argparse.Namespace, rng: random.Rando
         hashes = sequence_hashes(system, 16)
         for worker in rng.sample(range(args.workers), rng.randint(1, min(8, args.workers))):
             if args.offload_fraction and rng.random() < args.offload_fraction:  # offloaded: a tiered split
-                indexer.store_blocks(worker, hashes[:16])
-                indexer.store_blocks(worker, hashes[16:], "host")
+                indexer.store_blocks(Target(worker), hashes[:16])
+                indexer.store_blocks(Target(worker), hashes[16:], "host")
             else:
-                indexer.store_blocks(worker, hashes)
+                indexer.store_blocks(Target(worker), hashes)
     requests = [rng.choice(systems) + [rng.randrange(32_000) for _ in range(512)] for _ in range(args.selects)]
     hashing = _timed(lambda: sequence_hashes(requests[0], 16), 2000)
     results: dict[str, Any] = {"hash_64_blocks": percentiles(hashing[0])}
@@ -233,19 +234,19 @@ def bench_select(indexer: KvIndexer, args: argparse.Namespace, rng: random.Rando
         config = KvRouterConfig(block_size=16, cost=cost, total_kv_blocks=args.blocks_per_worker + 1024)
         policy = KvRoutingPolicy(config, rng=random.Random(args.seed))
         policy.indexer = indexer
-        results[cost] = _select_latency(policy, requests, list(range(args.workers)))
+        results[cost] = _select_latency(policy, requests, targets_of(range(args.workers)))
     return results
 
 
-def _select_latency(policy: KvRoutingPolicy, requests: list[list[int]], workers: list[int]) -> dict[str, float]:
-    in_flight = 2 * len(workers)
+def _select_latency(policy: KvRoutingPolicy, requests: list[list[int]], targets: list[Target]) -> dict[str, float]:
+    in_flight = 2 * len(targets)
     wall: list[int] = []
     cpu: list[int] = []
     wall_clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     for n, tokens in enumerate(requests):
         request = RouteRequest(f"r{n}", tokens)
         wall_start, cpu_start = wall_clock(), cpu_clock()
-        _ = policy.select(request, workers).explanation  # built when read: as for x-dyn-explain-route
+        _ = policy.select(request, targets).explanation  # built when read: as for x-dyn-explain-route
         cpu_end, wall_end = cpu_clock(), wall_clock()
         wall.append(wall_end - wall_start)
         cpu.append(cpu_end - cpu_start)
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     churn = bench_churn(indexer, workload, args, rng)
     query = bench_query(indexer, make_queries(workload, args, rng))
     select = bench_select(indexer, args, rng)
-    sizes = [indexer.num_blocks(w) for w in range(args.workers)]
+    sizes = [indexer.num_blocks(Target(w)) for w in range(args.workers)]
     result: dict[str, Any] = {
         "config": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

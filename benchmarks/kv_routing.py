@@ -162,19 +162,14 @@ def start_serve(
     num_gpu_blocks: int | None,
     log_path: Path,
     workers: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> harness.Deployment:
-    """`dyn serve` of the mocker for `mode` (harness.start_serve), pinned as the mode says."""
+    """`dyn serve` of the mocker for `mode` (harness.start_serve), pinned as the mode says; with `extra` flags."""
     workers = workers or args.workers
     router, knobs = parse_mode(mode, args)
     flags = ["--engine", "mocker", "--workers", str(workers), "--router", router, "--host", "127.0.0.1"]
-    flags += [
-        "--discovery",
-        f"file://{tmp}/d",
-        "--speedup-ratio",
-        str(args.speedup),
-        "--block-size",
-        str(args.block_size),
-    ]
+    flags += ["--discovery", f"file://{tmp}/d", "--speedup-ratio", str(args.speedup), "--block-size"]
+    flags += [str(args.block_size), *extra]
     if num_gpu_blocks:
         flags += ["--num-gpu-blocks", str(num_gpu_blocks)]
     if router == "kv":

@@ -62,6 +62,7 @@ from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, Sch
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.routing.base import RoundRobinPolicy, RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import targets_of
 from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import LoadMetrics
 
@@ -149,6 +150,7 @@ class Replay:
             for _ in range(args.workers)
         ]
         self.ids, self.now = list(range(1, args.workers + 1)), 0.0
+        self.targets = targets_of(self.ids)  # one rank each
         self.policy = make_policy(mode, args.block_size, seed, lambda: self.now)
         self.running: list[tuple[PassResult, float] | None] = [None] * args.workers
         self.owner: dict[str, tuple[int, float, int]] = {}  # request -> (worker index, sent at, client or -1)
@@ -219,8 +221,8 @@ class Replay:
         args, (request_id, tokens) = self.args, item
         _, sent, client = self.owner[request_id]
         busy = [self.doing(w) for w in range(args.workers)] if self.trace else []
-        decision = self.policy.select(RouteRequest(request_id, tokens), self.ids)
-        w = self.ids.index(decision.worker_id)
+        decision = self.policy.select(RouteRequest(request_id, tokens), self.targets)
+        w = self.targets.index(decision.target)
         self.owner[request_id] = (w, sent, client)
         if self.trace and sent > args.warmup:
             self.decided[request_id] = Decision(request_id, w, sent, decision.explanation or {}, busy)

@@ -48,6 +48,7 @@ from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
 from dynamo_cli.routing.sequences import ActiveSequences
+from dynamo_cli.routing.target import targets_of
 
 MODEL = "m"
 
@@ -138,7 +139,7 @@ def reference(args: argparse.Namespace, requests: list[tuple[float, list[int]]])
 
     def arrive(n: int, tokens: list[int]) -> None:
         rid = f"r{n}"
-        decision = router.select(RouteRequest(rid, tokens), list(caches))
+        decision = router.select(RouteRequest(rid, tokens), targets_of(caches))
         worker = decision.worker_id
         decisions.append(worker)
         random_ties.append(decision.explanation["reason"] in ("tie-random", "tie-in-turn"))  # arbitrary among equals
@@ -172,7 +173,7 @@ def replicas(
     """Two replicas over the recorded KV stream; request i to replica i % 2."""
     clock, timeline = Clock(), Timeline()
     card = ModelCard(display_name=MODEL, tokenizer_source="-", engine="mocker", kv_cache_block_size=args.block_size)
-    workers = list(range(args.workers))
+    workers, targets = list(range(args.workers)), targets_of(range(args.workers))  # one rank each
     pairs = []
     for router_id in (0xA, 0xB):
         p = policy(args, clock)
@@ -198,7 +199,7 @@ def replicas(
         sync, router = pairs[side]
         sample_drift(router)
         rid = f"r{n}"
-        decision = router.select(RouteRequest(rid, tokens), workers)
+        decision = router.select(RouteRequest(rid, tokens), targets)
         decisions.append(decision.worker_id)
         sync.added(MODEL, rid, router)
         info = router.sequences.describe(rid)
@@ -221,7 +222,7 @@ def replicas(
         deliver(side)
 
     def sample_drift(router: KvRoutingPolicy) -> None:
-        mine, real = router.sequences.totals(workers), truth.totals(workers)
+        mine, real = router.sequences.totals(targets), truth.totals(targets)
         for name, a, b in zip(drift, mine, real, strict=True):
             drift[name].extend(x - y for x, y in zip(a, b, strict=True))
 

@@ -8,12 +8,12 @@ and frees its KV blocks (Dynamo's `kill`).
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, NewType, Protocol, runtime_checkable
 
-from dynamo_cli.errors import ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
+from dynamo_cli.errors import ConfigError, ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.tiers import KvTierConfig as KvTierConfig  # re-exported: config.py may not import kv
 from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, LoadMetrics
@@ -80,6 +80,21 @@ class EngineInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeGroup:
+    """The nodes one engine spans (`dyn worker --nnodes N --node-rank R`): what an engine maps to its library's
+    multi-node settings (vLLM `nnodes`/`node_rank`/`master_addr`; SGLang `nnodes`/`node_rank`/`dist_init_addr`)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    """0: the leader, which serves; others run the engine's headless part (`load_headless`)."""
+    leader_host: str = ""
+    """The leader's host: where a library's own rendezvous (torch.distributed's master) listens."""
+
+
+SINGLE_NODE = NodeGroup()
+
+
+@dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Arguments common to every engine; engine-specific ones travel in `extra`."""
 
@@ -97,6 +112,8 @@ class EngineArgs:
     (vLLM's NIXL side channel, SGLang's bootstrap server) unless its options say otherwise."""
     kv_tiers: KvTierConfig = field(default_factory=KvTierConfig)
     """Host and disk KV tiers below the engine's own cache (`--kv-host-cache-gb` ...; off by default)."""
+    group: NodeGroup = SINGLE_NODE
+    """The nodes the engine spans (a group of one by default)."""
     max_loras: int = 0
     """LoRA adapters the engine must hold at once (`--max-loras`) when the worker serves any (`--lora`,
     `--lora-dir`); 0: none asked for. A library that reserves memory for adapters (vLLM's `enable_lora`,
@@ -254,6 +271,25 @@ _EXTRA_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm",
 def registered_engines() -> dict[str, str]:
     """Engine name → `module:attr` for every installed plugin."""
     return {ep.name: ep.value for ep in entry_points(group=ENGINE_GROUP)}
+
+
+HeadlessRunner = Callable[[EngineArgs], Awaitable[None]]
+"""A follower node's part of a multi-node engine (`args.group.node_rank` > 0): runs until cancelled."""
+
+HEADLESS_GROUP = "dyn.headless"
+
+
+def load_headless(name: str) -> HeadlessRunner:
+    """The headless part of engine `name` for a follower node; ConfigError for an engine that runs on one node."""
+    found = {ep.name: ep for ep in entry_points(group=HEADLESS_GROUP)}
+    if name not in found:
+        multi = ", ".join(sorted(found)) or "none installed"
+        raise ConfigError(f"--engine {name} runs on one node: --node-rank > 0 needs one of: {multi}")
+    try:
+        runner: HeadlessRunner = found[name].load()
+    except ImportError as exc:
+        raise EngineNotInstalled(name, _EXTRA_PACKAGES.get(name, name), exc) from exc
+    return runner
 
 
 def load_engine(name: str) -> EngineFactory:

@@ -134,14 +134,14 @@ def _routers(service: FrontendService) -> list[Worker]:
 
 
 async def _backends_seen(router: Worker) -> int:
-    """How many workers `router` routes to: its `best_worker_id` reply has a row of `in_flight` per decode
-    worker and lists `prefill_workers`; 0 while it cannot answer yet."""
+    """How many workers `router` routes to: its `best_worker_id` reply has a row of `in_flight` per rank of each
+    decode worker and lists `prefill_workers`; 0 while it cannot answer yet."""
     try:
         async with asyncio.timeout(10):
             reply = await router.client.call(BEST_WORKER, BestWorkerQuery(token_ids=[]))
     except (TransportError, TimeoutError):
         return 0
-    return len(reply.in_flight) + len(reply.prefill_workers)
+    return len({row.worker_id for row in reply.in_flight}) + len(reply.prefill_workers)
 
 
 async def serve_all(config: ServeConfig, plan: ServePlan | None = None) -> None:
@@ -285,6 +285,10 @@ async def _start_workers(
     """The initial workers: supervised by the pool, or (`--planner`) owned by the planner's connector."""
     decode = replace(config.worker, planes=planes)
     prefill = replace(decode, role=Role.PREFILL, component=Role.PREFILL.value)
+    if planned and config.nodes_per_worker > 1:
+        raise ConfigError(
+            "--planner starts single-node workers: drop --nodes-per-worker (on Kubernetes it scales groups)"
+        )
     if planned:  # one config for every worker the planner starts: any free system port each
         decode, prefill = (_system_port(c, 0 if _base_port(config) is not None else None) for c in (decode, prefill))
         if decode.kv_tiers.disk_dir is not None:  # one config for every worker the planner starts
@@ -301,10 +305,11 @@ async def _start_workers(
         await connector.apply(ScaleTarget(0, config.num_prefill_workers, config.num_workers))
         return connector
     for i in range(config.num_workers):  # the caller stops them
-        await _spawn(pool, _system_port(_own_disk_dir(decode, f"worker-{i}"), _child_port(config, i)))
+        worker = _system_port(_own_disk_dir(decode, f"worker-{i}"), _child_port(config, i))
+        await _spawn(pool, worker, config.nodes_per_worker)
     for i in range(config.num_prefill_workers):
         port = _child_port(config, config.num_workers + i)
-        await _spawn(pool, _system_port(_own_disk_dir(prefill, f"prefill-{i}"), port))
+        await _spawn(pool, _system_port(_own_disk_dir(prefill, f"prefill-{i}"), port), config.nodes_per_worker)
     return None
 
 
@@ -325,9 +330,30 @@ def _system_port(config: _Child, port: int | None) -> _Child:
     return replace(config, telemetry=replace(config.telemetry, system_port=port))
 
 
-async def _spawn(pool: ProcessPool, config: WorkerConfig | RouterConfig) -> None:
-    command = child_command(config)
-    await pool.spawn(list(command.argv), command.env)
+async def _spawn(pool: ProcessPool, config: WorkerConfig | RouterConfig, nodes: int = 1) -> None:
+    """One supervised child; a worker of `nodes` > 1 as a group: its leader, and followers restarted with it."""
+    if nodes == 1 or not isinstance(config, WorkerConfig):
+        command = child_command(config)
+        await pool.spawn(list(command.argv), command.env)
+        return
+    leader, followers = node_group(config, nodes, _free_port(config.host))
+    commands = [child_command(c) for c in (leader, *followers)]
+    await pool.spawn(list(commands[0].argv), commands[0].env, [(list(c.argv), c.env) for c in commands[1:]])
+
+
+def node_group(config: WorkerConfig, nodes: int, port: int) -> tuple[WorkerConfig, list[WorkerConfig]]:
+    """The configs of one worker spanning `nodes` processes on this host: its leader (on `port`) and followers."""
+    group = replace(config.group, nnodes=nodes, node_rank=0, leader_addr=f"{config.host}:{port}")
+    leader = replace(config, group=group, port=0)
+    quiet = replace(config.telemetry, system_port=None)  # the leader's probes are the group's
+    return leader, [replace(config, group=replace(group, node_rank=r), telemetry=quiet) for r in range(1, nodes)]
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now (the group's leader binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 async def _profile(config: ServeConfig, plan: ServePlan) -> Profile:

@@ -32,6 +32,12 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """LoRA adapters this instance serves (each a model of its own, `display_name` its base), sorted."""
     max_loras: int = 0
     """Adapters resident at once (`--max-loras`); 0: the engine serves no adapters."""
+    dp_start: int = 0
+    """The first data-parallel rank this instance serves (`EngineInfo.extra["dp_start"]`)."""
+    dp_size: int = 1
+    """How many ranks, from `dp_start`, each with a scheduler and a KV cache of its own: a routing target each."""
+    nnodes: int = 1
+    """Nodes its engine spans (`dyn worker --nnodes`): the leader registers, the followers run headless."""
     bootstrap: str | None = None
     """A prefill engine whose KV moves by rendezvous (SGLang): its bootstrap server's host:port, where
     the decode engine meets it while both run (core/prefill.py)."""
@@ -40,6 +46,16 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     def health_check_token(self) -> int:
         """A prompt token every engine of this model accepts: its end-of-sequence token, else id 0."""
         return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    @property
+    def ranks(self) -> range:
+        """The data-parallel ranks this instance serves."""
+        return range(self.dp_start, self.dp_start + self.dp_size)
+
+    @property
+    def is_ranked(self) -> bool:
+        """Whether requests name their rank (`GenerateRequest.dp_rank`): more than one rank, or one not 0."""
+        return self.dp_size > 1 or self.dp_start != 0
 
     @classmethod
     def from_engine(cls, info: EngineInfo, engine: str, role: Role) -> ModelCard:
@@ -57,5 +73,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             vocab_size=info.vocab_size,
             kv_bytes_per_block=int(info.extra.get("kv_bytes_per_block", 0)),
             features=sorted(f.value for f in info.features),
+            dp_start=int(info.extra.get("dp_start", 0)),
+            dp_size=int(info.extra.get("dp_size", 1)),
             bootstrap=info.extra.get("bootstrap") if role is Role.PREFILL else None,
         )

@@ -1,7 +1,9 @@
 """Child-process supervision for `dyn serve`: worker processes that die unexpectedly are started again.
 
 NOTE: each slot is one long-lived task that starts its process, waits for it to exit, and, unless the
-pool is stopping, starts it again after a backoff (doubling from `backoff_initial_s` to
+pool is stopping, starts it again after a backoff. A slot may be a multi-node group (a leader and its followers):
+the first of them to exit ends the others (SIGTERM, then SIGKILL after GROUP_GRACE_S), and the group starts again
+as a unit (doubling from `backoff_initial_s` to
 `backoff_max_s`). A slot that exits more than `max_restarts` times within `window_s` is given up on
 and logged; the others keep running. The pool's TaskGroup owns the slot tasks; `stop()` terminates
 the processes (SIGTERM, grace period, SIGKILL) and ends the tasks.
@@ -20,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+GROUP_GRACE_S = 2.0
+"""How long the rest of a group that lost a member has to exit on SIGTERM before SIGKILL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,14 @@ class Slot:
     """Monotonic time of the pending restart (state RESTARTING)."""
     exits: deque[float] = field(default_factory=deque)
     """Monotonic times of unexpected exits within the policy window."""
+    followers: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)
+    """A multi-node group: the other members' command lines and environments, which live and die with `argv`'s."""
+    follower_procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    @property
+    def members(self) -> list[asyncio.subprocess.Process]:
+        """Its processes now: the leader (or only) one, then the followers."""
+        return [p for p in (self.proc, *self.follower_procs) if p is not None]
 
 
 class ProcessPool:
@@ -80,12 +93,17 @@ class ProcessPool:
 
     @property
     def procs(self) -> list[asyncio.subprocess.Process]:
-        return [slot.proc for slot in self.slots if slot.proc is not None]
+        return [proc for slot in self.slots for proc in slot.members]
 
-    async def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> Slot:
-        """Start one process now, with `env` added to the pool's (not yet supervised: `supervise()` takes over
-        every slot)."""
-        slot = Slot(len(self.slots), argv, dict(env or {}))
+    async def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        followers: list[tuple[list[str], dict[str, str]]] | None = None,
+    ) -> Slot:
+        """Start one process now, with `env` added to the pool's, and a group's `followers` beside it (not yet
+        supervised: `supervise()` takes over every slot)."""
+        slot = Slot(len(self.slots), argv, dict(env or {}), followers=list(followers or []))
         slot.proc = await self._start(slot)
         self.slots.append(slot)
         return slot
@@ -110,7 +128,7 @@ class ProcessPool:
     async def _keep(self, slot: Slot) -> None:
         while not self._stopping and slot.proc is not None:
             slot.state = SlotState.RUNNING
-            code = await slot.proc.wait()
+            code = await self._first_exit(slot)
             if self._stopping:
                 break
             if not self._may_restart(slot, code):
@@ -154,27 +172,54 @@ class ProcessPool:
         return True
 
     async def _start(self, slot: Slot) -> asyncio.subprocess.Process:
+        """Start the slot's process, and a group's followers beside it."""
+        slot.follower_procs = [await self._exec(argv, env) for argv, env in slot.followers]
+        return await self._exec(slot.argv, slot.env)
+
+    async def _exec(self, argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
-            *slot.argv, env={**os.environ, **self.env, **slot.env}, stdin=asyncio.subprocess.DEVNULL
+            *argv, env={**os.environ, **self.env, **env}, stdin=asyncio.subprocess.DEVNULL
         )
+
+    async def _first_exit(self, slot: Slot) -> int | None:
+        """The exit code of the slot's process; for a group, of its first member to exit, the others then ended."""
+        members = slot.members
+        if len(members) == 1:
+            return await members[0].wait()
+        waits = [asyncio.ensure_future(proc.wait()) for proc in members]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        first = next(iter(done)).result()
+        if not self._stopping:
+            logger.warning("worker %d: a member of its group exited (code %s); stopping the group", slot.index, first)
+            await _end(members, GROUP_GRACE_S)
+        return first
 
     async def stop(self, grace: float) -> None:
         """Terminate every process (SIGTERM, `grace` + 2 s, then SIGKILL); supervision ends. Idempotent."""
         self._stopping = True
-        procs = [p for p in self.procs if p.returncode is None]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        try:
-            async with asyncio.timeout(grace + 2):
-                for proc in procs:
-                    await proc.wait()
-        except TimeoutError:
-            for proc in procs:
-                if proc.returncode is None:
-                    logger.warning("worker pid %d ignored SIGTERM; killing it", proc.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    await proc.wait()
+        await _end(self.procs, grace + 2)
         for slot in self.slots:
             slot.state = SlotState.STOPPED
+
+
+async def _end(procs: list[asyncio.subprocess.Process], grace: float) -> None:
+    """SIGTERM the processes still running, and SIGKILL those still running `grace` seconds later."""
+    procs = [p for p in procs if p.returncode is None]
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    try:
+        async with asyncio.timeout(grace):
+            for proc in procs:
+                await proc.wait()
+    except TimeoutError:
+        for proc in procs:
+            if proc.returncode is None:
+                logger.warning("worker pid %d ignored SIGTERM; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()

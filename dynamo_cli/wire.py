@@ -159,6 +159,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     lora: str = ""
     """The LoRA adapter to run with (its served name, one of the worker card's `loras`); empty: the base model.
     Its KV blocks are hashed with `kv.hashing.lora_seed(lora)`, so no prefix is shared across adapters."""
+    dp_rank: int | None = None
+    """The data-parallel rank the router chose (one of the card's `ranks`); the engine runs the request there.
+    None: a rank-blind engine, or no choice (the engine picks)."""
 
     def continued(self, token_ids: list[int], kv_transfer: KvHandle | None = None) -> GenerateRequest:
         """This request carried on after `token_ids` were generated (by a failed worker, or a prefill hop):
@@ -283,9 +286,10 @@ class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class InFlight(msgspec.Struct, frozen=True, kw_only=True):
-    """One backend's load as one router replica sees it."""
+    """One backend's load (one rank of it) as one router replica sees it."""
 
     worker_id: int
+    dp_rank: int = 0
     num_requests: int
     """Requests in flight."""
     active_blocks: int
@@ -298,6 +302,8 @@ class BestWorkerReply(msgspec.Struct, frozen=True, kw_only=True):
     """The backend `generate` would choose now, and why; with the router's view of its pools."""
 
     worker_id: int
+    dp_rank: int = 0
+    """The backend's rank chosen (0 for a rank-blind backend)."""
     overlap_blocks: int
     explanation: dict[str, object]
     """The decision explained: candidates, their cost terms and the margin (routing/kv_policy.py)."""
@@ -316,11 +322,46 @@ class BestWorkerReply(msgspec.Struct, frozen=True, kw_only=True):
     """The replica's routing settings, as its configuration document gave them (config.py)."""
 
 
+##### group_join (one engine over several nodes: a follower at its leader) #####
+
+
+class GroupJoin(msgspec.Struct, frozen=True, kw_only=True):
+    """A follower of a multi-node engine joins its leader (node_group.py)."""
+
+    node_rank: int
+    """The follower's node rank (1 .. nnodes - 1)."""
+    nnodes: int
+    """The group size it was started with; the leader refuses a follower of another size."""
+    engine: str
+    """Its engine plugin; the leader refuses a follower of another engine."""
+
+
+class GroupBeat(msgspec.Struct, frozen=True, kw_only=True):
+    """The leader's beat on a follower's stream while both live."""
+
+    joined: list[int]
+    """The followers joined now."""
+    serving: bool
+    """Every follower joined and the leader serves."""
+
+
 ##### The event plane #####
 
 
+class RankLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One data-parallel rank's share of a worker's load (each rank has a scheduler and a KV cache of its own)."""
+
+    dp_rank: int
+    num_running: int = 0
+    num_waiting: int = 0
+    active_blocks: int = 0
+    total_blocks: int = 0
+    active_prefill_tokens: int = 0
+
+
 class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's load after a step (subject `…kv-metrics`); routers use it for busy detection, planners for scaling."""
+    """A worker's load after a step (subject `…kv-metrics`); routers use it for busy detection, planners for scaling.
+    A worker serving several data-parallel ranks reports their sums here and each rank in `ranks`."""
 
     worker_id: int = 0
     num_running: int = 0
@@ -346,6 +387,9 @@ class LoadMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """Cumulative adapter loads (at start, at run time and again after an eviction)."""
     lora_load_s: float = 0.0
     """Seconds the last adapter load took (0: none yet): the router's cost of sending an adapter here."""
+    ranks: list[RankLoad] = []
+    """A worker serving several data-parallel ranks: each rank's load (the fields above are their sums); empty for
+    a rank-blind worker (one rank, the card's first)."""
 
 
 ##### Endpoints #####
@@ -361,6 +405,9 @@ KV_DUMP = EndpointSpec("kv_dump", KvDumpQuery, KvDump)
 """Worker: one reply, the whole cached block set."""
 KV_RELEASE = EndpointSpec("kv_release", KvRelease, bool)
 """Prefill worker: one reply, whether a held payload was freed."""
+GROUP_JOIN = EndpointSpec("group_join", GroupJoin, GroupBeat)
+"""Leader worker of a multi-node group: a follower's stream, one beat every `group.BEAT_S` while both live; the
+stream's end is the loss of one of them, and the group's end (node_group.py)."""
 BEST_WORKER = EndpointSpec("best_worker_id", BestWorkerQuery, BestWorkerReply)
 """`dyn router`: one reply, the backend `generate` would choose now; routes nothing."""
 LORA = EndpointSpec("lora", LoraCommand, LoraReply)

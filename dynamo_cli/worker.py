@@ -18,12 +18,24 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamo_cli.config import WorkerConfig
-from dynamo_cli.engine import CountsWork, Embeds, Engine, EngineArgs, Role, ServesLoras, SpawnsProcesses, load_engine
+from dynamo_cli.engine import (
+    CountsWork,
+    Embeds,
+    Engine,
+    EngineArgs,
+    Role,
+    ServesLoras,
+    SpawnsProcesses,
+    load_engine,
+    load_headless,
+)
 from dynamo_cli.errors import ConfigError, DynError, RequestError
-from dynamo_cli.kv.events import DEVICE, TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEventBatch
+from dynamo_cli.kv.events import KvDump, KvEventBatch
 from dynamo_cli.kv.handles import PULLED_KINDS, BlobRef, KvHandle, TransferReport, check_handle
+from dynamo_cli.kv.held_blocks import HeldBlocks
 from dynamo_cli.lora.adapters import AdapterSet
 from dynamo_cli.model_card import ModelCard
+from dynamo_cli.node_group import GroupLeader, follow
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus, ensure_kv_stream
@@ -33,7 +45,7 @@ from dynamo_cli.runtime.names import EndpointName, component_subject, kv_events_
 from dynamo_cli.runtime.planes import open_planes
 from dynamo_cli.runtime.process import Loop, Process, Serving, serve
 from dynamo_cli.runtime.reaper import guard_descendants
-from dynamo_cli.runtime.supervisor import announce, stop_on_signals
+from dynamo_cli.runtime.supervisor import announce, cancel_and_wait, stop_on_signals
 from dynamo_cli.runtime.system import ComponentMetrics, HealthReport, ServingState, SystemServer
 from dynamo_cli.runtime.transport import RequestServer, Spec
 from dynamo_cli.tracing import start_tracing
@@ -42,6 +54,7 @@ from dynamo_cli.tracing.traceparent import trace_id_of
 from dynamo_cli.wire import (
     EMBED,
     GENERATE,
+    GROUP_JOIN,
     KV_DUMP,
     KV_EVENTS_SINCE,
     KV_RELEASE,
@@ -94,11 +107,13 @@ class WorkerService:
         self.name = EndpointName(config.namespace, config.component, config.endpoint)
         self.server = RequestServer(config.host, config.port, secret=config.planes.cluster_secret)
         """Its request plane: `generate` once registered (`begin`), the side endpoints from the start."""
+        self.group = GroupLeader(config.group, config.engine) if config.group.is_grouped else None
+        """A multi-node engine's leader side: its followers join here before it registers (node_group.py)."""
         for spec, handler in self._side_endpoints():
             self.server.add_endpoint(spec, handler)
         self._history: deque[tuple[int, bytes]] = deque(maxlen=KV_HISTORY)
-        self._blocks: dict[str, set[int]] = {tier: set() for tier in TIERS}
-        """Tier -> the blocks held there (a block may sit on several tiers)."""
+        self._blocks = HeldBlocks()
+        """Rank -> tier -> the blocks held there (a block may sit on several tiers); the card's ranks once started."""
         self._last_event_id = -1
         self.kv = KvMover(config)
         self.process = Process("worker")
@@ -126,13 +141,16 @@ class WorkerService:
         return self.process.state
 
     def _side_endpoints(self) -> list[tuple[Spec[Any, Any], Callable[[Any], AsyncIterator[Any]]]]:
-        return [
+        sides: list[tuple[Spec[Any, Any], Callable[[Any], AsyncIterator[Any]]]] = [
             (KV_EVENTS_SINCE, self.kv_events_since),
             (KV_DUMP, self.kv_dump),
             (KV_RELEASE, self.kv_release),
             (EMBED, self.embed),
             (LORA, self.lora),
         ]
+        if self.group is not None:
+            sides.append((GROUP_JOIN, self.group.join))
+        return sides
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The `generate` endpoint: run the request; closing aborts the engine request. A request with a KV handle
@@ -191,6 +209,8 @@ class WorkerService:
         await self.kv.start()
         process.opens(self.kv.close)
         process.opens(self.engine.stop)
+        if self.group is not None:  # the engine spans the followers' nodes: it starts once they are there
+            await self.group.wait_whole()
         card = await self.start_engine()
         counters = self.engine.work_counters if isinstance(self.engine, CountsWork) else None
         self.metrics.register(
@@ -206,15 +226,22 @@ class WorkerService:
         )
 
     def _serving(self, endpoint: Endpoint) -> list[Loop]:
-        """Registered: the endpoint an adapter load publishes a new card on, and the worker's loops."""
+        """Registered: the endpoint an adapter load publishes a new card on, and the worker's loops (a group's
+        leader watches its followers: one leaving ends the serving)."""
         self.endpoint = endpoint
-        return [self.pump_kv_events(), self.pump_load()]
+        if self.group is None:
+            return [self.pump_kv_events(), self.pump_load()]
+        self.group.serving = True
+        return [self.pump_kv_events(), self.pump_load(), self.group.watch()]
 
     async def start_engine(self) -> ModelCard:
         """Start the engine and load the `--lora` adapters; the card it will be served with."""
         info = await self.engine.start()
         await self.loras.start(info.model_name, self.config.lora.named())
         card = ModelCard.from_engine(info, self.config.engine, self.config.role)
+        if self.config.group.is_grouped:
+            card = msgspec.structs.replace(card, nnodes=self.config.group.nnodes)
+        self._blocks = HeldBlocks(card.ranks)
         if self.loras.is_enabled:
             card = msgspec.structs.replace(card, loras=sorted(self.loras.served), max_loras=self.loras.max_loras)
         self.card = card
@@ -224,6 +251,8 @@ class WorkerService:
         """`/health`: ready when registered and the engine answers (it produced lately, or a one-token
         generation ends within ENGINE_CHECK_S); 503 while starting or draining."""
         detail: dict[str, object] = {"instance_id": f"{self.instance_id:x}", "role": self.config.role.value}
+        if self.group is not None:
+            detail["group"] = self.group.health()
         if self.state is not ServingState.READY:
             return HealthReport(False, self.state.value, detail)
         if time.monotonic() - self.last_output_at < ENGINE_QUIET_S:
@@ -278,13 +307,7 @@ class WorkerService:
     def _remember(self, batch: KvEventBatch, payload: bytes) -> None:
         self._history.append((batch.event_id, payload))
         self._last_event_id = batch.event_id
-        for event in batch.events:
-            if type(event) is BlockStored:
-                self._blocks[event.tier].update(block.block_hash for block in event.blocks)
-            elif type(event) is BlockRemoved:
-                self._blocks[event.tier].difference_update(event.block_hashes)
-            elif type(event) is AllBlocksCleared:  # the device tier; lower tiers send their own removals
-                self._blocks[DEVICE].clear()
+        self._blocks.apply(batch)
 
     async def kv_events_since(self, query: KvEventsSince) -> AsyncIterator[bytes]:
         """Endpoint: replay kept KV event batches (encoded as published) from `first_event_id` on; `too_old` if
@@ -298,15 +321,8 @@ class WorkerService:
                 yield payload
 
     async def kv_dump(self, query: KvDumpQuery) -> AsyncIterator[KvDump]:
-        """Endpoint: the whole cached block set, per tier, and the event id it is current to."""
-        device, host, disk = (sorted(self._blocks[tier]) for tier in TIERS)
-        yield KvDump(
-            worker_id=self.instance_id,
-            last_event_id=self._last_event_id,
-            block_hashes=device,
-            host_hashes=host,
-            disk_hashes=disk,
-        )
+        """Endpoint: the whole cached block set, per rank and tier, and the event id it is current to."""
+        yield self._blocks.dump(self.instance_id, self._last_event_id)
 
     async def pump_load(self) -> None:
         """Publish the engine's load when it changes (at most every LOAD_INTERVAL_S) and at least every
@@ -323,7 +339,10 @@ class WorkerService:
 
 
 async def serve_worker(config: WorkerConfig) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain and exit."""
+    """Run a worker until SIGTERM/SIGINT, then drain and exit (a group's follower: until its group ends)."""
+    if not config.group.is_leader:
+        await follow_leader(config)
+        return
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes
@@ -352,6 +371,24 @@ async def serve_worker(config: WorkerConfig) -> None:
             await system.close()  # idempotent: serve closed it already unless the start failed
         if tracing is not None:
             tracing.shutdown()  # the last spans exported
+
+
+async def follow_leader(config: WorkerConfig) -> None:
+    """A follower node of a multi-node engine: join the leader, run the engine's headless part, and end with the
+    group (GroupBroken) or at SIGTERM. It opens no plane: only the leader is a routable worker."""
+    headless = load_headless(config.engine)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    follower = asyncio.ensure_future(
+        follow(config.group, config.engine, config.planes.cluster_secret, headless(_engine_args(config)))
+    )
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([follower, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(follower, stopped)
+    if follower.done() and not follower.cancelled():
+        follower.result()  # GroupBroken (or a failed join) goes up: one red line, a non-zero exit
 
 
 def _build_engine(config: WorkerConfig) -> Engine:
@@ -459,5 +496,6 @@ def _engine_args(config: WorkerConfig) -> EngineArgs:
         extra=dict(config.extra),
         host=config.host,
         kv_tiers=config.kv_tiers,
+        group=config.group.node_group(),
         max_loras=config.lora.max_loras if config.lora.adapters or config.lora.lora_dirs else 0,
     )

@@ -23,7 +23,9 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
     frontend                    the OpenAI server (core, routing, model, runtime ...; not `dyn router`)
     batch                       OpenAI's Batch API: batches in SQLite, run through the frontend in process
                                 (frontend, runtime)
-    worker                      one engine behind the request plane (the contract, kv, runtime)
+    node_group                  a multi-node engine's leader and followers, over the request plane (the
+                                contract, runtime)
+    worker                      one engine behind the request plane (the contract, kv, runtime, node_group)
     engines/                    plugins: only the contract, kv, model, errors, config and timing
     bench                       an HTTP load generator (errors, model for token counts)
     planner                     SLA planner: reads frontends' /metrics over HTTP and discovery, drives an
@@ -65,6 +67,7 @@ _EVERYTHING = {
     "frontend",
     "batch",
     "worker",
+    "node_group",
     "worker_metrics",
     "tracing",
     "launcher",
@@ -94,7 +97,8 @@ ALLOWED: dict[str, set[str]] = {
     "router": _CONTRACT | {"runtime", "tracing", "lora", "routing", "core"},
     "frontend": _CONTRACT | {"model", "runtime", "routing", "core", "tracing", "lora"},
     "batch": _CONTRACT | {"frontend", "runtime"},
-    "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora"},
+    "node_group": _CONTRACT | {"runtime"},
+    "worker": _CONTRACT | {"runtime", "worker_metrics", "tracing", "lora", "node_group"},
     "worker_metrics": {"errors", "kv", "wire"},
     "engines": {"errors", "config", "engine", "kv", "model", "wire", "timing"},
     "bench": {"errors", "model", "settings"},

@@ -17,6 +17,7 @@ from dynamo_cli.kv.events import BlockRemoved, BlockStored, KvEventBatch, Stored
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import Target, targets_of
 from dynamo_cli.runtime.request_client import RequestClient
 from dynamo_cli.runtime.transport import RequestServer
 from dynamo_cli.wire import KV_DUMP, KV_EVENTS_SINCE, KvDumpQuery
@@ -70,9 +71,9 @@ async def test_a_router_that_missed_a_restarted_workers_disk_tier_repairs_it_fro
         router = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0))
         kind = await repair_gap(router, SimpleNamespace(client=client, instance_id=0x9), 0)  # type: ignore[arg-type]
         assert kind == "dump"  # event 0 left the worker's ring: the dump restores every tier
-        decision = router.select(RouteRequest("r", TOKENS), [0x8, 0x9])
-        assert decision.worker_id == 0x9 and decision.overlap_blocks == 12
-        chosen = next(c for c in decision.explanation["candidates"] if c["worker_id"] == 0x9)
+        decision = router.select(RouteRequest("r", TOKENS), targets_of([0x8, 0x9]))
+        assert decision.target == Target(0x9) and decision.overlap_blocks == 12
+        chosen = next(c for c in decision.explanation["candidates"] if (c["worker_id"], c["dp_rank"]) == (0x9, 0))
         assert chosen["hits"] == {"device": 4, "host": 0, "disk": 8}
     finally:
         await client.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import random
 import shutil
 import statistics
@@ -34,6 +35,23 @@ BLOCK_SIZE = 64
 PACKAGE = "dynamo_cli"
 OTHER = "dynamo_ab"
 """The name the `--against` checkout's package is loaded under."""
+LAYOUTS = (("routing.kv_policy", "routing.base"), ("router.kv", "router.base"))
+"""Where a checkout keeps the policy and `RouteRequest`: today's, then before the routing split (issue 48)."""
+
+
+def _layout(package: str) -> tuple[Any, Any]:
+    """`package`'s policy module and base module, in whichever layout its checkout has."""
+    for policy, base in LAYOUTS:
+        if importlib.util.find_spec(f"{package}.{policy}") is not None:
+            return importlib.import_module(f"{package}.{policy}"), importlib.import_module(f"{package}.{base}")
+    sys.exit(f"{package}: no routing policy module ({', '.join(p for p, _ in LAYOUTS)})")
+
+
+def _targets(package: str, workers: int) -> list[Any]:
+    """The candidates `select` takes: routing targets (rank 0 of each worker), or worker ids before them."""
+    if importlib.util.find_spec(f"{package}.routing.target") is None:
+        return list(range(workers))
+    return importlib.import_module(f"{package}.routing.target").targets_of(range(workers))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_other(checkout: Path, into: Path) -> str:
     """`checkout`'s dynamo_cli copied under `into` as OTHER, its imports renamed; returns the name."""
     source = checkout / PACKAGE
-    if not (source / "router" / "kv.py").is_file():
-        sys.exit(f"--against {checkout}: no {PACKAGE}/router/kv.py there; pass a checkout of this repository")
+    if not any((source / layout[0].replace(".", "/")).with_suffix(".py").is_file() for layout in LAYOUTS):
+        sys.exit(f"--against {checkout}: no {PACKAGE}/routing/kv_policy.py there; pass a checkout of this repository")
     target = into / OTHER
     shutil.copytree(source, target)
     for path in target.rglob("*.py"):
@@ -65,15 +83,15 @@ class Side:
 
     def __init__(self, package: str, workers: int, prompts: list[list[int]]) -> None:
         config = importlib.import_module(f"{package}.config")
-        kv = importlib.import_module(f"{package}.router.kv")
-        self.request = importlib.import_module(f"{package}.router.base").RouteRequest
+        kv, base = _layout(package)
+        self.request = base.RouteRequest
         hashes = importlib.import_module(f"{package}.kv.hashing").sequence_hashes
         self.policy = kv.KvRoutingPolicy(
             config.KvRouterConfig(block_size=BLOCK_SIZE, total_kv_blocks=16_384), rng=random.Random(1)
         )
+        self.workers, self.in_flight, self.sent = _targets(package, workers), 8 * workers, 0
         for n, prompt in enumerate(prompts):
-            self.policy.indexer.store_blocks(n % workers, hashes(prompt, BLOCK_SIZE))
-        self.workers, self.in_flight, self.sent = list(range(workers)), 8 * workers, 0
+            self.policy.indexer.store_blocks(self.workers[n % workers], hashes(prompt, BLOCK_SIZE))
 
     def run(self, requests: list[list[int]], count: int) -> float:
         """On-CPU microseconds per decision over `count` decisions."""

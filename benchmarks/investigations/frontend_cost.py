@@ -31,7 +31,7 @@ import pstats
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import kv_routing_sim as sim  # noqa: E402
 from dynamo_cli.frontend.headers import _hexid_headers  # noqa: E402
 from dynamo_cli.kv.events import KvEventBatch  # noqa: E402
 from dynamo_cli.routing.base import RouteDecision, RouteRequest  # noqa: E402
+from dynamo_cli.routing.target import Target  # noqa: E402
 from dynamo_cli.wire import LoadMetrics  # noqa: E402
 
 PARTS = ("route", "explain", "kv_ingest", "load", "first", "finish")
@@ -81,15 +82,16 @@ class TimedPolicy:
     def _record(self, hook: str, argument: Any) -> None:
         self.meter.trace.append((self.replay.now, hook, argument))
 
-    def select(self, request: RouteRequest, workers: list[int]) -> RouteDecision:
+    def select(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
         def route() -> RouteDecision:  # core/dispatch.py `_choose`: the prompt plus what was generated so far
-            return self.policy.select(RouteRequest(request.request_id, list(request.token_ids) + []), workers)
+            return self.policy.select(RouteRequest(request.request_id, list(request.token_ids) + []), targets)
 
-        self._record("select", (request.request_id, list(request.token_ids), list(workers)))
+        self._record("select", (request.request_id, list(request.token_ids), list(targets)))
         decision: RouteDecision = self.meter.timed("route", route)
         if self.explain and decision.explanation:
             self.meter.timed("explain", lambda: msgspec.json.encode(_hexid_headers(decision.explanation)))
-        self.meter.digest.update(f"{request.request_id}:{decision.worker_id};".encode())
+        rank = f"/{decision.target.rank}" if decision.target.rank else ""  # rank 0: the digest of before ranks
+        self.meter.digest.update(f"{request.request_id}:{decision.worker_id}{rank};".encode())
         return decision
 
     def apply_kv_events(self, batch: KvEventBatch) -> None:

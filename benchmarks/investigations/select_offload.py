@@ -41,6 +41,7 @@ from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import targets_of
 
 BLOCK_SIZE = 64
 TICK = os.sysconf("SC_CLK_TCK")
@@ -54,12 +55,12 @@ class Decider:
         prompts = [[rng.randrange(32_000) for _ in range(2000)] for _ in range(40)]
         self.requests = [rng.choice(prompts) + [rng.randrange(32_000) for _ in range(100)] for _ in range(4000)]
         self.policy = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK_SIZE, total_kv_blocks=16_384), rng=rng)
+        self.targets, self.in_flight = targets_of(range(workers)), 8 * workers
         for n, prompt in enumerate(prompts):
-            self.policy.indexer.store_blocks(n % workers, sequence_hashes(prompt, BLOCK_SIZE))
-        self.workers, self.in_flight = list(range(workers)), 8 * workers
+            self.policy.indexer.store_blocks(self.targets[n % workers], sequence_hashes(prompt, BLOCK_SIZE))
 
     def decide(self, n: int, token_ids: list[int]) -> int:
-        decision = self.policy.select(RouteRequest(f"r{n}", token_ids), self.workers)
+        decision = self.policy.select(RouteRequest(f"r{n}", token_ids), self.targets)
         self.policy.on_first_token(f"r{n - self.in_flight // 2}")
         self.policy.on_finish(f"r{n - self.in_flight}")
         return decision.worker_id

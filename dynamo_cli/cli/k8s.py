@@ -23,7 +23,7 @@ from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import worker as worker_cmd
 from dynamo_cli.cli.k8s_keda import KEDA, keda_scaling
 from dynamo_cli.cli.k8s_status import status_command
-from dynamo_cli.cli.k8s_target import K8S, KNOBS, TENSOR_PARALLEL, Target, opt, target_of
+from dynamo_cli.cli.k8s_target import K8S, KNOBS, TENSOR_PARALLEL, ClusterTarget, opt, target_of
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
@@ -129,14 +129,14 @@ def _render(**values: Any) -> None:
     typer.echo(f"kubectl apply -k {out}" if out is not None else "kubectl apply -f -", err=True)
 
 
-def _target(values: dict[str, Any]) -> Target:
+def _target(values: dict[str, Any]) -> ClusterTarget:
     """What the flags describe, with KEDA's scaling (checked first: it reads `--planner`, which target_of takes)."""
     keda = keda_scaling(values)
     target = target_of(values)
     return replace(target, cluster=replace(target.cluster, keda=keda))
 
 
-def _yours(target: Target) -> list[str]:
+def _yours(target: ClusterTarget) -> list[str]:
     """Comment lines naming the Secrets the manifests reference that are yours to create (`--hf-token-secret`,
     `--env-from`)."""
     ns = target.cluster.namespace
@@ -148,7 +148,7 @@ def _yours(target: Target) -> list[str]:
     return lines + [f"# yours: Secret {name} (each key a variable of every dyn container)" for name in target.env_from]
 
 
-def _components(target: Target) -> tuple[list[Component], dict[str, dict[str, str]]]:
+def _components(target: ClusterTarget) -> tuple[list[Component], dict[str, dict[str, str]]]:
     config, names = target.config, target.cluster.names
     components = [_frontend(target)]
     pools = [(Part.DECODE, Role.DECODE, config.num_workers), (Part.PREFILL, Role.PREFILL, config.num_prefill_workers)]
@@ -170,7 +170,7 @@ def _components(target: Target) -> tuple[list[Component], dict[str, dict[str, st
     return components, config_maps
 
 
-def _frontend(target: Target) -> Component:
+def _frontend(target: ClusterTarget) -> Component:
     config, batches = target.config, target.batches
     frontend = replace(config.frontend, host="0.0.0.0", batch=replace(config.frontend.batch, db=batches.db))
     pod = replace(config, frontend=frontend, num_workers=0, num_prefill_workers=0, num_routers=0)
@@ -215,7 +215,7 @@ def _mounted(args: list[str], files: dict[str, str]) -> list[str]:
     return out
 
 
-def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
+def _worker(target: ClusterTarget, part: Part, role: Role, replicas: int) -> Component:
     pool = target.pools[role]
     config, mounts = _worker_config(target, role)
     args = ["worker", *settings.arguments(config, worker_cmd.KNOBS)]
@@ -249,7 +249,7 @@ def _worker(target: Target, part: Part, role: Role, replicas: int) -> Component:
     )
 
 
-def _worker_config(target: Target, role: Role) -> tuple[WorkerConfig, list[Mount]]:
+def _worker_config(target: ClusterTarget, role: Role) -> tuple[WorkerConfig, list[Mount]]:
     """The pool's `dyn worker` config (its pod's address, ports and role, its engine over every GPU of the pod)
     and the disk tier's emptyDir."""
     base, pool = target.config.worker, target.pools[role]
@@ -275,7 +275,7 @@ def _worker_config(target: Target, role: Role) -> tuple[WorkerConfig, list[Mount
     return config, mounts
 
 
-def _router(target: Target) -> Component:
+def _router(target: ClusterTarget) -> Component:
     config = target.config.router_config()
     config = replace(config, port=PORTS.request_plane, telemetry=replace(config.telemetry, system_port=PORTS.system))
     return Component(
@@ -294,7 +294,7 @@ def _router(target: Target) -> Component:
     )
 
 
-def _planner(target: Target, pools: list[Part]) -> Component:
+def _planner(target: ClusterTarget, pools: list[Part]) -> Component:
     assert target.plan is not None
     planner, names, config = target.plan.config, target.cluster.names, target.config
     worker = config.worker

@@ -1,6 +1,6 @@
 """What one `dyn k8s render` writes, from its flags: the deployment (`dyn serve`'s flags), where it runs, each worker
 pool's resources, where the model comes from, the Secrets it needs; and the checks that refuse, with one line
-naming the flag, what a cluster would not run as rendered (cli/k8s.py turns a Target into pods)."""
+naming the flag, what a cluster would not run as rendered (cli/k8s.py turns a ClusterTarget into pods)."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class ClusterTarget:
     """What one render writes: the deployment, where, and the Secrets it needs first."""
 
     config: ServeConfig
@@ -260,7 +260,7 @@ class ModelSource:
     secret_env: tuple[SecretEnv, ...] = ()
 
 
-def target_of(values: dict[str, Any]) -> Target:
+def target_of(values: dict[str, Any]) -> ClusterTarget:
     """What `dyn k8s render`'s options (`values`) describe, checked: a render refuses what a cluster would not run."""
     values.pop("values")
     k8s = {p.name: values.pop(p.name) for p in K8S}
@@ -287,7 +287,7 @@ def target_of(values: dict[str, Any]) -> Target:
     cluster = _cluster(config, k8s, ns, names, image)
     startup_s, shm = k8s["startup_timeout"], k8s["shm_size"]
     replicas, placement = k8s["frontend_replicas"], _placement(k8s)
-    return Target(
+    return ClusterTarget(
         config, plan, cluster, secrets, pools, model, batches, startup_s, shm, env, env_from, replicas, placement
     )
 

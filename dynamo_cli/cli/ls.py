@@ -49,6 +49,8 @@ def command(
                 "role": record.role,
                 "model": card.display_name if card else "-",
                 "engine": card.engine if card else "-",
+                "ranks": _ranks(card),
+                "nodes": card.nnodes if card else 1,
                 "pid": record.pid,
                 "host": record.hostname,
             }
@@ -57,8 +59,17 @@ def command(
         typer.echo(msgspec.json.encode(rows).decode())
         return
     table = Table(title=f"dyn: {len(rows)} instance(s) on {redact_url(discovery)}")
-    for column in ("instance", "model", "engine", "role", "address", "host", "pid"):
+    columns = ("instance", "model", "engine", "role", "ranks", "nodes", "address", "host", "pid")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*(str(row[c]) for c in ("instance", "model", "engine", "role", "address", "host", "pid")))
+        table.add_row(*(str(row[c]) for c in columns))
     Console().print(table)
+
+
+def _ranks(card: ModelCard | None) -> str:
+    """The data-parallel ranks an instance serves: `0-3`, or `-` for a rank-blind one (or no card)."""
+    if card is None or not card.is_ranked:
+        return "-"
+    ranks = card.ranks
+    return f"{ranks.start}" if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"

@@ -29,6 +29,9 @@ SKIP = frozenset(
         "WorkerConfig.endpoint",
         "WorkerConfig.role",
         "WorkerConfig.kv_transfer_port",
+        "GroupConfig.nnodes",
+        "GroupConfig.node_rank",
+        "GroupConfig.leader_addr",
     }
 )
 """The workers' own address, name and role: dyn serve places them (the HTTP --host/--port are the frontend's)."""

@@ -11,6 +11,7 @@ environment (`child_command`, `config_document`), never as a rebuilt command lin
     batch.py      BatchConfig (the Batch API's store and limits)
     lora.py       LoraConfig (a worker's adapters) and the adapter name rule
     telemetry.py  TelemetryConfig: system server port, OTLP traces, log format (every process)
+    group.py      GroupConfig: the nodes one engine spans (a worker's leader or follower part)
     processes.py  WorkerConfig, RouterConfig, ServeConfig, and the child processes' config documents
 """
 
@@ -26,6 +27,7 @@ from dynamo_cli.config.common import (
     PlanesConfig,
 )
 from dynamo_cli.config.frontend import ROUTER_MODES, FrontendConfig
+from dynamo_cli.config.group import GroupConfig
 from dynamo_cli.config.lora import LoraConfig
 from dynamo_cli.config.processes import (
     CONFIG_DOCUMENTS,
@@ -60,6 +62,7 @@ from dynamo_cli.config.telemetry import LOG_FORMATS, TelemetryConfig
 
 __all__ = [
     "HealthChecks",
+    "GroupConfig",
     "LOG_FORMATS",
     "TelemetryConfig",
     "BLOCK_SIZE",

@@ -21,6 +21,7 @@ from dynamo_cli.config.common import (
     PlanesConfig,
 )
 from dynamo_cli.config.frontend import FrontendConfig
+from dynamo_cli.config.group import MAX_NODES, GroupConfig
 from dynamo_cli.config.lora import LoraConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
@@ -89,8 +90,11 @@ class WorkerConfig:
     """Host and disk KV tiers below the engine's cache (`--kv-host-cache-gb`, `--kv-disk-cache-gb` ...)."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
+    """The nodes its engine spans (`--nnodes`, `--node-rank`, `--leader-addr`); a group of one by default."""
 
     def __post_init__(self) -> None:
+        self._place_leader()
         if self.kv_transfer not in KV_TRANSFERS or self.kv_transfer_ttl_s <= 0:
             raise ConfigError(
                 f"--kv-transfer '{self.kv_transfer}' / --kv-transfer-ttl {self.kv_transfer_ttl_s} "
@@ -98,6 +102,18 @@ class WorkerConfig:
             )
         if not self.component:  # frozen: set once, here
             object.__setattr__(self, "component", "backend" if self.role is Role.BOTH else self.role.value)
+
+    def _place_leader(self) -> None:
+        """A group's leader listens where its followers join: on `--leader-addr`'s port."""
+        group = self.group
+        if not (group.is_grouped and group.is_leader) or self.port == group.leader_port:
+            return
+        if self.port:
+            raise ConfigError(
+                f"--port {self.port} and --leader-addr {group.leader_addr}: the leader listens on the leader "
+                "address's port; drop --port"
+            )
+        object.__setattr__(self, "port", group.leader_port)  # frozen: set once, here
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +160,9 @@ class ServeConfig:
     """Seconds to wait for every worker to register before giving up."""
     max_restarts: int = setting(5, "--max-restarts", env="DYN_MAX_RESTARTS", panel=SUPERVISION)
     """Restarts of a worker slot allowed within 5 minutes when it exits unexpectedly (0: never)."""
+    nodes_per_worker: int = setting(1, "--nodes-per-worker", env="DYN_NODES_PER_WORKER", panel=SUPERVISION)
+    """Processes ("nodes") each worker's engine spans on this host: a leader that serves and headless followers,
+    started, stopped and restarted as one group (`dyn worker --nnodes`)."""
     num_prefill_workers: int = 0
     """`--disagg`: prefill-role workers started beside the `num_workers` (then decode-role) workers."""
     num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
@@ -163,6 +182,8 @@ class ServeConfig:
             raise ConfigError(f"--routers {self.num_routers} needs --router remote and a count >= 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not 1 <= self.nodes_per_worker <= MAX_NODES:
+            raise ConfigError(f"--nodes-per-worker must be between 1 and {MAX_NODES}, got {self.nodes_per_worker}")
 
     @property
     def joins_group(self) -> bool:

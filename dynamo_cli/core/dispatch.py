@@ -179,6 +179,8 @@ class Dispatch:
         """The worker (or router) the request is on now."""
         self.served_by: int | None = None
         """The backend instance serving the request: the worker, or the one a router reports."""
+        self.served_rank: int | None = None
+        """The data-parallel rank of `served_by` the request runs on (None: a rank-blind worker, or behind a router)."""
         self.decision: RouteDecision | None = None
         self.output = Output(functools.partial(rules.metrics.observe_transfer, entry.name))
         """What the workers have sent so far, across migrations."""
@@ -311,6 +313,7 @@ class Dispatch:
         if hold.lora_loaded is not None:
             self.lora_loaded = hold.lora_loaded
         worker = self.worker = hold.worker
+        self.served_rank = hold.rank
         self.rules.metrics.count_served(self.entry.name, worker.instance_id, worker.card.role)
         return worker
 
@@ -324,7 +327,7 @@ class Dispatch:
         """Hop 2: send the request (what is left of it) to the held worker."""
         hold = self._hold
         assert hold is not None and hold.is_held, "open only a chosen worker"
-        worker, request = hold.worker, self._request()
+        worker, request = hold.worker, hold.stamped(self._request())
         hold.queue_prefill(len(request.token_ids))  # none once the prefill's first token came
         self._stream = await self.rules.deadline.open(
             worker, self.entry.name, GENERATE, request, name=worker.record.endpoint

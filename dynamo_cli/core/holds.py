@@ -5,6 +5,7 @@
     wait_for(pool, wanted, ...)           the same, once a worker stops being busy (the model's wait queue)
     choose_or_wait(pool, wanted, ...)     `choose`, and where every worker is busy `wait_for`
     Hold(worker, request_id)              a given worker held without a choice (a canary, a LoRA command)
+    hold.stamped(request)                 the request on the worker's data-parallel rank the choice named
     hold.queue_prefill(n)                 n prompt tokens the worker prefills for the request, until...
     hold.first_token()                    ...its first token: the policy and the replicas hear it
     hold.release()                        the end, for any reason: the worker's counts, the policy, the
@@ -24,12 +25,16 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from dynamo_cli.config import BusyThresholds, QueueConfig
 from dynamo_cli.core.queue import BACKGROUND_WAIT_S, QueuedRequest, WaitQueue
 from dynamo_cli.core.registry import Worker, free_of_prefill, not_busy
 from dynamo_cli.core.waits import interruptible
 from dynamo_cli.errors import NoWorkers, Overloaded
 from dynamo_cli.routing.base import RouteDecision, RouteRequest, RoutingPolicy
+from dynamo_cli.routing.target import Target, targets_of
+from dynamo_cli.wire import GenerateRequest
 
 if TYPE_CHECKING:
     from dynamo_cli.core.replicas import ReplicaSync
@@ -87,6 +92,7 @@ class Hold:
         "is_held",
         "lora_loaded",
         "pool",
+        "rank",
         "request_id",
         "worker",
     )
@@ -105,6 +111,9 @@ class Hold:
         """Who hears of the hold: the pool's policy, queue and replicas (none for a worker held without a choice)."""
         self.decision = decision
         """The policy's decision (None for a worker held without one)."""
+        self.rank = decision.target.rank if pool.policy is not None and decision and worker.card.is_ranked else None
+        """The data-parallel rank the request runs on there (`GenerateRequest.dp_rank`); None: a rank-blind worker,
+        or one held without a policy's choice (its engine picks)."""
         self.lora_loaded = lora_loaded
         """With a LoRA adapter: whether the worker had it loaded (False: it loads it first)."""
         self.has_first_token = False
@@ -112,6 +121,12 @@ class Hold:
         self._prefill_tokens = 0
         worker.num_inflight += 1
         worker.used_at = _monotonic()
+
+    def stamped(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` as the held worker gets it: on the rank the choice named (as is for a rank-blind worker)."""
+        if request.dp_rank == self.rank:
+            return request
+        return msgspec.structs.replace(request, dp_rank=self.rank)
 
     def queue_prefill(self, num_tokens: int) -> None:
         """The worker prefills `num_tokens` for the request: counted in its queue until the first token."""
@@ -178,10 +193,11 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
         candidates = free_of_prefill(candidates, workers)
     policy = pool.policy
     if policy is None:
-        decision = RouteDecision(min(candidates, key=lambda w: workers[w].num_inflight))
+        decision = RouteDecision(Target(min(candidates, key=lambda w: workers[w].num_inflight)))
     else:
         load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
-        decision = policy.select(RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s), candidates)
+        route = RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s)
+        decision = policy.select(route, pool_targets(workers, candidates))
     worker = workers[decision.worker_id]
     lora_loaded = None
     if lora:
@@ -191,6 +207,12 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
     if pool.replicas is not None and policy is not None:
         pool.replicas.added(pool.model, wanted.request_id, policy)  # type: ignore[arg-type]
     return hold
+
+
+def pool_targets(workers: dict[int, Worker], candidates: Sequence[int]) -> list[Target]:
+    """The routing targets of `candidates`: each rank of a worker serving several, rank 0 of a rank-blind one."""
+    ranks = {w: card.ranks for w in candidates if (card := workers[w].card).is_ranked}
+    return targets_of(candidates, ranks)
 
 
 async def wait_for(

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from dynamo_cli.core.registry import Registry, Worker
 from dynamo_cli.errors import TransportError
 from dynamo_cli.routing.base import RepairsKvGaps
@@ -48,8 +50,7 @@ async def repair_gap(policy: RepairsKvGaps, worker: Worker, first_missing: int) 
                 if exc.code != "too_old":
                     raise
             dump = await worker.client.call(KV_DUMP, KvDumpQuery())
-            hashes = dump.block_hashes, dump.last_event_id, dump.host_hashes, dump.disk_hashes
-            policy.load_dump(worker.instance_id, *hashes)
+            policy.load_dump(msgspec.structs.replace(dump, worker_id=worker.instance_id))
             logger.info("KV router: reloaded worker %x from a dump", worker.instance_id)
             return "dump"
     except (TransportError, TimeoutError) as exc:

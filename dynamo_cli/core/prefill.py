@@ -151,7 +151,7 @@ class PrefillHop:
         hold.queue_prefill(len(self.request.token_ids))
         try:
             self._stream = stream = await self.deadline.open(
-                worker, self.entry.name, GENERATE, self.request, name=worker.record.endpoint
+                worker, self.entry.name, GENERATE, hold.stamped(self.request), name=worker.record.endpoint
             )
             chunks: list[GenerateChunk] = []
             while batch := await self.deadline.next_batch(stream, worker, self.entry.name):
@@ -173,7 +173,7 @@ class PrefillHop:
                 bootstrap_port=int(port),
                 bootstrap_room=secrets.randbits(63),
             )
-            request = msgspec.structs.replace(self.request, kv_transfer=handle)
+            request = hold.stamped(msgspec.structs.replace(self.request, kv_transfer=handle))
             held.stream = await self.deadline.open(
                 worker, self.entry.name, GENERATE, request, name=worker.record.endpoint
             )

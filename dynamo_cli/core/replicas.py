@@ -26,6 +26,7 @@ import msgspec
 from dynamo_cli.core.registry import ROUTER_COMPONENT, Registry
 from dynamo_cli.routing.base import ExpiresStale
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import Target
 from dynamo_cli.runtime.discovery import Discovery, WatchKind
 from dynamo_cli.runtime.endpoint import InstanceWatch
 from dynamo_cli.runtime.events import EventBus, pump
@@ -49,9 +50,10 @@ EXPIRE_INTERVAL_S = 30.0
 
 
 class SequenceAdded(msgspec.Struct, frozen=True, kw_only=True, tag="added"):
-    """A replica routed a request to `worker_id`."""
+    """A replica routed a request to rank `dp_rank` of `worker_id`."""
 
     worker_id: int
+    dp_rank: int = 0
     block_hashes: list[int]
     """The prompt's unique sequence hashes (its active blocks)."""
     prefill_tokens: int
@@ -108,12 +110,11 @@ class ReplicaSync:
         """Announce a request `policy` just counted (reads its worker, blocks and prefill back)."""
         active = policy.sequences.describe(request_id)
         if active is not None:
-            worker_id, hashes, prefill_tokens = active
-            self._send(
-                model,
-                request_id,
-                SequenceAdded(worker_id=worker_id, block_hashes=list(hashes), prefill_tokens=prefill_tokens),
+            target, hashes, prefill_tokens = active
+            added = SequenceAdded(
+                worker_id=target.worker, dp_rank=target.rank, block_hashes=list(hashes), prefill_tokens=prefill_tokens
             )
+            self._send(model, request_id, added)
 
     def prefill_completed(self, model: str, request_id: str) -> None:
         """Announce a request's first token."""
@@ -173,7 +174,7 @@ class ReplicaSync:
         if type(data) is SequenceAdded:
             if data.worker_id not in entry.workers:  # type: ignore[union-attr]
                 return  # a worker this replica saw leave (or not yet join): its load is not tracked
-            policy.add_remote(key, data.worker_id, data.block_hashes, data.prefill_tokens)
+            policy.add_remote(key, Target(data.worker_id, data.dp_rank), data.block_hashes, data.prefill_tokens)
             in_flight.add((event.model, key))
         elif type(data) is PrefillCompleted:
             policy.on_first_token(key)

@@ -56,6 +56,8 @@ def id_headers(gen: Generation) -> list[tuple[bytes, bytes]]:
         (b"x-request-id", (d.plan.client_request_id or d.plan.request_id).encode()),
         (b"x-worker-instance-id", f"{d.served_by or 0:x}".encode()),
     ]
+    if d.served_rank is not None:
+        headers.append((b"x-dyn-dp-rank", str(d.served_rank).encode()))
     if d.router_id is not None:
         headers.append((b"x-dyn-router-instance-id", f"{d.router_id:x}".encode()))
     if d.plan.is_explained and d.decision is not None:

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dynamo_cli.config import FrontendConfig
+from dynamo_cli.core.holds import pool_targets
 from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
@@ -72,7 +73,7 @@ class Rest:
         instances = []
         for e in self.registry.servable():
             workers = {**e.workers, **e.prefill_workers}
-            in_flight = e.policy.snapshot(workers).in_flight
+            in_flight = e.policy.snapshot(pool_targets(workers, list(workers))).in_flight
             for wid, w in workers.items():
                 row: dict[str, object] = {
                     "model": e.name,
@@ -82,9 +83,14 @@ class Rest:
                 }
                 if w.hung is not None:
                     row["hung"] = w.hung
-                load = in_flight.get(wid)
-                if load is not None:  # the KV router's count (every replica's, with replica sync)
-                    row |= {"in_flight_requests": load.num_requests, "active_blocks": load.active_blocks}
+                loads = [(t.rank, load) for t, load in in_flight.items() if t.worker == wid]
+                if loads:  # the KV router's count (every replica's, with replica sync)
+                    row |= {
+                        "in_flight_requests": sum(load.num_requests for _, load in loads),
+                        "active_blocks": sum(load.active_blocks for _, load in loads),
+                    }
+                if w.card.is_ranked:
+                    row["ranks"] = [{"dp_rank": r, "in_flight_requests": x.num_requests} for r, x in loads]
                 instances.append(row)
         healthy = bool(instances)
         body: dict[str, object] = {"status": "healthy" if healthy else "unhealthy", "frontend": f"{self.instance_id:x}"}

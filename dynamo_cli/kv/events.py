@@ -58,6 +58,17 @@ class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
     events: list[KvEvent]
     worker_id: int = 0
     timestamp: float = 0.0
+    dp_rank: int = 0
+    """The data-parallel rank whose cache changed (a worker's ranks share its one event numbering)."""
+
+
+class KvRankDump(msgspec.Struct, frozen=True, kw_only=True):
+    """One more rank's blocks in a `KvDump`."""
+
+    dp_rank: int
+    block_hashes: list[int]
+    host_hashes: list[int] = []
+    disk_hashes: list[int] = []
 
 
 class KvDump(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,3 +82,7 @@ class KvDump(msgspec.Struct, frozen=True, kw_only=True):
     """Blocks in host memory (a block may sit on several tiers)."""
     disk_hashes: list[int] = []
     """Blocks on local disk."""
+    dp_rank: int = 0
+    """The rank the lists above are of."""
+    ranks: list[KvRankDump] = []
+    """A worker serving several data-parallel ranks: the blocks of each rank other than `dp_rank`."""

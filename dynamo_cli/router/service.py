@@ -35,6 +35,7 @@ import msgspec
 from dynamo_cli.config import RouterConfig
 from dynamo_cli.core import loras
 from dynamo_cli.core.dispatch import Dispatch
+from dynamo_cli.core.holds import pool_targets
 from dynamo_cli.core.metrics import RouterMetrics
 from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.core.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
@@ -44,6 +45,7 @@ from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.routing.target import Target
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
 from dynamo_cli.runtime.events import EventBus
@@ -213,14 +215,16 @@ class RouterService:
                 raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
         load_s = {w: entry.workers[w].adapters.cost_s(lora) for w in workers} if lora else None
         route = RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id, lora, load_s)
-        decision = policy.peek(route, workers)
+        targets = pool_targets(entry.workers, workers)
+        decision = policy.peek(route, targets)
         yield BestWorkerReply(
             worker_id=decision.worker_id,
+            dp_rank=decision.target.rank,
             overlap_blocks=decision.overlap_blocks,
             explanation=decision.explanation,
             router_id=self.instance_id,
             model=entry.name,
-            in_flight=in_flight_view(policy, workers),
+            in_flight=in_flight_view(policy, targets),
             queued=len(entry.queue),
             indexed_workers=sorted(policy.indexer.workers()),
             prefill_workers=sorted(entry.prefill_workers),
@@ -251,6 +255,7 @@ class RouterService:
             return None
         backends = f"{self.config.namespace}/{self.config.component}"
         detail = f"model={card.display_name} backends={backends}"
+        card = msgspec.structs.replace(card, dp_start=0, dp_size=1)  # one target to its callers: it chooses ranks
         return Serving(GENERATE, self.generate, card, card.role, detail, lambda e: [self._advertise_adapters(e, card)])
 
     def _system_server(self) -> SystemServer | None:
@@ -295,17 +300,18 @@ class RouterService:
         return None
 
 
-def in_flight_view(policy: KvRoutingPolicy, workers: list[int]) -> list[InFlight]:
-    """Per worker: requests in flight, unique active blocks, outstanding prefill tokens (this replica)."""
-    loads = policy.snapshot(sorted(workers)).in_flight
+def in_flight_view(policy: KvRoutingPolicy, targets: list[Target]) -> list[InFlight]:
+    """Per target: requests in flight, unique active blocks, outstanding prefill tokens (this replica)."""
+    loads = policy.snapshot(sorted(targets)).in_flight
     return [
         InFlight(
-            worker_id=w,
+            worker_id=t.worker,
+            dp_rank=t.rank,
             num_requests=load.num_requests,
             active_blocks=load.active_blocks,
             active_prefill_tokens=load.active_prefill_tokens,
         )
-        for w, load in loads.items()
+        for t, load in loads.items()
     ]
 
 

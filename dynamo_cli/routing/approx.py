@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dynamo_cli.routing.indexer import KvIndexer
+from dynamo_cli.routing.target import Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,40 +35,40 @@ class ApproxIndexer:
     def __init__(self, config: ApproxConfig | None = None) -> None:
         self.config = config or ApproxConfig()
         self._index = KvIndexer()
-        self._expiry: dict[tuple[int, int], float] = {}
-        self._heap: list[tuple[float, int, int]] = []
+        self._expiry: dict[tuple[Target, int], float] = {}
+        self._heap: list[tuple[float, Target, int]] = []
         self.num_expired = 0
         self.num_pruned = 0
 
     def __len__(self) -> int:
-        """Live (worker, block) entries."""
+        """Live (target, block) entries."""
         return len(self._expiry)
 
-    def record(self, worker_id: int, hashes: Sequence[int], now: float) -> None:
-        """The router sent a request with these prompt blocks to `worker_id` at `now`."""
+    def record(self, target: Target, hashes: Sequence[int], now: float) -> None:
+        """The router sent a request with these prompt blocks to `target` at `now`."""
         self.expire(now)
         expires = now + self.config.ttl_s
         for h in hashes:
-            self._expiry[(worker_id, h)] = expires
-            heapq.heappush(self._heap, (expires, worker_id, h))
-        self._index.store_blocks(worker_id, hashes)
+            self._expiry[(target, h)] = expires
+            heapq.heappush(self._heap, (expires, target, h))
+        self._index.store_blocks(target, hashes)
         if len(self._expiry) > self.config.max_blocks:
             self._prune()
         if len(self._heap) > 2 * len(self._expiry) + 1024:
             self._compact()
 
-    def find_matches(self, hashes: Sequence[int], now: float) -> dict[int, int]:
-        """Worker -> contiguous prefix blocks of `hashes` presumed cached at `now`."""
+    def find_matches(self, hashes: Sequence[int], now: float) -> dict[Target, int]:
+        """Target -> contiguous prefix blocks of `hashes` presumed cached at `now`."""
         self.expire(now)
         return self._index.find_matches(hashes)
 
-    def num_blocks(self, worker_id: int) -> int:
-        """Blocks presumed cached on `worker_id` (as of the last expiry)."""
-        return self._index.num_blocks(worker_id)
+    def num_blocks(self, target: Target) -> int:
+        """Blocks presumed cached on `target` (as of the last expiry)."""
+        return self._index.num_blocks(target)
 
-    def block_counts(self, workers: Sequence[int]) -> list[int]:
-        """`num_blocks` of each of `workers`."""
-        return self._index.block_counts(workers)
+    def block_counts(self, targets: Sequence[Target]) -> list[int]:
+        """`num_blocks` of each of `targets`."""
+        return self._index.block_counts(targets)
 
     def expire(self, now: float) -> int:
         """Drop entries whose time is up at `now` (an entry expiring exactly at `now` is gone)."""
@@ -76,17 +77,17 @@ class ApproxIndexer:
         return removed
 
     def remove_worker(self, worker_id: int) -> None:
-        """Forget a worker that left; its heap items become stale."""
+        """Forget a worker that left (every rank); its heap items become stale."""
         self._index.remove_worker(worker_id)
-        for key in [key for key in self._expiry if key[0] == worker_id]:
+        for key in [key for key in self._expiry if key[0].worker == worker_id]:
             del self._expiry[key]
 
     def _prune(self) -> None:
-        target = int(self.config.max_blocks * self.config.prune_fraction)
-        self.num_pruned += self._pop_while(lambda _: len(self._expiry) > target)
+        keep = int(self.config.max_blocks * self.config.prune_fraction)
+        self.num_pruned += self._pop_while(lambda _: len(self._expiry) > keep)
 
     def _pop_while(self, keep_popping: Callable[[float], bool]) -> int:
-        gone: dict[int, list[int]] = {}
+        gone: dict[Target, list[int]] = {}
         heap = self._heap
         while heap and keep_popping(heap[0][0]):
             expires, worker, h = heapq.heappop(heap)

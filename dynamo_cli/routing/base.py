@@ -1,4 +1,4 @@
-"""The routing seam: a policy picks one worker per request and tracks what it routed.
+"""The routing seam: a policy picks one target (a worker's rank: target.py) per request and tracks what it routed.
 
 The frontend calls `select` before sending, `on_first_token` when the first token comes back and
 `on_finish` when the stream ends for any reason (done, failed, client gone), so a policy that counts
@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from dynamo_cli.kv.events import KvEventBatch
+from dynamo_cli.kv.events import KvDump, KvEventBatch
 from dynamo_cli.routing.indexer import Gap
+from dynamo_cli.routing.target import Target
 from dynamo_cli.wire import LoadMetrics
 
 
@@ -24,22 +25,27 @@ class RouteRequest:
     request_id: str
     token_ids: Sequence[int]
     pinned_worker: int | None = None
-    """A worker the caller asked for (header `x-worker-instance-id`)."""
+    """A worker the caller asked for (header `x-worker-instance-id`): one of its ranks is chosen."""
     lora: str = ""
     """The LoRA adapter it runs with ("": the base model): its blocks hash with `lora_seed(lora)`."""
     lora_load_s: Mapping[int, float] | None = None
-    """With `lora`: seconds each candidate would spend loading it first (0 where loaded; lora/routing.py)."""
+    """With `lora`: seconds each candidate worker would spend loading it first (0 where loaded; lora/routing.py)."""
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """The chosen worker and, when asked for, why."""
+    """The chosen target and, when asked for, why."""
 
-    worker_id: int
+    target: Target
     overlap_blocks: int = 0
     explain: Callable[[], dict[str, Any]] | None = None
     """Builds the explanation from the decision's own snapshot; called only by whoever reads `explanation`
     (most requests do not ask for `x-dyn-explain-route`, and building it costs more than the cost itself)."""
+
+    @property
+    def worker_id(self) -> int:
+        """The chosen target's worker."""
+        return self.target.worker
 
     @property
     def explanation(self) -> dict[str, Any]:
@@ -49,7 +55,7 @@ class RouteDecision:
 
 @dataclass(frozen=True, slots=True)
 class InFlightLoad:
-    """What a policy counts on one worker now (with replica sync, every frontend's and router's)."""
+    """What a policy counts on one target now (with replica sync, every frontend's and router's)."""
 
     num_requests: int
     active_blocks: int
@@ -63,18 +69,18 @@ class PolicySnapshot:
 
     counters: dict[str, int] = field(default_factory=dict)
     """Its monotonic counters (decisions, hit blocks, ...), by name."""
-    in_flight: dict[int, InFlightLoad] = field(default_factory=dict)
-    """Worker -> what it counts there, for the workers asked about."""
+    in_flight: dict[Target, InFlightLoad] = field(default_factory=dict)
+    """Target -> what it counts there, for the targets asked about."""
 
 
 NOTHING_COUNTED = PolicySnapshot()
 
 
 class RoutingPolicy(Protocol):
-    """Chooses a worker among the live candidates."""
+    """Chooses a target among the live candidates."""
 
-    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
-        """Pick one of `workers` (never empty) for `request`."""
+    def select(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
+        """Pick one of `targets` (never empty; by worker, then rank) for `request`."""
         ...
 
     def on_first_token(self, request_id: str) -> None:
@@ -86,7 +92,7 @@ class RoutingPolicy(Protocol):
         ...
 
     def remove_worker(self, worker_id: int) -> None:
-        """The worker left discovery: forget its state."""
+        """The worker left discovery: forget the state of every rank of it."""
         ...
 
     def apply_kv_events(self, batch: KvEventBatch) -> None:
@@ -97,8 +103,8 @@ class RoutingPolicy(Protocol):
         """Ingest a worker's published load (no-op for load-blind policies)."""
         ...
 
-    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
-        """Its counters, and what it counts in flight on each of `workers`."""
+    def snapshot(self, targets: Iterable[Target] = ()) -> PolicySnapshot:
+        """Its counters, and what it counts in flight on each of `targets`."""
         ...
 
 
@@ -120,20 +126,28 @@ class _Blind:
     def apply_load(self, metrics: LoadMetrics) -> None:
         pass
 
-    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
+    def snapshot(self, targets: Iterable[Target] = ()) -> PolicySnapshot:
         return NOTHING_COUNTED
 
 
+def pinned_targets(request: RouteRequest, targets: Sequence[Target]) -> Sequence[Target]:
+    """The ranks of the worker the caller pinned, where it is a candidate; else every target."""
+    pinned = request.pinned_worker
+    if pinned is None:
+        return targets
+    own = [t for t in targets if t.worker == pinned]
+    return own or targets
+
+
 class RoundRobinPolicy(_Blind):
-    """Cycle through the workers in id order."""
+    """Cycle through the targets in (worker, rank) order."""
 
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
-        if request.pinned_worker in workers:
-            return RouteDecision(request.pinned_worker)  # type: ignore[arg-type]
-        chosen = workers[self._next % len(workers)]
+    def select(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
+        targets = pinned_targets(request, targets)
+        chosen = targets[self._next % len(targets)]
         self._next += 1
         return RouteDecision(chosen)
 
@@ -144,10 +158,8 @@ class RandomPolicy(_Blind):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
-        if request.pinned_worker in workers:
-            return RouteDecision(request.pinned_worker)  # type: ignore[arg-type]
-        return RouteDecision(self._rng.choice(workers))
+    def select(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
+        return RouteDecision(self._rng.choice(pinned_targets(request, targets)))
 
 
 ##### Optional abilities of a policy #####
@@ -163,15 +175,8 @@ class RepairsKvGaps(Protocol):
 
     def apply_kv_events(self, batch: KvEventBatch) -> None: ...
 
-    def load_dump(
-        self,
-        worker_id: int,
-        hashes: Iterable[int],
-        last_event_id: int,
-        host: Iterable[int] = (),
-        disk: Iterable[int] = (),
-    ) -> None:
-        """Replace what the policy knows of a worker's cache (device, host and disk tiers) by its own dump."""
+    def load_dump(self, dump: KvDump) -> None:
+        """Replace what the policy knows of a worker's cache (every rank, every tier) by its own dump."""
         ...
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from dynamo_cli.config import KvRouterConfig
+from dynamo_cli.routing.target import Target
 from dynamo_cli.routing.tier_costs import AS_DEVICE, TierCosts
 from dynamo_cli.routing.time_cost import Across, Speed, SpeedEstimator, TimeTerms, time_terms
 
@@ -66,7 +67,7 @@ class CostConfig:
 class CandidateLoad:
     """What the router knows about one candidate for one request (one row of `Candidates`)."""
 
-    worker_id: int
+    target: Target
     overlap_blocks: int = 0
     """Blocks of the request's prefix the worker caches on any tier (indexer)."""
     active_prefill_tokens: int = 0
@@ -102,9 +103,9 @@ _COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """Every candidate of one decision as columns: entry i of each list is `worker_ids[i]`'s."""
+    """Every candidate of one decision as columns: entry i of each list is `targets[i]`'s."""
 
-    worker_ids: Sequence[int]
+    targets: Sequence[Target]
     overlap_blocks: Sequence[int]
     active_prefill_tokens: Sequence[int]
     active_blocks: Sequence[int]
@@ -126,17 +127,17 @@ class Candidates:
     @classmethod
     def of(
         cls,
-        worker_ids: Sequence[int],
+        targets: Sequence[Target],
         *columns: Sequence[int],
         pass_elapsed_s: Sequence[float] | None = None,
         lora_load_s: Sequence[float] | None = None,
     ) -> Candidates:
-        """From one list per field, in field order after `worker_ids`; missing tier columns are zeros."""
+        """From one list per field, in field order after `targets`; missing tier columns are zeros."""
         tiered = len(columns) == len(_COLUMNS)
-        full = [*columns, *[[0] * len(worker_ids)] * (len(_COLUMNS) - len(columns))]
+        full = [*columns, *[[0] * len(targets)] * (len(_COLUMNS) - len(columns))]
         overlap, prefill, active, active_overlap, cached, requests, capacity, host, disk = full
         return cls(
-            worker_ids,
+            targets,
             overlap,
             prefill,
             active,
@@ -154,14 +155,14 @@ class Candidates:
     @classmethod
     def from_loads(cls, loads: Sequence[CandidateLoad]) -> Candidates:
         """From one `CandidateLoad` per candidate."""
-        return cls.of([load.worker_id for load in loads], *([getattr(x, n) for x in loads] for n in _COLUMNS))
+        return cls.of([load.target for load in loads], *([getattr(x, n) for x in loads] for n in _COLUMNS))
 
 
 @dataclass(frozen=True, slots=True)
 class CandidateCost:
     """One candidate's terms and logit, as logged and explained."""
 
-    worker_id: int
+    target: Target
     overlap_blocks: int
     prefill_blocks: float
     decode_blocks: int
@@ -177,7 +178,8 @@ class CandidateCost:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view."""
         view = {
-            "worker_id": self.worker_id,
+            "worker_id": self.target.worker,
+            "dp_rank": self.target.rank,
             "overlap_blocks": self.overlap_blocks,
             "hits": self.hits,
             "prefill_blocks": self.prefill_blocks,
@@ -225,7 +227,7 @@ class CostTable:
             )
             rows.append(
                 CandidateCost(
-                    c.worker_ids[i],
+                    c.targets[i],
                     overlap,
                     prefill,
                     decode,
@@ -256,7 +258,7 @@ class Reason(enum.Enum):
 class Selection:
     """A decision and its explanation."""
 
-    worker_id: int
+    target: Target
     reason: Reason
     table: CostTable
     index: int
@@ -267,9 +269,14 @@ class Selection:
     """"logit", or "load" (active_prefill_tokens / block_size + active_blocks) under the hot-spot guard."""
 
     @property
+    def worker_id(self) -> int:
+        """The chosen target's worker."""
+        return self.target.worker
+
+    @property
     def candidates(self) -> tuple[CandidateCost, ...]:
         """Every candidate's terms, in the order given."""
-        return tuple(self.table.rows(range(len(self.table.candidates.worker_ids))))
+        return tuple(self.table.rows(range(len(self.table.candidates.targets))))
 
     @property
     def overlap_blocks(self) -> int:
@@ -287,7 +294,8 @@ class Selection:
                 best.add(self.index)
             rows = sorted(best)
         return {
-            "worker_id": self.worker_id,
+            "worker_id": self.target.worker,
+            "dp_rank": self.target.rank,
             "reason": self.reason.value,
             "ranked_by": self.ranked_by,
             "margin": self.margin,
@@ -315,7 +323,7 @@ def cost_table(c: Candidates, isl: int, num_blocks: int, config: CostConfig, spe
         logits = [w * p + d for p, d in zip(prefill, decode, strict=True)]
         return CostTable(c, logits, {}, isl, num_blocks, bs, prefill, decode)
     across = Across(max(c.overlap_blocks), max(c.active_overlap_blocks) > 0, min(c.active_prefill_tokens) > 0)
-    evaluate = _time_columns if len(c.worker_ids) >= VECTOR_MIN else _time_rows
+    evaluate = _time_columns if len(c.targets) >= VECTOR_MIN else _time_rows
     logits, times = evaluate(c, isl, num_blocks, config, speed, across)
     if c.lora_load_s is not None:
         logits = [logit + s for logit, s in zip(logits, c.lora_load_s, strict=True)]
@@ -342,7 +350,7 @@ def _time_rows(
 ) -> TimeColumns:
     """The time cost evaluated per candidate, on numbers (few candidates)."""
     logits, rows = [], []
-    for i in range(len(c.worker_ids)):
+    for i in range(len(c.targets)):
         t = _time_terms(c, isl, num_blocks, config, speed, across, functools.partial(_entry, i))
         logits.append(t.total)
         rows.append(t)
@@ -427,22 +435,22 @@ def select(
     """Choose among the candidates `c` (never empty) for a request of `isl` tokens, `num_blocks` blocks;
     `rounds` is the caller's dealer of near-ties (time cost; None: a fresh one, which takes the first)."""
     table = cost_table(c, isl, num_blocks, config, speed)
-    if len(c.worker_ids) == 1:
-        return Selection(c.worker_ids[0], Reason.ONLY, table, 0, None)
+    if len(c.targets) == 1:
+        return Selection(c.targets[0], Reason.ONLY, table, 0, None)
     if is_hot_spot(c.active_blocks, config):
         bs = config.block_size
         scores = [a + q / bs for a, q in zip(c.active_blocks, c.active_prefill_tokens, strict=True)]
         index, _ = _argmin(scores, [c.cached_blocks], rng)
-        return Selection(c.worker_ids[index], Reason.HOT_SPOT, table, index, _margin(scores, index), "load")
+        return Selection(c.targets[index], Reason.HOT_SPOT, table, index, _margin(scores, index), "load")
     logits = table.logits
     if config.router.temperature > 0:
         index, reason = softmax_sample(logits, config.router.temperature, rng), Reason.SOFTMAX
     elif config.router.cost == "time":
         queue, busy = table.times["queue_s"], table.times.get("busy_s")
-        index, reason = (rounds or Rounds()).deal(c.worker_ids, logits, queue, speed.pass_s, busy)
+        index, reason = (rounds or Rounds()).deal(c.targets, logits, queue, speed.pass_s, busy)
     else:
         index, reason = _argmin(logits, [c.cached_blocks], rng)
-    return Selection(c.worker_ids[index], reason, table, index, _margin(logits, index))
+    return Selection(c.targets[index], reason, table, index, _margin(logits, index))
 
 
 def select_worker(
@@ -460,11 +468,12 @@ def explain_pinned(
     config: CostConfig,
     speed: Speed = DEFAULT_SPEED,
 ) -> Selection:
-    """The explanation of a pinned request: the candidates' costs, the caller's worker chosen."""
+    """The explanation of a pinned request: the candidates' costs, the caller's worker chosen (its cheapest rank)."""
     c = loads if isinstance(loads, Candidates) else Candidates.from_loads(loads)
     table = cost_table(c, isl, num_blocks, config, speed)
-    index = list(c.worker_ids).index(worker_id)
-    return Selection(worker_id, Reason.PINNED, table, index, _margin(table.logits, index))
+    logits = table.logits
+    index = min((i for i, t in enumerate(c.targets) if t.worker == worker_id), key=logits.__getitem__)
+    return Selection(c.targets[index], Reason.PINNED, table, index, _margin(logits, index))
 
 
 def softmax_sample(logits: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -495,12 +504,12 @@ class Rounds:
     __slots__ = ("_dealt",)
 
     def __init__(self) -> None:
-        self._dealt: set[int] = set()
-        """Workers dealt a near-tie in the current round."""
+        self._dealt: set[Target] = set()
+        """Targets dealt a near-tie in the current round."""
 
     def deal(
         self,
-        worker_ids: Sequence[int],
+        targets: Sequence[Target],
         scores: Sequence[float],
         queue: Sequence[float],
         band: float,
@@ -518,14 +527,14 @@ class Rounds:
         if len(tied) == 1:
             return tied[0], Reason.ARGMIN
         dealt = self._dealt
-        fresh = [i for i in tied if worker_ids[i] not in dealt]
+        fresh = [i for i in tied if targets[i] not in dealt]
         if not fresh:
             dealt.clear()
             fresh = tied
         index, reason = fresh[0], Reason.TIE_TURN
         if busy is not None and any(busy[i] for i in fresh):  # busy is never negative
             index, reason = min(fresh, key=lambda i: scores[i] + busy[i]), Reason.ARGMIN
-        dealt.add(worker_ids[index])
+        dealt.add(targets[index])
         return index, reason
 
 

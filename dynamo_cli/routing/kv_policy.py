@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dynamo_cli.config import KvRouterConfig
-from dynamo_cli.kv.events import DEVICE, BlockStored, KvEventBatch
+from dynamo_cli.kv.events import DEVICE, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.hashing import lora_seed, sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.approx import ApproxConfig, ApproxIndexer
@@ -34,6 +34,7 @@ from dynamo_cli.routing.base import InFlightLoad, PolicySnapshot, RouteDecision,
 from dynamo_cli.routing.cost import Candidates, CostConfig, Reason, Rounds, Selection, explain_pinned, select
 from dynamo_cli.routing.indexer import Gap, KvIndexer, TierHits
 from dynamo_cli.routing.sequences import STALE_REQUEST_S, ActiveSequences
+from dynamo_cli.routing.target import Target
 from dynamo_cli.routing.tier_costs import TierCosts, tier_costs
 from dynamo_cli.routing.time_cost import PRIOR_PREFILL_TPS, SpeedEstimator
 from dynamo_cli.wire import LoadMetrics
@@ -112,8 +113,9 @@ class KvRoutingPolicy:
         """Prefill speed and time in flight, learned from first tokens and ends of streams (time cost)."""
         self._speed_probes: dict[str, int] = {}
         """Requests in flight routed to a worker with no prefill queued -> their uncached tokens."""
-        self._capacity: dict[int, int] = {}
-        """Worker -> KV blocks it published (`LoadMetrics.total_blocks`); else the card's."""
+        self._capacity: dict[Target, int] = {}
+        """Target -> KV blocks it published (`LoadMetrics.total_blocks`, a rank's `RankLoad.total_blocks`); else the
+        card's."""
         self._gaps: list[Gap] = []
         self._reported_event_id: dict[int, int] = {}
         self._rounds = Rounds()
@@ -121,35 +123,35 @@ class KvRoutingPolicy:
 
     ##### RoutingPolicy #####
 
-    def select(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
-        """Choose a worker for `request` among `workers` (never empty) and count its load there."""
-        hashes, selection, now = self._choose(request, workers)
+    def select(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
+        """Choose a target for `request` among `targets` (never empty) and count its load there."""
+        hashes, selection, now = self._choose(request, targets)
         isl = len(request.token_ids)
-        c, at, worker_id = selection.table.candidates, selection.index, selection.worker_id
+        c, at, target = selection.table.candidates, selection.index, selection.target
         overlap = selection.overlap_blocks
         prefill_tokens = max(0, isl - overlap * self._cost.block_size)
-        self.sequences.add_request(request.request_id, worker_id, hashes, prefill_tokens, now)
+        self.sequences.add_request(request.request_id, target, hashes, prefill_tokens, now)
         if c.active_prefill_tokens[at] or c.host_blocks[at] or c.disk_blocks[at]:
             self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
         if not self.config.use_kv_events:
-            self.approx.record(worker_id, hashes, now)
+            self.approx.record(target, hashes, now)
         self._count(selection, len(hashes))
         self._log(request.request_id, selection)
-        return RouteDecision(worker_id, overlap, selection.to_dict)
+        return RouteDecision(target, overlap, selection.to_dict)
 
-    def peek(self, request: RouteRequest, workers: Sequence[int]) -> RouteDecision:
+    def peek(self, request: RouteRequest, targets: Sequence[Target]) -> RouteDecision:
         """The decision `select` would make now, counting nothing (`dyn router`'s `best_worker_id`)."""
-        _, selection, _ = self._choose(request, workers)
-        return RouteDecision(selection.worker_id, selection.overlap_blocks, selection.to_dict)
+        _, selection, _ = self._choose(request, targets)
+        return RouteDecision(selection.target, selection.overlap_blocks, selection.to_dict)
 
-    def add_remote(self, request_id: str, worker_id: int, hashes: Sequence[int], prefill_tokens: int) -> None:
+    def add_remote(self, request_id: str, target: Target, hashes: Sequence[int], prefill_tokens: int) -> None:
         """Count a request another router replica routed, so every replica sees the same load."""
         now = self._clock()
-        self.sequences.add_request(request_id, worker_id, hashes, prefill_tokens, now)
+        self.sequences.add_request(request_id, target, hashes, prefill_tokens, now)
         if not self.config.use_kv_events:
-            self.approx.record(worker_id, hashes, now)
+            self.approx.record(target, hashes, now)
 
     def on_first_token(self, request_id: str) -> None:
         """The request's prefill is done: its prompt tokens leave the worker's prefill load."""
@@ -170,7 +172,8 @@ class KvRoutingPolicy:
         self.approx.remove_worker(worker_id)
         for request_id in self.sequences.remove_worker(worker_id):
             self._speed_probes.pop(request_id, None)
-        self._capacity.pop(worker_id, None)
+        for target in [t for t in self._capacity if t.worker == worker_id]:
+            del self._capacity[target]
         self._reported_event_id.pop(worker_id, None)
         self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
 
@@ -182,24 +185,28 @@ class KvRoutingPolicy:
         if gap is not None:
             self.counters.num_kv_gaps += 1
             self._gaps.append(gap)
-        now = self._clock()
+        now, target = self._clock(), Target(batch.worker_id, batch.dp_rank)
         for event in batch.events:  # a pass storing a pending prompt's last block is computing it
             if type(event) is BlockStored and event.tier == DEVICE:
-                self.sequences.mark_stored(batch.worker_id, [block.block_hash for block in event.blocks], now)
+                self.sequences.mark_stored(target, [block.block_hash for block in event.blocks], now)
 
-    def snapshot(self, workers: Iterable[int] = ()) -> PolicySnapshot:
+    def snapshot(self, targets: Iterable[Target] = ()) -> PolicySnapshot:
         s = self.sequences
         in_flight = {
-            w: InFlightLoad(s.num_requests(w), s.active_blocks(w), s.active_prefill_tokens(w)) for w in workers
+            t: InFlightLoad(s.num_requests(t), s.active_blocks(t), s.active_prefill_tokens(t)) for t in targets
         }
         return PolicySnapshot(self.counters.to_dict(), in_flight)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
         KV event id is compared with the index, so events lost with nothing after them are noticed.
-        Its KV capacity is the time cost's C."""
-        if metrics.total_blocks > 0:
-            self._capacity[metrics.worker_id] = metrics.total_blocks
+        Its KV capacity (each rank's, for a worker of several) is the time cost's C."""
+        if metrics.ranks:
+            for rank in metrics.ranks:
+                if rank.total_blocks > 0:
+                    self._capacity[Target(metrics.worker_id, rank.dp_rank)] = rank.total_blocks
+        elif metrics.total_blocks > 0:
+            self._capacity[Target(metrics.worker_id)] = metrics.total_blocks
         if not self.config.use_kv_events:
             return
         # The previous report, not this one: events and load travel on separate subscriptions and may
@@ -222,17 +229,9 @@ class KvRoutingPolicy:
         self._gaps = []
         return list(merged.values())
 
-    def load_dump(
-        self,
-        worker_id: int,
-        hashes: Iterable[int],
-        last_event_id: int,
-        host: Iterable[int] = (),
-        disk: Iterable[int] = (),
-    ) -> None:
-        """Replace a worker's cached blocks (device `hashes`, `host`, `disk`) by its dump taken after event
-        `last_event_id`."""
-        self.indexer.load_dump(worker_id, hashes, last_event_id, host, disk)
+    def load_dump(self, dump: KvDump) -> None:
+        """Replace a worker's cached blocks (every rank, every tier) by its dump."""
+        self.indexer.load_dump(dump)
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
@@ -243,19 +242,19 @@ class KvRoutingPolicy:
 
     ##### Internals #####
 
-    def _choose(self, request: RouteRequest, workers: Sequence[int]) -> tuple[list[int], Selection, float]:
+    def _choose(self, request: RouteRequest, targets: Sequence[Target]) -> tuple[list[int], Selection, float]:
         hashes = sequence_hashes(request.token_ids, self._cost.block_size, seed=lora_seed(request.lora))
         isl = len(request.token_ids)
         now = self._clock()
-        candidates = self._candidates(hashes, workers, now, request.lora_load_s)
+        candidates = self._candidates(hashes, targets, now, request.lora_load_s)
         speed = self.speed.speed
-        if request.pinned_worker is not None and request.pinned_worker in workers:
+        if request.pinned_worker is not None and any(t.worker == request.pinned_worker for t in targets):
             pinned = explain_pinned(request.pinned_worker, candidates, isl, len(hashes), self._cost, speed)
             return hashes, pinned, now
         return hashes, select(candidates, isl, len(hashes), self._cost, self._rng, speed, self._rounds), now
 
     def _candidates(
-        self, hashes: list[int], workers: Sequence[int], now: float, load_s: Mapping[int, float] | None
+        self, hashes: list[int], workers: Sequence[Target], now: float, load_s: Mapping[int, float] | None
     ) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
         tiers = None
@@ -278,7 +277,7 @@ class KvRoutingPolicy:
             [capacity(w, default) for w in workers],
             *(_tier_columns(tiers, workers) if tiers else ()),
             pass_elapsed_s=self.sequences.pass_elapsed(workers, now) if self.config.use_kv_events else None,
-            lora_load_s=None if load_s is None else [load_s.get(w, 0.0) for w in workers],
+            lora_load_s=None if load_s is None else [load_s.get(w.worker, 0.0) for w in workers],
         )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:
@@ -302,10 +301,9 @@ class KvRoutingPolicy:
         for c in selection.candidates:
             if c.times:
                 logger.debug(
-                    "route %s: formula for worker %d: %.6f s = %.6f prefill + %.6f evict + %.6f memory "
-                    "(overlap %d blocks)",
+                    "route %s: formula for %s: %.6f s = %.6f prefill + %.6f evict + %.6f memory (overlap %d blocks)",
                     request_id,
-                    c.worker_id,
+                    c.target.label(),
                     c.logit,
                     c.times["prefill_s"],
                     c.times["evict_s"],
@@ -314,9 +312,9 @@ class KvRoutingPolicy:
                 )
                 continue
             logger.debug(
-                "route %s: formula for worker %d: %.3f = %.2f * %.3f prefill + %d decode (overlap %d blocks)",
+                "route %s: formula for %s: %.3f = %.2f * %.3f prefill + %d decode (overlap %d blocks)",
                 request_id,
-                c.worker_id,
+                c.target.label(),
                 c.logit,
                 w,
                 c.prefill_blocks,
@@ -324,15 +322,15 @@ class KvRoutingPolicy:
                 c.overlap_blocks,
             )
         logger.debug(
-            "route %s: chose worker %d (%s, margin %s)",
+            "route %s: chose %s (%s, margin %s)",
             request_id,
-            selection.worker_id,
+            selection.target.label(),
             selection.reason.value,
             selection.margin,
         )
 
 
-def _tier_columns(tiers: dict[int, TierHits], workers: Sequence[int]) -> tuple[list[int], list[int]]:
+def _tier_columns(tiers: dict[Target, TierHits], workers: Sequence[Target]) -> tuple[list[int], list[int]]:
     """The host and disk hit columns (0 for workers whose prefix is all on device)."""
     none = TierHits(0, 0, 0)
     hits = [tiers.get(w, none) for w in workers]

@@ -1,4 +1,4 @@
-"""In-flight load as the router sees it: per worker, prefill tokens not yet computed and active KV blocks.
+"""In-flight load as the router sees it: per target (a worker's rank), prefill tokens not computed, active KV blocks.
 
 NOTE: the router predicts load from its own decisions instead of waiting for workers to report it, so
 two requests routed in the same millisecond already see each other. A request adds its uncached prompt
@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynamo_cli.routing.indexer import WorkerSlots, match_prefix
+from dynamo_cli.routing.indexer import TargetSlots, match_prefix
+from dynamo_cli.routing.target import Target
 
 STALE_REQUEST_S = 300.0
 """A request in flight longer than this is presumed leaked and may be expired (Dynamo's default)."""
@@ -23,7 +24,7 @@ STALE_REQUEST_S = 300.0
 
 @dataclass(slots=True)
 class _Active:
-    worker_id: int
+    target: Target
     hashes: tuple[int, ...]
     prefill_tokens: int
     """Outstanding prefill tokens; 0 once the first token came back."""
@@ -37,75 +38,75 @@ class ActiveSequences:
 
     def __init__(self) -> None:
         self._requests: dict[str, _Active] = {}
-        self._refs: dict[int, dict[int, int]] = {}
-        """worker -> sequence hash -> number of in-flight requests using that block."""
-        self._prefill: dict[int, int] = {}
-        self._count: dict[int, int] = {}
-        """worker -> requests in flight there (kept with every add and free, never recounted)."""
+        self._refs: dict[Target, dict[int, int]] = {}
+        """target -> sequence hash -> number of in-flight requests using that block."""
+        self._prefill: dict[Target, int] = {}
+        self._count: dict[Target, int] = {}
+        """target -> requests in flight there (kept with every add and free, never recounted)."""
         self._masks: dict[int, int] = {}
         """sequence hash -> bits of the workers where it is active (for active-overlap queries)."""
-        self._slots = WorkerSlots()
+        self._slots = TargetSlots()
         self._pending: dict[int, set[str]] = {}
         """Last prompt block hash -> requests awaiting their first token (to notice their pass start)."""
-        self._computing: dict[int, tuple[int, float]] = {}
-        """worker -> (requests whose prefill pass is running there, when the latest such pass was seen start)."""
+        self._computing: dict[Target, tuple[int, float]] = {}
+        """target -> (requests whose prefill pass is running there, when the latest such pass was seen start)."""
 
     ##### Queries #####
 
-    def active_blocks(self, worker_id: int) -> int:
-        """Unique KV blocks of the requests in flight on `worker_id`."""
-        refs = self._refs.get(worker_id)
+    def active_blocks(self, target: Target) -> int:
+        """Unique KV blocks of the requests in flight on `target`."""
+        refs = self._refs.get(target)
         return len(refs) if refs is not None else 0
 
-    def active_prefill_tokens(self, worker_id: int) -> int:
-        """Prompt tokens routed to `worker_id` whose first token has not come back."""
-        return self._prefill.get(worker_id, 0)
+    def active_prefill_tokens(self, target: Target) -> int:
+        """Prompt tokens routed to `target` whose first token has not come back."""
+        return self._prefill.get(target, 0)
 
-    def totals(self, workers: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """Per worker of `workers`: prefill tokens in flight, unique active blocks, requests in flight."""
+    def totals(self, targets: Sequence[Target]) -> tuple[list[int], list[int], list[int]]:
+        """Per target of `targets`: prefill tokens in flight, unique active blocks, requests in flight."""
         prefill, refs, count, empty = self._prefill.get, self._refs.get, self._count.get, dict[int, int]()
         return (
-            [prefill(w, 0) for w in workers],
-            [len(refs(w, empty)) for w in workers],
-            [count(w, 0) for w in workers],
+            [prefill(w, 0) for w in targets],
+            [len(refs(w, empty)) for w in targets],
+            [count(w, 0) for w in targets],
         )
 
-    def pass_elapsed(self, workers: Sequence[int], now: float) -> list[float]:
-        """Per worker: seconds since a prefill pass the router saw start there (inf: none running)."""
+    def pass_elapsed(self, targets: Sequence[Target], now: float) -> list[float]:
+        """Per target: seconds since a prefill pass the router saw start there (inf: none running)."""
         computing = self._computing
-        return [now - computing[w][1] if w in computing else float("inf") for w in workers]
+        return [now - computing[w][1] if w in computing else float("inf") for w in targets]
 
-    def active_overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
-        """Worker -> contiguous prefix blocks of `hashes` already active there (0s omitted)."""
-        return match_prefix(self._masks, hashes, self._slots.worker_at, self._refs)
+    def active_overlaps(self, hashes: Sequence[int]) -> dict[Target, int]:
+        """Target -> contiguous prefix blocks of `hashes` already active there (0s omitted)."""
+        return match_prefix(self._masks, hashes, self._slots.target_at, self._refs)
 
-    def num_requests(self, worker_id: int | None = None) -> int:
-        """Requests in flight, on one worker or in all."""
-        if worker_id is None:
+    def num_requests(self, target: Target | None = None) -> int:
+        """Requests in flight, on one target or in all."""
+        if target is None:
             return len(self._requests)
-        return self._count.get(worker_id, 0)
+        return self._count.get(target, 0)
 
     def started(self, request_id: str) -> float | None:
         """When a request in flight was routed (the `now` it was added with)."""
         active = self._requests.get(request_id)
         return active.started if active is not None else None
 
-    def worker_of(self, request_id: str) -> int | None:
-        """The worker a request in flight was routed to."""
+    def target_of(self, request_id: str) -> Target | None:
+        """The target a request in flight was routed to."""
         active = self._requests.get(request_id)
-        return active.worker_id if active is not None else None
+        return active.target if active is not None else None
 
-    def describe(self, request_id: str) -> tuple[int, tuple[int, ...], int] | None:
-        """A request in flight as (worker, unique prompt block hashes, outstanding prefill tokens)."""
+    def describe(self, request_id: str) -> tuple[Target, tuple[int, ...], int] | None:
+        """A request in flight as (target, unique prompt block hashes, outstanding prefill tokens)."""
         active = self._requests.get(request_id)
-        return None if active is None else (active.worker_id, active.hashes, active.prefill_tokens)
+        return None if active is None else (active.target, active.hashes, active.prefill_tokens)
 
     ##### Lifecycle #####
 
     def add_request(
         self,
         request_id: str,
-        worker_id: int,
+        target: Target,
         hashes: Sequence[int],
         prefill_tokens: int,
         now: float = 0.0,
@@ -116,13 +117,13 @@ class ActiveSequences:
         """
         self.free(request_id)
         unique = tuple(dict.fromkeys(hashes))
-        self._requests[request_id] = _Active(worker_id, unique, max(0, prefill_tokens), now)
+        self._requests[request_id] = _Active(target, unique, max(0, prefill_tokens), now)
         if prefill_tokens > 0 and unique:
             self._pending.setdefault(unique[-1], set()).add(request_id)
-        self._prefill[worker_id] = self._prefill.get(worker_id, 0) + max(0, prefill_tokens)
-        self._count[worker_id] = self._count.get(worker_id, 0) + 1
-        refs = self._refs.setdefault(worker_id, {})
-        bit = self._slots.bit(worker_id)
+        self._prefill[target] = self._prefill.get(target, 0) + max(0, prefill_tokens)
+        self._count[target] = self._count.get(target, 0) + 1
+        refs = self._refs.setdefault(target, {})
+        bit = self._slots.bit(target)
         masks = self._masks
         for h in unique:
             count = refs.get(h, 0)
@@ -136,35 +137,35 @@ class ActiveSequences:
         active = self._requests.get(request_id)
         if active is None or not active.prefill_tokens:
             return False
-        self._prefill[active.worker_id] -= active.prefill_tokens
+        self._prefill[active.target] -= active.prefill_tokens
         active.prefill_tokens = 0
         self._settle(request_id, active)
         return True
 
-    def mark_stored(self, worker_id: int, block_hashes: Sequence[int], now: float) -> None:
-        """`worker_id` stored these blocks (a KV event, sent when a pass starts): requests awaiting their
+    def mark_stored(self, target: Target, block_hashes: Sequence[int], now: float) -> None:
+        """`target` stored these blocks (a KV event, sent when a pass starts): requests awaiting their
         first token there whose last prompt block is among them are being computed now."""
         pending = self._pending
         for h in block_hashes:
             for request_id in pending.get(h, ()):
                 active = self._requests[request_id]
-                if active.worker_id == worker_id and not active.computing:
+                if active.target == target and not active.computing:
                     active.computing = True
-                    count = self._computing.get(worker_id, (0, now))[0]
-                    self._computing[worker_id] = (count + 1, now)
+                    count = self._computing.get(target, (0, now))[0]
+                    self._computing[target] = (count + 1, now)
 
     def free(self, request_id: str) -> bool:
         """The request left its worker (finished, failed, disconnected). False if it was not in flight."""
         active = self._requests.pop(request_id, None)
         if active is None:
             return False
-        worker = active.worker_id
+        target = active.target
         if active.prefill_tokens:
-            self._prefill[worker] -= active.prefill_tokens
+            self._prefill[target] -= active.prefill_tokens
             self._settle(request_id, active)
-        self._count[worker] -= 1
-        refs = self._refs[worker]
-        keep = ~self._slots.bit(worker)
+        self._count[target] -= 1
+        refs = self._refs[target]
+        keep = ~self._slots.bit(target)
         for h in active.hashes:
             count = refs[h] - 1
             if count:
@@ -188,22 +189,23 @@ class ActiveSequences:
                     del self._pending[active.hashes[-1]]
         if active.computing:
             active.computing = False
-            count, since = self._computing[active.worker_id]
+            count, since = self._computing[active.target]
             if count > 1:
-                self._computing[active.worker_id] = (count - 1, since)
+                self._computing[active.target] = (count - 1, since)
             else:
-                del self._computing[active.worker_id]
+                del self._computing[active.target]
 
     def remove_worker(self, worker_id: int) -> list[str]:
-        """Free every request on a worker that left; returns their ids."""
-        gone = [rid for rid, active in self._requests.items() if active.worker_id == worker_id]
+        """Free every request on every rank of a worker that left; returns their ids."""
+        gone = [rid for rid, active in self._requests.items() if active.target.worker == worker_id]
         for request_id in gone:
             self.free(request_id)
-        self._refs.pop(worker_id, None)
-        self._prefill.pop(worker_id, None)
-        self._count.pop(worker_id, None)
-        self._computing.pop(worker_id, None)
-        self._slots.release(worker_id)
+        for target in self._slots.of_worker(worker_id):
+            self._refs.pop(target, None)
+            self._prefill.pop(target, None)
+            self._count.pop(target, None)
+            self._computing.pop(target, None)
+            self._slots.release(target)
         return gone
 
     def expire(self, now: float, max_age: float = STALE_REQUEST_S) -> list[str]:

@@ -55,6 +55,9 @@ _KNOWN_KEYS = (
     "prefilled_admission",
     "kv_event_visibility",
     "lora_load_ms",
+    "data_parallel_size",
+    "data_parallel_start_rank",
+    "data_parallel_hidden",
 )
 
 
@@ -114,6 +117,19 @@ class MockerConfig:
     lora_load_ms: float = 50.0
     """Time one LoRA adapter load takes, before the speedup ratio (a rank-16 adapter of an 8B model, tens of MB,
     copied from host memory to the GPU and set up)."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks in the engine, each a whole mocker (scheduler, KV cache of `num_gpu_blocks`, step loop)
+    and a routing target of its own (Dynamo's mocker `--data-parallel-size`; engines/mocker/ranks.py)."""
+    data_parallel_start_rank: int = 0
+    """The global rank of the first of them: the engine serves ranks start .. start + size - 1."""
+    data_parallel_hidden: bool = False
+    """Keep the ranks to the engine, as vLLM's internal load balancer does: a rank-blind card, load and KV events
+    (every rank's as rank 0's), and a request goes to the least loaded rank (benchmarks/dp_routing.py's "blind")."""
+
+    @property
+    def is_ranked(self) -> bool:
+        """Whether the engine runs ranks (ranks.py): several, or one that is not rank 0."""
+        return self.data_parallel_size > 1 or self.data_parallel_start_rank != 0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> MockerConfig:
@@ -140,7 +156,7 @@ class MockerConfig:
             decode_speedup_ratio=_positive_float("decode_speedup_ratio", extra.get("decode_speedup_ratio", 1.0)),
             kv_bytes_per_token=_positive_int("kv_bytes_per_token", _kv_bytes_per_token(extra, args.model)),
             kv_transfer_bandwidth=_non_negative_float("kv_transfer_bandwidth", extra.get("kv_transfer_bandwidth", 0.0)),
-            vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0)),
+            vocab_size=_non_negative_int("vocab_size", extra.get("vocab_size", 0), "0: the model's"),
             kv_host_bandwidth=_positive_float("kv_host_bandwidth", extra.get("kv_host_bandwidth", TIER_HOST_GBS)),
             kv_disk_bandwidth=_positive_float("kv_disk_bandwidth", extra.get("kv_disk_bandwidth", TIER_DISK_GBS)),
             kv_host_latency_ms=_non_negative_float("kv_host_latency_ms", extra.get("kv_host_latency_ms", HOST_MS)),
@@ -149,6 +165,9 @@ class MockerConfig:
             startup_time=_non_negative_float("startup_time", extra.get("startup_time", 0.0)),
             lora_load_ms=_non_negative_float("lora_load_ms", extra.get("lora_load_ms", 50.0)),
             host=args.host,
+            data_parallel_size=_positive_int("data_parallel_size", extra.get("data_parallel_size", 1)),
+            data_parallel_start_rank=_start_rank(extra),
+            data_parallel_hidden=_boolean("data_parallel_hidden", extra.get("data_parallel_hidden", False)),
             **_scheduling_rules(extra),
         )
 
@@ -197,15 +216,19 @@ def _scheduling_rules(extra: dict[str, Any]) -> dict[str, str]:
     return {key: _one_of(key, extra.get(key, choices[0]), choices) for key, choices in rules.items()}
 
 
+def _start_rank(extra: dict[str, Any]) -> int:
+    return _non_negative_int("data_parallel_start_rank", extra.get("data_parallel_start_rank", 0), "0: the first rank")
+
+
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"mocker option {key} must be a positive integer, got {value!r}")
     return value
 
 
-def _non_negative_int(key: str, value: Any) -> int:
+def _non_negative_int(key: str, value: Any, zero: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"mocker option {key} must be an integer >= 0 (0: the model's), got {value!r}")
+        raise ConfigError(f"mocker option {key} must be an integer >= 0 ({zero}), got {value!r}")
     return value
 
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Role, check_request
-from dynamo_cli.errors import DynError, RequestError, RequestFailed
+from dynamo_cli.errors import ConfigError, DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
 from dynamo_cli.kv.hashing import blocks_needed, lora_seed
@@ -28,7 +28,7 @@ from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
 
 from .config import MockerConfig
-from .events import EventPacer, EventRing
+from .events import EventPacer, EventRing, EventSink
 from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
 from .kv_manager import KvManager
 from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
@@ -98,8 +98,11 @@ class _Stream:
 class MockerEngine:
     """Simulated engine; `EngineArgs.extra` keys are those of `MockerConfig` (speedup_ratio, …)."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.config = config = MockerConfig.from_args(args)
+    def __init__(self, args: EngineArgs, config: MockerConfig | None = None, events: EventSink | None = None) -> None:
+        """`config`: `args` already read (`MockerConfig.from_args`); `events`: where its KV event batches go (its
+        own ring by default; a rank of a `RankedMocker` puts them into the engine's one ring)."""
+        self.config = config = config if config is not None else MockerConfig.from_args(args)
+        _check_one_rank(config)
         self.state = EngineState.CREATED
         self._kv = KvManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self._timing = TimingModel(config.speedup_ratio, config.decode_speedup_ratio)
@@ -121,7 +124,7 @@ class MockerEngine:
             else None
         )
         self._streams: dict[str, _Stream] = {}
-        self._events = EventRing()
+        self._events: EventSink = events if events is not None else EventRing()
         self._pacer = EventPacer(self._kv, self._events)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -373,6 +376,14 @@ class MockerEngine:
 
     def _vocab_size(self) -> int:
         return self._info.vocab_size if self._info is not None else self.config.vocab_size
+
+
+def _check_one_rank(config: MockerConfig) -> None:
+    if config.is_ranked:
+        raise ConfigError(
+            f"a MockerEngine is one rank, not data_parallel_size={config.data_parallel_size} from rank "
+            f"{config.data_parallel_start_rank}; build the mocker with its entry point (load_engine('mocker'))"
+        )
 
 
 def engine_info(config: MockerConfig) -> EngineInfo:

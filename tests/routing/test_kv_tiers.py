@@ -8,13 +8,22 @@ import pytest
 
 from dynamo_cli.config import KvRouterConfig, parse_tier_weights
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, StoredBlock
+from dynamo_cli.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvDump,
+    KvEvent,
+    KvEventBatch,
+    StoredBlock,
+)
 from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.cost import CandidateLoad, Candidates, select
 from dynamo_cli.routing.indexer import KvIndexer, TierHits
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy, config_tier_costs
+from dynamo_cli.routing.target import Target, targets_of
 from dynamo_cli.routing.tier_costs import tier_costs
 from dynamo_cli.routing.time_cost import Speed
 from tests.routing.configs import cost_config
@@ -35,7 +44,7 @@ def feed(indexer: KvIndexer, worker: int, *events: KvEvent) -> None:
     indexer.apply_batch(KvEventBatch(event_id=indexer.next_event_id(worker), worker_id=worker, events=list(events)))
 
 
-def hits(indexer: KvIndexer, hashes: list[int]) -> dict[int, tuple[int, int, int]]:
+def hits(indexer: KvIndexer, hashes: list[int]) -> dict[Target, tuple[int, int, int]]:
     matches = indexer.find_matches(hashes)
     split = indexer.tier_hits(hashes, matches)
     return {w: (lambda t: (t.device, t.host, t.disk))(split.get(w, TierHits(n, 0, 0))) for w, n in matches.items()}
@@ -49,13 +58,13 @@ def test_a_block_moved_to_host_still_matches_and_counts_as_a_host_hit() -> None:
     feed(indexer, 1, stored(A, B, C, D))
     feed(indexer, 1, stored(C, D, tier="host"), removed(C, D))  # the engine offloads its two last blocks
 
-    assert hits(indexer, [A, B, C, D]) == {1: (2, 2, 0)}
-    assert indexer.num_blocks(1) == 2  # on device: the time cost's cached blocks K
-    assert indexer.blocks_of(1, "device") == {A, B} and indexer.blocks_of(1, "host") == {C, D}
-    assert indexer.blocks_of(1) == {A, B, C, D}
+    assert hits(indexer, [A, B, C, D]) == {Target(1): (2, 2, 0)}
+    assert indexer.num_blocks(Target(1)) == 2  # on device: the time cost's cached blocks K
+    assert indexer.blocks_of(Target(1), "device") == {A, B} and indexer.blocks_of(Target(1), "host") == {C, D}
+    assert indexer.blocks_of(Target(1)) == {A, B, C, D}
 
     feed(indexer, 1, stored(C))  # onboarded back: device is the fastest tier holding it
-    assert hits(indexer, [A, B, C, D]) == {1: (3, 1, 0)}
+    assert hits(indexer, [A, B, C, D]) == {Target(1): (3, 1, 0)}
 
 
 def test_disk_only_blocks_match_and_the_fastest_tier_counts() -> None:
@@ -63,38 +72,39 @@ def test_disk_only_blocks_match_and_the_fastest_tier_counts() -> None:
     feed(indexer, 1, stored(A, B, tier="disk"), stored(A, tier="host"))
     feed(indexer, 2, stored(A, B, C))
 
-    assert hits(indexer, [A, B, C]) == {1: (0, 1, 1), 2: (3, 0, 0)}
-    assert indexer.block_counts([1, 2]) == [0, 3]
+    assert hits(indexer, [A, B, C]) == {Target(1): (0, 1, 1), Target(2): (3, 0, 0)}
+    assert indexer.block_counts(targets_of([1, 2])) == [0, 3]
 
 
 def test_a_block_leaves_the_index_only_when_its_last_tier_drops_it() -> None:
     indexer = KvIndexer()
     feed(indexer, 1, stored(A, B), stored(A, B, tier="host"), stored(B, tier="disk"))
     feed(indexer, 1, removed(A, B))  # off device: still on host
-    assert hits(indexer, [A, B]) == {1: (0, 2, 0)}
+    assert hits(indexer, [A, B]) == {Target(1): (0, 2, 0)}
     feed(indexer, 1, removed(A, B, tier="host"))  # A is gone, B is still on disk
-    assert indexer.find_matches([A, B]) == {} and indexer.blocks_of(1) == {B}
+    assert indexer.find_matches([A, B]) == {} and indexer.blocks_of(Target(1)) == {B}
     feed(indexer, 1, removed(B, tier="host"), removed(C, tier="disk"))  # not held there: ignored
-    assert indexer.blocks_of(1, "disk") == {B}
+    assert indexer.blocks_of(Target(1), "disk") == {B}
     feed(indexer, 1, removed(B, tier="disk"))
-    assert indexer.blocks_of(1) == frozenset() and indexer.tier_hits([B], {1: 1}) == {}  # back to device-only
+    assert indexer.blocks_of(Target(1)) == frozenset()
+    assert indexer.tier_hits([B], {Target(1): 1}) == {}  # back to device-only
 
 
 def test_a_clear_drops_the_device_tier_and_a_dump_restores_each() -> None:
     indexer = KvIndexer()
     feed(indexer, 1, stored(A, B, C), stored(C, tier="host"), stored(D, tier="disk"))
     feed(indexer, 1, AllBlocksCleared())  # the engine's own cache; its host and disk blocks stay
-    assert indexer.blocks_of(1) == {C, D} and indexer.num_blocks(1) == 0
-    assert indexer.find_matches([A, B]) == {} and hits(indexer, [C, D]) == {1: (0, 1, 1)}
+    assert indexer.blocks_of(Target(1)) == {C, D} and indexer.num_blocks(Target(1)) == 0
+    assert indexer.find_matches([A, B]) == {} and hits(indexer, [C, D]) == {Target(1): (0, 1, 1)}
     indexer.clear_worker(1)  # a dump or a departure: every tier
-    assert indexer.blocks_of(1) == frozenset()
+    assert indexer.blocks_of(Target(1)) == frozenset()
 
-    indexer.load_dump(1, [A], last_event_id=5, host=[A, B], disk=[C])
-    assert hits(indexer, [A, B, C, D]) == {1: (1, 1, 1)}
-    assert [indexer.blocks_of(1, t) for t in ("device", "host", "disk")] == [{A}, {A, B}, {C}]
+    indexer.load_dump(KvDump(worker_id=1, block_hashes=[A], last_event_id=5, host_hashes=[A, B], disk_hashes=[C]))
+    assert hits(indexer, [A, B, C, D]) == {Target(1): (1, 1, 1)}
+    assert [indexer.blocks_of(Target(1), t) for t in ("device", "host", "disk")] == [{A}, {A, B}, {C}]
     assert indexer.next_event_id(1) == 6
     indexer.remove_worker(1)
-    assert indexer.find_matches([A]) == {} and indexer.blocks_of(1, "host") == frozenset()
+    assert indexer.find_matches([A]) == {} and indexer.blocks_of(Target(1), "host") == frozenset()
 
 
 ##### The cost #####
@@ -102,10 +112,10 @@ def test_a_clear_drops_the_device_tier_and_a_dump_restores_each() -> None:
 SPEED = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0)
 TIERS = tier_costs(block_size=BLOCK, bytes_per_block=2 << 20, host_gbs=20, disk_gbs=4, prefill_tps=20_000)
 LOADS = [  # equal load; an 8-block prefix held on device, host, disk, or not at all
-    CandidateLoad(1, overlap_blocks=8, cached_blocks=8),
-    CandidateLoad(2, overlap_blocks=8, host_blocks=8),
-    CandidateLoad(3, overlap_blocks=8, disk_blocks=8),
-    CandidateLoad(4),
+    CandidateLoad(Target(1), overlap_blocks=8, cached_blocks=8),
+    CandidateLoad(Target(2), overlap_blocks=8, host_blocks=8),
+    CandidateLoad(Target(3), overlap_blocks=8, disk_blocks=8),
+    CandidateLoad(Target(4)),
 ]
 
 
@@ -116,7 +126,7 @@ def test_a_device_hit_beats_a_host_hit_beats_a_disk_hit_beats_a_miss(cost: str) 
 
     logits = [c.logit for c in selection.candidates]
     assert logits == sorted(logits) and len(set(logits)) == 4
-    assert selection.worker_id == 1
+    assert selection.target == Target(1)
 
 
 def test_the_time_cost_charges_the_onboard_time_instead_of_the_recompute() -> None:
@@ -163,16 +173,16 @@ def test_the_explanation_shows_each_candidates_hits_per_tier() -> None:
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, kv_bytes_per_block=2 << 20), rng=random.Random(0))
     tokens = list(range(1, 8 * BLOCK + 1))
     hashes = sequence_hashes(tokens, BLOCK)
-    kv.indexer.store_blocks(1, hashes[:4])
-    kv.indexer.store_blocks(1, hashes[4:], "host")
-    kv.indexer.store_blocks(2, hashes, "disk")
+    kv.indexer.store_blocks(Target(1), hashes[:4])
+    kv.indexer.store_blocks(Target(1), hashes[4:], "host")
+    kv.indexer.store_blocks(Target(2), hashes, "disk")
 
-    decision = kv.select(RouteRequest("r", tokens + [7]), [1, 2, 3])
-    rows = {c["worker_id"]: c for c in decision.explanation["candidates"]}
-    assert rows[1]["hits"] == {"device": 4, "host": 4, "disk": 0} and rows[1]["overlap_blocks"] == 8
-    assert rows[2]["hits"] == {"device": 0, "host": 0, "disk": 8}
-    assert rows[3]["hits"] == {"device": 0, "host": 0, "disk": 0}
-    assert 0 < rows[1]["onboard_s"] < rows[2]["onboard_s"] and decision.worker_id == 1
+    decision = kv.select(RouteRequest("r", tokens + [7]), targets_of([1, 2, 3]))
+    rows = {Target(c["worker_id"], c["dp_rank"]): c for c in decision.explanation["candidates"]}
+    assert rows[Target(1)]["hits"] == {"device": 4, "host": 4, "disk": 0} and rows[Target(1)]["overlap_blocks"] == 8
+    assert rows[Target(2)]["hits"] == {"device": 0, "host": 0, "disk": 8}
+    assert rows[Target(3)]["hits"] == {"device": 0, "host": 0, "disk": 0}
+    assert 0 < rows[Target(1)]["onboard_s"] < rows[Target(2)]["onboard_s"] and decision.target == Target(1)
     assert (kv.counters.num_hit_blocks, kv.counters.num_host_hit_blocks, kv.counters.num_disk_hit_blocks) == (8, 4, 0)
 
 
@@ -187,6 +197,6 @@ def test_a_restarted_worker_announcing_its_disk_tier_is_routable_at_once() -> No
         KvEventBatch(event_id=0, worker_id=9, events=[BlockStored(parent_hash=None, blocks=blocks, tier="disk")])
     )
 
-    decision = kv.select(RouteRequest("r", tokens), [8, 9])  # 8: a fresh worker with an empty cache
-    assert decision.worker_id == 9 and decision.overlap_blocks == 16
+    decision = kv.select(RouteRequest("r", tokens), targets_of([8, 9]))  # 8: a fresh worker with an empty cache
+    assert decision.target == Target(9) and decision.overlap_blocks == 16
     assert kv.take_gaps() == []

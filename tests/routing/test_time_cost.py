@@ -9,6 +9,7 @@ import pytest
 
 from dynamo_cli.routing import cost
 from dynamo_cli.routing.cost import CandidateLoad, Candidates, Reason, Rounds, cost_table, select
+from dynamo_cli.routing.target import Target
 from dynamo_cli.routing.tier_costs import tier_costs
 from dynamo_cli.routing.time_cost import MAX_PASS_S, PRIOR_PREFILL_TPS, Speed, SpeedEstimator
 from tests.routing.configs import cost_config
@@ -30,11 +31,13 @@ def holder(queued: int = 0, **fields: int) -> CandidateLoad:
         num_requests=10,
         capacity_blocks=512,
     )
-    return CandidateLoad(1, **{**base, **fields})
+    return CandidateLoad(Target(1), **{**base, **fields})
 
 
-COLD = CandidateLoad(2, active_blocks=200, num_requests=6, cached_blocks=512, capacity_blocks=512)
-FULL = CandidateLoad(3, overlap_blocks=31, active_blocks=500, num_requests=12, cached_blocks=512, capacity_blocks=512)
+COLD = CandidateLoad(Target(2), active_blocks=200, num_requests=6, cached_blocks=512, capacity_blocks=512)
+FULL = CandidateLoad(
+    Target(3), overlap_blocks=31, active_blocks=500, num_requests=12, cached_blocks=512, capacity_blocks=512
+)
 
 
 def choose(*loads: CandidateLoad) -> tuple[int, list[dict[str, float]]]:
@@ -95,8 +98,8 @@ ROOMY = dict(cached_blocks=4000, capacity_blocks=16_384)
 def test_without_pressure_a_copy_is_free_and_equal_costs_are_dealt_in_rounds() -> None:
     # nothing evicted, nothing waits; equal hits and queues tie -> one each per round, whatever the load
     loads = [
-        CandidateLoad(1, active_blocks=90, overlap_blocks=31, **ROOMY),
-        CandidateLoad(2, active_blocks=40, overlap_blocks=31, **ROOMY),
+        CandidateLoad(Target(1), active_blocks=90, overlap_blocks=31, **ROOMY),
+        CandidateLoad(Target(2), active_blocks=40, overlap_blocks=31, **ROOMY),
     ]
     candidates, rounds = Candidates.from_loads(loads), Rounds()
     picks = [select(candidates, ISL, BLOCKS, TIME, random.Random(0), SPEED, rounds) for _ in range(4)]
@@ -112,8 +115,8 @@ def test_costs_within_one_pass_are_ties_and_costs_beyond_are_not() -> None:
 
     def pick(queued: int, rounds: Rounds) -> tuple[int, Reason]:
         loads = [
-            CandidateLoad(1, overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
-            CandidateLoad(2, overlap_blocks=31, **ROOMY),
+            CandidateLoad(Target(1), overlap_blocks=31, active_prefill_tokens=queued, **ROOMY),
+            CandidateLoad(Target(2), overlap_blocks=31, **ROOMY),
         ]
         chosen = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), band, rounds)
         return chosen.worker_id, chosen.reason
@@ -130,7 +133,7 @@ def test_a_worker_seen_mid_pass_is_dealt_later_in_the_round_and_no_other_twice()
     # two arrivals at one worker a few milliseconds apart, the second missing the first one's pass.
     band = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.02)
     rounds, picks = Rounds(), []
-    loads = [CandidateLoad(w, overlap_blocks=31, active_prefill_tokens=116, **ROOMY) for w in (1, 2, 3)]
+    loads = [CandidateLoad(Target(w), overlap_blocks=31, active_prefill_tokens=116, **ROOMY) for w in (1, 2, 3)]
     c = replace(Candidates.from_loads(loads), pass_elapsed_s=[0.002, float("inf"), float("inf")])
     for _ in range(4):
         picks.append(select(c, ISL, BLOCKS, TIME, random.Random(0), band, rounds).worker_id)
@@ -143,8 +146,8 @@ def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_i
     # on some worker (a collision can happen), counted in full when it is not (a finished conversation)
     def cold_prefill(active_overlap: int) -> float:
         loads = [
-            CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
-            CandidateLoad(2, **ROOMY),
+            CandidateLoad(Target(1), overlap_blocks=31, active_overlap_blocks=active_overlap, **ROOMY),
+            CandidateLoad(Target(2), **ROOMY),
         ]
         selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
         return selection.candidates[1].times["prefill_s"]
@@ -155,8 +158,10 @@ def test_in_a_roomy_cache_a_copy_of_a_prompt_in_flight_is_free_and_of_one_idle_i
 def test_a_copy_that_would_fill_the_cache_past_half_costs_its_whole_prompt() -> None:
     # 8,170 cached + 32 new > 8,192 = half of 16,384: not roomy, the copy's 2,100 tokens count in full
     loads = [
-        CandidateLoad(1, overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384),
-        CandidateLoad(2, cached_blocks=8170, capacity_blocks=16_384),
+        CandidateLoad(
+            Target(1), overlap_blocks=31, active_overlap_blocks=31, cached_blocks=8170, capacity_blocks=16_384
+        ),
+        CandidateLoad(Target(2), cached_blocks=8170, capacity_blocks=16_384),
     ]
     selection = select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), SPEED)
 
@@ -166,7 +171,7 @@ def test_a_copy_that_would_fill_the_cache_past_half_costs_its_whole_prompt() -> 
 def test_a_hit_is_never_a_near_tie_however_wide_the_band() -> None:
     # a 200 ms band holds both (holder 0.0058 s, cold 0.105 s) but they differ in their own work: argmin
     wide = Speed(prefill_tokens_per_s=20_000, lifetime_s=2.0, pass_s=0.2)
-    loads = [CandidateLoad(1, overlap_blocks=31, **ROOMY), CandidateLoad(2, **ROOMY)]
+    loads = [CandidateLoad(Target(1), overlap_blocks=31, **ROOMY), CandidateLoad(Target(2), **ROOMY)]
     rounds = Rounds()
     picks = [select(Candidates.from_loads(loads), ISL, BLOCKS, TIME, random.Random(0), wide, rounds) for _ in (0, 1)]
 
@@ -175,13 +180,13 @@ def test_a_hit_is_never_a_near_tie_however_wide_the_band() -> None:
 
 def test_a_cache_guessed_over_capacity_evicts_at_most_the_new_blocks() -> None:
     # approximate mode never sees evictions: 900 blocks guessed on a 512-block worker; 32 new -> 32 evicted
-    _, (costs,) = choose(CandidateLoad(1, cached_blocks=900, capacity_blocks=512))
+    _, (costs,) = choose(CandidateLoad(Target(1), cached_blocks=900, capacity_blocks=512))
 
     assert costs["evict_s"] == pytest.approx(32 * 64 / 20_000)
 
 
 def test_an_unknown_capacity_leaves_only_the_prefill_term() -> None:
-    _, (costs,) = choose(CandidateLoad(1, active_prefill_tokens=900, active_blocks=10_000))
+    _, (costs,) = choose(CandidateLoad(Target(1), active_prefill_tokens=900, active_blocks=10_000))
 
     expected = {
         "prefill_s": 0.15,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from dyn_engines.mocker.config import MockerConfig
 from dyn_engines.mocker.engine import MockerEngine
+from dyn_engines.mocker.ranks import mocker_engine
 
 from dynamo_cli.engine import Engine, EngineArgs, Role, load_engine
 from dynamo_cli.errors import ConfigError, ContextOverflow, DynError, RequestError
@@ -56,8 +57,8 @@ async def eventually(condition: Any, timeout: float = 1.0) -> None:
 
 
 def test_the_entry_point_resolves_to_the_mocker_and_it_satisfies_the_protocol(model_dir: str) -> None:
-    assert load_engine("mocker") is MockerEngine
-    engine: Engine = MockerEngine(EngineArgs(model=model_dir))
+    assert load_engine("mocker") is mocker_engine
+    engine: Engine = mocker_engine(EngineArgs(model=model_dir))
     assert isinstance(engine, MockerEngine)
 
 
