@@ -311,7 +311,7 @@ class BestWorkerReply(msgspec.Struct, frozen=True, kw_only=True):
     """The answering replica's instance id."""
     model: str
     in_flight: list[InFlight]
-    """Per decode backend, this replica's in-flight view."""
+    """Per decode backend rank, this replica's in-flight view."""
     queued: int
     """Requests waiting in this replica's queue for a backend."""
     indexed_workers: list[int]

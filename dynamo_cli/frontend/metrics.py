@@ -64,8 +64,8 @@ class FrontendMetrics(DispatchSeries):
             name: Gauge(f"{prefix}_worker_{name}", help, worker_labels, registry=r)
             for name, help in WORKER_SERIES.items()
         }
-        self._worker_series: set[tuple[str, int, str]] = set()
-        """(model, worker id, role) of every worker with series, so that one that left loses them."""
+        self._worker_series: set[tuple[str, int, str, str]] = set()
+        """(model, worker id, rank, role) of every series, so that a worker that left loses them."""
 
     def export_kv_tiers(self, model: str, worker_id: int, stats: KvTierStats) -> None:
         """A worker's KV tier counters, as it last published them (`LoadMetrics.kv_tiers`)."""
@@ -78,27 +78,48 @@ class FrontendMetrics(DispatchSeries):
             self.router.labels(model, name).set(value)
 
     def export_workers(self, workers: Iterable[tuple[str, Worker]]) -> None:
-        """Every (model, worker)'s load and in-flight streams now; a worker no longer listed (or counted in
+        """Every (model, worker)'s load and in-flight streams now, one series per data-parallel rank of a worker
+        serving several (its streams and adapters on its first rank's); a worker no longer listed (or counted in
         `count_served` and gone before this scrape) loses its series."""
-        now: set[tuple[str, int, str]] = set()
+        now: set[tuple[str, int, str, str]] = set()
         for model, worker in workers:
-            now.add((model, worker.instance_id, worker.card.role))
-            load = worker.load
-            values = {
-                "active_decode_blocks": load.active_blocks if load else 0,
-                "active_prefill_tokens": load.active_prefill_tokens if load else 0,
-                "total_blocks": load.total_blocks if load else 0,
-                "running_requests": load.num_running if load else 0,
-                "waiting_requests": load.num_waiting if load else 0,
-                "inflight_requests": worker.num_inflight,
-                "lora_adapters_loaded": len(load.loras) if load else 0,
-                "lora_loads": load.lora_loads if load else 0,
-            }
-            for name, value in values.items():
-                self.worker_gauges[name].labels(model, f"{worker.instance_id:x}", "0", worker.card.role).set(value)
-        for model, worker_id, role in (self._worker_series | set(self._served)) - now:
+            for rank, values in _rank_values(worker):
+                now.add((model, worker.instance_id, rank, worker.card.role))
+                for name, value in values.items():
+                    self.worker_gauges[name].labels(model, f"{worker.instance_id:x}", rank, worker.card.role).set(value)
+        for model, worker_id, rank, role in self._worker_series - now:
             for gauge in self.worker_gauges.values():
                 with contextlib.suppress(KeyError):
-                    gauge.remove(model, f"{worker_id:x}", "0", role)
+                    gauge.remove(model, f"{worker_id:x}", rank, role)
+        live = {(model, worker_id, role) for model, worker_id, _, role in now}
+        for model, worker_id, role in set(self._served) - live:
             self.forget_served(model, worker_id, role)
         self._worker_series = now
+
+
+def _rank_values(worker: Worker) -> list[tuple[str, dict[str, float]]]:
+    """(dp_rank label, gauge values) per rank of `worker`; one row for a rank-blind worker, or before its report."""
+    load = worker.load
+    whole: dict[str, float] = {
+        "active_decode_blocks": load.active_blocks if load else 0,
+        "active_prefill_tokens": load.active_prefill_tokens if load else 0,
+        "total_blocks": load.total_blocks if load else 0,
+        "running_requests": load.num_running if load else 0,
+        "waiting_requests": load.num_waiting if load else 0,
+        "inflight_requests": worker.num_inflight,
+        "lora_adapters_loaded": len(load.loras) if load else 0,
+        "lora_loads": load.lora_loads if load else 0,
+    }
+    if load is None or not load.ranks:
+        return [(str(worker.card.dp_start), whole)]
+    rows = []
+    for i, rank in enumerate(load.ranks):
+        own: dict[str, float] = {
+            "active_decode_blocks": rank.active_blocks,
+            "active_prefill_tokens": rank.active_prefill_tokens,
+            "total_blocks": rank.total_blocks,
+            "running_requests": rank.num_running,
+            "waiting_requests": rank.num_waiting,
+        }
+        rows.append((str(rank.dp_rank), {**whole, **own} if i == 0 else {**dict.fromkeys(whole, 0.0), **own}))
+    return rows

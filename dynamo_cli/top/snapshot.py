@@ -168,27 +168,32 @@ _WORKER_GAUGES = {
 
 
 def _workers(series: Series) -> list[WorkerSample]:
-    """Every worker the frontend lists (gauges: present while registered), with its requests counter."""
-    values: dict[tuple[str, str, str], dict[str, float]] = {}
+    """Every worker the frontend lists (gauges: present while registered), with its requests counter; a worker of
+    several data-parallel ranks is one line per rank, `worker/rank` (its requests on its first rank's line)."""
+    values: dict[tuple[str, str, str, str], dict[str, float]] = {}
     for field, name in _WORKER_GAUGES.items():
         for labels, value in series.get(PREFIX + name, ()):
-            key = (labels.get("model", ""), labels.get("worker_id", ""), labels.get("worker_type", ""))
+            get = labels.get
+            key = (get("model", ""), get("worker_id", ""), get("dp_rank", "0"), get("worker_type", ""))
             values.setdefault(key, {})[field] = value
     requests: dict[tuple[str, str], float] = {}
     for labels, value in series.get(f"{PREFIX}worker_requests_total", ()):
         key2 = (labels.get("model", ""), labels.get("worker_id", ""))
         requests[key2] = requests.get(key2, 0.0) + value
+    ranks: dict[tuple[str, str], list[str]] = {}
+    for model, worker_id, rank, _ in sorted(values, key=lambda k: (k[0], k[1], int(k[2]) if k[2].isdigit() else 0)):
+        ranks.setdefault((model, worker_id), []).append(rank)
     return [
         WorkerSample(
             model=model,
-            worker_id=worker_id,
+            worker_id=worker_id if len(ranks[model, worker_id]) == 1 else f"{worker_id}/{rank}",
             role=role,
             num_running=got.get("num_running", 0.0),
             num_waiting=got.get("num_waiting", 0.0),
             active_blocks=got.get("active_blocks", 0.0),
             total_blocks=got.get("total_blocks", 0.0),
             num_inflight=got.get("num_inflight", 0.0),
-            num_requests=requests.get((model, worker_id), 0.0),
+            num_requests=requests.get((model, worker_id), 0.0) if rank == ranks[model, worker_id][0] else 0.0,
         )
-        for (model, worker_id, role), got in sorted(values.items())
+        for (model, worker_id, rank, role), got in sorted(values.items())
     ]

@@ -13,11 +13,13 @@ import time
 
 import httpx
 
+from dynamo_cli.top.snapshot import parse_snapshot
 from tests.conftest import DynProcess
 from tests.e2e.test_fault_tolerance import pid_of, read_stream
 
 RANKS4 = ("--engine-arg", "data_parallel_size=4")
 FLAGS = ("--engine", "mocker", "--router", "kv", "--speedup-ratio", "20", "--lease-ttl", "2")
+EXPLAIN = {"x-dyn-explain-route": "1"}
 SYSTEMS = [f"You are assistant number {i}, careful and brief. " * 50 for i in range(4)]  # ~500 tokens each
 
 
@@ -48,6 +50,12 @@ def test_each_prefix_goes_back_to_the_rank_that_holds_it_and_only_that_rank_inde
             assert sorted(by_rank) == [0, 1, 2, 3] and route["dp_rank"] == holder
             assert by_rank[holder] >= 5  # its blocks are indexed on its own rank...
             assert all(by_rank[r] == 0 for r in by_rank if holders.count(r) == 0)  # ...and on no rank that ran none
+        time.sleep(1.0)  # a load report after the last request
+        top = parse_snapshot(http.get("/metrics").text, 0.0)  # what `dyn top` shows: a line per rank
+    lines = {w.worker_id: w for w in top.workers.values()}
+    assert sorted(lines) == [f"{worker}/{r}" for r in range(4)]
+    assert len({w.total_blocks for w in lines.values()}) == 1 and lines[f"{worker}/0"].total_blocks > 0
+    assert sum(w.num_requests for w in lines.values()) == 8  # the worker's requests, counted once
     rows = json.loads(_dyn("ls", "--json", "--discovery", d.discovery))
     assert {r["ranks"] for r in rows if r["role"] != "router"} == {"0-3"}
 
@@ -91,3 +99,38 @@ def test_killing_a_worker_of_two_ranks_migrates_the_streams_of_both(dyn_serve, p
 def _dyn(*args: str) -> str:
     command = [sys.executable, "-m", "dynamo_cli.cli.main", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def test_disaggregation_prefills_on_a_prefill_rank_and_decodes_on_a_decode_rank(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    flags = ("--engine", "mocker", "--router", "kv", "--speedup-ratio", "5", "--disagg", "--disagg-policy", "always")
+    d: DynProcess = dyn_serve(*flags, "--engine-arg", "data_parallel_size=2", "--lease-ttl", "2")
+    body = {"model": "smollm2", "max_tokens": 8, "ignore_eos": True}
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
+        seen = []
+        for question in ("first", "second"):
+            messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": question}]
+            r = http.post("/v1/chat/completions", json={**body, "messages": messages}, headers=EXPLAIN)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+            prefill = json.loads(r.headers["x-dyn-prefill-route"])
+            assert prefill["outcome"] == "remote"
+            seen.append((prefill["prefill_route"]["dp_rank"], prefill["prefill_route"]["overlap_blocks"]))
+            assert int(r.headers["x-dyn-dp-rank"]) == json.loads(r.headers["x-dyn-route"])["dp_rank"] in (0, 1)
+            time.sleep(0.5)  # the prefill rank's KV events reach the router
+    (first_rank, _), (second_rank, overlap) = seen
+    assert second_rank == first_rank and overlap >= 5  # the prefix went back to the prefill rank that holds it
+
+
+def test_behind_a_dyn_router_the_router_chooses_the_rank(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    flags = ("--engine", "mocker", "--speedup-ratio", "20", "--router", "remote", "--routers", "1", "--lease-ttl", "2")
+    d: DynProcess = dyn_serve(*flags, *RANKS4, "--workers", "1")
+    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "system", "content": SYSTEMS[1]}]}
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
+        cached = []
+        for question in ("first", "second", "third"):
+            messages = [*body["messages"], {"role": "user", "content": question}]  # type: ignore[misc]
+            r = http.post("/v1/chat/completions", json={**body, "messages": messages})
+            assert r.status_code == 200, r.text
+            assert "x-dyn-dp-rank" not in r.headers  # the frontend routed to a router, which chose the rank
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(0.5)
+    assert cached[0] == 0 and min(cached[1:]) >= 5 * 64  # the router sent the prefix back to the rank holding it
