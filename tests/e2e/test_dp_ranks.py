@@ -134,3 +134,34 @@ def test_behind_a_dyn_router_the_router_chooses_the_rank(dyn_serve) -> None:  # 
             cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             time.sleep(0.5)
     assert cached[0] == 0 and min(cached[1:]) >= 5 * 64  # the router sent the prefix back to the rank holding it
+
+
+def test_a_router_blind_to_the_ranks_hits_the_cache_less_than_one_that_sees_them(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    hidden = ("--engine-arg", "data_parallel_hidden=true")
+    modes: dict[str, tuple[str, ...]] = {"aware": (), "blind": hidden}
+    cached = {name: _cached_share(dyn_serve(*FLAGS, *RANKS4, *extra)) for name, extra in modes.items()}
+    assert cached["aware"] >= 0.6 and cached["aware"] > cached["blind"] + 0.2, cached
+
+
+def _cached_share(d: DynProcess) -> float:
+    """Four prompts sent four times, four at once in a shuffled order each time: the share of prompt tokens cached."""
+    import random
+
+    rng, order = random.Random(5), list(range(4))
+    totals = [0, 0]
+    with httpx.Client(base_url=d.url, headers=d.auth, timeout=60) as http:
+
+        def send(i: int) -> tuple[int, int]:
+            messages = [{"role": "system", "content": SYSTEMS[i]}, {"role": "user", "content": "go"}]
+            r = http.post("/v1/chat/completions", json={"model": "smollm2", "max_tokens": 16, "messages": messages})
+            usage = r.json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(4):
+                rng.shuffle(order)
+                for hit, total in pool.map(send, order):
+                    totals[0], totals[1] = totals[0] + hit, totals[1] + total
+                time.sleep(0.5)  # the round's KV events reach the router
+    d.stop()
+    return totals[0] / totals[1]
