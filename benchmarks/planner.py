@@ -52,7 +52,8 @@ from disagg import Side, bench, start, stop
 
 from dynamo_cli.planner.planner import PlannerConfig
 from dynamo_cli.planner.profile import Profile, load_profile
-from dynamo_cli.planner.simulate import SimRequest, load_trace, rate_curve, run_simulation, simulate
+from dynamo_cli.planner.simulate import load_trace, rate_curve, run_simulation, simulate
+from dynamo_cli.planner.simworker import SimRequest
 from dynamo_cli.planner.sizing import Bounds, Targets, agg_capacity
 
 SECRET_ENV = {"DYN_CLUSTER_SECRET": "5e" * 32}

@@ -212,6 +212,14 @@ RUN_OPTIONS = [
         "kubernetes, disagg: the prefill pool's Deployment (default: dyn-prefill, as `dyn k8s render` names it).",
     ),
     _run_option(
+        "k8s_kind",
+        "--k8s-kind",
+        str,
+        "Deployment",
+        "kubernetes: the pools' kind: Deployment, or LeaderWorkerSet (`dyn k8s render --nodes-per-worker N`: "
+        "its replicas are groups of N pods, one worker each).",
+    ),
+    _run_option(
         "kubeconfig",
         "--kubeconfig",
         str | None,
@@ -298,6 +306,7 @@ def _kubernetes(values: dict[str, Any], config: PlannerConfig) -> KubernetesConf
         namespace=check_name("--k8s-namespace", values["k8s_namespace"]),
         decode_deployment=decode,
         prefill_deployment=(values["k8s_prefill_deployment"] or names.of(Part.PREFILL)) if is_disagg else None,
+        kind=values["k8s_kind"],
         kubeconfig=values["kubeconfig"],
         min_replicas=config.bounds.min_workers,
         max_replicas=config.bounds.max_workers,
@@ -357,9 +366,10 @@ def _simulate(**values: Any) -> None:
                 f"{(planned.attainment - result.attainment) * 100:+.1f} points, "
                 f"{planned.worker_seconds / max(result.worker_seconds, 1e-9) - 1:+.1%} worker-seconds)"
             )
+        ranks = f" × {result.ranks_per_worker} ranks" if result.ranks_per_worker > 1 else ""
         print(
             f"{result.policy:>12}: SLO attainment {result.attainment:6.1%}, worker-seconds "
-            f"{result.worker_seconds:10.0f}, most workers {result.max_workers}{gap}"
+            f"{result.worker_seconds:10.0f}, most workers {result.max_workers}{ranks}{gap}"
         )
 
 

@@ -4,7 +4,8 @@ Frontends are read over HTTP (`GET /metrics`), so the planner needs no code of t
 `dynamo_frontend_*` histograms give requests completed and mean TTFT, ITL, ISL, OSL and duration as
 increase(sum) / increase(count) between two scrapes, summed over every model and frontend; requests that
 arrived are those completed plus the growth of `dynamo_frontend_inflight_requests` (queued ones included).
-Workers are counted from their instance records under `v1/instances/{namespace}/`. Each `dyn serve`
+Workers are counted from their instance records under `v1/instances/{namespace}/`, and the data-parallel ranks each
+serves read from its model card beside it (`dp_size`; a pool's most common one). Each `dyn serve`
 frontend registers its URL under `v1/frontends/{namespace}/{lease:x}` (leased), so a planner given no
 `--frontend` finds every frontend of its namespace there, at every scrape. `dyn serve --planner` reads its
 own frontend's registry in-process (`TextSnapshotter`), so TLS and API keys on /metrics do not get in the way.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -27,10 +29,11 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_cli.errors import PlaneUnavailable
-from dynamo_cli.planner.sizing import Observation
+from dynamo_cli.model_card import ModelCard
+from dynamo_cli.planner.sizing import Observation, RanksPerWorker
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.events import EventBus, pump
-from dynamo_cli.runtime.names import component_subject, frontends_prefix
+from dynamo_cli.runtime.names import component_subject, frontends_prefix, parse_instance_key
 from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
@@ -189,23 +192,112 @@ class _Record(msgspec.Struct, kw_only=True):
     role: str = ""
 
 
-async def count_workers(discovery: Discovery, namespace: str) -> tuple[int, int]:
-    """(prefill, decode-or-aggregated) workers registered in `namespace`."""
+@dataclass(frozen=True, slots=True)
+class WorkerCount:
+    """The workers registered in a namespace, per pool, and the data-parallel ranks each serves."""
+
+    num_prefill: int = 0
+    """Prefill workers."""
+    num_decode: int = 0
+    """Decode (agg: aggregated) workers."""
+    prefill_ranks: int = 0
+    """The prefill workers' most common card `dp_size` (0: no prefill worker to read it from)."""
+    decode_ranks: int = 0
+    """The decode workers' most common card `dp_size` (0: none)."""
+    mixed: str = ""
+    """The pools whose workers' cards disagree on `dp_size`, e.g. `decode: 3 of 4 ranks, 1 of 2 ranks` (workers
+    of each; "" when every pool agrees)."""
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(prefill, decode) workers."""
+        return self.num_prefill, self.num_decode
+
+    @classmethod
+    def of(cls, prefill: list[int], decode: list[int]) -> WorkerCount:
+        """From each prefill and decode worker's `dp_size`."""
+        (p_ranks, p_mixed), (d_ranks, d_mixed) = _most_common(prefill, "prefill"), _most_common(decode, "decode")
+        mixed = "; ".join(text for text in (p_mixed, d_mixed) if text)
+        return cls(len(prefill), len(decode), p_ranks, d_ranks, mixed)
+
+
+def _most_common(sizes: list[int], pool: str) -> tuple[int, str]:
+    """The most common of `sizes` (ties: the fewest ranks, which sizes for more workers), and a line when they
+    differ; (0, "") for none."""
+    if not sizes:
+        return 0, ""
+    tally = Counter(sizes).most_common()
+    top = min(size for size, n in tally if n == tally[0][1])
+    if len(tally) == 1:
+        return top, ""
+    return top, f"{pool}: " + ", ".join(
+        f"{n} of {size} ranks" for size, n in sorted(tally, key=lambda t: (-t[1], t[0]))
+    )
+
+
+def _dp_size(card: bytes | None) -> int:
+    """The ranks a worker's card says it serves (1: a rank-blind card, or none yet)."""
+    try:
+        return msgspec.json.decode(card, type=ModelCard).dp_size if card is not None else 1
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 1
+
+
+async def count_workers(discovery: Discovery, namespace: str) -> WorkerCount:
+    """The prefill and decode-or-aggregated workers registered in `namespace`, and each pool's ranks per worker
+    (its workers' cards' most common `dp_size`)."""
     async with asyncio.timeout(SCRAPE_TIMEOUT_S):
         found = await discovery.get_prefix(f"v1/instances/{namespace}/")
-    prefill = decode = 0
-    for raw in found.values():
+        cards = await discovery.get_prefix(f"v1/mdc/{namespace}/")
+    sizes: dict[str, list[int]] = {"prefill": [], "decode": []}
+    for key, raw in found.items():
         try:
             record = msgspec.json.decode(raw, type=_Record)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            name, instance_id = parse_instance_key(key)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
             continue
         if record.component == ROUTER_COMPONENT:
             continue
-        if record.role == "prefill":
-            prefill += 1
-        else:
-            decode += 1
-    return prefill, decode
+        pool = "prefill" if record.role == "prefill" else "decode"
+        sizes[pool].append(_dp_size(cards.get(name.card_key(instance_id))))
+    return WorkerCount.of(sizes["prefill"], sizes["decode"])
+
+
+@dataclass(slots=True)
+class WorkerRanks:
+    """Each pool's data-parallel ranks per worker, as the planner sizes with them: `fixed`, else the latest its
+    workers' cards said; a pool with no worker keeps what it had (1 until one is read)."""
+
+    fixed: int = 0
+    """`--ranks-per-worker` (0: from the cards)."""
+    now: RanksPerWorker = field(init=False)
+    """The ranks sized with now."""
+    _mixed: str = ""
+    """The latest disagreement among the cards that was logged."""
+
+    def __post_init__(self) -> None:
+        self.now = RanksPerWorker.every(self.fixed or 1)
+
+    def read(self, count: WorkerCount) -> RanksPerWorker:
+        """Take each pool's ranks from `count` (unless `fixed`); log a change, and a disagreement once, as it
+        changes."""
+        if self.fixed > 0:
+            return self.now
+        ranks = RanksPerWorker(count.prefill_ranks or self.now.prefill, count.decode_ranks or self.now.decode)
+        if ranks != self.now:
+            logger.info("workers serve %d (prefill) and %d (decode) ranks each", ranks.prefill, ranks.decode)
+            self.now = ranks
+        if count.mixed != self._mixed:
+            self._mixed = count.mixed
+            if count.mixed:
+                logger.warning(
+                    "workers' cards disagree on their ranks (%s): sizing for the most common (prefill %d, decode "
+                    "%d); set --ranks-per-worker to choose",
+                    count.mixed,
+                    ranks.prefill,
+                    ranks.decode,
+                )
+        return self.now
 
 
 @dataclass(frozen=True, slots=True)

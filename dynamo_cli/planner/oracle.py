@@ -19,7 +19,15 @@ from itertools import accumulate
 
 from dynamo_cli.planner.planner import PlannerConfig
 from dynamo_cli.planner.profile import Profile
-from dynamo_cli.planner.sizing import NO_CORRECTION, AggPoint, Forecast, agg_capacity, plan_replicas
+from dynamo_cli.planner.sizing import (
+    NO_CORRECTION,
+    ONE_RANK,
+    AggPoint,
+    Forecast,
+    RanksPerWorker,
+    agg_capacity,
+    plan_replicas,
+)
 
 RateAt = Callable[[float], tuple[float, float, float]]
 """The load at a time: (requests/s, mean ISL, mean OSL)."""
@@ -55,10 +63,10 @@ def trace_rates(arrivals: Sequence[tuple[float, int, int]], window_s: float) -> 
 
 
 def oracle_needs(
-    rate_at: RateAt, end_s: float, profile: Profile, config: PlannerConfig
+    rate_at: RateAt, end_s: float, profile: Profile, config: PlannerConfig, ranks: RanksPerWorker = ONE_RANK
 ) -> list[tuple[float, int, int]]:
-    """(time, prefill, decode) the load needs at the start of each load interval up to `end_s`, sized as the
-    planner sizes (no correction)."""
+    """(time, prefill, decode) workers of `ranks` the load needs at the start of each load interval up to `end_s`,
+    sized as the planner sizes (no correction)."""
     step = config.load_interval_s if config.load_interval_s > 0 else config.interval_s
     capacities: dict[tuple[int, int], AggPoint] = {}
     needs, k = [], 0
@@ -78,6 +86,7 @@ def oracle_needs(
             config.mode,
             config.headroom,
             capacities.get(key),
+            ranks,
         )
         needs.append((k * step, decision.num_prefill, decision.num_decode))
         k += 1

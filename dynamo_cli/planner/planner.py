@@ -25,7 +25,7 @@ from typing import Protocol
 
 from dynamo_cli.errors import PlaneUnavailable
 from dynamo_cli.planner.connectors import Connector, ScaleTarget
-from dynamo_cli.planner.observe import PoolLoad, Snapshot, observation_between
+from dynamo_cli.planner.observe import PoolLoad, Snapshot, WorkerCount, WorkerRanks, observation_between
 from dynamo_cli.planner.predictors import RateTrend, make_predictor
 from dynamo_cli.planner.profile import Profile
 from dynamo_cli.planner.sizing import (
@@ -36,6 +36,7 @@ from dynamo_cli.planner.sizing import (
     Decision,
     Forecast,
     Observation,
+    RanksPerWorker,
     Targets,
     agg_capacity,
     correction_factors,
@@ -105,6 +106,11 @@ class PlannerConfig:
 
     The burst check projects the arrival rate's trend this far plus one load interval ahead; the planner
     replaces it with the startup it measures (Planner.startup_s)."""
+    ranks_per_worker: int = setting(0, "--ranks-per-worker", env="DYN_PLANNER_RANKS_PER_WORKER")
+    """Data-parallel ranks each worker serves, each an engine as the profile describes one (0: as the workers'
+    model cards say, each pool's most common `dp_size`; `dyn plan simulate`: 1).
+
+    The pools are sized in ranks and asked for in workers of this many: ceil(ranks / R) (sizing.py NOTE)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +135,20 @@ class Step:
         state = {True: "applied", False: "NOT acknowledged", None: "not applied"}[self.applied]
         d, (prefill, decode) = self.decision, self.current
         return (
-            f"decision {self.decision_id} ({self.kind}): prefill {prefill}→{d.num_prefill}, "
-            f"decode {decode}→{d.num_decode} [{state}]: {d.why}"
+            f"decision {self.decision_id} ({self.kind}): prefill {prefill}→{d.num_prefill}{_of(d.ranks.prefill)}, "
+            f"decode {decode}→{d.num_decode}{_of(d.ranks.decode)} [{state}]: {d.why}"
         )
+
+
+def _of(ranks_per_worker: int) -> str:
+    return "" if ranks_per_worker == 1 else f" (× {ranks_per_worker} ranks)"
 
 
 class Snapshotter(Protocol):
     async def snapshot(self) -> Snapshot: ...
 
 
-WorkerCounter = Callable[[], Awaitable[tuple[int, int]]]
+WorkerCounter = Callable[[], Awaitable[WorkerCount]]
 LoadReader = Callable[[], PoolLoad]
 Reporter = Callable[[Step], None]
 
@@ -158,6 +168,7 @@ class Planner:
     ) -> None:
         self.config, self.profile, self.source, self.connector = config, profile, source, connector
         self.counter, self.report, self.loads = counter, report, loads
+        self.ranks = WorkerRanks(config.ranks_per_worker)  # each pool's ranks per worker, as sized with
         self._waiting = 0
         """Requests queued at the workers at the last burst check."""
         self.startup_s = config.startup_s
@@ -173,8 +184,8 @@ class Planner:
         self._window_need: Decision | None = None
         """What the latest load windows needed; the throughput step does not scale below it."""
         self._trend = RateTrend(TREND_SPAN_S)
-        self._steepest_at: tuple[tuple[float, float, float], float] | None = None
-        """(ISL, OSL, startup) and the steepest ramp one worker's startup can follow there."""
+        self._steepest_at: tuple[tuple[float, float, float, RanksPerWorker], float] | None = None
+        """(ISL, OSL, startup, ranks) and the steepest ramp one worker's startup can follow there."""
         self._windows: deque[tuple[float, float]] = deque(maxlen=RECENT_WINDOWS)
         """(arrived, seconds) of the latest load windows."""
         self._capacity: tuple[tuple[float, float], AggPoint] | None = None
@@ -220,7 +231,8 @@ class Planner:
         self._observe(observation)
         forecast = self.forecast()
         current = await self._current()
-        corrections = correction_factors(self.profile, observation, current[1], self.config.mode)
+        num_ranks = current[1] * self.ranks.now.decode
+        corrections = correction_factors(self.profile, observation, num_ranks, self.config.mode)
         decision = self._hold(self._size(forecast, corrections))
         self._window_need = None
         self._windows.clear()
@@ -296,11 +308,11 @@ class Planner:
     def _steepest(self) -> float:
         """The steepest ramp one worker's startup can follow at the forecast's ISL and OSL (req/s per second)."""
         forecast = self.forecast()
-        key = (forecast.isl, forecast.osl, self.startup_s)
+        key = (forecast.isl, forecast.osl, self.startup_s, self.ranks.now)
         if self._steepest_at is None or self._steepest_at[0] != key:
-            config = self.config
+            profile, config, ranks = self.profile, self.config, self.ranks.now
             slope = max_ramp_slope(
-                self.profile, forecast.isl, forecast.osl, config.targets, config.headroom, self.startup_s, config.mode
+                profile, forecast.isl, forecast.osl, config.targets, config.headroom, self.startup_s, config.mode, ranks
             )
             self._steepest_at = (key, slope)
         return self._steepest_at[1]
@@ -357,6 +369,7 @@ class Planner:
             self.config.mode,
             self.config.headroom,
             capacity,
+            self.ranks.now,
         )
 
     def _hold(self, decision: Decision) -> Decision:
@@ -383,7 +396,9 @@ class Planner:
     async def _current(self) -> tuple[int, int]:
         if self.counter is None:
             return self._wanted
-        current = await self.counter()
+        count = await self.counter()
+        self.ranks.read(count)
+        current = count.counts
         if self._rising is not None and current[0] >= self._rising[1][0] and current[1] >= self._rising[1][1]:
             self.startup_s = self._now - self._rising[0]
             self._rising = None

@@ -1,5 +1,11 @@
 """The profiler: sweep one engine through the contract and write its Profile.
 
+A profile describes one engine; of an engine serving several data-parallel ranks (its info's `dp_size`), one rank,
+its first: every request is pinned to it (`GenerateRequest.dp_rank`) and its KV cache and `max_num_seqs` are the
+engine's over `dp_size` (a ranked engine reports its ranks' sums). Pinned, the decode sweep's `n` requests share
+exactly that rank's cache; spread over the ranks and the totals divided by R, the measured ITL would be an average
+over ranks at whatever uneven loads the engine's own placement (or `n` not a multiple of R) left them.
+
 Prefill: one request alone per ISL (`max_tokens` 1, random token ids so no prefix-cache hit), TTFT
 taken as the fastest of `repeats`. Decode: at each profiled context length, `n` requests decode together
 for `usage` of the KV cache (n = usage × max_kv / context, at most max_num_seqs and what fits); ITL is the
@@ -14,7 +20,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dynamo_cli.engine import Engine, EngineArgs, EngineInfo, load_engine
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile
@@ -42,6 +48,36 @@ class Sweep:
     """Longest wait for one sweep point."""
 
 
+@dataclass(frozen=True, slots=True)
+class ProfiledRank:
+    """The engine a profile describes: a rank-blind engine, or a ranked engine's first rank (module docstring)."""
+
+    engine: Engine
+    """The started engine."""
+    info: EngineInfo
+    """What the profiled rank holds: its KV blocks and `max_num_seqs`."""
+    dp_rank: int | None = None
+    """The rank every request is pinned to (None: a rank-blind engine)."""
+
+    @classmethod
+    def of(cls, engine: Engine, info: EngineInfo) -> ProfiledRank:
+        """The first rank of `engine` (started, `info` its answer), or the whole engine if rank-blind."""
+        num_ranks, first = int(info.extra.get("dp_size", 1)), int(info.extra.get("dp_start", 0))
+        if num_ranks == 1 and first == 0:
+            return cls(engine, info)
+        one = replace(
+            info, total_kv_blocks=info.total_kv_blocks // num_ranks, max_num_seqs=max(info.max_num_seqs // num_ranks, 1)
+        )
+        return cls(engine, one, first)
+
+    def request(self, request_id: str, token_ids: list[int], max_tokens: int) -> GenerateRequest:
+        """A sweep request of `max_tokens` tokens on this rank, never stopped early."""
+        sampling = SamplingParams(ignore_eos=True)
+        return GenerateRequest(
+            request_id=request_id, token_ids=token_ids, max_tokens=max_tokens, sampling=sampling, dp_rank=self.dp_rank
+        )
+
+
 def _prompt(rng: random.Random, info: EngineInfo, length: int) -> list[int]:
     high = min(info.vocab_size, 32000) if info.vocab_size else 32000
     return [rng.randrange(1, high) for _ in range(length)]
@@ -56,18 +92,13 @@ async def _run(engine: Engine, request: GenerateRequest) -> list[tuple[float, in
     return stamps
 
 
-async def measure_ttft_ms(engine: Engine, info: EngineInfo, rng: random.Random, isl: int, sweep: Sweep) -> float:
+async def measure_ttft_ms(rank: ProfiledRank, rng: random.Random, isl: int, sweep: Sweep) -> float:
     best = float("inf")
     for i in range(sweep.repeats):
-        request = GenerateRequest(
-            request_id=f"profile-prefill-{isl}-{i}",
-            token_ids=_prompt(rng, info, isl),
-            max_tokens=1,
-            sampling=SamplingParams(ignore_eos=True),
-        )
+        request = rank.request(f"profile-prefill-{isl}-{i}", _prompt(rng, rank.info, isl), 1)
         started = time.perf_counter()
         async with asyncio.timeout(sweep.timeout_s):
-            stamps = await _run(engine, request)
+            stamps = await _run(rank.engine, request)
         best = min(best, (stamps[0][0] if stamps else time.perf_counter()) - started)
     return best * 1000
 
@@ -77,24 +108,17 @@ def admission_passes(info: EngineInfo, context: int, n: int) -> int:
     return -(-n * context // max(info.max_num_batched_tokens, 1)) + 1
 
 
-async def measure_itl_ms(
-    engine: Engine, info: EngineInfo, rng: random.Random, context: int, n: int, sweep: Sweep
-) -> float:
+async def measure_itl_ms(rank: ProfiledRank, rng: random.Random, context: int, n: int, sweep: Sweep) -> float:
     """Mean token gap once all `n` requests decode (the admission, whose passes interleave prefill, is left
     out; requests run long enough to outlast it). A mean over the window, not a median of gaps: an engine
     that catches up on a late pass (the mocker keeps its schedule) has short and long gaps that average out."""
-    max_tokens = sweep.decode_tokens + admission_passes(info, context, n)
+    max_tokens = sweep.decode_tokens + admission_passes(rank.info, context, n)
     requests = [
-        GenerateRequest(
-            request_id=f"profile-decode-{context}-{n}-{i}",
-            token_ids=_prompt(rng, info, context),
-            max_tokens=max_tokens,
-            sampling=SamplingParams(ignore_eos=True),
-        )
+        rank.request(f"profile-decode-{context}-{n}-{i}", _prompt(rng, rank.info, context), max_tokens)
         for i in range(n)
     ]
     async with asyncio.timeout(sweep.timeout_s):
-        runs = await asyncio.gather(*(_run(engine, r) for r in requests))
+        runs = await asyncio.gather(*(_run(rank.engine, r) for r in requests))
     all_started = max((run[0][0] for run in runs if run), default=0.0)
     span = tokens = 0.0
     for run in runs:
@@ -130,35 +154,31 @@ async def profile_engine(
     sweep: Sweep = Sweep(),
     progress: Progress | None = None,
 ) -> Profile:
-    """Sweep a started engine; times in model time (measured × speedup_ratio)."""
-    rng = random.Random(0)
+    """Sweep a started engine (of a ranked one, its first rank); times in model time (measured × speedup_ratio)."""
+    rank, rng = ProfiledRank.of(engine, info), random.Random(0)
     isls = [isl for isl in sweep.isls if isl + 1 <= info.context_length]
-    points = decode_points(info, sweep)
-    total, done = len(isls) + len(points), 0
-    max_kv = info.total_kv_blocks * info.block_size
-    prefill = []
+    points = decode_points(rank.info, sweep)
+    total, prefill, decode = len(isls) + len(points), list[PrefillSample](), list[DecodeSample]()
+    max_kv = rank.info.total_kv_blocks * rank.info.block_size
     for isl in isls:
-        ttft = await measure_ttft_ms(engine, info, rng, isl, sweep) * speedup_ratio
+        ttft = await measure_ttft_ms(rank, rng, isl, sweep) * speedup_ratio
         prefill.append(PrefillSample(isl=isl, ttft_ms=round(ttft, 3)))
-        done += 1
         if progress is not None:
-            progress(f"prefill ISL {isl}: TTFT {ttft:.1f} ms", done, total)
-    decode = []
+            progress(f"prefill ISL {isl}: TTFT {ttft:.1f} ms", len(prefill), total)
     for context, n in points:
-        itl = await measure_itl_ms(engine, info, rng, context, n, sweep) * speedup_ratio
-        resident = context + admission_passes(info, context, n) + sweep.decode_tokens / 2
+        itl = await measure_itl_ms(rank, rng, context, n, sweep) * speedup_ratio
+        resident = context + admission_passes(rank.info, context, n) + sweep.decode_tokens / 2
         usage = n * resident / max_kv
         decode.append(
             DecodeSample(kv_usage=round(usage, 4), context_length=context, itl_ms=round(itl, 3), concurrency=n)
         )
-        done += 1
         if progress is not None:
-            progress(f"decode context {context} × {n}: ITL {itl:.1f} ms", done, total)
+            progress(f"decode context {context} × {n}: ITL {itl:.1f} ms", len(prefill) + len(decode), total)
     return Profile(
         engine=engine_name,
         model=model,
         max_kv_tokens=max_kv,
-        max_num_seqs=info.max_num_seqs,
+        max_num_seqs=rank.info.max_num_seqs,
         speedup_ratio=speedup_ratio,
         prefill=prefill,
         decode=decode,

@@ -97,6 +97,10 @@ def check_run(run: PlanRun) -> None:
         )
     if config.startup_s < 0:
         raise ConfigError(f"--startup must be >= 0, got {config.startup_s}")
+    if config.ranks_per_worker < 0:
+        raise ConfigError(
+            f"--ranks-per-worker must be >= 0 (0: as the workers' cards say), got {config.ranks_per_worker}"
+        )
     if not 0 < config.headroom <= 1:
         raise ConfigError(f"--headroom must be in (0, 1], got {config.headroom}")
     if config.predictor not in PREDICTORS:

@@ -1,19 +1,19 @@
 """`dyn plan simulate`: a trace through N simulated workers in virtual time, static or planner-driven.
 
-NOTE: each worker is the mocker's scheduler reduced to its events: a pass prefills up to 8192 prompt tokens
-while every running request decodes one token, and lasts what the mocker's timing model (dynamo_cli/timing.py)
-gives that pass at the current KV usage; stretches of pure decode are jumped over to the next finish, so the
-cost is a few events per request, not one per pass. Requests are routed round-robin to the live workers (dyn
-serve's default), a worker is advanced only when it receives a request or at a planner tick, and a worker the
-planner removes stops receiving requests and counts its worker-seconds until its last stream ends. The planner
-is the real one (`Planner.plan_once` and `check_burst`) fed with the frontend counters the simulated requests
-produce; the oracle (oracle.py) applies the pools it scheduled ahead, one step per load interval.
+NOTE: each worker is R data-parallel ranks (`--ranks-per-worker`, default 1), each the mocker's scheduler reduced
+to its events (simworker.py). Requests are routed round-robin to the live workers (dyn serve's default) and, within
+a worker, to its ranks in turn: round-robin over every (worker, rank) target. A worker is advanced only when it
+receives a request or at a planner tick, and a worker the planner removes stops receiving requests and counts its
+worker-seconds until its last stream ends. The planner is the real one (`Planner.plan_once` and `check_burst`) fed
+with the frontend counters the simulated requests produce and the workers' ranks as their cards would say them; the
+oracle (oracle.py) applies the pools it scheduled ahead, one step per load interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import heapq
 import math
 import random
@@ -26,23 +26,12 @@ import msgspec
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.planner.connectors import ScaleTarget
-from dynamo_cli.planner.observe import PoolLoad, Snapshot
+from dynamo_cli.planner.observe import PoolLoad, Snapshot, WorkerCount
 from dynamo_cli.planner.oracle import OracleStep, RateAt, oracle_needs, oracle_schedule, trace_rates
-from dynamo_cli.planner.planner import Planner, PlannerConfig
+from dynamo_cli.planner.planner import Planner, PlannerConfig, Reporter
 from dynamo_cli.planner.profile import Profile
-from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, TimingModel
-
-
-@dataclass(frozen=True, slots=True)
-class SimRequest:
-    """One request of a trace."""
-
-    arrival_s: float
-    """Arrival time from the start of the trace."""
-    isl: int
-    """Prompt tokens."""
-    osl: int
-    """Output tokens."""
+from dynamo_cli.planner.simworker import SimRank, SimRequest, SimWorker, Stats
+from dynamo_cli.planner.sizing import RanksPerWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +48,8 @@ class SimResult:
     """Sum over workers of the time each was up."""
     max_workers: int
     """Most workers up at once."""
+    ranks_per_worker: int = 1
+    """Data-parallel ranks of each worker."""
 
 
 class _Trace(msgspec.Struct):
@@ -119,140 +110,17 @@ def curve_rates(spec: str, isl: int, osl: int, linear: bool = False) -> RateAt:
 
 
 @dataclass(slots=True)
-class _Running:
-    finish_pass: int
-    request: SimRequest
-    first_token_s: float
-
-
-@dataclass(slots=True)
-class SimWorker:
-    """One worker's scheduler state in virtual time."""
-
-    kv_tokens: int
-    started_s: float
-    role: str = "both"
-    """both (agg) | prefill (a prompt's first token ends its stay: `handoffs`) | decode (only decode steps)."""
-    now: float = 0.0
-    passes: int = 0
-    stopped_s: float | None = None
-    waiting: deque[list[object]] = field(default_factory=deque)
-    running: list[tuple[int, int, _Running]] = field(default_factory=list)
-    active_kv: int = 0
-    handoffs: list[tuple[float, SimRequest]] = field(default_factory=list)
-    """prefill: (first token time, request) of each prompt done, for a decode worker."""
-    timing: TimingModel = field(default_factory=TimingModel)
-    """The mocker's pass times (its default: no speedup)."""
-    _seq: int = 0
-
-    def __post_init__(self) -> None:
-        self.now = self.started_s
-
-    def busy(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def advance(self, until: float, stats: Stats) -> None:
-        """Run passes until `until` (or until idle)."""
-        while self.now < until and self.busy():
-            if self.waiting and len(self.running) < DEFAULT_MAX_NUM_SEQS:
-                self._prefill_pass(stats)
-            elif self.running:
-                self._decode_until(until, stats)
-            else:
-                break
-        if until != math.inf:
-            self.now = max(self.now, until)
-
-    def pass_ms(self, num_prefill_tokens: int, num_decoding: int) -> float:
-        """Duration of a pass computing `num_prefill_tokens` prompt tokens while `num_decoding` running
-        requests emit a token, at the worker's KV usage: the mocker scheduler's pass time for that pass."""
-        return self.timing.pass_ms(num_prefill_tokens, num_decoding, self.active_kv / self.kv_tokens)
-
-    def _prefill_pass(self, stats: Stats) -> None:
-        # The prompts that complete in this pass emit their first token at its end but add no decode term:
-        # only the requests running before it do (the mocker counts both: tests/planner/test_timing_shared.py).
-        budget, admitted = DEFAULT_MAX_NUM_BATCHED_TOKENS, list[object]()
-        while self.waiting and budget > 0 and len(self.running) + len(admitted) < DEFAULT_MAX_NUM_SEQS:
-            entry = self.waiting[0]
-            left = int(entry[1])  # type: ignore[call-overload]
-            take = min(left, budget)
-            budget -= take
-            entry[1] = left - take
-            if left - take == 0:
-                admitted.append(self.waiting.popleft()[0])
-        self.now += self.pass_ms(DEFAULT_MAX_NUM_BATCHED_TOKENS - budget, len(self.running)) / 1000
-        self.passes += 1
-        for request in admitted:
-            assert isinstance(request, SimRequest)
-            if self.role == "prefill":
-                self.handoffs.append((self.now, request))
-            else:
-                self.join(request, self.now, stats, finish=False)
-        self._finish(stats)
-
-    def join(self, request: SimRequest, first_token_s: float, stats: Stats, finish: bool = True) -> None:
-        """Start decoding `request`, whose first token came at `first_token_s` (decode role: from a prefill
-        worker; it must have been advanced to that time)."""
-        self._seq += 1
-        run = _Running(self.passes + request.osl - 1, request, first_token_s)
-        heapq.heappush(self.running, (run.finish_pass, self._seq, run))
-        self.active_kv += request.isl + request.osl // 2
-        if finish:
-            self._finish(stats)
-
-    def _decode_until(self, until: float, stats: Stats) -> None:
-        step = self.pass_ms(0, len(self.running)) / 1000
-        to_finish = self.running[0][0] - self.passes
-        fits = to_finish if until == math.inf else max(1, math.ceil((until - self.now) / step))
-        n = max(1, min(to_finish, fits))
-        self.now += n * step
-        self.passes += n
-        self._finish(stats)
-
-    def _finish(self, stats: Stats) -> None:
-        while self.running and self.running[0][0] <= self.passes:
-            _, _, run = heapq.heappop(self.running)
-            self.active_kv -= run.request.isl + run.request.osl // 2
-            stats.record(run.request, run.first_token_s, self.now)
-
-
-@dataclass(slots=True)
-class Stats:
-    """Cumulative frontend-like counters and SLO attainment of finished requests."""
-
-    ttft_ms: float
-    itl_ms: float
-    sums: dict[str, float] = field(default_factory=dict)
-    arrived: int = 0
-    finished: int = 0
-    met: int = 0
-
-    def record(self, request: SimRequest, first_token_s: float, end_s: float) -> None:
-        ttft = first_token_s - request.arrival_s
-        itl = (end_s - first_token_s) / (request.osl - 1) if request.osl > 1 else 0.0
-        self.finished += 1
-        self.met += ttft * 1000 <= self.ttft_ms and itl * 1000 <= self.itl_ms
-        decoded = request.osl - 1
-        for name, value, count in (
-            ("time_to_first_token_seconds", ttft, 1),
-            ("input_sequence_tokens", request.isl, 1),
-            ("output_sequence_tokens", request.osl, 1),
-            ("request_duration_seconds", end_s - request.arrival_s, 1),
-            ("inter_token_latency_seconds", itl * decoded, decoded),
-        ):
-            self.sums[name] = self.sums.get(name, 0.0) + value
-            self.sums[f"{name}:count"] = self.sums.get(f"{name}:count", 0.0) + count
-
-
-@dataclass(slots=True)
 class SimCluster:
-    """Workers up, starting and draining; round-robin routing over the live ones."""
+    """Workers up, starting and draining; round-robin routing over the live ones, and over each one's ranks."""
 
     kv_tokens: int
+    """Of each rank."""
     stats: Stats
     startup_s: float = 0.0
     role: str = "both"
-    """Of its workers (SimWorker.role)."""
+    """Of its workers (SimRank.role)."""
+    ranks_per_worker: int = 1
+    """Data-parallel ranks of each worker, each a scheduler with a KV cache of `kv_tokens`."""
     handoffs: list[tuple[float, SimRequest]] = field(default_factory=list)
     """prefill: every worker's prompts done, (first token time, request), shared so a retired worker's count."""
     live: list[SimWorker] = field(default_factory=list)
@@ -284,7 +152,7 @@ class SimCluster:
     def scale(self, wanted: int, now: float) -> None:
         wanted = max(wanted, 1)
         while self.size() < wanted:
-            worker = SimWorker(self.kv_tokens, started_s=now + self.startup_s, role=self.role, handoffs=self.handoffs)
+            worker = SimWorker.of(self.ranks_per_worker, self.kv_tokens, now + self.startup_s, self.role, self.handoffs)
             self.allocated[id(worker)] = now
             self.starting.append(worker)
         while self.size() > wanted:  # the newest go first; one still starting is simply released
@@ -296,22 +164,20 @@ class SimCluster:
         self.peak = max(self.peak, self.size() + len(self.draining))
 
     def route(self, request: SimRequest) -> None:
-        self._promote(request.arrival_s)
-        pool = self.live or self.starting
-        worker = pool[self._next % len(pool)]
-        self._next += 1
-        worker.advance(request.arrival_s, self.stats)
-        worker.waiting.append([request, request.isl])
+        self._next_rank(request.arrival_s).waiting.append([request, request.isl])
         self.stats.arrived += 1
 
     def deliver(self, request: SimRequest, first_token_s: float) -> None:
-        """Decode pool: a prompt prefilled elsewhere starts decoding on the next worker (round-robin)."""
-        self._promote(first_token_s)
+        """Decode pool: a prompt prefilled elsewhere starts decoding on the next worker's next rank (round-robin)."""
+        self._next_rank(first_token_s).join(request, first_token_s, self.stats)
+
+    def _next_rank(self, now: float) -> SimRank:
+        """The rank of the next worker in turn that takes the next request, advanced to `now`."""
+        self._promote(now)
         pool = self.live or self.starting
         worker = pool[self._next % len(pool)]
         self._next += 1
-        worker.advance(first_token_s, self.stats)
-        worker.join(request, first_token_s, self.stats)
+        return worker.next_rank(now, self.stats)
 
     def tick(self, now: float) -> None:
         """Advance every worker to `now`; retire drained ones."""
@@ -333,7 +199,7 @@ class SimCluster:
     def _promote(self, now: float) -> None:
         for worker in [w for w in self.starting if w.started_s <= now]:
             self.starting.remove(worker)
-            worker.now = max(worker.now, worker.started_s)
+            worker.serve_from(worker.started_s)
             self.live.append(worker)
 
 
@@ -404,9 +270,15 @@ class _Source:
         workers = [w for pool in self.cluster.pools() for w in (*pool.live, *pool.draining)]
         return PoolLoad(
             num_workers=len(workers),
-            num_running=sum(len(w.running) for w in workers),
-            num_waiting=sum(len(w.waiting) for w in workers),
+            num_running=sum(w.num_running() for w in workers),
+            num_waiting=sum(w.num_waiting() for w in workers),
         )
+
+    async def count(self) -> WorkerCount:
+        """The workers serving by now, and their ranks, as discovery and their cards would say them."""
+        prefill, decode = self.cluster.counts(serving=True)
+        ranks = self.cluster.pools()[-1].ranks_per_worker
+        return WorkerCount(prefill, decode, ranks if prefill else 0, ranks if decode else 0)
 
 
 class _Connector:
@@ -425,13 +297,15 @@ class _Connector:
 
 
 def _cluster(
-    disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int], startup_s: float
+    disagg: bool, kv_tokens: int, stats: Stats, first: tuple[int, int], startup_s: float, ranks: int
 ) -> SimCluster | DisaggCluster:
-    """The pools, with the `first` (prefill, decode) workers already serving; later ones take `startup_s`."""
-    cluster: SimCluster | DisaggCluster = SimCluster(kv_tokens, stats)
+    """The pools of workers of `ranks` ranks, with the `first` (prefill, decode) workers already serving; later ones
+    take `startup_s`."""
+    cluster: SimCluster | DisaggCluster = SimCluster(kv_tokens, stats, ranks_per_worker=ranks)
     if disagg:
         cluster = DisaggCluster(
-            SimCluster(kv_tokens, stats, role="prefill"), SimCluster(kv_tokens, stats, role="decode")
+            SimCluster(kv_tokens, stats, role="prefill", ranks_per_worker=ranks),
+            SimCluster(kv_tokens, stats, role="decode", ranks_per_worker=ranks),
         )
     cluster.apply(*first, 0.0)
     for pool in cluster.pools():
@@ -441,11 +315,20 @@ def _cluster(
 
 
 def _oracle_steps(
-    requests: list[SimRequest], profile: Profile, planner: PlannerConfig, startup_s: float, rates: RateAt | None
+    requests: list[SimRequest],
+    profile: Profile,
+    planner: PlannerConfig | None,
+    startup_s: float,
+    rates: RateAt | None,
+    ranks_per_worker: int,
 ) -> deque[OracleStep]:
-    """The oracle's pools over the trace, knowing `rates` (None: the requests' own over one throughput interval)."""
+    """The oracle's pools of workers of `ranks_per_worker` ranks over the trace, knowing `rates` (None: the requests'
+    own over one throughput interval); none without a `planner` to size as."""
+    if planner is None:
+        return deque()
     rates = rates or trace_rates([(r.arrival_s, r.isl, r.osl) for r in requests], planner.interval_s)
-    needs = oracle_needs(rates, requests[-1].arrival_s if requests else 0.0, profile, planner)
+    end = requests[-1].arrival_s if requests else 0.0
+    needs = oracle_needs(rates, end, profile, planner, RanksPerWorker.every(ranks_per_worker))
     return deque(oracle_schedule(needs, startup_s))
 
 
@@ -461,29 +344,48 @@ async def simulate(
     startup_s: float = 30.0,
     oracle: bool = False,
     rates: RateAt | None = None,
+    ranks_per_worker: int = 1,
+    report: Reporter | None = None,
 ) -> SimResult:
-    """Replay `requests` on `static_workers` workers (with `static_prefill` > 0: that many prefill workers and
-    `static_workers` decode workers), or on as many as `planner` asks for (its mode: agg or disagg), or with
-    `oracle` on as many as an oracle sizing as `planner` does keeps (oracle.py), knowing the load `rates` (by
-    default the requests' own, over one throughput interval)."""
+    """Replay `requests` on `static_workers` workers (`static_prefill` > 0: as many prefill, `static_workers` decode),
+    on as many as `planner` asks for (each step to `report`), or with `oracle` on what an oracle sizing as `planner`
+    keeps, knowing the load `rates` (oracle.py; default: the requests' own); workers of `ranks_per_worker` ranks."""
     stats = Stats(ttft_ms=ttft_ms, itl_ms=itl_ms)
     disagg = planner.mode == "disagg" if planner else static_prefill > 0
     first = planner.bounds.min_workers if planner else 1
     pools = (static_prefill or first, static_workers or first)
-    schedule = _oracle_steps(requests, profile, planner, startup_s, rates) if oracle and planner else deque()
+    schedule = _oracle_steps(requests, profile, planner if oracle else None, startup_s, rates, ranks_per_worker)
     pools = (schedule[0].num_prefill, schedule[0].num_decode) if schedule else pools
-    cluster = _cluster(disagg, profile.max_kv_tokens, stats, pools, startup_s)
-    source = _Source(cluster)
-    brain = None
+    cluster = _cluster(disagg, profile.max_kv_tokens, stats, pools, startup_s, ranks_per_worker)
+    source, brain = _Source(cluster), None
     if planner is not None and not oracle:
-
-        async def count() -> tuple[int, int]:
-            return cluster.counts(serving=True)
-
-        brain = Planner(planner, profile, source, _Connector(cluster, source), count, loads=source.load)
+        brain = Planner(planner, profile, source, _Connector(cluster, source), source.count, report, source.load)
         await brain.baseline()
-    next_plan = planner.interval_s if planner else math.inf
-    load = planner.load_interval_s if planner and planner.load_interval_s > 0 else math.inf
+    worker_seconds = await _replay(requests, cluster, source, brain, schedule)
+    policy = f"static {static_prefill}+{static_workers}" if disagg else f"static {static_workers}"
+    policy = policy if planner is None else "oracle" if oracle else "planner"
+    return SimResult(
+        policy=policy,
+        num_requests=stats.finished,
+        attainment=stats.met / max(stats.finished, 1),
+        worker_seconds=worker_seconds,
+        max_workers=cluster.peak,
+        ranks_per_worker=ranks_per_worker,
+    )
+
+
+async def _replay(
+    requests: list[SimRequest],
+    cluster: SimCluster | DisaggCluster,
+    source: _Source,
+    brain: Planner | None,
+    schedule: deque[OracleStep],
+) -> float:
+    """Route every request, applying the oracle's pools due by then, or running the planner's steps due by then;
+    then run every stream to its end: the worker-seconds spent (SimCluster.finish)."""
+    config = brain.config if brain is not None else None
+    next_plan = config.interval_s if config else math.inf
+    load = config.load_interval_s if config and config.load_interval_s > 0 else math.inf
     next_load = load
     for request in requests:
         while schedule and schedule[0].at <= request.arrival_s:  # the oracle's pools, due by this arrival
@@ -494,24 +396,13 @@ async def simulate(
             source.now = min(next_plan, next_load)
             cluster.tick(source.now)
             if next_plan <= next_load:
-                next_plan += planner.interval_s  # type: ignore[union-attr]
+                next_plan += brain.config.interval_s
                 await brain.plan_once()
             else:
                 next_load += load
                 await brain.check_burst()
         cluster.route(request)
-    end = requests[-1].arrival_s if requests else 0.0
-    worker_seconds = cluster.finish(end)
-    policy = f"static {static_prefill}+{static_workers}" if disagg else f"static {static_workers}"
-    if planner is not None:
-        policy = "oracle" if oracle else "planner"
-    return SimResult(
-        policy=policy,
-        num_requests=stats.finished,
-        attainment=stats.met / max(stats.finished, 1),
-        worker_seconds=worker_seconds,
-        max_workers=cluster.peak,
-    )
+    return cluster.finish(requests[-1].arrival_s if requests else 0.0)
 
 
 def run_simulation(
@@ -525,21 +416,19 @@ def run_simulation(
     rates: RateAt | None = None,
 ) -> list[SimResult]:
     """Every static size (N workers, or (prefill, decode) workers), then the planner and the oracle (knowing
-    `rates`, by default the requests' own), on the same requests."""
+    `rates`, by default the requests' own), on the same requests; each worker of the planner's
+    `--ranks-per-worker` ranks (0: 1)."""
+    run = functools.partial(
+        simulate, requests, profile, ttft_ms, itl_ms, ranks_per_worker=planner.ranks_per_worker or 1
+    )
 
     async def all_policies() -> list[SimResult]:
         results = []
         for size in statics:
             prefill, decode = size if isinstance(size, tuple) else (0, size)
-            results.append(
-                await simulate(requests, profile, ttft_ms, itl_ms, static_workers=decode, static_prefill=prefill)
-            )
+            results.append(await run(static_workers=decode, static_prefill=prefill))
         for oracle in (False, True):
-            results.append(
-                await simulate(
-                    requests, profile, ttft_ms, itl_ms, planner=planner, startup_s=startup_s, oracle=oracle, rates=rates
-                )
-            )
+            results.append(await run(planner=planner, startup_s=startup_s, oracle=oracle, rates=rates))
         return results
 
     return asyncio.run(all_policies())

@@ -1,5 +1,6 @@
 """Connectors on real planes and real processes: the virtual decision/ack cycle on embedded discovery and
-etcd; the local connector starting a `dyn worker` and draining it while a request streams."""
+etcd; the workers and their ranks counted from discovery; the local connector starting a `dyn worker` and
+draining it while a request streams."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 
 from dynamo_cli.config import CLUSTER_SECRET_ENV, PlanesConfig, WorkerConfig, child_command
+from dynamo_cli.model_card import ModelCard
 from dynamo_cli.planner.connectors import (
     LocalConnector,
     ScaleTarget,
@@ -23,8 +25,10 @@ from dynamo_cli.planner.connectors import (
     ack_key,
     decision_key,
 )
-from dynamo_cli.planner.observe import count_workers
+from dynamo_cli.planner.observe import WorkerCount, count_workers
 from dynamo_cli.runtime.discovery import Discovery
+from dynamo_cli.runtime.endpoint import InstanceRecord
+from dynamo_cli.runtime.names import EndpointName
 from dynamo_cli.runtime.planes import open_discovery
 from tests.conftest import API_KEY, DynProcess
 
@@ -72,6 +76,48 @@ async def test_an_unacknowledged_decision_times_out_as_false(discovery: Discover
     started = time.monotonic()
     assert not await connector.apply(ScaleTarget(1, num_prefill=1, num_decode=1))
     assert 0.3 <= time.monotonic() - started < 3.0
+
+
+async def register(
+    discovery: Discovery, component: str, instance_id: int, role: str = "both", dp_size: int | None = 1
+) -> None:
+    """A worker's instance record and (unless `dp_size` is None) its model card, as a worker writes them."""
+    name = EndpointName("dynamo", component, "generate")
+    record = InstanceRecord(
+        namespace="dynamo",
+        component=component,
+        endpoint="generate",
+        instance_id=instance_id,
+        transport={"tcp": "127.0.0.1:1"},
+        role=role,
+    )
+    if dp_size is not None:
+        card = ModelCard(display_name="m", tokenizer_source="", engine="mocker", role=role, dp_size=dp_size)
+        await discovery.put(name.card_key(instance_id), msgspec.json.encode(card))
+    await discovery.put(name.instance_key(instance_id), msgspec.json.encode(record))
+
+
+async def test_workers_are_counted_with_their_pools_most_common_ranks_from_their_cards(discovery: Discovery) -> None:
+    # decode: three workers of 4 ranks and one of 2 (most common: 4); prefill: one whose card is not there yet
+    # (a rank-blind worker: 1) and one of 1; a router replica is no worker
+    for instance_id, dp_size in ((0x10, 4), (0x11, 4), (0x12, 2), (0x13, 4)):
+        await register(discovery, "backend", instance_id, dp_size=dp_size)
+    await register(discovery, "prefill", 0x20, role="prefill", dp_size=None)
+    await register(discovery, "prefill", 0x21, role="prefill")
+    await register(discovery, "router", 0x30, dp_size=8)
+    count = await count_workers(discovery, "dynamo")
+    assert count == WorkerCount(
+        num_prefill=2, num_decode=4, prefill_ranks=1, decode_ranks=4, mixed="decode: 3 of 4 ranks, 1 of 2 ranks"
+    )
+    assert count.counts == (2, 4)
+    assert await count_workers(discovery, "elsewhere") == WorkerCount()
+
+
+async def test_a_tie_between_the_ranks_cards_say_sizes_for_the_fewer(discovery: Discovery) -> None:
+    await register(discovery, "backend", 0x10, dp_size=8)
+    await register(discovery, "backend", 0x11, dp_size=2)
+    count = await count_workers(discovery, "dynamo")
+    assert (count.decode_ranks, count.mixed) == (2, "decode: 1 of 2 ranks, 1 of 8 ranks")
 
 
 def _serves_model(url: str) -> bool:
@@ -122,7 +168,7 @@ async def test_the_local_connector_starts_a_worker_and_drains_it_under_a_request
     try:
         await connector.apply(ScaleTarget(1, num_prefill=0, num_decode=1))
         async with asyncio.timeout(60):
-            while await count_workers(store, "dynamo") != (0, 1):
+            while (await count_workers(store, "dynamo")).counts != (0, 1):
                 await asyncio.sleep(0.1)
         async with asyncio.timeout(30):  # the frontend sees the worker a little after discovery holds it
             while not await asyncio.to_thread(_serves_model, frontend.url):
@@ -138,7 +184,7 @@ async def test_the_local_connector_starts_a_worker_and_drains_it_under_a_request
         await asyncio.wait_for(streaming, 30)
         assert box["status"] == 200 and box.get("done") is True
         assert (box["finish"], box["tokens"]) == ("length", 300)  # every token came
-        assert await count_workers(store, "dynamo") == (0, 0)
+        assert (await count_workers(store, "dynamo")).counts == (0, 0)
     finally:
         await connector.close()
         await store.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from dynamo_cli.planner.connectors import ScaleTarget
-from dynamo_cli.planner.observe import Snapshot, observation_between, parse_metrics
+from dynamo_cli.planner.observe import Snapshot, WorkerCount, WorkerRanks, observation_between, parse_metrics
 from dynamo_cli.planner.planner import Planner, PlannerConfig
-from dynamo_cli.planner.sizing import Bounds, Targets
+from dynamo_cli.planner.sizing import Bounds, RanksPerWorker, Targets
 from tests.planner.test_sizing import PROFILE
 
 METRICS = """\
@@ -87,8 +89,8 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
     recorder = Recorder()
     config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 100), mode="disagg", interval_s=60.0)
 
-    async def counts() -> tuple[int, int]:
-        return (1, 4)
+    async def counts() -> WorkerCount:
+        return WorkerCount(1, 4)
 
     planner = Planner(config, PROFILE, Source([snap(0.0, 0), snap(60.0, 600)]), recorder, counts)
     await planner.baseline()
@@ -99,6 +101,55 @@ async def test_a_throughput_step_applies_the_worked_example() -> None:
     assert (step.current, step.applied, step.decision_id) == ((1, 4), True, 7)
 
 
+@pytest.mark.parametrize(
+    ("count", "override", "ranks", "expected"),
+    [
+        # the cards: prefill workers of 1 rank, decode workers of 4; one decode worker serves the example's 4 decode
+        # ranks (d_corr 1): prefill ceil(2.25) = 3, decode ceil(3.488 / 4) = 1
+        pytest.param(WorkerCount(1, 1, 1, 4), 0, RanksPerWorker(1, 4), (3, 1), id="from the cards"),
+        # --ranks-per-worker 2 whatever the cards say; 2 decode workers of 2 are the example's 4 ranks:
+        # prefill ceil(2.25 / 2) = 2, decode ceil(3.488 / 2) = 2
+        pytest.param(WorkerCount(1, 2, 1, 4), 2, RanksPerWorker(2, 2), (2, 2), id="overridden"),
+    ],
+)
+async def test_a_throughput_step_sizes_in_ranks_and_asks_for_workers_of_the_ranks_the_cards_say(
+    count: WorkerCount, override: int, ranks: RanksPerWorker, expected: tuple[int, int]
+) -> None:
+    recorder = Recorder()
+    config = PlannerConfig(
+        targets=Targets(1000.0, 30.0), bounds=Bounds(1, 100), mode="disagg", interval_s=60.0, ranks_per_worker=override
+    )
+
+    async def counts() -> WorkerCount:
+        return count
+
+    planner = Planner(config, PROFILE, Source([snap(0.0, 0), snap(60.0, 600)]), recorder, counts)
+    await planner.baseline()
+    step = await planner.plan_once()
+    assert step.decision.corrections.decode == pytest.approx(1.0)
+    assert step.decision.ranks == ranks
+    assert recorder.targets == [ScaleTarget(decision_id=7, num_prefill=expected[0], num_decode=expected[1])]
+    assert f"decode {count.num_decode}→{expected[1]} (× {ranks.decode} ranks) [applied]" in str(step)
+
+
+def test_the_ranks_the_cards_say_are_kept_for_an_empty_pool_and_a_disagreement_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ranks = WorkerRanks()
+    assert ranks.now == RanksPerWorker(1, 1)  # nothing read yet
+    mixed = WorkerCount(0, 4, 0, 4, mixed="decode: 3 of 4 ranks, 1 of 2 ranks")
+    with caplog.at_level(logging.INFO, logger="dynamo_cli.planner"):
+        assert ranks.read(mixed) == RanksPerWorker(1, 4)
+        assert ranks.read(mixed) == RanksPerWorker(1, 4)
+        assert ranks.read(WorkerCount()) == RanksPerWorker(1, 4)  # the pools emptied: what they had
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "workers' cards disagree on their ranks (decode: 3 of 4 ranks, 1 of 2 ranks): sizing for the most common "
+        "(prefill 1, decode 4); set --ranks-per-worker to choose"
+    ]
+    assert WorkerRanks(fixed=2).read(mixed) == RanksPerWorker(2, 2)
+
+
 async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_holds_it() -> None:
     # ISL 2000, OSL 200 as observed; an agg worker holds 1.2904 req/s at ITL 30 ms (test_sizing' example).
     recorder = Recorder()
@@ -106,8 +157,8 @@ async def test_a_burst_scales_up_between_throughput_steps_and_the_next_step_hold
         targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=0.0
     )  # no trend projection: the windows alone
 
-    async def counts() -> tuple[int, int]:
-        return (0, 2)  # discovery: the burst's workers are still starting
+    async def counts() -> WorkerCount:
+        return WorkerCount(0, 2)  # discovery: the burst's workers are still starting
 
     snapshots = [
         snap(0.0, 0),
@@ -156,8 +207,8 @@ async def test_a_rising_trend_scales_up_before_any_window_alone_is_sure(startup_
         startup_s=startup_s,
     )
 
-    async def counts() -> tuple[int, int]:
-        return (0, 2)
+    async def counts() -> WorkerCount:
+        return WorkerCount(0, 2)
 
     rising = [snap(62.0, 60, inflight=2), snap(64.0, 60, inflight=6), snap(66.0, 60, inflight=12)]
     snapshots = [snap(0.0, 0), snap(60.0, 60), *rising]
@@ -185,8 +236,8 @@ async def test_a_trend_steeper_than_any_startup_can_follow_is_projected_at_4x_th
         targets=Targets(1000.0, 30.0), bounds=Bounds(1, 40), mode="agg", headroom=1.0, startup_s=10.0
     )
 
-    async def counts() -> tuple[int, int]:
-        return (0, 2)
+    async def counts() -> WorkerCount:
+        return WorkerCount(0, 2)
 
     rising = [snap(62.0, 60, inflight=4), snap(64.0, 60, inflight=12), snap(66.0, 60, inflight=24)]
     planner = Planner(config, PROFILE, Source([snap(0.0, 0), snap(60.0, 60), *rising]), recorder, counts)
@@ -204,8 +255,8 @@ async def test_the_startup_the_bursts_project_over_is_measured_from_the_first_sc
     )
     serving = [(0, 1)]
 
-    async def counts() -> tuple[int, int]:
-        return serving[-1]  # discovery: workers show once they serve
+    async def counts() -> WorkerCount:
+        return WorkerCount(*serving[-1])  # discovery: workers show once they serve
 
     snapshots = [
         snap(0.0, 0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +12,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo_cli.planner.planner import PlannerConfig
+from dynamo_cli.planner.planner import PlannerConfig, Step
 from dynamo_cli.planner.profile import DecodeSample, PrefillSample, Profile, save_profile
 from dynamo_cli.planner.simulate import (
     DisaggCluster,
     SimCluster,
-    SimRequest,
     SimResult,
-    SimWorker,
-    Stats,
     load_trace,
     rate_curve,
     simulate,
 )
-from dynamo_cli.planner.sizing import Bounds, Targets, max_ramp_slope
+from dynamo_cli.planner.simworker import SimRank, SimRequest, Stats
+from dynamo_cli.planner.sizing import Bounds, RanksPerWorker, Targets, max_ramp_slope
 from dynamo_cli.timing import decode_ms, prefill_ms
 
 KV = 262_144  # Dynamo's mocker: 16384 blocks of 16
@@ -43,7 +42,7 @@ def test_one_request_takes_the_mockers_pass_times() -> None:
     # prefill 2000 tokens: 4.209989e-7·2000² + 0.01518344·2000 + 16.50142 = 48.5523 ms (nothing decoding yet);
     # then 2 decode passes at usage (2000 + 3//2)/262144 = 0.0076332: 5.74 + 54.01u − 25.74u² = 6.1508 ms each
     stats = Stats(ttft_ms=100.0, itl_ms=10.0)
-    worker = SimWorker(KV, started_s=0.0)
+    worker = SimRank(KV, started_s=0.0)
     worker.waiting.append([SimRequest(0.0, 2000, 3), 2000])
     worker.advance(1.0, stats)
     assert stats.finished == 1 and stats.met == 1
@@ -205,6 +204,58 @@ def test_the_disagg_planner_sizes_both_pools_on_the_swing_with_under_65_percent_
     assert planned.attainment >= 0.95 and planned.worker_seconds <= 0.65 * pair.worker_seconds, planned
 
 
+STEADY = "0:30,300:0"
+"""30 req/s of 2000+150 tokens for 5 minutes: at TTFT 500 / ITL 40 ms × 0.8 a rank holds 8.11 req/s, so 3.64 ranks'
+worth."""
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(3, id="3 ranks fall behind"), pytest.param(4, id="4 keep up")])
+def test_a_worker_of_r_ranks_serves_as_r_workers_of_one_rank(ranks: int) -> None:
+    # requests are dealt round-robin over (worker, rank) targets: rank j of one worker of R ranks sees exactly the
+    # requests worker j of R one-rank workers sees, so every latency is the same, for a quarter (a third) of the
+    # worker-seconds
+    requests = rate_curve(STEADY, 2000, 150)
+
+    async def both() -> tuple[SimResult, SimResult]:
+        wide = await simulate(requests, MOCKER, 500.0, 40.0, static_workers=ranks)
+        return wide, await simulate(requests, MOCKER, 500.0, 40.0, static_workers=1, ranks_per_worker=ranks)
+
+    wide, ranked = asyncio.run(both())
+    assert (ranked.num_requests, ranked.attainment) == (wide.num_requests, wide.attainment)
+    assert ranked.attainment == (1.0 if ranks == 4 else pytest.approx(0.0215, abs=1e-4))
+    assert ranked.worker_seconds == pytest.approx(wide.worker_seconds / ranks, rel=1e-3)
+
+
+def test_workers_of_4_ranks_need_a_quarter_of_the_workers_and_the_planner_asks_for_workers_of_4() -> None:
+    # the oracle keeps 5 workers of one rank at the trace's busiest 15 s, so ceil(5 / 4) = 2 of 4; the planner's
+    # throughput steps settle at ceil(3.64) = 4 workers of one rank, ceil(3.64 / 4) = 1 of 4. It reads the 4 from
+    # the workers as their cards would say it (no --ranks-per-worker), and says ranks and workers in each step.
+    requests = rate_curve(STEADY, 2000, 150)
+    config = PlannerConfig(targets=Targets(500.0, 40.0), bounds=Bounds(1, 32), mode="agg")
+
+    async def run(ranks: int) -> tuple[SimResult, SimResult, list[Step]]:
+        steps: list[Step] = []
+        oracle = await simulate(requests, MOCKER, 500.0, 40.0, planner=config, oracle=True, ranks_per_worker=ranks)
+        planned = await simulate(
+            requests, MOCKER, 500.0, 40.0, planner=config, ranks_per_worker=ranks, report=steps.append
+        )
+        return oracle, planned, steps
+
+    (oracle_1, planned_1, steps_1), (oracle_4, planned_4, steps_4) = asyncio.run(run(1)), asyncio.run(run(4))
+    assert (oracle_1.max_workers, oracle_4.max_workers) == (5, math.ceil(5 / 4))
+    assert oracle_1.attainment == oracle_4.attainment == 1.0
+
+    def settled(steps: list[Step]) -> int:
+        return statistics.median_low(s.decision.num_decode for s in steps if s.kind == "throughput")
+
+    assert (settled(steps_1), settled(steps_4)) == (4, math.ceil(4 / 4))
+    assert all(s.decision.ranks == RanksPerWorker(1, 4) for s in steps_4)
+    assert all(s.decision.num_decode_ranks == 4 * s.decision.num_decode for s in steps_4)
+    assert "(× 4 ranks)" in str(steps_4[-1]) and "workers × 4 ranks" not in str(steps_1[-1])
+    assert planned_4.ranks_per_worker == 4 and planned_4.attainment >= planned_1.attainment
+    assert planned_4.worker_seconds < 0.5 * planned_1.worker_seconds
+
+
 def test_simulate_needs_exactly_one_source_of_load(tmp_path: Path) -> None:
     save_profile(MOCKER, tmp_path / "p.json")
     result = subprocess.run(
@@ -287,3 +338,29 @@ def test_simulate_compares_prefill_and_decode_pairs_in_disagg_mode(tmp_path: Pat
     assert policies == ["static 1+1", "static 2+3", "planner", "oracle"]
     result = subprocess.run([*base, "--static", "2"], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "PREFILL+DECODE" in result.stderr
+
+
+def test_simulate_models_workers_of_several_ranks(tmp_path: Path) -> None:
+    save_profile(MOCKER, tmp_path / "p.json")
+    flags = ["--profile", str(tmp_path / "p.json"), "--ttft", "500", "--itl", "50", "--rate-curve", "0:30,60:0"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_cli.cli.main",
+            "plan",
+            "simulate",
+            *flags,
+            "--static",
+            "1",
+            "--ranks-per-worker",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["static 1", "planner", "oracle"]
+    assert all("× 4 ranks" in line for line in lines), result.stdout

@@ -29,6 +29,7 @@ from dynamo_cli.planner.sizing import (
     Corrections,
     Forecast,
     Observation,
+    RanksPerWorker,
     Targets,
     agg_point,
     correction_factors,
@@ -170,7 +171,7 @@ def test_agg_mode_sizes_one_pool_for_the_rate_a_worker_holds_at_both_targets() -
         PROFILE, Forecast(num_requests=600, isl=2000, osl=200), 60.0, NO_CORRECTION, TARGETS, WIDE, mode="agg"
     )
     assert (decision.num_prefill, decision.num_decode) == (0, 8)
-    assert "1.29 req/s per worker" in decision.why and "→ 7.75" in decision.why
+    assert "1.29 req/s per rank" in decision.why and "→ 7.75" in decision.why
     # headroom 0.8 sizes for ITL 24 ms: 0.9424 req/s per worker → 10.61 → 11
     assert (
         plan_replicas(
@@ -203,6 +204,63 @@ def test_the_steepest_ramp_a_startup_can_follow_is_half_a_workers_rate_per_start
     assert max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 0.0) == math.inf  # no startup: any ramp
 
 
+@pytest.mark.parametrize(
+    ("ranks", "expected", "said"),
+    [
+        pytest.param(RanksPerWorker(), (0, 8), "agg 8 (ceil 8)", id="one rank a worker"),
+        pytest.param(RanksPerWorker(decode=4), (0, 2), "agg 2 workers × 4 ranks (ceil(7.75 ranks / 4) = 2)", id="4"),
+        pytest.param(RanksPerWorker(decode=8), (0, 1), "agg 1 worker × 8 ranks (ceil(7.75 ranks / 8) = 1)", id="8"),
+    ],
+)
+def test_an_agg_pool_is_sized_in_ranks_and_asked_for_in_workers_of_r_ranks(
+    ranks: RanksPerWorker, expected: tuple[int, int], said: str
+) -> None:
+    # the agg example below: 10 req/s over 1.2904 req/s per rank = 7.75 ranks; a worker of R ranks serves R times
+    # a rank's load, so ceil(7.75 / R) workers
+    forecast = Forecast(num_requests=600, isl=2000, osl=200)
+    decision = plan_replicas(PROFILE, forecast, 60.0, NO_CORRECTION, TARGETS, WIDE, mode="agg", ranks=ranks)
+    assert (decision.num_prefill, decision.num_decode) == expected
+    assert decision.ranks == ranks and decision.num_decode_ranks == expected[1] * ranks.decode
+    assert said in decision.why and "1.29 req/s per rank" in decision.why
+
+
+def test_disagg_pools_are_sized_in_ranks_each_in_workers_of_its_own_ranks() -> None:
+    # the worked example: prefill 2.25 ranks, decode 3.488 ranks. Prefill workers of 2 ranks: ceil(2.25 / 2) = 2
+    # (4 ranks); decode workers of 4: ceil(3.488 / 4) = 1 (4 ranks). The bounds count workers: at most 1 a pool.
+    forecast = Forecast(num_requests=600, isl=2000, osl=200)
+    ranks = RanksPerWorker(prefill=2, decode=4)
+    decision = plan_replicas(PROFILE, forecast, 60.0, NO_CORRECTION, TARGETS, WIDE, ranks=ranks)
+    assert (decision.num_prefill, decision.num_decode) == (2, 1)
+    assert (decision.num_prefill_ranks, decision.num_decode_ranks) == (4, 4)
+    assert "prefill 2 workers × 2 ranks (ceil(2.25 ranks / 2) = 2)" in decision.why
+    assert "decode 1 worker × 4 ranks (ceil(3.49 ranks / 4) = 1)" in decision.why
+    capped = plan_replicas(PROFILE, forecast, 60.0, NO_CORRECTION, TARGETS, Bounds(1, 1), ranks=ranks)
+    assert (capped.num_prefill, capped.num_decode) == (1, 1)
+
+
+def test_the_gpu_budget_counts_a_workers_gpus_as_its_ranks() -> None:
+    # workers of 2 ranks (1 GPU each): prefill ceil(2.25 / 2) = 2, decode ceil(3.488 / 2) = 2: 8 GPUs over a budget
+    # of 6: scale 0.75, prefill round(1.5) = 2 (4 GPUs), decode (6 − 4) / 2 = 1. Agg, 4 ranks a worker: 2 workers
+    # (8 GPUs) over 5: 5 // 4 = 1 worker.
+    forecast = Forecast(num_requests=600, isl=2000, osl=200)
+    two = RanksPerWorker.every(2)
+    decision = plan_replicas(PROFILE, forecast, 60.0, NO_CORRECTION, TARGETS, Bounds(1, 100, gpu_budget=6), ranks=two)
+    assert (decision.num_prefill, decision.num_decode) == (2, 1)
+    agg = plan_replicas(
+        PROFILE, forecast, 60.0, NO_CORRECTION, TARGETS, Bounds(1, 100, 5), mode="agg", ranks=RanksPerWorker(decode=4)
+    )
+    assert agg.num_decode == 1
+
+
+def test_a_worker_of_r_ranks_follows_a_ramp_r_times_as_steep() -> None:
+    # agg: 4 × 0.021507. disagg with decode workers of 4 ranks: one prefill worker holds 4.444 req/s, one decode
+    # worker 4 × 2.8667 = 11.47: the smaller, 4.444 / 60 = 0.074074 req/s²
+    four = RanksPerWorker.every(4)
+    assert max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 30.0, ranks=four) == pytest.approx(4 * 0.021507, abs=4e-5)
+    slope = max_ramp_slope(PROFILE, 2000, 200, TARGETS, 1.0, 30.0, "disagg", RanksPerWorker(decode=4))
+    assert slope == pytest.approx(0.074074, abs=1e-5)
+
+
 def test_agg_corrections_compare_with_the_interference_model() -> None:
     # 240 req / 60 s over 2 workers = 2 req/s each: agg_point says TTFT 266.667 ms, ITL 60.409 ms.
     observed = Observation(
@@ -231,7 +289,7 @@ def test_correction_factors_compare_observed_latency_with_the_profile() -> None:
     observed = Observation(
         interval_s=60.0, num_requests=600, isl=2000, osl=200, ttft_ms=300.0, itl_ms=31.0, request_duration_s=6.0
     )
-    factors = correction_factors(PROFILE, observed, num_decode_workers=4)
+    factors = correction_factors(PROFILE, observed, num_decode_ranks=4)
     assert factors.prefill == pytest.approx(1.5)
     assert factors.decode == pytest.approx(31 / 28.1)
 

@@ -9,7 +9,7 @@ import pytest
 from dyn_engines.mocker.kv_manager import KvManager
 from dyn_engines.mocker.scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 
-from dynamo_cli.planner.simulate import SimRequest, SimWorker, Stats
+from dynamo_cli.planner.simworker import SimRank, SimRequest, Stats
 from dynamo_cli.timing import DEFAULT_MAX_NUM_BATCHED_TOKENS, TimingModel
 
 BS = 16
@@ -47,7 +47,7 @@ def test_a_pass_takes_the_same_time_in_the_simulator_as_in_the_mockers_scheduler
 ) -> None:
     result, num_decoding_tokens = mocker_pass(num_prefill_tokens, num_decoding, context)
     assert (result.num_prefill_tokens, len(result.emitted)) == (num_prefill_tokens, num_decoding)
-    worker = SimWorker(KV, started_s=0.0, active_kv=num_decoding_tokens)  # the mocker's KV usage exactly
+    worker = SimRank(KV, started_s=0.0, active_kv=num_decoding_tokens)  # the mocker's KV usage exactly
     assert worker.pass_ms(num_prefill_tokens, num_decoding) == result.duration_ms
 
 
@@ -65,9 +65,9 @@ def mocker_request(isl: int, osl: int) -> tuple[float, float]:
 
 
 def simulated_request(isl: int, osl: int) -> tuple[float, float]:
-    """(first token, end) in ms of one request alone on a simulated worker."""
+    """(first token, end) in ms of one request alone on a simulated worker's rank."""
     stats = Stats(ttft_ms=math.inf, itl_ms=math.inf)
-    worker = SimWorker(KV, started_s=0.0)
+    worker = SimRank(KV, started_s=0.0)
     worker.waiting.append([SimRequest(0.0, isl, osl), isl])
     worker.advance(math.inf, stats)
     return stats.sums["time_to_first_token_seconds"] * 1000, stats.sums["request_duration_seconds"] * 1000

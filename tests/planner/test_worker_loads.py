@@ -10,7 +10,7 @@ import os
 import pytest
 
 from dynamo_cli.config import CLUSTER_SECRET_ENV, PlanesConfig
-from dynamo_cli.planner.observe import PoolLoad, WorkerLoads, follow_worker_loads
+from dynamo_cli.planner.observe import PoolLoad, WorkerCount, WorkerLoads, follow_worker_loads
 from dynamo_cli.planner.planner import Planner, PlannerConfig
 from dynamo_cli.planner.sizing import Bounds, Targets
 from dynamo_cli.runtime.planes import open_planes
@@ -70,8 +70,8 @@ async def test_queue_growth_past_the_arrivals_noise_scales_up_when_the_count_alo
     recorder = Recorder()
     config = PlannerConfig(targets=Targets(1000.0, 30.0), bounds=Bounds(1, 20), mode="agg", headroom=1.0, startup_s=0.0)
 
-    async def counts() -> tuple[int, int]:
-        return (0, 2)
+    async def counts() -> WorkerCount:
+        return WorkerCount(0, 2)
 
     queue = PoolLoad(num_workers=2, num_waiting=waiting or 0)
     snapshots = [snap(0.0, 0), snap(60.0, 60), snap(62.0, 62, inflight=waiting or 6)]
