@@ -377,6 +377,9 @@ async def follow_leader(config: WorkerConfig) -> None:
     """A follower node of a multi-node engine: join the leader, run the engine's headless part, and end with the
     group (GroupBroken) or at SIGTERM. It opens no plane: only the leader is a routable worker."""
     headless = load_headless(config.engine)
+    # A real engine's headless part is processes (vLLM's TP workers), which a SIGKILL of this one would orphan,
+    # stuck in a collective: the watchdog takes them down with it (it exits once this process is gone).
+    reaper = guard_descendants()
     stop = asyncio.Event()
     stop_on_signals(stop)
     follower = asyncio.ensure_future(
@@ -387,6 +390,7 @@ async def follow_leader(config: WorkerConfig) -> None:
         await asyncio.wait([follower, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait(follower, stopped)
+    del reaper  # held until here so its Popen is not collected (and warned about) while the follower runs
     if follower.done() and not follower.cancelled():
         follower.result()  # GroupBroken (or a failed join) goes up: one red line, a non-zero exit
 

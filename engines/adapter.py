@@ -10,7 +10,7 @@ from typing import TypeVar
 from dynamo_cli.engine import DETERMINISTIC, EngineArgs, EngineInfo, check_request, is_deterministic
 from dynamo_cli.errors import DynError, RequestError
 from dynamo_cli.kv.handles import KvHandle, check_handle
-from dynamo_cli.wire import GenerateRequest, LoadMetrics
+from dynamo_cli.wire import GenerateRequest, LoadMetrics, RankLoad
 
 H = TypeVar("H", bound=KvHandle)
 
@@ -81,11 +81,16 @@ class RequestBook:
         self.num_prefill_tokens_cached += num_cached
         self.num_prefill_tokens_computed += len(request.token_ids) - num_cached
 
-    def load(self, info: EngineInfo | None) -> LoadMetrics:
-        """Requests in flight and prompt-token counters; the library keeps its queue depths to itself."""
+    def load(self, info: EngineInfo | None, num_ranks: int = 1) -> LoadMetrics:
+        """Requests in flight and prompt-token counters; the library keeps its queue depths to itself. An engine of
+        several data-parallel ranks also reports each rank's share of the KV blocks (the library sizes its ranks
+        alike), so routers know each rank's capacity; the counts stay sums only."""
+        total = info.total_kv_blocks if info else 0
+        shares = [RankLoad(dp_rank=r, total_blocks=total // num_ranks) for r in range(num_ranks)]
         return LoadMetrics(
             num_running=len(self.in_flight),
-            total_blocks=info.total_kv_blocks if info else 0,
+            total_blocks=total,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
             num_prefill_tokens_cached=self.num_prefill_tokens_cached,
+            ranks=shares if num_ranks > 1 else [],
         )

@@ -21,6 +21,7 @@ import yaml
 from dynamo_cli.cli import plan, serve, settings
 from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import worker as worker_cmd
+from dynamo_cli.cli.k8s_groups import GROUPS, group_flags, with_groups
 from dynamo_cli.cli.k8s_keda import KEDA, keda_scaling
 from dynamo_cli.cli.k8s_status import status_command
 from dynamo_cli.cli.k8s_target import K8S, KNOBS, TENSOR_PARALLEL, ClusterTarget, opt, target_of
@@ -30,13 +31,14 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s.names import (
     API_KEYS_DIR,
     API_KEYS_KEY,
+    LEADER_WORKER_SET,
     PLANES_DIR,
     PORTS,
     PROFILE_DIR,
     TLS_DIR,
     Part,
 )
-from dynamo_cli.k8s.objects import Component, Mount, Obj, Probe, Resources
+from dynamo_cli.k8s.objects import Component, Group, Mount, Obj, Probe, Resources
 from dynamo_cli.k8s.render import kubectl_lines, render
 from dynamo_cli.kv.tiers import KvTierConfig
 from dynamo_cli.planner.profile import load_profile
@@ -105,11 +107,12 @@ EXTRA = [
     ),
     *K8S,
     *KEDA,
+    *GROUPS,
     opt("out", "--out", Path | None, None, "Write one YAML file per component (and secrets.sh) here, not stdout."),
     *serve.EXTRA,
 ]
-"""`--values`, render's own options (KEDA's among them), `--out`, then `dyn serve`'s (its shape, engine, API keys,
-planner)."""
+"""`--values`, render's own options (KEDA's and the groups' among them), `--out`, then `dyn serve`'s (its shape,
+engine, API keys, planner)."""
 
 
 def _render(**values: Any) -> None:
@@ -130,9 +133,11 @@ def _render(**values: Any) -> None:
 
 
 def _target(values: dict[str, Any]) -> ClusterTarget:
-    """What the flags describe, with KEDA's scaling (checked first: it reads `--planner`, which target_of takes)."""
+    """What the flags describe, with KEDA's scaling (checked first: it reads `--planner`, which target_of takes) and
+    the worker groups' scheduling."""
     keda = keda_scaling(values)
-    target = target_of(values)
+    groups = {p.name: values.pop(p.name) for p in GROUPS}
+    target = with_groups(target_of(values), groups)
     return replace(target, cluster=replace(target.cluster, keda=keda))
 
 
@@ -173,7 +178,7 @@ def _components(target: ClusterTarget) -> tuple[list[Component], dict[str, dict[
 def _frontend(target: ClusterTarget) -> Component:
     config, batches = target.config, target.batches
     frontend = replace(config.frontend, host="0.0.0.0", batch=replace(config.frontend.batch, db=batches.db))
-    pod = replace(config, frontend=frontend, num_workers=0, num_prefill_workers=0, num_routers=0)
+    pod = replace(config, frontend=frontend, num_workers=0, num_prefill_workers=0, num_routers=0, nodes_per_worker=1)
     args = ["serve", *settings.arguments(pod, FRONTEND_KNOBS)]
     if "--workers" not in args:
         args += ["--workers", "0"]
@@ -218,11 +223,8 @@ def _mounted(args: list[str], files: dict[str, str]) -> list[str]:
 def _worker(target: ClusterTarget, part: Part, role: Role, replicas: int) -> Component:
     pool = target.pools[role]
     config, mounts = _worker_config(target, role)
-    args = ["worker", *settings.arguments(config, worker_cmd.KNOBS)]
-    if "--engine" not in args:  # always named: the image's own DYN_ENGINE must not choose
-        args[1:1] = ["--engine", config.engine]
-    if config.extra:
-        args += ["--extra-engine-args", json.dumps(config.extra, sort_keys=True)]
+    group, leader_flags = _node_group(target, config)
+    args = _worker_args(config) + leader_flags
     mounts += target.model.mounts
     if pool.resources.gpus:
         mounts.append(Mount("shm", "/dev/shm", size=target.shm_size, memory=True))
@@ -246,17 +248,38 @@ def _worker(target: ClusterTarget, part: Part, role: Role, replicas: int) -> Com
         secret_env=target.model.secret_env,
         env_from=target.env_from,
         placement=target.placement,
+        group=group,
     )
 
 
+def _worker_args(config: WorkerConfig) -> list[str]:
+    args = ["worker", *settings.arguments(config, worker_cmd.KNOBS)]
+    if "--engine" not in args:  # always named: the image's own DYN_ENGINE must not choose
+        args[1:1] = ["--engine", config.engine]
+    if config.extra:
+        args += ["--extra-engine-args", json.dumps(config.extra, sort_keys=True)]
+    return args
+
+
+def _node_group(target: ClusterTarget, config: WorkerConfig) -> tuple[Group | None, list[str]]:
+    """`--nodes-per-worker N` > 1: the pool's groups, what their followers run (no system port: the leader's
+    probes and metrics are the group's), and the leader's group flags; else (None, [])."""
+    nodes = target.config.nodes_per_worker
+    if nodes == 1:
+        return None, []
+    leader, follower = group_flags(config, nodes, target.startup_s)
+    quiet = replace(config, telemetry=replace(config.telemetry, system_port=None))
+    return Group(nodes, tuple(_worker_args(quiet) + follower)), leader
+
+
 def _worker_config(target: ClusterTarget, role: Role) -> tuple[WorkerConfig, list[Mount]]:
-    """The pool's `dyn worker` config (its pod's address, ports and role, its engine over every GPU of the pod)
-    and the disk tier's emptyDir."""
+    """The pool's `dyn worker` config (its pod's address, ports and role, its engine over every GPU of the pod, or
+    of the group's pods) and the disk tier's emptyDir."""
     base, pool = target.config.worker, target.pools[role]
     extra = {**base.extra, **pool.engine_args}
-    parallel = TENSOR_PARALLEL.get(base.engine)
-    if parallel is not None and pool.resources.gpus > 1:  # one engine over the pod's GPUs, not one of them
-        extra.setdefault(parallel, pool.resources.gpus)
+    parallel, gpus = TENSOR_PARALLEL.get(base.engine), pool.resources.gpus * target.config.nodes_per_worker
+    if parallel is not None and gpus > 1:  # one engine over the pod's (group's) GPUs, not one of them
+        extra.setdefault(parallel, gpus)
     tiers, mounts = base.kv_tiers, []
     if tiers.disk_bytes:  # the disk tier on an emptyDir of its size
         disk_dir = tiers.disk_dir or "/var/cache/dyn-kv"
@@ -302,6 +325,8 @@ def _planner(target: ClusterTarget, pools: list[Part]) -> Component:
     args += ["--k8s-decode-deployment", names.of(pools[0])]
     if len(pools) > 1:
         args += ["--k8s-prefill-deployment", names.of(pools[1])]
+    if config.nodes_per_worker > 1:  # it scales groups: the LeaderWorkerSets' replicas
+        args += ["--k8s-kind", LEADER_WORKER_SET.kind]
     args += ["--profile", f"{PROFILE_DIR}/profile.json", *settings.arguments(planner, plan.PLANNER_KNOBS)]
     # no --frontend: it reads every frontend pod's /metrics at the address the pod registered in discovery (through
     # the Service, each scrape would land on a random pod and the counters' rates would be wrong)

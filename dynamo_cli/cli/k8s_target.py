@@ -46,6 +46,7 @@ SKIP = serve.SKIP | {
     "ServeConfig.ready_timeout_s",  # Kubernetes waits (readiness) and restarts (restartPolicy)
     "ServeConfig.max_restarts",
     "WorkerConfig.graceful_shutdown_s",  # render's own --graceful-shutdown: a pod's drain, 60 s by default
+    "GroupConfig.join_timeout_s",  # --startup-timeout: a group's pods may wait that long for their nodes
 }
 KNOBS = settings.knobs(ServeConfig, skip=SKIP, help=o.HELP)
 POOL_SIZES = (

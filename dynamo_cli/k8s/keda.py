@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamo_cli.k8s.names import Names, Part
+from dynamo_cli.k8s.names import DEPLOYMENT, Names, Part, Workload
 from dynamo_cli.k8s.objects import Obj, metadata
 
 WORKER_LOAD = ("dynamo_component_running_requests", "dynamo_component_waiting_requests")
@@ -39,22 +39,28 @@ class KedaScaling:
     wanted again within it costs a start-up of queued requests)."""
 
 
-def load_query(namespace: str, deployment: str) -> str:
-    """PromQL: the pool's running + waiting requests, summed over its pods (`DEPLOYMENT-<hash>-<id>`), selected by
+POD_NAMES = {"Deployment": "[a-z0-9]+-[a-z0-9]+", "LeaderWorkerSet": "[0-9]+"}
+"""What follows `NAME-` in the name of a pool's pod that exports its load: a Deployment's `<hash>-<id>`, a
+LeaderWorkerSet's leader `<group>` (a follower, `<group>-<index>`, exports none)."""
+
+
+def load_query(namespace: str, pool: str, workload: Workload = DEPLOYMENT) -> str:
+    """PromQL: the pool's running + waiting requests, summed over its pods (a group's: its leader's), selected by
     the `namespace` and `pod` labels a PodMonitor (`--pod-monitor`) or a `kubernetes-pods` scrape job adds."""
-    pods = f'namespace="{namespace}",pod=~"{deployment}-[a-z0-9]+-[a-z0-9]+"'
+    pods = f'namespace="{namespace}",pod=~"{pool}-{POD_NAMES[workload.kind]}"'
     return " + ".join(f"sum({series}{{{pods}}})" for series in WORKER_LOAD)
 
 
-def scaled_object(names: Names, namespace: str, part: Part, keda: KedaScaling) -> Obj:
-    """The pool's ScaledObject: its Deployment between the bounds, sized to its load by a Prometheus trigger."""
+def scaled_object(names: Names, namespace: str, part: Part, keda: KedaScaling, workload: Workload = DEPLOYMENT) -> Obj:
+    """The pool's ScaledObject: its Deployment (or LeaderWorkerSet: its groups) between the bounds, sized to its
+    load by a Prometheus trigger."""
     target = names.of(part)
     trigger = {
         "type": "prometheus",
         "metricType": "AverageValue",  # desired workers = ceil(query / threshold)
         "metadata": {
             "serverAddress": keda.prometheus,
-            "query": load_query(namespace, target),
+            "query": load_query(namespace, target, workload),
             "threshold": _decimal(keda.requests_per_worker),
         },
     }
@@ -63,7 +69,7 @@ def scaled_object(names: Names, namespace: str, part: Part, keda: KedaScaling) -
         "policies": [{"type": "Pods", "value": 1, "periodSeconds": SCALE_DOWN_PERIOD_S}],
     }
     spec = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+        "scaleTargetRef": {"apiVersion": workload.api_version, "kind": workload.kind, "name": target},
         "minReplicaCount": keda.min_workers,
         "maxReplicaCount": keda.max_workers,
         "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": scale_down}}},

@@ -29,7 +29,31 @@ class Part(Enum):
 
 
 WORKER_PARTS = (Part.WORKER, Part.DECODE, Part.PREFILL)
-"""The worker pools, the Deployments the planner scales."""
+"""The worker pools, the Deployments (or LeaderWorkerSets) the planner scales."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The kind of object a worker pool is: what the planner's Role grants, KEDA's ScaledObject targets and the
+    planner's connector scales (each through its Scale subresource)."""
+
+    kind: str
+    api_version: str
+    plural: str
+    """The resource name (`deployments`): `deployments/scale` in a Role."""
+
+    @property
+    def group(self) -> str:
+        """The API group (`apps`)."""
+        return self.api_version.rpartition("/")[0]
+
+
+DEPLOYMENT = Workload("Deployment", "apps/v1", "deployments")
+LEADER_WORKER_SET = Workload("LeaderWorkerSet", "leaderworkerset.x-k8s.io/v1", "leaderworkersets")
+"""A pool of multi-node workers (kubernetes-sigs/lws): each replica a group of pods that lives and dies together."""
+WORKLOADS = {w.kind: w for w in (DEPLOYMENT, LEADER_WORKER_SET)}
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+"""The label LWS puts on every pod of a group: its index in the group, "0" on the leader."""
 
 
 @dataclass(frozen=True, slots=True)

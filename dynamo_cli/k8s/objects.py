@@ -2,7 +2,8 @@
 
 Every pod runs as UID 10001 with no privilege, no capability and a read-only root filesystem (`/tmp` is an
 emptyDir), and gets no service-account token unless it calls the API server (the planner). Only the planner's
-Role grants anything: `get`/`patch` on its worker Deployments' `scale` subresource and `get` on the Deployments.
+Role grants anything: `get`/`patch` on its worker Deployments' (or LeaderWorkerSets') `scale` subresource and `get`
+on them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_cli.k8s.names import CLUSTER_SECRET_KEY, PORTS, Names, Part
+from dynamo_cli.k8s.names import CLUSTER_SECRET_KEY, DEPLOYMENT, LWS_WORKER_INDEX_LABEL, PORTS, Names, Part, Workload
 
 Obj = dict[str, Any]
 UID = 10001
@@ -107,6 +108,9 @@ class Placement:
     ipc_lock: bool = False
     """CAP_IPC_LOCK, which RDMA (NIXL over UCX verbs) needs to pin memory; outside the restricted Pod Security
     Standard, so only on request."""
+    scheduler_name: str | None = None
+    """The scheduler that places the pods (`volcano`, `kai-scheduler`: gang scheduling of a multi-node group);
+    None: the cluster's default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +150,16 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class Group:
+    """One engine over `nodes` pods: the leader runs the component's args, the followers `follower_args`."""
+
+    nodes: int
+    follower_args: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Component:
-    """One Deployment of `dyn` processes."""
+    """One Deployment of `dyn` processes (a pool of multi-node workers: one LeaderWorkerSet, groups.py)."""
 
     part: Part
     args: tuple[str, ...]
@@ -156,9 +168,10 @@ class Component:
     """None: left out, so a re-apply does not undo the planner's scaling (it starts at 1)."""
     resources: Resources
     ports: tuple[tuple[str, int], ...]
-    probe: Probe
-    scrape_port: int
-    """The port Prometheus scrapes `/metrics` on (the annotations)."""
+    probe: Probe | None
+    """None: no probe (a multi-node group's follower: the leader's probes are the group's)."""
+    scrape_port: int | None
+    """The port Prometheus scrapes `/metrics` on (the annotations); None: not scraped."""
     advertise_env: str | None = None
     """The variable set to the pod's IP: the request-plane address it listens on and registers."""
     cluster_secret: bool = True
@@ -178,6 +191,11 @@ class Component:
     placement: Placement = Placement()
     single_writer: bool = False
     """At most one pod at any time, a rollout included (the planner: two would PATCH the same pools)."""
+    group: Group | None = None
+    """A pool of multi-node engines: each replica a group of pods, rendered as a LeaderWorkerSet (groups.py)."""
+    outlasts_drain: bool = False
+    """Its preStop sleeps through the drain as well (a group's follower: the engine's other nodes keep serving the
+    streams the leader finishes, and SIGTERM comes after; its leader gone, it exits by itself before)."""
 
     @property
     def has_writable_claim(self) -> bool:
@@ -231,7 +249,7 @@ def deployment(names: Names, namespace: str, image: str, component: Component, c
     spec: Obj = {
         "selector": {"matchLabels": names.selector(part)},
         "strategy": _strategy(component),
-        "template": _pod_template(names, image, component, cluster_secret),
+        "template": pod_template(names, image, component, cluster_secret),
     }
     if component.replicas is not None:
         spec = {"replicas": component.replicas} | spec
@@ -254,14 +272,18 @@ def _strategy(component: Component) -> Obj:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
 
 
-def _pod_template(names: Names, image: str, component: Component, cluster_secret: str) -> Obj:
-    scheme = component.probe.scheme.lower()
-    annotations = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(component.scrape_port),
-        "prometheus.io/path": "/metrics",
-        "prometheus.io/scheme": scheme,
-    }
+def pod_template(names: Names, image: str, component: Component, cluster_secret: str) -> Obj:
+    """The component's pod: its container, volumes, security and placement, annotated for a Prometheus
+    `kubernetes-pods` scrape job where it has metrics."""
+    meta: Obj = {"labels": names.labels(component.part)}
+    if component.scrape_port is not None:
+        scheme = component.probe.scheme.lower() if component.probe is not None else "http"
+        meta["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(component.scrape_port),
+            "prometheus.io/path": "/metrics",
+            "prometheus.io/scheme": scheme,
+        }
     pod: Obj = {
         "automountServiceAccountToken": component.service_account is not None,
         "enableServiceLinks": False,  # a Service named like dyn-router would inject DYN_ROUTER_PORT=tcp://...
@@ -273,7 +295,7 @@ def _pod_template(names: Names, image: str, component: Component, cluster_secret
     if component.service_account is not None:
         pod = {"serviceAccountName": component.service_account} | pod
     pod |= _placement(names, component)
-    return {"metadata": {"labels": names.labels(component.part), "annotations": annotations}, "spec": pod}
+    return {"metadata": meta, "spec": pod}
 
 
 def _placement(names: Names, component: Component) -> Obj:
@@ -288,7 +310,9 @@ def _placement(names: Names, component: Component) -> Obj:
         found["priorityClassName"] = place.priority_class
     if place.image_pull_secrets:
         found["imagePullSecrets"] = [{"name": name} for name in place.image_pull_secrets]
-    if component.replicas is None or component.replicas > 1:
+    if place.scheduler_name is not None:
+        found["schedulerName"] = place.scheduler_name
+    if component.replicas is None or component.replicas > 1 or component.group is not None:
         spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
         found["topologySpreadConstraints"] = [
             spread | {"labelSelector": {"matchLabels": names.selector(component.part)}}
@@ -297,6 +321,28 @@ def _placement(names: Names, component: Component) -> Obj:
 
 
 def _container(image: str, component: Component, cluster_secret: str) -> Obj:
+    container: Obj = {
+        "name": component.part.value,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": list(component.args),
+    }
+    if component.ports:
+        container["ports"] = [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in component.ports]
+    container["env"] = _env(component, cluster_secret)
+    if component.env_from:
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in component.env_from]
+    pre_stop = PRE_STOP_S + (int(component.grace_s) if component.outlasts_drain else 0)
+    return container | {
+        "resources": component.resources.spec(),
+        **_probes(component),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(pre_stop)]}}},
+        "securityContext": container_security(ipc_lock=component.placement.ipc_lock),
+        "volumeMounts": [m.mount() for m in (TMP, *component.mounts)],
+    }
+
+
+def _env(component: Component, cluster_secret: str) -> list[Obj]:
     env: list[Obj] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
     env += [{"name": name, "value": value} for name, value in component.env]
     if component.advertise_env is not None:
@@ -307,26 +353,18 @@ def _container(image: str, component: Component, cluster_secret: str) -> Obj:
     for secret in component.secret_env:
         ref = {"name": secret.secret, "key": secret.key}
         env.append({"name": secret.name, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def _probes(component: Component) -> Obj:
     probe = component.probe
-    container: Obj = {
-        "name": component.part.value,
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "args": list(component.args),
-        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in component.ports],
-        "env": env,
-    }
-    if component.env_from:
-        container["envFrom"] = [{"secretRef": {"name": name}} for name in component.env_from]
-    return container | {
-        "resources": component.resources.spec(),
+    if probe is None:
+        return {}
+    return {
         # liveness counts only once the process served: a model load of up to `startup_s` is not a hang
         "startupProbe": probe.spec(probe.live, STARTUP_PERIOD_S, _startup_failures(component.startup_s)),
         "livenessProbe": probe.spec(probe.live, 10, 6),
         "readinessProbe": probe.spec(probe.ready, 5, 2),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
-        "securityContext": container_security(ipc_lock=component.placement.ipc_lock),
-        "volumeMounts": [m.mount() for m in (TMP, *component.mounts)],
     }
 
 
@@ -378,15 +416,16 @@ def network_policies(names: Names, namespace: str, http_port: int, metrics_names
     return policies
 
 
-def planner_rbac(names: Names, namespace: str, scaled: list[str]) -> list[Obj]:
+def planner_rbac(names: Names, namespace: str, scaled: list[str], workload: Workload = DEPLOYMENT) -> list[Obj]:
     """The planner's ServiceAccount, and a Role bound to it granting exactly what the Scale-subresource connector
-    calls: `get`/`patch` of `deployments/scale` and `get` of `deployments` (readyReplicas), for the pools it
-    scales and nothing else."""
+    calls: `get`/`patch` of `deployments/scale` and `get` of `deployments` (readyReplicas), or the same of
+    `leaderworkersets`, for the pools it scales and nothing else."""
     meta = metadata(names, namespace, Part.PLANNER)
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+    group, plural = [workload.group], workload.plural
     rules = [
-        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": scaled, "verbs": ["get", "patch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": scaled, "verbs": ["get"]},
+        {"apiGroups": group, "resources": [f"{plural}/scale"], "resourceNames": scaled, "verbs": ["get", "patch"]},
+        {"apiGroups": group, "resources": [plural], "resourceNames": scaled, "verbs": ["get"]},
     ]
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules}
     binding = {
@@ -404,10 +443,11 @@ def _startup_failures(startup_s: float) -> int:
     return max(3, math.ceil(startup_s / STARTUP_PERIOD_S))
 
 
-def pod_monitor(names: Names, namespace: str, frontend_scheme: str | None) -> Obj:
+def pod_monitor(names: Names, namespace: str, frontend_scheme: str | None, group_size: int = 1) -> Obj:
     """A prometheus-operator PodMonitor scraping every pod of the deployment on the ports the prometheus.io
     annotations name: `system` (workers, routers, planner) and `http` (the frontend; None: its /metrics needs an
-    API key, so it is left out). A pod without one of the ports is not scraped on it."""
+    API key, so it is left out). A pod without one of the ports is not scraped on it; the followers of multi-node
+    groups (`group_size` pods each) are not selected: their leaders' metrics are the groups'."""
     endpoints: list[Obj] = [{"port": "system", "path": "/metrics", "scheme": "http"}]
     if frontend_scheme is not None:
         endpoint: Obj = {"port": "http", "path": "/metrics", "scheme": frontend_scheme}
@@ -415,7 +455,11 @@ def pod_monitor(names: Names, namespace: str, frontend_scheme: str | None) -> Ob
             endpoint["tlsConfig"] = {"insecureSkipVerify": True}
         endpoints.append(endpoint)
     meta = metadata(names, namespace, None, names.instance)
-    spec = {"selector": {"matchLabels": names.instance_selector()}, "podMetricsEndpoints": endpoints}
+    selector: Obj = {"matchLabels": names.instance_selector()}
+    if group_size > 1:  # every pod but the followers (those without the label, the leaders: index 0)
+        followers = [str(index) for index in range(1, group_size)]
+        selector["matchExpressions"] = [{"key": LWS_WORKER_INDEX_LABEL, "operator": "NotIn", "values": followers}]
+    spec = {"selector": selector, "podMetricsEndpoints": endpoints}
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta, "spec": spec}
 
 

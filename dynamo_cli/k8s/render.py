@@ -1,7 +1,7 @@
-"""A whole deployment as Kubernetes objects: the components' Deployments, the frontend's Service, the bundled
-planes, the claims the components write to, the planner's RBAC (or KEDA's ScaledObjects), disruption budgets and
-NetworkPolicies; and the `kubectl` lines that create the Secrets they reference (no secret value is ever written
-into a manifest)."""
+"""A whole deployment as Kubernetes objects: the components' Deployments (a pool of multi-node workers: a
+LeaderWorkerSet), the frontend's Service, the bundled planes, the claims the components write to, the planner's
+RBAC (or KEDA's ScaledObjects), disruption budgets and NetworkPolicies; and the `kubectl` lines that create the
+Secrets they reference (no secret value is ever written into a manifest)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import shlex
 from dataclasses import dataclass
 
 from dynamo_cli.k8s import bundled
+from dynamo_cli.k8s.groups import leader_worker_set
 from dynamo_cli.k8s.keda import KedaScaling, scaled_object
-from dynamo_cli.k8s.names import WORKER_PARTS, Names, Part
+from dynamo_cli.k8s.names import DEPLOYMENT, LEADER_WORKER_SET, WORKER_PARTS, Names, Part
 from dynamo_cli.k8s.objects import (
     Component,
     Obj,
@@ -84,9 +85,11 @@ def render(
     """Every object, in the order `kubectl apply` creates them well: config, RBAC, planes, then the processes."""
     names, ns = cluster.names, cluster.namespace
     objects: list[Obj] = [config_map(names, ns, None, name, data) for name, data in (config_maps or {}).items()]
-    parts = {c.part for c in components}
-    if Part.PLANNER in parts:
-        objects += planner_rbac(names, ns, [names.of(c.part) for c in components if c.part in WORKER_PARTS])
+    pools = [c for c in components if c.part in WORKER_PARTS]
+    group_size = max((c.group.nodes for c in pools if c.group is not None), default=1)
+    workload = LEADER_WORKER_SET if group_size > 1 else DEPLOYMENT  # every pool alike (--nodes-per-worker)
+    if any(c.part is Part.PLANNER for c in components):
+        objects += planner_rbac(names, ns, [names.of(c.part) for c in pools], workload)
     if cluster.etcd_bundled:
         objects += bundled.etcd(names, ns, bundled.ETCD_STORAGE, cluster.storage_class, cluster.planes_replicas)
     if cluster.nats_bundled:
@@ -95,18 +98,19 @@ def render(
         claims = [m for m in component.mounts if m.claim is not None and m.writable]
         objects += [volume_claim(names, ns, component.part, m, cluster.storage_class) for m in claims]
     for component in components:
-        objects.append(deployment(names, ns, cluster.image, component, names.cluster_secret))
+        build = deployment if component.group is None else leader_worker_set
+        objects.append(build(names, ns, cluster.image, component, names.cluster_secret))
         if component.part is Part.FRONTEND:
             http = [("http", cluster.http_port)]
             objects.append(service(names, ns, Part.FRONTEND, http, cluster.service_type))
         objects.append(disruption_budget(names, ns, component.part))
     objects += network_policies(names, ns, cluster.http_port, cluster.metrics_namespace)
     if cluster.pod_monitor:
-        objects.append(pod_monitor(names, ns, cluster.frontend_scheme))
+        objects.append(pod_monitor(names, ns, cluster.frontend_scheme, group_size))
     if cluster.gateway is not None:
         objects.append(http_route(names, ns, cluster.gateway, list(cluster.hostnames), cluster.http_port))
     if cluster.keda is not None:
-        objects += [scaled_object(names, ns, c.part, cluster.keda) for c in components if c.part in WORKER_PARTS]
+        objects += [scaled_object(names, ns, c.part, cluster.keda, workload) for c in pools]
     return [*objects, viewer_role(names, ns)]
 
 

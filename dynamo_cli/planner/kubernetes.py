@@ -1,15 +1,16 @@
-"""The `kubernetes` connector: a planner decision becomes each role's Deployment `replicas`, set through the
-Scale subresource with the official client.
+"""The `kubernetes` connector: a planner decision becomes each role's Deployment `replicas` (or, for a pool of
+multi-node workers, its LeaderWorkerSet's: a count of groups), set through the Scale subresource with the official
+client.
 
-Only `PATCH …/deployments/{name}/scale` with `{"spec": {"replicas": N}}` is sent, and only when `spec.replicas`
-differs: a scaler that patches the pod template rolls every pod instead of adding or removing some. Each pool
-is applied on its own, both at once, and `apply` returns once the PATCHes are accepted: it never waits for pods
-to start, so a prefill scale-up stuck Pending (no GPU free) neither delays nor skips the decode pool's, and the
-planner's loop keeps its cadence (it counts serving workers in discovery). A scale-up is followed on the next
-applies: `status.readyReplicas` reaching the target is logged, and a scale-up not ready `ready_timeout_s` after
-its PATCH is one warning. The client is blocking: each call runs in a thread under a timeout. The planner's RBAC
-needs `get`/`patch` on `deployments/scale` and `get` on `deployments`; a 403 is one warning naming the verb, and
-`apply` says False.
+Only `PATCH …/deployments/{name}/scale` (`…/leaderworkersets/{name}/scale`) with `{"spec": {"replicas": N}}` is
+sent, and only when `spec.replicas` differs: a scaler that patches the pod template rolls every pod instead of
+adding or removing some. Each pool is applied on its own, both at once, and `apply` returns once the PATCHes are
+accepted: it never waits for pods to start, so a prefill scale-up stuck Pending (no GPU free) neither delays nor
+skips the decode pool's, and the planner's loop keeps its cadence (it counts serving workers in discovery). A
+scale-up is followed on the next applies: `status.readyReplicas` reaching the target is logged, and a scale-up not
+ready `ready_timeout_s` after its PATCH is one warning. The client is blocking: each call runs in a thread under a
+timeout. The planner's RBAC needs `get`/`patch` on `deployments/scale` and `get` on `deployments` (or the same of
+`leaderworkersets`); a 403 is one warning naming the verb, and `apply` says False.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.k8s.client import api_client, client_modules
+from dynamo_cli.k8s.names import DEPLOYMENT, WORKLOADS, Workload
 from dynamo_cli.planner.connectors import ScaleTarget
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class KubernetesConfig:
     """The decode workers' Deployment (agg mode: the one pool's)."""
     prefill_deployment: str | None = None
     """The prefill workers' Deployment (disagg mode; None in agg mode)."""
+    kind: str = DEPLOYMENT.kind
+    """The pools' kind: Deployment, or LeaderWorkerSet (a pool of multi-node workers, whose replicas are groups)."""
     kubeconfig: str | None = None
     """A kubeconfig file; None: in-cluster config, else `KUBECONFIG` (or ~/.kube/config)."""
     min_replicas: int = 0
@@ -77,6 +81,8 @@ def check_kubernetes(config: KubernetesConfig) -> None:
             raise ConfigError(
                 f"--k8s-{flag}-deployment '{name}' is not a Deployment name (lowercase letters, digits, '-', '.')"
             )
+    if config.kind not in WORKLOADS:
+        raise ConfigError(f"--k8s-kind '{config.kind}' is not one of {', '.join(WORKLOADS)}")
     if config.min_patch_interval_s < 0 or config.ready_timeout_s < 0:
         raise ConfigError(
             f"--k8s-patch-interval and --k8s-ready-timeout must be >= 0, got {config.min_patch_interval_s} and "
@@ -109,14 +115,50 @@ class CallFailed(Exception):
     """An API call failed for good (retries spent, or an error not worth retrying)."""
 
 
+class _Pools:
+    """The API calls of one kind of pool: a Deployment's through AppsV1Api, a LeaderWorkerSet's (a custom resource)
+    through CustomObjectsApi; the same Scale subresource and `status.readyReplicas` either way."""
+
+    def __init__(self, client: Any, api: Any, workload: Workload) -> None:
+        self.workload = workload
+        self._apps = client.AppsV1Api(api)
+        self._custom = client.CustomObjectsApi(api)
+        group, _, version = workload.api_version.partition("/")
+        self._crd = (group, version)
+
+    def read_scale(self, name: str, namespace: str, **kwargs: Any) -> int:
+        if self.workload == DEPLOYMENT:
+            return int(self._apps.read_namespaced_deployment_scale(name, namespace, **kwargs).spec.replicas or 0)
+        scale = self._custom.get_namespaced_custom_object_scale(*self._path(namespace), name, **kwargs)
+        return int((scale.get("spec") or {}).get("replicas") or 0)
+
+    def patch_scale(self, name: str, namespace: str, body: dict[str, Any], **kwargs: Any) -> None:
+        if self.workload == DEPLOYMENT:
+            self._apps.patch_namespaced_deployment_scale(name, namespace, body, **kwargs)
+        else:
+            self._custom.patch_namespaced_custom_object_scale(*self._path(namespace), name, body, **kwargs)
+
+    def read_ready(self, name: str, namespace: str, **kwargs: Any) -> int:
+        if self.workload == DEPLOYMENT:
+            deployment = self._apps.read_namespaced_deployment(name, namespace, **kwargs)
+            return int((deployment.status.ready_replicas if deployment.status else None) or 0)
+        found = self._custom.get_namespaced_custom_object(*self._path(namespace), name, **kwargs)
+        return int((found.get("status") or {}).get("readyReplicas") or 0)
+
+    def _path(self, namespace: str) -> tuple[str, str, str, str]:
+        return (*self._crd, namespace, self.workload.plural)
+
+
 class KubernetesConnector:
-    """Sets each role's Deployment replicas through the Scale subresource and waits for readiness."""
+    """Sets each role's Deployment (LeaderWorkerSet) replicas through the Scale subresource and follows readiness."""
 
     def __init__(self, config: KubernetesConfig) -> None:
         self.config = config
         self._api_client = api_client(config.kubeconfig, NEEDED_BY)
         client, _ = client_modules(NEEDED_BY)
-        self._apps = client.AppsV1Api(self._api_client)
+        self._pools = _Pools(client, self._api_client, WORKLOADS[config.kind])
+        self._noun = config.kind.lower()
+        """How the log lines name a pool's object: `deployment`, `leaderworkerset`."""
         self._api_exception: type[Exception] = client.ApiException
         self._next_id = 1
         self._last_patch: dict[str, float] = {}
@@ -160,19 +202,17 @@ class KubernetesConnector:
     async def _scale(self, role: str, name: str, wanted: int) -> bool:
         """PATCH the scale when it differs (False: too soon after the last PATCH, left to the next decision), then
         follow the pool's latest scale-up."""
-        ns = self.config.namespace
-        scale = await self._call("get", "deployments/scale", self._apps.read_namespaced_deployment_scale, name, ns)
-        current = scale.spec.replicas or 0
+        ns, noun, scale = self.config.namespace, self._noun, f"{self._pools.workload.plural}/scale"
+        current = await self._call("get", scale, self._pools.read_scale, name, ns)
         if current != wanted:
             since = time.monotonic() - self._last_patch.get(name, -math.inf)
             if since < self.config.min_patch_interval_s:
-                logger.debug("%s: deployment %s was patched %.1f s ago; left to a later decision", role, name, since)
+                logger.debug("%s: %s %s was patched %.1f s ago; left to a later decision", role, noun, name, since)
                 return False
             body = {"spec": {"replicas": wanted}}
-            patch = self._apps.patch_namespaced_deployment_scale
-            await self._call("patch", "deployments/scale", patch, name, ns, body, _content_type=MERGE_PATCH)
+            await self._call("patch", scale, self._pools.patch_scale, name, ns, body, _content_type=MERGE_PATCH)
             self._last_patch[name] = time.monotonic()
-            logger.info("%s: deployment %s/%s replicas %d → %d", role, ns, name, current, wanted)
+            logger.info("%s: %s %s/%s replicas %d → %d", role, noun, ns, name, current, wanted)
             self._rising.pop(name, None)
             if wanted > current:
                 self._rising[name] = _ScaleUp(wanted, time.monotonic())
@@ -185,19 +225,19 @@ class KubernetesConnector:
         rising = self._rising.get(name)
         if rising is None:
             return
-        wanted, ns = rising.wanted, self.config.namespace
-        deployment = await self._call("get", "deployments", self._apps.read_namespaced_deployment, name, ns)
-        ready = (deployment.status.ready_replicas if deployment.status else None) or 0
+        wanted, ns, noun = rising.wanted, self.config.namespace, self._noun
+        ready = await self._call("get", self._pools.workload.plural, self._pools.read_ready, name, ns)
         waited = time.monotonic() - rising.since
         if ready >= wanted:
             del self._rising[name]
-            logger.info("%s: deployment %s/%s has its %d replicas ready (%.0f s)", role, ns, name, wanted, waited)
+            logger.info("%s: %s %s/%s has its %d replicas ready (%.0f s)", role, noun, ns, name, wanted, waited)
         elif waited >= self.config.ready_timeout_s and not rising.warned:
             rising.warned = True
             logger.warning(
-                "%s: deployment %s/%s has %d of %d replicas ready %.0f s after its scale-up (pods pending or "
+                "%s: %s %s/%s has %d of %d replicas ready %.0f s after its scale-up (pods pending or "
                 "failing: `dyn k8s status` says why); the other pool scales regardless",
                 role,
+                noun,
                 ns,
                 name,
                 ready,
@@ -237,11 +277,14 @@ class KubernetesConnector:
         key = str(denied)
         level = logging.DEBUG if key in self._denied else logging.WARNING
         self._denied.add(key)
+        plural = self._pools.workload.plural
         logger.log(
             level,
             "forbidden (403): the planner's service account may not %s %s in namespace %s; grant the verb in its "
-            "Role (it needs get/patch on deployments/scale and get on deployments)",
+            "Role (it needs get/patch on %s/scale and get on %s)",
             denied.verb,
             denied.resource,
             self.config.namespace,
+            plural,
+            plural,
         )

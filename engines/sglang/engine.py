@@ -27,11 +27,18 @@ events name no adapter (its radix cache sends `lora_id` None, and its block hash
 an adapter's blocks are published under the base model's hashes: with adapters in use, routers see an
 SGLang worker's prefixes approximately (a base request may be credited an adapter's prefix; adapter requests
 find none), and the events cannot be keyed by request (they name none).
+
+Data-parallel ranks (`data_parallel_size=N`: SGLang's attention DP, engines.sglang.args) are the worker's routing
+targets: a request's `dp_rank` goes to `async_generate(routed_dp_rank=...)`, the relay reads each rank's publisher
+(port + rank, batches stamped `attn_dp_rank`), the load reports each rank's KV capacity (SGLang keeps its per-rank
+counts in its scheduler processes: the counts are sums). A group of nodes (`dyn worker --nnodes`) maps to `nnodes`,
+`node_rank`, `dist_init_addr`; the followers run engines.sglang.headless.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -45,13 +52,14 @@ from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import SglangKv
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
-from ..adapter import RequestBook, free_port, local_or_hub, split_deterministic
+from ..adapter import RequestBook, free_port, split_deterministic
 from ..lora_book import LoadedLora, LoraBook
 from ..vllm.kv_events import ZmqKvRelay
+from .args import num_ranks
+from .args import server_args as sglang_server_args
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
 KV_EVENTS_TOPIC = "kv-events"
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
 """SGLang's `finish_reason.type` mapped to ours; "abort" and anything else mean cancelled."""
@@ -59,8 +67,6 @@ MAX_ROOM = 2**63 - 1
 """SGLang's bootstrap rooms are non-negative int64s."""
 UNKNOWN_FIRST_TOKEN = -1
 """`SglangKv.first_token` when the decode engine emits the first token (always, with SGLang)."""
-DEFAULT_MAX_LORA_RANK = 16
-"""`max_lora_rank` unless the options say (vLLM's default): SGLang sizes its adapter buffers at start."""
 
 
 def load_engine_class() -> Any:
@@ -80,6 +86,7 @@ class SglangEngine:
 
     def __init__(self, args: EngineArgs, *, engine_cls: Any = None) -> None:
         self.engine_cls = engine_cls or load_engine_class()
+        self.rank_param = _rank_param(self.engine_cls)
         self.role = args.role
         self.bootstrap_host = str(args.extra.get("bootstrap_host") or "")
         self.advertise_host = args.host
@@ -94,25 +101,9 @@ class SglangEngine:
         self._stopped = asyncio.Event()
 
     def _server_args(self) -> dict[str, Any]:
-        args = self.args
-        model = local_or_hub(args.model)
-        server_args: dict[str, Any] = {"model_path": model, "page_size": args.block_size or DEFAULT_BLOCK_SIZE}
-        if args.served_model_name:
-            server_args["served_model_name"] = args.served_model_name
-        if args.context_length:
-            server_args["context_length"] = args.context_length
-        if args.max_loras > 0:
-            server_args.update(enable_lora=True, max_loras_per_batch=args.max_loras)
-            if "lora_paths" not in args.extra:  # else SGLang infers the rank and modules from those adapters
-                server_args.update(max_lora_rank=DEFAULT_MAX_LORA_RANK, lora_target_modules=["all"])
-        server_args.update(args.extra)
-        if self.deterministic:
-            server_args["enable_deterministic_inference"] = True  # SGLang's batch-invariant ops
-        server_args.update(skip_tokenizer_init=True, stream_output=True)
+        server_args = sglang_server_args(self.args, deterministic=self.deterministic)
+        self.num_ranks = num_ranks(server_args)
         server_args["kv_events_config"] = self._kv_events_config(server_args)
-        if self.role is not Role.BOTH:
-            server_args["disaggregation_mode"] = self.role.value
-            server_args.setdefault("disaggregation_transfer_backend", "nixl")
         if self.role is Role.PREFILL:
             server_args.setdefault("disaggregation_bootstrap_port", free_port())
             dist_host = str(server_args.get("dist_init_addr") or "").rpartition(":")[0].strip("[]")
@@ -132,13 +123,14 @@ class SglangEngine:
         if config:  # the user's publisher binds its endpoint: subscribe to it
             parsed = json.loads(config) if isinstance(config, str) else dict(config)
             if parsed.get("publisher") == "zmq":
-                self._relay = ZmqKvRelay(parsed.get("topic", ""))
+                self._relay = ZmqKvRelay(parsed.get("topic", ""), num_ranks=self.num_ranks)
                 self._relay.connect(parsed.get("endpoint", "tcp://*:5557"))
             return json.dumps(parsed)
         if server_args.get("disable_radix_cache"):
             return None  # no prefix cache, no KV events
-        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC)
-        return json.dumps({"publisher": "zmq", "endpoint": self._relay.bind(), "topic": KV_EVENTS_TOPIC})
+        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC, num_ranks=self.num_ranks)
+        endpoint = self._relay.bind(self.advertise_host if self.args.group.nnodes > 1 else "127.0.0.1")
+        return json.dumps({"publisher": "zmq", "endpoint": endpoint, "topic": KV_EVENTS_TOPIC})
 
     ##### The Engine contract #####
 
@@ -169,7 +161,7 @@ class SglangEngine:
                 sampling_params=self.sampling_params(request),
                 stream=True,
                 rid=rid,
-                **self._bootstrap_kwargs(handle),
+                **self._request_kwargs(request, handle),
                 **adapter,
             )
             is_first = True
@@ -202,8 +194,9 @@ class SglangEngine:
         return self._relay.batches()
 
     def load_metrics(self) -> LoadMetrics:
-        """Requests in flight and prompt-token counters (SGLang's queues live in its scheduler process)."""
-        return self._book.load(self._info)
+        """Requests in flight and prompt-token counters, and each rank's KV capacity (SGLang's queues live in its
+        scheduler processes: no per-rank counts)."""
+        return self._book.load(self._info, self.num_ranks)
 
     async def stop(self) -> None:
         """Abort every request, shut SGLang down and close the event relay. Idempotent."""
@@ -280,10 +273,12 @@ class SglangEngine:
             )
         return handle
 
-    def _bootstrap_kwargs(self, handle: SglangKv | None) -> dict[str, Any]:
+    def _request_kwargs(self, request: GenerateRequest, handle: SglangKv | None) -> dict[str, Any]:
+        """`async_generate`'s rank (`routed_dp_rank`; `data_parallel_rank` before SGLang renamed it) and bootstrap."""
+        rank = {} if request.dp_rank is None else {self.rank_param: self._checked_rank(request.dp_rank)}
         if handle is None:
-            return {}
-        return {
+            return rank
+        return rank | {
             "bootstrap_host": handle.bootstrap_host,
             "bootstrap_port": handle.bootstrap_port,
             "bootstrap_room": handle.bootstrap_room,
@@ -325,6 +320,15 @@ class SglangEngine:
             token_ids=list(output.get("output_ids") or []), finish_reason=finish_reason, num_cached_tokens=num_cached
         )
 
+    def _checked_rank(self, dp_rank: int) -> int:
+        if not 0 <= dp_rank < self.num_ranks:
+            raise RequestError(
+                f"dp_rank {dp_rank} is not served by this worker (ranks 0..{self.num_ranks - 1}); send one of those, "
+                "or none to let SGLang pick",
+                param="dp_rank",
+            )
+        return dp_rank
+
     def _admit(self, request: GenerateRequest) -> Any:
         engine = self._engine
         self._book.admit(request, self._info, engine is not None and not self._stopped.is_set())
@@ -342,7 +346,7 @@ class SglangEngine:
             tokenizer_source=str(self.args.extra.get("tokenizer_path") or model_path),
             block_size=page_size,
             context_length=int(manager.model_config.context_len),
-            total_kv_blocks=max_total_tokens // page_size,
+            total_kv_blocks=max_total_tokens // page_size * self.num_ranks,  # each rank's pool, the same size
             max_num_seqs=int(getattr(server_args, "max_running_requests", None) or 256),
             max_num_batched_tokens=int(getattr(server_args, "chunked_prefill_size", None) or 8192),
             vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or 0),
@@ -351,6 +355,8 @@ class SglangEngine:
 
     def _info_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"engine": "sglang"}
+        if self.num_ranks > 1:
+            extra.update(dp_start=0, dp_size=self.num_ranks)
         if self.bootstrap is not None:
             host, port = self.bootstrap
             extra["bootstrap"] = f"{host}:{port}"
@@ -360,6 +366,15 @@ class SglangEngine:
         await self._stopped.wait()
         return
         yield  # an async generator that ends at stop()
+
+
+def _rank_param(engine_cls: Any) -> str:
+    """The keyword `async_generate` pins a rank with: `routed_dp_rank`, else (older SGLang) `data_parallel_rank`."""
+    try:
+        parameters = inspect.signature(engine_cls.async_generate).parameters
+    except (AttributeError, TypeError, ValueError):
+        return "data_parallel_rank"
+    return "routed_dp_rank" if "routed_dp_rank" in parameters else "data_parallel_rank"
 
 
 def _sglang_problem(handle: SglangKv, num_request_tokens: int) -> str | None:

@@ -22,6 +22,13 @@ registers its `LoRARequest(name, id, path)`, which each request of it then carri
 serialized KV events leave out the blocks' `lora_id` (a TODO in its serializer), so an adapter's blocks are
 published under the base model's hashes, as with SGLang; a version that sends `lora_id` (or `lora_name`) gets
 them re-hashed with the adapter's seed.
+
+Data-parallel ranks: `data_parallel_size=N` is TensorRT-LLM's attention DP (`enable_attention_dp` over N
+tensor-parallel ranks, each with a KV cache of its own; `attention_dp`). A request's `dp_rank` is pinned with
+`generate_async(scheduling_params=SchedulingParams(attention_dp_rank=r, attention_dp_relax=False))`; each KV
+event names its `attention_dp_rank`, so each poll becomes a batch per rank. The load is sums only (TensorRT-LLM
+reports no pool size here). Multi-node TensorRT-LLM runs under MPI (`mpirun` / `trtllm-llmapi-launch`): ranks
+above 0 are MPI workers of the one `LLM`, not a process dyn starts, so the trtllm engine has no `dyn.headless` part.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ DEFAULT_BLOCK_SIZE = 32
 EVENT_BUFFER_SIZE = 1024
 _QUEUE_SIZE = 4096
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
+SCHEDULING_PARAMS_MODULES = ("tensorrt_llm.scheduling_params", "tensorrt_llm.llmapi")
 LORA_CONFIG_MODULES = ("tensorrt_llm._torch.peft.lora.config", "tensorrt_llm.lora_helper", "tensorrt_llm.lora_manager")
 """Where TensorRT-LLM versions keep `LoraConfig`, the class its PyTorch `LlmArgs` names first."""
 
@@ -88,6 +96,9 @@ class TrtllmLibrary:
     """`LoraConfig(max_loras=..., max_cpu_loras=..., max_lora_rank=...)`; None: a TensorRT-LLM without LoRA."""
     lora_request_cls: Any = None
     """`LoRARequest(lora_name, lora_int_id, lora_path, lora_ckpt_source=...)`: a request's adapter."""
+    scheduling_params_cls: Any = None
+    """`SchedulingParams(attention_dp_rank=..., attention_dp_relax=...)`: pins a request to an attention-DP rank;
+    None: a TensorRT-LLM without it."""
 
 
 def load_library() -> TrtllmLibrary:
@@ -110,6 +121,7 @@ def load_library() -> TrtllmLibrary:
         CacheTransceiverConfig,
         lora_config_cls=_first_found(LORA_CONFIG_MODULES, "LoraConfig"),
         lora_request_cls=_first_found(("tensorrt_llm.executor.request", "tensorrt_llm.executor"), "LoRARequest"),
+        scheduling_params_cls=_first_found(SCHEDULING_PARAMS_MODULES, "SchedulingParams"),
     )
 
 
@@ -153,12 +165,16 @@ class TrtllmEngine:
             logger.warning("trtllm: deterministic=true has no TensorRT-LLM switch here; batching may change output")
         self.block_size = args.block_size or DEFAULT_BLOCK_SIZE
         self.model = local_or_hub(args.model)
+        self.parallel, self.num_ranks = attention_dp(self.args.extra)
+        if self.num_ranks > 1 and self.lib.scheduling_params_cls is None:
+            raise ConfigError("this TensorRT-LLM has no SchedulingParams to pin a rank with; upgrade it, or run no DP")
         self._llm: Any = None
         self._info: EngineInfo | None = None
         self._loras = LoraBook("trtllm", args.max_loras, self._register_lora, self._drop_lora, takes_nemo=True)
         self.lora_config = self._lora_config()
         """`LoraConfig` (None: LoRA off), built here so a TensorRT-LLM without LoRA fails at construction."""
-        self._rehasher = KvEventRehasher(self._loras.name_of)
+        self._rehashers = {rank: KvEventRehasher(self._loras.name_of) for rank in range(self.num_ranks)}
+        """Attention-DP rank -> the translation of its engine hashes."""
         self._events: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(_QUEUE_SIZE)
         self._next_event_id = 0
         self._pump: asyncio.Task[None] | None = None
@@ -177,7 +193,8 @@ class TrtllmEngine:
             kwargs["max_seq_len"] = self.args.context_length
         if self.role is not Role.BOTH and self.lib.cache_transceiver_config_cls is not None:
             kwargs["cache_transceiver_config"] = self.lib.cache_transceiver_config_cls(backend="DEFAULT")
-        kwargs.update(self.args.extra)
+        kwargs.update({key: value for key, value in self.args.extra.items() if key != "data_parallel_size"})  # ours
+        kwargs.update(self.parallel)
         if self.lora_config is not None:
             kwargs.update(enable_lora=True, lora_config=self.lora_config)
         return kwargs
@@ -212,9 +229,8 @@ class TrtllmEngine:
         llm = self._admit(request)
         handle = checked_handle("trtllm", request, TrtllmKv) if self.role is Role.DECODE else None
         token_ids, params, disaggregated = self._request(request, handle)
-        lora = self._loras.of(request)
-        adapter = {} if lora is None else {"lora_request": self._lora_request(lora)}
-        result = llm.generate_async(token_ids, sampling_params=params, streaming=True, **disaggregated, **adapter)
+        options = self._options(request)
+        result = llm.generate_async(token_ids, sampling_params=params, streaming=True, **disaggregated, **options)
         self._in_flight[request.request_id] = result
         is_finished = False
         echo = [handle.first_token] if handle is not None else None
@@ -293,6 +309,22 @@ class TrtllmEngine:
         source = {} if lora.source == "hf" else {"lora_ckpt_source": lora.source}
         return self.lib.lora_request_cls(lora.name, lora.lora_id, lora.path, **source)
 
+    def _options(self, request: GenerateRequest) -> dict[str, Any]:
+        """`generate_async`'s adapter (`lora_request`) and rank (`scheduling_params`, not relaxed: the router chose)."""
+        lora = self._loras.of(request)
+        options = {} if lora is None else {"lora_request": self._lora_request(lora)}
+        rank = request.dp_rank
+        if rank is None or self.num_ranks == 1 and rank == 0:
+            return options
+        if not 0 <= rank < self.num_ranks:
+            raise RequestError(
+                f"dp_rank {rank} is not served by this worker (ranks 0..{self.num_ranks - 1}); send one of those, "
+                "or none to let TensorRT-LLM pick",
+                param="dp_rank",
+            )
+        pin = self.lib.scheduling_params_cls(attention_dp_rank=rank, attention_dp_relax=False)
+        return options | {"scheduling_params": pin}
+
     ##### Disaggregation #####
 
     def _request(self, request: GenerateRequest, handle: TrtllmKv | None) -> tuple[list[int], Any, dict[str, Any]]:
@@ -367,18 +399,28 @@ class TrtllmEngine:
 
     async def _pump_events(self) -> None:
         # NOTE: TensorRT-LLM buffers KV events in its executor; each poll drains what accumulated and
-        # becomes one of our batches. The poll's timeout ends an idle iteration, so the loop polls again.
+        # becomes one of our batches per attention-DP rank (each event names its `attention_dp_rank`), numbered in
+        # one sequence. The poll's timeout ends an idle iteration, so the loop polls again.
         while True:
-            raw: list[Any] = []
+            raw: dict[int, list[Any]] = {}
             async for event in self._llm.get_kv_cache_events_async(timeout=1.0):
                 converted = trtllm_event_as_vllm(event, self.block_size)
                 if converted is not None:
-                    raw.append(converted)
-            events = self._rehasher.convert(raw)
-            if events:
-                self._put(KvEventBatch(event_id=self._next_event_id, events=events, timestamp=time.time()))
-            else:
+                    raw.setdefault(int(event.get("attention_dp_rank") or 0), []).append(converted)
+            if not self._put_ranks(raw):
                 await asyncio.sleep(0.01)
+
+    def _put_ranks(self, raw: dict[int, list[Any]]) -> int:
+        """Queue one batch of our events per rank (`raw`: rank -> its events in vLLM's form); how many were queued."""
+        num_put = 0
+        for rank, rank_events in sorted(raw.items()):
+            rehasher = self._rehashers.setdefault(rank, KvEventRehasher(self._loras.name_of))
+            events = rehasher.convert(rank_events)
+            if events:
+                now = time.time()
+                self._put(KvEventBatch(event_id=self._next_event_id, events=events, timestamp=now, dp_rank=rank))
+                num_put += 1
+        return num_put
 
     def _put(self, batch: KvEventBatch) -> None:
         try:
@@ -406,8 +448,28 @@ class TrtllmEngine:
             total_kv_blocks=0,  # TensorRT-LLM sizes its pool from free memory and does not report it here
             max_num_seqs=int(getattr(llm_args, "max_batch_size", None) or 256),
             max_num_batched_tokens=int(getattr(llm_args, "max_num_tokens", None) or 8192),
-            extra={"engine": "trtllm"},
+            extra={"engine": "trtllm"} | ({"dp_start": 0, "dp_size": self.num_ranks} if self.num_ranks > 1 else {}),
         )
+
+
+def attention_dp(extra: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """`LLM` keywords for TensorRT-LLM's attention DP and the ranks it runs: `data_parallel_size=N` (ours) is
+    `enable_attention_dp` over N tensor-parallel ranks, each with a KV cache of its own (attention DP makes every
+    tensor-parallel rank a data-parallel rank); the options' own `enable_attention_dp` counts their
+    `tensor_parallel_size`. ConfigError for sizes that disagree."""
+    size = extra.get("data_parallel_size")
+    if size is None:
+        tp_size = extra.get("tensor_parallel_size", 1)
+        return {}, int(tp_size) if extra.get("enable_attention_dp") and isinstance(tp_size, int) else 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"trtllm option data_parallel_size must be a positive integer, got {size!r}")
+    tp_size = extra.get("tensor_parallel_size", size)
+    if tp_size != size:
+        raise ConfigError(
+            f"trtllm: attention DP runs one rank per tensor-parallel rank: tensor_parallel_size ({tp_size}) must be "
+            f"data_parallel_size ({size}); drop one"
+        )
+    return {"tensor_parallel_size": size, "enable_attention_dp": size > 1}, size
 
 
 def _context_state(handle: TrtllmKv) -> ContextState:

@@ -23,6 +23,11 @@ engine (no connector) treats a handle as a failed pull: it prefills prompt + [fi
 LoRA (`--max-loras` > 0: `enable_lora`, `max_loras`; `max_lora_rank`, `max_cpu_loras` ... from the options):
 `load_lora` checks the PEFT folder (`lora_book`), then `AsyncLLM.add_lora(LoRARequest(name, id, path))`;
 a request's adapter goes to `generate(lora_request=...)`; its KV events name it (`lora_name`).
+
+Data-parallel ranks (`data_parallel_size=N`, vLLM's internal load balancing: an engine core per rank) are the
+worker's routing targets: `engines.vllm.ranks` pins a request to the rank it names, the relay reads each rank's
+KV events, the load reports each rank. A group of nodes (`dyn worker --nnodes`) maps in `engines.vllm.args`;
+the followers run `engines.vllm.headless`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -45,19 +49,20 @@ from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, KvT
 from dynamo_cli.errors import ConfigError, DynError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import VllmKv
-from dynamo_cli.model.paths import model_display_name, resolve_model_path
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, SamplingParams, TokenLogprob
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
-from ..adapter import RequestBook, checked_handle, free_port, local_or_hub, split_deterministic
-from ..hf_export import export_path, hf_model_dir, needs_export
+from ..adapter import RequestBook, checked_handle, free_port, split_deterministic
+from ..hf_export import hf_model_dir, needs_export
 from ..lora_book import LoadedLora, LoraBook
+from .args import engine_kwargs
 from .kv_events import ZmqKvRelay
+from .ranks import VllmRanks
+from .sampling import breadth, structured_outputs, vocab_size
+from .sampling import logprobs as vllm_logprobs
 
 logger = logging.getLogger(__name__)
 
 KV_EVENTS_TOPIC = "kv-events"
-EXTRA_ALIASES = {"num_gpu_blocks": "num_gpu_blocks_override"}
-"""dyn's engine-neutral option names (`--num-gpu-blocks`) that vLLM spells differently."""
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 """vLLM's deterministic (batch-invariant kernels) switch, set for `deterministic=true`."""
 FINISH_REASONS = {"stop": FinishReason.STOP.value, "length": FinishReason.LENGTH.value}
@@ -180,33 +185,12 @@ class VllmEngine:
         self._stopped = asyncio.Event()
 
     def _engine_kwargs(self) -> dict[str, Any]:
-        args = self.args
-        extra = {EXTRA_ALIASES.get(key, key): value for key, value in args.extra.items()}
-        known = {f.name for f in dataclasses.fields(self.lib.engine_args_cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"vLLM has no engine argument(s) {', '.join(unknown)}; see `vllm serve --help`")
-        if needs_export(args.model):  # exported in start(): it takes seconds to minutes
-            model = str(export_path(Path(resolve_model_path(args.model))))
-        else:
-            model = local_or_hub(args.model)
-        kwargs: dict[str, Any] = {"model": model, "enable_prefix_caching": True}
-        if self.lib.is_cpu:
-            kwargs["dtype"] = "float32"
-        self.served_name = args.served_model_name or (
-            model_display_name(args.model) if needs_export(args.model) else Path(model).name
-        )
-        kwargs["served_model_name"] = self.served_name
-        if args.block_size:
-            kwargs["block_size"] = args.block_size
-        if args.context_length:
-            kwargs["max_model_len"] = args.context_length
-        if args.max_loras > 0:
-            if self.lib.lora_request_cls is None:
-                raise ConfigError("this vLLM has no LoRA support (vllm.lora.request); upgrade it, or serve no --lora")
-            kwargs.update(enable_lora=True, max_loras=args.max_loras)
-        kwargs.update(extra)
-        kwargs.update(self._kv_offloading(args.kv_tiers, kwargs))
+        lib = self.lib
+        has_lora = lib.lora_request_cls is not None
+        kwargs = engine_kwargs(self.args, lib.engine_args_cls, is_cpu=lib.is_cpu, has_lora=has_lora)
+        self.served_name = str(kwargs["served_model_name"])
+        self.ranks = VllmRanks.from_kwargs(kwargs)
+        kwargs.update(self._kv_offloading(self.args.kv_tiers, kwargs))
         kwargs["kv_events_config"] = self._kv_events_config(kwargs)
         kwargs["kv_transfer_config"] = self._kv_transfer_config(kwargs.get("kv_transfer_config"))
         return kwargs
@@ -256,12 +240,12 @@ class VllmEngine:
             config = self.lib.kv_events_config_cls(**config)
         if config is not None:  # the user's publisher binds its endpoint: subscribe to it
             if getattr(config, "enable_kv_cache_events", False) and getattr(config, "publisher", "") == "zmq":
-                self._relay = ZmqKvRelay(getattr(config, "topic", ""), self._loras.name_of)
+                self._relay = ZmqKvRelay(getattr(config, "topic", ""), self._loras.name_of, self.ranks.dp_size)
                 self._relay.connect(config.endpoint)
             return config
         if not kwargs["enable_prefix_caching"]:
             return None  # no prefix cache, no KV events (as in Dynamo)
-        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC, self._loras.name_of)
+        self._relay = ZmqKvRelay(KV_EVENTS_TOPIC, self._loras.name_of, self.ranks.dp_size)
         return self.lib.kv_events_config_cls(
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._relay.bind(), topic=KV_EVENTS_TOPIC
         )
@@ -297,12 +281,13 @@ class VllmEngine:
         handle = checked_handle("vllm", request, VllmKv) if self.role is Role.DECODE else None
         params = self._decode_params(handle) if handle is not None else None
         lora = self._lora_request(self._loras.of(request))
+        options = self.ranks.pin(request) | ({} if lora is None else {"lora_request": lora})
         self._book.in_flight.add(request.request_id)
         try:
             if handle is not None and params is not None:
-                chunks = self._decode(engine, request, handle, params, lora)
+                chunks = self._decode(engine, request, handle, params, options)
             else:
-                chunks = self._local(engine, request, request.token_ids, request.request_id, lora)
+                chunks = self._local(engine, request, request.token_ids, request.request_id, options)
             async with aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
@@ -316,8 +301,8 @@ class VllmEngine:
         return self._relay.batches()
 
     def load_metrics(self) -> LoadMetrics:
-        """Requests in flight and prompt-token counters; vLLM keeps its queue depths in its core process."""
-        return self._book.load(self._info)
+        """Requests in flight and prompt-token counters; each rank's load for an engine of several (ranks.py)."""
+        return self.ranks.load(self._book.load(self._info), self._engine)
 
     async def stop(self) -> None:
         """Abort every request, shut vLLM down and close the event relay. Idempotent."""
@@ -360,14 +345,14 @@ class VllmEngine:
     ##### Streams: local, prefill, decode #####
 
     async def _outputs(
-        self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str, lora: Any
+        self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str, options: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
-        """vLLM's outputs of one request; aborts it in vLLM unless it finished (closed, cancelled, failed)."""
+        """vLLM's outputs of one request (`options`: generate's `lora_request`, `data_parallel_rank`); aborts it in
+        vLLM unless it finished (closed, cancelled, failed)."""
         prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(token_ids))
-        adapter = {} if lora is None else {"lora_request": lora}
         is_finished = False
         try:
-            async for output in engine.generate(prompt, params, vllm_id, **adapter):
+            async for output in engine.generate(prompt, params, vllm_id, **options):
                 is_finished = bool(output.finished) or output.outputs[0].finish_reason is not None
                 yield output
                 if is_finished:
@@ -378,13 +363,13 @@ class VllmEngine:
                 await engine.abort(vllm_id)
 
     async def _local(
-        self, engine: Any, request: GenerateRequest, token_ids: Sequence[int], vllm_id: str, lora: Any
+        self, engine: Any, request: GenerateRequest, token_ids: Sequence[int], vllm_id: str, options: dict[str, Any]
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Prefill `token_ids` here and stream; a prefill role stops at one token and hands its KV over."""
         is_prefill = self.role is Role.PREFILL
         params = self.prefill_params(request) if is_prefill else self.sampling_params(request)
         is_first = True
-        async with aclosing(self._outputs(engine, token_ids, params, vllm_id, lora)) as outputs:
+        async with aclosing(self._outputs(engine, token_ids, params, vllm_id, options)) as outputs:
             async for output in outputs:
                 chunk = self._chunk(request, output, is_first)
                 if is_prefill and chunk.finish_reason == FinishReason.LENGTH.value:
@@ -397,13 +382,13 @@ class VllmEngine:
         yield GenerateChunk(token_ids=[], finish_reason=FinishReason.CANCELLED.value)
 
     async def _decode(
-        self, engine: Any, request: GenerateRequest, handle: VllmKv, params: dict[str, Any], lora: Any
+        self, engine: Any, request: GenerateRequest, handle: VllmKv, params: dict[str, Any], options: dict[str, Any]
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Decode over the prefill engine's KV: vLLM samples the first token again; drop it (see module)."""
         sampling = self.sampling_params(request, extra=1, kv_transfer_params=params)
         prompt = request.token_ids[: handle.num_tokens]
         is_first = is_echo_pending = True
-        async with aclosing(self._outputs(engine, prompt, sampling, request.request_id, lora)) as outputs:
+        async with aclosing(self._outputs(engine, prompt, sampling, request.request_id, options)) as outputs:
             async for output in outputs:
                 chunk = self._chunk(request, output, is_first=False)
                 if is_echo_pending and chunk.token_ids:
@@ -424,7 +409,7 @@ class VllmEngine:
         self.num_first_token_mismatches += 1
         logger.info("vllm: %s: decode sampled another first token; prefilling it here", request.request_id)
         local_id = f"{request.request_id}-local"
-        async with aclosing(self._local(engine, request, request.token_ids, local_id, lora)) as local:
+        async with aclosing(self._local(engine, request, request.token_ids, local_id, options)) as local:
             async for chunk in local:
                 yield chunk
 
@@ -457,11 +442,11 @@ class VllmEngine:
         """Our sampling fields as vLLM `SamplingParams`: token ids only, new tokens per output; `extra`
         tokens more (a decode's first token, generated again and dropped) and the connector's params."""
         s = request.sampling
-        kwargs: dict[str, Any] = _breadth(s)
+        kwargs: dict[str, Any] = breadth(s)
         if kv_transfer_params is not None:
             kwargs["extra_args"] = {"kv_transfer_params": kv_transfer_params}
         if s.guided is not None:
-            kwargs["structured_outputs"] = self._structured_outputs(request)
+            kwargs["structured_outputs"] = structured_outputs(self.lib.structured_outputs_cls, request)
         return self.lib.sampling_params_cls(
             n=1,
             temperature=s.temperature,
@@ -476,22 +461,6 @@ class VllmEngine:
             output_kind=self.lib.delta_output_kind,
             **kwargs,
         )
-
-    def _structured_outputs(self, request: GenerateRequest) -> Any:
-        """`Guided` as vLLM's `StructuredOutputsParams`. vLLM cannot resume a grammar over output made
-        elsewhere, so a guided request migrated mid-output is refused (a decode's first token is generated
-        again here, so a remote prefill's one token is fine)."""
-        guided, cls = request.sampling.guided, self.lib.structured_outputs_cls
-        assert guided is not None
-        if cls is None:
-            raise RequestError(f"{guided.param}: this vLLM has no structured outputs; leave it out", guided.param)
-        if guided.num_accepted > (1 if request.kv_transfer is not None else 0):
-            raise RequestError(
-                f"{guided.param}: vllm cannot resume guided decoding over output made elsewhere", guided.param
-            )
-        if guided.kind == "json_object":
-            return cls(json_object=True)
-        return cls(json=msgspec.json.decode(guided.schema))
 
     def prefill_params(self, request: GenerateRequest) -> Any:
         """A prefill role's request: one token (EOS allowed, as aggregated: the client sees this token),
@@ -513,7 +482,7 @@ class VllmEngine:
         token_ids = list(completion.token_ids)
         logprobs = None
         if request.sampling.logprobs is not None:
-            logprobs = _logprobs(token_ids, getattr(completion, "logprobs", None) or [], request.sampling.logprobs)
+            logprobs = vllm_logprobs(token_ids, getattr(completion, "logprobs", None) or [], request.sampling.logprobs)
         return GenerateChunk(
             token_ids=token_ids, finish_reason=finish_reason, num_cached_tokens=num_cached, logprobs=logprobs
         )
@@ -531,7 +500,7 @@ class VllmEngine:
         eos = getattr(getattr(model, "hf_config", None), "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         model_path = self.engine_args.model  # vLLM resolved it: a hub name becomes its local snapshot
-        return EngineInfo(
+        info = EngineInfo(
             model_name=self.served_name,
             tokenizer_source=str(self.args.extra.get("tokenizer") or model_path),
             block_size=int(cache.block_size),
@@ -540,51 +509,14 @@ class VllmEngine:
             max_num_seqs=int(scheduler.max_num_seqs),
             max_num_batched_tokens=int(scheduler.max_num_batched_tokens),
             eos_token_ids=eos_ids,
-            vocab_size=_vocab_size(model),
+            vocab_size=vocab_size(model),
             extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__, "deterministic": self.deterministic},
             features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P})
             | (frozenset({Feature.GUIDED_JSON}) if self.lib.structured_outputs_cls is not None else frozenset()),
         )
+        return self.ranks.widen(info)
 
     async def _no_events(self) -> AsyncIterator[KvEventBatch]:
         await self._stopped.wait()
         return
         yield  # an async generator that ends at stop()
-
-
-def _breadth(sampling: SamplingParams) -> dict[str, Any]:
-    """SamplingParams for penalties, logit_bias, min_p and logprobs, where they are set."""
-    kwargs: dict[str, Any] = {}
-    if sampling.presence_penalty:
-        kwargs["presence_penalty"] = sampling.presence_penalty
-    if sampling.frequency_penalty:
-        kwargs["frequency_penalty"] = sampling.frequency_penalty
-    if sampling.repetition_penalty != 1.0:
-        kwargs["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.logit_bias:
-        kwargs["logit_bias"] = dict(sampling.logit_bias)
-    if sampling.min_p:
-        kwargs["min_p"] = sampling.min_p
-    if sampling.logprobs is not None:
-        kwargs["logprobs"] = sampling.logprobs
-    return kwargs
-
-
-def _logprobs(token_ids: list[int], positions: Sequence[Any], top_n: int) -> list[TokenLogprob]:
-    """vLLM's per-position {token id: Logprob} (the top_n most likely plus the sampled token) as ours."""
-    out = []
-    for token, alternatives in zip(token_ids, positions, strict=False):
-        ranked = sorted(alternatives.items(), key=lambda item: -float(item[1].logprob))
-        chosen = alternatives.get(token)
-        logprob = float(chosen.logprob) if chosen is not None else float("-inf")
-        out.append(TokenLogprob(logprob=logprob, top=[(int(t), float(lp.logprob)) for t, lp in ranked[:top_n]]))
-    return out
-
-
-def _vocab_size(model_config: Any) -> int:
-    """vLLM's `ModelConfig.get_vocab_size()`, 0 where it has none."""
-    get = getattr(model_config, "get_vocab_size", None)
-    try:
-        return int(get()) if get is not None else 0
-    except (TypeError, ValueError, AttributeError):
-        return 0

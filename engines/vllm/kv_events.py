@@ -11,6 +11,8 @@ token ids with `dynamo_cli.kv.hashing`, and a map engine hash -> our hash transl
 A block computed under a LoRA adapter is hashed with that adapter's seed (`lora_seed`): its name is the
 event's `lora_name` (vLLM 0.32 sends it), else the name the engine gave the event's `lora_id` (`lora_name_of`);
 a block with an id nobody can name is dropped (counted in `num_unnamed`), never published as the base model's.
+An engine of several data-parallel ranks publishes from each rank at the endpoint's port + rank; the relay reads
+them all into one stream, each batch stamped with its rank (`KvEventBatch.dp_rank`).
 This module imports no inference library; the sglang and trtllm adapters use it too.
 """
 
@@ -54,6 +56,8 @@ TIER_OF: dict[str | None, Tier] = {
 }
 """An engine's storage medium (upper-cased) -> our tier; None = the engine sent no medium (its own cache)."""
 _QUEUE_SIZE = 4096
+_BIND_TRIES = 20
+"""Tries at binding consecutive free ports for a relay of several ranks before giving up."""
 
 
 def parse_event(raw: Any) -> tuple[str, list[Any]]:
@@ -201,59 +205,103 @@ def _optional(fields: list[Any], index: int) -> Any:
 
 
 class ZmqKvRelay:
-    """Subscribes to an engine's ZMQ KV event publisher and queues our `KvEventBatch`es.
+    """Subscribes to an engine's ZMQ KV event publishers, one per data-parallel rank, and queues our
+    `KvEventBatch`es: one stream, numbered from 0 with no gaps across the ranks, each batch stamped with its rank.
 
-    By default our SUB socket binds a free loopback port and the engine's publisher connects to it
-    (vLLM documents `tcp://host:port` as "connect", `tcp://*:port` as "bind"), so there is no port
-    race, and the publisher connects at engine start, long before the first request. An endpoint the
-    user configured to bind is connected to instead. Overflow policy: a full queue drops new batches,
-    counts them and warns once, so a router that stops reading never stalls the engine.
+    vLLM and SGLang give rank r the endpoint's port + r. By default our SUB sockets bind free consecutive
+    loopback ports and each rank's publisher connects to its own (vLLM documents `tcp://host:port` as
+    "connect", `tcp://*:port` as "bind"), so there is no port race, and the publishers connect at engine
+    start, long before the first request. An endpoint the user configured to bind is connected to instead,
+    at its port + r. A batch names its rank (`EventBatch.data_parallel_rank`, SGLang's `attn_dp_rank`); one
+    that does not is the rank of the socket it came in on. Each rank's engine hashes are translated by a
+    rehasher of its own (the same block on two ranks is two blocks, removed apart). Overflow policy: a full
+    queue drops new batches, counts them and warns once, so a router that stops reading never stalls the engine.
     """
 
-    def __init__(self, topic: str = "", lora_name_of: Callable[[int], str | None] | None = None) -> None:
+    def __init__(
+        self, topic: str = "", lora_name_of: Callable[[int], str | None] | None = None, num_ranks: int = 1
+    ) -> None:
         import zmq
         import zmq.asyncio
 
         self.topic = topic
-        self.rehasher = KvEventRehasher(lora_name_of)
+        self._lora_name_of = lora_name_of
+        self.rehashers = {rank: KvEventRehasher(lora_name_of) for rank in range(num_ranks)}
+        """Rank -> the translation of its engine hashes."""
         self._queue: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(_QUEUE_SIZE)
         self._next_event_id = 0
         self.num_dropped = 0
         self._task: asyncio.Task[None] | None = None
-        self._socket: Any = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        context = zmq.asyncio.Context.instance()
+        self._sockets: list[Any] = [context.socket(zmq.SUB) for _ in range(num_ranks)]
+        """Rank r's SUB socket at index r."""
+        for sock in self._sockets:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
 
-    def bind(self) -> str:
-        """Bind a free loopback port; returns the endpoint the engine's publisher should connect to."""
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        return f"tcp://127.0.0.1:{port}"
+    @property
+    def rehasher(self) -> KvEventRehasher:
+        """Rank 0's rehasher (a rank-blind engine's only one)."""
+        return self.rehashers[0]
+
+    def bind(self, host: str = "127.0.0.1") -> str:
+        """Bind free consecutive ports on `host`, rank r at the first + r; returns the endpoint rank 0's publisher
+        should connect to (the others add their rank to its port)."""
+        import zmq
+
+        for _ in range(_BIND_TRIES):
+            port = self._sockets[0].bind_to_random_port(f"tcp://{host}")
+            bound = [(self._sockets[0], f"tcp://{host}:{port}")]
+            try:
+                for rank, sock in enumerate(self._sockets[1:], start=1):
+                    sock.bind(f"tcp://{host}:{port + rank}")
+                    bound.append((sock, f"tcp://{host}:{port + rank}"))
+            except zmq.ZMQError:  # a port above the first is taken: let go of these, try others
+                for sock, endpoint in bound:
+                    sock.unbind(endpoint)
+                continue
+            return bound[0][1]
+        raise OSError(f"no {len(self._sockets)} consecutive free ports on {host} after {_BIND_TRIES} tries")
 
     def connect(self, endpoint: str) -> None:
-        """Connect to a publisher that binds `endpoint` (a `*` host means this host)."""
-        self._socket.connect(endpoint.replace("*", "127.0.0.1"))
+        """Connect to publishers that bind `endpoint` (rank r at its port + r; a `*` host means this host)."""
+        for rank, sock in enumerate(self._sockets):
+            sock.connect(rank_endpoint(endpoint.replace("*", "127.0.0.1"), rank))
 
     def start(self) -> None:
         """Start the pump task (owned here, cancelled in close())."""
-        if self._task is None and self._socket is not None:
+        if self._task is None and self._sockets:
             self._task = asyncio.get_running_loop().create_task(self._pump(), name="kv-event-relay")
 
     async def _pump(self) -> None:
         # NOTE: one engine message = one of our batches; the engine's own sequence number is ignored
         # because re-hashing already needs every event, and a lost one shows up as an orphan parent.
+        import zmq
+        import zmq.asyncio
+
+        poller = zmq.asyncio.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        rank_of = {sock: rank for rank, sock in enumerate(self._sockets)}
         while True:
-            frames = await self._socket.recv_multipart()
-            self.handle_payload(frames[-1])
+            for sock, _ in await poller.poll():
+                frames = await sock.recv_multipart()
+                self.handle_payload(frames[-1], rank_of[sock])
 
-    def handle_payload(self, payload: bytes) -> None:
-        """Decode one engine batch, re-hash it and queue it (pure apart from the queue)."""
+    def handle_payload(self, payload: bytes, rank: int = 0) -> None:
+        """Decode one engine batch (from the socket of `rank`), re-hash it and queue it (pure apart from the queue)."""
         batch = msgspec.msgpack.decode(payload)
-        events = self.rehasher.convert(batch[1])
+        named = batch[2] if len(batch) > 2 else None
+        dp_rank = int(named) if isinstance(named, int) else rank
+        rehasher = self.rehashers.get(dp_rank)
+        if rehasher is None:  # a rank this relay was not told of (an engine wider than its card): keep it apart
+            rehasher = self.rehashers[dp_rank] = KvEventRehasher(self._lora_name_of)
+        events = rehasher.convert(batch[1])
         if events:
-            self.put(events, timestamp=float(batch[0]) if batch[0] else time.time())
+            self.put(events, timestamp=float(batch[0]) if batch[0] else time.time(), dp_rank=dp_rank)
 
-    def put(self, events: list[KvEvent], timestamp: float) -> None:
-        """Queue our events as the next numbered batch."""
-        batch = KvEventBatch(event_id=self._next_event_id, events=events, timestamp=timestamp)
+    def put(self, events: list[KvEvent], timestamp: float, dp_rank: int = 0) -> None:
+        """Queue our events as the next numbered batch, stamped with the rank whose cache changed."""
+        batch = KvEventBatch(event_id=self._next_event_id, events=events, timestamp=timestamp, dp_rank=dp_rank)
         try:
             self._queue.put_nowait(batch)
         except asyncio.QueueFull:
@@ -269,14 +317,23 @@ class ZmqKvRelay:
             yield batch
 
     async def close(self) -> None:
-        """Stop the pump and close the socket; ends `batches()`. Idempotent."""
+        """Stop the pump and close the sockets; ends `batches()`. Idempotent."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close(linger=0)
         with contextlib.suppress(asyncio.QueueFull):
             self._queue.put_nowait(None)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of data-parallel rank `rank`'s publisher, as vLLM and SGLang derive it (`offset_endpoint_port`):
+    a tcp port + rank (port 0 is left to the OS), an inproc name + `_dp{rank}`; rank 0's is `endpoint` itself."""
+    if rank == 0 or "tcp" not in endpoint:
+        return f"{endpoint}_dp{rank}" if rank and "inproc" in endpoint else endpoint
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"

@@ -27,10 +27,12 @@ def group_members(d: DynProcess) -> dict[str, tuple[int, int]]:
     for pid in descendants(d.proc.pid):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"dynamo_cli.cli.main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue  # a process a worker started (a follower's watchdog) inherits its environment
         except OSError:
             continue
         document = next((e[len(b"DYN_WORKER_CONFIG=") :] for e in environ if e.startswith(b"DYN_WORKER_CONFIG=")), None)
-        if document is None or b'"dynamo_cli.cli.main"' in document:
+        if document is None:
             continue
         group = json.loads(document)["group"]
         (followers if group["node_rank"] else leaders)[group["leader_addr"]] = pid

@@ -1,6 +1,7 @@
 """`dyn k8s render`'s CRD objects (PodMonitor, HTTPRoute, ScaledObject) validate against their published schemas
 (issue 49): the @kubernetes-models npm packages pinned in tests/k8s/crd/package-lock.json, run by
-tests/k8s/crd/validate.js. kubernetes-validate has no schema of a CRD; `make setup-crd-schemas` installs these."""
+tests/k8s/crd/validate.js. kubernetes-validate has no schema of a CRD; `make setup-crd-schemas` installs these.
+(No such package has LWS's: test_render_groups.py validates the LeaderWorkerSets against its vendored CRD.)"""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def _shapes(files: Files) -> dict[str, list[str]]:
         "tls-gateway-same-namespace": [*tls, "--pod-monitor", "--gateway", "public"],  # https + tlsConfig, no hostname
         "metrics-behind-a-key": ["--pod-monitor", "--api-key-file", str(files.api_keys), "--metrics-require-key"],
         "keda-fractional-threshold": ["--keda-prometheus", "http://prom:9090", "--keda-requests-per-worker", "2.5"],
+        # multi-node workers: a PodMonitor leaving the followers out, ScaledObjects of LeaderWorkerSets
+        "groups": ["--nodes-per-worker", "2", "--engine", "mocker", "--pod-monitor", "--disagg", *KEDA],
     }
 
 
@@ -70,7 +73,7 @@ def _crd_objects(files: Files) -> list[dict[str, Any]]:
 
 def test_every_rendered_pod_monitor_http_route_and_scaled_object_validates_against_its_crd(files: Files) -> None:
     objects = _crd_objects(files)
-    assert [len(by_kind(objects, kind)) for kind in CRD_KINDS] == [4, 3, 4]
+    assert [len(by_kind(objects, kind)) for kind in CRD_KINDS] == [5, 3, 6]
     result = _validate(objects)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 

@@ -28,13 +28,16 @@ pytest.importorskip("kubernetes")
 
 NS = "inference"
 BASE = f"/apis/apps/v1/namespaces/{NS}/deployments"
+LWS_BASE = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets"
 
 
 @dataclass
 class FakeApiServer:
-    """Deployments by name: spec replicas, ready replicas (reaching spec `ready_delay_s` after each PATCH)."""
+    """Deployments (or, `base` LWS_BASE, LeaderWorkerSets) by name: spec replicas, ready replicas (reaching spec
+    `ready_delay_s` after each PATCH)."""
 
     replicas: dict[str, int]
+    base: str = BASE
     ready_delay_s: float = 0.0
     seen: list[Seen] = field(default_factory=list)
     failures: list[tuple[str | None, str | None, int]] = field(default_factory=list)
@@ -53,13 +56,13 @@ class FakeApiServer:
     def answer(self, seen: Seen) -> tuple[int, dict[str, Any]]:
         method, path, body = seen.method, seen.path, seen.body
         with self.lock:
-            name, _, sub = path.removeprefix(BASE + "/").partition("/")
+            name, _, sub = path.removeprefix(self.base + "/").partition("/")
             resource = "scale" if sub else "deployment"
             for i, (only, on, status) in enumerate(self.failures):
                 if only in (None, method) and on in (None, resource):
                     del self.failures[i]
                     return status, status_object(status)
-            if not path.startswith(BASE + "/") or name not in self.replicas or sub not in ("", "scale"):
+            if not path.startswith(self.base + "/") or name not in self.replicas or sub not in ("", "scale"):
                 return 404, status_object(404)
             if method == "PATCH" and sub == "scale":
                 self.ready[name] = self.ready_now(name)
@@ -75,6 +78,8 @@ class FakeApiServer:
     def deployment(self, name: str) -> dict[str, Any]:
         labels = {"app.kubernetes.io/name": name}
         ready = self.ready_now(name)
+        if self.base == LWS_BASE:
+            return leader_worker_set(name, self.replicas[name], ready)
         return {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -91,6 +96,18 @@ class FakeApiServer:
         }
 
 
+def leader_worker_set(name: str, replicas: int, ready: int) -> dict[str, Any]:
+    """A LeaderWorkerSet as the API server returns it (a custom object: plain JSON), its replicas groups."""
+    template = {"spec": {"containers": [{"name": "worker", "image": "dyn:0.1.0", "args": ["worker"]}]}}
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "resourceVersion": "7", "generation": 2},
+        "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": 2, "workerTemplate": template}},
+        "status": {"replicas": replicas, "readyReplicas": ready, "hpaPodSelector": f"lws={name},worker-index=0"},
+    }
+
+
 def scale_object(name: str, replicas: int) -> dict[str, Any]:
     return {
         "apiVersion": "autoscaling/v1",
@@ -103,7 +120,16 @@ def scale_object(name: str, replicas: int) -> dict[str, Any]:
 
 @pytest.fixture
 def fake() -> Iterator[FakeApiServer]:
-    server = FakeApiServer(replicas={"dyn-decode": 1, "dyn-prefill": 1})
+    yield from _serving(FakeApiServer(replicas={"dyn-decode": 1, "dyn-prefill": 1}))
+
+
+@pytest.fixture
+def lws_fake() -> Iterator[FakeApiServer]:
+    """The pools of `dyn k8s render --nodes-per-worker N`: LeaderWorkerSets, each replica a group."""
+    yield from _serving(FakeApiServer(replicas={"dyn-worker": 1, "dyn-prefill": 1}, base=LWS_BASE))
+
+
+def _serving(server: FakeApiServer) -> Iterator[FakeApiServer]:
     with serving(server) as server.port:
         yield server
     # whatever a test did: the connector only ever patched the Scale subresource, and only its replicas
@@ -326,6 +352,80 @@ async def test_a_prefill_scale_up_stuck_pending_does_not_hold_up_the_decode_pool
     assert fake.replicas["dyn-decode"] == 6 and fake.replicas["dyn-prefill"] == 3
 
 
+def _lws_connector(kubeconfig: Path, **overrides: Any) -> KubernetesConnector:
+    return connector(kubeconfig, kind="LeaderWorkerSet", decode_deployment="dyn-worker", **overrides)
+
+
+async def test_a_leader_worker_set_pool_is_scaled_in_groups_through_its_scale_subresource(
+    lws_fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    scaler = _lws_connector(write_kubeconfig(tmp_path / "kubeconfig", lws_fake.port, NS))
+    try:
+        with caplog.at_level(logging.INFO, logger="dynamo_cli.planner.kubernetes"):
+            assert await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=3))  # 3 groups of N pods each
+            assert await scaler.apply(ScaleTarget(2, num_prefill=0, num_decode=3))  # the same target: no PATCH
+    finally:
+        await scaler.close()
+    paths = [(s.method, s.path.removeprefix(LWS_BASE + "/")) for s in lws_fake.seen]
+    assert paths == [("GET", "dyn-worker/scale"), ("PATCH", "dyn-worker/scale"), ("GET", "dyn-worker")] + [
+        ("GET", "dyn-worker/scale")
+    ]
+    (patch,) = lws_fake.patches()
+    assert (patch.content_type, patch.body) == ("application/merge-patch+json", {"spec": {"replicas": 3}})
+    assert {s.authorization for s in lws_fake.seen} == {f"Bearer {TOKEN}"}
+    assert lws_fake.replicas == {"dyn-worker": 3, "dyn-prefill": 1}
+    assert f"decode: leaderworkerset {NS}/dyn-worker replicas 1 → 3" in caplog.text
+    assert f"decode: leaderworkerset {NS}/dyn-worker has its 3 replicas ready" in caplog.text
+
+
+async def test_disagg_scales_both_leader_worker_sets_and_follows_their_ready_groups(
+    lws_fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lws_fake.ready_delay_s = 30.0  # the groups' pods never all become ready here
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", lws_fake.port, NS)
+    scaler = _lws_connector(kubeconfig, prefill_deployment="dyn-prefill", ready_timeout_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamo_cli.planner.kubernetes"):
+            assert await scaler.apply(ScaleTarget(1, num_prefill=2, num_decode=4))
+            time.sleep(0.25)
+            assert await scaler.apply(ScaleTarget(2, num_prefill=2, num_decode=4))
+    finally:
+        await scaler.close()
+    assert lws_fake.replicas == {"dyn-worker": 4, "dyn-prefill": 2}
+    warnings = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert [w.split(" ready ")[0] for w in warnings] == [
+        f"decode: leaderworkerset {NS}/dyn-worker has 1 of 4 replicas",
+        f"prefill: leaderworkerset {NS}/dyn-prefill has 1 of 2 replicas",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("method", "resource", "missing"),
+    [
+        pytest.param("PATCH", "scale", "may not patch leaderworkersets/scale", id="no patch on the scale"),
+        pytest.param("GET", "deployment", "may not get leaderworkersets in", id="no get on the object"),
+    ],
+)
+async def test_a_403_on_a_leader_worker_set_names_its_verbs_and_resources(
+    lws_fake: FakeApiServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    resource: str,
+    missing: str,
+) -> None:
+    lws_fake.fail(403, 1, method, resource)
+    scaler = _lws_connector(write_kubeconfig(tmp_path / "kubeconfig", lws_fake.port, NS))
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamo_cli.planner.kubernetes"):
+            assert not await scaler.apply(ScaleTarget(1, num_prefill=0, num_decode=2))
+    finally:
+        await scaler.close()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"the planner's service account {missing}" in warning
+    assert "it needs get/patch on leaderworkersets/scale and get on leaderworkersets" in warning
+
+
 def test_without_the_client_the_connector_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # import kubernetes → ImportError
     with pytest.raises(ConfigError, match=r"pip install 'dynamo-cli\[k8s\]'"):
@@ -343,6 +443,11 @@ def test_without_the_client_the_connector_names_the_extra(monkeypatch: pytest.Mo
         ),
         pytest.param(
             ["--k8s-namespace", "ns", "--k8s-ready-timeout", "-1"], "--k8s-ready-timeout must be", id="a bad timeout"
+        ),
+        pytest.param(
+            ["--k8s-namespace", "ns", "--k8s-kind", "StatefulSet"],
+            "--k8s-kind 'StatefulSet' is not one of Deployment, LeaderWorkerSet",
+            id="a kind it cannot scale",
         ),
         pytest.param(
             ["--k8s-namespace", "ns", "--kubeconfig", "/nonexistent/kubeconfig"],
