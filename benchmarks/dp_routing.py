@@ -17,7 +17,7 @@ The bar (issue 50): blind TTFT p50 / aware TTFT p50 >= 1.3, and aware's hit rate
     python benchmarks/dp_routing.py [--repeats 2] [--seconds 30] [--clients 16] [--json benchmarks/out/dp_routing.json]
     python benchmarks/dp_routing.py --repeats 1 --seconds 3 --warmup 1 --drain 5   # a smoke run, no figure
 
-Defaults take about 8 minutes (8 deployments of about 50 s). Traffic is 127.0.0.1 only.
+Defaults take about 6 minutes (8 deployments of about 45 s). Traffic is 127.0.0.1 only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A loopback fake Kubernetes API server for the real `kubernetes` client: an HTTP server on 127.0.0.1 that
 records every request and lets a test object answer it, a kubeconfig that points the client at it, and
-FakeCluster, which serves a namespace's Deployments, StatefulSets, pods, events, pod logs and a service proxy."""
+FakeCluster, which serves a namespace's Deployments, StatefulSets, LeaderWorkerSets, pods, events, pod logs and a
+service proxy."""
 
 from __future__ import annotations
 
@@ -128,6 +129,8 @@ class FakeCluster:
     namespace: str
     deployments: list[dict[str, Any]] = field(default_factory=list)
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
+    leaderworkersets: list[dict[str, Any]] | None = None
+    """None: the cluster has no LWS API (the list is a 404)."""
     pods: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     logs: dict[tuple[str, str, bool], str] = field(default_factory=dict)
@@ -137,14 +140,19 @@ class FakeCluster:
 
     def answer(self, seen: Seen) -> tuple[int, Any]:
         core, apps = f"/api/v1/namespaces/{self.namespace}/", f"/apis/apps/v1/namespaces/{self.namespace}/"
+        lws = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{self.namespace}/"
         if seen.method != "GET":
             return 405, status_object(405)
-        rest = seen.path.removeprefix(core) if seen.path.startswith(core) else seen.path.removeprefix(apps)
+        prefix = next((p for p in (core, apps, lws) if seen.path.startswith(p)), apps)
+        rest = seen.path.removeprefix(prefix)
         words = rest.split("/")
         if self.forbidden & set(words):
             return 403, status_object(403, f'{words[0]} is forbidden: User "viewer" cannot get resource {words}')
-        if words[0] in ("deployments", "statefulsets", "pods") and len(words) == 1:
-            items = {"deployments": self.deployments, "statefulsets": self.statefulsets, "pods": self.pods}[words[0]]
+        if words == ["leaderworkersets"] and self.leaderworkersets is None:
+            return 404, status_object(404)  # no LWS API in this cluster
+        if words[0] in ("deployments", "statefulsets", "pods", "leaderworkersets") and len(words) == 1:
+            kinds = {"deployments": self.deployments, "statefulsets": self.statefulsets, "pods": self.pods}
+            items = {**kinds, "leaderworkersets": self.leaderworkersets or []}[words[0]]
             selector = seen.query.get("labelSelector", "")
             return 200, {"items": [i for i in items if matches(i["metadata"].get("labels", {}), selector)]}
         if words[0] == "pods" and words[2:] == ["log"]:

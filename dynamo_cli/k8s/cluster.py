@@ -1,4 +1,5 @@
-"""`dyn k8s status`'s reads: a rendered deployment's Deployments, StatefulSets and pods (and, for a pod that
+"""`dyn k8s status`'s reads: a rendered deployment's Deployments, StatefulSets, LeaderWorkerSets (multi-node worker
+pools, where the cluster has the LWS API) and pods (and, for a pod that
 is not ready, its previous log line or latest Warning event) from the API server, and the frontend's /health
 through the API server's service proxy (or directly); status.py turns them into rows.
 
@@ -20,7 +21,7 @@ import httpx
 
 from dynamo_cli.errors import ConfigError, DynError
 from dynamo_cli.k8s.client import api_client, client_modules, context_namespace
-from dynamo_cli.k8s.names import Names, Part, check_name
+from dynamo_cli.k8s.names import LEADER_WORKER_SET, Names, Part, check_name
 from dynamo_cli.k8s.status import (
     ComponentStatus,
     Obj,
@@ -103,6 +104,7 @@ class _Reader:
         self._transport_errors: tuple[type[Exception], ...] = (urllib3.exceptions.HTTPError, OSError)
         self._core = client.CoreV1Api(api)
         self._apps = client.AppsV1Api(api)
+        self._custom = client.CustomObjectsApi(api)
         self._api_exception: type[Exception] = client.ApiException
         self._host = str(api.configuration.host)
         self._namespace = namespace
@@ -114,14 +116,16 @@ class _Reader:
         workloads = [
             *self._list("deployments", self._apps.list_namespaced_deployment, selector, "Deployment"),
             *self._list("statefulsets", self._apps.list_namespaced_stateful_set, selector, "StatefulSet"),
+            *self._list("leaderworkersets", self._list_groups, selector, LEADER_WORKER_SET.kind, missing_ok=True),
         ]
         found = sorted(((p, w) for w in workloads if (p := part_of(w, self._names))), key=_order)
         if not found:
             ns, name = self._namespace, self._config.instance
             raise StatusUnreadable(
                 ns,
-                f"no Deployment or StatefulSet labelled app.kubernetes.io/instance={name} in namespace {ns}; was "
-                f"`dyn k8s render --name {name}` applied there? (--namespace and --name say where to look)",
+                f"no Deployment, StatefulSet or LeaderWorkerSet labelled app.kubernetes.io/instance={name} in "
+                f"namespace {ns}; was `dyn k8s render --name {name}` applied there? (--namespace and --name say where "
+                "to look)",
             )
         pods = self._list("pods", self._core.list_namespaced_pod, selector, "Pod")
         frontend = next((w for p, w in found if p is Part.FRONTEND), None)
@@ -213,8 +217,16 @@ class _Reader:
 
     ##### Calls #####
 
-    def _list(self, resource: str, method: Callable[..., Any], selector: str, kind: str) -> list[Obj]:
-        """A required read: every failure is one StatusUnreadable naming the namespace and the permission."""
+    def _list_groups(self, namespace: str, **kwargs: Any) -> Any:
+        """`list_namespaced_*`'s shape for the LeaderWorkerSets, a custom resource (`--nodes-per-worker`)."""
+        group, _, version = LEADER_WORKER_SET.api_version.partition("/")
+        return self._custom.list_namespaced_custom_object(group, version, namespace, LEADER_WORKER_SET.plural, **kwargs)
+
+    def _list(
+        self, resource: str, method: Callable[..., Any], selector: str, kind: str, *, missing_ok: bool = False
+    ) -> list[Obj]:
+        """A required read: every failure is one StatusUnreadable naming the namespace and the permission (with
+        `missing_ok`, a resource the cluster does not have, 404, is none: LWS not installed)."""
         ns = self._namespace
         try:
             answer = method(
@@ -222,6 +234,8 @@ class _Reader:
             )
             items = json.loads(answer.data).get("items") or []
         except self._api_exception as exc:
+            if missing_ok and getattr(exc, "status", None) == 404:
+                return []
             raise StatusUnreadable(ns, self._refused(exc, f"list {resource}")) from None
         except (ValueError, AttributeError):
             raise StatusUnreadable(ns, f"list {resource} in namespace {ns}: the answer is not JSON") from None

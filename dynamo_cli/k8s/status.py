@@ -58,7 +58,7 @@ class ComponentStatus:
     component: str
     """The component (`frontend`, `worker`, `decode`, ... : names.Part)."""
     kind: str
-    """`Deployment` or `StatefulSet`."""
+    """`Deployment`, `StatefulSet` or `LeaderWorkerSet` (whose replicas are groups of pods)."""
     name: str
     """The object's name in the namespace."""
     desired: int

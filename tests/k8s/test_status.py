@@ -223,11 +223,25 @@ def test_a_disagg_deployment_reads_as_rows_with_reasons(cluster: tuple[FakeClust
     assert [(s.path, s.query) for s in fake.seen] == [
         (f"{apps}/deployments", {"labelSelector": selector}),
         (f"{apps}/statefulsets", {"labelSelector": selector}),
+        (f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets", {"labelSelector": selector}),
         (f"{base}/pods", {"labelSelector": selector}),
         (f"{base}/services/dyn-frontend:http/proxy/health", {}),
         (f"{base}/pods/dyn-decode-2/log", {"container": "worker", "previous": "True", "tailLines": "1"}),
     ]
     assert {s.authorization for s in fake.seen} == {f"Bearer {TOKEN}"}
+
+
+def test_a_pool_of_multi_node_workers_is_a_row_of_groups(cluster: tuple[FakeCluster, Path]) -> None:
+    fake, kubeconfig = cluster
+    fake.deployments = [workload("Deployment", Part.FRONTEND, 1, 1)]
+    fake.leaderworkersets = [workload("LeaderWorkerSet", Part.WORKER, 3, 2)]  # 3 groups wanted, 2 ready
+    fake.pods = [pod("dyn-frontend-1", Part.FRONTEND, running(True))]
+    fake.pods += [pod(f"dyn-worker-{g}{node}", Part.WORKER, running(g < 2)) for g in range(3) for node in ("", "-1")]
+    fake.proxy = (200, {"status": "healthy", "instances": [{"role": "both"}, {"role": "both"}]})
+    report = read_status(StatusConfig(NS, "dyn", str(kubeconfig)))
+    row = ComponentStatus("worker", "LeaderWorkerSet", "dyn-worker", 3, 2, 2, "not ready: readiness probe failing")
+    assert report.components[1] == row
+    assert not report.is_ready
 
 
 def test_detail_reads_that_are_refused_fall_back_to_the_api_servers_words(cluster: tuple[FakeCluster, Path]) -> None:
