@@ -284,7 +284,7 @@ def load_headless(name: str) -> HeadlessRunner:
     found = {ep.name: ep for ep in entry_points(group=HEADLESS_GROUP)}
     if name not in found:
         multi = ", ".join(sorted(found)) or "none installed"
-        raise ConfigError(f"--engine {name} runs on one node: --node-rank > 0 needs one of: {multi}")
+        raise ConfigError(f"--engine {name} runs on one node: --nnodes > 1 takes an engine with followers: {multi}")
     try:
         runner: HeadlessRunner = found[name].load()
     except ImportError as exc:

@@ -343,6 +343,8 @@ async def serve_worker(config: WorkerConfig) -> None:
     if not config.group.is_leader:
         await follow_leader(config)
         return
+    if config.group.is_grouped:
+        load_headless(config.engine)  # a leader of an engine that cannot have followers would wait for none forever
     stop = asyncio.Event()
     stop_on_signals(stop)
     planes = config.planes

@@ -98,8 +98,9 @@ def test_a_follower_without_its_leader_gives_up_with_one_line(tmp_path) -> None:
 
 
 def test_a_group_flag_that_cannot_work_is_refused_naming_it() -> None:
-    proc = start_dyn_fails("worker", "--engine", "mocker", "--nnodes", "2")
-    assert "--leader-addr" in proc
+    assert "--leader-addr" in start_dyn_fails("worker", "--engine", "mocker", "--nnodes", "2")
+    one_node = ("worker", "--engine", "llamacpp", "--nnodes", "2", "--leader-addr", "127.0.0.1:9")
+    assert "--engine llamacpp runs on one node" in start_dyn_fails(*one_node)  # the leader too: none could follow
 
 
 def start_dyn_fails(*args: str) -> str:
