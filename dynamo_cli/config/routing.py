@@ -183,9 +183,10 @@ class KvRouterConfig:
                 raise ConfigError(f"router {name} ({value}) is invalid; {fix}")
 
     def for_card(self, card: ModelCard) -> KvRouterConfig:
-        """This config with the card's block size, KV capacity and KV bytes per block, unless they were set."""
+        """This config with the card's block size, KV capacity (one rank's: a target's) and KV bytes per block,
+        unless they were set."""
         block_size = self.block_size if self.block_size is not None else card.kv_cache_block_size
-        total = self.total_kv_blocks if self.total_kv_blocks is not None else card.total_kv_blocks
+        total = self.total_kv_blocks if self.total_kv_blocks is not None else card.total_kv_blocks // card.dp_size
         nbytes = self.kv_bytes_per_block or card.kv_bytes_per_block or KV_BYTES_PER_TOKEN * block_size
         return replace(self, block_size=block_size, total_kv_blocks=total, kv_bytes_per_block=nbytes)
 

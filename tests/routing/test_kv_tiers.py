@@ -200,3 +200,9 @@ def test_a_restarted_worker_announcing_its_disk_tier_is_routable_at_once() -> No
     decision = kv.select(RouteRequest("r", tokens), targets_of([8, 9]))  # 8: a fresh worker with an empty cache
     assert decision.target == Target(9) and decision.overlap_blocks == 16
     assert kv.take_gaps() == []
+
+
+def test_a_ranked_cards_capacity_is_each_ranks_for_the_cost() -> None:
+    card = ModelCard(display_name="m", tokenizer_source="-", engine="mocker", total_kv_blocks=1024, dp_size=4)
+    assert KvRouterConfig().for_card(card).total_kv_blocks == 256  # a target is one rank: its cache is a quarter
+    assert KvRouterConfig(total_kv_blocks=100).for_card(card).total_kv_blocks == 100  # a setting wins
