@@ -19,6 +19,7 @@ from dynamo_cli.frontend.openai import error_body
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.replies import internal
 from dynamo_cli.frontend.served_models import FrontendRegistry
+from dynamo_cli.routing.base import InFlightLoad
 
 
 class Rest:
@@ -73,7 +74,9 @@ class Rest:
         instances = []
         for e in self.registry.servable():
             workers = {**e.workers, **e.prefill_workers}
-            in_flight = e.policy.snapshot(pool_targets(workers, list(workers))).in_flight
+            by_worker: dict[int, list[tuple[int, InFlightLoad]]] = {}
+            for target, load in e.policy.snapshot(pool_targets(workers, list(workers))).in_flight.items():
+                by_worker.setdefault(target.worker, []).append((target.rank, load))
             for wid, w in workers.items():
                 row: dict[str, object] = {
                     "model": e.name,
@@ -83,7 +86,7 @@ class Rest:
                 }
                 if w.hung is not None:
                     row["hung"] = w.hung
-                loads = [(t.rank, load) for t, load in in_flight.items() if t.worker == wid]
+                loads = by_worker.get(wid, [])
                 if loads:  # the KV router's count (every replica's, with replica sync)
                     row |= {
                         "in_flight_requests": sum(load.num_requests for _, load in loads),
