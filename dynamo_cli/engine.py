@@ -16,7 +16,7 @@ from typing import Any, NewType, Protocol, runtime_checkable
 from dynamo_cli.errors import ConfigError, ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.tiers import KvTierConfig as KvTierConfig  # re-exported: config.py may not import kv
-from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, ImageSpec, LoadMetrics
 
 RequestId = NewType("RequestId", str)
 
@@ -77,6 +77,8 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     features: frozenset[Feature] = frozenset()
     """Request features this engine honours (published in the card; the frontend checks against it)."""
+    images: ImageSpec | None = None
+    """How the model takes images; None: text only (a request with images is refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,11 @@ MAX_TOKEN_ID = 2**31 - 1
 
 
 def check_request(
-    request: GenerateRequest, context_length: int, in_flight: Container[str], vocab_size: int = 0
+    request: GenerateRequest,
+    context_length: int,
+    in_flight: Container[str],
+    vocab_size: int = 0,
+    images: ImageSpec | None = None,
 ) -> None:
     """Reject what no engine can serve: an empty prompt, a token id outside the vocabulary (or outside
     0..MAX_TOKEN_ID when `vocab_size` is 0, unknown), max_tokens < 1, prompt + max_tokens over the
@@ -216,12 +222,52 @@ def check_request(
     check_token_ids(request.sampling.stop_token_ids, "stop_token_ids", vocab_size)
     check_token_ids(list(request.sampling.logit_bias), "logit_bias", vocab_size)
     check_sampling(request)
+    check_images(request, images)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     if num_prompt + request.max_tokens > context_length:
         raise ContextOverflow(num_prompt, request.max_tokens, context_length)
     if request.request_id in in_flight:
         raise RequestError(f"request id '{request.request_id}' is already in flight", param="request_id")
+
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+"""Largest encoded image a worker takes (the frontend's `--mm-max-image-mb` is at most this)."""
+
+
+def check_images(request: GenerateRequest, spec: ImageSpec | None) -> None:
+    """The request's images against the model's `spec`, before any byte reaches a decoder: none for a text-only
+    model; at most `max_images`; each a 64-hex digest, bytes within MAX_IMAGE_BYTES, a run of exactly
+    `tokens_per_image` placeholder tokens inside the prompt, in order; and no placeholder token outside a run."""
+    images = request.images
+    if spec is None:
+        if images:
+            raise RequestError("this model takes text only; it has no vision tower for images", param="messages")
+        return
+    if len(images) > spec.max_images:
+        raise RequestError(f"{len(images)} images; this model takes at most {spec.max_images}", param="messages")
+    tokens, end = request.token_ids, 0
+    for i, image in enumerate(images):
+        where = f"images[{i}]"
+        if len(image.digest) != 64 or any(c not in "0123456789abcdef" for c in image.digest):
+            raise RequestError(f"{where}: the digest must be 64 lowercase hex digits", param="messages")
+        if not 0 < len(image.data) <= MAX_IMAGE_BYTES:
+            raise RequestError(f"{where}: the image must have 1 to {MAX_IMAGE_BYTES} bytes", param="messages")
+        if image.length != spec.tokens_per_image or image.offset < end or image.offset + image.length > len(tokens):
+            raise RequestError(
+                f"{where}: {image.length} placeholders at {image.offset} do not fit this model's "
+                f"{spec.tokens_per_image} per image inside the prompt, in order",
+                param="messages",
+            )
+        if tokens[end : image.offset].count(spec.token_id):
+            break
+        if tokens[image.offset : image.offset + image.length].count(spec.token_id) != image.length:
+            raise RequestError(f"{where}: its run is not placeholder tokens alone", param="messages")
+        end = image.offset + image.length
+    else:
+        if not tokens[end:].count(spec.token_id):
+            return
+    raise RequestError("the prompt holds an image placeholder token outside the images' runs", param="messages")
 
 
 MAX_LOGPROBS = 20

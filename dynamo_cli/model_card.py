@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from dynamo_cli.engine import EngineInfo, Role
+from dynamo_cli.wire import ImageSpec
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +37,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """The first data-parallel rank this instance serves (`EngineInfo.extra["dp_start"]`)."""
     dp_size: int = 1
     """How many ranks, from `dp_start`, each with a scheduler and a KV cache of its own: a routing target each."""
+    images: ImageSpec | None = None
+    """How the model takes images (a vision-language model); None: text only."""
     nnodes: int = 1
     """Nodes its engine spans (`dyn worker --nnodes`): the leader registers, the followers run headless."""
     bootstrap: str | None = None
@@ -76,4 +79,5 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
             dp_start=int(info.extra.get("dp_start", 0)),
             dp_size=int(info.extra.get("dp_size", 1)),
             bootstrap=info.extra.get("bootstrap") if role is Role.PREFILL else None,
+            images=info.images,
         )

@@ -41,6 +41,7 @@ HTTP = "HTTP server"
 SUPERVISION = "Supervision"
 OBSERVABILITY = "Observability (probes, metrics, traces, logs)"
 BATCH = "Batch API (/v1/files, /v1/batches)"
+MEDIA = "Images (multimodal requests)"
 
 
 @dataclass(frozen=True, slots=True)

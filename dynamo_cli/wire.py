@@ -142,6 +142,33 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         return msgspec.structs.replace(self, min_tokens=max(0, self.min_tokens - num_generated), guided=guided)
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One image of a prompt: the run of placeholder tokens that stands for it in `token_ids`, and its bytes.
+
+    The frontend checked the bytes (a PNG, JPEG, WebP or GIF that decodes, within the pixel cap) and hashed
+    them; an engine checks the run again (`engine.check_images`) before the bytes reach its decoder."""
+
+    digest: str
+    """The image's identity: 64 hex digits, BLAKE2b-256 of its bytes as sent (kv/images.py: its routing view,
+    the engines' embedding caches)."""
+    offset: int
+    """Position of its first placeholder token in `token_ids`."""
+    length: int
+    """Its placeholder tokens (the model's tokens per image)."""
+    data: bytes = b""
+    """The encoded image file."""
+
+
+class ImageSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How a vision-language model takes images (published in its card; None there: text only)."""
+
+    token_id: int
+    """The placeholder token id (LLaVA's `<image>`), repeated `tokens_per_image` times per image."""
+    tokens_per_image: int
+    max_images: int = 8
+    """Images one prompt may hold (vLLM's `--limit-mm-per-prompt`)."""
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A preprocessed request: the frontend has already applied the template and tokenized."""
 
@@ -162,6 +189,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     dp_rank: int | None = None
     """The data-parallel rank the router chose (one of the card's `ranks`); the engine runs the request there.
     None: a rank-blind engine, or no choice (the engine picks)."""
+    images: list[ImageInput] = []
+    """The prompt's images, in order, each a run of placeholders in `token_ids` (the card's `images`)."""
 
     def continued(self, token_ids: list[int], kv_transfer: KvHandle | None = None) -> GenerateRequest:
         """This request carried on after `token_ids` were generated (by a failed worker, or a prefill hop):
@@ -283,6 +312,8 @@ class BestWorkerQuery(msgspec.Struct, frozen=True, kw_only=True):
     worker_instance_id: int | None = None
     lora: str = ""
     """A LoRA adapter's name: its blocks' hashes, and only the backends serving it, with their load costs."""
+    images: list[ImageInput] = []
+    """The prompt's images (digest and placeholder run; no bytes needed): they route as their content."""
 
 
 class InFlight(msgspec.Struct, frozen=True, kw_only=True):

@@ -74,7 +74,7 @@ class RequestBook:
         """Check the engine runs and the request fits (RequestError/ContextOverflow for the client)."""
         if info is None or not is_running:
             raise DynError(f"the {self.engine} engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self.in_flight, info.vocab_size)
+        check_request(request, info.context_length, self.in_flight, info.vocab_size, info.images)
         return info
 
     def count_prefill(self, request: GenerateRequest, num_cached: int) -> None:

@@ -88,7 +88,7 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"errors", "kv"},
     "engine": {"errors", "kv", "wire"},
     "config": {"errors", "engine", "model_card", "settings", "wire"},
-    "model_card": {"errors", "engine"},
+    "model_card": {"errors", "engine", "wire"},
     "runtime": {"errors", "config"},
     "tracing": {"errors", "config", "kv", "wire"},
     "lora": _CONTRACT,

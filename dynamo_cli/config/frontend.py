@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dynamo_cli.config.batch import BatchConfig
 from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
+from dynamo_cli.config.media import MediaConfig
 from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
 from dynamo_cli.config.security import AuthConfig, TlsConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
@@ -55,6 +56,8 @@ class FrontendConfig:
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Images in requests: where they may come from, how big they may be."""
     batch: BatchConfig = field(default_factory=BatchConfig)
     """OpenAI's Batch API (`/v1/files`, `/v1/batches`): its database and limits."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

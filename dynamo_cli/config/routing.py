@@ -99,6 +99,14 @@ class KvRouterConfig:
         panel=ROUTING,
     )
     """KV router: use the workers' KV events; off = approximate mode, from the router's own decisions."""
+    image_hashes: bool = setting(
+        True,
+        "--router-image-hashes/--no-router-image-hashes",
+        env="DYN_ROUTER_IMAGE_HASHES",
+        panel=ROUTING,
+    )
+    """KV router: hash each image's content into the prompt it routes (kv/images.py); off = image-blind, the
+    placeholders hashed as text (what a router that ignores images sees: benchmarks/multimodal.py)."""
     hot_spot_guard: bool = setting(
         True,
         "--hot-spot-guard/--no-hot-spot-guard",

@@ -305,6 +305,7 @@ class Dispatch:
             self.rules.upstream.pin(plan),
             plan.request.lora,
             plan.queued.priority < LOWEST_CLIENT_PRIORITY,
+            plan.request.images,
         )
 
     def _took(self, hold: Hold) -> Worker:

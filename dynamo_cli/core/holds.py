@@ -32,6 +32,7 @@ from dynamo_cli.core.queue import BACKGROUND_WAIT_S, QueuedRequest, WaitQueue
 from dynamo_cli.core.registry import Worker, free_of_prefill, not_busy
 from dynamo_cli.core.waits import interruptible
 from dynamo_cli.errors import NoWorkers, Overloaded
+from dynamo_cli.kv.images import ImageRun
 from dynamo_cli.routing.base import RouteDecision, RouteRequest, RoutingPolicy
 from dynamo_cli.routing.target import Target, targets_of
 from dynamo_cli.wire import GenerateRequest
@@ -80,6 +81,8 @@ class Wanted:
     """Only workers serving this adapter, each at what loading it there would cost."""
     is_background: bool = False
     """Background work (a batch line) goes only to a worker prefilling nothing this process sent it."""
+    images: Sequence[ImageRun] = ()
+    """The prompt's images (their placeholders route as their content)."""
 
 
 class Hold:
@@ -196,7 +199,7 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
         decision = RouteDecision(Target(min(candidates, key=lambda w: workers[w].num_inflight)))
     else:
         load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
-        route = RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s)
+        route = RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s, wanted.images)
         decision = policy.select(route, pool_targets(workers, candidates))
     worker = workers[decision.worker_id]
     lora_loaded = None

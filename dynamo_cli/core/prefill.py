@@ -121,7 +121,9 @@ class PrefillHop:
             noun="prefill workers",
             where=f"the prefill pool of model '{self.entry.name}'",
         )
-        wanted = Wanted(self.request.request_id, self.request.token_ids, lora=self.request.lora)
+        wanted = Wanted(
+            self.request.request_id, self.request.token_ids, lora=self.request.lora, images=self.request.images
+        )
         while True:
             hold = choose(pool, wanted, self.busy, self.failed)
             worker = hold.worker

@@ -31,10 +31,18 @@ from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_header, too_large
 from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
+from dynamo_cli.frontend.media import LoadedImage
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
 from dynamo_cli.frontend.pipeline import Generation
-from dynamo_cli.frontend.prompts import nth_seed, plan_request, prompt_of, sampling_of, stops_of
+from dynamo_cli.frontend.prompts import (
+    chat_images,
+    nth_seed,
+    plan_request,
+    prompt_of,
+    sampling_of,
+    stops_of,
+)
 from dynamo_cli.frontend.replies import ClientGone, reply_json, unless_gone
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
@@ -44,7 +52,7 @@ from dynamo_cli.frontend.translation import Api
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
-from dynamo_cli.wire import SamplingParams
+from dynamo_cli.wire import ImageInput, ImageSpec, SamplingParams
 
 if TYPE_CHECKING:
     from dynamo_cli.tracing.spans import RequestTrace, Tracing
@@ -163,14 +171,20 @@ class Lifecycle:
         tokenizer = await entry.tokenizer
         tokenize = trace.child("tokenize") if trace is not None else None
         chat = self._chat(request, entry, tokenizer)
-        prompt_ids, max_tokens, echo = await prompt_of(request, tokenizer, chat.prompt if chat is not None else None)
+        loaded: list[LoadedImage] = []
+        spec: ImageSpec | None = None
+        if isinstance(request, ChatCompletionRequest):
+            loaded, spec = await chat_images(request, entry.card, self.config.media)
+        prompt_ids, max_tokens, echo, images = await prompt_of(
+            request, tokenizer, chat.prompt if chat is not None else None, loaded, spec
+        )
         if tokenize is not None:
             tokenize.end_tokenize(len(prompt_ids))
         sampling = sampling_of(request, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
         stop, headers = stops_of(request), dict(scope["headers"])
-        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora)
+        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images)
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
@@ -232,6 +246,7 @@ def _planner(
     max_tokens: int | None,
     trace: RequestTrace | None,
     lora: str,
+    images: list[ImageInput],
 ) -> Callable[[str, SamplingParams], RequestPlan]:
     """The plan of each choice (its request id and sampling), from what the headers ask of all of them."""
     # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
@@ -253,6 +268,7 @@ def _planner(
             deadline=deadline,
             trace=trace,
             lora=lora,
+            images=images,
         )
 
     return plan

@@ -19,6 +19,8 @@ from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.openai import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
+    ContentPart,
+    ImageUrl,
     MaxTokens,
     Message,
     TopP,
@@ -29,14 +31,27 @@ from dynamo_cli.frontend.pipeline import Generation
 _json = msgspec.json.encode
 
 
-class TextBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: Literal["text"]
+class TextBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="text"):
     text: str
+
+
+class ImageSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    """base64: the image's type (image/png, image/jpeg, image/webp, image/gif)."""
+    data: str | None = None
+    """base64: the image file in base64."""
+    url: str | None = None
+    """url: where the image is (frontend/media.py's policy applies)."""
+
+
+class ImageBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="image"):
+    source: ImageSource
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[TextBlock | ImageBlock]
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -71,10 +86,34 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(block.text for block in content)
 
 
+def _parts(content: str | list[TextBlock | ImageBlock], where: str) -> str | list[ContentPart]:
+    """A message's content as chat content: its text, or its parts with images as image_url parts."""
+    if isinstance(content, str) or all(isinstance(block, TextBlock) for block in content):
+        return _text(content)  # type: ignore[arg-type]
+    return [
+        ContentPart(type="text", text=block.text)
+        if isinstance(block, TextBlock)
+        else ContentPart(type="image_url", image_url=ImageUrl(url=_image_url(block.source, f"{where}.content[{i}]")))
+        for i, block in enumerate(content)
+    ]
+
+
+def _image_url(source: ImageSource, where: str) -> str:
+    if source.type == "url":
+        if not source.url:
+            raise RequestError(f"{where}.source.url is missing", param=f"{where}.source.url")
+        return source.url
+    if not source.media_type or not source.data:
+        raise RequestError(f"{where}.source needs media_type and data", param=f"{where}.source")
+    return f"data:{source.media_type};base64,{source.data}"
+
+
 def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     """The chat request that computes this message."""
     messages = [Message(role="system", content=_text(request.system))] if request.system else []
-    messages += [Message(role=m.role, content=_text(m.content)) for m in request.messages]
+    messages += [
+        Message(role=m.role, content=_parts(m.content, f"messages[{i}]")) for i, m in enumerate(request.messages)
+    ]
     return ChatCompletionRequest(
         model=request.model,
         messages=messages,

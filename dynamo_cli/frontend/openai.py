@@ -11,6 +11,7 @@ import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.errors import RequestError
+from dynamo_cli.frontend.media import ImageRef
 from dynamo_cli.frontend.tools.types import MAX_TOOLS, ResponseFormat, Tool, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 32
@@ -25,9 +26,24 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
+MAX_URL_CHARS = 30 * 1024 * 1024
+"""Longest image URL (a data: URL of the largest image the media settings allow, in base64)."""
+IMAGE_MARKER = "<|dyn-image|>"
+"""Where an image part was, in the text handed to the chat template (frontend/prompts.py splits on it)."""
+
+
+class ImageUrl(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    url: Annotated[str, Meta(min_length=1, max_length=MAX_URL_CHARS)]
+    """A data: URL (base64), an https: URL, or a file: URL under --mm-local-dir (frontend/media.py)."""
+    detail: Literal["auto", "low", "high"] = "auto"
+    """low: downsized to 512 px on the long side before the model sees it; auto and high: as sent."""
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
+    """Type image_url: the image."""
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -256,15 +272,32 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def message_text(message: Message) -> str:
-    """Plain text of a message's content (text parts joined)."""
+    """Plain text of a message's content (text parts joined, IMAGE_MARKER where an image part was)."""
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
     for part in message.content:
-        if part.type != "text":
-            raise RequestError(f"content part type '{part.type}' is not supported (text only)", param="messages")
-    return "".join(part.text or "" for part in message.content)
+        if part.type not in ("text", "image_url"):
+            raise RequestError(
+                f"content part type '{part.type}' is not supported (text and image_url)", param="messages"
+            )
+    return "".join(IMAGE_MARKER if part.type == "image_url" else part.text or "" for part in message.content)
+
+
+def image_refs(messages: list[Message]) -> list[ImageRef]:
+    """The images of a conversation, in order, each naming its content part."""
+    refs = []
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "image_url":
+                    continue
+                param = f"messages[{i}].content[{j}].image_url"
+                if part.image_url is None:
+                    raise RequestError(f"{param} is missing: an image_url part needs one", param=param)
+                refs.append(ImageRef(part.image_url.url, part.image_url.detail, param))
+    return refs
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> bytes:

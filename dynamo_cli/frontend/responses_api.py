@@ -19,6 +19,8 @@ from msgspec import Meta
 from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.openai import (
     ChatCompletionRequest,
+    ContentPart,
+    ImageUrl,
     MaxTokens,
     Message,
     Temperature,
@@ -31,8 +33,11 @@ _json = msgspec.json.encode
 
 
 class InputPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
+    type: Literal["input_text", "output_text", "text", "input_image"]
+    text: str | None = None
+    image_url: str | None = None
+    """input_image: a data:, https: or file: URL (frontend/media.py's policy applies)."""
+    detail: Literal["auto", "low", "high"] = "auto"
 
 
 class InputMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -81,9 +86,8 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     if isinstance(request.input, str):
         messages.append(Message(role="user", content=request.input))
     else:
-        for item in request.input:
-            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            messages.append(Message(role=item.role, content=text))
+        for i, item in enumerate(request.input):
+            messages.append(Message(role=item.role, content=_content(item.content, f"input[{i}]")))
     return ChatCompletionRequest(
         model=request.model,
         messages=messages,
@@ -92,6 +96,25 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         top_p=request.top_p,
         stream=request.stream,
     )
+
+
+def _content(content: str | list[InputPart], where: str) -> str | list[ContentPart]:
+    """An input item's content as chat content (input_image parts become image_url parts)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            if not part.image_url:
+                raise RequestError(f"{where}.content[{j}].image_url is missing", param=f"{where}.content[{j}]")
+            parts.append(ContentPart(type="image_url", image_url=ImageUrl(url=part.image_url, detail=part.detail)))
+        elif part.text is None:
+            raise RequestError(f"{where}.content[{j}].text is missing", param=f"{where}.content[{j}]")
+        else:
+            parts.append(ContentPart(type="text", text=part.text))
+    if all(p.type == "text" for p in parts):
+        return "".join(p.text or "" for p in parts)
+    return parts
 
 
 class ResponseWriter:

@@ -214,7 +214,7 @@ class RouterService:
             if not workers:
                 raise NoWorkers(f"LoRA adapter '{lora}' of model '{entry.name}'")
         load_s = {w: entry.workers[w].adapters.cost_s(lora) for w in workers} if lora else None
-        route = RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id, lora, load_s)
+        route = RouteRequest("best_worker_id", query.token_ids, query.worker_instance_id, lora, load_s, query.images)
         targets = pool_targets(entry.workers, workers)
         decision = policy.peek(route, targets)
         yield BestWorkerReply(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dynamo_cli.kv.events import KvDump, KvEventBatch
+from dynamo_cli.kv.images import ImageRun
 from dynamo_cli.routing.indexer import Gap
 from dynamo_cli.routing.target import Target
 from dynamo_cli.wire import LoadMetrics
@@ -30,6 +31,8 @@ class RouteRequest:
     """The LoRA adapter it runs with ("": the base model): its blocks hash with `lora_seed(lora)`."""
     lora_load_s: Mapping[int, float] | None = None
     """With `lora`: seconds each candidate worker would spend loading it first (0 where loaded; lora/routing.py)."""
+    images: Sequence[ImageRun] = ()
+    """The prompt's images: their placeholders route as their content (kv/images.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from typing import Any
 from dynamo_cli.config import KvRouterConfig
 from dynamo_cli.kv.events import DEVICE, BlockStored, KvDump, KvEventBatch
 from dynamo_cli.kv.hashing import lora_seed, sequence_hashes
+from dynamo_cli.kv.images import routed_tokens
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.approx import ApproxConfig, ApproxIndexer
 from dynamo_cli.routing.base import InFlightLoad, PolicySnapshot, RouteDecision, RouteRequest
@@ -243,7 +244,10 @@ class KvRoutingPolicy:
     ##### Internals #####
 
     def _choose(self, request: RouteRequest, targets: Sequence[Target]) -> tuple[list[int], Selection, float]:
-        hashes = sequence_hashes(request.token_ids, self._cost.block_size, seed=lora_seed(request.lora))
+        tokens = request.token_ids
+        if request.images and self.config.image_hashes:
+            tokens = routed_tokens(tokens, request.images)
+        hashes = sequence_hashes(tokens, self._cost.block_size, seed=lora_seed(request.lora))
         isl = len(request.token_ids)
         now = self._clock()
         candidates = self._candidates(hashes, targets, now, request.lora_load_s)

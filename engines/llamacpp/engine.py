@@ -327,7 +327,7 @@ class LlamaCppEngine:
 
     def _admit(self, request: GenerateRequest) -> Sequence:
         info, runner = self._running()
-        check_request(request, info.context_length, self._in_flight, info.vocab_size)
+        check_request(request, info.context_length, self._in_flight, info.vocab_size, info.images)
         if request.lora and request.lora not in self._loras:
             raise RequestError(f"LoRA adapter '{request.lora}' is not loaded here; load it first", param="model")
         seq = Sequence(request=request, tokens=list(request.token_ids), num_prompt_tokens=len(request.token_ids))

@@ -58,6 +58,11 @@ _KNOWN_KEYS = (
     "data_parallel_size",
     "data_parallel_start_rank",
     "data_parallel_hidden",
+    "image_tokens",
+    "image_token_id",
+    "max_images",
+    "image_encode_ms",
+    "image_cache_size",
 )
 
 
@@ -126,6 +131,18 @@ class MockerConfig:
     """Keep the ranks to the engine, as vLLM's internal load balancer does: a rank-blind card, load and KV events
     (every rank's as rank 0's), and a request goes to the least loaded rank (benchmarks/dp_routing.py's "blind")."""
 
+    image_tokens: int = 0
+    """Tokens each image takes in the prompt (a vision-language model, LLaVA-1.5's 576 say); 0: text only."""
+    image_token_id: int = 0
+    """The placeholder token of an image (SmolLM2's `<|endoftext|>`, which no chat prompt holds)."""
+    max_images: int = 8
+    """Images one prompt may hold."""
+    image_encode_ms: float = 20.0
+    """Time the vision encoder takes per image not in the embedding cache, before the speedup ratio (a
+    CLIP-L/336 on one GPU)."""
+    image_cache_size: int = 64
+    """Encoded images kept, by digest, most recently used first (the embedding cache); 0: none."""
+
     @property
     def is_ranked(self) -> bool:
         """Whether the engine runs ranks (ranks.py): several, or one that is not rank 0."""
@@ -168,6 +185,7 @@ class MockerConfig:
             data_parallel_size=_positive_int("data_parallel_size", extra.get("data_parallel_size", 1)),
             data_parallel_start_rank=_start_rank(extra),
             data_parallel_hidden=_boolean("data_parallel_hidden", extra.get("data_parallel_hidden", False)),
+            **_image_options(extra),
             **_scheduling_rules(extra),
         )
 
@@ -206,7 +224,7 @@ def model_kv_bytes_per_token(model: str) -> int | None:
     return layers * 2 * kv_heads * head_dim * 2 if layers > 0 and kv_heads > 0 and head_dim > 0 else None
 
 
-def _scheduling_rules(extra: dict[str, Any]) -> dict[str, str]:
+def _scheduling_rules(extra: dict[str, Any]) -> dict[str, Any]:
     rules = {
         "preemption_mode": PREEMPTION_MODES,
         "decode_kv_input": DECODE_KV_INPUTS,
@@ -214,6 +232,16 @@ def _scheduling_rules(extra: dict[str, Any]) -> dict[str, str]:
         "kv_event_visibility": KV_EVENT_VISIBILITIES,
     }
     return {key: _one_of(key, extra.get(key, choices[0]), choices) for key, choices in rules.items()}
+
+
+def _image_options(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "image_tokens": _non_negative_int("image_tokens", extra.get("image_tokens", 0), "0: text only"),
+        "image_token_id": _non_negative_int("image_token_id", extra.get("image_token_id", 0), "SmolLM2's EOT"),
+        "max_images": _positive_int("max_images", extra.get("max_images", 8)),
+        "image_encode_ms": _non_negative_float("image_encode_ms", extra.get("image_encode_ms", 20.0)),
+        "image_cache_size": _non_negative_int("image_cache_size", extra.get("image_cache_size", 64), "0: none"),
+    }
 
 
 def _start_rank(extra: dict[str, Any]) -> int:

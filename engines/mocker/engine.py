@@ -23,6 +23,7 @@ from dynamo_cli.errors import ConfigError, DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
 from dynamo_cli.kv.hashing import blocks_needed, lora_seed
+from dynamo_cli.kv.images import routed_tokens
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from dynamo_cli.timing import TimingModel
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
@@ -30,6 +31,7 @@ from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLo
 from .config import MockerConfig
 from .events import EventPacer, EventRing, EventSink
 from .handoff import Handoff, bootstrap_address, pulled_handle, read_handle
+from .images import ImageEncoder, image_spec
 from .kv_manager import KvManager
 from .scheduler import MockRequest, PassResult, Scheduler, SchedulerConfig
 from .tiers import MockerTiers
@@ -45,6 +47,8 @@ WORK_COUNTERS = {
     "pass_wall_seconds": "the passes' wall time, from scheduling to delivery: minus pass_seconds, the lateness",
     "preemptions": "running requests preempted",
     "lora_loads": "LoRA adapters loaded (at start, at run time, again after an eviction)",
+    "images_encoded": "images the vision encoder ran on (images.py)",
+    "image_cache_hits": "images found in the embedding cache (the encoder skipped)",
 }
 """`work_counters()`: name -> meaning; docs/guides/mocker.md says how they tell prompts arriving in waves from
 spread."""
@@ -131,6 +135,7 @@ class MockerEngine:
         self._deadline: float | None = None  # when the current pass ends, in loop time
         self._info: EngineInfo | None = None
         self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
+        self._images = ImageEncoder(config, self._counts)
         self._loras: set[str] = set()
         """LoRA adapters loaded (names only: an adapter changes no simulated token, only the block hashes)."""
 
@@ -156,6 +161,8 @@ class MockerEngine:
         try:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
                 await asyncio.sleep(handoff.wait_s)
+            if request.images and not mock.is_prefilled:
+                await self._images.encode(request.images)
             if self._tiers is not None and not mock.is_prefilled:
                 await self._onboard(mock)
             if stream.finish_reason is None:  # stop() may have come during the transfer
@@ -317,7 +324,7 @@ class MockerEngine:
         max_tokens = 1 if self.config.role is Role.PREFILL else request.max_tokens
         mock = MockRequest(
             request.request_id,
-            request.token_ids,
+            routed_tokens(request.token_ids, request.images),  # its blocks hashed as the router hashes them
             max_tokens,
             self.config.block_size,
             seed=request.sampling.seed,
@@ -327,7 +334,7 @@ class MockerEngine:
         return mock, handoff
 
     def _check_request(self, request: GenerateRequest) -> None:
-        check_request(request, self.config.context_length, self._streams, self._vocab_size())
+        check_request(request, self.config.context_length, self._streams, self._vocab_size(), image_spec(self.config))
         if request.lora and request.lora not in self._loras:
             raise RequestError(f"the LoRA adapter '{request.lora}' is not loaded on this worker", param="model")
         num_prompt = len(request.token_ids)
@@ -400,6 +407,7 @@ def engine_info(config: MockerConfig) -> EngineInfo:
         vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
         extra=_info_extra(config),
         features=frozenset({Feature.LOGPROBS}),  # fakes: see the module docstring
+        images=image_spec(config),
     )
 
 

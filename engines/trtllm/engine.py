@@ -434,7 +434,7 @@ class TrtllmEngine:
         info, llm = self._info, self._llm
         if info is None or llm is None or self._stopped:
             raise DynError("the trtllm engine is not running; call start() before generate()")
-        check_request(request, info.context_length, self._in_flight, info.vocab_size)
+        check_request(request, info.context_length, self._in_flight, info.vocab_size, info.images)
         return llm
 
     def _engine_info(self) -> EngineInfo:

@@ -55,6 +55,7 @@ from ..adapter import RequestBook, checked_handle, free_port, split_deterministi
 from ..hf_export import hf_model_dir, needs_export
 from ..lora_book import LoadedLora, LoraBook
 from .args import engine_kwargs
+from .images import served_images, vllm_prompt
 from .kv_events import ZmqKvRelay
 from .ranks import VllmRanks
 from .sampling import breadth, structured_outputs, vocab_size
@@ -175,8 +176,7 @@ class VllmEngine:
         self._loras = LoraBook("vllm", args.max_loras, self._add_lora, self._remove_lora)
         self.engine_kwargs = self._engine_kwargs()
         self.engine_args: Any = None
-        """vLLM's `AsyncEngineArgs`, built in start(): its constructor resolves the model path, so an
-        exported model must exist first (else vLLM takes the path for a hub name)."""
+        """vLLM's `AsyncEngineArgs`, built in start(), once an exported model exists (else a path is a hub name)."""
         self._engine: Any = None
         self._info: EngineInfo | None = None
         self._book = RequestBook("vllm")
@@ -281,7 +281,7 @@ class VllmEngine:
         handle = checked_handle("vllm", request, VllmKv) if self.role is Role.DECODE else None
         params = self._decode_params(handle) if handle is not None else None
         lora = self._lora_request(self._loras.of(request))
-        options = self.ranks.pin(request) | ({} if lora is None else {"lora_request": lora})
+        options = self.ranks.pin(request) | {"images": request.images} | ({"lora_request": lora} if lora else {})
         self._book.in_flight.add(request.request_id)
         try:
             if handle is not None and params is not None:
@@ -347,9 +347,9 @@ class VllmEngine:
     async def _outputs(
         self, engine: Any, token_ids: Sequence[int], params: Any, vllm_id: str, options: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
-        """vLLM's outputs of one request (`options`: generate's `lora_request`, `data_parallel_rank`); aborts it in
-        vLLM unless it finished (closed, cancelled, failed)."""
-        prompt = self.lib.tokens_prompt_cls(prompt_token_ids=list(token_ids))
+        """vLLM's outputs of one request (`options`: its `images`, generate's `lora_request`, `data_parallel_rank`);
+        aborts it in vLLM unless it finished (closed, cancelled, failed)."""
+        prompt, options = await vllm_prompt(self.lib, token_ids, options)
         is_finished = False
         try:
             async for output in engine.generate(prompt, params, vllm_id, **options):
@@ -513,6 +513,7 @@ class VllmEngine:
             extra={"engine": "vllm", "engine_class": self.lib.engine_cls.__name__, "deterministic": self.deterministic},
             features=frozenset({Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P})
             | (frozenset({Feature.GUIDED_JSON}) if self.lib.structured_outputs_cls is not None else frozenset()),
+            images=await served_images(self.role, model, model_path, self.engine_kwargs, self._relay),
         )
         return self.ranks.widen(info)
 

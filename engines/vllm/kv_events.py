@@ -2,7 +2,8 @@
 
 vLLM's `ZmqEventPublisher` (and SGLang's copy of it) sends multipart `[topic, seq, payload]`, the
 payload a msgpack `[ts, [event, ...], dp_rank?]` whose events are tagged arrays:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, lora_name?, ...]`,
+`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, lora_name?, extra_keys?,
+...]` (vLLM 0.32 sends maps with those keys),
 `["BlockRemoved", block_hashes, medium?]`, `["AllBlocksCleared"]`. `medium` names where the blocks sit
 ("GPU", or "CPU" once vLLM's offloading connector moves them; absent = GPU): it becomes our tier (`TIER_OF`),
 and blocks on a medium we do not know are dropped. The engine's own hashes depend on
@@ -40,6 +41,7 @@ from dynamo_cli.kv.events import (
     Tier,
 )
 from dynamo_cli.kv.hashing import HASH_SEED, hash_blocks, lora_seed
+from dynamo_cli.kv.images import pad_value
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ def parse_event(raw: Any) -> tuple[str, list[Any]]:
             "lora_id",
             "medium",
             "lora_name",
+            "extra_keys",
         )
         if tag == "BlockRemoved":
             order = ("block_hashes", "medium")
@@ -98,6 +101,9 @@ class KvEventRehasher:
         """Stored events whose parent block was never seen (lost events): skipped, counted."""
         self.num_unnamed = 0
         """Stored events of a LoRA id no name is known for: skipped, counted."""
+        self.image_tokens = 0
+        """Tokens of one image (the card's `ImageSpec.tokens_per_image`): a block's `("mm", id, offset)` extra keys
+        then put the image's pad values over its run (kv/images.py), as the router's view has them; 0: none."""
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -122,6 +128,8 @@ class KvEventRehasher:
     def _stored(self, fields: list[Any]) -> BlockStored | None:
         engine_hashes = [_key(h) for h in fields[0]]
         parent, token_ids, block_size = fields[1], list(fields[2]), int(fields[3])
+        if self.image_tokens:
+            token_ids = with_image_pads(token_ids, block_size, _optional(fields, 7), self.image_tokens)
         tier = tier_of(_optional(fields, 5))
         seed = self._seed(fields) if tier is not None else None
         if tier is None or seed is None:
@@ -195,6 +203,30 @@ class KvEventRehasher:
         return self._ours.pop(engine_hash, None)
 
 
+def with_image_pads(token_ids: list[int], block_size: int, extra_keys: Any, image_tokens: int) -> list[int]:
+    """A stored run's tokens with each image's pad value over its positions: vLLM names an image in every block it
+    touches by an `(identifier, offset from the block's start)` pair (the identifier is the digest the engine
+    passed as the image's uuid), and an image takes `image_tokens` positions from there."""
+    if not isinstance(extra_keys, list | tuple):
+        return token_ids
+    out = list(token_ids)
+    for index, keys in enumerate(extra_keys):
+        start = index * block_size
+        for key in keys if isinstance(keys, list | tuple) else ():
+            if not (isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str)):
+                continue  # a LoRA name, a cache salt, a prompt-embedding digest
+            identifier, offset = key
+            if not (isinstance(offset, int) and len(identifier) >= 16 and _is_hex(identifier[:16])):
+                continue  # an identifier we did not give (vLLM's own hash of an image not from us)
+            first, end = max(start, start + offset), min(start + block_size, start + offset + image_tokens, len(out))
+            out[first:end] = [pad_value(identifier)] * max(0, end - first)
+    return out
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
 def _key(engine_hash: Any) -> Hashable:
     # vLLM >= 0.10 sends bytes hashes, older versions and SGLang ints; msgpack may give lists for tuples.
     return tuple(engine_hash) if isinstance(engine_hash, list) else engine_hash
@@ -242,6 +274,11 @@ class ZmqKvRelay:
     def rehasher(self) -> KvEventRehasher:
         """Rank 0's rehasher (a rank-blind engine's only one)."""
         return self.rehashers[0]
+
+    def read_images(self, tokens_per_image: int) -> None:
+        """The engine's images take this many tokens each: their runs hash as their content (`with_image_pads`)."""
+        for rehasher in self.rehashers.values():
+            rehasher.image_tokens = tokens_per_image
 
     def bind(self, host: str = "127.0.0.1") -> str:
         """Bind free consecutive ports on `host`, rank r at the first + r; returns the endpoint rank 0's publisher
@@ -295,6 +332,7 @@ class ZmqKvRelay:
         rehasher = self.rehashers.get(dp_rank)
         if rehasher is None:  # a rank this relay was not told of (an engine wider than its card): keep it apart
             rehasher = self.rehashers[dp_rank] = KvEventRehasher(self._lora_name_of)
+            rehasher.image_tokens = self.rehasher.image_tokens
         events = rehasher.convert(batch[1])
         if events:
             self.put(events, timestamp=float(batch[0]) if batch[0] else time.time(), dp_rank=dp_rank)

@@ -35,7 +35,8 @@ from dynamo_cli.errors import ConfigError, EngineNotInstalled, RequestError
 from dynamo_cli.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, StoredBlock
 from dynamo_cli.kv.handles import MAX_PARAMS_BYTES, KvHandle, SglangKv, TrtllmKv, VllmKv
 from dynamo_cli.kv.hashing import block_hashes, sequence_hashes
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
+from dynamo_cli.kv.images import routed_tokens
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, ImageInput, SamplingParams
 
 PROMPT = list(range(1000, 1040))
 TOKENS = list(range(64))
@@ -1067,3 +1068,31 @@ def test_vllm_structured_outputs_params_take_our_mapping() -> None:
     params = engine.sampling_params(request(guided=guided))
     assert params.structured_outputs.json == {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert engine.sampling_params(request(guided=Guided(kind="json_object"))).structured_outputs.json_object is True
+
+
+def test_the_rehasher_hashes_an_image_as_the_router_views_it() -> None:
+    """vLLM's map-form events name an image in each block it touches by (identifier, offset in the block); with
+    the digest as identifier, the stored hashes are those of the router's routing view (kv/images.py)."""
+    digest, other = "ab" * 32, "cd" * 32
+    tokens = TOKENS[:20] + [7] * 10 + TOKENS[20:22]  # an image of 10 tokens at 20, across blocks 1 and 2
+    image = ImageInput(digest=digest, offset=20, length=10, data=b"x")
+    view = sequence_hashes(routed_tokens(tokens, [image]), 16)
+    rehasher = KvEventRehasher()
+    rehasher.image_tokens = 10
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 16,
+        "medium": "GPU",
+        "extra_keys": [[[digest, 20], ["cache-salt-or-lora"]], [[digest, 4]]],
+    }
+    (stored,) = rehasher.convert([event])
+    assert [b.block_hash for b in stored.blocks] == view  # type: ignore[union-attr]
+    elsewhere = {**event, "block_hashes": [3, 4], "extra_keys": [[[other, 20]], [[other, 4]]]}
+    (moved,) = rehasher.convert([elsewhere])
+    assert [b.block_hash for b in moved.blocks][1] != view[1]  # type: ignore[union-attr]
+    blind = KvEventRehasher()  # a text-only engine: the keys are ignored, the placeholders hash as text
+    (plain,) = blind.convert([{**event, "block_hashes": [5, 6]}])
+    assert [b.block_hash for b in plain.blocks] == sequence_hashes(tokens, 16)  # type: ignore[union-attr]
