@@ -16,7 +16,15 @@ from typing import Any, NewType, Protocol, runtime_checkable
 from dynamo_cli.errors import ConfigError, ContextOverflow, EngineNotInstalled, RequestError, UnknownEngine
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.tiers import KvTierConfig as KvTierConfig  # re-exported: config.py may not import kv
-from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, ImageSpec, LoadMetrics
+from dynamo_cli.wire import (
+    EmbedRequest,
+    EmbedResponse,
+    GenerateChunk,
+    GenerateRequest,
+    ImageInput,
+    ImageSpec,
+    LoadMetrics,
+)
 
 RequestId = NewType("RequestId", str)
 
@@ -27,6 +35,7 @@ class Role(enum.Enum):
     BOTH = "both"  # aggregated: prefill and decode
     PREFILL = "prefill"  # computes the prompt's KV, returns a handle to it, one token
     DECODE = "decode"  # imports prefilled KV and decodes
+    ENCODE = "encode"  # runs the vision encoder only: images in, embeddings out (E/P/D)
 
 
 class Feature(enum.Enum):
@@ -166,6 +175,16 @@ class Embeds(Protocol):
 
 
 @runtime_checkable
+class EncodesImages(Protocol):
+    """An engine whose vision encoder can serve `--role encode` (E/P/D): images in, embeddings out in the engine's
+    own format, which the same engine on the serving workers takes back (`ImageInput.embeds`)."""
+
+    async def encode_images(self, images: list[ImageInput]) -> tuple[list[bytes], int]:
+        """Each image's embeddings, and how many came from the engine's embedding cache."""
+        ...
+
+
+@runtime_checkable
 class ServesLoras(Protocol):
     """An engine that runs LoRA adapters over its base model. The worker owns which adapters are served and
     which are resident (`lora.AdapterSet`: `--lora`, `--max-loras`, least recently used eviction); the
@@ -235,6 +254,19 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 """Largest encoded image a worker takes (the frontend's `--mm-max-image-mb` is at most this)."""
 
 
+def check_image_inputs(images: list[ImageInput], spec: ImageSpec) -> None:
+    """Images as such, wherever they go (a prompt, an encode worker): at most `max_images`, each a 64-hex digest
+    and 1 to MAX_IMAGE_BYTES bytes of image."""
+    if len(images) > spec.max_images:
+        raise RequestError(f"{len(images)} images; this model takes at most {spec.max_images}", param="messages")
+    for i, image in enumerate(images):
+        where = f"images[{i}]"
+        if len(image.digest) != 64 or any(c not in "0123456789abcdef" for c in image.digest):
+            raise RequestError(f"{where}: the digest must be 64 lowercase hex digits", param="messages")
+        if not 0 < len(image.data) <= MAX_IMAGE_BYTES:
+            raise RequestError(f"{where}: the image must have 1 to {MAX_IMAGE_BYTES} bytes", param="messages")
+
+
 def check_images(request: GenerateRequest, spec: ImageSpec | None) -> None:
     """The request's images against the model's `spec`, before any byte reaches a decoder: none for a text-only
     model; at most `max_images`; each a 64-hex digest, bytes within MAX_IMAGE_BYTES, a run of exactly
@@ -244,15 +276,10 @@ def check_images(request: GenerateRequest, spec: ImageSpec | None) -> None:
         if images:
             raise RequestError("this model takes text only; it has no vision tower for images", param="messages")
         return
-    if len(images) > spec.max_images:
-        raise RequestError(f"{len(images)} images; this model takes at most {spec.max_images}", param="messages")
+    check_image_inputs(images, spec)
     tokens, end = request.token_ids, 0
     for i, image in enumerate(images):
         where = f"images[{i}]"
-        if len(image.digest) != 64 or any(c not in "0123456789abcdef" for c in image.digest):
-            raise RequestError(f"{where}: the digest must be 64 lowercase hex digits", param="messages")
-        if not 0 < len(image.data) <= MAX_IMAGE_BYTES:
-            raise RequestError(f"{where}: the image must have 1 to {MAX_IMAGE_BYTES} bytes", param="messages")
         if image.length != spec.tokens_per_image or image.offset < end or image.offset + image.length > len(tokens):
             raise RequestError(
                 f"{where}: {image.length} placeholders at {image.offset} do not fit this model's "

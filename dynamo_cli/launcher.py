@@ -219,7 +219,7 @@ class Deployment:
     async def _serve(self, service: FrontendService, sock: socket.socket, planner: _PlannerLoops | None) -> None:
         config, pools = self.config, self.pools
         url = f"{config.frontend.scheme}://{config.frontend.advertised_host}:{sock.getsockname()[1]}"
-        expected = config.num_workers + config.num_prefill_workers
+        expected = config.num_workers + config.num_prefill_workers + config.num_encode_workers
         if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
             router = replace(config.router_config(), planes=self.planes)
             for i in range(config.num_routers):
@@ -285,6 +285,10 @@ async def _start_workers(
     """The initial workers: supervised by the pool, or (`--planner`) owned by the planner's connector."""
     decode = replace(config.worker, planes=planes)
     prefill = replace(decode, role=Role.PREFILL, component=Role.PREFILL.value)
+    encode = replace(decode, role=Role.ENCODE, component=Role.ENCODE.value)
+    for i in range(config.num_encode_workers):  # a fixed pool, the planner's or not
+        port = _child_port(config, config.num_workers + config.num_prefill_workers + i)
+        await _spawn(pool, _system_port(encode, None if planned else port))
     if planned and config.nodes_per_worker > 1:
         raise ConfigError(
             "--planner starts single-node workers: drop --nodes-per-worker (on Kubernetes it scales groups)"
@@ -318,7 +322,7 @@ def _base_port(config: ServeConfig) -> int | None:
 
 
 def _child_port(config: ServeConfig, index: int) -> int | None:
-    """`--system-port BASE`: the index-th child's (decode workers, then prefill workers, then routers)."""
+    """`--system-port BASE`: the index-th child's (decode workers, then prefill, encode workers, then routers)."""
     base = _base_port(config)
     return base + index if base else base
 
@@ -378,6 +382,7 @@ async def _spawn_frontends(
         frontend=replace(config.frontend, port=port, planes=planes),
         num_workers=0,
         num_prefill_workers=0,
+        num_encode_workers=0,
         num_routers=0,
         num_frontends=1,
         ready_workers=expected,
@@ -401,10 +406,11 @@ async def _wait_frontends(discovery: Discovery, config: ServeConfig, pool: Proce
 
 
 def _workers_text(config: ServeConfig) -> str:
+    encode = f"{config.num_encode_workers} encode + " if config.num_encode_workers else ""
     if not config.num_prefill_workers:
-        return f"{config.num_workers} workers"
+        return f"{encode}{config.num_workers} workers"
     policy = config.frontend.disagg.policy
-    return f"{config.num_prefill_workers} prefill + {config.num_workers} decode workers, disagg {policy}"
+    return f"{encode}{config.num_prefill_workers} prefill + {config.num_workers} decode workers, disagg {policy}"
 
 
 def _shared_discovery(url: str, discovery: object) -> str:

@@ -128,6 +128,18 @@ IN_MIB: dict[str, Any] = {"cli_type": float, "parse": _from_mib, "show": _to_mib
 """`setting(..., **IN_MIB)`: a byte count the command line sets in MiB (`--body-limit-mb 45`)."""
 
 
+def _from_kib(kib: float) -> int:
+    return int(kib * 1024)
+
+
+def _to_kib(nbytes: int) -> float:
+    return nbytes / 1024
+
+
+IN_KIB: dict[str, Any] = {"cli_type": float, "parse": _from_kib, "show": _to_kib}
+"""`setting(..., **IN_KIB)`: a byte count the command line sets in KiB (`--encode-min-kb 16`)."""
+
+
 def repeated(parse: Callable[[Any], Any] = tuple) -> dict[str, Any]:
     """`setting(..., **repeated(parse))`: a tuple of strings, one per use of the flag (`--lora A=x --lora B=y`),
     checked by `parse`."""

@@ -17,7 +17,7 @@ import msgspec
 
 from dynamo_cli.errors import RemoteError, RequestError
 from dynamo_cli.kv.events import KvDump, KvEventBatch
-from dynamo_cli.kv.handles import KvHandle, TransferReport
+from dynamo_cli.kv.handles import BlobRef, KvHandle, TransferReport
 from dynamo_cli.kv.tiers import KvTierStats
 
 Req = TypeVar("Req")
@@ -142,6 +142,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         return msgspec.structs.replace(self, min_tokens=max(0, self.min_tokens - num_generated), guided=guided)
 
 
+class ImageEmbeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """An image's embeddings as an encode worker computed them (E/P/D): where to pull them, then the bytes."""
+
+    blob: BlobRef | None = None
+    """On the encode worker's KV transfer server until pulled once (then None and `payload` set)."""
+    payload: bytes = b""
+    """The engine's own embedding format (the mocker: tokens x hidden float16)."""
+    checksum: str = ""
+    """BLAKE2b-128 of the payload (32 hex digits): a pull that does not match is discarded."""
+
+
 class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One image of a prompt: the run of placeholder tokens that stands for it in `token_ids`, and its bytes.
 
@@ -157,6 +168,9 @@ class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Its placeholder tokens (the model's tokens per image)."""
     data: bytes = b""
     """The encoded image file."""
+    embeds: ImageEmbeds | None = None
+    """Its embeddings from an encode worker (E/P/D); None: the serving engine encodes `data` itself. A pull that
+    fails leaves the image to the engine's own encoder."""
 
 
 class ImageSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,6 +232,21 @@ def health_check_request(token_id: int) -> GenerateRequest:
         max_tokens=1,
         sampling=SamplingParams(temperature=0.0, ignore_eos=True),
     )
+
+
+class EncodeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Images for an encode worker (`--role encode`): it encodes each one its embedding cache does not hold."""
+
+    request_id: str
+    images: list[ImageInput]
+
+
+class EncodeReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Each image's embeddings, in order, held for one pull by the worker that will serve the request."""
+
+    embeds: list[ImageEmbeds]
+    cached: int = 0
+    """How many came from the encode worker's embedding cache."""
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -430,6 +459,8 @@ GENERATE = EndpointSpec("generate", GenerateRequest, GenerateChunk)
 default (a worker registers under the name it is given; callers open `worker.record.endpoint`)."""
 EMBED = EndpointSpec("embed", EmbedRequest, EmbedResponse)
 """Worker (engines with `Feature.EMBEDDINGS`): one reply."""
+ENCODE = EndpointSpec("encode", EncodeRequest, EncodeReply)
+"""Encode worker (`--role encode`): one reply; each image's embeddings held on it for one pull."""
 KV_EVENTS_SINCE = EndpointSpec("kv_events_since", KvEventsSince, KvEventBatch)
 """Worker: the kept batches from that id on; error code `too_old` when they are gone."""
 KV_DUMP = EndpointSpec("kv_dump", KvDumpQuery, KvDump)

@@ -8,6 +8,7 @@ requests arrive), drain in-flight streams within the grace period, then stop eve
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import deque
@@ -21,11 +22,13 @@ from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import (
     CountsWork,
     Embeds,
+    EncodesImages,
     Engine,
     EngineArgs,
     Role,
     ServesLoras,
     SpawnsProcesses,
+    check_image_inputs,
     load_engine,
     load_headless,
 )
@@ -53,6 +56,7 @@ from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import trace_id_of
 from dynamo_cli.wire import (
     EMBED,
+    ENCODE,
     GENERATE,
     GROUP_JOIN,
     KV_DUMP,
@@ -61,8 +65,12 @@ from dynamo_cli.wire import (
     LORA,
     EmbedRequest,
     EmbedResponse,
+    EncodeReply,
+    EncodeRequest,
     GenerateChunk,
     GenerateRequest,
+    ImageEmbeds,
+    ImageInput,
     KvDumpQuery,
     KvEventsSince,
     KvRelease,
@@ -146,6 +154,7 @@ class WorkerService:
             (KV_DUMP, self.kv_dump),
             (KV_RELEASE, self.kv_release),
             (EMBED, self.embed),
+            (ENCODE, self.encode),
             (LORA, self.lora),
         ]
         if self.group is not None:
@@ -160,6 +169,7 @@ class WorkerService:
         trace = tracing.stream(request, self.instance_id, self.config.role.value) if tracing is not None else None
         try:
             request, report = await self.kv.take(request)
+            request = await self.kv.take_images(request)
             if trace is not None and report is not None:
                 trace.pulled(report)
             chunk: GenerateChunk
@@ -186,6 +196,16 @@ class WorkerService:
         if not isinstance(self.engine, Embeds):
             raise RequestError(f"the {self.config.engine} engine serves no embeddings", param="model")
         yield await self.engine.embed(request)
+
+    async def encode(self, request: EncodeRequest) -> AsyncIterator[EncodeReply]:
+        """Endpoint (`--role encode`): each image's embeddings, held on the KV transfer server for one pull."""
+        if self.config.role is not Role.ENCODE or not isinstance(self.engine, EncodesImages):
+            raise RequestError(f"worker {self.instance_id:x} is not an encode worker (--role encode)", param="images")
+        if self.card is None or self.card.images is None:
+            raise RequestError(f"the {self.config.engine} engine here takes no images", param="images")
+        check_image_inputs(request.images, self.card.images)
+        payloads, cached = await self.engine.encode_images(request.images)
+        yield EncodeReply(embeds=[self.kv.hold_embeds(p) for p in payloads], cached=cached)
 
     async def kv_release(self, release: KvRelease) -> AsyncIterator[bool]:
         """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
@@ -432,12 +452,13 @@ class KvMover:
                 ttl_s=config.kv_transfer_ttl_s,
                 use_nixl=backend != "tcp",
             )
-            if config.role is Role.PREFILL
+            if config.role in (Role.PREFILL, Role.ENCODE)
             else None
         )
         self.client = (
-            KvTransferClient(secret=secret, use_nixl=backend != "tcp") if config.role is not Role.PREFILL else None
+            KvTransferClient(secret=secret, use_nixl=backend != "tcp") if config.role is not Role.ENCODE else None
         )
+        """Pulls a decode's KV, and any worker's images' embeddings from encode workers (E/P/D)."""
         self.address = ""
         self._backend, self._role = backend, config.role
 
@@ -476,7 +497,7 @@ class KvMover:
             raise RequestError(problem, param="kv_transfer")
         if not isinstance(handle, PULLED_KINDS):
             return request, None  # the engine's library moves this KV itself
-        if self.client is None or handle.blob is None:
+        if self.client is None or self._role is Role.PREFILL or handle.blob is None:
             raise RequestError("a prefill worker pulls no KV; send kv_transfer to a decode worker", param="kv_transfer")
         blob, started = handle.blob, time.perf_counter()
         try:
@@ -490,6 +511,50 @@ class KvMover:
         taken = msgspec.structs.replace(handle, payload=bytes(pulled.payload), blob=None)
         report = TransferReport(nbytes=blob.nbytes, seconds=pulled.seconds, backend=pulled.backend)
         return msgspec.structs.replace(request, kv_transfer=taken), report
+
+    def hold_embeds(self, payload: bytes) -> ImageEmbeds:
+        """Encode: keep one image's embeddings here for the serving worker to pull (once)."""
+        assert self.server is not None, "only prefill and encode workers hold payloads"
+        offer = self.server.offer(payload)
+        blob = BlobRef(address=self.address, transfer_id=offer.transfer_id, nbytes=offer.nbytes, nixl=offer.nixl)
+        return ImageEmbeds(blob=blob, checksum=embeds_checksum(payload))
+
+    async def take_images(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with its images' embeddings pulled from their encode workers, each checked against its
+        checksum; an image whose pull fails (the encoder gone, the payload expired, a mismatch) is left to the
+        engine's own encoder (its `embeds` dropped), counted in the log."""
+        if self.client is None or not any(image.embeds is not None for image in request.images):
+            return request
+        if request.kv_transfer is not None:  # a decode: the prefilled KV holds what the images did
+            return request
+        taken = await asyncio.gather(*(self._take_image(request.request_id, image) for image in request.images))
+        return msgspec.structs.replace(request, images=list(taken))
+
+    async def _take_image(self, request_id: str, image: ImageInput) -> ImageInput:
+        embeds = image.embeds
+        if embeds is None or embeds.blob is None:
+            return msgspec.structs.replace(image, embeds=None) if embeds is not None and not embeds.payload else image
+        assert self.client is not None
+        blob = embeds.blob
+        try:
+            pulled = await self.client.pull(blob.address, blob.transfer_id, blob.nbytes, blob.nixl)
+        except DynError as exc:
+            logger.warning(
+                "request %s: embeddings pull from %s failed (%s); encoding here", request_id, blob.address, exc
+            )
+            return msgspec.structs.replace(image, embeds=None)
+        payload = bytes(pulled.payload)
+        if embeds_checksum(payload) != embeds.checksum:
+            logger.warning(
+                "request %s: embeddings from %s do not match their checksum; encoding here", request_id, blob.address
+            )
+            return msgspec.structs.replace(image, embeds=None)
+        return msgspec.structs.replace(image, embeds=ImageEmbeds(payload=payload, checksum=embeds.checksum))
+
+
+def embeds_checksum(payload: bytes) -> str:
+    """BLAKE2b-128 of an embeddings payload (`ImageEmbeds.checksum`)."""
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
 def _engine_args(config: WorkerConfig) -> EngineArgs:

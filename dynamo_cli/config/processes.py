@@ -165,6 +165,9 @@ class ServeConfig:
     started, stopped and restarted as one group (`dyn worker --nnodes`)."""
     num_prefill_workers: int = 0
     """`--disagg`: prefill-role workers started beside the `num_workers` (then decode-role) workers."""
+    num_encode_workers: int = setting(0, "--encode-workers", env="DYN_ENCODE_WORKERS", panel=DISAGG)
+    """E/P/D: encode-role workers (`dyn worker --role encode`: the vision encoder only) beside the others; images go
+    to them before their prompt is prefilled (core/encode_stage.py)."""
     num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
     """Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.
 
@@ -174,8 +177,8 @@ class ServeConfig:
     `dyn serve --frontends N` waits for its parent's."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ConfigError(f"--workers must be >= 0, got {self.num_workers}")
+        if self.num_workers < 0 or self.num_encode_workers < 0:
+            raise ConfigError(f"--workers and --encode-workers must be >= 0, got {self.num_workers}")
         if not 1 <= self.num_frontends <= MAX_FRONTENDS:
             raise ConfigError(f"--frontends must be between 1 and {MAX_FRONTENDS}, got {self.num_frontends}")
         if self.num_routers < 0 or (self.num_routers and self.frontend.router != "remote"):

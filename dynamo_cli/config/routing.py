@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from dynamo_cli.config.common import BLOCK_SIZE
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.model_card import ModelCard
-from dynamo_cli.settings import DISAGG, OVERLOAD, ROUTING, setting
+from dynamo_cli.settings import DISAGG, IN_KIB, OVERLOAD, ROUTING, setting
 
 ROUTER_COSTS = ("time", "dynamo")
 """`--router-cost`: the KV router's cost function."""
@@ -254,8 +254,17 @@ class DisaggConfig:
         panel=DISAGG,
     )
     """Routing of the prefill hop: kv | round-robin | random (default: the frontend's `--router`)."""
+    encode_min_bytes: int = setting(16 * 1024, "--encode-min-kb", env="DYN_ENCODE_MIN_KB", panel=DISAGG, **IN_KIB)
+    """E/P/D: images at least this big (KiB) go to an encode worker; smaller ones cost the serving worker's own
+    encoder less than the hop (0: every image)."""
+    encode_max_inflight: int = setting(16, "--encode-max-inflight", env="DYN_ENCODE_MAX_INFLIGHT", panel=DISAGG)
+    """E/P/D: encode calls in flight on one encode worker before its images go to the next one."""
+    encode_timeout_s: float = setting(10.0, "--encode-timeout", env="DYN_ENCODE_TIMEOUT", panel=DISAGG)
+    """E/P/D: seconds an encode call may take; a late one leaves its images to the serving worker's encoder."""
 
     def __post_init__(self) -> None:
+        if self.encode_min_bytes < 0 or self.encode_max_inflight < 1 or self.encode_timeout_s <= 0:
+            raise ConfigError("--encode-min-kb must be >= 0, --encode-max-inflight >= 1, --encode-timeout > 0")
         if self.policy not in DISAGG_POLICIES:
             raise ConfigError(f"--disagg-policy '{self.policy}' is unknown; use one of: {', '.join(DISAGG_POLICIES)}")
         if self.max_local_prefill_length < 0 or self.max_prefill_queue < 1:

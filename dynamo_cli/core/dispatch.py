@@ -18,6 +18,7 @@ to another worker mid-stream continues seamlessly: the tokens generated so far j
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Protocol
 import msgspec
 
 from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig
+from dynamo_cli.core.encode_stage import encode_stage
 from dynamo_cli.core.holds import Hold, Pool, Wanted, choose, choose_or_wait
 from dynamo_cli.core.output import Output
 from dynamo_cli.core.prefill_stage import PrefillStage
@@ -103,6 +105,7 @@ class ToWorkers:
         dispatch.served_by = dispatch.worker.instance_id
 
     async def prepare(self, dispatch: Dispatch) -> None:
+        await dispatch.run_encode_stage()
         await dispatch.run_prefill_stage()
 
     def router_id(self, dispatch: Dispatch) -> int | None:
@@ -392,6 +395,13 @@ class Dispatch:
         if self.plan.trace is not None:
             self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
         return chosen
+
+    async def run_encode_stage(self) -> None:
+        """E/P/D, once the serving worker is chosen (core/encode_stage.py): the images' embeddings from the encode
+        pool, which the serving (or prefill) worker pulls."""
+        request = await encode_stage(self.entry, self.plan.request, self.decision, self.rules)
+        if request is not self.plan.request:
+            self.plan = dataclasses.replace(self.plan, request=request)
 
     async def run_prefill_stage(self) -> None:
         """Disaggregation, between choosing the decode worker and opening it (core/prefill_stage.py): a remote

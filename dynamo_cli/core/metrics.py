@@ -40,7 +40,7 @@ class DispatchSeries:
         self.migrations = Counter(f"{prefix}_model_migration", "Migrations", ["model", "migration_type"], registry=r)
         self.disagg = Counter(
             f"{prefix}_disagg_decisions",
-            "Where prompts were prefilled, by outcome of the local-or-remote rule",
+            "Where prompts were prefilled, by outcome of the local-or-remote rule; encode_*: where images were encoded",
             ["model", "outcome"],
             registry=r,
         )
@@ -79,6 +79,9 @@ class DispatchSeries:
 
     def count_disagg(self, model: str, outcome: str) -> None:
         self.disagg.labels(model, outcome).inc()
+
+    def count_encode(self, model: str, outcome: str, images: int) -> None:
+        self.disagg.labels(model, f"encode_{outcome}").inc(images)
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:
         """One decode worker's KV pull: time, bytes and rate by backend (`local`: it failed and prefilled)."""

@@ -107,13 +107,21 @@ class ModelEntry:
     workers: dict[int, Worker] = field(default_factory=dict)
     """Aggregated and decode workers."""
     prefill_workers: dict[int, Worker] = field(default_factory=dict)
+    encode_workers: dict[int, Worker] = field(default_factory=dict)
+    """Encode workers (`--role encode`): images in, embeddings out (core/encode_stage.py)."""
     queue: WaitQueue = field(default_factory=WaitQueue)
     """Requests waiting for one of `workers` to stop being busy (core/queue.py)."""
     adapters: dict[str, int] = field(default_factory=dict)
     """LoRA adapter -> how many of its aggregated or decode workers serve it (each adapter a model too)."""
 
     def pool(self, role: Role) -> dict[int, Worker]:
+        if role is Role.ENCODE:
+            return self.encode_workers
         return self.prefill_workers if role is Role.PREFILL else self.workers
+
+    def find(self, worker_id: int) -> Worker | None:
+        """The worker of any role with this id."""
+        return self.workers.get(worker_id) or self.prefill_workers.get(worker_id) or self.encode_workers.get(worker_id)
 
     def policy_of(self, worker_id: int) -> RoutingPolicy:
         """The policy of the pool `worker_id` is in: what that worker's KV events and load feed."""
@@ -196,7 +204,7 @@ class Registry(Generic[EntryT]):
         """A worker's published load: kept on the worker (busy thresholds) and given to its pool's policy."""
         entry = self._placed.get(metrics.worker_id)
         if entry is not None:
-            worker = entry.workers.get(metrics.worker_id) or entry.prefill_workers.get(metrics.worker_id)
+            worker = entry.find(metrics.worker_id)
             if worker is not None:
                 worker.load = metrics
                 worker.heard_at = time.monotonic()
@@ -231,7 +239,7 @@ class Registry(Generic[EntryT]):
         entry = self._placed.get(instance.instance_id)
         if entry is None:
             return
-        worker = entry.workers.get(instance.instance_id) or entry.prefill_workers.get(instance.instance_id)
+        worker = entry.find(instance.instance_id)
         if worker is None:
             return
         worker.card = instance.card
@@ -256,8 +264,8 @@ class Registry(Generic[EntryT]):
     def _remove(self, instance: Instance[ModelCard]) -> None:
         instance_id = instance.instance_id
         entry = self._placed.pop(instance_id)
-        if entry.workers.pop(instance_id, None) is None:
-            entry.prefill_workers.pop(instance_id, None)
+        for pool in (entry.workers, entry.prefill_workers, entry.encode_workers):
+            pool.pop(instance_id, None)
         self._count_adapters(entry)
         entry.policy.remove_worker(instance_id)
         entry.prefill_policy.remove_worker(instance_id)
@@ -268,7 +276,11 @@ class Registry(Generic[EntryT]):
         logger.info("worker %x left model %s", instance_id, entry.name)
 
     def _all_workers(self) -> list[Worker]:
-        return [w for e in self.models.values() for w in (*e.workers.values(), *e.prefill_workers.values())]
+        return [
+            w
+            for e in self.models.values()
+            for w in (*e.workers.values(), *e.prefill_workers.values(), *e.encode_workers.values())
+        ]
 
     async def close(self) -> None:
         """Close every worker connection. Idempotent."""

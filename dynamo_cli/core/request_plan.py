@@ -70,6 +70,8 @@ class DispatchMetrics(HealthMetrics, Protocol):
 
     def count_disagg(self, model: str, outcome: str) -> None: ...
 
+    def count_encode(self, model: str, outcome: str, images: int) -> None: ...
+
     def observe_transfer(self, model: str, report: TransferReport) -> None: ...
 
     def count_served(self, model: str, worker_id: int, role: str) -> None: ...
@@ -85,6 +87,9 @@ class NoMetrics:
         pass
 
     def count_disagg(self, model: str, outcome: str) -> None:
+        pass
+
+    def count_encode(self, model: str, outcome: str, images: int) -> None:
         pass
 
     def observe_transfer(self, model: str, report: TransferReport) -> None:

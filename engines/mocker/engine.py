@@ -26,7 +26,7 @@ from dynamo_cli.kv.hashing import blocks_needed, lora_seed
 from dynamo_cli.kv.images import routed_tokens
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from dynamo_cli.timing import TimingModel
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, TokenLogprob
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, ImageInput, LoadMetrics, TokenLogprob
 
 from .config import MockerConfig
 from .events import EventPacer, EventRing, EventSink
@@ -49,6 +49,7 @@ WORK_COUNTERS = {
     "lora_loads": "LoRA adapters loaded (at start, at run time, again after an eviction)",
     "images_encoded": "images the vision encoder ran on (images.py)",
     "image_cache_hits": "images found in the embedding cache (the encoder skipped)",
+    "image_embeds_received": "images whose embeddings came from an encode worker (E/P/D; the encoder skipped)",
 }
 """`work_counters()`: name -> meaning; docs/guides/mocker.md says how they tell prompts arriving in waves from
 spread."""
@@ -175,6 +176,12 @@ class MockerEngine:
                 del self._streams[request.request_id]
             if stream.finish_reason is None:  # closed early: free the blocks now, not at the next pass
                 self._scheduler.abort(request.request_id)
+
+    async def encode_images(self, images: list[ImageInput]) -> tuple[list[bytes], int]:
+        """`--role encode` (`EncodesImages`): each image's embeddings, and how many its embedding cache held."""
+        if self.state is not EngineState.RUNNING:
+            raise DynError(f"the mocker engine is {self.state.value}; call start() before encode_images()")
+        return await self._images.encode_images(images)
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load adapter `name` (`ServesLoras`): `lora_load_ms` of modelled time, divided by the speedup ratio;

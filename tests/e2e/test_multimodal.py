@@ -185,6 +185,73 @@ def test_the_embedding_cache_skips_the_encoder_for_a_repeated_image(served: DynP
     assert after[1] - mid[1] == 1
 
 
-def metric(text: str, name: str) -> float:
-    found = re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-    return sum(float(v) for v in found)
+def metric(text: str, name: str, label: str = "") -> float:
+    found = re.findall(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for labels, v in found if label in labels)
+
+
+##### E/P/D: an encode worker beside the serving ones #####
+
+
+@pytest.fixture(scope="module")
+def epd(dyn_serve_module) -> Iterator[DynProcess]:  # type: ignore[no-untyped-def]
+    """One aggregated mocker worker and one encode worker (`--encode-workers 1`), every image to the encoder."""
+    base = consecutive_free_ports(2)
+    d: DynProcess = dyn_serve_module(
+        "--engine", "mocker", "--workers", "1", "--encode-workers", "1", "--encode-min-kb", "0",
+        "--encode-timeout", "1", "--router", "kv", "--speedup-ratio", "10", "--engine-arg", "image_tokens=32",
+        "--system-port", str(base),
+    )  # fmt: skip
+    d.system_ports = [base, base + 1]  # type: ignore[attr-defined]
+    yield d
+
+
+def frontend_metric(d: DynProcess, outcome: str) -> float:
+    text = httpx.get(f"{d.url}/metrics", headers=d.auth, timeout=10).text
+    return metric(text, "dynamo_frontend_disagg_decisions_total", f'outcome="encode_{outcome}"')
+
+
+def worker_metric(d: DynProcess, index: int, name: str) -> float:
+    port = d.system_ports[index]  # type: ignore[attr-defined]
+    return metric(
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, f"dynamo_component_engine_{name}_total"
+    )
+
+
+def image_first(url: str) -> list[dict[str, Any]]:
+    """The image, then text of more than a block: its run ends inside the prompt's full blocks."""
+    text = "Describe the colours, the shapes and the mood of this picture, in plain words. " * 6
+    return [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+    ]
+
+
+def test_epd_encodes_on_the_encode_worker_and_serves_the_aggregated_text(served: DynProcess, epd: DynProcess) -> None:
+    messages = image_first(png_url(60))
+    aggregated, _ = ask(served, messages, seed=7)
+    before = (frontend_metric(epd, "remote"), worker_metric(epd, 1, "images_encoded"))
+    disaggregated, _ = ask(epd, messages, seed=7)
+    assert disaggregated.choices[0].message.content == aggregated.choices[0].message.content
+    assert frontend_metric(epd, "remote") == before[0] + 1
+    assert worker_metric(epd, 1, "images_encoded") == before[1] + 1  # the encoder ran it
+    assert worker_metric(epd, 0, "image_embeds_received") >= 1  # the serving worker pulled, did not encode
+    assert worker_metric(epd, 0, "images_encoded") == 0
+    cached = frontend_metric(epd, "prefix_cached")
+    ask(epd, messages, seed=7)  # its blocks are on the serving worker: no encode hop at all
+    assert frontend_metric(epd, "prefix_cached") == cached + 1
+
+
+def test_an_encode_worker_that_dies_leaves_the_images_to_the_serving_worker(epd: DynProcess) -> None:
+    import os
+    import signal
+
+    (pid,) = [r.pid for r in epd.instance_records() if r.role == "encode"]
+    os.kill(pid, signal.SIGSTOP)  # hung, still registered: the call times out or fails, the request goes on
+    try:
+        failed = frontend_metric(epd, "failed")
+        reply, _ = ask(epd, chat(png_url(61)))
+        assert reply.choices[0].finish_reason == "length"
+        assert frontend_metric(epd, "failed") == failed + 1
+        assert worker_metric(epd, 0, "images_encoded") >= 1  # encoded where it was served
+    finally:
+        os.kill(pid, signal.SIGCONT)
