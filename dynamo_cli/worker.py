@@ -106,6 +106,10 @@ class WorkerService:
     def __init__(
         self, config: WorkerConfig, engine: Engine, discovery: Discovery, bus: EventBus, tracing: Tracing | None = None
     ) -> None:
+        if config.role is Role.ENCODE and not isinstance(engine, EncodesImages):
+            raise ConfigError(
+                f"--role encode: the {config.engine} engine has no encoder of its own to serve (the mocker has)"
+            )
         self.config = config
         self.tracing = tracing
         """Each traced stream's `worker.generate` span (`--otlp-endpoint`); None: tracing off."""

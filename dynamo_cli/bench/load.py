@@ -123,7 +123,7 @@ class RequestBuilder:
             "stream_options": {"include_usage": True},
         }
         if self.endpoint == "chat":
-            body["messages"] = [*history, {"role": "user", "content": turn.text}]
+            body["messages"] = [*history, {"role": "user", "content": _content(turn)}]
         else:
             body["prompt"] = "".join(m["content"] for m in history) + turn.text
         if self.ignore_eos:
@@ -131,6 +131,13 @@ class RequestBuilder:
             body["min_tokens"] = turn.output_tokens
         body.update(self.extra)
         return body
+
+
+def _content(turn: Turn) -> str | list[dict[str, Any]]:
+    """A user turn's chat content: its text, then its images as image_url parts."""
+    if not turn.images:
+        return turn.text
+    return [{"type": "text", "text": turn.text}] + [{"type": "image_url", "image_url": {"url": u}} for u in turn.images]
 
 
 OnRecord = Callable[[RequestRecord], None]

@@ -49,8 +49,23 @@ class WorkloadConfig:
     """Tokens per trace hash id."""
     prompts_file: str | None = setting(None, "--prompts-file", env=None)
     """Prompts, one per line or JSONL with "text"."""
+    images_per_request: int = setting(0, "--images-per-request", env=None)
+    """Images sent with each user turn, after its text (chat only; 0: text only)."""
+    image_size: int = setting(256, "--image-size", env=None)
+    """Side in pixels of each (random, square, PNG) image."""
+    image_repeat: float = setting(0.0, "--image-repeat", env=None)
+    """Share of images that repeat one of --image-pool images (the rest are new): what image-aware routing and
+    embedding caches can reuse."""
+    image_pool: int = setting(20, "--image-pool", env=None)
+    """Distinct repeated images."""
     seed: int = setting(0, SEED)
     """Seeds every random choice, so a run is reproducible."""
+
+    def __post_init__(self) -> None:
+        if self.images_per_request < 0 or not 8 <= self.image_size <= 4096 or self.image_pool < 1:
+            raise ConfigError("--images-per-request must be >= 0, --image-size 8..4096, --image-pool >= 1")
+        if not 0.0 <= self.image_repeat <= 1.0:
+            raise ConfigError(f"--image-repeat is a share, 0..1; got {self.image_repeat}")
 
 
 def parse_sweep(spec: str | None) -> tuple[str, tuple[float, ...]] | None:
@@ -100,6 +115,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):
             raise ConfigError(f"--endpoint must be chat or completions, got {self.endpoint}")
+        if self.workload.images_per_request and self.endpoint != "chat":
+            raise ConfigError("--images-per-request needs --endpoint chat (completions take no images)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +170,15 @@ async def probe(client: HttpClient, builder: RequestBuilder) -> None:
 
 
 def build_workload(config: BenchConfig, vocab: wl.Vocab, seed_offset: int = 0) -> Iterator[wl.Conversation]:
+    w = config.workload
+    conversations = _text_workload(config, vocab, seed_offset)
+    if not w.images_per_request:
+        return conversations
+    images = wl.ImageMaker(w.image_size, w.image_repeat, w.image_pool, w.seed + seed_offset)
+    return wl.with_images(conversations, images, w.images_per_request)
+
+
+def _text_workload(config: BenchConfig, vocab: wl.Vocab, seed_offset: int) -> Iterator[wl.Conversation]:
     w = config.workload
     seed = w.seed + seed_offset
     if w.trace:

@@ -57,6 +57,8 @@ class Turn:
     """Its length in tokens (exact with the model's tokenizer)."""
     output_tokens: int
     """max_tokens to ask for (with ignore_eos, the output length)."""
+    images: tuple[str, ...] = ()
+    """Images (data: URLs) sent after the text; `input_tokens` counts the text only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +259,41 @@ def trace_replay(
         words += rng.choices(vocab.words, k=max(0, entry.input_length - len(words)))
         turn = Turn("".join(words), entry.input_length, max(1, entry.output_length))
         yield Conversation((turn,), at=(entry.timestamp - origin) / 1e3 * time_scale)
+
+
+class ImageMaker:
+    """Random square PNGs as data: URLs: a share of them drawn from a pool of `pool` (repeated), the rest new."""
+
+    def __init__(self, side: int, repeat: float, pool: int, seed: int) -> None:
+        self.side, self.repeat = side, repeat
+        self.rng = random.Random(f"images:{seed}")
+        self.pool = [self._new() for _ in range(pool)] if repeat > 0 else []
+
+    def next(self) -> str:
+        if self.pool and self.rng.random() < self.repeat:
+            return self.rng.choice(self.pool)
+        return self._new()
+
+    def _new(self) -> str:
+        import base64
+        import io
+
+        from PIL import Image
+
+        out = io.BytesIO()
+        pixels = self.rng.randbytes(self.side * self.side * 3)  # noise: every image distinct, incompressible
+        Image.frombytes("RGB", (self.side, self.side), pixels).save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def with_images(conversations: Iterator[Conversation], maker: ImageMaker, per_turn: int) -> Iterator[Conversation]:
+    """`conversations` with `per_turn` images on every user turn."""
+    for conversation in conversations:
+        turns = tuple(
+            Turn(t.text, t.input_tokens, t.output_tokens, tuple(maker.next() for _ in range(per_turn)))
+            for t in conversation.turns
+        )
+        yield Conversation(turns, conversation.at)
 
 
 def prompts_file(path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0) -> Iterator[Conversation]:

@@ -73,7 +73,7 @@ class Rest:
     async def health(self, request: Request) -> Response:
         instances = []
         for e in self.registry.servable():
-            workers = {**e.workers, **e.prefill_workers}
+            workers = {**e.workers, **e.prefill_workers, **e.encode_workers}
             by_worker: dict[int, list[tuple[int, InFlightLoad]]] = {}
             for target, load in e.policy.snapshot(pool_targets(workers, list(workers))).in_flight.items():
                 by_worker.setdefault(target.worker, []).append((target.rank, load))

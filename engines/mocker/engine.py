@@ -162,8 +162,9 @@ class MockerEngine:
         try:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
                 await asyncio.sleep(handoff.wait_s)
-            if request.images and not mock.is_prefilled:
-                await self._images.encode(request.images)
+            if request.images and not mock.is_prefilled:  # the encoder's time goes into its first pass
+                await self._images.received(request.images)
+                mock.encode_ms = self._images.owed_ms(request.images)
             if self._tiers is not None and not mock.is_prefilled:
                 await self._onboard(mock)
             if stream.finish_reason is None:  # stop() may have come during the transfer

@@ -44,6 +44,7 @@ class MockRequest:
         "seq_hashes",
         "local_hashes",
         "hash_seed",
+        "encode_ms",
         "_rng",
     )
 
@@ -69,6 +70,8 @@ class MockRequest:
         self.local_hashes: list[int] = []
         self.hash_seed = hash_seed
         """Its blocks' token-local hash seed: its LoRA adapter's (`lora_seed`), else the base model's."""
+        self.encode_ms = 0.0
+        """Vision encoder time its images still owe (images.py): added to the pass that first schedules it."""
         self._rng = random.Random(seed)
         self.extend_hashes(block_size)
 
@@ -196,7 +199,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         decoding, num_prefill_tokens = self._compute(scheduled)
         emitted, finished, failed = self._emit_tokens(scheduled)
-        duration = self._duration_ms(num_prefill_tokens, decoding, emitted)
+        duration = self._duration_ms(num_prefill_tokens, decoding, emitted) + _encoding_ms(scheduled)
         self._release(finished + [request for request, _ in failed])
         return PassResult(emitted, finished, duration, num_prefill_tokens, num_preempted, failed)
 
@@ -339,3 +342,12 @@ def _is_decode(request: MockRequest, num_new: int) -> bool:
     if request.is_prefilled:
         return True
     return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == len(request.token_ids) - 1
+
+
+def _encoding_ms(scheduled: list[tuple[MockRequest, int]]) -> float:
+    """The vision encoder time owed by the requests of a pass (once: it is paid now)."""
+    total = 0.0
+    for request, _ in scheduled:
+        if request.encode_ms:
+            total, request.encode_ms = total + request.encode_ms, 0.0
+    return total

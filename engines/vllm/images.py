@@ -15,6 +15,7 @@ expands to another length fails alone (vLLM's own check). Images are served on `
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from dynamo_cli.wire import ImageInput, ImageSpec
 
 from ..images import collapsed, decode_images
 from .kv_events import ZmqKvRelay
+
+logger = logging.getLogger(__name__)
 
 
 async def served_images(
@@ -48,22 +51,29 @@ def image_spec(model_config: Any, model_path: str, processor_kwargs: dict[str, A
     if not isinstance(token_id, int):
         return None
     limit = model_config.multimodal_config.get_limit_per_prompt("image")
-    return ImageSpec(
-        token_id=token_id, tokens_per_image=tokens_per_image(model_path, processor_kwargs), max_images=max(1, limit)
-    )
+    tokens = tokens_per_image(model_path, processor_kwargs)
+    if tokens is None:
+        logger.warning(
+            "vllm: %s's images take a number of tokens that depends on their size: images refused", model_path
+        )
+        return None
+    return ImageSpec(token_id=token_id, tokens_per_image=tokens, max_images=max(1, limit))
 
 
-def tokens_per_image(model_path: str, processor_kwargs: dict[str, Any] | None) -> int:
-    """What one image expands to with the model's processor: its placeholder text with a blank image, less the
-    placeholder text alone, plus the placeholder."""
+def tokens_per_image(model_path: str, processor_kwargs: dict[str, Any] | None) -> int | None:
+    """What one image expands to with the model's processor (its placeholder text with a blank image, less the
+    placeholder text alone, plus the placeholder), measured at two sizes; None when they differ."""
     from PIL import Image
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_path, **(processor_kwargs or {}))  # type: ignore[no-untyped-call]
     text = str(processor.image_token)
-    with_image = processor(text=text, images=[Image.new("RGB", (64, 64))])["input_ids"][0]
-    alone = processor.tokenizer(text)["input_ids"]
-    return len(with_image) - len(alone) + 1
+    alone = len(processor.tokenizer(text)["input_ids"])
+    counts = {
+        len(processor(text=text, images=[Image.new("RGB", size)])["input_ids"][0]) - alone + 1
+        for size in ((64, 64), (1280, 720))
+    }
+    return counts.pop() if len(counts) == 1 else None
 
 
 async def vllm_prompt(lib: Any, token_ids: Sequence[int], options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -91,3 +91,28 @@ def test_a_prompts_file_accepts_plain_lines_and_jsonl(tmp_path, vocab: wl.Vocab)
     turns = [c.turns[0] for c in itertools.islice(wl.prompts_file(str(path), 10, 0, vocab), 3)]
     assert [t.text for t in turns] == ["hello there", "from json", "hello there"]
     assert [t.input_tokens for t in turns] == [2, 2, 2]
+
+
+def test_images_repeat_the_asked_share_and_go_after_the_text(vocab: wl.Vocab) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    from dynamo_cli.bench.load import RequestBuilder
+
+    maker = wl.ImageMaker(side=16, repeat=0.5, pool=3, seed=1)
+    turns = [
+        t for c in itertools.islice(wl.with_images(wl.synthetic(vocab, 8, 0, 4, 0), maker, 2), 200) for t in c.turns
+    ]
+    images = [u for t in turns for u in t.images]
+    assert all(len(t.images) == 2 for t in turns) and len(images) == 400
+    repeated = sum(u in maker.pool for u in images)
+    assert 160 < repeated < 240 and len(set(images) - set(maker.pool)) == 400 - repeated  # the new ones are new
+    raw = base64.b64decode(images[0].partition(",")[2])
+    assert Image.open(io.BytesIO(raw)).size == (16, 16)
+    body = RequestBuilder("m").body([], turns[0])
+    content = body["messages"][0]["content"]
+    assert content[0] == {"type": "text", "text": turns[0].text}
+    assert [p["image_url"]["url"] for p in content[1:]] == list(turns[0].images)
+    assert wl.ImageMaker(16, 0.5, 3, seed=1).pool == maker.pool  # reproducible

@@ -255,3 +255,30 @@ def test_an_encode_worker_that_dies_leaves_the_images_to_the_serving_worker(epd:
         assert worker_metric(epd, 0, "images_encoded") >= 1  # encoded where it was served
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+##### at scale: image-aware routing finds the repeated images #####
+
+
+def hit_rate(d: DynProcess, rng: random.Random, requests: int = 80) -> float:
+    """Closed loop, 4 at a time: half the requests repeat one of 20 images; cached over prompt tokens."""
+    repeated = [png_url(1000 + i) for i in range(20)]
+
+    def one(i: int) -> tuple[int, int]:
+        url = repeated[i % 20] if i % 2 else png_url(2000 + i)
+        reply, _ = ask(d, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+        return reply.usage.prompt_tokens_details.cached_tokens or 0, reply.usage.prompt_tokens
+
+    order = list(range(requests))
+    rng.shuffle(order)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(one, order))
+    return sum(c for c, _ in rows) / sum(p for _, p in rows)
+
+
+def test_image_aware_routing_finds_repeated_images_that_image_blind_routing_misses(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    common = ["--engine", "mocker", "--workers", "4", "--router", "kv", "--speedup-ratio", "20"]
+    common += ["--engine-arg", "image_tokens=256", "--num-gpu-blocks", "48"]  # 5 blocks a prompt: 9 prompts a worker
+    aware = hit_rate(dyn_serve(*common), random.Random(1))
+    blind = hit_rate(dyn_serve(*common, "--no-router-image-hashes"), random.Random(1))
+    assert aware > blind + 0.1, (aware, blind)
