@@ -282,3 +282,20 @@ def test_image_aware_routing_finds_repeated_images_that_image_blind_routing_miss
     aware = hit_rate(dyn_serve(*common), random.Random(1))
     blind = hit_rate(dyn_serve(*common, "--no-router-image-hashes"), random.Random(1))
     assert aware > blind + 0.1, (aware, blind)
+
+
+def test_encode_prefill_decode_each_on_its_own_worker(dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    base = consecutive_free_ports(3)  # decode, prefill, encode (dyn serve's order)
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--disagg", "--prefill-workers", "1", "--decode-workers", "1", "--encode-workers", "1",
+        "--encode-min-kb", "0", "--max-local-prefill-length", "0", "--speedup-ratio", "10",
+        "--engine-arg", "image_tokens=32", "--system-port", str(base),
+    )  # fmt: skip
+    d.system_ports = [base, base + 1, base + 2]  # type: ignore[attr-defined]
+    for seed in (70, 71):
+        reply, _ = ask(d, image_first(png_url(seed)))
+        assert reply.choices[0].finish_reason == "length"
+    assert frontend_metric(d, "remote") == 2
+    assert worker_metric(d, 2, "images_encoded") == 2  # the encode worker
+    assert worker_metric(d, 1, "image_embeds_received") == 2 and worker_metric(d, 1, "images_encoded") == 0  # prefill
+    assert worker_metric(d, 0, "images_encoded") == 0  # decode: the prefilled KV holds the images
