@@ -41,7 +41,6 @@ KNOWN_OVER = {
     "dynamo_cli/batch/service.py:batch_service": 44,
     "dynamo_cli/bench/session.py:run_bench": 49,
     "dynamo_cli/bench/sse.py:Response._dechunk": 43,
-    "dynamo_cli/frontend/server.py:FrontendService.__init__": 41,
     "dynamo_cli/kv/tiers.py:TieredBlockStore": 355,
     "dynamo_cli/core/metrics.py:DispatchSeries.__init__": 46,
     "dynamo_cli/routing/time_cost.py:time_terms": 51,

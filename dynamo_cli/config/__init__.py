@@ -54,6 +54,7 @@ from dynamo_cli.config.routing import (
     KvRouterConfig,
     QueueConfig,
     QueuePolicy,
+    SessionConfig,
     parse_queue_policy,
     parse_tier_weights,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "BusyThresholds",
     "ChildCommand",
     "DisaggConfig",
+    "SessionConfig",
     "FrontendConfig",
     "KvRouterConfig",
     "LoraConfig",

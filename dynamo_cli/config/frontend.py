@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from dynamo_cli.config.batch import BatchConfig
 from dynamo_cli.config.common import DEFAULT_NAMESPACE, NAMESPACE, PlanesConfig
 from dynamo_cli.config.media import MediaConfig
-from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks, KvRouterConfig, QueueConfig
+from dynamo_cli.config.routing import (
+    BusyThresholds,
+    DisaggConfig,
+    HealthChecks,
+    KvRouterConfig,
+    QueueConfig,
+    SessionConfig,
+)
 from dynamo_cli.config.security import AuthConfig, TlsConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.errors import ConfigError
@@ -51,6 +58,8 @@ class FrontendConfig:
     kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     """Settings of `--router kv`, and of the `dyn router` replicas `dyn serve --router remote` starts."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    """Session affinity (`x-dyn-session-id`; behind `dyn router`s: theirs)."""
     queue: QueueConfig = field(default_factory=QueueConfig)
     """The wait queue for requests that find every worker busy (core/queue.py)."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from dynamo_cli.config import routing
 from dynamo_cli.config.common import (
     BLOCK_SIZE,
     DEFAULT_ENGINE,
@@ -137,6 +138,7 @@ class RouterConfig:
 
     The prefill stage: core/disagg.py."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    sessions: routing.SessionConfig = field(default_factory=routing.SessionConfig)
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     """When a backend counts as busy; `max_inflight` counts this replica's streams (as a frontend's own)."""
     health: HealthChecks = field(default_factory=HealthChecks)
@@ -204,6 +206,7 @@ class ServeConfig:
             graceful_shutdown_s=self.worker.graceful_shutdown_s,
             planes=frontend.planes,
             disagg=replace(frontend.disagg, prefill_router_mode=None),
+            sessions=frontend.sessions,
             busy=frontend.busy,  # the busy thresholds and the queue act in the routers (the frontend sees no load)
             queue=frontend.queue,
             health=frontend.health,

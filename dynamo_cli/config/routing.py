@@ -202,6 +202,31 @@ class KvRouterConfig:
 DISAGG_POLICIES = ("adaptive", "always", "isl", "load", "isl-or-load")
 
 
+SESSION_MODES = ("soft", "hard")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """Session affinity (`x-dyn-session-id`): a session's calls to the worker of its last call (routing/sessions.py)."""
+
+    ttl_s: float = setting(600.0, "--router-session-affinity-ttl", env="DYN_ROUTER_SESSION_AFFINITY_TTL", panel=ROUTING)
+    """Seconds a session stays bound to the worker of its last call (0: no affinity; at most a year)."""
+    mode: str = setting("soft", "--router-session-affinity-mode", env="DYN_ROUTER_SESSION_AFFINITY_MODE", panel=ROUTING)
+    """soft: the bound worker unless it is busy or another has more of the prompt cached | hard: always it."""
+    max_entries: int = setting(
+        65_536, "--router-session-table-size", env="DYN_ROUTER_SESSION_TABLE_SIZE", panel=ROUTING
+    )
+    """Sessions remembered per model, least recently used forgotten first."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in SESSION_MODES:
+            raise ConfigError(f"--router-session-affinity-mode must be soft or hard, got {self.mode!r}")
+        if not 0 <= self.ttl_s <= 31_536_000 or not 1 <= self.max_entries <= 1_000_000:
+            raise ConfigError(
+                "--router-session-affinity-ttl must be 0 to 31536000 s and --router-session-table-size 1 to 1000000"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
     """When a request's prompt is prefilled on a prefill worker rather than on its decode worker

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import msgspec
 
-from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig
+from dynamo_cli.config import BusyThresholds, DisaggConfig, QueueConfig, SessionConfig
 from dynamo_cli.core.encode_stage import encode_stage
 from dynamo_cli.core.holds import Hold, Pool, Wanted, choose, choose_or_wait
 from dynamo_cli.core.output import Output
@@ -45,9 +45,11 @@ from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import (
     DEADLINE_ANNOTATION,
     GENERATE,
+    PARENT_SESSION_ANNOTATION,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
+    SESSION_ANNOTATION,
     GenerateRequest,
 )
 
@@ -128,6 +130,10 @@ class ToRouters:
             annotations[PRIORITY_ANNOTATION] = str(queued.priority)
         if queued.deadline is not None:
             annotations[DEADLINE_ANNOTATION] = str(max(0, round((queued.deadline - time.monotonic()) * 1000)))
+        if plan.session is not None:
+            annotations[SESSION_ANNOTATION] = plan.session.id
+            if plan.session.parent is not None:
+                annotations[PARENT_SESSION_ANNOTATION] = plan.session.parent
         return annotations
 
     async def settle(self, dispatch: Dispatch) -> None:
@@ -160,6 +166,8 @@ class DispatchRules:
     """When a model with prefill workers has its prompt prefilled remotely."""
     queue: QueueConfig = QueueConfig()
     """How long, in what order and how many requests wait when every worker is busy."""
+    sessions: SessionConfig = SessionConfig()
+    """Session affinity: how long a session stays bound, how firmly, how many are remembered."""
     migrates_after_output: bool = True
     """False (`dyn router`): once tokens went out, a failure goes back to the caller, which migrates."""
     metrics: DispatchMetrics = field(default_factory=NoMetrics)
@@ -194,7 +202,15 @@ class Dispatch:
         self.is_aborted = False
         self.lora_loaded: bool | None = None
         """With a LoRA adapter: whether the chosen worker had it loaded (False: it loads it first)."""
-        self._pool = Pool(entry.name, entry.workers, entry.policy, queue=entry.queue, replicas=rules.replicas)
+        self._pool = Pool(
+            entry.name,
+            entry.workers,
+            entry.policy,
+            queue=entry.queue,
+            replicas=rules.replicas,
+            sessions=entry.sessions,
+            session_rules=rules.sessions,
+        )
         self._hold: Hold | None = None
         """The claim on `worker` (core/holds.py), from its choice to its release."""
         self._excluded: set[int] = set()
@@ -309,6 +325,7 @@ class Dispatch:
             plan.request.lora,
             plan.queued.priority < LOWEST_CLIENT_PRIORITY,
             plan.request.images,
+            plan.session,
         )
 
     def _took(self, hold: Hold) -> Worker:

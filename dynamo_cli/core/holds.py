@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynamo_cli.config import BusyThresholds, QueueConfig
+from dynamo_cli.config import BusyThresholds, QueueConfig, SessionConfig
+from dynamo_cli.core.affinity import Affinity, affinity_of
 from dynamo_cli.core.queue import BACKGROUND_WAIT_S, QueuedRequest, WaitQueue
 from dynamo_cli.core.registry import Worker, free_of_prefill, not_busy
 from dynamo_cli.core.waits import interruptible
 from dynamo_cli.errors import NoWorkers, Overloaded
 from dynamo_cli.kv.images import ImageRun
 from dynamo_cli.routing.base import RouteDecision, RouteRequest, RoutingPolicy
+from dynamo_cli.routing.sessions import Session, SessionTable
 from dynamo_cli.routing.target import Target, targets_of
 from dynamo_cli.wire import GenerateRequest
 
@@ -63,6 +65,9 @@ class Pool:
     """The model's wait queue: a release frees a place in it, a first token may let background work in."""
     replicas: ReplicaSync | None = None
     """Router replicas that share this pool's decisions, first tokens and ends."""
+    sessions: SessionTable | None = None
+    """Where each session's last call went (the model's; None: a pool without session affinity)."""
+    session_rules: SessionConfig = SessionConfig()
 
 
 UNCHOSEN = Pool("", {})
@@ -83,6 +88,8 @@ class Wanted:
     """Background work (a batch line) goes only to a worker prefilling nothing this process sent it."""
     images: Sequence[ImageRun] = ()
     """The prompt's images (their placeholders route as their content)."""
+    session: Session | None = None
+    """The agent session of the call (core/affinity.py)."""
 
 
 class Hold:
@@ -183,7 +190,8 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
     where = pool.where or f"model '{pool.model}'"
     if not candidates:
         raise NoWorkers(where)
-    pinned = wanted.pinned
+    affinity = affinity_of(pool.sessions, pool.session_rules, wanted.session, workers)
+    pinned = wanted.pinned if wanted.pinned is not None or affinity is None else affinity.pin(candidates)
     if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
         candidates = [pinned]
     lora = wanted.lora
@@ -200,7 +208,9 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
     else:
         load_s = {w: workers[w].adapters.cost_s(lora) for w in candidates} if lora else None
         route = RouteRequest(wanted.request_id, wanted.token_ids, pinned, lora, load_s, wanted.images)
-        decision = policy.select(route, pool_targets(workers, candidates))
+        decision = _select(policy, route, pool_targets(workers, candidates), candidates, affinity)
+    if affinity is not None and pool.sessions is not None:
+        pool.sessions.bind(affinity.session.id, decision.target, pool.session_rules.max_entries)
     worker = workers[decision.worker_id]
     lora_loaded = None
     if lora:
@@ -208,8 +218,23 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
         worker.adapters.routed(lora)
     hold = Hold(worker, wanted.request_id, pool, decision, lora_loaded)
     if pool.replicas is not None and policy is not None:
-        pool.replicas.added(pool.model, wanted.request_id, policy)  # type: ignore[arg-type]
+        session = affinity.session.id if affinity is not None else ""
+        pool.replicas.added(pool.model, wanted.request_id, policy, session)  # type: ignore[arg-type]
     return hold
+
+
+def _select(
+    policy: RoutingPolicy,
+    route: RouteRequest,
+    targets: Sequence[Target],
+    candidates: Sequence[int],
+    affinity: Affinity | None,
+) -> RouteDecision:
+    """The policy's decision, steered by the session's affinity where there is one (core/affinity.py)."""
+    if affinity is None:
+        return policy.select(route, targets)
+    route, why = affinity.steer(policy, route, candidates, targets)
+    return affinity.explained(policy.select(route, targets), why)
 
 
 def pool_targets(workers: dict[int, Worker], candidates: Sequence[int]) -> list[Target]:

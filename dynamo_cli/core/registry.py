@@ -26,6 +26,7 @@ from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.lora.routing import AdapterView
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RoutingPolicy
+from dynamo_cli.routing.sessions import SessionTable
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Connections, Instance, InstanceRecord, InstanceWatch
 from dynamo_cli.runtime.names import EndpointName
@@ -113,6 +114,8 @@ class ModelEntry:
     """Requests waiting for one of `workers` to stop being busy (core/queue.py)."""
     adapters: dict[str, int] = field(default_factory=dict)
     """LoRA adapter -> how many of its aggregated or decode workers serve it (each adapter a model too)."""
+    sessions: SessionTable = field(default_factory=SessionTable)
+    """Session id -> the worker (and rank) of its last call (routing/sessions.py)."""
 
     def pool(self, role: Role) -> dict[int, Worker]:
         if role is Role.ENCODE:

@@ -58,6 +58,8 @@ class SequenceAdded(msgspec.Struct, frozen=True, kw_only=True, tag="added"):
     """The prompt's unique sequence hashes (its active blocks)."""
     prefill_tokens: int
     """Prompt tokens the worker must compute (not cached there)."""
+    session: str = ""
+    """The agent session of the request ("": none): peers bind it to the same target (core/affinity.py)."""
 
 
 class PrefillCompleted(msgspec.Struct, frozen=True, tag="prefill_completed"):
@@ -84,8 +86,12 @@ class ActiveSequenceEvent(msgspec.Struct, frozen=True, kw_only=True):
 class ReplicaSync:
     """Publishes this replica's routing events and applies its peers' to the registry's policies."""
 
-    def __init__(self, bus: EventBus, namespace: str, router_id: int, registry: Registry[Any]) -> None:
+    def __init__(
+        self, bus: EventBus, namespace: str, router_id: int, registry: Registry[Any], max_sessions: int = 65_536
+    ) -> None:
         self.subject = component_subject(namespace, ROUTER_COMPONENT, SYNC_TOPIC)
+        self.max_sessions = max_sessions
+        """The session table's bound (`--router-session-table-size`): peers' sessions are bound here too."""
         self.router_id = router_id
         self.num_dropped = 0
         """Own events dropped because the outbox was full."""
@@ -106,13 +112,17 @@ class ReplicaSync:
 
     ##### This replica's decisions -> peers #####
 
-    def added(self, model: str, request_id: str, policy: KvRoutingPolicy) -> None:
-        """Announce a request `policy` just counted (reads its worker, blocks and prefill back)."""
+    def added(self, model: str, request_id: str, policy: KvRoutingPolicy, session: str = "") -> None:
+        """Announce a request `policy` just counted (reads its worker, blocks and prefill back), of `session`."""
         active = policy.sequences.describe(request_id)
         if active is not None:
             target, hashes, prefill_tokens = active
             added = SequenceAdded(
-                worker_id=target.worker, dp_rank=target.rank, block_hashes=list(hashes), prefill_tokens=prefill_tokens
+                worker_id=target.worker,
+                dp_rank=target.rank,
+                block_hashes=list(hashes),
+                prefill_tokens=prefill_tokens,
+                session=session,
             )
             self._send(model, request_id, added)
 
@@ -174,7 +184,10 @@ class ReplicaSync:
         if type(data) is SequenceAdded:
             if data.worker_id not in entry.workers:  # type: ignore[union-attr]
                 return  # a worker this replica saw leave (or not yet join): its load is not tracked
-            policy.add_remote(key, Target(data.worker_id, data.dp_rank), data.block_hashes, data.prefill_tokens)
+            target = Target(data.worker_id, data.dp_rank)
+            policy.add_remote(key, target, data.block_hashes, data.prefill_tokens)
+            if data.session:
+                entry.sessions.bind(data.session, target, self.max_sessions)  # type: ignore[union-attr]
             in_flight.add((event.model, key))
         elif type(data) is PrefillCompleted:
             policy.on_first_token(key)

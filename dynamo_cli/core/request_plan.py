@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.errors import ContextOverflow
 from dynamo_cli.kv.handles import TransferReport
+from dynamo_cli.routing.sessions import Session
 from dynamo_cli.wire import GenerateRequest
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class RequestPlan:
     trace: RequestTrace | None = None
     """The request's span in this process, to which the core adds its hops' (tracing on and the request
     traced); its `annotations` are already on `request`."""
+    session: Session | None = None
+    """The agent session it belongs to (`x-dyn-session-id`): its calls go where its last one went."""
 
     @property
     def request_id(self) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dynamo_cli.config import BusyThresholds, DisaggConfig, HealthChecks, QueueConfig
+from dynamo_cli.config import BusyThresholds, DisaggConfig, HealthChecks, QueueConfig, SessionConfig
 from dynamo_cli.core.dispatch import DispatchRules, ToWorkers, Upstream
 from dynamo_cli.core.feeds import follow_workers
 from dynamo_cli.core.health import HealthMonitor
@@ -43,6 +43,7 @@ class Routing:
     """Share each decision, first token and end with the other routers of the namespace."""
     upstream: Upstream = field(default_factory=ToWorkers)
     migrates_after_output: bool = True
+    sessions: SessionConfig = SessionConfig()
     watches_workers: bool = True
     """False behind `dyn router`s: the routers probe their backends and apply the stall deadline."""
 
@@ -71,7 +72,8 @@ def routing_stack(
     routing: Routing, registry: Registry[Any], metrics: StackMetrics, bus: EventBus, namespace: str, replica_id: int
 ) -> RoutingStack:
     """The stack of a process that routes as `routing` says over `registry`, counting into `metrics`."""
-    sync = ReplicaSync(bus, namespace, replica_id, registry) if routing.replica_sync else None
+    max_sessions = routing.sessions.max_entries
+    sync = ReplicaSync(bus, namespace, replica_id, registry, max_sessions) if routing.replica_sync else None
     watches = routing.watches_workers
     rules = DispatchRules(
         routing.migration_limit,
@@ -79,6 +81,7 @@ def routing_stack(
         upstream=routing.upstream,
         disagg=routing.disagg,
         queue=routing.queue,
+        sessions=routing.sessions,
         migrates_after_output=routing.migrates_after_output,
         metrics=metrics,
         replicas=sync,

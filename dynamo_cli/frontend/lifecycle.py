@@ -50,6 +50,7 @@ from dynamo_cli.frontend.served_models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.tools.chat import ChatPlan, prepare_chat
 from dynamo_cli.frontend.translation import Api
 from dynamo_cli.model.tokenizer import Tokenizer
+from dynamo_cli.routing.sessions import session_of
 from dynamo_cli.tracing.logs import enter_request
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 from dynamo_cli.wire import ImageInput, ImageSpec, SamplingParams
@@ -253,6 +254,7 @@ def _planner(
     client_id = client_request_id(headers.get(b"x-request-id"))
     pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
     priority, deadline = _priority(scope, headers)
+    session = session_of(headers)
 
     def plan(request_id: str, sampling: SamplingParams) -> RequestPlan:
         return plan_request(
@@ -269,6 +271,7 @@ def _planner(
             trace=trace,
             lora=lora,
             images=images,
+            session=session,
         )
 
     return plan

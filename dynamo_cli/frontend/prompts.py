@@ -24,6 +24,7 @@ from dynamo_cli.frontend.openai import (
 from dynamo_cli.frontend.served_models import ServedModel
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.model_card import ModelCard
+from dynamo_cli.routing.sessions import Session
 from dynamo_cli.wire import GenerateRequest, Guided, ImageInput, ImageSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ def plan_request(
     trace: RequestTrace | None = None,
     lora: str = "",
     images: list[ImageInput] | None = None,
+    session: Session | None = None,
 ) -> RequestPlan:
     """The plan of a request to `entry`'s model (with LoRA adapter `lora`, if not ""), or ContextOverflow when it
     cannot fit the context; a traced request carries its trace context to every worker (`trace.annotations`)."""
@@ -164,4 +166,4 @@ def plan_request(
     if trace is not None:
         request = msgspec.structs.replace(request, annotations=trace.annotations)
     queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
-    return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued, trace)
+    return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued, trace, session)

@@ -98,6 +98,7 @@ class Rest:
         healthy = bool(instances)
         body: dict[str, object] = {"status": "healthy" if healthy else "unhealthy", "frontend": f"{self.instance_id:x}"}
         body["instances"] = instances
+        body["sessions"] = {e.name: len(e.sessions) for e in self.registry.servable()}
         if not healthy:
             body["message"] = "No endpoints available"
         return JSONResponse(body, status_code=200 if healthy else 503)

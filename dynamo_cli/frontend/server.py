@@ -97,6 +97,22 @@ def _no_password() -> bytes:
     raise ConfigError("--tls-key-file is encrypted; pass an unencrypted PEM key (`openssl pkey -in KEY -out KEY2`)")
 
 
+def _routing(config: FrontendConfig, prefill_mode: str | None, behind_routers: bool) -> Routing:
+    """How the frontend routes: by itself, or through `dyn router`s that choose, queue and watch their backends."""
+    return Routing(
+        config.migration_limit,
+        config.busy,
+        config.disagg,
+        config.queue,
+        config.health,
+        kv_events="kv" in (config.router, prefill_mode),
+        replica_sync=config.replica_sync and config.router == "kv",  # `--router-replica-sync`
+        upstream=ToRouters() if behind_routers else ToWorkers(),
+        sessions=config.sessions,
+        watches_workers=not behind_routers,
+    )
+
+
 class FrontendService:
     """Owns the registry's watches, the event pumps and the HTTP server."""
 
@@ -115,17 +131,7 @@ class FrontendService:
             secret=config.planes.cluster_secret,
             prefill_policy_factory=policy_factory(config, prefill_mode),
         )
-        routing = Routing(
-            config.migration_limit,
-            config.busy,
-            config.disagg,
-            config.queue,
-            config.health,
-            kv_events="kv" in (config.router, prefill_mode),
-            replica_sync=config.replica_sync and config.router == "kv",  # `--router-replica-sync`
-            upstream=ToRouters() if behind_routers else ToWorkers(),
-            watches_workers=not behind_routers,
-        )
+        routing = _routing(config, prefill_mode, behind_routers)
         self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
         """The registry, rules, health monitor and replicas' sync this frontend routes with."""
         self.tracing = start_tracing(config.telemetry, "dyn-frontend")

@@ -45,6 +45,7 @@ from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
 from dynamo_cli.routing.base import RouteRequest
 from dynamo_cli.routing.kv_policy import KvRoutingPolicy, kv_policy_factory
+from dynamo_cli.routing.sessions import session_from
 from dynamo_cli.routing.target import Target
 from dynamo_cli.runtime.discovery import Discovery
 from dynamo_cli.runtime.endpoint import Endpoint
@@ -63,9 +64,11 @@ from dynamo_cli.wire import (
     DEADLINE_ANNOTATION,
     GENERATE,
     LORA,
+    PARENT_SESSION_ANNOTATION,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
+    SESSION_ANNOTATION,
     BestWorkerQuery,
     BestWorkerReply,
     GenerateChunk,
@@ -116,6 +119,7 @@ class RouterService:
             kv_events=config.kv_router.use_kv_events,
             replica_sync=True,
             migrates_after_output=False,  # the frontend migrates a stream that already relayed tokens
+            sessions=config.sessions,
         )
         self.stack = routing_stack(routing, self.registry, self.metrics, bus, config.namespace, discovery.lease_id)
         """The registry, rules, health monitor and replicas' sync this router routes with."""
@@ -327,7 +331,10 @@ def plan_of(request: GenerateRequest, trace: RequestTrace | None = None) -> Requ
     queued = QueuedRequest(priority, len(request.token_ids) + request.max_tokens, deadline)
     carried = trace.annotations if trace is not None else trace_context(request.annotations)
     plain = msgspec.structs.replace(request, annotations=carried) if request.annotations else request
-    return RequestPlan(plain, pinned_worker=pinned, queued=queued, trace=trace)
+    names = (SESSION_ANNOTATION, PARENT_SESSION_ANNOTATION)
+    annotations = request.annotations
+    session = session_from(annotations.get(names[0]), annotations.get(names[1]), names)
+    return RequestPlan(plain, pinned_worker=pinned, queued=queued, trace=trace, session=session)
 
 
 def _int_annotation(request: GenerateRequest, name: str, base: int = 10) -> int | None:
