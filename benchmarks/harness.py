@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -362,3 +362,21 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
 
 def _cell(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def alternated(
+    modes: Sequence[str],
+    repeats: int,
+    run: Callable[[str, int], dict[str, Any]],
+    describe: Callable[[dict[str, Any]], str],
+) -> list[dict[str, dict[str, Any]]]:
+    """`run(mode, repeat)` for every mode once per repeat, the order reversed every other repeat (so that a drift
+    of the machine falls on both sides of each ratio); each row printed with `describe` as it ends."""
+    runs: list[dict[str, dict[str, Any]]] = []
+    for repeat in range(repeats):
+        rows = {}
+        for mode in modes if repeat % 2 == 0 else list(modes)[::-1]:
+            rows[mode] = run(mode, repeat)
+            print(f"repeat {repeat + 1}, {mode}: {describe(rows[mode])}", flush=True)
+        runs.append(rows)
+    return runs

@@ -109,13 +109,15 @@ class Workload:
         return {"model": "smollm2", "messages": messages, "max_tokens": args.max_tokens, "stream": True}, is_repeat
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, float] | None:
-    """One streamed request: TTFT (first content chunk), prompt and cached tokens; None if it failed."""
-    body = {**body, "stream_options": {"include_usage": True}}
+async def one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> dict[str, float] | None:
+    """One streamed chat request: TTFT (first content chunk), prompt and cached tokens; None if it failed."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, usage = None, None
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as reply:
             if reply.status_code != 200:
                 return None
             async for line in reply.aiter_lines():
@@ -240,14 +242,7 @@ def ratios(runs: list[dict[str, dict[str, Any]]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_load = harness.loadavg()
-    modes = args.modes.split(",")
-    runs: list[dict[str, dict[str, Any]]] = []
-    for repeat in range(args.repeats):
-        rows = {}
-        for mode in modes if repeat % 2 == 0 else modes[::-1]:
-            rows[mode] = run_one(mode, args, args.seed + repeat)
-            print(f"repeat {repeat + 1}, {mode}: {_line(rows[mode])}", flush=True)
-        runs.append(rows)
+    runs = harness.alternated(args.modes.split(","), args.repeats, lambda m, r: run_one(m, args, args.seed + r), _line)
     medians = ratios(runs)
     harness.print_table([{"repeat": i + 1, **_cells(row)} for i, rows in enumerate(runs) for row in rows.values()])
     harness.print_table([{"ratio": name, "median": f"{value:.2f}"} for name, value in medians.items()])

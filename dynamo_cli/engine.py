@@ -50,6 +50,7 @@ class Feature(enum.Enum):
     GUIDED_JSON = "guided_json"  # constrained decoding to JSON / a JSON schema (response_format, tools)
     GUIDED_GRAMMAR = "guided_grammar"  # constrained decoding to an engine grammar (regex / GBNF)
     EMBEDDINGS = "embeddings"  # the engine serves `embed` (/v1/embeddings)
+    KV_RETAIN = "kv_retain"  # keeps a finished call's blocks resident for its session's next call (`retain_s`)
 
 
 class FinishReason(enum.Enum):

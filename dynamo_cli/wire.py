@@ -209,6 +209,11 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     None: a rank-blind engine, or no choice (the engine picks)."""
     images: list[ImageInput] = []
     """The prompt's images, in order, each a run of placeholders in `token_ids` (the card's `images`)."""
+    retain_s: float = 0.0
+    """Keep this call's KV blocks resident this long after it ends (`Feature.KV_RETAIN`; the agent hint
+    `resume_after_s`): its session calls again then. 0: the blocks are evictable at once, as usual."""
+    retain_key: str = ""
+    """What the retained blocks are kept for (the session): a later call of the same key takes them over."""
 
     def continued(self, token_ids: list[int], kv_transfer: KvHandle | None = None) -> GenerateRequest:
         """This request carried on after `token_ids` were generated (by a failed worker, or a prefill hop):

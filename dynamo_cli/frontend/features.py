@@ -40,13 +40,22 @@ FIELD_FEATURES: tuple[tuple[str, Feature, Callable[[Any], bool]], ...] = (
     ("min_p", Feature.MIN_P, _not_zero),
     ("logprobs", Feature.LOGPROBS, _set),  # chat: true; completions: 0..5 (0 still asks for the chosen token's)
     ("top_logprobs", Feature.LOGPROBS, _not_zero),
+    ("nvext.agent_hints.resume_after_s", Feature.KV_RETAIN, _set),
 )
 """Request field -> the Feature it needs -> whether a value asks for it (else it is the no-op)."""
 
 
 def asked(request: Any) -> list[tuple[str, Feature]]:
     """The (field, feature) pairs `request` asks for."""
-    return [(name, feature) for name, feature, is_asking in FIELD_FEATURES if is_asking(getattr(request, name, None))]
+    return [(name, feature) for name, feature, is_asking in FIELD_FEATURES if is_asking(_field(request, name))]
+
+
+def _field(request: Any, name: str) -> Any:
+    """The value at a dotted path (`nvext.agent_hints.resume_after_s`), None where a part is missing."""
+    value = request
+    for part in name.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def check_features(request: Any, card: ModelCard) -> None:

@@ -33,7 +33,7 @@ from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_he
 from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
 from dynamo_cli.frontend.media import LoadedImage
 from dynamo_cli.frontend.metrics import FrontendMetrics
-from dynamo_cli.frontend.openai import ChatCompletionRequest, OpenAiRequest
+from dynamo_cli.frontend.openai import ChatCompletionRequest, NvExt, OpenAiRequest
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.prompts import (
     chat_images,
@@ -185,7 +185,7 @@ class Lifecycle:
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
         stop, headers = stops_of(request), dict(scope["headers"])
-        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images)
+        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images, request.nvext)
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
@@ -248,12 +248,14 @@ def _planner(
     trace: RequestTrace | None,
     lora: str,
     images: list[ImageInput],
+    request_hints: NvExt | None,
 ) -> Callable[[str, SamplingParams], RequestPlan]:
     """The plan of each choice (its request id and sampling), from what the headers ask of all of them."""
     # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
     client_id = client_request_id(headers.get(b"x-request-id"))
     pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
-    priority, deadline = _priority(scope, headers)
+    hints = request_hints.agent_hints if request_hints is not None else None
+    priority, deadline = _priority(scope, headers, hints.priority if hints is not None else None)
     session = session_of(headers)
 
     def plan(request_id: str, sampling: SamplingParams) -> RequestPlan:
@@ -272,16 +274,19 @@ def _planner(
             lora=lora,
             images=images,
             session=session,
+            hints=hints,
         )
 
     return plan
 
 
-def _priority(scope: Scope, headers: dict[bytes, bytes]) -> tuple[int, float | None]:
-    """The request's place in the router queue: a client's headers, or an internal request's class and deadline."""
+def _priority(scope: Scope, headers: dict[bytes, bytes], hinted: int | None) -> tuple[int, float | None]:
+    """The request's place in the router queue: a client's headers (or its agent hint), or an internal request's
+    class and deadline."""
     internal_deadline = scope.get(INTERNAL_DEADLINE)
     if internal_deadline is not None:
         return INTERNAL_PRIORITY, float(internal_deadline)
     priority = int_header(headers.get(b"x-dyn-priority"), "x-dyn-priority", LOWEST_CLIENT_PRIORITY, 1000)
     deadline_ms = int_header(headers.get(b"x-dyn-deadline-ms"), "x-dyn-deadline-ms", 1, 86_400_000)
+    priority = priority if priority is not None else hinted
     return priority or 0, time.monotonic() + deadline_ms / 1000 if deadline_ms else None

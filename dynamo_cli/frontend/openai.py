@@ -67,6 +67,22 @@ LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Me
 MAX_CHOICES = 128
 
 
+class AgentHints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Dynamo's `nvext.agent_hints`, as far as they ask something this server does."""
+
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None
+    """The request's place in the wait queue (as `x-dyn-priority`, which wins when both are sent)."""
+    osl: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    """Expected output tokens: the wait queue's job size (sjf) counts these instead of max_tokens."""
+    resume_after_s: Annotated[float, Meta(gt=0.0, le=3600.0)] | None = None
+    """dyn's: the agent runs a tool now and calls again in about this long: the worker keeps this call's KV
+    blocks resident that long (within its retain budget) for the session's next call."""
+
+
+class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    agent_hints: AgentHints | None = None
+
+
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions.
 
@@ -99,6 +115,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Metadata (the caller's end-user id): accepted, asks nothing of generation."""
     metadata: dict[str, str] | None = None
     """Metadata: accepted, asks nothing of generation."""
+    nvext: NvExt | None = None
+    """Dynamo's extensions: agent hints (priority, expected output length, the resume of a session)."""
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):

@@ -14,6 +14,7 @@ from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.media import LoadedImage, load_images
 from dynamo_cli.frontend.openai import (
     IMAGE_MARKER,
+    AgentHints,
     ChatCompletionRequest,
     CompletionRequest,
     image_refs,
@@ -151,6 +152,7 @@ def plan_request(
     lora: str = "",
     images: list[ImageInput] | None = None,
     session: Session | None = None,
+    hints: AgentHints | None = None,
 ) -> RequestPlan:
     """The plan of a request to `entry`'s model (with LoRA adapter `lora`, if not ""), or ContextOverflow when it
     cannot fit the context; a traced request carries its trace context to every worker (`trace.annotations`)."""
@@ -162,8 +164,11 @@ def plan_request(
         sampling=sampling,
         lora=lora,
         images=images or [],
+        retain_s=(hints.resume_after_s or 0.0) if hints is not None else 0.0,
+        retain_key=session.id if session is not None else request_id,
     )
     if trace is not None:
         request = msgspec.structs.replace(request, annotations=trace.annotations)
-    queued = QueuedRequest(priority, len(prompt_ids) + wanted, deadline)
+    expected = min(hints.osl, wanted) if hints is not None and hints.osl is not None else wanted
+    queued = QueuedRequest(priority, len(prompt_ids) + expected, deadline)
     return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued, trace, session)

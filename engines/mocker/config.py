@@ -63,6 +63,7 @@ _KNOWN_KEYS = (
     "max_images",
     "image_encode_ms",
     "image_cache_size",
+    "kv_retain_fraction",
 )
 
 
@@ -142,6 +143,9 @@ class MockerConfig:
     CLIP-L/336 on one GPU)."""
     image_cache_size: int = 64
     """Encoded images kept, by digest, most recently used first (the embedding cache); 0: none."""
+    kv_retain_fraction: float = 0.5
+    """Share of the KV blocks that finished calls may keep pinned for their sessions' next calls (the agent hint
+    `resume_after_s`); 0: none (the hint is then refused: the card lacks `kv_retain`)."""
 
     @property
     def is_ranked(self) -> bool:
@@ -241,6 +245,7 @@ def _image_options(extra: dict[str, Any]) -> dict[str, Any]:
         "max_images": _positive_int("max_images", extra.get("max_images", 8)),
         "image_encode_ms": _non_negative_float("image_encode_ms", extra.get("image_encode_ms", 20.0)),
         "image_cache_size": _non_negative_int("image_cache_size", extra.get("image_cache_size", 64), "0: none"),
+        "kv_retain_fraction": _fraction("kv_retain_fraction", extra.get("kv_retain_fraction", 0.5)),
     }
 
 
@@ -269,6 +274,12 @@ def _positive_float(key: str, value: Any) -> float:
 def _non_negative_float(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"mocker option {key} must be a number >= 0 (0 disables it), got {value!r}")
+    return float(value)
+
+
+def _fraction(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"mocker option {key} must be a share from 0 to 1, got {value!r}")
     return float(value)
 
 

@@ -120,6 +120,7 @@ class MockerEngine:
                 preemption_mode=config.preemption_mode,
                 decode_kv_input=config.decode_kv_input,
                 prefilled_admission=config.prefilled_admission,
+                retain_blocks=retain_blocks(config),
             ),
             self._timing,
         )
@@ -339,6 +340,7 @@ class MockerEngine:
             is_prefilled=handoff.is_prefilled,
             hash_seed=lora_seed(request.lora),
         )
+        mock.retain_s, mock.retain_key = request.retain_s, request.retain_key
         return mock, handoff
 
     def _check_request(self, request: GenerateRequest) -> None:
@@ -414,9 +416,15 @@ def engine_info(config: MockerConfig) -> EngineInfo:
         max_num_batched_tokens=config.max_num_batched_tokens,
         vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
         extra=_info_extra(config),
-        features=frozenset({Feature.LOGPROBS}),  # fakes: see the module docstring
+        # logprobs are fakes (see the module docstring); kv_retain pins a session's blocks for its next call
+        features=frozenset({Feature.LOGPROBS}) | ({Feature.KV_RETAIN} if retain_blocks(config) else set()),
         images=image_spec(config),
     )
+
+
+def retain_blocks(config: MockerConfig) -> int:
+    """Blocks finished calls may keep pinned for their sessions (none without prefix caching)."""
+    return int(config.kv_retain_fraction * config.num_gpu_blocks) if config.enable_prefix_caching else 0
 
 
 def _info_extra(config: MockerConfig) -> dict[str, object]:

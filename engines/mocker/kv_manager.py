@@ -42,6 +42,8 @@ class KvManager:
         "_meta",
         "collect_evicted",
         "evicted",
+        "_pins",
+        "_pinned",
     )
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -59,6 +61,11 @@ class KvManager:
         """Keep evicted full blocks in `evicted` (a tier below takes them); set before the first allocation."""
         self.evicted: list[tuple[int, int, int | None]] = []
         """(sequence hash, tokens hash, parent hash) of the blocks evicted since the owner last emptied it."""
+        self._pins: OrderedDict[str, tuple[float, list[int]]] = OrderedDict()
+        """Retain key -> (until, the full blocks of its last call): oldest first. Pinned blocks are cached as any
+        released block, but evicted only once no unpinned cached block is left."""
+        self._pinned: dict[int, str] = {}
+        """Pinned block -> its pin's key."""
 
     ##### Queries #####
 
@@ -139,8 +146,44 @@ class KvManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks tail-first; full ones stay cached for prefix reuse."""
         table = self._tables.pop(request_id, None)
+        if table is not None:
+            self._release(table)
+
+    ##### Retained blocks (agent sessions) #####
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
+
+    def retain(self, request_id: str, key: str, until: float, budget: int) -> None:
+        """Release a finished request's blocks, its full ones pinned until `until` (in the owner's clock) for `key`'s
+        next request: cached, and evicted after every unpinned cached block. The key's older pin goes, and the
+        oldest pins go while more than `budget` blocks would be pinned."""
+        table = self._tables.pop(request_id, None)
         if table is None:
             return
+        self._release(table)
+        self.release_pin(key)
+        full = [block for block in table if block >= 0 and block not in self._pinned]
+        self._pins[key] = (until, full)
+        self._pinned.update(dict.fromkeys(full, key))
+        while len(self._pinned) > budget and self._pins:
+            self.release_pin(next(iter(self._pins)))
+
+    def release_pin(self, key: str) -> None:
+        """`key`'s pin ends (its next request holds the blocks now, or its time is up): they are cached as usual."""
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            for block in pin[1]:
+                if self._pinned.get(block) == key:
+                    del self._pinned[block]
+
+    def expire_pins(self, now: float) -> None:
+        """End the pins whose time is up."""
+        for key in [key for key, (until, _) in self._pins.items() if until <= now]:
+            self.release_pin(key)
+
+    def _release(self, table: list[int]) -> None:
         active, inactive = self._active, self._inactive
         for key in reversed(table):
             count = active[key] - 1
@@ -225,11 +268,27 @@ class KvManager:
     def _evict(self, count: int) -> None:
         if count <= 0:
             return
-        removed = [self._inactive.popitem(last=False)[0] for _ in range(count)]
+        if self._pinned:
+            removed = self._victims(count)
+            for key in removed:
+                del self._inactive[key]
+                self._pinned.pop(key, None)
+        else:
+            removed = [self._inactive.popitem(last=False)[0] for _ in range(count)]
         self._events.append(BlockRemoved(block_hashes=removed))
         if self.collect_evicted:
             meta = self._meta
             self.evicted.extend((key, *meta.pop(key)) for key in removed)
+
+    def _victims(self, count: int) -> list[int]:
+        """The `count` blocks to evict with pins held: unpinned ones least recently released first, then pinned."""
+        pinned, victims = self._pinned, []
+        for key in self._inactive:
+            if key not in pinned:
+                victims.append(key)
+                if len(victims) == count:
+                    return victims
+        return victims + [key for key in self._inactive if key in pinned][: count - len(victims)]
 
     def _fill_full(
         self,

@@ -15,8 +15,9 @@ per-request RNG, time from `TimingModel`. The options that keep dyn's earlier ru
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dynamo_cli.kv.hashing import HASH_SEED, hash_blocks
@@ -45,6 +46,8 @@ class MockRequest:
         "local_hashes",
         "hash_seed",
         "encode_ms",
+        "retain_s",
+        "retain_key",
         "_rng",
     )
 
@@ -72,6 +75,9 @@ class MockRequest:
         """Its blocks' token-local hash seed: its LoRA adapter's (`lora_seed`), else the base model's."""
         self.encode_ms = 0.0
         """Vision encoder time its images still owe (images.py): added to the pass that first schedules it."""
+        self.retain_s = 0.0
+        self.retain_key = ""
+        """Its blocks stay pinned `retain_s` after it ends, for `retain_key`'s next request (agent sessions)."""
         self._rng = random.Random(seed)
         self.extend_hashes(block_size)
 
@@ -138,6 +144,8 @@ class SchedulerConfig:
     """The decode term's KV usage. "decoding_tokens" (Dynamo 1.6.1): the tokens of the requests decoding this
     pass over the cache's tokens, and no decode term when none decodes; "active_blocks" (dyn before issue 35):
     the blocks referenced over the cache's blocks, in every pass that emits a token."""
+    retain_blocks: int = 0
+    """Blocks that finished requests may keep pinned for their sessions' next calls (0: none)."""
     prefilled_admission: str = "materialized"
     """A request whose KV came from a prefill worker. "materialized" (Dynamo 1.6.1): it joins with every token
     computed, takes none of the token budget and emits in its first pass; "prompt" (dyn before issue 35): it
@@ -155,9 +163,12 @@ class Scheduler:
         "running",
         "num_prefill_tokens_computed",
         "num_prefill_tokens_cached",
+        "clock",
     )
 
     def __init__(self, kv: KvManager, config: SchedulerConfig, timing: TimingModel) -> None:
+        self.clock: Callable[[], float] = time.monotonic
+        """When pinned blocks are due (retained requests)."""
         self.kv = kv
         self.config = config
         self.timing = timing
@@ -194,6 +205,8 @@ class Scheduler:
         """Run one pass: schedule, compute, emit one token per ready request, release finished ones."""
         budget = self.config.max_num_batched_tokens
         scheduled: _Scheduled = []
+        if self.kv.num_pinned_blocks:
+            self.kv.expire_pins(self.clock())
         budget, num_preempted = self._schedule_running(budget, scheduled)
         if num_preempted == 0:
             self._schedule_waiting(budget, scheduled)
@@ -246,6 +259,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             waiting.popleft()
+            if request.retain_key:  # its session's last call's pin: this request holds those blocks now
+                kv.release_pin(request.retain_key)
             running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
@@ -325,8 +340,12 @@ class Scheduler:
             return
         done = {id(r) for r in finished}
         self.running = [r for r in self.running if id(r) not in done]
+        retain, until = self.config.retain_blocks, self.clock()
         for request in finished:
-            self.kv.free(request.request_id)
+            if request.retain_s and retain:
+                self.kv.retain(request.request_id, request.retain_key, until + request.retain_s, retain)
+            else:
+                self.kv.free(request.request_id)
 
     def _preempt(self, request: MockRequest) -> None:
         # Recompute: the generated tokens so far become part of the prompt to prefill again.

@@ -84,3 +84,25 @@ def test_dyn_router_replicas_keep_sessions(dyn_serve) -> None:  # type: ignore[n
     for turn in range(1, 8):
         time.sleep(0.05)
         assert call(d, "agent", turn) == first
+
+
+def test_agent_hints_are_honoured_or_refused_naming_the_field(served: DynProcess, dyn_serve) -> None:  # type: ignore[no-untyped-def]
+    hints = {"priority": 5, "osl": 16, "resume_after_s": 30.0}
+    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    reply = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={**body, "nvext": {"agent_hints": hints}},
+        headers={**served.auth, "x-dyn-session-id": "hinted"},
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text  # the mocker keeps the blocks (kv_retain)
+    for bad, param in (({"resume_after_s": 0}, "nvext.agent_hints.resume_after_s"), ({"tier": 1}, "nvext.agent_hints")):
+        refused = httpx.post(
+            f"{served.url}/v1/chat/completions", json={**body, "nvext": {"agent_hints": bad}}, headers=served.auth
+        )
+        assert refused.status_code == 400 and param in refused.json()["error"]["message"], refused.text
+    plain = dyn_serve(*MOCKER, "--engine-arg", "kv_retain_fraction=0")
+    refused = httpx.post(
+        f"{plain.url}/v1/chat/completions", json={**body, "nvext": {"agent_hints": hints}}, headers=plain.auth
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "nvext.agent_hints.resume_after_s"

@@ -174,3 +174,38 @@ def test_usage_is_the_fraction_of_blocks_referenced() -> None:
     assert kv.usage == 3 / 8
     kv.free("a")
     assert kv.usage == 0.0
+
+
+def test_a_retained_calls_blocks_are_evicted_last_until_its_session_returns_or_its_time_is_up() -> None:
+    kv = KvManager(num_blocks=6, block_size=BS)
+    session = list(range(100, 108))  # 2 full blocks
+    assert allocate(kv, "call-1", session + [1])
+    kv.retain("call-1", "agent", until=10.0, budget=3)
+    assert kv.num_pinned_blocks == 2 and kv.num_active_blocks == 0  # cached, pinned
+    for i in range(5):  # other traffic churns the cache: the unpinned blocks go first
+        assert allocate(kv, f"other-{i}", list(range(200 + 16 * i, 216 + 16 * i)))
+        kv.free(f"other-{i}")
+    assert kv.num_prefix_hits(sequence_hashes(session, BS)) == 2
+    assert allocate(kv, "call-2", session + [2, 3])  # the session returns: its blocks are there
+    kv.release_pin("agent")
+    kv.free("call-2")
+    assert kv.num_pinned_blocks == 0
+    assert allocate(kv, "call-3", session + [4])
+    kv.retain("call-3", "agent", until=10.0, budget=3)
+    assert allocate(kv, "big", list(range(300, 324)))  # 6 blocks: the pinned ones too are evicted, no failure
+    assert kv.num_prefix_hits(sequence_hashes(session, BS)) == 0 and kv.num_pinned_blocks == 0
+    kv.free("big")
+    assert allocate(kv, "call-4", session + [5])
+    kv.retain("call-4", "agent", until=10.0, budget=3)
+    kv.expire_pins(now=9.9)
+    assert kv.num_pinned_blocks == 2
+    kv.expire_pins(now=10.0)
+    assert kv.num_pinned_blocks == 0 and kv.num_cached_blocks >= 2  # cached as usual
+
+
+def test_pins_beyond_the_budget_go_oldest_first() -> None:
+    kv = KvManager(num_blocks=16, block_size=BS)
+    for i in range(3):
+        assert allocate(kv, f"c{i}", list(range(16 * i, 16 * i + 8)))
+        kv.retain(f"c{i}", f"s{i}", until=100.0, budget=4)
+    assert kv.num_pinned_blocks == 4  # s0's two blocks were let go for s2's
