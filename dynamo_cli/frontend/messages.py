@@ -1,9 +1,13 @@
-"""`POST /v1/messages`: Anthropic's Messages API (text only) as a translation onto chat completions.
+"""`POST /v1/messages`: Anthropic's Messages API as a translation onto chat completions.
 
 NOTE: as for /v1/responses, only the shape is this module's: the request becomes a
-`ChatCompletionRequest` (system -> a system message, stop_sequences -> stop) and runs through the same
-preparation and dispatch; the reply is Anthropic's message object, or its event stream (message_start,
-content_block_start, content_block_delta, content_block_stop, message_delta, message_stop).
+`ChatCompletionRequest` (system -> a system message, stop_sequences -> stop, tools -> functions, tool_choice
+auto/any/tool/none -> auto/required/named/none, an assistant's `tool_use` blocks -> its tool_calls, a user's
+`tool_result` blocks -> role tool messages, images -> image_url parts) and runs through the same preparation and
+dispatch; the reply is Anthropic's message object, or its event stream (message_start, then per content block
+content_block_start / content_block_delta (text_delta, thinking_delta, input_json_delta) / content_block_stop,
+message_delta with the stop reason and usage, message_stop). With tools or a reasoning parser the blocks are known
+once the output ends (the tool-call parser holds the text until then): they are sent then, in order.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ from dynamo_cli.frontend.openai import (
     decode_body,
 )
 from dynamo_cli.frontend.pipeline import Generation
+from dynamo_cli.frontend.tools.types import (
+    MAX_TOOLS,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolChoice,
+)
 
 _json = msgspec.json.encode
 
@@ -49,9 +63,49 @@ class ImageBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_f
     source: ImageSource
 
 
+class ToolUseBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="tool_use"):
+    """An assistant's call, in the conversation so far."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    name: Annotated[str, Meta(min_length=1, max_length=128)]
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="tool_result"):
+    """A call's result, in the user turn after it."""
+
+    tool_use_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class AnthropicTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    """type tool: the tool to call."""
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="thinking"):
+    """An assistant's reasoning sent back in the history (coding agents do): dropped from the prompt, as chat
+    templates drop earlier reasoning."""
+
+    thinking: str
+    signature: str = ""
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
 class AnthropicMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock | ImageBlock]
+    content: str | list[Block]
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,6 +121,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
+    tools: Annotated[list[AnthropicTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
     """Metadata (Anthropic's user_id): accepted, asks nothing of generation."""
 
@@ -108,13 +164,55 @@ def _image_url(source: ImageSource, where: str) -> str:
     return f"data:{source.media_type};base64,{source.data}"
 
 
+def _turns(m: AnthropicMessage, where: str) -> list[Message]:
+    """One Anthropic message as chat messages: an assistant's text and tool calls; a user's tool results (role
+    tool messages, in order) then the rest of its content."""
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    uses = [block for block in m.content if isinstance(block, ToolUseBlock)]
+    results = [block for block in m.content if isinstance(block, ToolResultBlock)]
+    rest: list[TextBlock | ImageBlock] = [b for b in m.content if isinstance(b, TextBlock | ImageBlock)]
+    if m.role == "user" and uses or m.role == "assistant" and (results or any(isinstance(b, ImageBlock) for b in rest)):
+        raise RequestError(f"{where}: a {m.role} message cannot hold those blocks", param=where)
+    if m.role == "assistant":
+        calls = [
+            ToolCall(id=u.id, function=ToolCallFunction(name=u.name, arguments=msgspec.json.encode(u.input).decode()))
+            for u in uses
+        ]
+        return [Message(role="assistant", content=_text(rest), tool_calls=calls or None)]  # type: ignore[arg-type]
+    out = [
+        Message(role="tool", tool_call_id=r.tool_use_id, content=("error: " if r.is_error else "") + _text(r.content))
+        for r in results
+    ]
+    if rest or not results:
+        out.append(Message(role="user", content=_parts(rest, where)))
+    return out
+
+
+def _tool_choice(choice: AnthropicToolChoice | None, tools: list[Tool]) -> ToolChoice | None:
+    if choice is None or not tools:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise RequestError("tool_choice type tool needs a name", param="tool_choice.name")
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]  # type: ignore[return-value]
+
+
 def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     """The chat request that computes this message."""
     messages = [Message(role="system", content=_text(request.system))] if request.system else []
-    messages += [
-        Message(role=m.role, content=_parts(m.content, f"messages[{i}]")) for i, m in enumerate(request.messages)
+    for i, m in enumerate(request.messages):
+        messages += _turns(m, f"messages[{i}]")
+    tools = [
+        Tool(type="function", function=FunctionDef(name=t.name, description=t.description, parameters=t.input_schema))
+        for t in request.tools or ()
     ]
+    parallel = request.tool_choice is None or not request.tool_choice.disable_parallel_tool_use
     return ChatCompletionRequest(
+        tools=tools or None,
+        tool_choice=_tool_choice(request.tool_choice, tools),
+        parallel_tool_calls=parallel,
         model=request.model,
         messages=messages,
         max_tokens=request.max_tokens,
@@ -140,12 +238,15 @@ class MessageWriter:
         reason = None if text is None else _STOP_REASONS.get(g.finish_reason or "length", "end_turn")
         if reason == "end_turn" and g.is_stopped:
             reason = "stop_sequence"
+        blocks = [] if text is None else self.blocks(text)
+        if any(block["type"] == "tool_use" for block in blocks) and reason == "end_turn":
+            reason = "tool_use"
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": g.dispatch.model,
-            "content": [] if text is None else [{"type": "text", "text": text}],
+            "content": blocks,
             "stop_reason": reason,
             "stop_sequence": None,
             "usage": {
@@ -154,18 +255,40 @@ class MessageWriter:
             },
         }
 
+    def blocks(self, text: str) -> list[dict[str, Any]]:
+        """The content blocks of the whole output: thinking, text, tool_use (through the chat output's parsers)."""
+        output = self.generation.output
+        if output is None:
+            return [{"type": "text", "text": text}]
+        message = output.message(text)
+        blocks: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+        if message.get("content"):
+            blocks.append({"type": "text", "text": message["content"]})
+        for call in message.get("tool_calls") or ():
+            arguments = _arguments(call["function"]["arguments"])
+            blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments})
+        return blocks or [{"type": "text", "text": ""}]
+
     async def body(self) -> bytes:
         return _json(self.message("".join([piece async for piece in self.generation.text()])))
 
     async def events(self) -> AsyncIterator[bytes]:
         yield _event("message_start", message=self.message(None))
-        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-        pieces = []
-        async for piece in self.generation.text():
-            pieces.append(piece)
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
-        yield _event("content_block_stop", index=0)
-        final = self.message("".join(pieces))
+        if self.generation.output is not None:  # tools or reasoning: the blocks are known at the end
+            final = self.message("".join([piece async for piece in self.generation.text()]))
+            for index, block in enumerate(final["content"]):
+                for event in _block_events(index, block):
+                    yield event
+        else:
+            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            pieces = []
+            async for piece in self.generation.text():
+                pieces.append(piece)
+                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+            yield _event("content_block_stop", index=0)
+            final = self.message("".join(pieces))
         yield _event(
             "message_delta",
             delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
@@ -175,6 +298,35 @@ class MessageWriter:
 
     def error_event(self, exc: Exception) -> bytes:
         return _event("error", error={"type": "api_error", "message": str(exc)})
+
+
+def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
+    """One whole content block as its start, delta and stop events."""
+    kind = block["type"]
+    if kind == "tool_use":
+        start = {**block, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": msgspec.json.encode(block["input"]).decode()}
+    elif kind == "thinking":
+        start, delta = (
+            {"type": "thinking", "thinking": "", "signature": ""},
+            {"type": "thinking_delta", "thinking": block["thinking"]},
+        )
+    else:
+        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+    return [
+        _event("content_block_start", index=index, content_block=start),
+        _event("content_block_delta", index=index, delta=delta),
+        _event("content_block_stop", index=index),
+    ]
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's arguments as an object (Anthropic's `input`); text that is not one is kept under "arguments"."""
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return {"arguments": text}
+    return value if isinstance(value, dict) else {"arguments": value}
 
 
 def _event(kind: str, **fields: Any) -> bytes:

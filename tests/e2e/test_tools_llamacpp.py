@@ -259,3 +259,75 @@ def test_an_engine_without_guided_decoding_refuses_naming_field_and_engine(dyn_s
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
     plain = c.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=4)
     assert plain.choices[0].finish_reason in ("stop", "length")  # auto needs no constraint: served
+
+
+##### The same through Anthropic's Messages API (a coding agent's surface) #####
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+
+
+def anthropic_client(d: DynProcess) -> Any:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=d.url, api_key=d.api_key, max_retries=0, timeout=60)
+
+
+def test_a_messages_api_tool_use_round_trip_with_the_official_client(served: DynProcess) -> None:
+    c = anthropic_client(served)
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "tool", "name": "get_weather"}
+    first = c.messages.create(
+        model="smollm2",
+        max_tokens=40,
+        messages=messages,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice=choice,
+        extra_body={"temperature": 0},
+    )
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather"
+    jsonschema.validate(use.input, PARAMETERS["get_weather"])
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 degrees."}]},
+    ]
+    final = c.messages.create(
+        model="smollm2", max_tokens=24, messages=messages, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"}
+    )
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.content[0].type == "text"
+    assert final.content[0].text
+
+
+def test_a_streamed_tool_use_comes_in_anthropics_event_order(served: DynProcess) -> None:
+    c = anthropic_client(served)
+    kinds = []
+    with c.messages.stream(
+        model="smollm2",
+        max_tokens=60,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},  # "any" lets the tiny model ramble past max_tokens
+        extra_body={"temperature": 0},
+    ) as stream:
+        for event in stream:
+            if event.type in ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                              "message_delta", "message_stop"):  # fmt: skip
+                detail = getattr(getattr(event, "content_block", None) or getattr(event, "delta", None), "type", "")
+                kinds.append(f"{event.type}:{detail}" if event.type.startswith("content_block") else event.type)
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_start:tool_use" in kinds and "content_block_delta:input_json_delta" in kinds
+    starts = [i for i, k in enumerate(kinds) if k.startswith("content_block_start")]
+    stops = [i for i, k in enumerate(kinds) if k.startswith("content_block_stop")]
+    assert len(starts) == len(stops) and all(a < b for a, b in zip(starts, stops, strict=True))
+    assert final.stop_reason == "tool_use"
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert use.name in {t["name"] for t in ANTHROPIC_TOOLS} and isinstance(use.input, dict)
