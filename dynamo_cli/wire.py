@@ -213,7 +213,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     """Keep this call's KV blocks resident this long after it ends (`Feature.KV_RETAIN`; the agent hint
     `resume_after_s`): its session calls again then. 0: the blocks are evictable at once, as usual."""
     retain_key: str = ""
-    """What the retained blocks are kept for (the session): a later call of the same key takes them over."""
+    """What the retained blocks are kept for (the session): a later call of the same key takes them over.
+    "": the request's own id (no later call takes them; they go when `retain_s` is up)."""
 
     def continued(self, token_ids: list[int], kv_transfer: KvHandle | None = None) -> GenerateRequest:
         """This request carried on after `token_ids` were generated (by a failed worker, or a prefill hop):

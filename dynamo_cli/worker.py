@@ -537,7 +537,7 @@ class KvMover:
     async def _take_image(self, request_id: str, image: ImageInput) -> ImageInput:
         embeds = image.embeds
         if embeds is None or embeds.blob is None:
-            return msgspec.structs.replace(image, embeds=None) if embeds is not None and not embeds.payload else image
+            return image
         assert self.client is not None
         blob = embeds.blob
         try:

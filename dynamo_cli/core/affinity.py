@@ -31,7 +31,7 @@ class Affinity:
     """Where its last call (or its parent's) went, if that binding is alive."""
     mode: str
 
-    def pin(self, candidates: Sequence[int]) -> int | None:
+    def pin(self) -> int | None:
         """hard: the bound worker, whatever its load (the choice then waits for it)."""
         if self.mode == "hard" and self.bound is not None:
             return self.bound.worker
@@ -50,10 +50,11 @@ class Affinity:
             return route, "moved: the bound worker is busy"
         pinned = dataclasses.replace(route, pinned_worker=bound.worker)
         if isinstance(policy, KvRoutingPolicy):
-            here = policy.peek(pinned, targets).overlap_blocks
-            best = policy.peek(route, targets).overlap_blocks
-            if best > here:
-                return route, f"moved: {best} blocks cached elsewhere, {here} on the bound worker"
+            best = policy.peek(route, targets)
+            if best.worker_id != bound.worker:  # only then can another worker hold more of the prompt
+                here = policy.peek(pinned, targets).overlap_blocks
+                if best.overlap_blocks > here:
+                    return route, f"moved: {best.overlap_blocks} blocks cached elsewhere, {here} on the bound worker"
         return pinned, "kept"
 
     def explained(self, decision: RouteDecision, why: str) -> RouteDecision:

@@ -51,19 +51,20 @@ async def encode_stage(
         return request
     config, metrics, model = rules.disagg, rules.metrics, entry.name
     covered = decision.overlap_blocks * entry.card.kv_cache_block_size if decision is not None else 0
-    wanted: dict[int, list[int]] = {}
+    wanted: dict[int, tuple[Worker, list[int]]] = {}  # encode worker id -> it, and the images it gets
     for i, image in enumerate(request.images):
         if image.offset + image.length <= covered:
             metrics.count_encode(model, "prefix_cached", 1)
         elif len(image.data) < config.encode_min_bytes:
             metrics.count_encode(model, "small", 1)
         else:
-            wanted.setdefault(encoder_for(pool, image.digest, config.encode_max_inflight).instance_id, []).append(i)
+            encoder = encoder_for(pool, image.digest, config.encode_max_inflight)
+            wanted.setdefault(encoder.instance_id, (encoder, []))[1].append(i)
     if not wanted:
         return request
     images = list(request.images)
-    calls = [_encode(entry, request, pool_worker(pool, w), ids, config.encode_timeout_s) for w, ids in wanted.items()]
-    for ids, reply in zip(wanted.values(), await asyncio.gather(*calls), strict=True):
+    calls = [_encode(request, worker, ids, config.encode_timeout_s) for worker, ids in wanted.values()]
+    for (_, ids), reply in zip(wanted.values(), await asyncio.gather(*calls), strict=True):
         if reply is None:
             metrics.count_encode(model, "failed", len(ids))
             continue
@@ -82,13 +83,7 @@ def encoder_for(pool: Sequence[Worker], digest: str, max_inflight: int) -> Worke
     return free if free is not None else min(ranked, key=lambda w: w.num_inflight)
 
 
-def pool_worker(pool: Sequence[Worker], instance_id: int) -> Worker:
-    return next(w for w in pool if w.instance_id == instance_id)
-
-
-async def _encode(
-    entry: ModelEntry, request: GenerateRequest, worker: Worker, ids: list[int], timeout_s: float
-) -> EncodeReply | None:
+async def _encode(request: GenerateRequest, worker: Worker, ids: list[int], timeout_s: float) -> EncodeReply | None:
     """One encode call for the images `ids` of `request`; None when it failed or came late (logged)."""
     images: list[ImageInput] = [request.images[i] for i in ids]
     hold = Hold(worker, request.request_id)  # counted in flight there until the reply

@@ -191,7 +191,7 @@ def choose(pool: Pool, wanted: Wanted, busy: BusyThresholds, excluded: Collectio
     if not candidates:
         raise NoWorkers(where)
     affinity = affinity_of(pool.sessions, pool.session_rules, wanted.session, workers)
-    pinned = wanted.pinned if wanted.pinned is not None or affinity is None else affinity.pin(candidates)
+    pinned = wanted.pinned if wanted.pinned is not None or affinity is None else affinity.pin()
     if pinned in candidates:  # a pin waits for its own worker rather than going elsewhere
         candidates = [pinned]
     lora = wanted.lora

@@ -165,7 +165,7 @@ def plan_request(
         lora=lora,
         images=images or [],
         retain_s=(hints.resume_after_s or 0.0) if hints is not None else 0.0,
-        retain_key=session.id if session is not None else request_id,
+        retain_key=session.id if session is not None else "",
     )
     if trace is not None:
         request = msgspec.structs.replace(request, annotations=trace.annotations)

@@ -22,8 +22,6 @@ from dynamo_cli.routing.target import Target
 
 MAX_SESSION_ID_BYTES = 256
 """Longest session id (Dynamo's cap)."""
-MAX_TTL_S = 31_536_000
-MAX_ENTRIES = 1_000_000
 SESSION_HEADERS = (b"x-dyn-session-id", b"x-dynamo-session-id")
 PARENT_HEADERS = (b"x-dyn-parent-session-id", b"x-dynamo-parent-session-id")
 

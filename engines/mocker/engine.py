@@ -138,6 +138,7 @@ class MockerEngine:
         self._info: EngineInfo | None = None
         self._counts = dict.fromkeys(WORK_COUNTERS, 0.0)
         self._images = ImageEncoder(config, self._counts)
+        self._image_spec = image_spec(config)
         self._loras: set[str] = set()
         """LoRA adapters loaded (names only: an adapter changes no simulated token, only the block hashes)."""
 
@@ -164,8 +165,7 @@ class MockerEngine:
             if handoff.wait_s > 0:  # the modelled KV transfer; closing the stream here ends it
                 await asyncio.sleep(handoff.wait_s)
             if request.images and not mock.is_prefilled:  # the encoder's time goes into its first pass
-                await self._images.received(request.images)
-                mock.encode_ms = self._images.owed_ms(request.images)
+                mock.encode_ms = await self._images.prepare(request.images)
             if self._tiers is not None and not mock.is_prefilled:
                 await self._onboard(mock)
             if stream.finish_reason is None:  # stop() may have come during the transfer
@@ -340,11 +340,11 @@ class MockerEngine:
             is_prefilled=handoff.is_prefilled,
             hash_seed=lora_seed(request.lora),
         )
-        mock.retain_s, mock.retain_key = request.retain_s, request.retain_key
+        mock.retain_s, mock.retain_key = request.retain_s, request.retain_key or request.request_id
         return mock, handoff
 
     def _check_request(self, request: GenerateRequest) -> None:
-        check_request(request, self.config.context_length, self._streams, self._vocab_size(), image_spec(self.config))
+        check_request(request, self.config.context_length, self._streams, self._vocab_size(), self._image_spec)
         if request.lora and request.lora not in self._loras:
             raise RequestError(f"the LoRA adapter '{request.lora}' is not loaded on this worker", param="model")
         num_prompt = len(request.token_ids)

@@ -65,15 +65,18 @@ class ImageEncoder:
                 await asyncio.sleep(owed_ms / 1e3)
         return [embeddings(image.digest, self._tokens) for image in images], cached
 
-    async def received(self, images: list[ImageInput]) -> None:
-        """The modelled transfer of the embeddings an encode worker sent (none when there are none)."""
-        if self._transfer_s and any(self._received(image) for image in images):
-            await asyncio.sleep(self._transfer_s * sum(self._received(image) for image in images))
-
-    def owed_ms(self, images: list[ImageInput]) -> float:
-        """The encoder's time for the images not cached and without embeddings from an encode worker; they are
-        cached (and counted) now, as the pass that prefills them will have them."""
+    async def prepare(self, images: list[ImageInput]) -> float:
+        """A serving mocker's part: wait the modelled transfer of the embeddings an encode worker sent, then the
+        encoder time the rest owe (`owed_ms`)."""
         flags = [self._received(image) for image in images]
+        if self._transfer_s and any(flags):
+            await asyncio.sleep(self._transfer_s * sum(flags))
+        return self.owed_ms(images, flags)
+
+    def owed_ms(self, images: list[ImageInput], flags: list[bool] | None = None) -> float:
+        """The encoder's time for the images not cached and without embeddings from an encode worker (`flags`: which
+        came with theirs, checked); they are cached (and counted) now, as the pass that prefills them will have them."""
+        flags = flags if flags is not None else [self._received(image) for image in images]
         received = [image.digest for image, flag in zip(images, flags, strict=True) if flag]
         rest = [image.digest for image, flag in zip(images, flags, strict=True) if not flag]
         missing = list(dict.fromkeys(digest for digest in rest if digest not in self._cache))
