@@ -9,7 +9,8 @@ DynError
 ├── RequestError           a client's mistake, mapped to an OpenAI-style 4xx
 │   ├── ModelNotFound      404
 │   ├── ContextOverflow    400, says the numbers
-│   └── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
+│   ├── UnknownInstance    400: a pinned instance id that serves nothing here (lists the known ids)
+│   └── RateLimited        429: a key or tenant over a limit the message names (Retry-After)
 ├── RequestFailed          500: the engine failed this one request; the others go on (not migratable)
 ├── Overloaded             503: every worker is over its busy threshold
 │   └── KvTransferFull     a prefill worker holds as many KV payload bytes as it may (--max bytes)
@@ -171,6 +172,20 @@ class RequestFailed(DynError):
         self.request_id = request_id
         self.reason = reason
         super().__init__(f"the engine failed request '{request_id}': {reason}; the other requests go on")
+
+
+class RateLimited(RequestError):
+    """429: a key or tenant is over one of its limits (rate, in flight, tokens a minute, queued), which the
+    message names; `retry_after` in seconds."""
+
+    status = 429
+    error_type = "requests"
+
+    def __init__(self, reason: str, retry_after: float, limit: str = "") -> None:
+        super().__init__(f"{reason}; retry in {max(1, math.ceil(retry_after))} s", code="rate_limit_exceeded")
+        self.retry_after = retry_after
+        self.limit = limit
+        """The limit's name in the per-tenant rejection series (max_inflight, tokens_per_minute, max_queued)."""
 
 
 class Overloaded(DynError):

@@ -39,7 +39,6 @@ KNOWN_OVER = {
     "benchmarks/router_queue.py:phase_row": 41,
     "benchmarks/router_replicas.py:replicas": 79,
     "dynamo_cli/batch/service.py:batch_service": 44,
-    "dynamo_cli/bench/session.py:run_bench": 49,
     "dynamo_cli/bench/sse.py:Response._dechunk": 43,
     "dynamo_cli/kv/tiers.py:TieredBlockStore": 355,
     "dynamo_cli/core/metrics.py:DispatchSeries.__init__": 46,

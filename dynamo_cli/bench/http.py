@@ -19,8 +19,10 @@ so the CPU per request is a few event-loop callbacks plus a few microseconds per
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,7 +32,7 @@ import msgspec
 from dynamo_cli.bench.sse import Response
 from dynamo_cli.errors import DynError
 
-__all__ = ["EndpointError", "EndpointUnreachable", "HttpClient", "RequestRecord"]
+__all__ = ["EndpointError", "EndpointUnreachable", "Headers", "HttpClient", "RequestRecord"]
 
 
 class EndpointUnreachable(DynError):
@@ -69,12 +71,20 @@ class RequestRecord:
     """`usage.prompt_tokens`, when the server sent usage."""
     completion_tokens: int | None = None
     """`usage.completion_tokens`, when the server sent usage."""
+    cached_tokens: int | None = None
+    """`usage.prompt_tokens_details.cached_tokens`: prompt tokens the server found cached, when it said."""
+    retry_after: float | None = None
+    """The `Retry-After` of a 429 or 503 answer, in seconds (None: not given, or given as a date)."""
     error: str | None = None
     """Why the request failed; None for a success."""
     input_tokens: int = 0
     """Prompt length the workload asked for (set by the caller)."""
     scheduled: float | None = None
     """When the load generator meant to send it (rate and trace modes; set by the caller)."""
+    turn: int = 0
+    """Its index among its conversation's requests, from 0 (an agent session's call; set by the caller)."""
+    tenant: str | None = None
+    """The tenant that sent it (multi-tenant runs; set by the caller)."""
 
     @property
     def is_ok(self) -> bool:
@@ -101,9 +111,14 @@ class _Choice(msgspec.Struct):
     text: str | None = None
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -111,6 +126,9 @@ class _Chunk(msgspec.Struct):
     usage: _Usage | None = None
     error: Any = None
 
+
+Headers = Sequence[tuple[str, str]]
+"""Header (name, value) pairs of one request."""
 
 _CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
 _STREAM_DECODER = msgspec.json.Decoder(list[_Chunk])
@@ -163,9 +181,11 @@ def fill_from_events(record: RequestRecord, events: list[tuple[float, bytes]]) -
         if chunk.error is not None:
             record.error = f"server error in stream: {_error_text(chunk.error)}"
             return
-        if chunk.usage is not None:
-            record.prompt_tokens = chunk.usage.prompt_tokens
-            record.completion_tokens = chunk.usage.completion_tokens
+        if (usage := chunk.usage) is not None:
+            record.prompt_tokens = usage.prompt_tokens
+            record.completion_tokens = usage.completion_tokens
+            if usage.prompt_tokens_details is not None:
+                record.cached_tokens = usage.prompt_tokens_details.cached_tokens
         content = _chunk_content(chunk)
         if content:
             times.append(arrival)
@@ -277,8 +297,8 @@ class HttpClient:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.request_timeout = request_timeout
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._head_suffix = f"Host: {self.host}:{self.port}\r\n{extra}"
+        self._headers = {k.lower(): v for k, v in (headers or {}).items()}
+        self._head_suffix = _head_lines(self.host, self.port, self._headers)
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: deque[_Connection] = deque()
         self._encoder = msgspec.json.Encoder()
@@ -305,13 +325,18 @@ class HttpClient:
         return await self.stream("/v1/completions", body)
 
     async def stream(
-        self, path: str, body: dict[str, Any] | bytes, record: RequestRecord | None = None
+        self,
+        path: str,
+        body: dict[str, Any] | bytes,
+        record: RequestRecord | None = None,
+        headers: Headers = (),
     ) -> RequestRecord:
-        """POST `body` (a dict gets `stream: true` added) and read the SSE answer into a record."""
+        """POST `body` (a dict gets `stream: true` added) and read the SSE answer into a record; `headers` are
+        this request's own (one named like a client header replaces it: a tenant's own key)."""
         if isinstance(body, dict):
             body = self._encoder.encode({**body, "stream": True})
         record = record if record is not None else RequestRecord()
-        request = self._request_bytes("POST", path, body)
+        request = self._request_bytes("POST", path, body, headers)
         await self._slots.acquire()
         try:
             await self._send(request, record)
@@ -319,11 +344,11 @@ class HttpClient:
             self._slots.release()
         return record
 
-    async def get_json(self, path: str) -> Any:
+    async def get_json(self, path: str, headers: Headers = ()) -> Any:
         """GET a JSON document; raises EndpointUnreachable or EndpointError."""
         record = RequestRecord()
         async with self._slots:
-            response = await self._send(self._request_bytes("GET", path, b""), record)
+            response = await self._send(self._request_bytes("GET", path, b"", headers), record)
         if response is None:
             raise EndpointUnreachable(self.url, record.error or "no response")
         if response.status != 200:
@@ -335,9 +360,12 @@ class HttpClient:
 
     ##### internals #####
 
-    def _request_bytes(self, method: str, path: str, body: bytes) -> bytes:
+    def _request_bytes(self, method: str, path: str, body: bytes, headers: Headers = ()) -> bytes:
+        suffix = self._head_suffix
+        if headers:
+            suffix = _head_lines(self.host, self.port, {**self._headers, **{k.lower(): v for k, v in headers}})
         head = (
-            f"{method} {self.base_path}{path} HTTP/1.1\r\n{self._head_suffix}"
+            f"{method} {self.base_path}{path} HTTP/1.1\r\n{suffix}"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
@@ -416,10 +444,28 @@ class HttpClient:
             record.error = failure
         elif response.status != 200:
             record.error = f"HTTP {response.status}: {_body_message(response.body)}"
+            if response.status in (429, 503):
+                record.retry_after = _seconds(response.headers.get("retry-after"))
         elif not response.is_sse:
             record.error = f"not an SSE stream (content-type {response.headers.get('content-type', 'missing')!r})"
         elif response.is_sse and not response.events and not response.saw_done:
             record.error = "the SSE stream carried no data events"
+
+
+def _head_lines(host: str, port: int, headers: dict[str, str]) -> str:
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise EndpointError(f"header {name!r} has a line break in its name or value")
+    return f"Host: {host}:{port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+
+
+def _seconds(value: str | None) -> float | None:
+    """A `Retry-After` in seconds; None for none, or for an HTTP date (servers of this field send seconds)."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _body_message(body: bytearray) -> str:

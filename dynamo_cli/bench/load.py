@@ -130,7 +130,20 @@ class RequestBuilder:
             body["ignore_eos"] = True
             body["min_tokens"] = turn.output_tokens
         body.update(self.extra)
+        if turn.extra:
+            body.update(turn.extra)
         return body
+
+
+def opening(conversation: Conversation) -> list[dict[str, str]]:
+    """The history a conversation's first turn is sent with: its system prompt, if it has one."""
+    return [{"role": "system", "content": conversation.system}] if conversation.system else []
+
+
+def extended(history: list[dict[str, str]], turn: Turn, reply: str) -> list[dict[str, str]]:
+    """The history the turn after `turn` is sent with: `history`, `turn` and the answer to it, appended (so each
+    request's prompt starts with the previous one's)."""
+    return [*history, {"role": "user", "content": turn.text}, {"role": "assistant", "content": reply}]
 
 
 def _content(turn: Turn) -> str | list[dict[str, Any]]:
@@ -242,18 +255,26 @@ class LoadRunner:
             await self._conversation(conversation, at, reserved)
 
     async def _conversation(self, conversation: Conversation, at: float | None, reserved: bool = False) -> None:
-        history: list[dict[str, str]] = []
+        history = opening(conversation)
         for number, turn in enumerate(conversation.turns):
+            if turn.gap_s > 0:
+                await _sleep_until(min(time.perf_counter() + turn.gap_s, self._stop_at))
             if not (reserved and number == 0):
                 if self._is_exhausted():
                     return
                 self._issued += 1
-            record = RequestRecord(input_tokens=turn.input_tokens, scheduled=at if number == 0 else None)
-            await self.client.stream(self.builder.path, self.builder.body(history, turn), record)
+            record = RequestRecord(
+                input_tokens=turn.input_tokens,
+                scheduled=at if number == 0 else None,
+                turn=number,
+                tenant=conversation.tenant,
+            )
+            body = self.builder.body(history, turn)
+            await self.client.stream(self.builder.path, body, record, conversation.headers)
             self._finish(record)
             if not record.is_ok:
                 return  # a failed turn ends its conversation: later turns would lack their history
-            history += [{"role": "user", "content": turn.text}, {"role": "assistant", "content": record.text}]
+            history = extended(history, turn, record.text)
 
     def _is_exhausted(self) -> bool:
         if self._limit is not None and self._issued >= self._limit:

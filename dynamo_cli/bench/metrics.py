@@ -38,6 +38,12 @@ DEFINITIONS: tuple[tuple[str, str], ...] = (
         "template included), else the prompt's own length",
     ),
     ("goodput", "requests that succeeded and met every SLO / duration; failures count against it"),
+    (
+        "cache hit rate",
+        "cached prompt tokens (usage.prompt_tokens_details.cached_tokens) / prompt tokens, over the completed "
+        "requests that reported them",
+    ),
+    ("rejected", "answered 429: a failure, counted per tenant with its Retry-After, never retried"),
     ("stddev", "population standard deviation; percentiles interpolate linearly (numpy's default)"),
 )
 
@@ -90,6 +96,16 @@ class RequestMetrics:
     input_tokens: int
     output_tokens: int
     has_usage: bool
+    status: int = 200
+    """HTTP status; 0 when no answer came."""
+    cached_tokens: int | None = None
+    """Prompt tokens the server found cached, when it said (`usage.prompt_tokens_details`)."""
+    retry_after: float | None = None
+    """Seconds a 429 or 503 asked to wait (`Retry-After`), when it said."""
+    turn: int = 0
+    """Index of the request in its conversation (an agent session's call), from 0."""
+    tenant: str | None = None
+    """The tenant that sent it (multi-tenant runs)."""
 
 
 def request_metrics(record: RequestRecord, count_tokens: Callable[[str], int] | None) -> RequestMetrics:
@@ -119,6 +135,11 @@ def request_metrics(record: RequestRecord, count_tokens: Callable[[str], int] | 
         input_tokens=record.prompt_tokens if record.prompt_tokens is not None else record.input_tokens,
         output_tokens=output_tokens,
         has_usage=has_usage,
+        status=record.status,
+        cached_tokens=record.cached_tokens,
+        retry_after=record.retry_after,
+        turn=record.turn,
+        tenant=record.tenant,
     )
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from dynamo_cli.bench.agents import CallFigures
 from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, RequestMetrics, Summary
+from dynamo_cli.bench.tenants import TenantFigures
 from dynamo_cli.errors import ConfigError
 
 UNITS = {
@@ -50,10 +53,22 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def run_document(summary: Summary, info: dict[str, Any]) -> dict[str, Any]:
-    """The JSON document of one run: what was run, the summary, and the metric definitions."""
-    document: dict[str, Any] = _clean({"info": info, "summary": summary.to_dict(), "definitions": dict(DEFINITIONS)})
-    return document
+def run_document(
+    summary: Summary,
+    info: dict[str, Any],
+    calls: Sequence[CallFigures] = (),
+    tenants: Sequence[TenantFigures] = (),
+) -> dict[str, Any]:
+    """The JSON document of one run: what was run, the summary, the agentic workload's figures by call (`agent`)
+    and the multi-tenant workload's by tenant (`tenants`) where there are any, and the metric definitions."""
+    document: dict[str, Any] = {"info": info, "summary": summary.to_dict()}
+    if calls:
+        document["agent"] = {"calls": [asdict(c) for c in calls]}
+    if tenants:
+        document["tenants"] = [asdict(t) for t in tenants]
+    document["definitions"] = dict(DEFINITIONS)
+    cleaned: dict[str, Any] = _clean(document)
+    return cleaned
 
 
 def write_json(path: str, document: dict[str, Any]) -> None:
@@ -100,6 +115,11 @@ def write_jsonl(path: str, metrics: Sequence[RequestMetrics], chunk_times: Seque
                 "input_tokens": m.input_tokens,
                 "output_tokens": m.output_tokens,
                 "output_tokens_from": "usage" if m.has_usage else "tokenizer",
+                "status": m.status,
+                "cached_tokens": m.cached_tokens,
+                "retry_after_s": m.retry_after,
+                "call": m.turn,
+                "tenant": m.tenant,
                 "chunk_ms": [round((t - m.start) * 1e3, 3) for t in times],
             }
             f.write(encoder.encode(row) + b"\n")

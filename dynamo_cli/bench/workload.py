@@ -14,7 +14,7 @@ import logging
 import random
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +59,10 @@ class Turn:
     """max_tokens to ask for (with ignore_eos, the output length)."""
     images: tuple[str, ...] = ()
     """Images (data: URLs) sent after the text; `input_tokens` counts the text only."""
+    gap_s: float = 0.0
+    """Seconds to wait, after the previous turn's answer, before sending this one (an agent's tool time)."""
+    extra: dict[str, Any] | None = None
+    """Fields added to this turn's request body (an agent call's `nvext.agent_hints`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,12 @@ class Conversation:
     """The user turns, in order."""
     at: float | None = None
     """Send time in seconds after the run starts (trace replay), or None to follow the load mode."""
+    system: str | None = None
+    """A system prompt sent before the first turn (an agent's), or None."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """HTTP headers every request of it carries (an agent's session id, a tenant's name, key and class)."""
+    tenant: str | None = None
+    """The tenant it is sent as, recorded on each of its requests for the per-tenant report."""
 
 
 def load_vocab(tokenizer: str | None) -> Vocab:
@@ -117,11 +127,12 @@ def approximate_vocab(source: str) -> Vocab:
     return Vocab(words, False, source, lambda text: len(text.split()))
 
 
-def _length(rng: random.Random, mean: float, stddev: float) -> int:
+def draw_length(rng: random.Random, mean: float, stddev: float) -> int:
+    """A length of mean ± stddev (normal), at least 1."""
     return max(1, round(rng.gauss(mean, stddev))) if stddev > 0 else max(1, round(mean))
 
 
-class _WordPool:
+class WordPool:
     """Random words drawn once; a prompt body is a slice at a random offset (C-speed, no per-word RNG)."""
 
     def __init__(self, vocab: Vocab, rng: random.Random, size: int = 1 << 16) -> None:
@@ -140,9 +151,15 @@ class _WordPool:
 
 
 def marker(vocab: Vocab, index: int) -> list[str]:
-    """A word sequence unique to `index`: one word while the vocabulary lasts, then two."""
-    n = len(vocab.words)
-    return [vocab.words[index]] if index < n else [vocab.words[index % n], vocab.words[index // n - 1]]
+    """A word sequence unique to `index`: one word while the vocabulary lasts, then two, then more (bijective
+    base-n digits, lowest first)."""
+    words, n = vocab.words, len(vocab.words)
+    out = [words[index % n]]
+    index //= n
+    while index:
+        out.append(words[(index - 1) % n])
+        index = (index - 1) // n
+    return out
 
 
 def synthetic(
@@ -157,16 +174,16 @@ def synthetic(
 ) -> Iterator[Conversation]:
     """Endless random prompts of ISL ± stddev tokens; each starts with its own marker so none share."""
     rng = random.Random(seed)
-    pool = _WordPool(vocab, rng)
+    pool = WordPool(vocab, rng)
     index = offset
     while True:
         built = []
         for _ in range(turns):
-            n = _length(rng, isl, isl_stddev)
+            n = draw_length(rng, isl, isl_stddev)
             words = marker(vocab, index)[:n]
             index += 1
             words += pool.take(n - len(words))
-            built.append(Turn("".join(words), n, _length(rng, osl, osl_stddev)))
+            built.append(Turn("".join(words), n, draw_length(rng, osl, osl_stddev)))
         yield Conversation(tuple(built))
 
 
@@ -191,13 +208,13 @@ def shared_prefix(
     for group in range(num_prefixes):
         head = marker(vocab, group)[:prefix_len]
         prefixes.append("".join(head + rng.choices(vocab.words, k=prefix_len - len(head))))
-    pool = _WordPool(vocab, rng)
+    pool = WordPool(vocab, rng)
     index = 0
     while True:
         tail = marker(vocab, num_prefixes + index)[:suffix_len]
         suffix = "".join(tail + pool.take(suffix_len - len(tail)))
         text = prefixes[index % num_prefixes] + suffix
-        yield Conversation((Turn(text, prefix_len + suffix_len, _length(rng, osl, osl_stddev)),))
+        yield Conversation((Turn(text, prefix_len + suffix_len, draw_length(rng, osl, osl_stddev)),))
         index += 1
 
 
@@ -289,11 +306,8 @@ class ImageMaker:
 def with_images(conversations: Iterator[Conversation], maker: ImageMaker, per_turn: int) -> Iterator[Conversation]:
     """`conversations` with `per_turn` images on every user turn."""
     for conversation in conversations:
-        turns = tuple(
-            Turn(t.text, t.input_tokens, t.output_tokens, tuple(maker.next() for _ in range(per_turn)))
-            for t in conversation.turns
-        )
-        yield Conversation(turns, conversation.at)
+        turns = tuple(replace(t, images=tuple(maker.next() for _ in range(per_turn))) for t in conversation.turns)
+        yield replace(conversation, turns=turns)
 
 
 def prompts_file(path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: int = 0) -> Iterator[Conversation]:
@@ -308,7 +322,7 @@ def prompts_file(path: str, osl: float, osl_stddev: float, vocab: Vocab, seed: i
     rng = random.Random(seed)
     while True:
         for text in texts:
-            yield Conversation((Turn(text, vocab.count_tokens(text), _length(rng, osl, osl_stddev)),))
+            yield Conversation((Turn(text, vocab.count_tokens(text), draw_length(rng, osl, osl_stddev)),))
 
 
 def _prompt_text(line: str) -> str:

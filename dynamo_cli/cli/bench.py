@@ -13,10 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dynamo_cli.bench import report
+from dynamo_cli.bench.agents import CallFigures
 from dynamo_cli.bench.http import RequestRecord
 from dynamo_cli.bench.load import LoadConfig, parse_model_mix, run_async
 from dynamo_cli.bench.metrics import DEFINITIONS, LATENCY_METRICS, STAT_NAMES, Summary
 from dynamo_cli.bench.session import BenchConfig, BenchResult, run_bench
+from dynamo_cli.bench.tenants import TenantFigures
 from dynamo_cli.bench.workload import read_trace
 from dynamo_cli.cli import settings
 
@@ -51,6 +53,8 @@ def _bench(**values: Any) -> None:
     num_requests = values["num_requests"]
     if trace and not (num_requests or duration):
         num_requests = len(read_trace(trace))  # replay the whole trace
+    elif values["agent_sessions"] and not (num_requests or duration):
+        num_requests = values["agent_sessions"] * (values["agent_calls"] or 1)  # every call of every session
     given: dict[tuple[type, str], Any] = {
         (LoadConfig, "num_requests"): num_requests if num_requests or duration else 100
     }
@@ -189,12 +193,58 @@ def _print(result: BenchResult, config: BenchConfig) -> None:
         if config.sweep is None:
             console.print(_summary_table(s, title))
             console.print(_scalars_table(s))
+        if run.calls:
+            console.print(_calls_table(run.calls))
+        if run.tenants:
+            console.print(_tenants_table(run.tenants))
         console.print(f"output tokens from: {s.output_tokens_source}" + (f"  ({title})" if config.sweep else ""))
         for error, count in s.errors.items():
             console.print(f"[red]{count} failed:[/] {error}", highlight=False)
     console.print("[dim]definitions:[/]")
     for name, text in DEFINITIONS:
         console.print(f"[dim]  {name}: {text}[/]", highlight=False)
+
+
+def _calls_table(calls: list[CallFigures]) -> Table:
+    table = Table(title="agent sessions, by call")
+    for column in ("calls", "requests", "completed", "TTFT p50 (ms)", "TTFT p90 (ms)", "cache hit rate"):
+        table.add_column(column, justify="left" if column == "calls" else "right")
+    for c in calls:
+        hit = "–" if c.cache_hit_rate is None else f"{c.cache_hit_rate:.1%}"
+        table.add_row(c.calls, str(c.num_requests), str(c.num_completed), _num(c.ttft_p50), _num(c.ttft_p90), hit)
+    return table
+
+
+_TENANT_COLUMNS = (
+    "tenant",
+    "class",
+    "sent",
+    "ok",
+    "429",
+    "errors",
+    "TTFT p50",
+    "TTFT p90",
+    "TTFT p99",
+    "e2e p50",
+    "e2e p99",
+    "out tok/s",
+    "share/weight",
+    "retry-after",
+)
+
+
+def _tenants_table(tenants: list[TenantFigures]) -> Table:
+    table = Table(title="tenants (ms; share of output tokens / share of weight; the longest Retry-After of 429s)")
+    for column in _TENANT_COLUMNS:
+        table.add_column(column, justify="left" if column in ("tenant", "class") else "right")
+    for t in tenants:
+        share = "–" if t.output_share is None else f"{t.output_share:.0%}"
+        counts = (t.num_sent, t.num_completed, t.num_rejected, t.num_errors)
+        latencies = (t.ttft_p50, t.ttft_p90, t.ttft_p99, t.e2e_p50, t.e2e_p99, t.output_token_throughput)
+        wait = "–" if t.retry_after_max is None else f"{t.retry_after_max:g} s"
+        cells = (t.name, t.priority_class or "–", *map(str, counts), *(_num(v, 1) for v in latencies))
+        table.add_row(*cells, f"{share}/{t.weight_share:.0%}", wait)
+    return table
 
 
 def _sweep_table(parameter: str, result: BenchResult) -> Table:
@@ -235,7 +285,7 @@ def _write(
     runs = result.runs
     if json_path:
         if len(runs) == 1:
-            document = report.run_document(runs[0].summary, result.info)
+            document = report.run_document(runs[0].summary, result.info, runs[0].calls, runs[0].tenants)
         else:
             document = {
                 "info": result.info,

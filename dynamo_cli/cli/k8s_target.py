@@ -315,7 +315,7 @@ def _key_secrets(values: dict[str, Any], names: Names) -> tuple[list[SecretSourc
     if values.pop("api_key"):
         raise ConfigError("--api-key would write a key into the manifests; put the keys in a file: --api-key-file")
     key_file = values.pop("api_key_file")
-    api_keys = read_api_keys([], key_file, {}) if key_file else ()
+    api_keys = read_api_keys([], key_file, {}).keys if key_file else ()
     if key_file:
         secrets.append(SecretSource(names.api_keys, ((API_KEYS_KEY, key_file),)))
     return secrets, tuple(api_keys)

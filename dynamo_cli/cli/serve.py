@@ -10,7 +10,15 @@ import typer
 
 from dynamo_cli.cli import options as o
 from dynamo_cli.cli import settings
-from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, WorkerConfig, config_document, read_api_keys
+from dynamo_cli.config import (
+    AuthConfig,
+    PlanesConfig,
+    ServeConfig,
+    TenantConfig,
+    WorkerConfig,
+    config_document,
+    read_api_keys,
+)
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.frontend.tools.parsers import check_parsers
@@ -123,8 +131,13 @@ def _command(**values: Any) -> None:
         use_log_format(child.frontend.telemetry.log_format)
         return run(serve_all(child))
     secret = o.cluster_secret(values.pop("cluster_secret_file"), make=True)  # the given one, else a new one
-    api_keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), os.environ)
-    config, plan = deployment(values, {(PlanesConfig, "cluster_secret"): secret, (AuthConfig, "api_keys"): api_keys})
+    keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), os.environ)
+    given = {
+        (PlanesConfig, "cluster_secret"): secret,
+        (AuthConfig, "api_keys"): keys.keys,
+        (TenantConfig, "key_tenants"): keys.tenants,
+    }
+    config, plan = deployment(values, given)
     use_log_format(config.frontend.telemetry.log_format)
     if plan is not None:  # its scaling decisions are logged at INFO (the default level is WARNING)
         log_decisions()

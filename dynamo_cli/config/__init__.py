@@ -58,10 +58,15 @@ from dynamo_cli.config.routing import (
     parse_queue_policy,
     parse_tier_weights,
 )
-from dynamo_cli.config.security import AuthConfig, TlsConfig, read_api_keys
+from dynamo_cli.config.security import ApiKeys, AuthConfig, TlsConfig, read_api_keys
 from dynamo_cli.config.telemetry import LOG_FORMATS, TelemetryConfig
+from dynamo_cli.config.tenants import PriorityClass, TenantConfig, TenantSpec
 
 __all__ = [
+    "ApiKeys",
+    "PriorityClass",
+    "TenantConfig",
+    "TenantSpec",
     "HealthChecks",
     "GroupConfig",
     "LOG_FORMATS",

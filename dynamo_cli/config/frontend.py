@@ -18,6 +18,7 @@ from dynamo_cli.config.routing import (
 )
 from dynamo_cli.config.security import AuthConfig, TlsConfig
 from dynamo_cli.config.telemetry import TelemetryConfig
+from dynamo_cli.config.tenants import TenantConfig
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import HTTP, IN_MIB, OVERLOAD, ROUTING, setting
 
@@ -64,6 +65,8 @@ class FrontendConfig:
     """The wait queue for requests that find every worker busy (core/queue.py)."""
     planes: PlanesConfig = field(default_factory=PlanesConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tenants: TenantConfig = field(default_factory=TenantConfig)
+    """Who shares the deployment and what each tenant may use (config/tenants.py)."""
     tls: TlsConfig = field(default_factory=TlsConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     """Images in requests: where they may come from, how big they may be."""

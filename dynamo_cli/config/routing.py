@@ -353,12 +353,28 @@ class QueueConfig:
         show=lambda policy: policy.value,
     )
     """Order of waiting requests, after x-dyn-priority: fcfs | sjf | deadline."""
+    fair_share: bool = setting(
+        True, "--tenant-fair-share/--no-tenant-fair-share", env="DYN_TENANT_FAIR_SHARE", panel=OVERLOAD
+    )
+    """Within a priority class, the queue serves the tenant that has had the least work (tokens, by its weight)
+    first; off: one queue for all tenants."""
+    output_token_weight: float = setting(
+        2.0, "--tenant-output-token-weight", env="DYN_TENANT_OUTPUT_WEIGHT", panel=OVERLOAD
+    )
+    """The work of an output token in prompt tokens (uncached prompt tokens count 1 each), for the fair share."""
+    preemption: bool = setting(
+        True, "--priority-preemption/--no-priority-preemption", env="DYN_PRIORITY_PREEMPTION", panel=OVERLOAD
+    )
+    """A waiting interactive (or system) request may pause a running bulk one, which resumes, with nothing lost,
+    once the queue lets it."""
 
     def __post_init__(self) -> None:
         if self.max_size < 0 or not self.max_wait_s > 0:
             raise ConfigError(
                 f"--router-queue-size must be >= 0 ({self.max_size}) and --router-queue-timeout > 0 ({self.max_wait_s})"
             )
+        if not 0.0 <= self.output_token_weight <= 100.0:
+            raise ConfigError(f"--tenant-output-token-weight must be in 0..100, got {self.output_token_weight:g}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dynamo_cli.config.tenants import TenantSpec, key_tenant, merge_tenants
 from dynamo_cli.errors import ConfigError
 from dynamo_cli.settings import SECURITY, setting
 
@@ -77,18 +78,35 @@ class AuthConfig:
                 )
 
 
-def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The API keys: `--api-key` flags (else `DYN_API_KEYS`, comma-separated) plus `--api-key-file`'s lines.
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    """The accepted keys and the tenant of each (config/tenants.py)."""
 
-    Blank lines and lines starting with `#` in the file are skipped; duplicates are dropped.
+    keys: tuple[str, ...] = ()
+    tenants: tuple[TenantSpec, ...] = ()
+
+
+def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[str, str]) -> ApiKeys:
+    """The API keys: `--api-key` flags (else `DYN_API_KEYS`, comma-separated) plus `--api-key-file`'s lines, each
+    `KEY [tenant=NAME] [weight=W] ...` (config/tenants.py); a key given twice counts once, its first line's.
+
+    Blank lines and lines starting with `#` in the file are skipped.
     """
-    keys = list(flags) if flags else environ.get("DYN_API_KEYS", "").split(",")
+    given = list(flags) if flags else environ.get("DYN_API_KEYS", "").split(",")
+    lines: list[tuple[str, list[str], str]] = [(k.strip(), [], "--api-key") for k in given if k.strip()]
     if key_file is not None:
         try:
             with open(key_file, encoding="utf-8") as f:
-                keys += [line for line in f.read().splitlines() if not line.strip().startswith("#")]
+                text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--api-key-file '{key_file}' cannot be read ({exc}); check the path") from None
-        if not any(k.strip() for k in keys):
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip() and not line.strip().startswith("#"):
+                key, *attributes = line.split()
+                lines.append((key, attributes, f"--api-key-file '{key_file}' line {number}"))
+        if not lines:
             raise ConfigError(f"--api-key-file '{key_file}' holds no key; put one key per line")
-    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+    first = {key: (attributes, where) for key, attributes, where in reversed(lines)}
+    keys = tuple(dict.fromkeys(key for key, _, _ in lines))
+    specs = [key_tenant(key, *first[key]) for key in keys]
+    return ApiKeys(keys, merge_tenants(specs, [first[key][1] for key in keys]))

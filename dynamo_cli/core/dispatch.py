@@ -33,10 +33,11 @@ from dynamo_cli.core.encode_stage import encode_stage
 from dynamo_cli.core.holds import Hold, Pool, Wanted, choose, choose_or_wait
 from dynamo_cli.core.output import Output
 from dynamo_cli.core.prefill_stage import PrefillStage
-from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY
+from dynamo_cli.core.queue import BACKGROUND_WAIT_S, LOWEST_CLIENT_PRIORITY
 from dynamo_cli.core.registry import ModelEntry, Worker
 from dynamo_cli.core.replicas import ReplicaSync
 from dynamo_cli.core.request_plan import DispatchMetrics, NoMetrics, RequestPlan
+from dynamo_cli.core.shares import Share
 from dynamo_cli.core.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.core.waits import interruptible
 from dynamo_cli.errors import Overloaded, RemoteError, StreamTimeout, TransportError, UnknownInstance
@@ -139,9 +140,28 @@ class ToRouters:
     async def settle(self, dispatch: Dispatch) -> None:
         while dispatch.served_by is None:
             try:
-                await dispatch.await_report()
+                await self.await_report(dispatch)
             except TransportError as exc:
                 dispatch.migrate(exc)
+
+    async def await_report(self, dispatch: Dispatch) -> None:
+        """Behind a router: its first batch names the backend (an older router's does not: the router then
+        stands for it); a 4xx from the router, such as an unknown pin, is the client's error."""
+        stream = dispatch._stream or await dispatch._open()  # the hops are the dispatch's; the report is ours
+        try:
+            with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
+                dispatch._pending = await stream.next_batch()
+        except RemoteError as exc:
+            if exc.is_client_error:
+                raise exc.as_request_error() from None
+            if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
+                raise Overloaded.relayed(str(exc), exc.retry_after) from None
+            raise
+        if dispatch.served_by is None:
+            reported = (GENERATE.decode_reply(raw).worker_id for raw in dispatch._pending)
+            dispatch.served_by = next((w for w in reported if w is not None), None)
+        if dispatch.served_by is None and dispatch.worker is not None:
+            dispatch.served_by = dispatch.worker.instance_id
 
     def moved(self, dispatch: Dispatch) -> None:
         pass  # the backend the next router chooses is in its own first report, which a stream's headers precede
@@ -180,7 +200,7 @@ class DispatchRules:
 
 class Dispatch:
     """Runs one plan on the workers: `start()` (or `route()` then `prepare()`) before the response, then
-    iterate `stream()` (batches and their token ids) or `frames()` (encoded chunks); `aclose()` last."""
+    iterate `stream()` (batches and their token ids) or `frames(dispatch)` (encoded chunks); `aclose()` last."""
 
     def __init__(self, entry: ModelEntry, plan: RequestPlan, rules: DispatchRules) -> None:
         self.entry = entry
@@ -213,10 +233,14 @@ class Dispatch:
         )
         self._hold: Hold | None = None
         """The claim on `worker` (core/holds.py), from its choice to its release."""
+        may_pause = rules.migrates_after_output and isinstance(rules.upstream, ToWorkers)  # the worker is ours
+        self._share = Share(entry.queue, plan.queued, rules.queue, entry.card.kv_cache_block_size, may_pause)
+        self.queue_wait_s = 0.0
+        """Seconds it waited in the model's queue, all waits together."""
         self._excluded: set[int] = set()
         self._stream: ResponseStream | None = None
         self._pending: list[msgspec.Raw] = []
-        """A first batch read by `await_report` (a router's report), relayed first."""
+        """A first batch read by `ToRouters.await_report` (a router's report), relayed first."""
 
     @property
     def model(self) -> str:
@@ -278,21 +302,13 @@ class Dispatch:
                     stream = self._stream or await self._open()
                     async for batch in self._relay(stream):
                         yield batch
-                    return
+                    if not self._share.was_preempted() or self.is_aborted or output.finish_reason is not None:
+                        return
+                    await self._resume()
                 except TransportError as exc:
                     self.migrate(exc)
         finally:
             self._release()
-
-    async def frames(self) -> AsyncGenerator[bytes, None]:
-        """The stream as encoded GenerateChunks (`dyn router`'s relay): the prefill's first token, then the
-        worker's chunks as received."""
-        async with contextlib.aclosing(self.stream()) as stream:
-            async for batch, _ in stream:
-                if not batch:  # the remote prefill's first token
-                    yield self.output.encoded()
-                for raw in batch:
-                    yield bytes(raw)
 
     def abort(self) -> None:
         """The client left: cancel the worker's stream (freeing its KV) and end the iteration."""
@@ -330,6 +346,7 @@ class Dispatch:
 
     def _took(self, hold: Hold) -> Worker:
         self._hold = hold
+        self._share.held(self, hold.decision, len(self.plan.prompt_ids), self._preempt)
         self.decision = hold.decision
         if hold.lora_loaded is not None:
             self.lora_loaded = hold.lora_loaded
@@ -340,7 +357,9 @@ class Dispatch:
 
     def _waited(self, queued_at: float) -> None:
         """Hop 1 waited in the model's queue since `queued_at` (every worker was busy)."""
-        self.rules.metrics.observe_queue_wait(self.entry.name, _perf_counter() - queued_at)
+        waited = _perf_counter() - queued_at
+        self.queue_wait_s += waited
+        self.rules.metrics.observe_queue_wait(self.entry.name, waited)
         if self.plan.trace is not None:
             self.plan.trace.queued(queued_at)
 
@@ -413,6 +432,22 @@ class Dispatch:
             self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
         return chosen
 
+    def _preempt(self) -> bool:
+        """A waiting higher class wants this bulk request's worker: cancel its stream (aggregated only), so that
+        `stream()` lets the worker go and `_resume`s, the output so far in its prompt."""
+        is_running = not self.is_aborted and self.prefill.handle is None
+        return self._share.preempt(self._stream if is_running else None)
+
+    async def _resume(self) -> None:
+        """After a preemption: wait in the queue again at the request's own class (as long as background work
+        may), then carry on where it stopped."""
+        self._release()
+        self.rules.metrics.count_preemption(self.entry.name)
+        queue = self.rules.queue
+        queue = dataclasses.replace(queue, max_wait_s=max(queue.max_wait_s, BACKGROUND_WAIT_S))
+        wanted, busy, queued = self._wanted(), self.rules.busy, self.plan.queued
+        self._took(await choose_or_wait(self._pool, wanted, busy, self._excluded, queued, queue, self._waited))
+
     async def run_encode_stage(self) -> None:
         """E/P/D, once the serving worker is chosen (core/encode_stage.py): the images' embeddings from the encode
         pool, which the serving (or prefill) worker pulls."""
@@ -438,25 +473,6 @@ class Dispatch:
         if pinned is not None and pinned not in self.entry.workers:
             raise UnknownInstance(pinned, self.entry.name, list(self.entry.workers))
 
-    async def await_report(self) -> None:
-        """Behind a router: its first batch names the backend (an older router's does not: the router then
-        stands for it); a 4xx from the router, such as an unknown pin, is the client's error."""
-        stream = self._stream or await self._open()
-        try:
-            with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
-                self._pending = await stream.next_batch()
-        except RemoteError as exc:
-            if exc.is_client_error:
-                raise exc.as_request_error() from None
-            if exc.status == 503:  # the router's wait queue refused it: the 503 + Retry-After of our own queue
-                raise Overloaded.relayed(str(exc), exc.retry_after) from None
-            raise
-        if self.served_by is None:
-            reported = (GENERATE.decode_reply(raw).worker_id for raw in self._pending)
-            self.served_by = next((w for w in reported if w is not None), None)
-        if self.served_by is None and self.worker is not None:
-            self.served_by = self.worker.instance_id
-
     def _release(self) -> None:
         """The end of the held worker's part, for any reason: done, failed, migrated, client gone."""
         stream, self._stream = self._stream, None
@@ -464,6 +480,7 @@ class Dispatch:
             stream.cancel()  # the consumer left (client gone, stop string) or the stream failed: abort it
         if self._hold is not None:
             self._hold.release()
+            self._share.released(self, len(self.output.token_ids))
 
     def _request(self) -> GenerateRequest:
         """What the held worker gets now: the plan's request, carried on after the output so far."""
@@ -477,3 +494,14 @@ class Dispatch:
             return request
         # added to the plan's own (its trace context), which the next hop carries on
         return msgspec.structs.replace(request, annotations={**request.annotations, **annotations})
+
+
+async def frames(dispatch: Dispatch) -> AsyncGenerator[bytes, None]:
+    """The dispatch's stream as encoded GenerateChunks (`dyn router`'s relay): the prefill's first token, then the
+    worker's chunks as received."""
+    async with contextlib.aclosing(dispatch.stream()) as stream:
+        async for batch, _ in stream:
+            if not batch:  # the remote prefill's first token
+                yield dispatch.output.encoded()
+            for raw in batch:
+                yield bytes(raw)

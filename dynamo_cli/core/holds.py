@@ -267,14 +267,15 @@ async def choose_or_wait(
     config: QueueConfig,
     waited: Callable[[float], None] | None = None,
 ) -> Hold:
-    """`choose`; where every worker is busy, `wait_for` one (Overloaded at once where the pool has no queue or
-    `--router-queue-size` is 0). Background work waits its turn, however long. `waited` hears when a wait that
-    began (its `time.perf_counter()`) ends, however it ends."""
-    try:
-        return choose(pool, wanted, busy, excluded)
-    except Overloaded:
-        if not config.max_size or pool.queue is None:
-            raise
+    """`choose`; where every worker is busy, or others already wait, `wait_for` one (Overloaded at once where the
+    pool has no queue or `--router-queue-size` is 0). Background work waits its turn, however long. `waited` hears
+    when a wait that began (its `time.perf_counter()`) ends, however it ends."""
+    if pool.queue is None or not config.max_size or not len(pool.queue):  # with some waiting, wait behind them
+        try:
+            return choose(pool, wanted, busy, excluded)
+        except Overloaded:
+            if not config.max_size or pool.queue is None:
+                raise
     if wanted.is_background:
         config = dataclasses.replace(config, max_wait_s=BACKGROUND_WAIT_S)
     queued_at = time.perf_counter()

@@ -38,6 +38,7 @@ class DispatchSeries:
             registry=r,
         )
         self.migrations = Counter(f"{prefix}_model_migration", "Migrations", ["model", "migration_type"], registry=r)
+        self.preemptions = Counter(f"{prefix}_preemptions", "Paused for a higher class", model, registry=r)
         self.disagg = Counter(
             f"{prefix}_disagg_decisions",
             "Where prompts were prefilled, by outcome of the local-or-remote rule; encode_*: where images were encoded",
@@ -66,8 +67,7 @@ class DispatchSeries:
             f"{prefix}_worker_recoveries", "Hung workers that answered again", ["model", "worker_id"], registry=r
         )
         self.kv_repairs = Counter("dynamo_router_kv_gap_repairs", "KV event gaps repaired", ["kind"], registry=r)
-        self._served: dict[tuple[str, int, str], Any] = {}
-        """(model, worker id, role) -> its `worker_requests` child (looked up once per worker, not per request)."""
+        self._served: dict[tuple[str, int, str], Any] = {}  # (model, worker id, role) -> its child, found once
 
     ##### DispatchMetrics #####
 
@@ -76,6 +76,9 @@ class DispatchSeries:
 
     def count_migration(self, model: str, kind: str) -> None:
         self.migrations.labels(model, kind).inc()
+
+    def count_preemption(self, model: str) -> None:
+        self.preemptions.labels(model).inc()
 
     def count_disagg(self, model: str, outcome: str) -> None:
         self.disagg.labels(model, outcome).inc()

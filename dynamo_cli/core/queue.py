@@ -35,10 +35,11 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dynamo_cli.config import QueueConfig, QueuePolicy
-from dynamo_cli.errors import Overloaded
+from dynamo_cli.config.tenants import PREEMPTIBLE, PREEMPTING, PriorityClass
+from dynamo_cli.errors import Overloaded, RateLimited
 
 T = TypeVar("T")
 
@@ -53,6 +54,8 @@ RATE_WINDOW_S = 10.0
 """Workers freed within this window give the drain rate `expected_wait` divides by."""
 MIN_RATE_SAMPLES = 4
 """Fewer frees than this in the window: the rate is unknown and nobody is refused for it."""
+MAX_COUNTERS = 4096
+"""Tenants' work counters kept per queue (beyond it, those that lose nothing by it are forgotten)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,25 +63,50 @@ class QueuedRequest:
     """What the policy knows of a request."""
 
     priority: int = 0
-    """Higher is served sooner (`x-dyn-priority`)."""
+    """Higher is served sooner among its tenant's requests of its class (`x-dyn-priority`)."""
     job_tokens: int = 0
     """Prompt tokens + the most output tokens: the expected job size for `sjf`."""
     deadline: float | None = None
     """Monotonic time by which the request must have started; None: none."""
+    tenant: str = ""
+    """Whose share it is served from ("": the fair share is off, or a tenant-blind caller)."""
+    weight: float = 1.0
+    """Its tenant's share relative to others' (config/tenants.py)."""
+    priority_class: PriorityClass = PriorityClass.DEFAULT
+    """Served strictly by class, highest first (a background line's is BACKGROUND whatever this says)."""
+    max_queued: int = 0
+    """Its tenant's requests that may wait at once (0: no own limit); one more is a 429."""
+
+    @property
+    def lane_class(self) -> PriorityClass:
+        return PriorityClass.BACKGROUND if self.priority < LOWEST_CLIENT_PRIORITY else self.priority_class
 
 
 @dataclass(order=True, slots=True)
 class _Ticket:
     key: tuple[float, ...]
     is_gone: bool = field(default=False, compare=False)
+    has_preempted: bool = field(default=False, compare=False)
+
+
+_Lane = tuple[int, str]
+"""(priority class, tenant): the requests of one tenant in one class, a heap in policy order."""
 
 
 class WaitQueue:
-    """One model's waiting requests (state only; the config comes with each call)."""
+    """One model's waiting requests (state only; the config comes with each call), and its running preemptible
+    ones (`running`)."""
 
     def __init__(self) -> None:
-        self._heap: list[_Ticket] = []
+        self._lanes: dict[_Lane, list[_Ticket]] = {}
         self._size = 0
+        self._queued: collections.Counter[str] = collections.Counter()
+        """Requests waiting per tenant."""
+        self._work = TenantWork()
+        self._head_cache: _Ticket | None = None
+        """The head as last found; None once a push, a departure or a charge may have changed it."""
+        self._preemptible: dict[object, tuple[PriorityClass, Callable[[], bool]]] = {}
+        """Running requests a waiting higher class may pause, oldest first: key -> (class, preempt)."""
         self._tick: asyncio.Future[None] | None = None
         """Resolved by the next `notify()`; every waiter sleeps on it."""
         self._arrivals = itertools.count()
@@ -92,6 +120,19 @@ class WaitQueue:
         """A request let go of a worker: counts toward the drain rate, and lets the head try."""
         self._freed.append(time.monotonic())
         self.notify()
+
+    def charge(self, tenant: str, work: float, weight: float) -> None:
+        """`tenant` was served `work` (tokens: uncached prompt, output by their weight): its share moves back."""
+        if work > 0:
+            self._work.charge(tenant, work / weight, self._queued)
+            self._head_cache = None
+
+    def running(self, key: object, priority_class: PriorityClass, preempt: Callable[[], bool]) -> None:
+        """A running request a waiting one of a higher class may pause (`preempt()`: True when it did)."""
+        self._preemptible[key] = (priority_class, preempt)
+
+    def stopped(self, key: object) -> None:
+        self._preemptible.pop(key, None)
 
     def expected_wait(self, position: int, now: float) -> float | None:
         """Seconds until the request at `position` (1: next) gets a worker at the recent drain rate; None
@@ -111,13 +152,21 @@ class WaitQueue:
 
     async def take(self, try_take: Callable[[], T], request: QueuedRequest, config: QueueConfig) -> T:
         """`try_take()` (which raises Overloaded while every worker is busy) once this request is at the head
-        and it succeeds; Overloaded with a reason when the queue is full or the wait is too long."""
+        and it succeeds; Overloaded with a reason when the queue is full or the wait is too long, RateLimited
+        when its tenant has as many waiting as it may."""
         if self._size >= config.max_size:
             raise Overloaded(f"the wait queue is full ({config.max_size} requests)", retry_after=RETRY_AFTER_S)
+        tenant = request.tenant if config.fair_share else ""
+        if request.max_queued and self._queued[request.tenant] >= request.max_queued:
+            raise RateLimited(
+                f"tenant '{request.tenant}' already has {request.max_queued} requests waiting (max-queued)",
+                RETRY_AFTER_S,
+                "max_queued",
+            )
         ticket = _Ticket(self._key(request, config.policy))
-        self._refuse_if_too_slow(ticket, request, config)
-        heapq.heappush(self._heap, ticket)
-        self._size += 1
+        lane = (-int(request.lane_class), tenant)
+        self._refuse_if_too_slow(ticket, lane, request, config)
+        self._push(lane, ticket, request.tenant)
         started = time.monotonic()
         give_up = started + config.max_wait_s
         if request.deadline is not None:
@@ -128,7 +177,9 @@ class WaitQueue:
                     try:
                         return try_take()
                     except Overloaded:
-                        pass
+                        if config.preemption and not ticket.has_preempted and self._preempt_for(request.lane_class):
+                            ticket.has_preempted = True  # once: then it waits for the worker that frees
+                            continue
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     raise Overloaded(self._why(request, started, give_up), retry_after=RETRY_AFTER_S)
@@ -136,16 +187,41 @@ class WaitQueue:
                     self._tick = asyncio.get_running_loop().create_future()
                 await asyncio.wait((self._tick,), timeout=remaining)  # never cancels the shared future
         finally:
-            ticket.is_gone = True
-            self._size -= 1
-            self.notify()  # the next one may be the head now
+            self._left(ticket, request.tenant)
 
     ##### Internals #####
 
-    def _refuse_if_too_slow(self, ticket: _Ticket, request: QueuedRequest, config: QueueConfig) -> None:
+    def _push(self, lane: _Lane, ticket: _Ticket, tenant: str) -> None:
+        if not self._queued[tenant]:
+            self._work.backlogged(lane[1], self._queued)  # an idle tenant banks no credit
+        heapq.heappush(self._lanes.setdefault(lane, []), ticket)
+        self._size += 1
+        self._queued[tenant] += 1
+        self._head_cache = None
+
+    def _left(self, ticket: _Ticket, tenant: str) -> None:
+        ticket.is_gone = True
+        self._size -= 1
+        self._queued[tenant] -= 1
+        if not self._queued[tenant]:
+            del self._queued[tenant]
+        self._head_cache = None
+        self.notify()  # the next one may be the head now
+
+    def _preempt_for(self, wanted: PriorityClass) -> bool:
+        """Pause the most recently started running request of a preemptible class below `wanted`, if any."""
+        if wanted < PREEMPTING:
+            return False
+        for key, (running, preempt) in reversed(list(self._preemptible.items())):
+            if running <= PREEMPTIBLE and running < wanted and preempt():
+                del self._preemptible[key]
+                return True
+        return False
+
+    def _refuse_if_too_slow(self, ticket: _Ticket, lane: _Lane, request: QueuedRequest, config: QueueConfig) -> None:
         now = time.monotonic()
         budget = config.max_wait_s if request.deadline is None else min(config.max_wait_s, request.deadline - now)
-        position = 1 + sum(1 for t in self._heap if not t.is_gone and t < ticket)
+        position = 1 + self._ahead(ticket, lane)
         wait = self.expected_wait(position, now)
         if wait is not None and wait > budget:
             raise Overloaded(
@@ -153,6 +229,18 @@ class WaitQueue:
                 f" free up, more than the {max(budget, 0):.1f} s it may wait",
                 retry_after=max(RETRY_AFTER_S, wait),
             )
+
+    def _ahead(self, ticket: _Ticket, lane: _Lane) -> int:
+        """About how many are served before `ticket`: every higher class, its own lane's earlier ones, and as
+        many of each other tenant's in its class (the fair share alternates)."""
+        own = sum(1 for t in self._lanes.get(lane, ()) if not t.is_gone and t < ticket)
+        ahead = own
+        for (rank, tenant), tickets in self._lanes.items():
+            if rank < lane[0]:
+                ahead += sum(1 for t in tickets if not t.is_gone)
+            elif rank == lane[0] and tenant != lane[1]:
+                ahead += min(own + 1, sum(1 for t in tickets if not t.is_gone))
+        return ahead
 
     def _key(self, request: QueuedRequest, policy: QueuePolicy) -> tuple[float, ...]:
         arrival = float(next(self._arrivals))
@@ -165,9 +253,22 @@ class WaitQueue:
         return (-float(request.priority), second, arrival)
 
     def _head(self) -> _Ticket | None:
-        while self._heap and self._heap[0].is_gone:
-            heapq.heappop(self._heap)
-        return self._heap[0] if self._heap else None
+        """The highest class's waiting request of the tenant that has had the least work (ties: arrival)."""
+        head = self._head_cache
+        if head is not None and not head.is_gone:
+            return head
+        best: tuple[Any, ...] | None = None
+        for lane, tickets in list(self._lanes.items()):
+            while tickets and tickets[0].is_gone:
+                heapq.heappop(tickets)
+            if not tickets:
+                del self._lanes[lane]
+                continue
+            order = (lane[0], self._work.of(lane[1]), tickets[0].key[-1], tickets[0])
+            if best is None or order[:3] < best[:3]:
+                best = order
+        self._head_cache = best[3] if best is not None else None
+        return self._head_cache
 
     @staticmethod
     def _why(request: QueuedRequest, started: float, give_up: float) -> str:
@@ -175,3 +276,30 @@ class WaitQueue:
         if request.deadline is not None and give_up >= request.deadline:
             return f"the request's deadline passed after {waited:.1f} s in the wait queue"
         return f"no worker freed up within {waited:.1f} s in the wait queue"
+
+
+class TenantWork:
+    """Each tenant's virtual work counter (VTC, Sheng et al., OSDI '24): the work it was served over its weight.
+    The queue serves the backlogged tenant with the least; a tenant that starts waiting is lifted to the least of
+    the others waiting (or to the last one served's), so idling banks no credit and the share is work-conserving."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, float] = {}
+        self._floor = 0.0
+        """The counter of the tenant served last: where a tenant joins when nobody waits."""
+
+    def of(self, tenant: str) -> float:
+        return self._counters.get(tenant, self._floor)
+
+    def charge(self, tenant: str, work: float, waiting: collections.Counter[str]) -> None:
+        self._counters[tenant] = self._floor = self.of(tenant) + work
+        if len(self._counters) > MAX_COUNTERS:  # forget the least served idle half (they come back at the floor)
+            idle = sorted((c, t) for t, c in self._counters.items() if t not in waiting)
+            for _, name in idle[: len(idle) // 2 + 1]:
+                del self._counters[name]
+
+    def backlogged(self, tenant: str, waiting: collections.Counter[str]) -> None:
+        self._counters[tenant] = max(self.of(tenant), self._least(waiting, self._floor))
+
+    def _least(self, waiting: collections.Counter[str], otherwise: float) -> float:
+        return min((self.of(t) for t in waiting), default=otherwise)

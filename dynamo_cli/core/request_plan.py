@@ -71,6 +71,8 @@ class DispatchMetrics(HealthMetrics, Protocol):
 
     def count_migration(self, model: str, kind: str) -> None: ...
 
+    def count_preemption(self, model: str) -> None: ...
+
     def count_disagg(self, model: str, outcome: str) -> None: ...
 
     def count_encode(self, model: str, outcome: str, images: int) -> None: ...
@@ -87,6 +89,9 @@ class NoMetrics:
         pass
 
     def count_migration(self, model: str, kind: str) -> None:
+        pass
+
+    def count_preemption(self, model: str) -> None:
         pass
 
     def count_disagg(self, model: str, outcome: str) -> None:

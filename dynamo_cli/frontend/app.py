@@ -27,6 +27,7 @@ from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.replies import send_error
 from dynamo_cli.frontend.rest import Rest
 from dynamo_cli.frontend.served_models import FrontendRegistry
+from dynamo_cli.frontend.tenants import KEY_INDEX_SCOPE
 from dynamo_cli.frontend.translation import APIS
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
@@ -70,6 +71,7 @@ class Frontend:
             logger.debug("refused %s %s from %s: %s", scope["method"], scope["path"], scope.get("client"), exc)
             self.metrics.refused.labels(exc.code).inc()
             return await send_error(send, exc)
+        scope[KEY_INDEX_SCOPE] = admission.key_index  # the key's tenant (frontend/tenants.py)
         try:
             await self._route(scope, receive, send)
         finally:

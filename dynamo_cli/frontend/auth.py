@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dynamo_cli.config import AuthConfig
-from dynamo_cli.errors import RequestError
+from dynamo_cli.errors import RateLimited, RequestError
 
 OPEN_PATHS = frozenset({"/health", "/live"})
 """Paths served without a key (probes); `/metrics` joins them unless `--metrics-require-key`."""
@@ -33,17 +32,6 @@ class Unauthorized(RequestError):
             f"{reason}; send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key this server accepts",
             code="invalid_api_key",
         )
-
-
-class RateLimited(RequestError):
-    """429: a key is over its request rate or its concurrency limit; `retry_after` in seconds."""
-
-    status = 429
-    error_type = "requests"
-
-    def __init__(self, reason: str, retry_after: float) -> None:
-        self.retry_after = retry_after
-        super().__init__(f"{reason}; retry in {max(1, math.ceil(retry_after))} s", code="rate_limit_exceeded")
 
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -26,7 +26,7 @@ from dynamo_cli.core.dispatch import Dispatch, DispatchRules
 from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.core.request_plan import RequestPlan
 from dynamo_cli.engine import check_token_ids
-from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RequestError
+from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RateLimited, RequestError
 from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_header, too_large
@@ -47,6 +47,7 @@ from dynamo_cli.frontend.replies import ClientGone, reply_json, unless_gone
 from dynamo_cli.frontend.replies import internal as _internal
 from dynamo_cli.frontend.replies import send_error as _send_error
 from dynamo_cli.frontend.served_models import FrontendRegistry, ServedModel
+from dynamo_cli.frontend.tenants import Tenancy, Tenants
 from dynamo_cli.frontend.tools.chat import ChatPlan, prepare_chat
 from dynamo_cli.frontend.translation import Api
 from dynamo_cli.model.tokenizer import Tokenizer
@@ -76,22 +77,45 @@ class Lifecycle:
         self.metrics = metrics
         self.rules = rules
         self.tracing = tracing
+        self.tenants = Tenants(config.tenants, metrics.tenants, bool(config.auth.api_keys))
+        """Who sends each request and what it may still use (frontend/tenants.py)."""
         self.standby: Callable[[str], float | None] | None = None
         """Set by `dyn serve`: for a model whose workers are restarting, seconds until one may serve
         again (requests then get 503 with Retry-After instead of 404); None when none is coming back."""
 
     async def serve(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
-        """One request of `api`, from its body to its end."""
+        """One request of `api`, from its body to its end, within its tenant's limits."""
         request_id = self._enter(scope, api.id_prefix)
         try:
             request = api.parse(await self._read_body(scope, receive))
-            generations = await self._prepare_unless_gone(api.to_generate(request), scope, receive, request_id)
+            tenancy = self.tenants.identify(scope, dict(scope["headers"]), INTERNAL_DEADLINE in scope)
+            self.tenants.admit(tenancy)
         except ClientGone:
             return
         except DynError as exc:
             return await _send_error(send, exc)
+        status, output_tokens = "error", 0
+        try:
+            status, output_tokens = await self._serve(api, request, tenancy, scope, receive, send, request_id)
+        finally:
+            self.tenants.release(tenancy, status, output_tokens)
+
+    async def _serve(
+        self, api: Api, request: Any, tenancy: Tenancy, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> tuple[str, int]:
+        """Prepare, reply, end: the status (for the metrics) and the output tokens sent."""
+        try:
+            generations = await self._prepare_unless_gone(api.to_generate(request), scope, receive, request_id, tenancy)
+        except ClientGone:
+            return "cancelled", 0
+        except DynError as exc:
+            if isinstance(exc, RateLimited):
+                self.tenants.refused(tenancy, exc)
+            await _send_error(send, exc)
+            return "rejected" if isinstance(exc, RateLimited) else "error", 0
         except Exception as exc:  # a bug, not the client's fault: a 500 in OpenAI's shape, findable in the log
-            return await _send_error(send, _internal(exc, "preparing a request"))
+            await _send_error(send, _internal(exc, "preparing a request"))
+            return "error", 0
         d = generations[0].dispatch
         model, metrics = d.model, self.metrics
         metrics.inflight.labels(model).inc()
@@ -101,12 +125,13 @@ class Lifecycle:
         finally:
             for gen in generations:
                 await gen.dispatch.aclose()  # idempotent: load and prefilled KV never leak
-                self._observe(gen)
+                self._observe(gen, tenancy)
             if status == "cancelled":
                 metrics.disconnected.labels(d.entry.name).inc()
                 metrics.cancellations.labels(d.entry.name).inc()
             metrics.inflight.labels(model).dec()
             metrics.requests.labels(model, api.name, "stream" if request.stream else "unary", status).inc()
+        return status, sum(gen.completion_tokens for gen in generations)
 
     async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""
@@ -151,18 +176,20 @@ class Lifecycle:
                 return b"".join(chunks)
 
     async def _prepare_unless_gone(
-        self, request: OpenAiRequest, scope: Scope, receive: Receive, request_id: str
+        self, request: OpenAiRequest, scope: Scope, receive: Receive, request_id: str, tenancy: Tenancy
     ) -> list[Generation]:
         """`_prepare`, watching for the client to leave: its waits for a worker end then (see `Interruptible`),
         and what was prepared for a client gone by the end is closed: ClientGone."""
-        generations, is_gone = await unless_gone(lambda: self._prepare(request, scope, request_id), receive)
+        generations, is_gone = await unless_gone(lambda: self._prepare(request, scope, request_id, tenancy), receive)
         if is_gone:
             for gen in generations:
                 await gen.dispatch.aclose()
             raise ClientGone()
         return generations
 
-    async def _prepare(self, request: OpenAiRequest, scope: Scope, request_id: str) -> list[Generation]:
+    async def _prepare(
+        self, request: OpenAiRequest, scope: Scope, request_id: str, tenancy: Tenancy
+    ) -> list[Generation]:
         """Check, template, tokenize, plan and start the request's `n` dispatches (one per choice)."""
         entry, lora = self._entry(request.model)
         trace: RequestTrace | None = scope.get(TRACE_SCOPE_KEY) if self.tracing is not None else None
@@ -181,11 +208,12 @@ class Lifecycle:
         )
         if tokenize is not None:
             tokenize.end_tokenize(len(prompt_ids))
+        self.tenants.spend_prompt(tenancy, len(prompt_ids))
         sampling = sampling_of(request, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
         stop, headers = stops_of(request), dict(scope["headers"])
-        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images, request.nvext)
+        plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images, request.nvext, tenancy)
         generations: list[Generation] = []
         try:
             for index in range(request.n):  # choice i: request id "-i", seed + i
@@ -223,8 +251,10 @@ class Lifecycle:
                 raise
             raise NoWorkers(f"model '{model}' (its workers are restarting)", retry_after=wait) from None
 
-    def _observe(self, gen: Generation) -> None:
+    def _observe(self, gen: Generation, tenancy: Tenancy) -> None:
         d = gen.dispatch
+        if d.queue_wait_s:
+            self.tenants.waited(tenancy, d.queue_wait_s)
         m, model = self.metrics, d.model
         end = time.perf_counter()
         m.isl.labels(model).observe(len(d.plan.prompt_ids))
@@ -249,9 +279,9 @@ def _planner(
     lora: str,
     images: list[ImageInput],
     request_hints: NvExt | None,
+    tenancy: Tenancy,
 ) -> Callable[[str, SamplingParams], RequestPlan]:
-    """The plan of each choice (its request id and sampling), from what the headers ask of all of them."""
-    # The id workers see is always ours: a client's x-request-id is echoed back, never reused inside.
+    """The plan of each choice (its request id and sampling) by the headers (x-request-id: echoed, never used)."""
     client_id = client_request_id(headers.get(b"x-request-id"))
     pinned, explain = pinned_header(headers.get(b"x-worker-instance-id")), headers.get(b"x-dyn-explain-route")
     hints = request_hints.agent_hints if request_hints is not None else None
@@ -275,6 +305,7 @@ def _planner(
             images=images,
             session=session,
             hints=hints,
+            tenancy=tenancy,
         )
 
     return plan

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Hi
 
 from dynamo_cli.core.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, DispatchSeries
 from dynamo_cli.core.registry import Worker
+from dynamo_cli.frontend.tenants import TenantSeries
 from dynamo_cli.kv.tier_stats import KVBM_SERIES
 from dynamo_cli.kv.tiers import KvTierStats
 
@@ -52,6 +53,7 @@ class FrontendMetrics(DispatchSeries):
             f"{prefix}_frontend_restarts", "Frontend processes restarted by dyn serve --frontends", registry=r
         )
         self.refused = Counter(f"{prefix}_auth_refused", "Refused by API key or per-key limit", ["code"], registry=r)
+        self.tenants = TenantSeries(r, prefix)
         self.router = Gauge("dynamo_router_counter", "KV router counters (monotonic)", ["model", "name"], registry=r)
         self.kvbm = {
             name: Gauge(

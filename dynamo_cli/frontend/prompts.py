@@ -29,6 +29,7 @@ from dynamo_cli.routing.sessions import Session
 from dynamo_cli.wire import GenerateRequest, Guided, ImageInput, ImageSpec, SamplingParams
 
 if TYPE_CHECKING:
+    from dynamo_cli.frontend.tenants import Tenancy
     from dynamo_cli.tracing.spans import RequestTrace
 
 
@@ -153,6 +154,7 @@ def plan_request(
     images: list[ImageInput] | None = None,
     session: Session | None = None,
     hints: AgentHints | None = None,
+    tenancy: Tenancy | None = None,
 ) -> RequestPlan:
     """The plan of a request to `entry`'s model (with LoRA adapter `lora`, if not ""), or ContextOverflow when it
     cannot fit the context; a traced request carries its trace context to every worker (`trace.annotations`)."""
@@ -171,4 +173,6 @@ def plan_request(
         request = msgspec.structs.replace(request, annotations=trace.annotations)
     expected = min(hints.osl, wanted) if hints is not None and hints.osl is not None else wanted
     queued = QueuedRequest(priority, len(prompt_ids) + expected, deadline)
+    if tenancy is not None:  # its tenant's share, class and queue limit
+        queued = tenancy.queued(queued)
     return RequestPlan(request, pinned_worker, is_explained, client_request_id, queued, trace, session)

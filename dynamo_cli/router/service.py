@@ -34,7 +34,7 @@ import msgspec
 
 from dynamo_cli.config import RouterConfig
 from dynamo_cli.core import loras
-from dynamo_cli.core.dispatch import Dispatch
+from dynamo_cli.core.dispatch import Dispatch, frames
 from dynamo_cli.core.holds import pool_targets
 from dynamo_cli.core.metrics import RouterMetrics
 from dynamo_cli.core.queue import QueuedRequest
@@ -160,8 +160,8 @@ class RouterService:
             if request.annotations.get(REPORT_WORKER_ANNOTATION) == "1":  # before any token: the frontend's
                 yield GenerateChunk(token_ids=[], worker_id=dispatch.served_by)  # the response names it
             await dispatch.prepare()
-            async with contextlib.aclosing(dispatch.frames()) as frames:
-                async for frame in frames:
+            async with contextlib.aclosing(frames(dispatch)) as relayed:
+                async for frame in relayed:
                     yield frame
             status = "cancelled" if dispatch.is_aborted else "success"
         except (asyncio.CancelledError, GeneratorExit):

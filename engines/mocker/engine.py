@@ -339,6 +339,7 @@ class MockerEngine:
             seed=request.sampling.seed,
             is_prefilled=handoff.is_prefilled,
             hash_seed=lora_seed(request.lora),
+            num_generated=request.num_generated,
         )
         mock.retain_s, mock.retain_key = request.retain_s, request.retain_key or request.request_id
         return mock, handoff

@@ -60,7 +60,10 @@ class MockRequest:
         seed: int | None = None,
         is_prefilled: bool = False,
         hash_seed: int = HASH_SEED,
+        num_generated: int = 0,
     ) -> None:
+        """`num_generated`: tokens an earlier hop of the request drew (a migration, a pause, a remote prefill):
+        a seeded request draws on from where it stopped, so its output is the same however it was cut."""
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.prompt_len = len(self.token_ids)
@@ -79,6 +82,8 @@ class MockRequest:
         self.retain_key = ""
         """Its blocks stay pinned `retain_s` after it ends, for `retain_key`'s next request (agent sessions)."""
         self._rng = random.Random(seed)
+        for _ in range(num_generated if seed is not None else 0):
+            self._rng.random()
         self.extend_hashes(block_size)
 
     @property

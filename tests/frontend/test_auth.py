@@ -137,10 +137,10 @@ def test_api_keys_come_from_flags_else_the_environment_plus_a_file(tmp_path: Pat
     key_file = tmp_path / "keys"
     key_file.write_text("# deploy keys\nfile-key-1\n\n  file-key-2  \nflag-a\n")
     env = {"DYN_API_KEYS": "env-1, env-2,"}
-    assert read_api_keys(["flag-a", "flag-b"], None, env) == ("flag-a", "flag-b")
-    assert read_api_keys([], None, env) == ("env-1", "env-2")
-    assert read_api_keys([], None, {}) == ()
-    assert read_api_keys(["flag-a"], str(key_file), env) == ("flag-a", "file-key-1", "file-key-2")
+    assert read_api_keys(["flag-a", "flag-b"], None, env).keys == ("flag-a", "flag-b")
+    assert read_api_keys([], None, env).keys == ("env-1", "env-2")
+    assert read_api_keys([], None, {}).keys == ()
+    assert read_api_keys(["flag-a"], str(key_file), env).keys == ("flag-a", "file-key-1", "file-key-2")
     (tmp_path / "empty").write_text("# none yet\n")
     with pytest.raises(ConfigError, match="holds no key"):
         read_api_keys([], str(tmp_path / "empty"), {})

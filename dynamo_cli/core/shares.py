@@ -1,0 +1,74 @@
+"""What one dispatch owes its model's wait queue (core/queue.py): its tenant's work, charged once, and its place
+among the running requests a waiting higher class may pause.
+
+The work is what the fair share counts: the prompt tokens the chosen worker had not cached (charged when the first
+worker is held), then every output token at `--tenant-output-token-weight` (charged as each hold ends, so a
+migrated or paused request is never charged twice for a token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dynamo_cli.config import QueueConfig
+from dynamo_cli.config.tenants import PREEMPTIBLE
+from dynamo_cli.core.queue import QueuedRequest, WaitQueue
+from dynamo_cli.routing.base import RouteDecision
+from dynamo_cli.runtime.request_client import ResponseStream
+
+
+class Share:
+    """One dispatch's account with its model's queue (a no-op where the model has none)."""
+
+    def __init__(
+        self, queue: WaitQueue | None, queued: QueuedRequest, config: QueueConfig, block_size: int, may_pause: bool
+    ) -> None:
+        """`may_pause`: the request's worker is one this side chose and may resume it on (not behind a router)."""
+        self._queue = queue
+        self._queued = queued
+        self._config = config
+        self._block_size = block_size
+        self._is_prompt_charged = False
+        self._charged_output = 0
+        self._is_preemptible = may_pause and config.preemption and queued.lane_class <= PREEMPTIBLE
+        self._is_preempted = False
+
+    def preempt(self, stream: ResponseStream | None) -> bool:
+        """The queue pauses the request for a higher class: its open `stream` is cancelled (None: nothing to pause
+        now); True when it was."""
+        if stream is None:
+            return False
+        self._is_preempted = True
+        stream.cancel()
+        return True
+
+    def was_preempted(self) -> bool:
+        """Whether the stream that just ended was cancelled by `preempt` (once: the resume clears it)."""
+        was, self._is_preempted = self._is_preempted, False
+        return was
+
+    def held(
+        self, key: object, decision: RouteDecision | None, prompt_tokens: int, preempt: Callable[[], bool]
+    ) -> None:
+        """A worker is held for the request: the first time, its uncached prompt is charged; while it runs, a
+        bulk one may be paused."""
+        queue, queued = self._queue, self._queued
+        if queue is None:
+            return
+        if not self._is_prompt_charged:
+            cached = decision.overlap_blocks * self._block_size if decision is not None else 0
+            queue.charge(queued.tenant, max(0, prompt_tokens - cached), queued.weight)
+            self._is_prompt_charged = True
+        if self._is_preemptible:
+            queue.running(key, queued.lane_class, preempt)
+
+    def released(self, key: object, num_output: int) -> None:
+        """The hold ended: the output tokens since the last charge are charged."""
+        queue, queued = self._queue, self._queued
+        if queue is None:
+            return
+        queue.stopped(key)
+        fresh = num_output - self._charged_output
+        if fresh > 0:
+            queue.charge(queued.tenant, fresh * self._config.output_token_weight, queued.weight)
+            self._charged_output = num_output
