@@ -24,7 +24,7 @@ from dynamo_cli.cli import router as router_cmd
 from dynamo_cli.cli import serve
 from dynamo_cli.cli import worker as worker_cmd
 from dynamo_cli.cli.k8s_batches import BATCH_DB
-from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, read_api_keys
+from dynamo_cli.config import AuthConfig, PlanesConfig, ServeConfig, TenantConfig, read_api_keys
 from dynamo_cli.engine import Role
 from tests.k8s.render_cases import CLUSTER_SECRET, Files, deployment, make_files, render
 from tests.planes import free_port
@@ -134,7 +134,12 @@ def _serve_config(args: list[str], files: Files) -> ServeConfig:
     values = _parse(serve.command, args)
     secret = o.cluster_secret(values.pop("cluster_secret_file"), make=True)
     keys = read_api_keys(values.pop("api_key") or [], values.pop("api_key_file"), {})
-    return serve.deployment(values, {(PlanesConfig, "cluster_secret"): secret, (AuthConfig, "api_keys"): keys})[0]
+    given = {
+        (PlanesConfig, "cluster_secret"): secret,
+        (AuthConfig, "api_keys"): keys.keys,
+        (TenantConfig, "key_tenants"): keys.tenants,
+    }
+    return serve.deployment(values, given)[0]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
