@@ -118,9 +118,11 @@ class Tenants:
         self.config = config
         self.series = series
         self._keys_on = keys_on
-        self._by_key = [self._new(config.with_defaults(spec)) for spec in config.key_tenants]
-        by_name = {state.spec.name: state for state in self._by_key}
-        self._by_key = [by_name[state.spec.name] for state in self._by_key]  # keys of one tenant share its state
+        by_name: dict[str, TenantState] = {}  # keys of one tenant share its state (merge_tenants: one spec each)
+        for spec in config.key_tenants:
+            if spec.name not in by_name:
+                by_name[spec.name] = self._new(config.with_defaults(spec))
+        self._by_key = [by_name[spec.name] for spec in config.key_tenants]
         self._named: collections.OrderedDict[str, TenantState] = collections.OrderedDict()
         """Tenants named by a header (or the default one), least recently seen first."""
 
@@ -137,14 +139,17 @@ class Tenants:
         return Tenancy(state, class_header(headers.get(b"x-dyn-priority-class"), spec.priority_class, spec.max_class))
 
     def admit(self, tenancy: Tenancy) -> None:
-        """Count the request in flight, or a 429 naming the limit."""
+        """Count the request in flight, or a 429 naming the limit (counted: the request and its rejection)."""
         state = tenancy.state
         if state is None:
             return
         limit = state.spec.max_inflight
         if limit and state.inflight >= limit:
             what = f"tenant '{state.spec.name}' already has {limit} requests in flight (max-inflight)"
-            raise RateLimited(what, 1.0, "max_inflight")
+            refusal = RateLimited(what, 1.0, "max_inflight")
+            self.refused(tenancy, refusal)
+            self.series.count(self.series.requests, tenancy.name, "rejected")  # it never reaches `release`
+            raise refusal
         state.inflight += 1
 
     def release(self, tenancy: Tenancy, status: str, output_tokens: int) -> None:
@@ -175,9 +180,8 @@ class Tenants:
         state.tokens -= prompt_tokens
 
     def refused(self, tenancy: Tenancy, exc: RateLimited) -> None:
-        """The request got a 429 for one of the tenant's limits (or its key's)."""
+        """The request got a 429 for one of the tenant's limits (or its key's); `release` counts the request."""
         self.series.count(self.series.rejections, tenancy.name, exc.limit or "api_key")
-        self.series.count(self.series.requests, tenancy.name, "rejected")
 
     def waited(self, tenancy: Tenancy, seconds: float) -> None:
         self.series.observe_wait(tenancy.name, seconds)

@@ -91,7 +91,6 @@ def test_in_flight_and_tokens_a_minute_are_429s_that_name_the_limit() -> None:
     with pytest.raises(RateLimited, match=r"tenant 'a' already has 2 requests in flight \(max-inflight\)") as busy:
         tenants.admit(a)
     assert busy.value.status == 429 and busy.value.limit == "max_inflight"
-    tenants.refused(a, busy.value)
     tenants.spend_prompt(a, 500)
     with pytest.raises(RateLimited, match=r"over its 600 tokens a minute \(tpm\)") as spent:
         tenants.spend_prompt(a, 500)
@@ -106,6 +105,7 @@ def test_in_flight_and_tokens_a_minute_are_429s_that_name_the_limit() -> None:
     assert 'dynamo_frontend_tenant_rejections_total{limit="max_inflight",tenant="a"} 1.0' in text
     assert 'dynamo_frontend_tenant_tokens_total{kind="prompt",tenant="b"} 600.0' in text
     assert 'dynamo_frontend_tenant_requests_total{status="success",tenant="a"} 1.0' in text
+    assert 'dynamo_frontend_tenant_requests_total{status="rejected",tenant="a"} 1.0' in text  # once, not twice
 
 
 def test_the_table_of_header_tenants_is_bounded_and_a_forgotten_tenant_loses_its_series() -> None:
