@@ -71,7 +71,21 @@ def render(frame: TopFrame | None, url: str, interval: float, error: str | None 
     has_rates = frame.interval_s > 0
     for model in frame.models:
         parts += [Text(""), _summary(model, has_rates), _workers(model, has_rates)]
+    if frame.tenants:
+        parts += [Text(""), _tenants(frame, has_rates)]
     return Group(*parts)
+
+
+def _tenants(frame: TopFrame, has_rates: bool) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("tenant", "req/s", "tokens/s", "queue wait", "429s"):
+        table.add_column(column, justify="left" if column == "tenant" else "right", overflow="fold")
+    for t in frame.tenants:
+        since = " (since start)" if t.queue_wait.is_since_start else ""
+        wait = _latency(t.queue_wait) + since
+        tokens = _rate(t.tokens_per_s, has_rates)
+        table.add_row(t.name, _rate(t.requests_per_s, has_rates), tokens, wait, f"{t.num_rejections:.0f}")
+    return table
 
 
 def _summary(model: ModelRow, has_rates: bool) -> Text:

@@ -37,7 +37,7 @@ from dynamo_cli.core.queue import BACKGROUND_WAIT_S, LOWEST_CLIENT_PRIORITY
 from dynamo_cli.core.registry import ModelEntry, Worker
 from dynamo_cli.core.replicas import ReplicaSync
 from dynamo_cli.core.request_plan import DispatchMetrics, NoMetrics, RequestPlan
-from dynamo_cli.core.shares import Share
+from dynamo_cli.core.shares import Share, tenant_annotations
 from dynamo_cli.core.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.core.waits import interruptible
 from dynamo_cli.errors import Overloaded, RemoteError, StreamTimeout, TransportError, UnknownInstance
@@ -117,7 +117,8 @@ class ToWorkers:
 
 class ToRouters:
     """`dyn router` replicas, which choose the backend (and run the prefill stage, and queue): a pin and the
-    queue's priority and deadline travel to them as annotations, and each first reports the backend chosen."""
+    queue's priority, deadline, tenant and class travel to them as annotations, and each first reports the
+    backend chosen."""
 
     def pin(self, plan: RequestPlan) -> int | None:
         return None
@@ -131,6 +132,8 @@ class ToRouters:
             annotations[PRIORITY_ANNOTATION] = str(queued.priority)
         if queued.deadline is not None:
             annotations[DEADLINE_ANNOTATION] = str(max(0, round((queued.deadline - time.monotonic()) * 1000)))
+        if queued.tenant:
+            annotations.update(tenant_annotations(queued))
         if plan.session is not None:
             annotations[SESSION_ANNOTATION] = plan.session.id
             if plan.session.parent is not None:

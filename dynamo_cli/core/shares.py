@@ -8,13 +8,23 @@ migrated or paused request is never charged twice for a token).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 
 from dynamo_cli.config import QueueConfig
-from dynamo_cli.config.tenants import PREEMPTIBLE
+from dynamo_cli.config.tenants import PREEMPTIBLE, TENANT_NAME, PriorityClass
 from dynamo_cli.core.queue import QueuedRequest, WaitQueue
 from dynamo_cli.routing.base import RouteDecision
 from dynamo_cli.runtime.request_client import ResponseStream
+from dynamo_cli.wire import (
+    CLASS_ANNOTATION,
+    TENANT_ANNOTATION,
+    TENANT_MAX_QUEUED_ANNOTATION,
+    TENANT_WEIGHT_ANNOTATION,
+)
+
+MAX_WEIGHT = 1000.0
+_CLASSES = {c.label: c for c in PriorityClass}
 
 
 class Share:
@@ -72,3 +82,32 @@ class Share:
         if fresh > 0:
             queue.charge(queued.tenant, fresh * self._config.output_token_weight, queued.weight)
             self._charged_output = num_output
+
+
+def tenant_annotations(queued: QueuedRequest) -> dict[str, str]:
+    """A request's tenant, share and class, for the `dyn router` that queues it (`tenant_of` reads them)."""
+    annotations = {TENANT_ANNOTATION: queued.tenant, CLASS_ANNOTATION: queued.priority_class.label}
+    if queued.weight != 1.0:
+        annotations[TENANT_WEIGHT_ANNOTATION] = repr(queued.weight)
+    if queued.max_queued:
+        annotations[TENANT_MAX_QUEUED_ANNOTATION] = str(queued.max_queued)
+    return annotations
+
+
+def tenant_of(annotations: Mapping[str, str], queued: QueuedRequest) -> QueuedRequest:
+    """`queued` with the tenant, share and class a frontend annotated (`tenant_annotations`); what does not parse
+    is left at its default (the plane is the frontend's, authenticated, but a value still never breaks the queue)."""
+    tenant = annotations.get(TENANT_ANNOTATION, "")
+    if not TENANT_NAME.fullmatch(tenant):
+        return queued
+    priority_class = _CLASSES.get(annotations.get(CLASS_ANNOTATION, ""), PriorityClass.DEFAULT)
+    try:
+        weight = float(annotations.get(TENANT_WEIGHT_ANNOTATION, "1"))
+        max_queued = int(annotations.get(TENANT_MAX_QUEUED_ANNOTATION, "0"))
+    except ValueError:
+        weight, max_queued = 1.0, 0
+    if not 0.0 < weight <= MAX_WEIGHT:
+        weight = 1.0
+    return dataclasses.replace(
+        queued, tenant=tenant, weight=weight, priority_class=priority_class, max_queued=max(0, max_queued)
+    )

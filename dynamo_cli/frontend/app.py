@@ -22,6 +22,7 @@ from dynamo_cli.core.dispatch import DispatchRules
 from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.auth import Gate
 from dynamo_cli.frontend.lifecycle import Lifecycle
+from dynamo_cli.frontend.messages import MESSAGES_PATH, anthropic_errors
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
 from dynamo_cli.frontend.replies import send_error
@@ -60,6 +61,8 @@ class Frontend:
         self._gate = Gate(config.auth) if config.auth.api_keys else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(MESSAGES_PATH):
+            send = anthropic_errors(send)  # Anthropic's clients read Anthropic's error shape
         if self._gate is not None and scope["type"] == "http" and not self._gate.is_open(scope["path"]):
             return await self._guarded(scope, receive, send, self._gate)
         await self._route(scope, receive, send)

@@ -18,8 +18,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+from starlette.types import Message as AsgiMessage
+from starlette.types import Send
 
-from dynamo_cli.errors import RequestError
+from dynamo_cli.errors import DynError, RequestError
 from dynamo_cli.frontend.openai import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -297,7 +299,8 @@ class MessageWriter:
         yield _event("message_stop")
 
     def error_event(self, exc: Exception) -> bytes:
-        return _event("error", error={"type": "api_error", "message": str(exc)})
+        status = exc.status if isinstance(exc, DynError) else 500
+        return _event("error", error={"type": error_type(status), "message": str(exc)})
 
 
 def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
@@ -327,6 +330,50 @@ def _arguments(text: str) -> dict[str, Any]:
     except msgspec.DecodeError:
         return {"arguments": text}
     return value if isinstance(value, dict) else {"arguments": value}
+
+
+MESSAGES_PATH = "/v1/messages"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status (`api_error` for any other)."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
+def anthropic_errors(send: Send) -> Send:
+    """`send`, with an error response's OpenAI-shaped body (replies.py, the edge's every refusal) rewritten in
+    Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`: the status and headers stay."""
+    status = 200
+
+    async def sending(message: AsgiMessage) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers = [(k, v) for k, v in message.get("headers", ()) if k != b"content-length"]
+            message = {**message, "headers": headers} if status >= 400 else message
+        elif message["type"] == "http.response.body" and status >= 400:
+            try:
+                error = msgspec.json.decode(message.get("body", b""))["error"]
+                detail, param = str(error["message"]), error.get("param")
+            except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
+                detail, param = message.get("body", b"").decode("utf-8", "replace"), None
+            if param and str(param) not in detail:
+                detail = f"{param}: {detail}"  # Anthropic's shape has no field of its own for it
+            body = _json({"type": "error", "error": {"type": error_type(status), "message": detail}})
+            message = {**message, "body": body}
+        await send(message)
+
+    return sending
 
 
 def _event(kind: str, **fields: Any) -> bytes:

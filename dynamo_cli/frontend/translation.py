@@ -88,6 +88,6 @@ APIS: dict[str, Api] = {
     "/v1/responses": Translation(
         "responses", responses_api.parse_responses, responses_api.to_chat, responses_api.ResponseWriter
     ),
-    "/v1/messages": Translation("messages", messages.parse_messages, messages.to_chat, messages.MessageWriter),
+    messages.MESSAGES_PATH: Translation("messages", messages.parse_messages, messages.to_chat, messages.MessageWriter),
 }
 """Path -> the API served there."""

@@ -40,6 +40,7 @@ from dynamo_cli.core.metrics import RouterMetrics
 from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.core.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
 from dynamo_cli.core.request_plan import RequestPlan
+from dynamo_cli.core.shares import tenant_of
 from dynamo_cli.core.stack import Routing, routing_stack
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
@@ -321,14 +322,16 @@ def in_flight_view(policy: KvRoutingPolicy, targets: list[Target]) -> list[InFli
 
 def plan_of(request: GenerateRequest, trace: RequestTrace | None = None) -> RequestPlan:
     """The core's plan of a request a frontend sent: its pin, and what the wait queue's policy knows of it (the
-    frontend's priority and deadline, from annotations; the job size, prompt + the most output tokens). The
-    annotations stay here but the trace context: the backend's parent span is this router's (`trace`), or the
-    frontend's when this router traces nothing."""
+    frontend's priority, deadline, tenant and class, from annotations; the job size, prompt + the most output
+    tokens). The annotations stay here but the trace context: the backend's parent span is this router's
+    (`trace`), or the frontend's when this router traces nothing."""
     pinned = _int_annotation(request, PIN_ANNOTATION, 16)
     deadline_ms = _int_annotation(request, DEADLINE_ANNOTATION)
     deadline = time.monotonic() + max(0, deadline_ms) / 1000 if deadline_ms is not None else None
     priority = _int_annotation(request, PRIORITY_ANNOTATION) or 0
-    queued = QueuedRequest(priority, len(request.token_ids) + request.max_tokens, deadline)
+    queued = tenant_of(
+        request.annotations, QueuedRequest(priority, len(request.token_ids) + request.max_tokens, deadline)
+    )
     carried = trace.annotations if trace is not None else trace_context(request.annotations)
     plain = msgspec.structs.replace(request, annotations=carried) if request.annotations else request
     names = (SESSION_ANNOTATION, PARENT_SESSION_ANNOTATION)

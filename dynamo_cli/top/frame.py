@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dynamo_cli.top.snapshot import Buckets, MetricsSnapshot, ModelSample, WorkerSample
+from dynamo_cli.top.snapshot import Buckets, MetricsSnapshot, ModelSample, TenantSample, WorkerSample
 
 QUANTILES = (0.5, 0.99)
 
@@ -93,6 +93,17 @@ class ModelRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantRow:
+    """One tenant's line: its rates over the interval, its queue wait, its 429s since the frontend started."""
+
+    name: str
+    requests_per_s: float
+    tokens_per_s: float
+    queue_wait: Latency
+    num_rejections: float
+
+
+@dataclass(frozen=True, slots=True)
 class TopFrame:
     """Everything one refresh shows."""
 
@@ -101,6 +112,7 @@ class TopFrame:
     models: tuple[ModelRow, ...]
     num_stalls: float
     num_restarts: float
+    tenants: tuple[TenantRow, ...] = ()
 
 
 def rate(now: float, before: float | None, seconds: float) -> float:
@@ -115,7 +127,21 @@ def frame_between(before: MetricsSnapshot | None, now: MetricsSnapshot) -> TopFr
     """The rows for the interval from `before` to `now` (`before` None: the first reading, no rates)."""
     seconds = now.at - before.at if before is not None else 0.0
     models = tuple(_model_row(before, now, model, seconds) for model in now.models.values())
-    return TopFrame(seconds, models, now.num_stalls, now.num_restarts)
+    tenants = tuple(_tenant_row(before, tenant, seconds) for tenant in now.tenants.values())
+    return TopFrame(seconds, models, now.num_stalls, now.num_restarts, tenants)
+
+
+def _tenant_row(before: MetricsSnapshot | None, tenant: TenantSample, seconds: float) -> TenantRow:
+    then = None
+    if before is not None:  # a tenant first seen in the interval counted from 0
+        then = before.tenants.get(tenant.name, TenantSample(tenant.name, 0.0, 0.0, Buckets(), 0.0))
+    return TenantRow(
+        name=tenant.name,
+        requests_per_s=rate(tenant.num_requests, then.num_requests if then else None, seconds),
+        tokens_per_s=rate(tenant.num_tokens, then.num_tokens if then else None, seconds),
+        queue_wait=latency(tenant.queue_wait, then.queue_wait if then else None),
+        num_rejections=tenant.num_rejections,
+    )
 
 
 def _model_row(before: MetricsSnapshot | None, now: MetricsSnapshot, model: ModelSample, seconds: float) -> ModelRow:

@@ -5,6 +5,7 @@ A series the frontend does not export (an older frontend, a feature not in use) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -77,6 +78,20 @@ class ModelSample:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSample:
+    """One tenant's series (`dynamo_frontend_tenant_*`), cumulative."""
+
+    name: str
+    num_requests: float
+    """Requests ended, every status (refused ones too)."""
+    num_tokens: float
+    """Prompt and output tokens."""
+    queue_wait: Buckets
+    num_rejections: float
+    """429s, every limit."""
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """A frontend's /metrics at one moment."""
 
@@ -89,6 +104,7 @@ class MetricsSnapshot:
     """Workers found stalled (`worker_stalls_total`), every label summed."""
     num_restarts: float
     """Workers `dyn serve` restarted."""
+    tenants: dict[str, TenantSample] = dataclasses.field(default_factory=dict)
 
 
 def read_series(text: str) -> Series:
@@ -117,12 +133,28 @@ def parse_snapshot(text: str, at: float) -> MetricsSnapshot:
         workers={(w.model, w.worker_id): w for w in workers},
         num_stalls=_total(series, "worker_stalls_total"),
         num_restarts=_total(series, "worker_restarts_total"),
+        tenants=_tenants(series),
     )
 
 
-def _total(series: Series, name: str, model: str | None = None) -> float:
-    """The sum of a series' samples (of one model's only, when given)."""
-    return sum(v for labels, v in series.get(PREFIX + name, ()) if model is None or labels.get("model") == model)
+def _total(series: Series, name: str, model: str | None = None, label: str = "model") -> float:
+    """The sum of a series' samples (of one model's only, when given; or of what `label` names)."""
+    return sum(v for labels, v in series.get(PREFIX + name, ()) if model is None or labels.get(label) == model)
+
+
+def _tenants(series: Series) -> dict[str, TenantSample]:
+    kinds = ("requests", "tokens", "rejections")
+    names = sorted({labels["tenant"] for k in kinds for labels, _ in series.get(f"{PREFIX}tenant_{k}_total", ())})
+    return {
+        name: TenantSample(
+            name=name,
+            num_requests=_total(series, "tenant_requests_total", name, "tenant"),
+            num_tokens=_total(series, "tenant_tokens_total", name, "tenant"),
+            queue_wait=_buckets(series, "tenant_queue_wait_seconds", name, "tenant"),
+            num_rejections=_total(series, "tenant_rejections_total", name, "tenant"),
+        )
+        for name in names
+    }
 
 
 def _model(series: Series, name: str) -> ModelSample:
@@ -144,11 +176,12 @@ def _model(series: Series, name: str) -> ModelSample:
     )
 
 
-def _buckets(series: Series, name: str, model: str) -> Buckets:
-    """One model's histogram, its buckets summed by bound (one per bound from one frontend)."""
+def _buckets(series: Series, name: str, model: str, label: str = "model") -> Buckets:
+    """One model's histogram (or what `label` names), its buckets summed by bound (one per bound from one
+    frontend)."""
     by_bound: dict[float, float] = {}
     for labels, value in series.get(f"{PREFIX}{name}_bucket", ()):
-        if labels.get("model") == model and "le" in labels:
+        if labels.get(label) == model and "le" in labels:
             bound = float(labels["le"])
             by_bound[bound] = by_bound.get(bound, 0.0) + value
     if not by_bound or not math.isinf(max(by_bound)):

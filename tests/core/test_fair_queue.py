@@ -9,6 +9,7 @@ import pytest
 
 from dynamo_cli.config import PriorityClass, QueueConfig
 from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY, MAX_COUNTERS, QueuedRequest, WaitQueue
+from dynamo_cli.core.shares import tenant_annotations, tenant_of
 from dynamo_cli.errors import Overloaded, RateLimited
 
 CONFIG = QueueConfig(max_wait_s=5.0)
@@ -154,3 +155,17 @@ def test_the_work_counters_stay_bounded_under_many_tenants() -> None:
     for i in range(3 * MAX_COUNTERS):
         queue.charge(f"t{i}", 1.0 + i % 7, 1.0)
     assert len(queue._work._counters) <= MAX_COUNTERS + 1  # noqa: SLF001
+
+
+def test_a_tenant_and_its_class_travel_to_a_dyn_router_and_bad_values_fall_back() -> None:
+    sent = QueuedRequest(3, 100, tenant="team-a", weight=2.5, priority_class=PriorityClass.BULK, max_queued=4)
+    assert tenant_of(tenant_annotations(sent), QueuedRequest(3, 100)) == sent
+    background = QueuedRequest(tenant="batch", priority_class=PriorityClass.BACKGROUND)
+    assert tenant_of(tenant_annotations(background), QueuedRequest()) == background
+    assert tenant_of({}, QueuedRequest(1)) == QueuedRequest(1)  # a frontend that sends no tenant
+    hostile = {"tenant": "x" * 65, "priority_class": "system"}
+    assert tenant_of(hostile, QueuedRequest()) == QueuedRequest()  # a name no frontend would send: no tenant
+    odd = {"tenant": "b", "priority_class": "root", "tenant_weight": "nan", "tenant_max_queued": "-3"}
+    assert tenant_of(odd, QueuedRequest()) == QueuedRequest(tenant="b")
+    for weight in ("inf", "0", "-1", "1e9", "x"):
+        assert tenant_of({"tenant": "b", "tenant_weight": weight}, QueuedRequest()).weight == 1.0

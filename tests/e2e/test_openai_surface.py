@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -161,6 +162,24 @@ def test_anthropic_messages_unary_and_streamed(served: DynProcess) -> None:
         events = [line.removeprefix("event: ") for line in stream.iter_lines() if line.startswith("event: ")]
     assert events[:2] == ["message_start", "content_block_start"] and events[-2:] == ["message_delta", "message_stop"]
     assert events.count("content_block_delta") >= 1
+
+
+def test_anthropic_clients_get_errors_in_anthropics_shape(served: DynProcess) -> None:
+    client = anthropic.Anthropic(base_url=served.url, api_key=served.api_key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model="alpha", max_tokens=-1, messages=[{"role": "user", "content": "Hi"}])
+    assert bad.value.body["type"] == "error"  # type: ignore[index]
+    error = bad.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error" and "max_tokens" in error["message"], error
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    stranger = anthropic.Anthropic(base_url=served.url, api_key="sk-not-a-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        stranger.messages.create(model="alpha", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    chat = httpx.post(f"{served.url}/v1/chat/completions", headers=served.auth, json={"model": "alpha"}, timeout=10)
+    assert chat.status_code == 400 and "param" in chat.json()["error"]  # OpenAI's shape stays OpenAI's
 
 
 def test_embeddings_on_an_engine_without_them_is_a_400_naming_the_model(served: DynProcess) -> None:

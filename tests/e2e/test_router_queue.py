@@ -1,4 +1,5 @@
-"""The wait queue in `dyn router`: a frontend with `--router remote` in front of a router whose one backend is busy.
+"""The wait queue in `dyn router`: a frontend with `--router remote` in front of a router whose one backend is busy
+(the priority, deadline and class of a request travel with it to the router).
 
 `--max-inflight-per-worker 1` makes the backend busy while one stream holds it; the tests hold it with a
 long stream sent straight to the router's request plane, then let it go by cancelling that stream.
@@ -145,6 +146,20 @@ async def test_a_higher_priority_queued_later_is_served_first(deployment: DynPro
             waiting = await queue_up(http, router, finished, [("low-a", 0), ("low-b", -1), ("high", 5)])
         assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 3
     assert finished == ["high", "low-a", "low-b"]
+
+
+async def test_the_priority_classes_reach_the_router_queue_which_serves_them_highest_first(
+    deployment: DynProcess,
+) -> None:
+    router, finished, waiting = router_of(deployment), [], []
+    async with client(deployment) as http:
+        async with busy_backend(router):
+            for n, name in enumerate(("bulk", "default", "interactive")):
+                headers = {"x-dyn-priority-class": name}
+                waiting.append(asyncio.create_task(ask(http, name, finished, **headers)))
+                await until_queued(router, n + 1)
+        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 3
+    assert finished == ["interactive", "default", "bulk"]
 
 
 async def test_a_cancelled_queued_request_leaves_the_router_queue(deployment: DynProcess) -> None:

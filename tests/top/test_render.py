@@ -60,3 +60,21 @@ async def test_the_first_frame_has_no_rates_and_an_error_is_shown_above_the_last
 def test_before_any_reading_only_the_error_is_shown() -> None:
     text = drawn(render(None, URL, 2.0, error="cannot read it"))
     assert "error: cannot read it" in text and "req/s" not in text
+
+
+async def test_the_tenants_panel_shows_each_tenants_rates_queue_wait_and_429s() -> None:
+    frontend = Frontend()
+    frontend.add_worker(0xD1, Role.BOTH)
+    series = frontend.metrics.tenants
+    series.count(series.rejections, "team-a", "max_inflight")  # before the interval: counted since start
+    before = frontend.snapshot(at=0.0)
+    for _ in range(6):
+        series.count(series.requests, "team-a", "success")
+        series.count(series.tokens, "team-a", "prompt", 100)
+        series.observe_wait("team-a", 0.04)
+    series.count(series.requests, "team-b", "rejected")
+    series.count(series.rejections, "team-b", "tokens_per_minute")
+    text = drawn(render(frame_between(before, frontend.snapshot(at=2.0)), URL, 2.0))
+    assert re.search(r"^tenant\s+req/s\s+tokens/s\s+queue wait\s+429s$", text, re.MULTILINE), text
+    assert re.search(r"^team-a\s+3\.0\s+300\.0\s+p50 37\.5 ms  p99 49\.8 ms\s+1$", text, re.MULTILINE), text
+    assert re.search(r"^team-b\s+0\.5\s+0\.0\s+p50 -\s+p99 -\s+1$", text, re.MULTILINE), text
