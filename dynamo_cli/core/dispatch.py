@@ -435,10 +435,13 @@ class Dispatch:
             self.plan.trace.migrated(worker.instance_id, chosen.instance_id, str(exc), self.num_migrations)
         return chosen
 
-    def _preempt(self) -> bool:
+    def _preempt(self, only_decoding: bool) -> bool:
         """A waiting higher class wants this bulk request's worker: cancel its stream (aggregated only), so that
-        `stream()` lets the worker go and `_resume`s, the output so far in its prompt."""
+        `stream()` lets the worker go and `_resume`s, the output so far in its prompt (`only_decoding`: not
+        before its first token)."""
         is_running = not self.is_aborted and self.prefill.handle is None
+        if only_decoding and not (self._hold is not None and self._hold.has_first_token):
+            return False
         return self._share.preempt(self._stream if is_running else None)
 
     async def _resume(self) -> None:

@@ -105,7 +105,7 @@ class WaitQueue:
         self._work = TenantWork()
         self._head_cache: _Ticket | None = None
         """The head as last found; None once a push, a departure or a charge may have changed it."""
-        self._preemptible: dict[object, tuple[PriorityClass, Callable[[], bool]]] = {}
+        self._preemptible: dict[object, tuple[PriorityClass, Callable[[bool], bool]]] = {}
         """Running requests a waiting higher class may pause, oldest first: key -> (class, preempt)."""
         self._tick: asyncio.Future[None] | None = None
         """Resolved by the next `notify()`; every waiter sleeps on it."""
@@ -127,8 +127,9 @@ class WaitQueue:
             self._work.charge(tenant, work / weight, self._queued)
             self._head_cache = None
 
-    def running(self, key: object, priority_class: PriorityClass, preempt: Callable[[], bool]) -> None:
-        """A running request a waiting one of a higher class may pause (`preempt()`: True when it did)."""
+    def running(self, key: object, priority_class: PriorityClass, preempt: Callable[[bool], bool]) -> None:
+        """A running request a waiting one of a higher class may pause (`preempt(only_decoding)`: True when it
+        did; with `only_decoding`, not while its prompt is still being computed)."""
         self._preemptible[key] = (priority_class, preempt)
 
     def stopped(self, key: object) -> None:
@@ -209,13 +210,17 @@ class WaitQueue:
         self.notify()  # the next one may be the head now
 
     def _preempt_for(self, wanted: PriorityClass) -> bool:
-        """Pause the most recently started running request of a preemptible class below `wanted`, if any."""
+        """Pause a running request of a preemptible class below `wanted`, if any: the most recently started of
+        those decoding, else of those still prefilling. A decoding one frees its worker after one short step
+        and loses no prefill; one mid-prefill holds the worker until its pass ends, and its pass is lost."""
         if wanted < PREEMPTING:
             return False
-        for key, (running, preempt) in reversed(list(self._preemptible.items())):
-            if running <= PREEMPTIBLE and running < wanted and preempt():
-                del self._preemptible[key]
-                return True
+        candidates = [(k, p) for k, (c, p) in reversed(self._preemptible.items()) if c <= PREEMPTIBLE and c < wanted]
+        for only_decoding in (True, False):
+            for key, preempt in candidates:
+                if preempt(only_decoding):
+                    del self._preemptible[key]
+                    return True
         return False
 
     def _refuse_if_too_slow(self, ticket: _Ticket, lane: _Lane, request: QueuedRequest, config: QueueConfig) -> None:

@@ -58,7 +58,7 @@ class Share:
         return was
 
     def held(
-        self, key: object, decision: RouteDecision | None, prompt_tokens: int, preempt: Callable[[], bool]
+        self, key: object, decision: RouteDecision | None, prompt_tokens: int, preempt: Callable[[bool], bool]
     ) -> None:
         """A worker is held for the request: the first time, its uncached prompt is charged; while it runs, a
         bulk one may be paused."""

@@ -124,8 +124,10 @@ async def test_a_waiting_interactive_request_preempts_the_newest_bulk_one_once()
     slots = Slots(queue)
     paused: list[str] = []
 
-    def pausing(name: str):  # type: ignore[no-untyped-def]
-        def preempt() -> bool:
+    def pausing(name: str, is_decoding: bool = True):  # type: ignore[no-untyped-def]
+        def preempt(only_decoding: bool) -> bool:
+            if only_decoding and not is_decoding:
+                return False
             paused.append(name)
             slots.free += 1  # the paused request lets its worker go
             queue.freed()
@@ -169,3 +171,22 @@ def test_a_tenant_and_its_class_travel_to_a_dyn_router_and_bad_values_fall_back(
     assert tenant_of(odd, QueuedRequest()) == QueuedRequest(tenant="b")
     for weight in ("inf", "0", "-1", "1e9", "x"):
         assert tenant_of({"tenant": "b", "tenant_weight": weight}, QueuedRequest()).weight == 1.0
+
+
+async def test_a_decoding_bulk_request_is_paused_before_a_newer_one_still_prefilling() -> None:
+    queue, paused = WaitQueue(), []
+
+    def pausing(name: str, is_decoding: bool):  # type: ignore[no-untyped-def]
+        def preempt(only_decoding: bool) -> bool:
+            if only_decoding and not is_decoding:
+                return False
+            paused.append(name)
+            return True
+
+        return preempt
+
+    queue.running("decoding", PriorityClass.BULK, pausing("decoding", True))
+    queue.running("prefilling", PriorityClass.BULK, pausing("prefilling", False))
+    assert queue._preempt_for(PriorityClass.INTERACTIVE) and paused == ["decoding"]
+    assert queue._preempt_for(PriorityClass.INTERACTIVE) and paused == ["decoding", "prefilling"]  # else any
+    assert not queue._preempt_for(PriorityClass.INTERACTIVE)
