@@ -24,6 +24,10 @@ from dynamo_cli.settings import OVERLOAD, SECURITY, setting
 DEFAULT_TENANT = "default"
 """The tenant of a request that names none (no API keys, no `x-dyn-tenant`)."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+TENANT_HEADER = "x-dyn-tenant"
+"""A request's tenant when API keys are off (`--tenant-header`)."""
+CLASS_HEADER = "x-dyn-priority-class"
+"""The priority class a request asks for."""
 """What a tenant's name may be (a header's value, a metric label)."""
 
 

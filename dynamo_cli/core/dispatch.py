@@ -150,10 +150,8 @@ class ToRouters:
     async def await_report(self, dispatch: Dispatch) -> None:
         """Behind a router: its first batch names the backend (an older router's does not: the router then
         stands for it); a 4xx from the router, such as an unknown pin, is the client's error."""
-        stream = dispatch._stream or await dispatch._open()  # the hops are the dispatch's; the report is ours
         try:
-            with interruptible():  # the router may queue it; a client that leaves meanwhile leaves that queue
-                dispatch._pending = await stream.next_batch()
+            batch = await dispatch.first_batch()  # interruptible: a client that leaves a router's queue leaves it
         except RemoteError as exc:
             if exc.is_client_error:
                 raise exc.as_request_error() from None
@@ -161,7 +159,7 @@ class ToRouters:
                 raise Overloaded.relayed(str(exc), exc.retry_after) from None
             raise
         if dispatch.served_by is None:
-            reported = (GENERATE.decode_reply(raw).worker_id for raw in dispatch._pending)
+            reported = (GENERATE.decode_reply(raw).worker_id for raw in batch)
             dispatch.served_by = next((w for w in reported if w is not None), None)
         if dispatch.served_by is None and dispatch.worker is not None:
             dispatch.served_by = dispatch.worker.instance_id
@@ -243,7 +241,7 @@ class Dispatch:
         self._excluded: set[int] = set()
         self._stream: ResponseStream | None = None
         self._pending: list[msgspec.Raw] = []
-        """A first batch read by `ToRouters.await_report` (a router's report), relayed first."""
+        """A first batch read by `first_batch` (a router's report), relayed first."""
 
     @property
     def model(self) -> str:
@@ -267,17 +265,11 @@ class Dispatch:
         worker (behind a router: its report of the backend)."""
         try:
             self._check_pin()
-            self._took(
-                await choose_or_wait(
-                    self._pool,
-                    self._wanted(),
-                    self.rules.busy,
-                    self._excluded,
-                    self.plan.queued,
-                    self.rules.queue,
-                    self._waited,
-                )
+            rules = self.rules
+            chosen = await choose_or_wait(
+                self._pool, self._wanted(), rules.busy, self._excluded, self.plan.queued, rules.queue, self._waited
             )
+            self._took(chosen)
             await self.rules.upstream.settle(self)
         except BaseException:
             self.close()
@@ -365,6 +357,13 @@ class Dispatch:
         self.rules.metrics.observe_queue_wait(self.entry.name, waited)
         if self.plan.trace is not None:
             self.plan.trace.queued(queued_at)
+
+    async def first_batch(self) -> list[msgspec.Raw]:
+        """The held worker's first batch (its stream opened if not yet), relayed first: an upstream's report."""
+        stream = self._stream or await self._open()
+        with interruptible():
+            self._pending = await stream.next_batch()
+        return self._pending
 
     async def _open(self) -> ResponseStream:
         """Hop 2: send the request (what is left of it) to the held worker."""

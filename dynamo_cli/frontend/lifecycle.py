@@ -88,7 +88,7 @@ class Lifecycle:
         request_id = self._enter(scope, api.id_prefix)
         try:
             request = api.parse(await self._read_body(scope, receive))
-            tenancy = self.tenants.identify(scope, dict(scope["headers"]), INTERNAL_DEADLINE in scope)
+            tenancy = self.tenants.identify(scope, headers_of(scope), INTERNAL_DEADLINE in scope)
             self.tenants.admit(tenancy)
         except ClientGone:
             return
@@ -212,7 +212,7 @@ class Lifecycle:
         sampling = sampling_of(request, chat.guided if chat is not None else None)
         check_token_ids(sampling.stop_token_ids, "stop_token_ids", tokenizer.vocab_size)
         check_token_ids(list(sampling.logit_bias), "logit_bias", tokenizer.vocab_size)
-        stop, headers = stops_of(request), dict(scope["headers"])
+        stop, headers = stops_of(request), headers_of(scope)
         plan_of = _planner(entry, scope, headers, prompt_ids, max_tokens, trace, lora, images, request.nvext, tenancy)
         generations: list[Generation] = []
         try:
@@ -267,6 +267,18 @@ class Lifecycle:
             m.ttft.labels(model).observe(first - d.started_at)
             if gen.completion_tokens > 1:
                 m.itl.labels(model).observe((end - first) / (gen.completion_tokens - 1))
+
+
+_HEADERS = "dyn.headers"
+"""Where a request's scope keeps its headers as a dict, once built."""
+
+
+def headers_of(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by name, built once per request (the tenant and the plan both read them)."""
+    headers: dict[bytes, bytes] | None = scope.get(_HEADERS)
+    if headers is None:
+        headers = scope[_HEADERS] = dict(scope["headers"])
+    return headers
 
 
 def _planner(

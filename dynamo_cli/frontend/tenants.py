@@ -21,7 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import Scope
 
 from dynamo_cli.config.tenants import (
+    CLASS_HEADER,
     DEFAULT_TENANT,
+    TENANT_HEADER,
     TENANT_NAME,
     PriorityClass,
     TenantConfig,
@@ -37,6 +39,7 @@ KEY_INDEX_SCOPE = "dyn.api_key_index"
 BATCH_TENANT = "batch"
 """The tenant of the Batch API's own requests (frontend/internal.py): no limits, the background class."""
 MINUTE_S = 60.0
+TENANT_HEADER_BYTES, CLASS_HEADER_BYTES = TENANT_HEADER.encode(), CLASS_HEADER.encode()
 
 
 @dataclass(slots=True)
@@ -136,7 +139,7 @@ class Tenants:
         else:
             state = self._named_state(self._header_name(headers))
         spec = state.spec
-        return Tenancy(state, class_header(headers.get(b"x-dyn-priority-class"), spec.priority_class, spec.max_class))
+        return Tenancy(state, class_header(headers.get(CLASS_HEADER_BYTES), spec.priority_class, spec.max_class))
 
     def admit(self, tenancy: Tenancy) -> None:
         """Count the request in flight, or a 429 naming the limit (counted: the request and its rejection)."""
@@ -189,12 +192,12 @@ class Tenants:
     ##### Internals #####
 
     def _header_name(self, headers: dict[bytes, bytes]) -> str:
-        value = headers.get(b"x-dyn-tenant")
+        value = headers.get(TENANT_HEADER_BYTES)
         if not value or self._keys_on or not self.config.header:
             return DEFAULT_TENANT
         name = value.decode("latin-1")
         if not TENANT_NAME.fullmatch(name):
-            raise RequestError("header x-dyn-tenant must be 1-64 of A-Z a-z 0-9 . _ -", param="x-dyn-tenant")
+            raise RequestError(f"header {TENANT_HEADER} must be 1-64 of A-Z a-z 0-9 . _ -", param=TENANT_HEADER)
         return name
 
     def _named_state(self, name: str) -> TenantState:

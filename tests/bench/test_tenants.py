@@ -61,7 +61,7 @@ def test_a_tenants_rate_is_a_poisson_open_loop_and_its_concurrency_a_closed_loop
             "name=a,concurrency=1.5", "concurrency=1.5 must be a whole number > 0", id="fractional-concurrency"
         ),
         pytest.param(
-            "name=a,class=urgent", "class=urgent is not one of system, interactive, default, bulk", id="class"
+            "name=a,class=urgent", "class=urgent is not one of bulk, default, interactive, system", id="class"
         ),
         pytest.param(
             "name=a,rate=2,concurrency=2", "give rate= (open loop) or concurrency=", id="rate-and-concurrency"
@@ -207,5 +207,5 @@ def test_a_bad_tenant_on_the_command_line_fails_with_its_one_line() -> None:
     result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:1", "--tenant", "name=a,class=urgent"])
     assert isinstance(result.exception, ConfigError)
     assert str(result.exception) == (
-        "--tenant 'name=a,class=urgent': class=urgent is not one of system, interactive, default, bulk"
+        "--tenant 'name=a,class=urgent': class=urgent is not one of bulk, default, interactive, system"
     )
