@@ -143,6 +143,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def _kvbm_sum(url: str, series: str) -> int:
+    """A `kvbm_*` series of the frontend's /metrics, summed over the workers (the host tier's own account)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + "{")))
+
+
 def run_one(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     import uvloop
 
@@ -156,6 +162,8 @@ def run_one(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         with harness.serving(flags, Path(tmp) / "serve.log", min_instances=args.workers) as serve:
             time.sleep(1.0)
             row = uvloop.run(drive(serve.url, args, (header, retain), seed))
+            row["host_onboarded_blocks"] = _kvbm_sum(serve.url, "kvbm_onboard_blocks_h2d") if host else 0
+            row["host_offloaded_blocks"] = _kvbm_sum(serve.url, "kvbm_offload_blocks_d2h") if host else 0
     row["mode"] = mode
     return row
 
@@ -201,6 +209,7 @@ def _cells(row: dict[str, Any]) -> dict[str, str]:
         "hit rate": f"{row['later_hit_rate']:.1%}",
         "reachable": f"{row['reachable_rate']:.1%}",
         "share": f"{row['share_of_reachable']:.1%}",
+        "host blocks off/on": f"{row.get('host_offloaded_blocks', 0)}/{row.get('host_onboarded_blocks', 0)}",
     }
 
 
