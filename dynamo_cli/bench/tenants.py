@@ -21,9 +21,13 @@ from dynamo_cli.bench.http import HttpClient, RequestRecord
 from dynamo_cli.bench.load import LoadConfig, LoadRunner, OnRecord, RequestBuilder
 from dynamo_cli.bench.metrics import RequestMetrics, percentile
 from dynamo_cli.bench.workload import Conversation
-from dynamo_cli.config.tenants import CLASS_HEADER, CLIENT_CLASSES, TENANT_HEADER
 from dynamo_cli.errors import ConfigError
 
+TENANT_HEADER = "x-dyn-tenant"
+CLASS_HEADER = "x-dyn-priority-class"
+PRIORITY_CLASSES = ("bulk", "default", "interactive", "system")
+"""The classes a client may ask for in `x-dyn-priority-class` (the frontend's contract, config/tenants.py: the
+bench, a client, does not import the server's layers; tests/bench/test_tenants.py holds the two equal)."""
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"[\x21-\x7e]{1,512}")
 _FIELDS = ("name", "isl", "osl", "rate", "concurrency", "weight", "class", "key")
@@ -99,8 +103,8 @@ def _attribute(key: str) -> str:
 
 def _value(spec: str, key: str, raw: str) -> Any:
     if key == "class":
-        if raw.lower() not in CLIENT_CLASSES:
-            raise ConfigError(f"--tenant {_shown(spec)}: class={raw} is not one of {', '.join(CLIENT_CLASSES)}")
+        if raw.lower() not in PRIORITY_CLASSES:
+            raise ConfigError(f"--tenant {_shown(spec)}: class={raw} is not one of {', '.join(PRIORITY_CLASSES)}")
         return raw.lower()
     if key == "key":
         if not _KEY.fullmatch(raw):

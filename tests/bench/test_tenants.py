@@ -209,3 +209,11 @@ def test_a_bad_tenant_on_the_command_line_fails_with_its_one_line() -> None:
     assert str(result.exception) == (
         "--tenant 'name=a,class=urgent': class=urgent is not one of bulk, default, interactive, system"
     )
+
+
+def test_the_bench_speaks_the_frontends_tenant_headers_and_classes() -> None:
+    from dynamo_cli.bench import tenants as bench
+    from dynamo_cli.config import tenants as server
+
+    assert (bench.TENANT_HEADER, bench.CLASS_HEADER) == (server.TENANT_HEADER, server.CLASS_HEADER)
+    assert bench.PRIORITY_CLASSES == tuple(server.CLIENT_CLASSES)

@@ -4,7 +4,9 @@ as the pods would run them, serve a chat completion."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -240,6 +242,15 @@ def _start(args: list[str], env: dict[str, str], lines: list[str]) -> subprocess
     return proc
 
 
+def _wait_listening(port: int, proc: subprocess.Popen[str], lines: list[str], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the frontend did not listen on {port}: {lines[-5:]}")
+
+
 def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
     etcd_server: str, nats_server: str, files: Files, tmp_path: Path
 ) -> None:
@@ -269,8 +280,9 @@ def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
     http_port = free_port()
     procs: list[subprocess.Popen[str]] = []
     lines: dict[str, list[str]] = {}
-    parts = ("prefill", "decode", "router", "frontend")
+    parts = ("frontend", "prefill", "decode", "router")
     system = {part: free_port() for part in parts}  # all chosen before any process binds ports of its own
+    url = f"http://127.0.0.1:{http_port}"
     try:
         for part in parts:
             ports = {
@@ -281,7 +293,8 @@ def test_the_rendered_disaggregated_deployment_with_remote_routers_serves_here(
             lines[part] = []
             batch_db = str(tmp_path / "claim" / "batches.db")
             procs.append(_start(_as_here(pods[part], etcd, nats, ports, batch_db), env, lines[part]))
-        url = f"http://127.0.0.1:{http_port}"
+            if part == "frontend":  # it holds its port before the others bind any (port 0 could be the same one)
+                _wait_listening(http_port, procs[-1], lines[part])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
