@@ -236,21 +236,28 @@ def test_a_local_planner_starts_workers_for_a_load_step_and_drains_them_after(dy
         env={**os.environ, **secret},
     )
     sizes: list[int] = []
+    failures: list[int] = []
+    missed = ""
     try:
-        assert wait_until(lambda: len(frontend.serving_pids()) == 1, 60), "the planner did not start the minimum"
-        failures: list[int] = []
-        loader = threading.Thread(target=_load, args=(frontend.url, 8.0, threading.Event(), failures))
-        loader.start()
-        while loader.is_alive():
-            sizes.append(len(frontend.serving_pids()))
-            time.sleep(0.3)
-        assert wait_until(lambda: len(frontend.serving_pids()) == 1, 30), "the planner did not scale back down"
+        if not wait_until(lambda: len(frontend.serving_pids()) == 1, 60):
+            missed = "the planner did not start the minimum"
+        else:
+            loader = threading.Thread(target=_load, args=(frontend.url, 8.0, threading.Event(), failures))
+            loader.start()
+            while loader.is_alive():
+                sizes.append(len(frontend.serving_pids()))
+                time.sleep(0.3)
+            if not wait_until(lambda: len(frontend.serving_pids()) == 1, 30):
+                missed = "the planner did not scale back down"
     finally:
         planner.terminate()
         _, err = planner.communicate(timeout=60)
-    assert planner.returncode == 0, err
-    assert max(sizes) >= 2, sizes
-    assert failures == []  # no request failed while workers came and went
+    # All of it on any failure: this test has failed now and then on fresh clones.
+    told = f"sizes {sizes}, failures {failures}; the planner's stderr:\n{err[-4000:]}"
+    assert not missed, f"{missed}; {told}"
+    assert planner.returncode == 0, told
+    assert sizes and max(sizes) >= 2, told
+    assert failures == [], told  # no request failed while workers came and went
     assert wait_until(lambda: frontend.serving_pids() == [], 30)  # the planner's workers went with it
 
 
