@@ -97,6 +97,7 @@ def dyn_flags(setup: str, args: argparse.Namespace) -> list[str]:
     flags += ["--served-model-name", SERVED]
     flags += ["--num-gpu-blocks", str(s["blocks"])]
     flags += [arg for key, value in TRANSFER.items() for arg in ("--engine-arg", f"{key}={value}")]
+    flags += args.dyn_flags.split()
     if s["workers"]:
         return [*flags, "--workers", str(s["workers"])]
     return [*flags, "--disagg", "--prefill-workers", "1", "--decode-workers", "1"]
@@ -239,6 +240,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--isl", type=int, default=3000)
     p.add_argument("--osl", type=int, default=150)
+    p.add_argument("--dyn-flags", default="", help="more `dyn serve` flags, e.g. '--disagg-first-token with-decode'")
     p.add_argument("--only", choices=("both", "dyn", "dynamo"), default="both", help="profile one side alone")
     p.add_argument("--json", default=str(harness.results_path("mocker_live")))
     return p.parse_args()

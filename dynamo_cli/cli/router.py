@@ -12,7 +12,7 @@ from dynamo_cli.runtime.supervisor import announce, die_with_parent, run
 from dynamo_cli.runtime.transport import check_exposure
 from dynamo_cli.tracing.logs import use_log_format
 
-KNOBS = settings.knobs(RouterConfig, skip={"DisaggConfig.prefill_router_mode"})
+KNOBS = settings.knobs(RouterConfig, skip={"DisaggConfig.prefill_router_mode", "DisaggConfig.first_token"})
 
 
 def _command(**values: Any) -> None:

@@ -272,6 +272,10 @@ class DisaggConfig:
         panel=DISAGG,
     )
     """Never prefill on a decode worker: no prefill worker → 503 naming the pool, never an aggregated fallback."""
+    first_token: str = setting("early", "--disagg-first-token", env="DYN_DISAGG_FIRST_TOKEN", panel=DISAGG)
+    """A remote prefill's first token: early (sent when the prefill worker has it) | with-decode (held, and sent
+    with the decode worker's first: the hand-over then lands in the time to first token, not between the first
+    two tokens, as Dynamo does)."""
     prefill_router_mode: str | None = setting(
         None,
         "--prefill-router-mode",
@@ -290,6 +294,8 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         if self.encode_min_bytes < 0 or self.encode_max_inflight < 1 or self.encode_timeout_s <= 0:
             raise ConfigError("--encode-min-kb must be >= 0, --encode-max-inflight >= 1, --encode-timeout > 0")
+        if self.first_token not in ("early", "with-decode"):
+            raise ConfigError(f"--disagg-first-token '{self.first_token}' is unknown; use early or with-decode")
         if self.policy not in DISAGG_POLICIES:
             raise ConfigError(f"--disagg-policy '{self.policy}' is unknown; use one of: {', '.join(DISAGG_POLICIES)}")
         if self.max_local_prefill_length < 0 or self.max_prefill_queue < 1:

@@ -263,7 +263,7 @@ class Lifecycle:
         m.duration.labels(model).observe(end - d.started_at)
         if gen.cached_tokens is not None:
             m.cached.labels(model).observe(gen.cached_tokens)
-        if (first := d.output.first_token_at) is not None:
+        if (first := gen.first_shown_at or d.output.first_token_at) is not None:
             m.ttft.labels(model).observe(first - d.started_at)
             if gen.completion_tokens > 1:
                 m.itl.labels(model).observe((end - first) / (gen.completion_tokens - 1))

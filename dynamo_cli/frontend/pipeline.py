@@ -7,6 +7,7 @@ textual happens here, so the text side is the same whatever hops the request tak
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from dynamo_cli.core.dispatch import Dispatch
@@ -31,6 +32,8 @@ class Generation:
         self.output: ChatOutput | None = None
         """Chat: reads the text into reasoning, content and tool calls (tools/output.py); None: text as is."""
         self._num_logprobs_taken = 0
+        self.first_shown_at: float | None = None
+        """When the first token was sent, where it was held for the decode worker's (`--disagg-first-token`)."""
 
     def take_logprobs(self) -> list[tuple[int, TokenLogprob]]:
         """(token id, logprobs) of the tokens received since the last call (when the request asked)."""
@@ -56,17 +59,26 @@ class Generation:
             yield self.echo
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(list(self.stop))
+        holds = self.dispatch.rules.disagg.first_token == "with-decode"
+        held: list[int] = []
         async with contextlib.aclosing(self.dispatch.stream()) as stream:  # a stop string aborts the worker now
-            async for _, token_ids in stream:
+            async for batch, token_ids in stream:
                 if not token_ids:
                     continue
+                if holds and not batch and not held:
+                    held = token_ids  # the prefill worker's first token: it goes with the decode worker's first
+                    continue
+                if held:
+                    token_ids, held = held + token_ids, []
+                    self.first_shown_at = time.perf_counter()
                 piece = stops.push(detok.push(token_ids))
                 if piece:
                     yield piece
                 if stops.stopped:
                     self.is_stopped = True
                     return
-        tail = stops.push(detok.flush()) + ("" if stops.stopped else stops.flush())
+        tail = stops.push(detok.push(held)) if held else ""
+        tail += stops.push(detok.flush()) + ("" if stops.stopped else stops.flush())
         self.is_stopped = stops.stopped
         if tail:
             yield tail

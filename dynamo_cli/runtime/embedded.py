@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.1
 """How often watchers rescan the directory."""
 
+MAX_LEASES = 4096
+"""Lease records kept between scans (the table starts afresh when fuller)."""
+
 _HOST = socket.gethostname()
 
 
@@ -103,6 +106,13 @@ class FileDiscovery:
         """Leased keys this process put: re-put if its lease was lost (a stall longer than the TTL)."""
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = False
+        self._files: dict[str, tuple[int, int, bytes]] = {}
+        """Key files read: name -> (lease, change stamp, value), re-read only when a file changes."""
+        self._leases: dict[int, _LeaseRecord] = {}
+        """Lease files read (a lease's record never changes; its age and process are checked at every scan)."""
+        self._snapshot: tuple[float, dict[str, tuple[int, bytes]]] | None = None
+        """The last scan of every live key (quoted name -> (stamp, value)) and when: every watcher of this process
+        takes it while it is younger than half a poll, so the directory is read once a poll, not once a watcher."""
 
     @property
     def lease_id(self) -> int:
@@ -167,21 +177,23 @@ class FileDiscovery:
     async def put(self, key: str, value: bytes, *, leased: bool = True) -> None:
         record = _KeyRecord(self._lease_id if leased else 0, value)
         self._write_atomic(self._key_path(key), msgspec.msgpack.encode(record))
+        self._snapshot = None
         if leased:
             self._owned[key] = value
 
     async def delete(self, key: str) -> None:
         self._unlink(self._key_path(key))
+        self._snapshot = None
         self._owned.pop(key, None)
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        return {key: value for key, (_, value) in self._scan(prefix, {}).items()}
+        self._snapshot = None
+        return {key: value for key, (_, value) in self._scan(prefix).items()}
 
     async def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
         known: dict[str, tuple[int, bytes]] = {}
-        cache: dict[str, tuple[int, int, bytes]] = {}
         while True:
-            current = self._scan(prefix, cache)
+            current = self._scan(prefix)
             for key, (stamp, value) in current.items():
                 if known.get(key, (None,))[0] != stamp:
                     yield WatchEvent(kind=WatchKind.PUT, key=key, value=value)
@@ -192,52 +204,67 @@ class FileDiscovery:
 
     ##### Files #####
 
-    def _scan(self, prefix: str, cache: dict[str, tuple[int, int, bytes]]) -> dict[str, tuple[int, bytes]]:
-        """Live keys under `prefix` → (change stamp, value); `cache` saves re-reading unchanged files."""
+    def _scan(self, prefix: str) -> dict[str, tuple[int, bytes]]:
+        """Live keys under `prefix` -> (change stamp, value)."""
         quoted = quote(prefix, safe="")
+        return {unquote(name): got for name, got in self._live().items() if name.startswith(quoted)}
+
+    def _live(self) -> dict[str, tuple[int, bytes]]:
+        """Every live key (its quoted name) -> (change stamp, value): the snapshot while fresh, else a new scan that
+        garbage-collects a dead process's keys."""
+        now = time.monotonic()
+        if self._snapshot is not None and now - self._snapshot[0] < POLL_S / 2:
+            return self._snapshot[1]
         leases: dict[int, bool] = {}
         out: dict[str, tuple[int, bytes]] = {}
         try:
-            entries = [e for e in os.scandir(self._root / "kv") if e.name.startswith(quoted)]
+            entries = list(os.scandir(self._root / "kv"))
         except FileNotFoundError:
-            return out
+            entries = []
+        files: dict[str, tuple[int, int, bytes]] = {}
         for entry in entries:
-            record = self._read_key(entry, cache)
+            record = self._read_key(entry)
             if record is None:
                 continue
-            lease, stamp, value = record
+            lease, stamp, value = files[entry.name] = record
             if lease and not leases.setdefault(lease, self._lease_alive(lease)):
-                self._unlink(Path(entry.path))  # garbage-collect a dead process's key
+                self._unlink(Path(entry.path))
                 continue
-            out[unquote(entry.name)] = (stamp, value)
+            out[entry.name] = (stamp, value)
+        self._files = files
+        if len(self._leases) > MAX_LEASES:
+            self._leases.clear()
+        self._snapshot = (now, out)
         return out
 
-    def _read_key(
-        self, entry: os.DirEntry[str], cache: dict[str, tuple[int, int, bytes]]
-    ) -> tuple[int, int, bytes] | None:
+    def _read_key(self, entry: os.DirEntry[str]) -> tuple[int, int, bytes] | None:
+        if entry.name.startswith("."):
+            return None  # a write in progress (`_write_atomic`)
         try:
             stamp = entry.stat().st_mtime_ns ^ entry.inode()
         except FileNotFoundError:
             return None
-        hit = cache.get(entry.name)
+        hit = self._files.get(entry.name)
         if hit is not None and hit[1] == stamp:
             return hit
         try:
             record = msgspec.msgpack.decode(Path(entry.path).read_bytes(), type=_KeyRecord)
         except (OSError, msgspec.DecodeError):
             return None
-        cache[entry.name] = (record.lease, stamp, record.value)
-        return cache[entry.name]
+        return record.lease, stamp, record.value
 
     def _lease_alive(self, lease: int) -> bool:
         path = self._lease_path(lease)
         try:
             age = time.time() - path.stat().st_mtime
-            record = msgspec.json.decode(path.read_bytes(), type=_LeaseRecord)
+            record = self._leases.get(lease)
+            if record is None:
+                record = self._leases[lease] = msgspec.json.decode(path.read_bytes(), type=_LeaseRecord)
         except (OSError, msgspec.DecodeError):
             return False
         alive = age <= record.ttl and (record.host != _HOST or pid_alive(record.pid))
         if not alive:
+            self._leases.pop(lease, None)
             self._unlink(path)
         return alive
 
