@@ -256,6 +256,8 @@ def check_benchmark(words: list[str]) -> str | None:
     text = script_help(script)
     for word in words[2:]:
         flag = word.partition("=")[0]
+        if " " in word:  # a quoted value, such as --dyn-flags '--x y'
+            continue
         if flag.startswith("--") and flag != "--help" and not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text):
             return f"{script} has no option {flag} (see its --help)"
     return None

@@ -48,6 +48,15 @@ def test_variables_placeholders_and_usage_notation_stand_for_values(tmp_path: Pa
     assert check_file(_page(tmp_path, "```bash\n" + "\n".join(lines) + "\n```\n")) == []
 
 
+def test_a_quoted_value_that_holds_flags_is_a_value(tmp_path: Path) -> None:
+    good = "python benchmarks/mocker_live.py --rounds 3 --dyn-flags '--disagg-first-token with-decode'"
+    assert check_file(_page(tmp_path, f"```bash\n{good}\n```\n")) == []
+    problems = check_file(_page(tmp_path, f"```bash\n{good} --no-rounds 2\n```\n"))
+    assert [problem.message.split(": ")[-1] for problem in problems] == [
+        "benchmarks/mocker_live.py has no option --no-rounds (see its --help)"
+    ]
+
+
 def test_a_python_block_that_does_not_compile_is_reported(tmp_path: Path) -> None:
     problems = check_file(_page(tmp_path, "text\n\n```python\nx = 1\nif x\n    pass\n```\n"))
     assert [(problem.line, problem.message) for problem in problems] == [(5, "python block: expected ':'")]
