@@ -24,6 +24,8 @@ from dynamo_cli.wire import (
     ImageInput,
     ImageSpec,
     LoadMetrics,
+    ScoreRequest,
+    ScoreResponse,
 )
 
 RequestId = NewType("RequestId", str)
@@ -50,6 +52,7 @@ class Feature(enum.Enum):
     GUIDED_JSON = "guided_json"  # constrained decoding to JSON / a JSON schema (response_format, tools)
     GUIDED_GRAMMAR = "guided_grammar"  # constrained decoding to an engine grammar (regex / GBNF)
     EMBEDDINGS = "embeddings"  # the engine serves `embed` (/v1/embeddings)
+    SCORE = "score"  # the engine serves `score` (/v1/rerank, /v1/score)
     KV_RETAIN = "kv_retain"  # keeps a finished call's blocks resident for its session's next call (`retain_s`)
 
 
@@ -172,6 +175,15 @@ class Embeds(Protocol):
 
     async def embed(self, request: EmbedRequest) -> EmbedResponse:
         """The inputs' embeddings; RequestError for an input the engine cannot take."""
+        ...
+
+
+@runtime_checkable
+class Scores(Protocol):
+    """An engine that scores text pairs (a causal model's yes/no logits); its card then lists Feature.SCORE."""
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Each pair's score; RequestError for a pair it cannot take (too long, an id outside the vocabulary)."""
         ...
 
 
@@ -333,6 +345,28 @@ def check_token_ids(token_ids: Sequence[int], param: str, vocab_size: int) -> No
             f"{param} has token id {bad}, outside this model's vocabulary (0..{highest}); send ids in that range",
             param=param,
         )
+
+
+MAX_SCORE_PAIRS = 1024
+"""Most text pairs in one `score` request (the frontend asks for fewer; this guards the worker)."""
+
+
+def check_score_request(request: ScoreRequest, context_length: int, vocab_size: int) -> None:
+    """A `score` request an engine can run: 1..MAX_SCORE_PAIRS pairs, each prompt within the context and
+    every id (the candidates' too) inside the vocabulary, else RequestError naming what is wrong."""
+    if not 1 <= len(request.pairs) <= MAX_SCORE_PAIRS:
+        raise RequestError(f"score takes 1..{MAX_SCORE_PAIRS} pairs, got {len(request.pairs)}", param="documents")
+    if len(request.candidates) != 2:
+        raise RequestError(f"score takes 2 candidate tokens, got {len(request.candidates)}", param="model")
+    check_token_ids(request.candidates, "model", vocab_size)
+    for pair in request.pairs:
+        size = len(pair.first) + len(pair.second)
+        if not pair.second or size > context_length:
+            raise RequestError(
+                f"a pair's prompt has {size} tokens; this model scores 1..{context_length}", param="documents"
+            )
+        check_token_ids(pair.first, "query", vocab_size)
+        check_token_ids(pair.second, "documents", vocab_size)
 
 
 EngineFactory = Callable[[EngineArgs], Engine]

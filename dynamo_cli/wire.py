@@ -307,6 +307,29 @@ class EmbedResponse(msgspec.Struct, frozen=True, kw_only=True):
     embeddings: list[list[float]]
 
 
+class ScorePair(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One text pair to score, tokenized and templated by the frontend: the engine reads `first + second` as one
+    prompt (`first` carries the query, `second` the document and the question's end)."""
+
+    first: list[int]
+    second: list[int]
+
+
+class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`score`: how likely the model answers each pair's prompt with `candidates[0]` rather than `candidates[1]`
+    (the ids of "yes" and "no": a causal model's relevance, as vLLM scores with one)."""
+
+    request_id: str
+    pairs: list[ScorePair]
+    candidates: list[int]
+
+
+class ScoreResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """One score in 0..1 per pair, in order: softmax over the candidates' logits after the prompt, the first's."""
+
+    scores: list[float]
+
+
 ##### The KV side endpoints (router -> worker) #####
 
 
@@ -475,6 +498,8 @@ GENERATE = EndpointSpec("generate", GenerateRequest, GenerateChunk)
 default (a worker registers under the name it is given; callers open `worker.record.endpoint`)."""
 EMBED = EndpointSpec("embed", EmbedRequest, EmbedResponse)
 """Worker (engines with `Feature.EMBEDDINGS`): one reply."""
+SCORE = EndpointSpec("score", ScoreRequest, ScoreResponse)
+"""Worker (engines with `Feature.SCORE`): one reply (/v1/rerank, /v1/score)."""
 ENCODE = EndpointSpec("encode", EncodeRequest, EncodeReply)
 """Encode worker (`--role encode`): one reply; each image's embeddings held on it for one pull."""
 KV_EVENTS_SINCE = EndpointSpec("kv_events_since", KvEventsSince, KvEventBatch)

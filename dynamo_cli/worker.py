@@ -26,6 +26,7 @@ from dynamo_cli.engine import (
     Engine,
     EngineArgs,
     Role,
+    Scores,
     ServesLoras,
     SpawnsProcesses,
     check_image_inputs,
@@ -63,6 +64,7 @@ from dynamo_cli.wire import (
     KV_EVENTS_SINCE,
     KV_RELEASE,
     LORA,
+    SCORE,
     EmbedRequest,
     EmbedResponse,
     EncodeReply,
@@ -77,6 +79,8 @@ from dynamo_cli.wire import (
     LoadMetrics,
     LoraCommand,
     LoraReply,
+    ScoreRequest,
+    ScoreResponse,
     health_check_request,
 )
 from dynamo_cli.worker_metrics import WorkerMetrics
@@ -158,6 +162,7 @@ class WorkerService:
             (KV_DUMP, self.kv_dump),
             (KV_RELEASE, self.kv_release),
             (EMBED, self.embed),
+            (SCORE, self.score),
             (ENCODE, self.encode),
             (LORA, self.lora),
         ]
@@ -200,6 +205,12 @@ class WorkerService:
         if not isinstance(self.engine, Embeds):
             raise RequestError(f"the {self.config.engine} engine serves no embeddings", param="model")
         yield await self.engine.embed(request)
+
+    async def score(self, request: ScoreRequest) -> AsyncIterator[ScoreResponse]:
+        """Endpoint: each templated text pair's score, when the engine scores (Feature.SCORE)."""
+        if not isinstance(self.engine, Scores):
+            raise RequestError(f"the {self.config.engine} engine scores no text pairs", param="model")
+        yield await self.engine.score(request)
 
     async def encode(self, request: EncodeRequest) -> AsyncIterator[EncodeReply]:
         """Endpoint (`--role encode`): each image's embeddings, held on the KV transfer server for one pull."""

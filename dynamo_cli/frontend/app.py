@@ -1,7 +1,8 @@
 """The ASGI app: it only routes. The generation APIs on a fast raw-ASGI path, the rest on Starlette.
 
-`POST` to a generation API's path (translation.py's `APIS`: chat completions, completions, Responses, Messages) and
-`/v1/embeddings` are handled as raw ASGI (no Request object, no per-request task group) by the edge's one request
+`POST` to a generation API's path (translation.py's `APIS`: chat completions, completions, Responses, Messages)
+and to the APIs with one JSON reply (unary.py's `UNARY_APIS`: embeddings, rerank, score, tokenize) are handled as
+raw ASGI (no Request object, no per-request task group) by the edge's one request
 lifecycle (lifecycle.py): they are the hot path. `/v1/models`, `/health`, `/live`, `/metrics` and the rest are
 ordinary Starlette routes (rest.py). With API keys configured, every path but the probes (and `/metrics` unless
 `--metrics-require-key`) passes `auth.Gate` first, before any body is read; with tracing on, each request runs in
@@ -30,6 +31,7 @@ from dynamo_cli.frontend.rest import Rest
 from dynamo_cli.frontend.served_models import FrontendRegistry
 from dynamo_cli.frontend.tenants import KEY_INDEX_SCOPE
 from dynamo_cli.frontend.translation import APIS
+from dynamo_cli.frontend.unary import UNARY_APIS
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
 if TYPE_CHECKING:
@@ -97,6 +99,7 @@ class Frontend:
             api = APIS.get(path)
             if api is not None:
                 return await self.lifecycle.serve(api, scope, receive, send)
-            if path == "/v1/embeddings":
-                return await self.lifecycle.embeddings(scope, receive, send)
+            unary = UNARY_APIS.get(path)
+            if unary is not None:
+                return await self.lifecycle.unary(unary, scope, receive, send)
         await self.rest.app(scope, receive, send)

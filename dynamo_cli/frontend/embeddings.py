@@ -2,15 +2,11 @@
 plane (endpoint `embed`), and return OpenAI's list of vectors (floats, or base64 of little-endian float32).
 
 NOTE: only a model whose card lists Feature.EMBEDDINGS is served (llamacpp with `embeddings=true`);
-any other is a 400 naming the model and its engine. The worker is held as a generation's is (core/holds.py):
-the one with the fewest requests in flight among the live, not busy ones, since embeddings leave no KV behind
-to route to; with every one busy the request waits in the model's queue; a worker that fails or sends nothing
-for the stall timeout (it is hung) is left for another, up to the migration limit.
+any other is a 400 naming the model and its engine. The worker is held as worker_calls.py holds one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
 from typing import Annotated, Any, Literal
@@ -20,17 +16,14 @@ import numpy as np
 from msgspec import Meta
 
 from dynamo_cli.core.dispatch import DispatchRules
-from dynamo_cli.core.holds import Hold, Pool, Wanted, choose_or_wait
-from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.engine import Feature, check_token_ids
-from dynamo_cli.errors import RemoteError, RequestError, TransportError
+from dynamo_cli.errors import RequestError
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 from dynamo_cli.frontend.served_models import ServedModel
+from dynamo_cli.frontend.worker_calls import call_worker, require_feature
 from dynamo_cli.wire import EMBED, EmbedRequest
 
 MAX_INPUTS = 2048
-EMBED_TIMEOUT_S = 120.0
-"""Longest wait for a worker's embeddings."""
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -66,21 +59,17 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
 
 async def embed(entry: ServedModel, request: EmbeddingRequest, rules: DispatchRules) -> bytes:
     """The response body for `request` on `entry`'s model, its worker held under the process's `rules`."""
-    card = entry.card
-    if Feature.EMBEDDINGS.value not in card.features:
-        raise RequestError(
-            f"model '{entry.name}' ({card.engine} engine) serves no embeddings; serve an engine "
-            "with embeddings (llamacpp: --engine-arg embeddings=true)",
-            param="model",
-            code="unsupported_parameter",
-        )
+    fix = "serve an engine with embeddings (llamacpp: --engine-arg embeddings=true)"
+    require_feature(entry, Feature.EMBEDDINGS, "serves no embeddings", fix)
     tokenizer = await entry.tokenizer
     raw = request.input
     items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
     inputs = [await tokenizer.encode_async(item) if isinstance(item, str) else list(item) for item in items]
     for ids in inputs:
         check_token_ids(ids, "input", tokenizer.vocab_size)
-    vectors = await _on_worker(entry, EmbedRequest(request_id="embd-" + uuid.uuid4().hex, inputs=inputs), rules)
+    request_id = "embd-" + uuid.uuid4().hex
+    reply = await call_worker(entry, EMBED, EmbedRequest(request_id=request_id, inputs=inputs), request_id, rules)
+    vectors = reply.embeddings
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, request.encoding_format)}
         for i, v in enumerate(vectors)
@@ -94,39 +83,6 @@ async def embed(entry: ServedModel, request: EmbeddingRequest, rules: DispatchRu
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
-
-
-async def _on_worker(entry: ServedModel, request: EmbedRequest, rules: DispatchRules) -> list[list[float]]:
-    pool = Pool(entry.name, entry.workers, queue=entry.queue)
-    wanted, failed = Wanted(request.request_id), set[int]()
-    async with asyncio.timeout(EMBED_TIMEOUT_S):
-        while True:
-            hold = await choose_or_wait(pool, wanted, rules.busy, failed, QueuedRequest(), rules.queue)
-            try:
-                return await _embed_on(hold, request, rules, entry.name)
-            except RemoteError as exc:
-                if exc.is_client_error:
-                    raise exc.as_request_error() from None
-                raise
-            except TransportError as exc:
-                if not exc.is_migratable or len(failed) >= rules.migration_limit:
-                    raise
-                failed.add(hold.worker.instance_id)
-            finally:
-                hold.release()
-
-
-async def _embed_on(hold: Hold, request: EmbedRequest, rules: DispatchRules, model: str) -> list[list[float]]:
-    worker, stream = hold.worker, None
-    try:
-        stream = await rules.deadline.open(worker, model, EMBED, request)
-        batch = await rules.deadline.next_batch(stream, worker, model)
-        if not batch:
-            raise RemoteError(f"worker {worker.instance_id:x} returned no embeddings")
-        return EMBED.decode_reply(batch[0]).embeddings
-    finally:
-        if stream is not None:
-            stream.cancel()
 
 
 def _encoded(vector: list[float], encoding_format: str) -> Any:

@@ -8,8 +8,8 @@
     end      close every dispatch (load and prefilled KV never leak), observe, count
 
 A client error is OpenAI's JSON error (4xx naming the field, 503/429 on overload), a bug a 500 findable in the log;
-a client that leaves before the reply is counted as gone and its work closed. `/v1/embeddings` (embeddings.py)
-shares the read, the entry and the error path.
+a client that leaves before the reply is counted as gone and its work closed. The APIs with one JSON reply
+(unary.py: embeddings, rerank, score, tokenize) share the read, the entry and the error path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dynamo_cli.core.queue import LOWEST_CLIENT_PRIORITY
 from dynamo_cli.core.request_plan import RequestPlan
 from dynamo_cli.engine import check_token_ids
 from dynamo_cli.errors import DynError, ModelNotFound, NoWorkers, RateLimited, RequestError
-from dynamo_cli.frontend.embeddings import embed, parse_embeddings
 from dynamo_cli.frontend.features import check_features
 from dynamo_cli.frontend.headers import client_request_id, int_header, pinned_header, too_large
 from dynamo_cli.frontend.internal import INTERNAL_DEADLINE, INTERNAL_PRIORITY
@@ -50,6 +49,7 @@ from dynamo_cli.frontend.served_models import FrontendRegistry, ServedModel
 from dynamo_cli.frontend.tenants import Tenancy, Tenants
 from dynamo_cli.frontend.tools.chat import ChatPlan, prepare_chat
 from dynamo_cli.frontend.translation import Api
+from dynamo_cli.frontend.unary import UnaryApi
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.routing.sessions import session_of
 from dynamo_cli.tracing.logs import enter_request
@@ -133,19 +133,19 @@ class Lifecycle:
             metrics.requests.labels(model, api.name, "stream" if request.stream else "unary", status).inc()
         return status, sum(gen.completion_tokens for gen in generations)
 
-    async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """/v1/embeddings (embeddings.py): on a worker of the model, over the request plane."""
+    async def unary(self, api: UnaryApi, scope: Scope, receive: Receive, send: Send) -> None:
+        """An API with one JSON reply (unary.py: embeddings, rerank, score, tokenize, detokenize)."""
         try:
-            request = parse_embeddings(await self._read_body(scope, receive))
+            request = api.parse(await self._read_body(scope, receive))
             entry, lora = self._entry(request.model)
-            if lora:  # the base's vectors under the adapter's name would lie
-                raise RequestError(f"'{lora}' is a LoRA adapter; adapters serve no embeddings", param="model")
+            if lora and not api.adapters:  # the base's answer under the adapter's name would lie
+                raise RequestError(f"'{lora}' is a LoRA adapter; adapters serve no {api.name}", param="model")
         except ClientGone:
             return
         except DynError as exc:
             return await _send_error(send, exc)
-        status = await reply_json(send, lambda: embed(entry, request, self.rules), list, "embeddings")
-        self.metrics.requests.labels(entry.name, "embeddings", "unary", status).inc()
+        status = await reply_json(send, lambda: api.run(entry, request, self.rules, self.config), list, api.name)
+        self.metrics.requests.labels(entry.name, api.name, "unary", status).inc()
 
     ##### Steps #####
 

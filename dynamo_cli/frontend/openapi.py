@@ -13,6 +13,8 @@ from dynamo_cli.frontend.loras import LoadLora, UnloadLora
 from dynamo_cli.frontend.messages import MessagesRequest
 from dynamo_cli.frontend.openai import ChatCompletionRequest, CompletionRequest
 from dynamo_cli.frontend.responses_api import ResponsesRequest
+from dynamo_cli.frontend.scoring import RerankRequest, ScoreTextsRequest
+from dynamo_cli.frontend.tokenize import DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -21,6 +23,10 @@ POST_ROUTES: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "/v1/completions": ("Text completion (stream: SSE of text_completion)", CompletionRequest),
     "/v1/responses": ("Responses, stateless, translated onto chat (stream: typed SSE events)", ResponsesRequest),
     "/v1/embeddings": ("Embeddings (models whose engine serves them)", EmbeddingRequest),
+    "/v1/rerank": ("Rerank documents against a query (Cohere/Jina shape; also /v2/rerank, /rerank)", RerankRequest),
+    "/v1/score": ("Score text pairs, one to many or pairwise (vLLM's shape; also /score)", ScoreTextsRequest),
+    "/tokenize": ("A prompt's or a chat's token ids, as a worker is sent them (vLLM's shape)", TokenizeRequest),
+    "/detokenize": ("The text of token ids (vLLM's shape)", DetokenizeRequest),
     "/v1/messages": ("Anthropic Messages, text only, translated onto chat (stream: its events)", MessagesRequest),
     "/v1/load_lora_adapter": ("Load a LoRA adapter on the base model's workers (vLLM's body)", LoadLora),
     "/v1/unload_lora_adapter": ("Unload a LoRA adapter from every worker (vLLM's body)", UnloadLora),

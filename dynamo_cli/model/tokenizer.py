@@ -85,11 +85,19 @@ class Tokenizer:
         """Text of `ids`, special tokens skipped."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """Render the conversation with the generation prompt appended (`tools` for a template that has them)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render the conversation, the generation prompt appended unless asked not to (`tools` for a template
+        that has them)."""
         if self.template is None:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return self.template.render(messages, tools=tools)
+            turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return turns + "assistant: " if add_generation_prompt else turns
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def detokenizer(self) -> Detokenizer:
         """A fresh incremental detokenizer for one stream."""

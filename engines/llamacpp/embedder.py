@@ -16,26 +16,17 @@ import numpy as np
 from dynamo_cli.errors import RequestError
 
 from .errors import LlamaCppError
+from .side_context import SideContext
 
 
-class Embedder:
+class Embedder(SideContext):
     """An embedding-mode context over a loaded model; `embed(ids)` -> a unit vector."""
 
+    KIND = "an embedding"
+
     def __init__(self, model: Any, n_ctx: int, n_threads: int) -> None:
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = n_threads
-        params.embeddings = True
-        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
-        self.n_ctx = n_ctx
+        super().__init__(model, n_ctx, n_threads, embeddings=True)
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
-        self._ctx = llama_cpp.llama_init_from_model(model, params)
-        if not self._ctx:
-            raise LlamaCppError(f"cannot create an embedding context of {n_ctx} tokens")
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(n_ctx, 0, 1)
-        self._closed = False
 
     def embed(self, token_ids: list[int]) -> list[float]:
         """The unit-length mean-pooled embedding of `token_ids` (RequestError when they do not fit)."""
@@ -57,10 +48,3 @@ class Embedder:
         vector = np.ctypeslib.as_array(pooled, shape=(self.n_embd,)).astype(np.float64)
         norm = float(np.linalg.norm(vector))
         return (vector / norm if norm > 0 else vector).tolist()  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        """Free the batch and context (not the model). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._ctx)

@@ -61,12 +61,21 @@ from dynamo_cli.engine import (
     KvTierConfig,
     Role,
     check_request,
+    check_score_request,
     check_token_ids,
 )
-from dynamo_cli.errors import RequestError, RequestFailed
+from dynamo_cli.errors import DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import LlamaCppKv
-from dynamo_cli.wire import EmbedRequest, EmbedResponse, GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.wire import (
+    EmbedRequest,
+    EmbedResponse,
+    GenerateChunk,
+    GenerateRequest,
+    LoadMetrics,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 from . import kv_blocks, kv_state
 from .adapters import check_adapter
@@ -76,6 +85,7 @@ from .options import LlamaCppOptions
 from .plan import StepPlan, StepResult
 from .runner import Runner, RunnerOptions
 from .scheduler import Scheduled, Scheduler, Sequence
+from .scorer import Scorer
 from .tiering import KvTiering
 
 logger = logging.getLogger(__name__)
@@ -87,6 +97,19 @@ WORK_COUNTERS = {
 }
 """`work_counters()`: name -> meaning (a worker exports each as `dynamo_component_engine_{name}`)."""
 T = TypeVar("T")
+
+
+FEATURES = frozenset(
+    {Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P, Feature.GUIDED_JSON, Feature.SCORE}
+)
+"""What every llama.cpp worker honours (with option embeddings=true, Feature.EMBEDDINGS too)."""
+
+
+def _info_extra(opts: LlamaCppOptions, runner: Runner, n_ctx: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic}
+    if runner.state_layout is not None:  # what the router's tier costs move per block
+        extra["kv_bytes_per_block"] = runner.state_layout.cell_bytes() * opts.block_size
+    return extra
 
 
 class LlamaCppEngine:
@@ -113,6 +136,7 @@ class LlamaCppEngine:
         """KV cells of the context as llama.cpp sized it (set in start())."""
         self._embedder: Embedder | None = None
         """With option embeddings=true: the embedding context (set in start())."""
+        self._scorer: Scorer | None = None  # made at the first `score` (most workers are never asked to score)
         self._kv_tiers = args.kv_tiers
         self._cached_tokens_given = "max_cached_tokens" in args.extra
         self._tiers: KvTiering | None = None
@@ -143,7 +167,7 @@ class LlamaCppEngine:
         loop = asyncio.get_running_loop()
         self._runner = runner = await loop.run_in_executor(self._executor, Runner, runner_options)
         if opts.embeddings:
-            self._embedder = await loop.run_in_executor(self._executor, runner.embedder, opts.n_batch)
+            self._embedder = await loop.run_in_executor(self._executor, runner.side_context, Embedder, opts.n_batch)
         self._n_ctx = n_ctx = runner.n_ctx
         context_length = min(opts.context_length or n_ctx, runner.n_ctx_train, runner.n_ctx_seq)
         self._tiers = await KvTiering.open(
@@ -177,32 +201,21 @@ class LlamaCppEngine:
             max_num_batched_tokens=opts.n_batch,
             eos_token_ids=runner.eos_token_ids(),
             vocab_size=runner.n_vocab,
-            features=frozenset(
-                {Feature.LOGPROBS, Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P, Feature.GUIDED_JSON}
-                | ({Feature.EMBEDDINGS} if opts.embeddings else set())
-            ),
-            extra=self._info_extra(runner, n_ctx),
+            features=FEATURES | ({Feature.EMBEDDINGS} if opts.embeddings else set()),
+            extra=_info_extra(opts, runner, n_ctx),
         )
         self._loop_task = asyncio.create_task(self._step_loop(), name="llamacpp-step-loop")
         logger.info("llamacpp: %s loaded (%s), context %d", opts.served_model_name, opts.model_path, context_length)
         return self._info
 
-    def _info_extra(self, runner: Runner, n_ctx: int) -> dict[str, Any]:
-        opts = self.options
-        extra: dict[str, Any] = {"n_threads": opts.n_threads, "n_ctx": n_ctx, DETERMINISTIC: opts.deterministic}
-        if runner.state_layout is not None:  # what the router's tier costs move per block
-            extra["kv_bytes_per_block"] = runner.state_layout.cell_bytes() * opts.block_size
-        return extra
-
     def _tier_config(self, runner: Runner) -> KvTierConfig:
         """The tiers below llama.cpp's cache: the flags' (`EngineArgs.kv_tiers`), or with them off and the
         unified cache, the parked prefixes (option `park_prefixes`): a host pool of `max_cached_tokens`
         tokens' KV, the bytes the device prefix cache would have held inside llama.cpp's cache."""
-        opts = self.options
         layout = runner.state_layout
         if self._kv_tiers.enabled or not self._parks or layout is None or not kv_blocks.supports(layout):
             return self._kv_tiers
-        return KvTierConfig(host_bytes=opts.max_cached_tokens * layout.cell_bytes())
+        return KvTierConfig(host_bytes=self.options.max_cached_tokens * layout.cell_bytes())
 
     @property
     def _parks(self) -> bool:
@@ -259,9 +272,19 @@ class LlamaCppEngine:
             )
         for ids in request.inputs:
             check_token_ids(ids, "input", info.vocab_size)
-        loop = asyncio.get_running_loop()
-        vectors = [await loop.run_in_executor(self._executor, embedder.embed, ids) for ids in request.inputs]
+        vectors = [await self.run_in_step_thread(embedder.embed, ids) for ids in request.inputs]
         return EmbedResponse(embeddings=vectors)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Text pairs' yes/no scores in the step thread, between steps (engines.llamacpp.scorer)."""
+        runner, info, n_batch = self._runner, self._info, self.options.n_batch
+        if runner is None or info is None:
+            raise DynError("the llamacpp engine is not started; call start() before score()")
+        check_score_request(request, min(info.context_length, n_batch), info.vocab_size)
+        if self._scorer is None:
+            self._scorer = await self.run_in_step_thread(lambda: runner.side_context(Scorer, n_batch))
+        scores = await self.run_in_step_thread(self._scorer.score, request.pairs, request.candidates)
+        return ScoreResponse(scores=scores)
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """Stored/removed block events of every step, in event-id order."""
@@ -299,8 +322,8 @@ class LlamaCppEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         if self._tiers is not None:
             await self._tiers.aclose()
-        if self._embedder is not None:
-            self._embedder.close()
+        for context in [c for c in (self._embedder, self._scorer) if c is not None]:
+            context.close()
         if runner is not None:
             runner.close()
         if self._num_events_dropped:

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -22,11 +22,13 @@ import numpy as np
 from dynamo_cli.errors import ConfigError, RequestError
 from dynamo_cli.wire import GenerateRequest, TokenLogprob
 
-from .embedder import Embedder
 from .errors import LlamaCppError
 from .grammar import GrammarDeadEnd, GuidedSampler
 from .kv_state import CheckedState, StateLayout, rebased
 from .plan import MemoryOp, StepPlan, StepResult
+from .side_context import SideContext
+
+C = TypeVar("C", bound=SideContext)
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +157,9 @@ class Runner:
     def n_vocab(self) -> int:
         return int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
-    def embedder(self, n_ctx: int) -> Embedder:
-        """A second context over this model, in embedding mode (engines.llamacpp.embedder)."""
-        return Embedder(self._model, n_ctx, self.options.n_threads)
+    def side_context(self, kind: type[C], n_ctx: int) -> C:
+        """A second context over this model: an Embedder or a Scorer (engines.llamacpp.embedder, .scorer)."""
+        return kind(self._model, n_ctx, self.options.n_threads)
 
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = {llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)}

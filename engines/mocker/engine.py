@@ -5,9 +5,11 @@ latency a real GPU worker would show (divided by the speedup ratio), KV blocks f
 paged cache, and the router sees the same KV events. It lets routing, planning and disaggregation be
 measured at scale on one laptop.
 
-It has no logits. Its card lists Feature.LOGPROBS only, and those logprobs are deterministic fakes
-(`fake_logprobs`): a function of the token id, the chosen token always the most likely, so clients and
-the frontend's formatting can be tested without a model. Penalties, logit_bias and min_p it does not
+It has no logits. Its card lists Feature.LOGPROBS and Feature.SCORE, both deterministic fakes: logprobs a
+function of the token id, the chosen token always the most likely (`fake_logprobs`); a text pair's score the
+share of its second half's distinct tokens that its first half has too (`overlap_score`), so a document that
+repeats the query's words ranks above one that does not. Clients and the frontend's formatting are tested
+without a model. Penalties, logit_bias and min_p it does not
 fake: its card leaves them out and the frontend refuses them.
 """
 
@@ -18,7 +20,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator
 
-from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Role, check_request
+from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, FinishReason, Role, check_request, check_score_request
 from dynamo_cli.errors import ConfigError, DynError, RequestError, RequestFailed
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.kv.handles import KvHandle, SglangKv
@@ -26,7 +28,16 @@ from dynamo_cli.kv.hashing import blocks_needed, lora_seed
 from dynamo_cli.kv.images import routed_tokens
 from dynamo_cli.model.paths import model_display_name, model_vocab_size, resolve_model_path
 from dynamo_cli.timing import TimingModel
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, ImageInput, LoadMetrics, TokenLogprob
+from dynamo_cli.wire import (
+    GenerateChunk,
+    GenerateRequest,
+    ImageInput,
+    LoadMetrics,
+    ScorePair,
+    ScoreRequest,
+    ScoreResponse,
+    TokenLogprob,
+)
 
 from .config import MockerConfig
 from .events import EventPacer, EventRing, EventSink
@@ -184,6 +195,11 @@ class MockerEngine:
         if self.state is not EngineState.RUNNING:
             raise DynError(f"the mocker engine is {self.state.value}; call start() before encode_images()")
         return await self._images.encode_images(images)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Each pair's `overlap_score` (`Scores`), at once: scoring takes no simulated time."""
+        check_score_request(request, self.config.context_length, self._vocab_size())
+        return ScoreResponse(scores=[overlap_score(pair) for pair in request.pairs])
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load adapter `name` (`ServesLoras`): `lora_load_ms` of modelled time, divided by the speedup ratio;
@@ -396,6 +412,12 @@ class MockerEngine:
         return self._info.vocab_size if self._info is not None else self.config.vocab_size
 
 
+def overlap_score(pair: ScorePair) -> float:
+    """The mocker's relevance of a pair: the share of the second half's distinct token ids found in the first."""
+    second = set(pair.second)
+    return len(second & set(pair.first)) / len(second)
+
+
 def _check_one_rank(config: MockerConfig) -> None:
     if config.is_ranked:
         raise ConfigError(
@@ -418,7 +440,8 @@ def engine_info(config: MockerConfig) -> EngineInfo:
         vocab_size=config.vocab_size or model_vocab_size(tokenizer_source),
         extra=_info_extra(config),
         # logprobs are fakes (see the module docstring); kv_retain pins a session's blocks for its next call
-        features=frozenset({Feature.LOGPROBS}) | ({Feature.KV_RETAIN} if retain_blocks(config) else set()),
+        features=frozenset({Feature.LOGPROBS, Feature.SCORE})
+        | ({Feature.KV_RETAIN} if retain_blocks(config) else set()),
         images=image_spec(config),
     )
 

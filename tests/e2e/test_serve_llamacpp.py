@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
+from dynamo_cli.frontend.scoring import candidate_ids, question_ids
+from dynamo_cli.model.paths import resolve_model_path
+from dynamo_cli.model.tokenizer import load_tokenizer
 from tests.conftest import DynProcess
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'dynamo-cli[llamacpp]'")
@@ -83,3 +89,39 @@ def test_eight_concurrent_streams_complete_and_overlap_in_time(served: DynProces
 def test_a_prompt_over_the_context_is_a_400_with_the_numbers(served: DynProcess) -> None:
     with pytest.raises(openai.BadRequestError, match="context"):
         client(served).completions.create(model="smollm2", prompt="hello " * 9000, max_tokens=8)
+
+
+def test_tokenize_gives_the_ids_a_chat_is_sent_as(served: DynProcess) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = httpx.post(
+        f"{served.url}/tokenize", json={"model": "smollm2", "messages": messages}, headers=served.auth, timeout=30
+    ).json()
+    ask = {"model": "smollm2", "max_tokens": 12, "temperature": 0}
+    chat = client(served).chat.completions.create(messages=messages, **ask)  # type: ignore[call-overload]
+    same = client(served).completions.create(prompt=ids["tokens"], **ask)
+    assert chat.usage.prompt_tokens == ids["count"] and same.usage.prompt_tokens == ids["count"]
+    assert chat.choices[0].message.content == same.choices[0].text  # the same ids: the same greedy text
+
+
+def test_rerank_scores_are_the_models_yes_against_no_after_the_question(served: DynProcess) -> None:
+    """Plumbing, honestly: SmolLM2 is no reranker, so its scores barely tell documents apart; each one must be
+    the softmax of this model's "yes" and "no" logits after the templated question, computed here again."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    query, docs = "What is the capital of France?", ["Bananas are rich in potassium.", "Paris is in France."]
+    body = {"model": "smollm2", "query": query, "documents": docs}
+    results = httpx.post(f"{served.url}/v1/rerank", json=body, headers=served.auth, timeout=60).json()["results"]
+    served_scores = {r["index"]: r["relevance_score"] for r in results}
+    path = resolve_model_path("smollm2")
+    tokenizer = load_tokenizer(path)
+    head, tail = asyncio.run(question_ids(tokenizer, query))
+    yes, no = candidate_ids(tokenizer, "smollm2")
+    model = llama_cpp.Llama(model_path=path, n_ctx=1024, logits_all=True, verbose=False)
+    for i, doc in enumerate(docs):
+        ids = head + tokenizer.encode(" " + doc) + tail
+        model.reset()
+        model.eval(ids)
+        row = model.scores[len(ids) - 1]
+        expected = 1.0 / (1.0 + math.exp(float(row[no] - row[yes])))
+        assert served_scores[i] == pytest.approx(expected, abs=0.03), (i, served_scores, expected)
+    flipped = 1.0 / (1.0 + math.exp(float(row[yes] - row[no])))  # the candidates swapped would be far off
+    assert abs(flipped - served_scores[1]) > 0.1

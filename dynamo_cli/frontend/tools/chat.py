@@ -28,14 +28,20 @@ class ChatPlan:
 
 
 def prepare_chat(
-    request: ChatCompletionRequest, card: ModelCard, tokenizer: Tokenizer, parser_name: str, reasoning: str | None
+    request: ChatCompletionRequest,
+    card: ModelCard,
+    tokenizer: Tokenizer,
+    parser_name: str,
+    reasoning: str | None,
+    *,
+    add_generation_prompt: bool = True,
 ) -> ChatPlan:
     """Check the request's tool fields against the model's card, render the prompt, build the reader."""
     plan = plan_tools(request, card.features, card.engine, card.display_name)
     template = tokenizer.template
     parser = tool_parser(parser_name, template.source if template is not None else "")
     messages, tools = render_inputs(request.messages, plan.tools, plan.mode, plan.named, parser, template)
-    prompt = tokenizer.apply_chat_template(messages, tools=tools)
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt)
     output = None
     reasoning = None if plan.guided is not None else reasoning  # the grammar leaves no room for <think> text
     if plan.mode != "none" or reasoning:
