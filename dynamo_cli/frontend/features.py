@@ -13,6 +13,7 @@ from typing import Any
 
 from dynamo_cli.engine import Feature
 from dynamo_cli.errors import RequestError
+from dynamo_cli.frontend.served_models import ServedModel
 from dynamo_cli.model_card import ModelCard
 
 
@@ -70,3 +71,12 @@ def check_features(request: Any, card: ModelCard) -> None:
                 param=name,
                 code="unsupported_parameter",
             )
+
+
+def require_feature(entry: ServedModel, feature: Feature, what: str, fix: str) -> None:
+    """A 400 naming the model unless its engine's card lists `feature` (`what` it does not do, and the `fix`)."""
+    card = entry.card
+    if feature.value not in card.features:
+        raise RequestError(
+            f"model '{entry.name}' ({card.engine} engine) {what}; {fix}", param="model", code="unsupported_parameter"
+        )

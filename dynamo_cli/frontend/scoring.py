@@ -19,11 +19,12 @@ import msgspec
 from msgspec import Meta
 
 from dynamo_cli.core.dispatch import DispatchRules
+from dynamo_cli.core.side_calls import call_worker
 from dynamo_cli.engine import MAX_SCORE_PAIRS, Feature
 from dynamo_cli.errors import RequestError
+from dynamo_cli.frontend.features import require_feature
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 from dynamo_cli.frontend.served_models import ServedModel
-from dynamo_cli.frontend.worker_calls import call_worker, require_feature
 from dynamo_cli.model.tokenizer import Tokenizer
 from dynamo_cli.wire import SCORE, ScorePair, ScoreRequest
 

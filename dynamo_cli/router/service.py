@@ -41,6 +41,7 @@ from dynamo_cli.core.queue import QueuedRequest
 from dynamo_cli.core.registry import ROUTER_COMPONENT, ModelEntry, RouterRegistry
 from dynamo_cli.core.request_plan import RequestPlan
 from dynamo_cli.core.shares import tenant_of
+from dynamo_cli.core.side_calls import call_worker
 from dynamo_cli.core.stack import Routing, routing_stack
 from dynamo_cli.errors import NoWorkers, RequestError
 from dynamo_cli.model_card import ModelCard
@@ -63,20 +64,26 @@ from dynamo_cli.tracing.traceparent import trace_context, trace_id_of
 from dynamo_cli.wire import (
     BEST_WORKER,
     DEADLINE_ANNOTATION,
+    EMBED,
     GENERATE,
     LORA,
     PARENT_SESSION_ANNOTATION,
     PIN_ANNOTATION,
     PRIORITY_ANNOTATION,
     REPORT_WORKER_ANNOTATION,
+    SCORE,
     SESSION_ANNOTATION,
     BestWorkerQuery,
     BestWorkerReply,
+    EmbedRequest,
+    EmbedResponse,
     GenerateChunk,
     GenerateRequest,
     InFlight,
     LoraCommand,
     LoraReply,
+    ScoreRequest,
+    ScoreResponse,
 )
 
 if TYPE_CHECKING:
@@ -195,6 +202,14 @@ class RouterService:
         entry = self._entry()
         yield LoraReply(loras=sorted(entry.adapters), resident=[])
 
+    async def embed(self, request: EmbedRequest) -> AsyncIterator[EmbedResponse]:
+        """Endpoint: a backend's embeddings (a `--router remote` frontend's /v1/embeddings)."""
+        yield await call_worker(self._entry(), EMBED, request, request.request_id, self.stack.rules)
+
+    async def score(self, request: ScoreRequest) -> AsyncIterator[ScoreResponse]:
+        """Endpoint: a backend's scores (a `--router remote` frontend's /v1/rerank and /v1/score)."""
+        yield await call_worker(self._entry(), SCORE, request, request.request_id, self.stack.rules)
+
     async def _advertise_adapters(self, endpoint: Endpoint, card: ModelCard) -> None:
         """Keep this router's card listing the adapters its backends serve (frontends list them from it)."""
         while True:
@@ -248,6 +263,8 @@ class RouterService:
         """Serve until `stop`: register once a backend card is known; on stop deregister, then drain."""
         self.server.add_endpoint(BEST_WORKER, self.best_worker_id)
         self.server.add_endpoint(LORA, self.lora)
+        self.server.add_endpoint(EMBED, self.embed)
+        self.server.add_endpoint(SCORE, self.score)
         grace_s = self.config.graceful_shutdown_s
         await serve(self.process, self, self._discovery, stop, announce, grace_s=grace_s, system=self._system_server())
 

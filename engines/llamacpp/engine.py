@@ -85,7 +85,7 @@ from .options import LlamaCppOptions
 from .plan import StepPlan, StepResult
 from .runner import Runner, RunnerOptions
 from .scheduler import Scheduled, Scheduler, Sequence
-from .scorer import Scorer
+from .scorer import LazyScorer, Scorer
 from .tiering import KvTiering
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class LlamaCppEngine:
         """KV cells of the context as llama.cpp sized it (set in start())."""
         self._embedder: Embedder | None = None
         """With option embeddings=true: the embedding context (set in start())."""
-        self._scorer: Scorer | None = None  # made at the first `score` (most workers are never asked to score)
+        self._scorer: LazyScorer | None = None  # made at the first `score`
         self._kv_tiers = args.kv_tiers
         self._cached_tokens_given = "max_cached_tokens" in args.extra
         self._tiers: KvTiering | None = None
@@ -281,10 +281,10 @@ class LlamaCppEngine:
         if runner is None or info is None:
             raise DynError("the llamacpp engine is not started; call start() before score()")
         check_score_request(request, min(info.context_length, n_batch), info.vocab_size)
-        if self._scorer is None:
-            self._scorer = await self.run_in_step_thread(lambda: runner.side_context(Scorer, n_batch))
-        scores = await self.run_in_step_thread(self._scorer.score, request.pairs, request.candidates)
-        return ScoreResponse(scores=scores)
+        if self._scorer is None:  # no await between the test and the set: one scorer
+            self._scorer = LazyScorer(lambda: runner.side_context(Scorer, n_batch))
+        scorer, candidates = self._scorer, request.candidates  # a pair at a time: steps go on between pairs
+        return ScoreResponse(scores=[await self.run_in_step_thread(scorer.score, p, candidates) for p in request.pairs])
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
         """Stored/removed block events of every step, in event-id order."""

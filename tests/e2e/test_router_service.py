@@ -140,6 +140,18 @@ def test_serve_with_two_router_replicas_answers_the_openai_client(deployment: Dy
     assert seen == routers  # the frontend spreads over the replicas; they pick the workers
 
 
+def test_rerank_and_score_reach_a_backend_through_the_routers(deployment: DynProcess) -> None:
+    docs = ["Trains run on rails.", "The sky over the sea is blue."]
+    body = {"model": "smollm2", "query": "What colour is the sky over the sea?", "documents": docs}
+    for _ in range(4):  # over both replicas
+        reply = httpx.post(f"{deployment.url}/v1/rerank", json=body, headers=deployment.auth, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert [r["index"] for r in reply.json()["results"]] == [1, 0]
+    pairs = {"model": "smollm2", "text_1": body["query"], "text_2": docs}
+    scored = httpx.post(f"{deployment.url}/v1/score", json=pairs, headers=deployment.auth, timeout=30).json()
+    assert scored["data"][1]["score"] > scored["data"][0]["score"]
+
+
 async def cached_blocks(address: str) -> int:
     """Blocks the router at `address` believes its workers cache, all workers together."""
     reply = await best_worker(address, [1])

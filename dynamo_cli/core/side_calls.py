@@ -1,4 +1,5 @@
-"""One request to one of a model's workers on a side endpoint (`embed`, `score`), with one reply: the worker held
+"""One request to one of a model's workers on a side endpoint (`embed`, `score`), with one reply, for the frontend
+and `dyn router` (which forwards a `--router remote` frontend's to its backends): the worker held
 as a generation's is (core/holds.py), the fewest requests in flight among the live, not busy ones (these requests
 leave no KV behind to route to); with every one busy the request waits in the model's queue; a worker that fails
 or sends nothing for the stall timeout (it is hung) is left for another, up to the migration limit.
@@ -12,9 +13,8 @@ from typing import Any, TypeVar
 from dynamo_cli.core.dispatch import DispatchRules
 from dynamo_cli.core.holds import Hold, Pool, Wanted, choose_or_wait
 from dynamo_cli.core.queue import QueuedRequest
-from dynamo_cli.engine import Feature
-from dynamo_cli.errors import RemoteError, RequestError, TransportError
-from dynamo_cli.frontend.served_models import ServedModel
+from dynamo_cli.core.registry import ModelEntry
+from dynamo_cli.errors import RemoteError, TransportError
 from dynamo_cli.wire import EndpointSpec
 
 Rep = TypeVar("Rep")
@@ -23,17 +23,8 @@ CALL_TIMEOUT_S = 120.0
 """Longest wait for a worker's reply, its wait for a worker included."""
 
 
-def require_feature(entry: ServedModel, feature: Feature, what: str, fix: str) -> None:
-    """A 400 naming the model unless its engine's card lists `feature` (`what` it does not do, and the `fix`)."""
-    card = entry.card
-    if feature.value not in card.features:
-        raise RequestError(
-            f"model '{entry.name}' ({card.engine} engine) {what}; {fix}", param="model", code="unsupported_parameter"
-        )
-
-
 async def call_worker(
-    entry: ServedModel, spec: EndpointSpec[Any, Rep], request: Any, request_id: str, rules: DispatchRules
+    entry: ModelEntry, spec: EndpointSpec[Any, Rep], request: Any, request_id: str, rules: DispatchRules
 ) -> Rep:
     """`spec`'s one reply to `request` from a worker of `entry`'s model, held under the process's `rules`."""
     pool = Pool(entry.name, entry.workers, queue=entry.queue)
