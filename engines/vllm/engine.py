@@ -33,7 +33,6 @@ the followers run `engines.vllm.headless`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -115,6 +114,14 @@ class VllmLibrary:
     """`LoRARequest(lora_name, lora_int_id, lora_path)`; None: a vLLM without LoRA."""
 
 
+def _optional(module: str, name: str) -> Any:
+    """`module.name` of the installed vLLM, or None where it has none."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def load_library() -> VllmLibrary:
     """Import vLLM, or raise EngineNotInstalled naming `pip install 'dynamo-cli[vllm]'`."""
     try:
@@ -131,12 +138,9 @@ def load_library() -> VllmLibrary:
         from vllm import AsyncLLMEngine as engine_cls
     from vllm.platforms import current_platform
 
-    structured: Any = None  # vLLM before structured outputs: guided decoding is then not offered
-    with contextlib.suppress(ImportError):
-        from vllm.sampling_params import StructuredOutputsParams as structured
-    lora_request: Any = None
-    with contextlib.suppress(ImportError):
-        from vllm.lora.request import LoRARequest as lora_request
+    # None with a vLLM before structured outputs (guided decoding is then not offered), or without LoRA
+    structured = _optional("vllm.sampling_params", "StructuredOutputsParams")
+    lora_request = _optional("vllm.lora.request", "LoRARequest")
 
     return VllmLibrary(
         engine_cls,

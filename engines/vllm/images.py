@@ -66,7 +66,7 @@ def tokens_per_image(model_path: str, processor_kwargs: dict[str, Any] | None) -
     from PIL import Image
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(model_path, **(processor_kwargs or {}))  # type: ignore[no-untyped-call]
+    processor = AutoProcessor.from_pretrained(model_path, **(processor_kwargs or {}))  # type: ignore[no-untyped-call, unused-ignore]
     text = str(processor.image_token)
     alone = len(processor.tokenizer(text)["input_ids"])
     counts = {
