@@ -21,7 +21,7 @@ from msgspec import Meta
 from dynamo_cli.core.dispatch import DispatchRules
 from dynamo_cli.core.side_calls import call_worker
 from dynamo_cli.engine import MAX_SCORE_PAIRS, Feature
-from dynamo_cli.errors import RequestError
+from dynamo_cli.errors import RemoteError, RequestError
 from dynamo_cli.frontend.features import require_feature
 from dynamo_cli.frontend.openai import INT32_MAX, decode_body
 from dynamo_cli.frontend.served_models import ServedModel
@@ -154,7 +154,7 @@ async def _scores(
         entry, SCORE, ScoreRequest(request_id=request_id, pairs=pairs, candidates=candidates), request_id, rules
     )
     if len(reply.scores) != len(pairs):
-        raise RequestError(f"the worker scored {len(reply.scores)} of {len(pairs)} pairs", param="model")
+        raise RemoteError(f"a worker scored {len(reply.scores)} of {len(pairs)} pairs")
     return reply.scores, sum(len(p.first) + len(p.second) for p in pairs)
 
 

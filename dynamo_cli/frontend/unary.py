@@ -28,33 +28,22 @@ class UnaryApi:
     """A LoRA adapter's name may stand for its base model (the tokenizer is the base's)."""
 
 
-def _embed(entry: ServedModel, request: Any, rules: DispatchRules, config: FrontendConfig) -> Awaitable[bytes]:
-    return embed(entry, request, rules)
-
-
-def _rerank(entry: ServedModel, request: Any, rules: DispatchRules, config: FrontendConfig) -> Awaitable[bytes]:
-    return rerank(entry, request, rules)
-
-
-def _score(entry: ServedModel, request: Any, rules: DispatchRules, config: FrontendConfig) -> Awaitable[bytes]:
-    return score(entry, request, rules)
-
-
-def _tokenize(entry: ServedModel, request: Any, rules: DispatchRules, config: FrontendConfig) -> Awaitable[bytes]:
-    return tokenize(entry, request, config.tool_call_parser)
-
-
-def _detokenize(entry: ServedModel, request: Any, rules: DispatchRules, config: FrontendConfig) -> Awaitable[bytes]:
-    return detokenize(entry, request)
-
-
-_RERANK = UnaryApi("rerank", parse_rerank, _rerank)
-_SCORE = UnaryApi("score", parse_score, _score)
+_RERANK = UnaryApi("rerank", parse_rerank, lambda entry, request, rules, _: rerank(entry, request, rules))
+_SCORE = UnaryApi("score", parse_score, lambda entry, request, rules, _: score(entry, request, rules))
 UNARY_APIS: dict[str, UnaryApi] = {
-    "/v1/embeddings": UnaryApi("embeddings", parse_embeddings, _embed),
+    "/v1/embeddings": UnaryApi(
+        "embeddings", parse_embeddings, lambda entry, request, rules, _: embed(entry, request, rules)
+    ),
     **dict.fromkeys(RERANK_PATHS, _RERANK),
     **dict.fromkeys(SCORE_PATHS, _SCORE),
-    "/tokenize": UnaryApi("tokenize", parse_tokenize, _tokenize, adapters=True),
-    "/detokenize": UnaryApi("detokenize", parse_detokenize, _detokenize, adapters=True),
+    "/tokenize": UnaryApi(
+        "tokenize",
+        parse_tokenize,
+        lambda entry, request, _, config: tokenize(entry, request, config.tool_call_parser),
+        adapters=True,
+    ),
+    "/detokenize": UnaryApi(
+        "detokenize", parse_detokenize, lambda entry, request, *_: detokenize(entry, request), adapters=True
+    ),
 }
 """POST path -> its API."""
