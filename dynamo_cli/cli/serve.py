@@ -27,6 +27,7 @@ from dynamo_cli.planner.planner import PlannerConfig, log_decisions
 from dynamo_cli.planner.service import PlanRun, check_run
 from dynamo_cli.runtime.supervisor import die_with_parent, run
 from dynamo_cli.settings import DISAGG, ESSENTIAL
+from dynamo_cli.tracing import check_tracing
 from dynamo_cli.tracing.logs import use_log_format
 
 SKIP = frozenset(
@@ -138,6 +139,7 @@ def _command(**values: Any) -> None:
         (TenantConfig, "key_tenants"): keys.tenants,
     }
     config, plan = deployment(values, given)
+    check_tracing(config.frontend.telemetry)  # said once here, not by each process it starts
     use_log_format(config.frontend.telemetry.log_format)
     if plan is not None:  # its scaling decisions are logged at INFO (the default level is WARNING)
         log_decisions()

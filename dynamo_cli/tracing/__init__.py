@@ -26,6 +26,17 @@ def start_tracing(config: TelemetryConfig, service_name: str) -> Tracing | None:
     without an OTLP endpoint. The caller calls its `shutdown()` on the way out (it flushes the last spans)."""
     if config.otlp_endpoint is None:
         return None
+    return _tracing_class()(config, service_name)
+
+
+def check_tracing(config: TelemetryConfig) -> None:
+    """Fail now, with one ConfigError, where `--otlp-endpoint` is set and the SDK does not import: `dyn serve`
+    checks before it starts its processes, so the error is said once, not by each of them."""
+    if config.otlp_endpoint is not None:
+        _tracing_class()
+
+
+def _tracing_class() -> type[Tracing]:
     try:
         from dynamo_cli.tracing.spans import Tracing
     except ImportError as exc:
@@ -34,4 +45,4 @@ def start_tracing(config: TelemetryConfig, service_name: str) -> Tracing | None:
         raise ConfigError(
             f"--otlp-endpoint needs the OpenTelemetry SDK, which does not import here ({exc.name}); {INSTALL}"
         ) from None
-    return Tracing(config, service_name)
+    return Tracing
