@@ -262,7 +262,8 @@ class Deployment:
             return
         await _wait_frontends(self.discovery, config, pools.frontends, url)
         tasks.spawn(pools.frontends.supervise())
-        announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router})"))
+        grpc = f", kserve grpc {service.kserve_address}" if service.kserve_address is not None else ""
+        announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router}{grpc})"))
 
     def _planner(self, plan: ServePlan, profile: Profile, service: FrontendService) -> _PlannerLoops:
         """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
@@ -379,7 +380,7 @@ async def _spawn_frontends(
     the same workers and start none."""
     child = replace(
         config,
-        frontend=replace(config.frontend, port=port, planes=planes),
+        frontend=replace(config.frontend, port=port, planes=planes, kserve_grpc_port=None),  # gRPC: the first's
         num_workers=0,
         num_prefill_workers=0,
         num_encode_workers=0,

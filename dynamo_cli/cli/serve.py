@@ -21,6 +21,7 @@ from dynamo_cli.config import (
 )
 from dynamo_cli.engine import Role
 from dynamo_cli.errors import ConfigError
+from dynamo_cli.frontend.kserve import check_kserve
 from dynamo_cli.frontend.tools.parsers import check_parsers
 from dynamo_cli.launcher import ServePlan, serve_all
 from dynamo_cli.planner.planner import PlannerConfig, log_decisions
@@ -140,6 +141,7 @@ def _command(**values: Any) -> None:
     }
     config, plan = deployment(values, given)
     check_tracing(config.frontend.telemetry)  # said once here, not by each process it starts
+    check_kserve(config.frontend)
     use_log_format(config.frontend.telemetry.log_format)
     if plan is not None:  # its scaling decisions are logged at INFO (the default level is WARNING)
         log_decisions()

@@ -40,6 +40,9 @@ class FrontendConfig:
     namespace: str = setting(DEFAULT_NAMESPACE, NAMESPACE)
     router: str = setting("round-robin", "--router", env="DYN_ROUTER_MODE")
     """How the frontend picks a worker: round-robin | random | kv | remote (spread over `dyn router` replicas)."""
+    kserve_grpc_port: int | None = setting(None, "--kserve-grpc-port", env="DYN_KSERVE_GRPC_PORT", panel=HTTP)
+    """Also serve the KServe v2 inference protocol over gRPC on this port (0: any free port; default: off), on
+    --host, with the HTTP port's TLS and API keys (frontend/kserve/). Needs grpcio (the `kserve` extra)."""
     http_server: str = setting("uvicorn", "--http-server", env="DYN_HTTP_SERVER", panel=HTTP)
     """HTTP server: uvicorn (httptools + uvloop, the fast default) | hypercorn (HTTP/2)."""
     migration_limit: int = setting(3, "--migration-limit", env="DYN_MIGRATION_LIMIT", panel=OVERLOAD)

@@ -11,12 +11,13 @@ its span.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.core.dispatch import DispatchRules
@@ -30,7 +31,7 @@ from dynamo_cli.frontend.replies import send_error
 from dynamo_cli.frontend.rest import Rest
 from dynamo_cli.frontend.served_models import FrontendRegistry
 from dynamo_cli.frontend.tenants import KEY_INDEX_SCOPE
-from dynamo_cli.frontend.translation import APIS
+from dynamo_cli.frontend.translation import APIS, Api
 from dynamo_cli.frontend.unary import UNARY_APIS
 from dynamo_cli.tracing.traceparent import TRACE_SCOPE_KEY
 
@@ -60,16 +61,25 @@ class Frontend:
         self.lifecycle = Lifecycle(config, registry, metrics, rules, tracing)
         """Each generation request's steps, for every API; its `standby` is set by `dyn serve`."""
         self.rest = Rest(config, registry, metrics, group, instance_id)
-        self._gate = Gate(config.auth) if config.auth.api_keys else None
+        self.gate = Gate(config.auth) if config.auth.api_keys else None
+        """The API-key gate (None: no keys configured, every path open)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(MESSAGES_PATH):
             send = anthropic_errors(send)  # Anthropic's clients read Anthropic's error shape
-        if self._gate is not None and scope["type"] == "http" and not self._gate.is_open(scope["path"]):
-            return await self._guarded(scope, receive, send, self._gate)
+        if self.gate is not None and scope["type"] == "http" and not self.gate.is_open(scope["path"]):
+            return await self._guarded(scope, receive, send, self.gate, self._route)
         await self._route(scope, receive, send)
 
-    async def _guarded(self, scope: Scope, receive: Receive, send: Send, gate: Gate) -> None:
+    async def serve_api(self, api: Api, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request of `api` that came by another protocol (KServe gRPC, frontend/kserve/): past the same gate,
+        through the same lifecycle."""
+        route = functools.partial(self.lifecycle.serve, api)
+        if self.gate is not None:
+            return await self._guarded(scope, receive, send, self.gate, route)
+        await route(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, gate: Gate, then: ASGIApp) -> None:
         try:
             admission = gate.admit(scope["headers"], time.monotonic())
         except RequestError as exc:
@@ -78,7 +88,7 @@ class Frontend:
             return await send_error(send, exc)
         scope[KEY_INDEX_SCOPE] = admission.key_index  # the key's tenant (frontend/tenants.py)
         try:
-            await self._route(scope, receive, send)
+            await then(scope, receive, send)
         finally:
             admission.release()
 

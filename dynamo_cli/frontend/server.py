@@ -15,7 +15,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.routing import Route
 
@@ -36,6 +36,9 @@ from dynamo_cli.runtime.events import EventBus
 from dynamo_cli.runtime.process import Process
 from dynamo_cli.runtime.supervisor import cancel_and_wait, freeze_heap
 from dynamo_cli.tracing import start_tracing
+
+if TYPE_CHECKING:
+    from dynamo_cli.frontend.kserve.server import KServeServer
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +148,8 @@ class FrontendService:
         self.process = Process("serve", self.tracing)
         """NOTE: its skeleton (runtime/process.py): the background tasks (discovery watches, event pumps, KV repair
         and catch-up, the HTTP server itself) cancelled when `run` returns, the registry closed, tracing shut."""
+        self.kserve: KServeServer | None = None
+        """The KServe gRPC server (`--kserve-grpc-port`), once `run` started it."""
         self._loops: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Loops of services attached to this frontend (the batch runner), run by `run` as its tasks."""
 
@@ -171,6 +176,12 @@ class FrontendService:
             await self.stack.start(tasks, self._bus, self._discovery, self.config.namespace)
             if self.group is not None:
                 tasks.spawn(self.group.share(self.app.rest.refresh_metrics))
+            if self.config.kserve_grpc_port is not None:
+                from dynamo_cli.frontend.kserve.server import KServeServer
+
+                self.kserve = KServeServer(self.config, self.app)
+                await self.kserve.start()
+                process.opens(self.kserve.stop, front=True)
             if serve_first:
                 server = tasks.spawn(self._serve_http(sock, stop))
                 await on_ready()
@@ -181,6 +192,15 @@ class FrontendService:
                 tasks.spawn(attached())
             freeze_heap()
             await server
+            if self.kserve is not None:  # its calls in flight end (or are cut) while the routing is still up
+                await self.kserve.stop()
+
+    @property
+    def kserve_address(self) -> str | None:
+        """Where the KServe gRPC server listens (`host:port`), None when it is off."""
+        if self.kserve is None:
+            return None
+        return f"{self.config.advertised_host}:{self.kserve.port}"
 
     async def _serve_http(self, sock: socket.socket, stop: asyncio.Event) -> None:
         if self.config.http_server == "hypercorn":
