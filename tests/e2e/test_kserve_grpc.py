@@ -1,7 +1,8 @@
 """The KServe v2 gRPC frontend (`--kserve-grpc-port`) on a real `dyn serve` of two mocker workers, driven by
 Triton's official client (`tritonclient.grpc`): probes and metadata, ModelInfer and ModelStreamInfer with the same
-text as /v1/completions at temperature 0 and one seed (the mocker's tokens are drawn from it), the API-key gate, and hostile messages (wrong type, missing input, huge
-shape, bad bytes) each a gRPC error naming what is wrong while the server goes on serving."""
+text as /v1/completions at temperature 0 and one seed (the mocker draws its tokens from it), the API-key gate, and
+hostile messages (wrong type, missing input, huge shape, bad bytes) each a gRPC error naming what is wrong while
+the server goes on serving."""
 
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def test_probes_and_metadata(served: DynProcess, client: Any) -> None:
 def test_model_infer_gives_the_completion_text(served: DynProcess, client: Any) -> None:
     expected, reason = _http_text(served, 12)
     result = client.infer(
-        MODEL, [_text_input(PROMPT)], parameters={"max_tokens": 12, "temperature": 0.0, "seed": SEED}, headers=_headers(served)
+        MODEL,
+        [_text_input(PROMPT)],
+        parameters={"max_tokens": 12, "temperature": 0.0, "seed": SEED},
+        headers=_headers(served),
     )
     assert result.as_numpy("text_output").tolist() == [expected.encode()] and expected
     assert result.as_numpy("finish_reason").tolist() == [reason.encode()]

@@ -20,7 +20,10 @@ def check_kserve(config: FrontendConfig) -> None:
     if config.kserve_grpc_port is None:
         return
     try:
-        import grpc  # noqa: F401
         import google.protobuf  # noqa: F401
+        import grpc  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"--kserve-grpc-port needs grpcio and protobuf ({exc.name} does not import); {INSTALL}") from None
+        missing = exc.name
+        raise ConfigError(
+            f"--kserve-grpc-port needs grpcio and protobuf ({missing} does not import); {INSTALL}"
+        ) from None

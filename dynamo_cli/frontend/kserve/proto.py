@@ -84,7 +84,11 @@ MESSAGES: dict[str, list[tuple[str, int, str]]] = {
         ("outputs", 5, "*ModelInferResponse.InferOutputTensor"),
         ("raw_output_contents", 6, "*bytes"),
     ],
-    "ModelInferResponse.InferOutputTensor": [*_TENSOR, ("parameters", 4, "map"), ("contents", 5, "InferTensorContents")],
+    "ModelInferResponse.InferOutputTensor": [
+        *_TENSOR,
+        ("parameters", 4, "map"),
+        ("contents", 5, "InferTensorContents"),
+    ],
     "ModelStreamInferResponse": [("error_message", 1, "string"), ("infer_response", 2, "ModelInferResponse")],
 }
 

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import msgspec
 from google.protobuf.message import DecodeError
+from starlette.types import Message
 
 from dynamo_cli import __version__
 from dynamo_cli.config import FrontendConfig
@@ -70,14 +71,14 @@ class _Exchange:
         self.status = 0
         self.body = b""
 
-    async def receive(self) -> dict[str, Any]:
+    async def receive(self) -> Message:
         body, self._body = self._body, None
         if body is not None:
             return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.Event().wait()  # the client's leaving cancels the RPC, and so this wait
         return {"type": "http.disconnect"}
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
         elif message["type"] == "http.response.body":
@@ -136,8 +137,8 @@ class KServeServer:
         if not bound:
             raise ConfigError(f"cannot listen on {address} for KServe gRPC; pick another --kserve-grpc-port")
         await server.start()
-        self._server, self.port = server, bound
-        return bound
+        self._server, self.port = server, int(bound)
+        return self.port
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -283,4 +284,3 @@ async def _parse(context: grpc.aio.ServicerContext, name: str, body: bytes) -> A
 
 def _encode(message: str, /, **fields: Any) -> bytes:
     return bytes(proto.message(message)(**fields).SerializeToString())
-

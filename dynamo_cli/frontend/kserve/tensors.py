@@ -101,7 +101,8 @@ def read_request(body: bytes) -> InferCall:
     except DecodeError:
         raise RequestError("the message is not a ModelInferRequest", param="request") from None
     if request.model_version not in ("", "1"):
-        raise RequestError(f"model_version '{request.model_version[:32]}' is unknown; versions: 1", param="model_version")
+        version = request.model_version[:32]
+        raise RequestError(f"model_version '{version}' is unknown; versions: 1", param="model_version")
     completion: dict[str, Any] = {"model": request.model_name}
     empty_final = _read_parameters(request.parameters, completion)
     _read_inputs(request, completion)
@@ -152,6 +153,7 @@ def _read_inputs(request: Any, completion: dict[str, Any]) -> None:
         if name in seen:
             raise RequestError(f"input tensor '{name}' is given twice", param=name)
         seen.add(name)
+        kind: type
         if name == TEXT_INPUT:
             kind, field = str, "prompt"
         elif name in STREAMING:
@@ -168,7 +170,8 @@ def _scalar(tensor: Any, raw: bytes | None, kind: type) -> Any:
     """The one element of `tensor` (its raw bytes, else its contents), as `kind`."""
     name, datatype = tensor.name, tensor.datatype
     if datatype not in _KINDS[kind]:
-        raise RequestError(f"input tensor '{name}' must be {' or '.join(_KINDS[kind])}, got '{datatype[:32]}'", param=name)
+        allowed = " or ".join(_KINDS[kind])
+        raise RequestError(f"input tensor '{name}' must be {allowed}, got '{datatype[:32]}'", param=name)
     if any(d != 1 for d in tensor.shape):
         shape = list(tensor.shape)[:8]
         raise RequestError(f"input tensor '{name}' must hold one element (shape [1]), got shape {shape}", param=name)
