@@ -274,3 +274,45 @@ def test_kserve_requests_are_counted_in_the_metrics(served: DynProcess, client: 
         line.startswith("dynamo_frontend_requests_total{") and '"kserve_infer"' in line and 'status="success"' in line
         for line in text.splitlines()
     )
+
+
+def _metric(d: DynProcess, prefix: str) -> float:
+    text = httpx.get(f"{d.url}/metrics", headers=d.auth, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_a_stream_the_client_cancels_aborts_its_work(served: DynProcess) -> None:
+    cancelled_before = _metric(served, "dynamo_frontend_model_cancellation_total{")
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url=_address(served))
+    client.start_stream(callback=lambda result, error: got.put((result, error)), headers=_headers(served))
+    inputs = [_text_input(PROMPT), _streaming(True)]
+    client.async_stream_infer(MODEL, inputs, request_id="long", parameters={"max_tokens": 5000, "ignore_eos": True})
+    assert got.get(timeout=30)[1] is None  # generating
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_until(lambda: _metric(served, "dynamo_frontend_inflight_requests{") == 0, timeout=20)
+    assert _metric(served, "dynamo_frontend_model_cancellation_total{") == cancelled_before + 1
+
+
+def test_tls_and_its_ca_as_on_https(dyn_serve, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.planes import make_tls_files
+
+    ca, cert, key = make_tls_files(tmp_path)
+    d: DynProcess = dyn_serve(
+        "--engine", "mocker", "--served-model-name", MODEL, "--speedup-ratio", "100", "--kserve-grpc-port", "0",
+        "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+    )  # fmt: skip
+    secure = grpcclient.InferenceServerClient(url=_address(d), ssl=True, root_certificates=str(ca))
+    try:
+        assert wait_until(lambda: secure.is_server_ready(), timeout=60)
+        result = secure.infer(MODEL, [_text_input(PROMPT)], parameters={"max_tokens": 3}, headers=_headers(d))
+        assert result.as_numpy("finish_reason").tolist() == [b"length"]
+    finally:
+        secure.close()
+    plain = grpcclient.InferenceServerClient(url=_address(d))
+    try:
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live(client_timeout=5)
+    finally:
+        plain.close()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
+import re
 import threading
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def served(dyn_serve_module) -> DynProcess:  # type: ignore[no-untyped-def]
-    return dyn_serve_module()  # no --engine, no --model: the defaults
+    return dyn_serve_module("--kserve-grpc-port", "0")  # no --engine, no --model: the defaults (and KServe gRPC)
 
 
 def client(d: DynProcess) -> openai.OpenAI:
@@ -125,3 +128,36 @@ def test_rerank_scores_are_the_models_yes_against_no_after_the_question(served: 
         assert served_scores[i] == pytest.approx(expected, abs=0.03), (i, served_scores, expected)
     flipped = 1.0 / (1.0 + math.exp(float(row[yes] - row[no])))  # the candidates swapped would be far off
     assert abs(flipped - served_scores[1]) > 0.1
+
+
+def test_kserve_grpc_infer_and_stream_give_the_http_text(served: DynProcess) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc]")
+    import numpy as np
+
+    prompt = "The capital of France is"
+    expected = client(served).completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
+    text = expected.choices[0].text
+    address = next(m.group(1) for line in served.lines if (m := re.search(r"kserve grpc (\S+?)\)", line)))
+    headers = {"authorization": f"Bearer {served.key}"}
+    tensor = grpcclient.InferInput("text_input", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    params = {"max_tokens": 8, "temperature": 0.0}
+    grpc_client = grpcclient.InferenceServerClient(url=address)
+    try:
+        result = grpc_client.infer("smollm2", [tensor], parameters=params, headers=headers)
+        assert result.as_numpy("text_output").tolist() == [text.encode()] and "Paris" in text
+        streaming = grpcclient.InferInput("streaming", [1], "BOOL")
+        streaming.set_data_from_numpy(np.array([True]))
+        got: queue.Queue[Any] = queue.Queue()
+        grpc_client.start_stream(callback=lambda result, error: got.put((result, error)), headers=headers)
+        grpc_client.async_stream_infer("smollm2", [tensor, streaming], parameters=params)
+        pieces: list[bytes] = []
+        while True:
+            result, error = got.get(timeout=60)
+            assert error is None
+            if result.as_numpy("finish_reason") is not None:
+                break
+            pieces.append(result.as_numpy("text_output")[0])
+        assert b"".join(pieces).decode() == text
+    finally:
+        grpc_client.close()

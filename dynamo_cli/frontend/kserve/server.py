@@ -7,8 +7,8 @@ carrying `error_message`, as Triton sends). The metadata RPCs pass the API-key g
 are probes, open as /live and /health are. With TLS the same certificate, key and client CA as HTTPS.
 
 A stream's requests run at once, each its own task owned by the RPC (at most MAX_STREAM_INFLIGHT: then the stream
-is not read until one ends); the client leaving cancels the RPC and so every request of it, their workers' streams
-aborted on the way out.
+is not read until one ends). The client leaving cancels the RPC: each of its requests then sees its client gone,
+as an HTTP request does, and aborts its work (counted as cancelled).
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ from dynamo_cli.frontend.kserve import proto
 from dynamo_cli.frontend.kserve.api import INFER, STREAM_INFER, KServeApi
 from dynamo_cli.frontend.kserve.tensors import OUTPUTS, STREAMING, TEXT_INPUT
 from dynamo_cli.frontend.replies import error_reply, internal
+from dynamo_cli.runtime.supervisor import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
 MAX_STREAM_INFLIGHT = 256
 """Requests of one ModelStreamInfer stream generating at once."""
+
+GONE_S = 5.0
+"""How long a request whose client left may take to close its work before it is cancelled."""
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -62,12 +66,14 @@ def grpc_code(status: int) -> grpc.StatusCode:
 
 
 class _Exchange:
-    """One request's ASGI side, as the lifecycle sees it: its body once, then a wait that ends with the RPC (the
-    RPC's cancellation ends it); what the lifecycle sends, kept (`write` None) or passed on message by message."""
+    """One request's ASGI side, as the lifecycle sees it: its body once, then a wait for the client to leave; what
+    the lifecycle sends, kept (`write` None) or passed on message by message."""
 
     def __init__(self, body: bytes, write: Callable[[bytes], Awaitable[None]] | None = None) -> None:
         self._body: bytes | None = body
         self._write = write
+        self.gone = asyncio.Event()
+        """Set when the client left (the RPC was cancelled)."""
         self.status = 0
         self.body = b""
 
@@ -75,7 +81,7 @@ class _Exchange:
         body, self._body = self._body, None
         if body is not None:
             return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client's leaving cancels the RPC, and so this wait
+        await self.gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
@@ -225,9 +231,22 @@ class KServeServer:
 
     ##### Inference #####
 
+    async def _serve(self, api: KServeApi, scope: dict[str, Any], exchange: _Exchange) -> None:
+        """The request through the frontend's lifecycle, in a task of its own: the RPC cancelled (the client left),
+        the lifecycle sees the client gone, aborts the work and counts it cancelled, as for an HTTP client."""
+        task = asyncio.create_task(self.app.serve_api(api, scope, exchange.receive, exchange.send))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            exchange.gone.set()
+            done, _ = await asyncio.wait({task}, timeout=GONE_S)
+            if not done:
+                await cancel_and_wait(task)
+            raise
+
     async def _infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         exchange = _Exchange(body)
-        await self.app.serve_api(INFER, _scope(context, "ModelInfer"), exchange.receive, exchange.send)
+        await self._serve(INFER, _scope(context, "ModelInfer"), exchange)
         if exchange.status != 200:
             await context.abort(grpc_code(exchange.status), exchange.error_message())
         return exchange.body
@@ -254,7 +273,7 @@ class KServeServer:
     ) -> None:
         try:
             exchange = _Exchange(body, write)
-            await self.app.serve_api(api, _scope(context, "ModelStreamInfer"), exchange.receive, exchange.send)
+            await self._serve(api, _scope(context, "ModelStreamInfer"), exchange)
             if exchange.status not in (0, 200):  # refused before its reply: the stream goes on, as Triton's does
                 await write(_encode("ModelStreamInferResponse", error_message=exchange.error_message()))
         finally:
