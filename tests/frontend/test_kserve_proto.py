@@ -44,6 +44,7 @@ def test_the_rpcs_are_the_published_ones() -> None:
         method = theirs.methods_by_name[rpc]
         assert (method.input_type.name, method.output_type.name) == (request, response)
         assert method.input_type.full_name == f"inference.{request}"
+        assert (method.client_streaming, method.server_streaming) == (streaming, streaming)
 
 
 def _request(**parameters: object) -> service_pb2.ModelInferRequest:
