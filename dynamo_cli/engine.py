@@ -179,6 +179,17 @@ class Embeds(Protocol):
 
 
 @runtime_checkable
+class ClearsKv(Protocol):
+    """An engine whose prefix cache an operator can empty (Dynamo's `clear_kv_blocks`, vLLM's
+    `reset_prefix_cache`)."""
+
+    async def clear_kv_blocks(self) -> int:
+        """Evict every cached block no running request holds, each eviction published as `BlockRemoved`; the
+        number evicted."""
+        ...
+
+
+@runtime_checkable
 class Scores(Protocol):
     """An engine that scores text pairs (a causal model's yes/no logits); its card then lists Feature.SCORE."""
 

@@ -349,6 +349,18 @@ class KvRelease(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: str
 
 
+class KvClear(msgspec.Struct, frozen=True, kw_only=True):
+    """`kv_clear`: evict every cached KV block no request holds (an operator's prefix-cache reset, after a model
+    or adapter update); the evictions go out as `BlockRemoved` events, so the routers' indexes follow."""
+
+    request_id: str
+
+
+class KvCleared(msgspec.Struct, frozen=True, kw_only=True):
+    blocks: int
+    """Blocks evicted."""
+
+
 ##### lora (adapters loaded and unloaded at run time) #####
 
 
@@ -507,6 +519,8 @@ KV_EVENTS_SINCE = EndpointSpec("kv_events_since", KvEventsSince, KvEventBatch)
 KV_DUMP = EndpointSpec("kv_dump", KvDumpQuery, KvDump)
 """Worker: one reply, the whole cached block set."""
 KV_RELEASE = EndpointSpec("kv_release", KvRelease, bool)
+KV_CLEAR = EndpointSpec("kv_clear", KvClear, KvCleared)
+"""Worker (engines that are `ClearsKv`): one reply, the blocks evicted (POST /v1/admin/clear_kv_blocks)."""
 """Prefill worker: one reply, whether a held payload was freed."""
 GROUP_JOIN = EndpointSpec("group_join", GroupJoin, GroupBeat)
 """Leader worker of a multi-node group: a follower's stream, one beat every `group.BEAT_S` while both live; the

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from dynamo_cli.config import WorkerConfig
 from dynamo_cli.engine import (
+    ClearsKv,
     CountsWork,
     Embeds,
     EncodesImages,
@@ -60,6 +61,7 @@ from dynamo_cli.wire import (
     ENCODE,
     GENERATE,
     GROUP_JOIN,
+    KV_CLEAR,
     KV_DUMP,
     KV_EVENTS_SINCE,
     KV_RELEASE,
@@ -73,6 +75,8 @@ from dynamo_cli.wire import (
     GenerateRequest,
     ImageEmbeds,
     ImageInput,
+    KvClear,
+    KvCleared,
     KvDumpQuery,
     KvEventsSince,
     KvRelease,
@@ -161,6 +165,7 @@ class WorkerService:
             (KV_EVENTS_SINCE, self.kv_events_since),
             (KV_DUMP, self.kv_dump),
             (KV_RELEASE, self.kv_release),
+            (KV_CLEAR, self.kv_clear),
             (EMBED, self.embed),
             (SCORE, self.score),
             (ENCODE, self.encode),
@@ -225,6 +230,13 @@ class WorkerService:
     async def kv_release(self, release: KvRelease) -> AsyncIterator[bool]:
         """Endpoint: free a held KV payload no decode worker will pull (the client left)."""
         yield self.kv.server is not None and self.kv.server.release(release.transfer_id)
+
+    async def kv_clear(self, request: KvClear) -> AsyncIterator[KvCleared]:
+        """Endpoint: empty the engine's prefix cache (`ClearsKv`; POST /v1/admin/clear_kv_blocks)."""
+        if not isinstance(self.engine, ClearsKv):
+            raise RequestError(f"the {self.config.engine} engine cannot clear its prefix cache", param="model")
+        logger.info("clearing the prefix cache (%s)", request.request_id)
+        yield KvCleared(blocks=await self.engine.clear_kv_blocks())
 
     async def lora(self, command: LoraCommand) -> AsyncIterator[LoraReply]:
         """Endpoint: load or unload an adapter; the reply comes once this instance's card says so."""

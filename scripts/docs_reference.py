@@ -412,6 +412,7 @@ WIRE_MODULES = {
 http.md; tests/docs/test_reference.py checks that every module defining a public struct is here or excused)."""
 NOT_WIRE = {
     "dynamo_cli.frontend.embeddings": "an HTTP body (http.md)",
+    "dynamo_cli.frontend.admin": "HTTP bodies (http.md)",
     "dynamo_cli.frontend.scoring": "HTTP bodies (http.md)",
     "dynamo_cli.frontend.tokenize": "HTTP bodies (http.md)",
     "dynamo_cli.frontend.loras": "an HTTP body (http.md)",

@@ -137,6 +137,7 @@ def _command(**values: Any) -> None:
     given = {
         (PlanesConfig, "cluster_secret"): secret,
         (AuthConfig, "api_keys"): keys.keys,
+        (AuthConfig, "admin_keys"): keys.admins,
         (TenantConfig, "key_tenants"): keys.tenants,
     }
     config, plan = deployment(values, given)

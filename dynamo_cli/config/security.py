@@ -51,6 +51,8 @@ class AuthConfig:
 
     api_keys: tuple[str, ...] = ()
     """Accepted bearer keys; empty = no authentication (the default, bound to 127.0.0.1)."""
+    admin_keys: tuple[str, ...] = ()
+    """The keys whose key-file line says `role=admin`: the only ones the admin endpoints take (/v1/admin/...)."""
     rps: float = setting(0.0, "--api-key-rps", env="DYN_API_KEY_RPS", panel=SECURITY)
     """Requests per second per key (0: no limit).
 
@@ -84,11 +86,14 @@ class ApiKeys:
 
     keys: tuple[str, ...] = ()
     tenants: tuple[TenantSpec, ...] = ()
+    admins: tuple[str, ...] = ()
+    """The keys given `role=admin`."""
 
 
 def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[str, str]) -> ApiKeys:
     """The API keys: `--api-key` flags (else `DYN_API_KEYS`, comma-separated) plus `--api-key-file`'s lines, each
-    `KEY [tenant=NAME] [weight=W] ...` (config/tenants.py); a key given twice counts once, its first line's.
+    `KEY [tenant=NAME] [weight=W] ...` (config/tenants.py) and `role=admin` for a key the admin endpoints take; a
+    key given twice counts once, its first line's.
 
     Blank lines and lines starting with `#` in the file are skipped.
     """
@@ -108,5 +113,13 @@ def read_api_keys(flags: Sequence[str], key_file: str | None, environ: Mapping[s
             raise ConfigError(f"--api-key-file '{key_file}' holds no key; put one key per line")
     first = {key: (attributes, where) for key, attributes, where in reversed(lines)}
     keys = tuple(dict.fromkeys(key for key, _, _ in lines))
-    specs = [key_tenant(key, *first[key]) for key in keys]
-    return ApiKeys(keys, merge_tenants(specs, [first[key][1] for key in keys]))
+    admins = tuple(key for key in keys if _is_admin(*first[key]))
+    specs = [key_tenant(key, [a for a in first[key][0] if not a.startswith("role=")], first[key][1]) for key in keys]
+    return ApiKeys(keys, merge_tenants(specs, [first[key][1] for key in keys]), admins)
+
+
+def _is_admin(attributes: list[str], where: str) -> bool:
+    roles = [a.partition("=")[2] for a in attributes if a.startswith("role=")]
+    if any(role != "admin" for role in roles):
+        raise ConfigError(f"{where}: role={roles[0]} is unknown; the one role is role=admin")
+    return bool(roles)

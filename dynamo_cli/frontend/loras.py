@@ -63,14 +63,14 @@ class LoraAdmin:
 
     async def load(self, request: Request) -> Response:
         try:
-            body: LoadLora = await _body(request, _LOAD)
+            body: LoadLora = await request_body(request, _LOAD)
             return JSONResponse(await self._load(body))
         except DynError as exc:
             return error_response(exc)
 
     async def unload(self, request: Request) -> Response:
         try:
-            body: UnloadLora = await _body(request, _UNLOAD)
+            body: UnloadLora = await request_body(request, _UNLOAD)
             return JSONResponse(await self._unload(body.lora_name))
         except DynError as exc:
             return error_response(exc)
@@ -173,7 +173,7 @@ def adapter_rows(registry: FrontendRegistry, *, detail: bool = False) -> list[di
     return rows
 
 
-async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+async def request_body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
     """The JSON body, decoded (a 400 naming the field), at most MAX_BODY bytes."""
     body = b""
     async for part in request.stream():

@@ -12,6 +12,7 @@ from starlette.routing import Route
 
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.core.holds import pool_targets
+from dynamo_cli.frontend.admin import Admin
 from dynamo_cli.frontend.loras import LoraAdmin, adapter_rows
 from dynamo_cli.frontend.metrics import FrontendMetrics
 from dynamo_cli.frontend.metrics_group import MetricsGroup
@@ -40,13 +41,14 @@ class Rest:
         self.instance_id = instance_id
         """This frontend's id on the planes (its lease), which `/health` names."""
         self._openapi = msgspec.json.encode(openapi_document())
-        loras = LoraAdmin(config, registry)
+        loras, admin = LoraAdmin(config, registry), Admin(config, registry)
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.list_models),
                 Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
                 Route("/v1/loras", loras.listing),
+                Route("/v1/admin/clear_kv_blocks", admin.clear_kv_blocks, methods=["POST"]),
                 Route("/health", self.health),
                 Route("/live", self.live),
                 Route("/metrics", self.prometheus),

@@ -115,8 +115,7 @@ class MockerEngine:
     """Simulated engine; `EngineArgs.extra` keys are those of `MockerConfig` (speedup_ratio, …)."""
 
     def __init__(self, args: EngineArgs, config: MockerConfig | None = None, events: EventSink | None = None) -> None:
-        """`config`: `args` already read (`MockerConfig.from_args`); `events`: where its KV event batches go (its
-        own ring by default; a rank of a `RankedMocker` puts them into the engine's one ring)."""
+        """`config`: `args` read (`MockerConfig.from_args`); `events`: its KV batches' sink (a RankedMocker's)."""
         self.config = config = config if config is not None else MockerConfig.from_args(args)
         _check_one_rank(config)
         self.state = EngineState.CREATED
@@ -167,8 +166,7 @@ class MockerEngine:
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream exactly `max_tokens` random tokens (a prefill: see handoff.py); closing or cancelling the
-        iterator aborts it."""
+        """Stream exactly `max_tokens` random tokens (a prefill: see handoff.py); closing the iterator aborts it."""
         mock, handoff = self._admit(request)
         stream = _Stream(mock, handoff.rendezvous, request.sampling.logprobs)
         self._streams[request.request_id] = stream
@@ -196,14 +194,17 @@ class MockerEngine:
             raise DynError(f"the mocker engine is {self.state.value}; call start() before encode_images()")
         return await self._images.encode_images(images)
 
+    async def clear_kv_blocks(self) -> int:
+        """`ClearsKv`: the cached blocks evicted, their BlockRemoved events published at once."""
+        return self._pacer.clear_cache()
+
     async def score(self, request: ScoreRequest) -> ScoreResponse:
         """Each pair's `overlap_score` (`Scores`), at once: scoring takes no simulated time."""
         check_score_request(request, self.config.context_length, self._vocab_size())
         return ScoreResponse(scores=[overlap_score(pair) for pair in request.pairs])
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Load adapter `name` (`ServesLoras`): `lora_load_ms` of modelled time, divided by the speedup ratio;
-        the file is not read (any file stands for an adapter)."""
+        """Load adapter `name` (`ServesLoras`): `lora_load_ms` over the speedup; any file stands for an adapter."""
         await asyncio.sleep(self.config.lora_load_ms / 1e3 / self.config.speedup_ratio)
         self._loras.add(name)
         self._counts["lora_loads"] += 1
@@ -331,8 +332,8 @@ class MockerEngine:
     ##### Tiers #####
 
     async def _onboard(self, mock: MockRequest) -> None:
-        """Bring the prompt's prefix up from host or disk (in simulated transfer time) before it is queued;
-        a stream closed meanwhile leaves nothing behind."""
+        """Bring the prompt's prefix up from host or disk (simulated time) before it is queued; a stream closed
+        meanwhile leaves nothing behind."""
         assert self._tiers is not None
         start, below, seconds = self._tiers.plan(mock.seq_hashes)  # the prompt's full blocks, as admitted
         if below:

@@ -151,6 +151,14 @@ class EventPacer:
             return  # a short pass: its events go with a later pass's, or at the flush before the loop idles
         self.flush()
 
+    def clear_cache(self) -> int:
+        """Evict every cached block, pinned ones too (an operator's prefix-cache reset; the blocks running requests
+        hold stay), their BlockRemoved events published at once: the number evicted."""
+        count = self._kv.num_cached_blocks
+        self._kv.evict(count)
+        self.flush()
+        return count
+
     def flush(self) -> None:
         batch = self._kv.take_events(timestamp=time.time())
         self._taken_at = time.monotonic()

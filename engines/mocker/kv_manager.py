@@ -137,7 +137,7 @@ class KvManager:
         self._take_cached(seq_hashes, first, plan)
         if frees_partial:
             del self._active[table.pop()]
-        self._evict(num_new - self.num_free_blocks)
+        self.evict(num_new - self.num_free_blocks)
         self._fill_full(table, first, plan, seq_hashes, local_hashes)
         if needs_partial:
             table.append(self._new_private())
@@ -209,7 +209,7 @@ class KvManager:
             if self.num_free_blocks == 0:
                 if len(self._inactive) == 0:
                     break
-                self._evict(1)
+                self.evict(1)
             self._inactive[key] = None
             self._meta[key] = (local_hashes[i], seq_hashes[i - 1] if i else None)
             stored.append(StoredBlock(block_hash=key, tokens_hash=local_hashes[i]))
@@ -265,7 +265,7 @@ class KvManager:
                 del inactive[key]
                 active[key] = 1
 
-    def _evict(self, count: int) -> None:
+    def evict(self, count: int) -> None:
         if count <= 0:
             return
         if self._pinned:

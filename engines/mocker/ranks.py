@@ -128,6 +128,10 @@ class RankedMocker:
         for rank in self.ranks.values():
             await rank.unload_lora(name)
 
+    async def clear_kv_blocks(self) -> int:
+        """`ClearsKv`: every rank's cache emptied."""
+        return sum([await rank.clear_kv_blocks() for rank in self.ranks.values()])
+
     def work_counters(self) -> dict[str, float]:
         """`WORK_COUNTERS` summed over the ranks (`CountsWork`); an adapter load counts once per rank."""
         counts = [rank.work_counters() for rank in self.ranks.values()]

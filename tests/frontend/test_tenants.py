@@ -46,6 +46,7 @@ def test_a_key_file_maps_keys_to_tenants_with_weights_limits_and_classes(tmp_pat
         ("k tenant=a/b", "tenant 'a/b' must be"),
         ("k class=interactive max-class=default", "above max-class=default"),
         ("k1 tenant=t weight=2\nk2 tenant=t weight=3", "line 2: tenant 't' has other settings"),
+        ("k role=root", "role=root is unknown"),
     ],
 )
 def test_a_bad_key_file_line_is_a_config_error_naming_its_line_and_attribute(
@@ -56,6 +57,14 @@ def test_a_bad_key_file_line_is_a_config_error_naming_its_line_and_attribute(
     with pytest.raises(ConfigError, match=message) as raised:
         read_api_keys([], str(key_file), {})
     assert "line" in str(raised.value)
+
+
+def test_role_admin_marks_an_admin_key_and_is_no_tenant_setting(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("ka role=admin tenant=ops\nkb tenant=ops\nkc\n")
+    keys = read_api_keys(["kd"], str(key_file), {})
+    assert keys.admins == ("ka",) and keys.keys == ("kd", "ka", "kb", "kc")
+    assert [t.name for t in keys.tenants][1:3] == ["ops", "ops"]
 
 
 def test_the_tenant_is_the_keys_else_the_header_else_default_and_the_class_is_capped() -> None:
