@@ -196,7 +196,8 @@ def _frontend(target: ClusterTarget) -> Component:
         replicas=target.frontend_replicas,
         # `--frontends N`: N processes in the pod, on its port, with one router view and one /metrics
         resources=Resources(str(config.num_frontends), f"{2 * config.num_frontends}Gi"),
-        ports=(("http", frontend.port),),
+        ports=(("http", frontend.port),)
+        + ((("grpc", frontend.kserve_grpc_port),) if frontend.kserve_grpc_port else ()),
         # /live, not /health: a frontend with no worker yet still answers (503s naming why), and the planner
         # must reach its /metrics to scale up from zero.
         probe=Probe("http", live="/live", ready="/live", scheme=scheme, tcp=frontend.tls.ca_file is not None),

@@ -381,12 +381,19 @@ def _frontend_secrets(config: ServeConfig, plan: ServePlan | None, names: Names)
     return [SecretSource(names.tls, tuple((k, str(v)) for k, v in files if v is not None))]
 
 
+def _grpc_port(port: int | None) -> int | None:
+    if port == 0:
+        raise ConfigError("--kserve-grpc-port 0 picks a port at run time; a Service needs a fixed one (e.g. 8787)")
+    return port
+
+
 def _cluster(config: ServeConfig, k8s: dict[str, Any], ns: str, names: Names, image: str) -> Cluster:
     return Cluster(
         namespace=ns,
         names=names,
         image=image,
         http_port=config.frontend.port,
+        grpc_port=_grpc_port(config.frontend.kserve_grpc_port),
         service_type=k8s["service_type"],
         etcd_bundled=k8s["etcd"] == "bundled",
         nats_bundled=k8s["nats"] == "bundled",

@@ -391,9 +391,11 @@ def disruption_budget(names: Names, namespace: str, part: Part) -> Obj:
     }
 
 
-def network_policies(names: Names, namespace: str, http_port: int, metrics_namespace: str | None) -> list[Obj]:
-    """Pods of this deployment reach each other; from anywhere else only the frontend's HTTP port is open (and,
-    with `metrics_namespace`, the metrics ports to that namespace's Prometheus)."""
+def network_policies(names: Names, namespace: str, open_ports: list[int], metrics_namespace: str | None) -> list[Obj]:
+    """Pods of this deployment reach each other; from anywhere else only the frontend's `open_ports` (HTTP, and
+    KServe gRPC when served) are open (and, with `metrics_namespace`, the metrics ports to that namespace's
+    Prometheus)."""
+    http_port = open_ports[0]
     everyone = {"matchLabels": names.instance_selector()}
 
     def policy(suffix: str, pods: Obj, ingress: list[Obj]) -> Obj:
@@ -406,7 +408,7 @@ def network_policies(names: Names, namespace: str, http_port: int, metrics_names
         policy(
             "frontend-http",
             {"matchLabels": names.selector(Part.FRONTEND)},
-            [{"ports": [{"protocol": "TCP", "port": http_port}]}],
+            [{"ports": [{"protocol": "TCP", "port": port} for port in open_ports]}],
         ),
     ]
     if metrics_namespace is not None:

@@ -37,6 +37,8 @@ class Cluster:
     image: str
     """The `dyn` image (Containerfile), tagged: never `latest`."""
     http_port: int
+    grpc_port: int | None = None
+    """The frontend's KServe gRPC port (`--kserve-grpc-port`), on its Service and open as its HTTP port is."""
     service_type: str = "ClusterIP"
     """The frontend Service's type: ClusterIP, NodePort or LoadBalancer."""
     etcd_bundled: bool = True
@@ -101,10 +103,11 @@ def render(
         build = deployment if component.group is None else leader_worker_set
         objects.append(build(names, ns, cluster.image, component, names.cluster_secret))
         if component.part is Part.FRONTEND:
-            http = [("http", cluster.http_port)]
+            http = [("http", cluster.http_port)] + ([("grpc", cluster.grpc_port)] if cluster.grpc_port else [])
             objects.append(service(names, ns, Part.FRONTEND, http, cluster.service_type))
         objects.append(disruption_budget(names, ns, component.part))
-    objects += network_policies(names, ns, cluster.http_port, cluster.metrics_namespace)
+    open_ports = [cluster.http_port] + ([cluster.grpc_port] if cluster.grpc_port else [])
+    objects += network_policies(names, ns, open_ports, cluster.metrics_namespace)
     if cluster.pod_monitor:
         objects.append(pod_monitor(names, ns, cluster.frontend_scheme, group_size))
     if cluster.gateway is not None:

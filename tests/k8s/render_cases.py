@@ -204,6 +204,7 @@ def cases(files: Files) -> dict[str, list[str]]:
         ],
         "batch-postgres": ["--batch-db", BATCH_DB_URL, "--batch-db-password-file", str(files.batch_db_password)],
         "batch-off": ["--batch-db", "off"],
+        "kserve": ["--kserve-grpc-port", "8787"],
     }
 
 

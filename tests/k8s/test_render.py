@@ -126,15 +126,18 @@ def test_no_secret_value_is_written_and_no_secret_object_either(
 def test_only_the_frontend_http_port_is_open_beyond_the_namespace(
     case: str, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
-    frontend_port = next(
-        p["containerPort"] for c in containers(rendered[case]) for p in c["ports"] if p["name"] == "http"
-    )
+    frontend_ports = [
+        {"protocol": "TCP", "port": p["containerPort"]}
+        for c in containers(rendered[case])
+        for p in c["ports"]
+        if p["name"] in ("http", "grpc")
+    ]
     for policy in by_kind(rendered[case], "NetworkPolicy"):
         for rule in policy["spec"]["ingress"]:
             sources = rule.get("from")
             if sources is None:  # from anywhere
                 assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "frontend"
-                assert rule["ports"] == [{"protocol": "TCP", "port": frontend_port}]
+                assert rule["ports"] == frontend_ports
             else:
                 assert all("podSelector" in s or "namespaceSelector" in s for s in sources)
                 assert all("ipBlock" not in s for s in sources)
