@@ -102,7 +102,7 @@ def openapi_document(post_routes: dict[str, tuple[str, type[msgspec.Struct]]] | 
         paths.setdefault(path, {})[method] = {"summary": summary, "responses": responses}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "dyn: OpenAI-compatible API", "version": _version()},
+        "info": {"title": "dyn: OpenAI-compatible API", "version": package_version()},
         "paths": paths,
         "components": {"schemas": components},
     }
@@ -125,7 +125,8 @@ def _error_response(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _version() -> str:
+def package_version() -> str:
+    """This package's installed version (`0` in a checkout never installed)."""
     try:
         return version("dynamo-cli")
     except PackageNotFoundError:  # a source checkout that was never installed

@@ -26,13 +26,13 @@ import msgspec
 from google.protobuf.message import DecodeError
 from starlette.types import Message
 
-from dynamo_cli import __version__
 from dynamo_cli.config import FrontendConfig
 from dynamo_cli.errors import ConfigError, DynError, ModelNotFound
 from dynamo_cli.frontend.app import Frontend
 from dynamo_cli.frontend.kserve import proto
 from dynamo_cli.frontend.kserve.api import INFER, STREAM_INFER, KServeApi
 from dynamo_cli.frontend.kserve.tensors import OUTPUTS, STREAMING, TEXT_INPUT
+from dynamo_cli.frontend.openapi import package_version
 from dynamo_cli.frontend.replies import error_reply, internal
 from dynamo_cli.runtime.supervisor import cancel_and_wait
 
@@ -191,7 +191,7 @@ class KServeServer:
     async def _server_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         await _parse(context, "ServerMetadataRequest", body)
         async with self._admitted(context):
-            return _encode("ServerMetadataResponse", name="dyn", version=__version__, extensions=[])
+            return _encode("ServerMetadataResponse", name="dyn", version=package_version(), extensions=[])
 
     async def _model_metadata(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(context, "ModelMetadataRequest", body)
