@@ -80,6 +80,9 @@ _KINDS = {  # what each kind of field accepts
 }
 
 
+_NOUNS = {bool: "a bool_param", int: "an int64_param", float: "a double_param", str: "a string_param"}
+
+
 @dataclass(frozen=True, slots=True)
 class InferCall:
     """One ModelInferRequest, read and checked."""
@@ -135,7 +138,7 @@ def _of_kind(value: Any, kind: type, name: str) -> Any:
     if kind is float and type(value) is int:
         return float(value)
     if type(value) is not kind:
-        raise RequestError(f"parameter '{name}' must be a {kind.__name__}", param=name)
+        raise RequestError(f"parameter '{name}' must be {_NOUNS[kind]}", param=name)
     return value
 
 
