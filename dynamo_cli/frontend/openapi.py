@@ -3,6 +3,7 @@ same msgspec types that validate the requests, so the document cannot drift from
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -125,6 +126,7 @@ def _error_response(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+@functools.cache  # read from the installed metadata once
 def package_version() -> str:
     """This package's installed version (`0` in a checkout never installed)."""
     try:

@@ -13,7 +13,7 @@ from starlette.types import Receive, Send
 
 from dynamo_cli.errors import DynError, RequestError
 from dynamo_cli.frontend.kserve import proto
-from dynamo_cli.frontend.kserve.tensors import InferCall, empty_final_response, infer_response, read_request
+from dynamo_cli.frontend.kserve.tensors import InferCall, infer_response, read_request
 from dynamo_cli.frontend.openai import CompletionRequest, parse_completion
 from dynamo_cli.frontend.pipeline import Generation
 from dynamo_cli.frontend.replies import Write, reply_json, stream_sse, watching
@@ -69,7 +69,7 @@ class KServeApi:
             if not call.empty_final:
                 return self._bytes(last)
             await write(self._bytes(last))
-            return self._bytes(empty_final_response(call))
+            return self._bytes(infer_response(call, None, None, final=True))
 
         def error_event(exc: DynError) -> bytes:
             return bytes(proto.StreamResponse(error_message=str(exc)).SerializeToString())

@@ -27,6 +27,8 @@ _SCALARS = {
     "double": descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
 }
 _TENSOR = [("name", 1, "string"), ("datatype", 2, "string"), ("shape", 3, "*int64")]
+_INFER = [("model_name", 1, "string"), ("model_version", 2, "string"), ("id", 3, "string"), ("parameters", 4, "map")]
+"""The fields a ModelInferRequest and its response share."""
 
 MESSAGES: dict[str, list[tuple[str, int, str]]] = {
     # name -> its fields (name, number, type): `*T` repeated, `map` a map<string, InferParameter>, `|T` a member of
@@ -66,10 +68,7 @@ MESSAGES: dict[str, list[tuple[str, int, str]]] = {
         ("bytes_contents", 8, "*bytes"),
     ],
     "ModelInferRequest": [
-        ("model_name", 1, "string"),
-        ("model_version", 2, "string"),
-        ("id", 3, "string"),
-        ("parameters", 4, "map"),
+        *_INFER,
         ("inputs", 5, "*ModelInferRequest.InferInputTensor"),
         ("outputs", 6, "*ModelInferRequest.InferRequestedOutputTensor"),
         ("raw_input_contents", 7, "*bytes"),
@@ -77,10 +76,7 @@ MESSAGES: dict[str, list[tuple[str, int, str]]] = {
     "ModelInferRequest.InferInputTensor": [*_TENSOR, ("parameters", 4, "map"), ("contents", 5, "InferTensorContents")],
     "ModelInferRequest.InferRequestedOutputTensor": [("name", 1, "string"), ("parameters", 2, "map")],
     "ModelInferResponse": [
-        ("model_name", 1, "string"),
-        ("model_version", 2, "string"),
-        ("id", 3, "string"),
-        ("parameters", 4, "map"),
+        *_INFER,
         ("outputs", 5, "*ModelInferResponse.InferOutputTensor"),
         ("raw_output_contents", 6, "*bytes"),
     ],

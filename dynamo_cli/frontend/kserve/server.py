@@ -90,10 +90,21 @@ class _Exchange:
         elif message["type"] == "http.response.body":
             body = message.get("body", b"")
             if self.status == 200 and self._write is not None:
-                if body:
-                    await self._write(body)
+                if body and not self.gone.is_set():
+                    await self._write_or_gone(body)
             else:
                 self.body += body
+
+    async def _write_or_gone(self, body: bytes) -> None:
+        """Write to the stream; where it takes no more (the client left and its cancellation has not reached this
+        request yet, grpc's ExecuteBatchError), the client is gone: the lifecycle aborts the work and counts it
+        cancelled, and the rest is dropped."""
+        assert self._write is not None
+        try:
+            await self._write(body)
+        except Exception as exc:
+            logger.debug("a KServe stream took no more responses: %r", exc)
+            self.gone.set()
 
     def error_message(self) -> str:
         """The message of the OpenAI-shaped error the lifecycle sent."""
@@ -103,12 +114,16 @@ class _Exchange:
             return f"HTTP {self.status}"
 
 
-def _scope(context: grpc.aio.ServicerContext, rpc: str) -> dict[str, Any]:
-    """The request's ASGI scope: its metadata as headers (where the API key and the x-dyn-* headers come)."""
-    headers = [
+def _headers(context: grpc.aio.ServicerContext) -> list[tuple[bytes, bytes]]:
+    """The call's metadata as HTTP headers (where the API key and the x-dyn-* headers come)."""
+    return [
         (key.lower().encode(), value.encode() if isinstance(value, str) else bytes(value))
         for key, value in (context.invocation_metadata() or ())
     ]
+
+
+def _scope(headers: list[tuple[bytes, bytes]], rpc: str) -> dict[str, Any]:
+    """One request's ASGI scope (its own: the lifecycle writes into it)."""
     path = f"/{proto.SERVICE}/{rpc}"
     return {"type": "http", "method": "POST", "path": path, "headers": headers, "scheme": "grpc", "http_version": "2"}
 
@@ -220,7 +235,7 @@ class KServeServer:
             yield
             return
         try:
-            admission = gate.admit(_scope(context, "")["headers"], time.monotonic())
+            admission = gate.admit(_headers(context), time.monotonic())
         except DynError as exc:
             status, _, _ = error_reply(exc)
             await context.abort(grpc_code(status), str(exc))
@@ -246,13 +261,14 @@ class KServeServer:
 
     async def _infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         exchange = _Exchange(body)
-        await self._serve(INFER, _scope(context, "ModelInfer"), exchange)
+        await self._serve(INFER, _scope(_headers(context), "ModelInfer"), exchange)
         if exchange.status != 200:
             await context.abort(grpc_code(exchange.status), exchange.error_message())
         return exchange.body
 
     async def _stream_infer(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         lock, slots = asyncio.Lock(), asyncio.Semaphore(MAX_STREAM_INFLIGHT)
+        headers = _headers(context)  # the stream's, read once for all its requests
 
         async def write(data: bytes) -> None:
             async with lock:  # one message at a time on the stream
@@ -261,19 +277,18 @@ class KServeServer:
         async with asyncio.TaskGroup() as group:  # the RPC's cancellation cancels every request of it
             async for body in requests:
                 await slots.acquire()
-                group.create_task(self._one_of_stream(STREAM_INFER, body, context, write, slots))
+                group.create_task(self._one_of_stream(body, headers, write, slots))
 
     async def _one_of_stream(
         self,
-        api: KServeApi,
         body: bytes,
-        context: grpc.aio.ServicerContext,
+        headers: list[tuple[bytes, bytes]],
         write: Callable[[bytes], Awaitable[None]],
         slots: asyncio.Semaphore,
     ) -> None:
         try:
             exchange = _Exchange(body, write)
-            await self._serve(api, _scope(context, "ModelStreamInfer"), exchange)
+            await self._serve(STREAM_INFER, _scope(headers, "ModelStreamInfer"), exchange)
             if exchange.status not in (0, 200):  # refused before its reply: the stream goes on, as Triton's does
                 await write(_encode("ModelStreamInferResponse", error_message=exchange.error_message()))
         finally:

@@ -211,9 +211,10 @@ def _from_raw(raw: bytes, datatype: str, name: str) -> list[Any]:
     return list(struct.unpack(fmt, raw))
 
 
-def infer_response(call: InferCall, text: str, finish_reason: str | None, *, final: bool | None = None) -> Any:
-    """The ModelInferResponse carrying `text` (and the finish reason once there is one); `final`: Triton's
-    `triton_final_response` parameter, for a client that asked for an empty final response."""
+def infer_response(call: InferCall, text: str | None, finish_reason: str | None, *, final: bool | None = None) -> Any:
+    """The ModelInferResponse carrying `text` and the finish reason, each where there is one (neither: the empty
+    response that ends a stream); `final`: Triton's `triton_final_response` parameter, for a client that asked for
+    an empty final response."""
     response = proto.InferResponse(model_name=call.model, model_version="1", id=call.id)
     for name in call.outputs:
         value = text if name == TEXT_OUTPUT else finish_reason
@@ -224,11 +225,4 @@ def infer_response(call: InferCall, text: str, finish_reason: str | None, *, fin
         response.raw_output_contents.append(struct.pack("<I", len(data)) + data)
     if final is not None:
         response.parameters["triton_final_response"].bool_param = final
-    return response
-
-
-def empty_final_response(call: InferCall) -> Any:
-    """What ends a stream for a client that asked for it: no outputs, `triton_final_response` true."""
-    response = proto.InferResponse(model_name=call.model, model_version="1", id=call.id)
-    response.parameters["triton_final_response"].bool_param = True
     return response
