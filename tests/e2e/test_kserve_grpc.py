@@ -146,7 +146,9 @@ def test_model_stream_infer_streams_the_completion_and_ends_with_its_finish_reas
     assert all(error is None for _, error in got)
     assert all(result.get_response().id == "s-1" for result, _ in got)
     pieces = [r.as_numpy("text_output") for r, _ in got if r.as_numpy("text_output") is not None]
-    assert b"".join(p[0] for p in pieces).decode() == expected and len(pieces) > 2  # token by token
+    # A worker sends the tokens made while its reader is behind in one frame, so how many pieces come depends on
+    # the machine's load; that a stream answers before its end is test_a_stream_the_client_cancels_aborts_its_work's.
+    assert b"".join(p[0] for p in pieces).decode() == expected and pieces[-1][0] == b""  # the finish carries no text
     reasons = [r.as_numpy("finish_reason") for r, _ in got if r.as_numpy("finish_reason") is not None]
     assert [x[0] for x in reasons] == [reason.encode()]
     finals = [r.get_response().parameters["triton_final_response"].bool_param for r, _ in got]
