@@ -266,6 +266,13 @@ class AuthenticationFailed(WorkerDisconnected):
         )
 
 
+class BackendUnavailable(WorkerDisconnected):
+    """A worker's backend (the engine server an http-engine worker forwards to) did not answer, or failed the
+    request on its side: migratable, and the worker is out of routing until a canary gets through."""
+
+    status = 502
+
+
 class StreamTimeout(TransportError):
     """No frame arrived within the idle timeout."""
 

@@ -311,6 +311,8 @@ async def _start_workers(
         return connector
     for i in range(config.num_workers):  # the caller stops them
         worker = _system_port(_own_disk_dir(decode, f"worker-{i}"), _child_port(config, i))
+        if config.backends:  # --backend: worker i forwards to backend i
+            worker = replace(worker, extra={**worker.extra, "url": config.backends[i]})
         await _spawn(pool, worker, config.nodes_per_worker)
     for i in range(config.num_prefill_workers):
         port = _child_port(config, config.num_workers + i)

@@ -11,7 +11,9 @@ import typer
 from dynamo_cli.cli import options as o
 from dynamo_cli.cli import settings
 from dynamo_cli.config import (
+    DEFAULT_ENGINE,
     AuthConfig,
+    KvRouterConfig,
     PlanesConfig,
     ServeConfig,
     TenantConfig,
@@ -168,6 +170,7 @@ def deployment(
             f"--disagg needs --prefill-workers >= 1 and --decode-workers >= 1, got {prefill} and {decode}"
         )
     num_decode = (decode if decode is not None else values["workers"]) if disagg else values["workers"]
+    backends = _backends(values, disagg)
     check_parsers(values["tool_call_parser"], values["reasoning_parser"])
     plan = _plan(values, disagg, num_decode, prefill, in_process)
     if plan is not None:  # the pools start inside the planner's bounds
@@ -181,7 +184,20 @@ def deployment(
         (ServeConfig, "num_workers"): num_decode,
         (ServeConfig, "num_prefill_workers"): prefill if disagg else 0,
     }
+    if backends:  # one http-engine worker each; no KV events come from them, so a KV router runs approximate
+        given[(WorkerConfig, "engine")] = "http"
+        given[(ServeConfig, "num_workers")] = len(backends)
+        given[(KvRouterConfig, "use_kv_events")] = False
     return settings.build(ServeConfig, values, knobs, given), plan
+
+
+def _backends(values: dict[str, Any], disagg: bool) -> list[str]:
+    """The `--backend` URLs, when the flags around them fit (each backend prefills and decodes itself)."""
+    backends = list(values.get("backend") or [])
+    if backends and (disagg or values["engine"] not in (DEFAULT_ENGINE, "http")):
+        flag = "--disagg" if disagg else f"--engine {values['engine']}"
+        raise ConfigError(f"--backend routes to engine servers that run on their own: drop {flag}")
+    return backends
 
 
 def _plan(

@@ -28,7 +28,7 @@ from dynamo_cli.config.routing import BusyThresholds, DisaggConfig, HealthChecks
 from dynamo_cli.config.telemetry import TelemetryConfig
 from dynamo_cli.engine import KvTierConfig, Role
 from dynamo_cli.errors import ConfigError
-from dynamo_cli.settings import DISAGG, ENGINE, HTTP, PLANES, ROUTING, SUPERVISION, setting
+from dynamo_cli.settings import DISAGG, ENGINE, HTTP, PLANES, ROUTING, SUPERVISION, repeated, setting
 from dynamo_cli.wire import GENERATE
 
 KV_TRANSFERS = ("auto", "tcp", "nixl")
@@ -170,6 +170,9 @@ class ServeConfig:
     num_encode_workers: int = setting(0, "--encode-workers", env="DYN_ENCODE_WORKERS", panel=DISAGG)
     """E/P/D: encode-role workers (`dyn worker --role encode`: the vision encoder only) beside the others; images go
     to them before their prompt is prefilled (core/encode_stage.py)."""
+    backends: tuple[str, ...] = setting((), "--backend", env="DYN_BACKENDS", panel=ROUTING, **repeated())
+    """An OpenAI-compatible server to route to (repeatable; instead of --workers): vLLM, SGLang, llama.cpp's server,
+    another `dyn serve`. Each gets a worker of its own (`--engine http`) that forwards to it."""
     num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
     """Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.
 

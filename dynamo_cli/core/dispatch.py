@@ -40,7 +40,13 @@ from dynamo_cli.core.request_plan import DispatchMetrics, NoMetrics, RequestPlan
 from dynamo_cli.core.shares import Share, tenant_annotations
 from dynamo_cli.core.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.core.waits import interruptible
-from dynamo_cli.errors import Overloaded, RemoteError, StreamTimeout, TransportError, UnknownInstance
+from dynamo_cli.errors import (
+    Overloaded,
+    RemoteError,
+    StreamTimeout,
+    TransportError,
+    UnknownInstance,
+)
 from dynamo_cli.routing.base import RouteDecision
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import (
@@ -410,6 +416,7 @@ class Dispatch:
         worker = self.worker
         self._release()
         rules, is_ongoing = self.rules, bool(self.output.token_ids)
+        rules.deadline.failed(worker, self.entry.name, exc)
         if (
             not exc.is_migratable
             or worker is None
@@ -448,8 +455,7 @@ class Dispatch:
         may), then carry on where it stopped."""
         self._release()
         self.rules.metrics.count_preemption(self.entry.name)
-        queue = self.rules.queue
-        queue = dataclasses.replace(queue, max_wait_s=max(queue.max_wait_s, BACKGROUND_WAIT_S))
+        queue = dataclasses.replace(self.rules.queue, max_wait_s=max(self.rules.queue.max_wait_s, BACKGROUND_WAIT_S))
         wanted, busy, queued = self._wanted(), self.rules.busy, self.plan.queued
         self._took(await choose_or_wait(self._pool, wanted, busy, self._excluded, queued, queue, self._waited))
 

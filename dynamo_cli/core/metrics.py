@@ -59,7 +59,7 @@ class DispatchSeries:
         )
         self.worker_stalls = Counter(
             f"{prefix}_worker_stalls",
-            "Workers taken out of routing as hung (core/health.py), by what found them: deadline | canary",
+            "Workers taken out of routing as hung (core/health.py), by what found them: deadline | canary | backend",
             ["model", "worker_id", "reason"],
             registry=r,
         )

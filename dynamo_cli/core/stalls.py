@@ -18,7 +18,7 @@ import msgspec
 
 from dynamo_cli.core.registry import Worker
 from dynamo_cli.core.request_plan import HealthMetrics, NoMetrics
-from dynamo_cli.errors import StreamTimeout, WorkerHung
+from dynamo_cli.errors import BackendUnavailable, StreamTimeout, TransportError, WorkerHung
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.runtime.transport import Spec
 
@@ -34,6 +34,12 @@ class Deadline:
     stall_s: float
     """0: no deadline (the request plane's idle timeout only)."""
     metrics: HealthMetrics
+
+    def failed(self, worker: Worker | None, model: str, exc: TransportError) -> None:
+        """A stream failed: a worker whose backend failed (BackendUnavailable, an http-engine worker's server) is
+        out of routing until a canary gets through to the backend."""
+        if isinstance(exc, BackendUnavailable) and worker is not None and worker.hung is None:
+            mark_hung(worker, model, str(exc), "backend", self.metrics)
 
     async def next_batch(self, stream: ResponseStream, worker: Worker, model: str) -> list[msgspec.Raw]:
         """The stream's next batch; WorkerHung once it waited `stall_s` and its worker sent nothing here for as

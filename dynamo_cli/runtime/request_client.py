@@ -16,7 +16,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from dynamo_cli.errors import AuthenticationFailed, RemoteError, StreamTimeout, TransportError, WorkerDisconnected
+from dynamo_cli.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    RemoteError,
+    StreamTimeout,
+    TransportError,
+    WorkerDisconnected,
+)
 from dynamo_cli.runtime.framing import Cancel, Data, End, Fail, FrameCodec, FrameError, Open
 from dynamo_cli.runtime.handshake import HANDSHAKE_TIMEOUT_S, MAGIC, ClientHandshake, HandshakeError
 from dynamo_cli.runtime.transport import CONNECT_TIMEOUT_S, STREAM_BUFFER, STREAM_IDLE_TIMEOUT_S, FrameWriter, Spec
@@ -172,6 +179,8 @@ class _ClientConnection(asyncio.Protocol):
 
 def _remote_error(frame: Fail) -> TransportError:
     if frame.is_migratable:
+        if frame.code == BackendUnavailable.__name__:
+            return BackendUnavailable(frame.message)
         return WorkerDisconnected(f"{frame.code}: {frame.message}")
     return RemoteError(frame.message, frame.code, frame.status, frame.retry_after)
 

@@ -1,0 +1,200 @@
+"""`--engine http` against a real HTTP server on a loopback port that answers what each test scripts: the two
+dialects (token ids, text), the request the backend is sent, and a backend that misbehaves (a refusal, an error
+event, bytes that are no event, a line without end, token ids outside the vocabulary, a stream cut short, no
+server at all): each is a clean error of the one request, the engine serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from dyn_engines.http import HttpEngine
+from dyn_engines.http.upstream import MAX_LINE_BYTES
+
+from dynamo_cli.engine import EngineArgs
+from dynamo_cli.errors import BackendUnavailable, ConfigError, DynError, RequestError
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
+
+Answer = Callable[[dict[str, Any]], bytes]
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+    return _http(200, "".join(lines).encode(), "text/event-stream")
+
+
+def _http(status: int, body: bytes, kind: str = "application/json") -> bytes:
+    head = f"HTTP/1.1 {status} X\r\ncontent-type: {kind}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+def piece(text: str = "", token_ids: list[int] | None = None, reason: str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"choices": [choice]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}}
+
+
+def exact(body: dict[str, Any]) -> bytes:
+    """A vLLM-like backend: token ids when asked for them."""
+    ids = [[42], [43, 44]] if body.get("return_token_ids") else [None, None]
+    return sse(piece(" a", ids[0]), piece(" b c", ids[1], "length"), USAGE, "[DONE]")
+
+
+@dataclass
+class Backend:
+    """A loopback HTTP server: `/v1/models` lists one model, `/v1/completions` answers `answer(body)`."""
+
+    answer: Answer = exact
+    models: bytes = json.dumps({"data": [{"id": "up", "max_model_len": 2048}]}).encode()
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    hung_up: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        size = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+        body = json.loads(await reader.readexactly(size)) if size else {}
+        if head.startswith(b"GET /v1/models"):
+            writer.write(_http(200, self.models))
+        else:
+            self.bodies.append(body)
+            writer.write(self.answer(body))
+        await writer.drain()
+        if await reader.read(1) == b"":  # the client closed its side (at the end, or by aborting)
+            self.hung_up.set()
+        writer.close()
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[Backend]:
+    b = Backend()
+    server = await asyncio.start_server(b.handle, "127.0.0.1", 0)
+    b.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        yield b
+
+
+def _engine(url: str, **extra: Any) -> HttpEngine:
+    return HttpEngine(EngineArgs(model="smollm2", extra={"url": url, "start_timeout_s": 3, **extra}))
+
+
+async def _run(engine: HttpEngine, request: GenerateRequest) -> list[GenerateChunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+def _request(rid: str = "r", **sampling: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, token_ids=[1, 2, 3], max_tokens=3, sampling=SamplingParams(**sampling))
+
+
+async def test_a_backend_that_returns_token_ids_is_relayed_exactly(backend: Backend) -> None:
+    engine = _engine(backend.url)
+    info = await engine.start()
+    assert (info.model_name, info.context_length, info.extra["dialect"]) == ("up", 2048, "token_ids")
+    chunks = await _run(engine, _request(temperature=0.0, seed=5, top_k=4))
+    assert [c.token_ids for c in chunks] == [[42], [43, 44], []]
+    assert (chunks[-1].finish_reason, chunks[-1].num_cached_tokens) == ("length", 16)
+    sent = backend.bodies[-1]
+    assert sent["prompt"] == [1, 2, 3] and sent["return_token_ids"] and sent["stream"]
+    assert {k: sent[k] for k in ("temperature", "seed", "top_k", "max_tokens")} == {
+        "temperature": 0.0, "seed": 5, "top_k": 4, "max_tokens": 3,
+    }  # fmt: skip
+    assert not {"top_p", "min_p", "presence_penalty", "logit_bias", "stop_token_ids"} & sent.keys()  # defaults
+    await engine.stop()
+
+
+async def test_a_backend_of_text_alone_has_its_text_tokenized_again(backend: Backend) -> None:
+    backend.answer = lambda body: (
+        _http(400, b'{"error": {"message": "unknown field return_token_ids"}}')
+        if "return_token_ids" in body
+        else sse(piece(" Paris is"), piece(" lovely.", reason="stop"), "[DONE]")
+    )
+    engine = _engine(backend.url)
+    assert (await engine.start()).extra["dialect"] == "text"
+    chunks = await _run(engine, _request())
+    assert engine._tokenizer is not None
+    assert engine._tokenizer.decode([t for c in chunks for t in c.token_ids]) == " Paris is lovely."
+    assert chunks[-1].finish_reason == "stop" and "return_token_ids" not in backend.bodies[-1]
+    await engine.stop()
+
+
+async def test_a_backend_that_refuses_token_id_prompts_is_a_start_error(backend: Backend) -> None:
+    backend.answer = lambda body: _http(401, b'{"error": {"message": "bad key"}}')
+    with pytest.raises(ConfigError, match="refuses a completion of token ids.*bad key"):
+        await _engine(backend.url).start()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "words"),
+    [
+        (lambda b: _http(400, b'{"error": {"message": "top_k too big", "param": "top_k"}}'), RequestError, "top_k"),
+        (lambda b: _http(503, b"overloaded"), BackendUnavailable, "answered 503: overloaded"),
+        (lambda b: _http(429, b"{}"), BackendUnavailable, "answered 429"),
+        (lambda b: sse(piece(" a", [42]), {"error": {"message": "engine died"}}), BackendUnavailable, "engine died"),
+        (lambda b: sse("{not json"), BackendUnavailable, "no completion chunk"),
+        (lambda b: sse({"choices": "no list"}), BackendUnavailable, "no completion chunk"),
+        (lambda b: sse(piece(" a", [10**9], "stop"), "[DONE]"), BackendUnavailable, "outside this model's vocab"),
+        (lambda b: sse(piece(" a", [42]), "[DONE]"), BackendUnavailable, "without a finish reason"),
+        (lambda b: _http(200, b"data: " + b"x" * (MAX_LINE_BYTES + 10)), BackendUnavailable, "a line over"),
+    ],
+)
+async def test_a_misbehaving_backend_fails_the_request_alone(
+    backend: Backend, answer: Answer, error: type[DynError], words: str
+) -> None:
+    engine = _engine(backend.url)
+    await engine.start()
+    backend.answer = answer
+    with pytest.raises(error, match=words):
+        await _run(engine, _request())
+    backend.answer = exact
+    assert (await _run(engine, _request("next")))[-1].finish_reason == "length"  # serving on
+    await engine.stop()
+
+
+async def test_closing_the_stream_hangs_up_on_the_backend(backend: Backend) -> None:
+    engine = _engine(backend.url)
+    await engine.start()
+    backend.hung_up.clear()
+    backend.answer = lambda body: _http(200, b"data: " + json.dumps(piece(" a", [42])).encode() + b"\n\n" * 1000)[:-2]
+    stream = engine.generate(_request())
+    assert (await anext(stream)).token_ids == [42]
+    await stream.aclose()
+    await asyncio.wait_for(backend.hung_up.wait(), 5)
+    assert not engine._in_flight
+    await engine.stop()
+
+
+async def test_no_backend_is_backend_unavailable_and_a_start_that_names_it() -> None:
+    engine = _engine("http://127.0.0.1:9", start_timeout_s=1)
+    with pytest.raises(DynError, match=r"127\.0\.0\.1:9 did not list a model within 1 s: .*ConnectError"):
+        await engine.start()
+    await engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({}, "needs the backend's URL"),
+        ({"url": "ftp://x"}, "give http"),
+        ({"url": "http://x:1/?a=b"}, "no query"),
+        ({"url": "http://x:1", "num_gpu_blocks": -1}, "must be > 0"),
+        ({"url": "http://x:1", "speedup_ratio": 3}, "takes no option speedup_ratio"),
+    ],
+)
+def test_options_are_checked_naming_the_one_that_is_wrong(extra: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        HttpEngine(EngineArgs(model="smollm2", extra=extra))
+
+
+def test_the_backend_serves_both_roles_itself() -> None:
+    from dynamo_cli.engine import Role
+
+    with pytest.raises(ConfigError, match="--role both"):
+        HttpEngine(EngineArgs(model="smollm2", role=Role.PREFILL, extra={"url": "http://x:1"}))
