@@ -22,6 +22,9 @@ from dynamo_cli.wire import GenerateRequest
 MAX_LINE_BYTES = 4 * 1024 * 1024
 """The longest line of a backend's event stream taken (a piece, its token ids, its usage)."""
 
+MAX_TAIL_BYTES = 64 * 1024
+"""What is read of a stream after its `[DONE]` (a well-behaved backend sends nothing more)."""
+
 MAX_ERROR_BYTES = 64 * 1024
 """How much of a refusal's body is read to find its message."""
 
@@ -109,12 +112,19 @@ def completion_body(request: GenerateRequest, model: str, dialect: Dialect) -> d
 async def events(response: httpx.Response) -> AsyncIterator[Event]:
     """The stream's events up to `[DONE]` (or its end); BackendUnavailable for a line that is too long or does
     not decode, or an error event."""
+    after = -1  # bytes read after [DONE]: the body's end is read too, so that the connection is kept
     async for line in _lines(response):
+        if after >= 0:
+            after += len(line)
+            if after > MAX_TAIL_BYTES:
+                return  # a backend that goes on after [DONE] loses its connection, not this request
+            continue
         if not line.startswith(b"data:"):
             continue  # comments, `event:` names, keep-alives
         data = line[5:].strip()
         if data == b"[DONE]":
-            return
+            after = 0
+            continue
         try:
             event = _event.decode(data)
         except msgspec.DecodeError as exc:

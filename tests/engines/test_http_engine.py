@@ -198,3 +198,16 @@ def test_the_backend_serves_both_roles_itself() -> None:
 
     with pytest.raises(ConfigError, match="--role both"):
         HttpEngine(EngineArgs(model="smollm2", role=Role.PREFILL, extra={"url": "http://x:1"}))
+
+
+async def test_what_a_backend_sends_after_done_is_read_only_so_far(backend: Backend) -> None:
+    engine = _engine(backend.url)
+    await engine.start()
+    tail = b"data: " + b"y" * 1000 + b"\n"
+    events = f"data: {json.dumps(piece(' a', [42], 'stop'))}\n\ndata: [DONE]\n\n".encode()
+    # 200 kB after [DONE] of the 10 MB its length promises, then nothing: the request ends anyway, at once
+    backend.answer = lambda body: _http(200, events + tail * 200, "text/event-stream").replace(
+        b"content-length: ", b"content-length: 10000", 1
+    )
+    assert (await asyncio.wait_for(_run(engine, _request()), 5))[-1].finish_reason == "stop"
+    await engine.stop()
