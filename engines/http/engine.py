@@ -25,6 +25,7 @@ from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
 from .options import DEFAULT_BLOCK_SIZE, HttpOptions
+from .scrape import Scraper
 from .upstream import FINISH_REASONS, Dialect, Event, Model, completion_body, events, models_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class HttpEngine:
         self._dialect = Dialect(token_ids=False)
         self._in_flight: set[str] = set()
         self._stopped = asyncio.Event()
+        self._scraper: Scraper | None = None
+        self._scraping: asyncio.Task[None] | None = None
 
     async def start(self) -> EngineInfo:
         """Wait for the backend to list its model, learn its dialect with a one-token completion, and describe it."""
@@ -67,6 +70,8 @@ class HttpEngine:
         self._model = model.id
         self._dialect = await self._dialect_of()
         self._info = self._describe(model, source)
+        self._scraper = Scraper(self._client)  # the engine owns the task; stop() cancels it
+        self._scraping = asyncio.get_running_loop().create_task(self._scraper.run(), name="http-engine-scrape")
         if not self._dialect.token_ids:
             logger.warning(
                 "backend %s returns no token ids (vLLM's return_token_ids): its text is tokenized again here, "
@@ -201,11 +206,25 @@ class HttpEngine:
             yield batch
 
     def load_metrics(self) -> LoadMetrics:
-        """The requests this worker has at the backend (the backend's own queue is not seen here)."""
-        return LoadMetrics(num_running=len(self._in_flight), total_blocks=self.options.num_gpu_blocks)
+        """The backend's own load where its `/metrics` shows it (every client's requests, its KV usage), else the
+        requests this worker has there."""
+        blocks, mine = self.options.num_gpu_blocks, len(self._in_flight)
+        load = self._scraper.load if self._scraper is not None else None
+        if load is None:
+            return LoadMetrics(num_running=mine, total_blocks=blocks)
+        running = max(load.running, mine - load.waiting)  # the scrape is up to a second old
+        return LoadMetrics(
+            num_running=running,
+            num_waiting=load.waiting,
+            active_blocks=int(load.kv_usage * blocks),
+            total_blocks=blocks,
+        )
 
     async def stop(self) -> None:
         """Close the connections to the backend (its open requests are aborted by it). Idempotent."""
         self._stopped.set()
+        if self._scraping is not None:
+            self._scraping.cancel()
+            await asyncio.gather(self._scraping, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()

@@ -54,6 +54,8 @@ class Backend:
 
     answer: Answer = exact
     models: bytes = json.dumps({"data": [{"id": "up", "max_model_len": 2048}]}).encode()
+    metrics: bytes | None = None
+    """`/metrics` (None: 404)."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     hung_up: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -64,6 +66,8 @@ class Backend:
         body = json.loads(await reader.readexactly(size)) if size else {}
         if head.startswith(b"GET /v1/models"):
             writer.write(_http(200, self.models))
+        elif head.startswith(b"GET /metrics"):
+            writer.write(_http(200, self.metrics, "text/plain") if self.metrics is not None else _http(404, b""))
         else:
             self.bodies.append(body)
             writer.write(self.answer(body))
@@ -211,3 +215,45 @@ async def test_what_a_backend_sends_after_done_is_read_only_so_far(backend: Back
     )
     assert (await asyncio.wait_for(_run(engine, _request()), 5))[-1].finish_reason == "stop"
     await engine.stop()
+
+
+VLLM_METRICS = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="up"} 2.0
+vllm:num_requests_running{engine="1",model_name="up"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="up"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="up"} 0.25
+vllm:num_requests_waiting_by_reason{engine="0",model_name="up",reason="capacity"} 99.0
+"""
+
+
+async def test_the_backends_own_load_is_read_from_its_metrics(backend: Backend) -> None:
+    backend.metrics = VLLM_METRICS
+    engine = _engine(backend.url, num_gpu_blocks=1000)
+    await engine.start()
+    assert await _eventually(lambda: engine.load_metrics().num_waiting == 4)
+    load = engine.load_metrics()  # summed over the engines (data-parallel ranks); other series left alone
+    assert (load.num_running, load.active_blocks, load.total_blocks) == (3, 250, 1000)
+    backend.metrics = b"nothing here 1.0\n"  # a backend that shows none of the series is not asked again
+    assert await _eventually(lambda: engine._scraping is not None and engine._scraping.done())
+    assert engine.load_metrics().num_waiting == 0
+    await engine.stop()
+
+
+async def test_a_backend_without_metrics_is_loaded_with_this_workers_requests(backend: Backend) -> None:
+    engine = _engine(backend.url)
+    await engine.start()
+    assert await _eventually(lambda: engine._scraping is not None and engine._scraping.done())  # a 404: asked once
+    stream = engine.generate(_request())
+    await anext(stream)
+    assert engine.load_metrics().num_running == 1
+    await stream.aclose()
+    await engine.stop()
+
+
+async def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
