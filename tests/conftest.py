@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dynamo_cli.runtime.endpoint import InstanceRecord
@@ -253,6 +254,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def metric_sum(url: str, prefix: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of the samples on `url`'s `/metrics` whose line starts with `prefix` (a name, or a name and `{` and
+    the first labels)."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 PROCESS_FIXTURES = frozenset(

@@ -40,13 +40,7 @@ from dynamo_cli.core.request_plan import DispatchMetrics, NoMetrics, RequestPlan
 from dynamo_cli.core.shares import Share, tenant_annotations
 from dynamo_cli.core.stalls import NO_DEADLINE, Deadline
 from dynamo_cli.core.waits import interruptible
-from dynamo_cli.errors import (
-    Overloaded,
-    RemoteError,
-    StreamTimeout,
-    TransportError,
-    UnknownInstance,
-)
+from dynamo_cli.errors import Overloaded, RemoteError, StreamTimeout, TransportError, UnknownInstance
 from dynamo_cli.routing.base import RouteDecision
 from dynamo_cli.runtime.request_client import ResponseStream
 from dynamo_cli.wire import (

@@ -83,11 +83,11 @@ class Scraper:
         except httpx.HTTPError:
             self.load = None  # unknown while it does not answer; asked again
             return True
-        load = parse(body.decode(errors="replace")) if response.status_code == 200 else None
-        if load is None and response.status_code == 200:
-            return self._none("its /metrics has no vLLM or SGLang load series")
-        self.load = load
-        return True
+        if response.status_code != 200:
+            self.load = None  # a 5xx: unknown for now; asked again
+            return True
+        self.load = parse(body.decode(errors="replace"))
+        return self.load is not None or self._none("its /metrics has no vLLM or SGLang load series")
 
     def _none(self, why: str) -> bool:
         logger.info("the backend's own load is not read: %s; the load is this worker's requests there", why)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import DynProcess, wait_until
+from tests.conftest import DynProcess, metric_sum, wait_until
 from tests.planes import free_port
 
 pytestmark = [
@@ -95,10 +95,7 @@ def test_vllms_own_prefix_cache_count_reaches_the_client(front: DynProcess) -> N
 
 
 def _running(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")
-    )
+    return metric_sum(url, "vllm:num_requests_running")
 
 
 def test_a_client_that_leaves_aborts_vllms_request(front: DynProcess, vllm_url: str) -> None:

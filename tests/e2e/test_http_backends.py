@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import API_KEY, DynProcess, wait_until
+from tests.conftest import API_KEY, DynProcess, metric_sum, wait_until
 
 MOCKER = ("--engine", "mocker", "--speedup-ratio", "10", "--served-model-name", "tiny")
 PREFIX = "You are a careful assistant who answers in one short sentence. " * 12
@@ -37,8 +37,7 @@ def _client(d: DynProcess) -> openai.OpenAI:
 
 
 def _metric(d: DynProcess, prefix: str) -> float:
-    text = httpx.get(f"{d.url}/metrics", headers=d.auth, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return metric_sum(d.url, prefix, d.auth)
 
 
 def _served(d: DynProcess) -> float:

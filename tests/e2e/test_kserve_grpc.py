@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import DynProcess, wait_until
+from tests.conftest import DynProcess, metric_sum, wait_until
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc]")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
@@ -279,8 +279,7 @@ def test_kserve_requests_are_counted_in_the_metrics(served: DynProcess, client: 
 
 
 def _metric(d: DynProcess, prefix: str) -> float:
-    text = httpx.get(f"{d.url}/metrics", headers=d.auth, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return metric_sum(d.url, prefix, d.auth)
 
 
 def test_a_stream_the_client_cancels_aborts_its_work(served: DynProcess) -> None:
