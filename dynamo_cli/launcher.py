@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, child_command
+from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, backend_options, child_command
 from dynamo_cli.core.registry import Worker
 from dynamo_cli.engine import EngineArgs, Role
 from dynamo_cli.errors import ConfigError, DynError, TransportError
@@ -312,7 +312,7 @@ async def _start_workers(
     for i in range(config.num_workers):  # the caller stops them
         worker = _system_port(_own_disk_dir(decode, f"worker-{i}"), _child_port(config, i))
         if config.backends:  # --backend: worker i forwards to backend i
-            worker = replace(worker, extra={**worker.extra, "url": config.backends[i]})
+            worker = replace(worker, extra={**worker.extra, **backend_options(config.backends[i])})
         await _spawn(pool, worker, config.nodes_per_worker)
     for i in range(config.num_prefill_workers):
         port = _child_port(config, config.num_workers + i)

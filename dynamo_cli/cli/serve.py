@@ -13,11 +13,11 @@ from dynamo_cli.cli import settings
 from dynamo_cli.config import (
     DEFAULT_ENGINE,
     AuthConfig,
-    KvRouterConfig,
     PlanesConfig,
     ServeConfig,
     TenantConfig,
     WorkerConfig,
+    backend_options,
     config_document,
     read_api_keys,
 )
@@ -184,10 +184,9 @@ def deployment(
         (ServeConfig, "num_workers"): num_decode,
         (ServeConfig, "num_prefill_workers"): prefill if disagg else 0,
     }
-    if backends:  # one http-engine worker each; no KV events come from them, so a KV router runs approximate
+    if backends:  # one http-engine worker each; one whose backend publishes no KV events is routed approximately
         given[(WorkerConfig, "engine")] = "http"
         given[(ServeConfig, "num_workers")] = len(backends)
-        given[(KvRouterConfig, "use_kv_events")] = False
     return settings.build(ServeConfig, values, knobs, given), plan
 
 
@@ -197,6 +196,8 @@ def _backends(values: dict[str, Any], disagg: bool) -> list[str]:
     if backends and (disagg or values["engine"] not in (DEFAULT_ENGINE, "http")):
         flag = "--disagg" if disagg else f"--engine {values['engine']}"
         raise ConfigError(f"--backend routes to engine servers that run on their own: drop {flag}")
+    for spec in backends:
+        backend_options(spec)  # a malformed one is refused here, not by its worker
     return backends
 
 

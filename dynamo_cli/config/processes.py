@@ -172,7 +172,8 @@ class ServeConfig:
     to them before their prompt is prefilled (core/encode_stage.py)."""
     backends: tuple[str, ...] = setting((), "--backend", env="DYN_BACKENDS", panel=ROUTING, **repeated())
     """An OpenAI-compatible server to route to (repeatable; instead of --workers): vLLM, SGLang, llama.cpp's server,
-    another `dyn serve`. Each gets a worker of its own (`--engine http`) that forwards to it."""
+    another `dyn serve`. Each gets a worker of its own (`--engine http`) that forwards to it. `URL,KEY=VALUE,...` gives
+    that worker engine options of its own: `http://h:8000,kv_events=tcp://h:5557,kv_replay=tcp://h:5558`."""
     num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
     """Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.
 
@@ -256,3 +257,15 @@ def config_document(kind: type[ChildConfig], environ: Mapping[str, str] | None =
         return msgspec.json.decode(text, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigError(f"{variable} is not a valid {kind.__name__} document: {exc}; unset it") from None
+
+
+def backend_options(spec: str) -> dict[str, str]:
+    """A `--backend URL,KEY=VALUE,...`'s engine options for its worker: `url` and the pairs after it."""
+    url, *pairs = spec.split(",")
+    options = {"url": url.strip()}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or key.strip() == "url":
+            raise ConfigError(f"--backend {spec}: after the URL come KEY=VALUE engine options, not {pair!r}")
+        options[key.strip()] = value.strip()
+    return options

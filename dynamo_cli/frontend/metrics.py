@@ -22,6 +22,8 @@ WORKER_SERIES = {
     "inflight_requests": "Streams this frontend has open on the worker",
     "lora_adapters_loaded": "LoRA adapters loaded on the worker now (its last load report)",
     "lora_loads": "LoRA adapter loads on the worker since it started, reloads after an eviction included",
+    "kv_events": "1: the KV router routes to the worker from its KV events; 0: approximately, from its own decisions "
+    "(the worker publishes none); -1: the router does not route by KV",
 }
 """Per-worker gauges `dynamo_frontend_worker_{name}`, labelled model, worker_id, dp_rank, worker_type."""
 
@@ -79,13 +81,14 @@ class FrontendMetrics(DispatchSeries):
         for name, value in counters.items():
             self.router.labels(model, name).set(value)
 
-    def export_workers(self, workers: Iterable[tuple[str, Worker]]) -> None:
+    def export_workers(self, workers: Iterable[tuple[str, Worker, frozenset[int] | None]]) -> None:
         """Every (model, worker)'s load and in-flight streams now, one series per data-parallel rank of a worker
         serving several (its streams and adapters on its first rank's); a worker no longer listed (or counted in
-        `count_served` and gone before this scrape) loses its series."""
+        `count_served` and gone before this scrape) loses its series. With each worker, the workers its model's router
+        routes from their KV events (None: a router blind to caches)."""
         now: set[tuple[str, int, str, str]] = set()
-        for model, worker in workers:
-            for rank, values in _rank_values(worker):
+        for model, worker, precise in workers:
+            for rank, values in _rank_values(worker, precise):
                 now.add((model, worker.instance_id, rank, worker.card.role))
                 for name, value in values.items():
                     self.worker_gauges[name].labels(model, f"{worker.instance_id:x}", rank, worker.card.role).set(value)
@@ -99,7 +102,7 @@ class FrontendMetrics(DispatchSeries):
         self._worker_series = now
 
 
-def _rank_values(worker: Worker) -> list[tuple[str, dict[str, float]]]:
+def _rank_values(worker: Worker, precise: frozenset[int] | None) -> list[tuple[str, dict[str, float]]]:
     """(dp_rank label, gauge values) per rank of `worker`; one row for a rank-blind worker, or before its report."""
     load = worker.load
     whole: dict[str, float] = {
@@ -111,6 +114,7 @@ def _rank_values(worker: Worker) -> list[tuple[str, dict[str, float]]]:
         "inflight_requests": worker.num_inflight,
         "lora_adapters_loaded": len(load.loras) if load else 0,
         "lora_loads": load.lora_loads if load else 0,
+        "kv_events": -1 if precise is None else int(worker.instance_id in precise),
     }
     if load is None or not load.ranks:
         return [(str(worker.card.dp_start), whole)]

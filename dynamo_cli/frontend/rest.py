@@ -20,7 +20,7 @@ from dynamo_cli.frontend.openai import error_body
 from dynamo_cli.frontend.openapi import openapi_document
 from dynamo_cli.frontend.replies import internal
 from dynamo_cli.frontend.served_models import FrontendRegistry
-from dynamo_cli.routing.base import InFlightLoad
+from dynamo_cli.routing.base import InFlightLoad, PolicySnapshot
 
 
 class Rest:
@@ -123,17 +123,18 @@ class Rest:
 
     def refresh_metrics(self) -> None:
         """Set the gauges read at scrape time: workers, queues, KV tiers, the router's counters."""
+        snapshots: dict[str, PolicySnapshot] = {}
         for name, entry in self.registry.models.items():
             self.metrics.workers.labels(name).set(len(entry.workers) + len(entry.prefill_workers))
             self.metrics.queued.labels(name).set(len(entry.queue))
             for worker in (*entry.workers.values(), *entry.prefill_workers.values()):
                 if worker.load is not None and worker.load.kv_tiers is not None:
                     self.metrics.export_kv_tiers(name, worker.instance_id, worker.load.kv_tiers)
-            counters = entry.policy.snapshot().counters
-            if counters:  # a policy that counts (the KV router)
-                self.metrics.export_router(name, counters)
+            snapshot = snapshots[name] = entry.policy.snapshot()
+            if snapshot.counters:  # a policy that counts (the KV router)
+                self.metrics.export_router(name, snapshot.counters)
         self.metrics.export_workers(
-            (name, worker)
+            (name, worker, snapshots[name].precise)
             for name, entry in self.registry.models.items()
             for worker in (*entry.workers.values(), *entry.prefill_workers.values())
         )

@@ -69,7 +69,15 @@ class AlertRule:
 def alert_rules(targets: AlertTargets | None = None) -> list[AlertRule]:
     """Every alert of a deployment, thresholds from `targets` (the defaults when None)."""
     targets = targets or AlertTargets()
-    return [_no_workers(), _ttft(targets), _queue(targets), _restarts(), _kv_transfer_failures(), _stalls()]
+    return [
+        _no_workers(),
+        _ttft(targets),
+        _queue(targets),
+        _restarts(),
+        _kv_transfer_failures(),
+        _stalls(),
+        _blind_routing(),
+    ]
 
 
 def render_rules(rules: Sequence[AlertRule]) -> str:
@@ -150,4 +158,17 @@ def _stalls() -> AlertRule:
         "Worker {{ $labels.worker_id }} of model {{ $labels.model }} stalled",
         "The worker stopped producing tokens and was taken out of routing; its streams migrated. Check the "
         "process (stopped, swapping, a hung engine).",
+    )
+
+
+def _blind_routing() -> AlertRule:
+    return AlertRule(
+        "DynamoKvRoutingBlind",
+        "min by (model, worker_id) (dynamo_frontend_worker_kv_events) == 0",
+        "15m",
+        "warning",
+        "The KV router routes to worker {{ $labels.worker_id }} of model {{ $labels.model }} approximately",
+        "No KV event of the worker has reached the router, so its cache is guessed from the router's own decisions. "
+        "An engine server behind --engine http publishes them with its own flag (vLLM: --kv-events-config) and the "
+        "worker's --engine-arg kv_events=tcp://HOST:PORT; other workers reach the router over the event plane.",
     )

@@ -74,6 +74,8 @@ class PolicySnapshot:
     """Its monotonic counters (decisions, hit blocks, ...), by name."""
     in_flight: dict[Target, InFlightLoad] = field(default_factory=dict)
     """Target -> what it counts there, for the targets asked about."""
+    precise: frozenset[int] | None = None
+    """Workers it routes from their KV events (the others approximately); None: a policy blind to caches."""
 
 
 NOTHING_COUNTED = PolicySnapshot()

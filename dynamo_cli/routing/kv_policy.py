@@ -14,6 +14,12 @@ are explained, and the prompt is packed once (kv/hashing.py). p50 went from 343 
 At 4 workers the same numpy calls were half of a decision; there the cost is evaluated per candidate on
 plain numbers, a quarter less CPU per decision. The explanation itself is built only when read
 (`RouteDecision.explain`): most requests never ask for it.
+
+NOTE: a worker is routed precisely (from the index its KV events fill) from its first event batch on; until then,
+and for good when it publishes none (an engine server with events off, `--engine http` without `kv_events=`), it is
+routed approximately, from this router's own decisions (approx.py), in the same decision as the precise ones. A worker
+that still has sent none BLIND_AFTER_S after its first routed prompt is named once in a warning with the fix, and
+`/metrics` shows each worker's mode (`snapshot().precise`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ from dynamo_cli.routing.time_cost import PRIOR_PREFILL_TPS, SpeedEstimator
 from dynamo_cli.wire import LoadMetrics
 
 logger = logging.getLogger(__name__)
+
+BLIND_AFTER_S = 10.0
+"""A worker with no KV event this long after the first full prompt block routed to it is reported as blind."""
 
 
 def cost_config(config: KvRouterConfig) -> CostConfig:
@@ -121,6 +130,11 @@ class KvRoutingPolicy:
         self._reported_event_id: dict[int, int] = {}
         self._rounds = Rounds()
         """Deals near-ties (time cost) in rounds."""
+        self._precise: set[int] = set()
+        """Workers whose KV events arrived: routed from the index; the others from the router's own decisions."""
+        self._blind_since: dict[int, float] = {}
+        """Worker -> when a prompt with full blocks was first routed to it while it had sent no events (the
+        self-check); a worker reported blind maps to inf."""
 
     ##### RoutingPolicy #####
 
@@ -136,8 +150,10 @@ class KvRoutingPolicy:
             self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
-        if not self.config.use_kv_events:
+        if not self._is_precise(target.worker):
             self.approx.record(target, hashes, now)
+            if hashes and self.config.use_kv_events:
+                self._check_blind(target.worker, now)
         self._count(selection, len(hashes))
         self._log(request.request_id, selection)
         return RouteDecision(target, overlap, selection.to_dict)
@@ -151,7 +167,7 @@ class KvRoutingPolicy:
         """Count a request another router replica routed, so every replica sees the same load."""
         now = self._clock()
         self.sequences.add_request(request_id, target, hashes, prefill_tokens, now)
-        if not self.config.use_kv_events:
+        if not self._is_precise(target.worker):
             self.approx.record(target, hashes, now)
 
     def on_first_token(self, request_id: str) -> None:
@@ -177,11 +193,14 @@ class KvRoutingPolicy:
             del self._capacity[target]
         self._reported_event_id.pop(worker_id, None)
         self._gaps = [gap for gap in self._gaps if gap.worker_id != worker_id]
+        self._precise.discard(worker_id)
+        self._blind_since.pop(worker_id, None)
 
     def apply_kv_events(self, batch: KvEventBatch) -> None:
         """Ingest a worker's KV events; a gap is queued for `take_gaps` (ignored in approximate mode)."""
         if not self.config.use_kv_events:
             return
+        self._heard_from(batch.worker_id)
         gap = self.indexer.apply_batch(batch)
         if gap is not None:
             self.counters.num_kv_gaps += 1
@@ -196,7 +215,8 @@ class KvRoutingPolicy:
         in_flight = {
             t: InFlightLoad(s.num_requests(t), s.active_blocks(t), s.active_prefill_tokens(t)) for t in targets
         }
-        return PolicySnapshot(self.counters.to_dict(), in_flight)
+        precise = frozenset(self._precise) if self.config.use_kv_events else frozenset()
+        return PolicySnapshot(self.counters.to_dict(), in_flight, precise)
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
@@ -233,6 +253,8 @@ class KvRoutingPolicy:
     def load_dump(self, dump: KvDump) -> None:
         """Replace a worker's cached blocks (every rank, every tier) by its dump."""
         self.indexer.load_dump(dump)
+        if self.config.use_kv_events and dump.last_event_id >= 0:  # the dump of a worker that publishes events
+            self._heard_from(dump.worker_id)
 
     def expire_stale(self, max_age: float = STALE_REQUEST_S) -> list[str]:
         """Free requests in flight for longer than `max_age` seconds (streams whose end was lost)."""
@@ -261,12 +283,7 @@ class KvRoutingPolicy:
         self, hashes: list[int], workers: Sequence[Target], now: float, load_s: Mapping[int, float] | None
     ) -> Candidates:
         # One list comprehension per column over plain dicts: a few microseconds each at 128 workers.
-        tiers = None
-        if self.config.use_kv_events:
-            overlaps, cached = self.indexer.find_matches(hashes), self.indexer.block_counts(workers)
-            tiers = self.indexer.tier_hits(hashes, overlaps) if overlaps else None
-        else:
-            overlaps, cached = self.approx.find_matches(hashes, now), self.approx.block_counts(workers)
+        overlaps, cached, tiers = self._cached(hashes, workers, now)
         active_overlaps = self.sequences.active_overlaps(hashes)
         prefill, active, in_flight = self.sequences.totals(workers)
         capacity, default = self._capacity.get, self.config.total_kv_blocks or 0
@@ -282,6 +299,51 @@ class KvRoutingPolicy:
             *(_tier_columns(tiers, workers) if tiers else ()),
             pass_elapsed_s=self.sequences.pass_elapsed(workers, now) if self.config.use_kv_events else None,
             lora_load_s=None if load_s is None else [load_s.get(w.worker, 0.0) for w in workers],
+        )
+
+    def _cached(
+        self, hashes: list[int], workers: Sequence[Target], now: float
+    ) -> tuple[dict[Target, int], list[int], dict[Target, TierHits] | None]:
+        """Each worker's cached prefix of `hashes` and its cached blocks: the index's for the workers whose KV events
+        arrived, this router's own decisions for the others; and where the index's prefixes lie (None: on device)."""
+        if not self.config.use_kv_events:
+            return self.approx.find_matches(hashes, now), self.approx.block_counts(workers), None
+        overlaps, cached = self.indexer.find_matches(hashes), self.indexer.block_counts(workers)
+        tiers = self.indexer.tier_hits(hashes, overlaps) if overlaps else None
+        precise = self._precise
+        blind = [i for i, w in enumerate(workers) if not cached[i] and w not in overlaps and w.worker not in precise]
+        if blind:
+            guessed = self.approx.find_matches(hashes, now)
+            overlaps, cached = dict(overlaps), list(cached)
+            for i, count in zip(blind, self.approx.block_counts([workers[i] for i in blind]), strict=True):
+                cached[i], overlaps[workers[i]] = count, guessed.get(workers[i], 0)
+        return overlaps, cached, tiers
+
+    def _heard_from(self, worker_id: int) -> None:
+        """The worker's cache is known from here on: its facts replace this router's guesses."""
+        if worker_id in self._precise:
+            return
+        self._precise.add(worker_id)
+        self.approx.remove_worker(worker_id)
+        if self._blind_since.pop(worker_id, None) == float("inf"):
+            logger.info("worker %x: KV events arrive now; it is routed precisely", worker_id)
+
+    def _is_precise(self, worker_id: int) -> bool:
+        return self.config.use_kv_events and worker_id in self._precise
+
+    def _check_blind(self, worker_id: int, now: float) -> None:
+        """The self-check: a worker routed prompts BLIND_AFTER_S ago that has sent no KV events since is named once."""
+        since = self._blind_since.setdefault(worker_id, now)
+        if now - since < BLIND_AFTER_S:
+            return
+        self._blind_since[worker_id] = float("inf")
+        logger.warning(
+            "worker %x has published no KV events in %.0f s of prompts routed to it: it is routed approximately "
+            "(from this router's decisions). An engine server behind --engine http publishes them with its own "
+            "flag (vLLM: --kv-events-config) and the worker's --engine-arg kv_events=tcp://HOST:PORT; another "
+            "worker's reach this router over the event plane (NATS)",
+            worker_id,
+            now - since,
         )
 
     def _count(self, selection: Selection, num_blocks: int) -> None:

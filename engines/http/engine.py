@@ -4,8 +4,9 @@ NOTE: the worker registers, is routed to, migrated from and health-checked as an
 the backend's own streamed `/v1/completions` with the prompt's token ids, and closing its stream closes the HTTP
 request, which the backend aborts. A backend that does not answer, or fails on its side, raises
 BackendUnavailable: the request moves to another worker and this one is out of routing until a canary (a one-token
-generation, through to the backend) gets through. The backend publishes no KV events here, so a KV router routes
-to it in approximate mode (its own decisions stand in for the cache).
+generation, through to the backend) gets through. With `--engine-arg kv_events=` the backend's own KV events are
+relayed as this worker's (events.py) and a KV router routes to it from them; without, approximately (its own
+decisions stand in for the cache). The router's block size is the backend's where its `/metrics` says it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dynamo_cli.model.paths import model_vocab_size, resolve_model_path
 from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
 
-from .options import DEFAULT_BLOCK_SIZE, HttpOptions
+from .events import BackendEvents
+from .options import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS, HttpOptions
 from .scrape import Scraper
 from .upstream import FINISH_REASONS, Dialect, Event, Model, completion_body, events, models_of, refusal
 
@@ -54,6 +56,8 @@ class HttpEngine:
         self._stopped = asyncio.Event()
         self._scraper: Scraper | None = None
         self._scraping: asyncio.Task[None] | None = None
+        self._events: BackendEvents | None = None
+        self._blocks = DEFAULT_BLOCKS
 
     async def start(self) -> EngineInfo:
         """Wait for the backend to list its model, learn its dialect with a one-token completion, and describe it."""
@@ -69,9 +73,13 @@ class HttpEngine:
         model = await self._wait_for_model()
         self._model = model.id
         self._dialect = await self._dialect_of()
-        self._info = self._describe(model, source)
         self._scraper = Scraper(self._client)  # the engine owns the task; stop() cancels it
-        self._scraping = asyncio.get_running_loop().create_task(self._scraper.run(), name="http-engine-scrape")
+        if await self._scraper.scrape():  # its cache's shape first, for the card
+            self._scraping = asyncio.get_running_loop().create_task(self._scraper.run(), name="http-engine-scrape")
+        self._info = self._describe(model, source)
+        if o.kv_events is not None:
+            self._events = BackendEvents(o.kv_events, o.kv_replay, o.kv_topic, self._info.block_size, o.url)
+            self._events.start()
         if not self._dialect.token_ids:
             logger.warning(
                 "backend %s returns no token ids (vLLM's return_token_ids): its text is tokenized again here, "
@@ -85,18 +93,31 @@ class HttpEngine:
         context = model.max_model_len or self.args.context_length or DEFAULT_CONTEXT
         if not model.max_model_len and not self.args.context_length:
             logger.warning("backend %s does not say its context; assuming %d (--context-length)", model.id, context)
+        shape = self._scraper.shape if self._scraper is not None else None
+        block_size = self._block_size(shape.block_size if shape else None)
+        self._blocks = self.options.num_gpu_blocks or (shape.num_gpu_blocks if shape else None) or DEFAULT_BLOCKS
         return EngineInfo(
             model_name=self.args.served_model_name or model.id,
             tokenizer_source=source,
-            block_size=self.args.block_size or DEFAULT_BLOCK_SIZE,
+            block_size=block_size,
             context_length=context,
-            total_kv_blocks=self.options.num_gpu_blocks,
+            total_kv_blocks=self._blocks,
             max_num_seqs=self.options.max_num_seqs,
             eos_token_ids=self._tokenizer.eos_token_ids,
             vocab_size=model_vocab_size(source),
             extra={"backend": self.options.url, "dialect": "token_ids" if self._dialect.token_ids else "text"},
             features=frozenset({Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P}),
         )
+
+    def _block_size(self, stated: int | None) -> int:
+        """`--block-size`, else the backend's own; with its KV events, the two must be one."""
+        given = self.args.block_size
+        if given and stated and given != stated and self.options.kv_events is not None:
+            raise ConfigError(
+                f"--block-size {given}: the backend at {self.options.url} caches {stated}-token blocks (its "
+                f"/metrics), so none of its KV events could match; drop --block-size"
+            )
+        return given or stated or DEFAULT_BLOCK_SIZE
 
     async def _wait_for_model(self) -> Model:
         """The backend's model (the one named by `served_model`, else the only one listed), asked for until the
@@ -155,6 +176,8 @@ class HttpEngine:
         if info is None or self._stopped.is_set():
             raise DynError("the http engine is not started (or stopped)")
         check_request(request, info.context_length, self._in_flight, info.vocab_size)
+        if self._events is not None:
+            self._events.sent(request.token_ids)
         self._in_flight.add(request.request_id)
         try:
             async for chunk in self._forward(request, self._dialect):
@@ -199,7 +222,12 @@ class HttpEngine:
         return token_ids
 
     async def kv_events(self) -> AsyncIterator[KvEventBatch]:
-        """None: the backend publishes no KV events here (a KV router runs approximate); ends at stop()."""
+        """The backend's KV events, re-hashed (`kv_events=`); none without (a KV router routes approximately).
+        Ends at stop()."""
+        if self._events is not None:
+            async for batch in self._events.batches():
+                yield batch
+            return
         await self._stopped.wait()
         nothing: tuple[KvEventBatch, ...] = ()
         for batch in nothing:
@@ -208,7 +236,7 @@ class HttpEngine:
     def load_metrics(self) -> LoadMetrics:
         """The backend's own load where its `/metrics` shows it (every client's requests, its KV usage), else the
         requests this worker has there."""
-        blocks, mine = self.options.num_gpu_blocks, len(self._in_flight)
+        blocks, mine = self._blocks, len(self._in_flight)
         load = self._scraper.load if self._scraper is not None else None
         if load is None:
             return LoadMetrics(num_running=mine, total_blocks=blocks)
@@ -226,5 +254,7 @@ class HttpEngine:
         if self._scraping is not None:
             self._scraping.cancel()
             await asyncio.gather(self._scraping, return_exceptions=True)
+        if self._events is not None:
+            await self._events.close()
         if self._client is not None:
             await self._client.aclose()

@@ -1,11 +1,13 @@
 """The backend's own load, read from its Prometheus `/metrics` where it has one (vLLM's `vllm:*`, SGLang's
 `sglang:*`): requests running and waiting there, from every client, and how full its KV cache is. A backend with no
-such series is not asked again."""
+such series is not asked again. The first read also gives its KV cache's shape where it says it (vLLM's
+`vllm:cache_config_info` labels: `block_size`, `num_gpu_blocks`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 
 import httpx
@@ -38,6 +40,29 @@ class BackendLoad:
     """The fraction of its KV cache in use, 0..1."""
 
 
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """The backend's KV cache as its `/metrics` states it."""
+
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+
+
+_CACHE_INFO = "vllm:cache_config_info{"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def cache_shape(text: str) -> CacheShape:
+    """The block size and block count in a Prometheus text body (vLLM's `vllm:cache_config_info`); None where unsaid."""
+    line = next((line for line in text.splitlines() if line.startswith(_CACHE_INFO)), "")
+    labels = dict(_LABEL.findall(line[: line.rfind("}")]))
+    return CacheShape(_count(labels.get("block_size")), _count(labels.get("num_gpu_blocks")))
+
+
+def _count(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() and 0 < int(value) < 1 << 31 else None
+
+
 def parse(text: str) -> BackendLoad | None:
     """The load in a Prometheus text body; None when it has none of SERIES."""
     found: dict[str, float] = {}
@@ -64,6 +89,8 @@ class Scraper:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
         self.load: BackendLoad | None = None
+        self.shape = CacheShape()
+        """The backend's KV cache, from the first read that states it."""
 
     async def run(self) -> None:
         while await self.scrape():
@@ -86,7 +113,10 @@ class Scraper:
         if response.status_code != 200:
             self.load = None  # a 5xx: unknown for now; asked again
             return True
-        self.load = parse(body.decode(errors="replace"))
+        text = body.decode(errors="replace")
+        if self.shape == CacheShape():
+            self.shape = cache_shape(text)
+        self.load = parse(text)
         return self.load is not None or self._none("its /metrics has no vLLM or SGLang load series")
 
     def _none(self, why: str) -> bool:

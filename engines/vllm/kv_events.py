@@ -14,6 +14,10 @@ event's `lora_name` (vLLM 0.32 sends it), else the name the engine gave the even
 a block with an id nobody can name is dropped (counted in `num_unnamed`), never published as the base model's.
 An engine of several data-parallel ranks publishes from each rank at the endpoint's port + rank; the relay reads
 them all into one stream, each batch stamped with its rank (`KvEventBatch.dp_rank`).
+Given the engine's replay endpoint (vLLM's `replay_endpoint`, a ROUTER socket), the relay asks it for every batch
+it still buffers when it starts (a worker started after its engine learns what is cached already) and for the
+batches a gap in the publisher's sequence numbers lost; a sequence number that goes back means the engine started
+again, with an empty cache.
 This module imports no inference library; the sglang and trtllm adapters use it too.
 """
 
@@ -60,6 +64,14 @@ TIER_OF: dict[str | None, Tier] = {
 _QUEUE_SIZE = 4096
 _BIND_TRIES = 20
 """Tries at binding consecutive free ports for a relay of several ranks before giving up."""
+MAX_BATCH_BYTES = 64 << 20
+"""The largest engine batch read (a bigger message drops its sender's connection)."""
+REPLAY_TIMEOUT_S = 2.0
+"""The longest wait for the next frame of a replay; past it the replay is given up (its blocks are orphans)."""
+_MAX_RANKS = 1024
+"""The widest data-parallel engine a batch may name a rank of."""
+_END = -1
+"""The sequence number of a replay's last frame (vLLM and SGLang: 8 bytes, signed)."""
 
 
 def parse_event(raw: Any) -> tuple[str, list[Any]]:
@@ -101,6 +113,10 @@ class KvEventRehasher:
         """Stored events whose parent block was never seen (lost events): skipped, counted."""
         self.num_unnamed = 0
         """Stored events of a LoRA id no name is known for: skipped, counted."""
+        self.block_size: int | None = None
+        """The block size the router hashes with, where the engine's could differ (a server dyn did not start):
+        events of another size are dropped, and the first named in an error; None: the engine's is ours."""
+        self.num_wrong_size = 0
         self.image_tokens = 0
         """Tokens of one image (the card's `ImageSpec.tokens_per_image`): a block's `("mm", id, offset)` extra keys
         then put the image's pad values over its run (kv/images.py), as the router's view has them; 0: none."""
@@ -128,6 +144,8 @@ class KvEventRehasher:
     def _stored(self, fields: list[Any]) -> BlockStored | None:
         engine_hashes = [_key(h) for h in fields[0]]
         parent, token_ids, block_size = fields[1], list(fields[2]), int(fields[3])
+        if not self._right_size(block_size):
+            return None
         if self.image_tokens:
             token_ids = with_image_pads(token_ids, block_size, _optional(fields, 7), self.image_tokens)
         tier = tier_of(_optional(fields, 5))
@@ -160,6 +178,21 @@ class KvEventRehasher:
         self._ours.update(zip(engine_hashes, ours, strict=True))
         blocks = [StoredBlock(seq_hash, local) for seq_hash, local in pairs]
         return BlockStored(parent_hash=our_parent, blocks=blocks, tier=tier)
+
+    def _right_size(self, block_size: int) -> bool:
+        """False for a block size the router does not hash with (the first named in an error)."""
+        if self.block_size is None or block_size == self.block_size:
+            return True
+        if self.num_wrong_size == 0:
+            logger.error(
+                "kv events: the engine stores blocks of %d tokens and this worker's router hashes %d-token "
+                "blocks: no event can match; start the worker with --block-size %d",
+                block_size,
+                self.block_size,
+                block_size,
+            )
+        self.num_wrong_size += 1
+        return False
 
     def _seed(self, fields: list[Any]) -> int | None:
         """The seed of a stored event's token-local hashes: its adapter's, by name or id; None: unnamed."""
@@ -264,11 +297,18 @@ class ZmqKvRelay:
         self._next_event_id = 0
         self.num_dropped = 0
         self._task: asyncio.Task[None] | None = None
+        self._replay: str | None = None
+        """The engine's replay endpoint (rank r at its port + r); None: lost batches stay lost."""
+        self._next_seq: dict[int, int] = {}
+        """Rank -> the publisher sequence number expected next."""
+        self.num_replayed = 0
+        self.num_malformed = 0
         context = zmq.asyncio.Context.instance()
         self._sockets: list[Any] = [context.socket(zmq.SUB) for _ in range(num_ranks)]
         """Rank r's SUB socket at index r."""
         for sock in self._sockets:
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
 
     @property
     def rehasher(self) -> KvEventRehasher:
@@ -279,6 +319,17 @@ class ZmqKvRelay:
         """The engine's images take this many tokens each: their runs hash as their content (`with_image_pads`)."""
         for rehasher in self.rehashers.values():
             rehasher.image_tokens = tokens_per_image
+
+    def expect_block_size(self, block_size: int) -> None:
+        """The router hashes blocks of this size: events of another are dropped, the first named in an error."""
+        for rehasher in self.rehashers.values():
+            rehasher.block_size = block_size
+
+    def _fresh_rehasher(self) -> KvEventRehasher:
+        """A rehasher that knows nothing yet, set as rank 0's is."""
+        rehasher = KvEventRehasher(self._lora_name_of)
+        rehasher.image_tokens, rehasher.block_size = self.rehasher.image_tokens, self.rehasher.block_size
+        return rehasher
 
     def bind(self, host: str = "127.0.0.1") -> str:
         """Bind free consecutive ports on `host`, rank r at the first + r; returns the endpoint rank 0's publisher
@@ -299,10 +350,12 @@ class ZmqKvRelay:
             return bound[0][1]
         raise OSError(f"no {len(self._sockets)} consecutive free ports on {host} after {_BIND_TRIES} tries")
 
-    def connect(self, endpoint: str) -> None:
-        """Connect to publishers that bind `endpoint` (rank r at its port + r; a `*` host means this host)."""
+    def connect(self, endpoint: str, replay: str | None = None) -> None:
+        """Connect to publishers that bind `endpoint` (rank r at its port + r; a `*` host means this host), and
+        replay what they buffer from `replay`, their ROUTER endpoint, if given."""
         for rank, sock in enumerate(self._sockets):
             sock.connect(rank_endpoint(endpoint.replace("*", "127.0.0.1"), rank))
+        self._replay = replay.replace("*", "127.0.0.1") if replay else None
 
     def start(self) -> None:
         """Start the pump task (owned here, cancelled in close())."""
@@ -319,23 +372,80 @@ class ZmqKvRelay:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         rank_of = {sock: rank for rank, sock in enumerate(self._sockets)}
+        for rank in range(len(self._sockets)) if self._replay else ():
+            await self._replay_from(rank, 0)
         while True:
             for sock, _ in await poller.poll():
                 frames = await sock.recv_multipart()
-                self.handle_payload(frames[-1], rank_of[sock])
+                await self._live(frames, rank_of[sock])
+
+    async def _live(self, frames: list[bytes], rank: int) -> None:
+        """One published batch: a gap before it is replayed first, one already replayed is skipped."""
+        if len(frames) < 3:  # no sequence number: nothing to check
+            self.handle_payload(frames[-1], rank)
+            return
+        seq, expected = int.from_bytes(frames[-2], "big"), self._next_seq.get(rank)
+        if expected is not None and seq < expected:
+            if seq == 0 and expected > 1:  # a publisher numbering from 0 again: the engine restarted
+                logger.info("kv events: rank %d's publisher started again; its cache is empty", rank)
+                self.rehashers[rank] = self._fresh_rehasher()
+                self.put([AllBlocksCleared()], time.time(), rank)
+            else:
+                return  # replayed already
+        elif expected is not None and seq > expected and self._replay:
+            await self._replay_from(rank, expected, seq)
+        self._next_seq[rank] = seq + 1
+        self.handle_payload(frames[-1], rank)
+
+    async def _replay_from(self, rank: int, start: int, stop: int | None = None) -> None:
+        """Ask rank `rank`'s replay socket for its batches from `start` (up to `stop`) and relay them in order;
+        a replay that stalls is given up after REPLAY_TIMEOUT_S (its lost blocks then show up as orphans)."""
+        import zmq
+        import zmq.asyncio
+
+        assert self._replay is not None
+        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        try:
+            dealer.connect(rank_endpoint(self._replay, rank))
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                frames = await dealer.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == _END or (stop is not None and seq >= stop):
+                    self._next_seq.setdefault(rank, start)  # an empty buffer: the publisher's next is `start`
+                    return
+                if seq >= self._next_seq.get(rank, 0):
+                    self._next_seq[rank] = seq + 1
+                    self.num_replayed += 1
+                    self.handle_payload(frames[-1], rank)
+            logger.warning(
+                "kv events: rank %d's replay from %d did not answer in %.0f s", rank, start, REPLAY_TIMEOUT_S
+            )
+        finally:
+            dealer.close(linger=0)
 
     def handle_payload(self, payload: bytes, rank: int = 0) -> None:
-        """Decode one engine batch (from the socket of `rank`), re-hash it and queue it (pure apart from the queue)."""
-        batch = msgspec.msgpack.decode(payload)
-        named = batch[2] if len(batch) > 2 else None
-        dp_rank = int(named) if isinstance(named, int) else rank
-        rehasher = self.rehashers.get(dp_rank)
-        if rehasher is None:  # a rank this relay was not told of (an engine wider than its card): keep it apart
-            rehasher = self.rehashers[dp_rank] = KvEventRehasher(self._lora_name_of)
-            rehasher.image_tokens = self.rehasher.image_tokens
-        events = rehasher.convert(batch[1])
+        """Decode one engine batch (from the socket of `rank`), re-hash it and queue it (pure apart from the queue);
+        a batch that is not one (bytes from anyone who reaches the port) is dropped and counted."""
+        try:
+            batch = msgspec.msgpack.decode(payload)
+            named = batch[2] if len(batch) > 2 else None
+            dp_rank = int(named) if isinstance(named, int) and 0 <= named < _MAX_RANKS else rank
+            rehasher = self.rehashers.get(dp_rank)
+            if rehasher is None:  # a rank this relay was not told of (an engine wider than its card): keep it apart
+                rehasher = self.rehashers[dp_rank] = self._fresh_rehasher()
+            events = rehasher.convert(batch[1])
+            timestamp = float(batch[0]) if batch[0] else time.time()
+        except (msgspec.DecodeError, TypeError, ValueError, IndexError, KeyError, AttributeError, OverflowError) as exc:
+            if self.num_malformed == 0:
+                logger.warning(
+                    "kv events: a batch from rank %d is not one (%s: %s); dropped", rank, type(exc).__name__, exc
+                )
+            self.num_malformed += 1
+            return
         if events:
-            self.put(events, timestamp=float(batch[0]) if batch[0] else time.time(), dp_rank=dp_rank)
+            self.put(events, timestamp=timestamp, dp_rank=dp_rank)
 
     def put(self, events: list[KvEvent], timestamp: float, dp_rank: int = 0) -> None:
         """Queue our events as the next numbered batch, stamped with the rank whose cache changed."""

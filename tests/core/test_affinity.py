@@ -98,6 +98,7 @@ async def test_soft_affinity_moves_a_session_whose_worker_is_busy_or_lost_its_co
     assert call(p, "r1", Session("agent"), busy=ONE_EACH) == other  # soft: the busy worker is left
     busy.release()
     assert call(p, "r2", Session("agent")) == other  # ... and the session now lives there
+    cache(policy, other, [3] * 32)  # both workers publish KV events: `other` holds another prompt's blocks
     cache(policy, first, PROMPT)  # the context is cached on `first` only now
     assert call(p, "r3", Session("agent")) == first  # the KV cost moves it back
 

@@ -6,6 +6,7 @@ request (`vllm:num_requests_running` drops long before the generation could have
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -29,13 +30,22 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def vllm_url() -> Iterator[str]:
+def kv_events(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """vLLM's KV event publisher and its replay socket: ipc endpoints, which vLLM binds (a tcp host it connects to)."""
+    where = tmp_path_factory.mktemp("kv")
+    return f"ipc://{where}/events", f"ipc://{where}/replay"
+
+
+@pytest.fixture(scope="module")
+def vllm_url(kv_events: tuple[str, str]) -> Iterator[str]:
     from dyn_engines.hf_export import hf_model_dir
 
     port = free_port()
     flags = ["--model", hf_model_dir("smollm2"), "--served-model-name", "smol", "--port", str(port)]
     flags += ["--enforce-eager", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1 << 30)]
     flags += ["--max-model-len", "2048", "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
+    flags += ["--kv-events-config", json.dumps({**events, "endpoint": kv_events[0], "replay_endpoint": kv_events[1]})]
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
         stdout=subprocess.DEVNULL,
@@ -62,8 +72,9 @@ def _answers(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def front(dyn_serve_module, vllm_url: str) -> DynProcess:  # type: ignore[no-untyped-def]
-    return dyn_serve_module("--backend", vllm_url, "--router", "kv", "--model", "smollm2")  # type: ignore[no-any-return]
+def front(dyn_serve_module, vllm_url: str, kv_events: tuple[str, str]) -> DynProcess:  # type: ignore[no-untyped-def]
+    backend = f"{vllm_url},kv_events={kv_events[0]},kv_replay={kv_events[1]}"
+    return dyn_serve_module("--backend", backend, "--router", "kv", "--model", "smollm2")  # type: ignore[no-any-return]
 
 
 def _client(url: str, key: str = "none") -> openai.OpenAI:
@@ -108,3 +119,17 @@ def test_a_client_that_leaves_aborts_vllms_request(front: DynProcess, vllm_url: 
     left = time.monotonic()
     assert wait_until(lambda: _running(vllm_url) == 0, timeout=10)  # 1800 tokens take vLLM on this CPU far longer
     assert time.monotonic() - left < 10
+
+
+def test_vllms_kv_events_reach_the_router_which_then_routes_to_it_precisely(front: DynProcess) -> None:
+    prompt = "List the moons of Jupiter and Saturn, with a line on each. " * 30  # over two 128-token blocks
+    client = _client(front.url, front.api_key)
+    for _ in range(2):
+        client.completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0.0)
+    mode = "dynamo_frontend_worker_kv_events{"  # the one worker's
+    assert wait_until(lambda: metric_sum(front.url, mode, front.auth) == 1, timeout=10)  # precise, not approximate
+    hits = metric_sum(front.url, 'dynamo_router_counter{model="smol",name="num_hit_blocks"', front.auth)
+    assert hits >= 2  # the second prompt's blocks, found in the index vLLM's events filled (block size 128)
+    log = "\n".join(front.lines)
+    assert "published no KV events" not in log and "match none of the prompts" not in log
+    assert "--block-size" not in log  # the router's block size is vLLM's, read from its /metrics

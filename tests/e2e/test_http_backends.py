@@ -68,6 +68,7 @@ def test_a_shared_prefix_stays_on_one_backend_whose_cache_the_client_sees(
     moved = sorted(_served(b) - n for b, n in zip(backends, before, strict=True))
     assert moved == [0, 6]  # approximate KV routing: the router's own decisions stand in for the backends' caches
     assert all(n and n >= 64 for n in cached[1:])  # the backend's prefix cache, as the backend counted it
+    assert _metric(front, "dynamo_frontend_worker_kv_events{") == 0  # both routed approximately, and it says so
 
 
 def test_a_client_that_leaves_aborts_the_backends_request(front: DynProcess, backends: list[DynProcess]) -> None:

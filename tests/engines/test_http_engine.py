@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
 from dyn_engines.http import HttpEngine
+from dyn_engines.http.events import CHECK_EVENTS
 from dyn_engines.http.upstream import MAX_LINE_BYTES
 
 from dynamo_cli.engine import EngineArgs
 from dynamo_cli.errors import BackendUnavailable, ConfigError, DynError, RequestError
+from dynamo_cli.kv.hashing import sequence_hashes
 from dynamo_cli.wire import GenerateChunk, GenerateRequest, SamplingParams
+from tests.engines.kv_publisher import Publisher, first_blocks, payload, stored
 
 Answer = Callable[[dict[str, Any]], bytes]
 
@@ -242,7 +246,7 @@ async def test_the_backends_own_load_is_read_from_its_metrics(backend: Backend) 
 async def test_a_backend_without_metrics_is_loaded_with_this_workers_requests(backend: Backend) -> None:
     engine = _engine(backend.url)
     await engine.start()
-    assert await _eventually(lambda: engine._scraping is not None and engine._scraping.done())  # a 404: asked once
+    assert engine._scraping is None  # a 404 at start: not asked again
     stream = engine.generate(_request())
     await anext(stream)
     assert engine.load_metrics().num_running == 1
@@ -257,3 +261,78 @@ async def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+CACHE_INFO = (
+    b'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+    b'kv_cache_size_tokens="46592",num_cpu_blocks="None",num_gpu_blocks="364"} 1.0\n'
+)
+"""What vLLM 0.32 CPU says of its cache (labels trimmed)."""
+
+
+async def test_the_backends_block_size_and_capacity_come_from_its_metrics(backend: Backend) -> None:
+    backend.metrics = VLLM_METRICS + CACHE_INFO
+    engine = _engine(backend.url)
+    info = await engine.start()
+    assert (info.block_size, info.total_kv_blocks, engine.load_metrics().total_blocks) == (128, 364, 364)
+    await engine.stop()
+    given = _engine(backend.url, num_gpu_blocks=99)  # the flags win where given
+    given.args = replace(given.args, block_size=32)
+    assert ((info := await given.start()).block_size, info.total_kv_blocks) == (32, 99)
+    await given.stop()
+
+
+async def test_a_block_size_unlike_the_backends_is_refused_when_its_kv_events_are_read(backend: Backend) -> None:
+    backend.metrics = CACHE_INFO
+    engine = _engine(backend.url, kv_events="tcp://127.0.0.1:1")
+    engine.args = replace(engine.args, block_size=16)
+    with pytest.raises(ConfigError, match="--block-size 16: .* caches 128-token blocks"):
+        await engine.start()
+    await engine.stop()
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "tcp://host", "tcp://:5557", "tcp://h:0", "ipc://", "x://h:1"])
+def test_a_kv_events_endpoint_that_is_no_tcp_host_and_port_is_refused(endpoint: str) -> None:
+    with pytest.raises(ConfigError, match="kv_events=.*tcp://HOST:PORT"):
+        _engine("http://127.0.0.1:1", kv_events=endpoint)
+
+
+async def _events_engine(backend: Backend, publisher: Publisher) -> HttpEngine:
+    engine = _engine(backend.url, kv_events=publisher.endpoint, kv_replay=publisher.replay, kv_topic="kv")
+    engine.args = replace(engine.args, block_size=4)
+    await engine.start()
+    assert await asyncio.wait_for(publisher.pub.recv(), 10) == b"\x01kv"  # subscribed
+    return engine
+
+
+async def test_the_backends_kv_events_are_this_workers_with_our_hashes_and_match_its_prompts(
+    backend: Backend, publisher: Publisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "dyn_engines.http.events")
+    engine = await _events_engine(backend, publisher)
+    prompt = list(range(1, 9))
+    await _run(engine, GenerateRequest(request_id="p", token_ids=prompt, max_tokens=3))
+    for i in range(CHECK_EVENTS):  # the engine stores the prompt, then blocks of other clients' prompts
+        await publisher.send(payload(stored(prompt if i == 0 else [100 + i] * 4)))
+    batches = engine.kv_events()
+    first = await asyncio.wait_for(anext(batches), 10)
+    assert first_blocks(first) == sequence_hashes(prompt, 4)
+    for _ in range(CHECK_EVENTS - 1):
+        await asyncio.wait_for(anext(batches), 10)
+    assert any("match the prompts sent" in r.getMessage() for r in caplog.records)
+    await engine.stop()
+
+
+async def test_kv_events_that_match_none_of_the_prompts_sent_are_named_in_a_warning(
+    backend: Backend, publisher: Publisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = await _events_engine(backend, publisher)
+    await _run(engine, GenerateRequest(request_id="p", token_ids=list(range(1, 9)), max_tokens=3))
+    for i in range(CHECK_EVENTS):  # another engine's, or tokens not ours
+        await publisher.send(payload(stored([200 + i] * 4)))
+    batches = engine.kv_events()
+    for _ in range(CHECK_EVENTS):
+        await asyncio.wait_for(anext(batches), 10)
+    [warning] = [r.getMessage() for r in caplog.records if "match none of the prompts" in r.getMessage()]
+    assert publisher.endpoint in warning and backend.url in warning
+    await engine.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -189,19 +190,23 @@ async def test_the_relay_reads_each_ranks_publisher_into_one_stream_numbered_per
         publisher.connect(rank_endpoint(endpoint, rank))
     relay.start()
     stored = ["BlockStored", [7, 8], None, TOKENS[:32], 16, None, "GPU"]  # the same blocks on both ranks
-    batches = relay.batches()
+    batches, numbers = relay.batches(), [itertools.count(), itertools.count()]
+
+    def seq(rank: int) -> bytes:  # each publisher numbers its batches from 0 (a number seen again is a repeat)
+        return next(numbers[rank]).to_bytes(8, "big")
+
     try:
         async with asyncio.timeout(5):
             first = asyncio.ensure_future(anext(batches))  # type: ignore[call-overload]
             while not first.done():  # a SUB socket joins late: publish until it hears
-                publishers[1].send_multipart([b"kv", b"\0" * 8, payload([stored], 1)])
+                publishers[1].send_multipart([b"kv", seq(1), payload([stored], 1)])
                 await asyncio.sleep(0.02)
             got = [first.result()]
             await asyncio.sleep(0.1)  # the repeats still in flight
             while not relay._queue.empty():
                 got.append(await anext(batches))  # type: ignore[call-overload]
-            publishers[0].send_multipart([b"kv", b"\0" * 8, payload([stored], None)])  # no rank: the socket's
-            publishers[1].send_multipart([b"kv", b"\0" * 8, payload([["BlockRemoved", [7]]], 1)])
+            publishers[0].send_multipart([b"kv", seq(0), payload([stored], None)])  # no rank: the socket's
+            publishers[1].send_multipart([b"kv", seq(1), payload([["BlockRemoved", [7]]], 1)])
             rank0 = await anext(batches)  # type: ignore[call-overload]
             removed = await anext(batches)  # type: ignore[call-overload]
     finally:

@@ -31,7 +31,10 @@ async def test_each_worker_is_exported_with_its_load_role_and_in_flight_streams(
     metrics = FrontendMetrics()
     load = LoadMetrics(num_running=3, num_waiting=2, active_blocks=40, total_blocks=100, active_prefill_tokens=512)
     metrics.export_workers(
-        [("m", worker(0xA1, Role.DECODE, load, num_inflight=4)), ("m", worker(0xB2, Role.PREFILL, None))]
+        [
+            ("m", worker(0xA1, Role.DECODE, load, num_inflight=4), frozenset({0xA1})),
+            ("m", worker(0xB2, Role.PREFILL, None), frozenset({0xA1})),
+        ]
     )
     decode = {"model": "m", "worker_id": "a1", "dp_rank": "0", "worker_type": "decode"}
     assert value(metrics, "active_decode_blocks", **decode) == 40
@@ -40,8 +43,16 @@ async def test_each_worker_is_exported_with_its_load_role_and_in_flight_streams(
     assert value(metrics, "running_requests", **decode) == 3
     assert value(metrics, "waiting_requests", **decode) == 2
     assert value(metrics, "inflight_requests", **decode) == 4
+    assert value(metrics, "kv_events", **decode) == 1  # its KV events reach the router
     prefill = {"model": "m", "worker_id": "b2", "dp_rank": "0", "worker_type": "prefill"}
     assert value(metrics, "total_blocks", **prefill) == 0  # no load report yet: zeros, but listed
+    assert value(metrics, "kv_events", **prefill) == 0  # routed approximately
+
+
+async def test_a_router_blind_to_caches_shows_minus_one_for_kv_events() -> None:
+    metrics = FrontendMetrics()
+    metrics.export_workers([("m", worker(0xA1, Role.BOTH, None), None)])
+    assert value(metrics, "kv_events", model="m", worker_id="a1", dp_rank="0", worker_type="both") == -1
 
 
 async def test_requests_served_count_per_worker_and_role() -> None:
@@ -58,9 +69,9 @@ async def test_a_worker_that_left_loses_its_series_and_the_others_keep_theirs() 
     staying, leaving = worker(0xA1, Role.BOTH, LoadMetrics(total_blocks=8)), worker(0xC3, Role.BOTH, None)
     metrics.count_served("m", 0xA1, "both")
     metrics.count_served("m", 0xC3, "both")
-    metrics.export_workers([("m", staying), ("m", leaving)])
+    metrics.export_workers([("m", staying, None), ("m", leaving, None)])
     assert b'worker_id="c3"' in generate_latest(metrics.registry)
-    metrics.export_workers([("m", staying)])
+    metrics.export_workers([("m", staying, None)])
     text = generate_latest(metrics.registry).decode()
     assert 'worker_id="c3"' not in text
     assert value(metrics, "total_blocks", model="m", worker_id="a1", dp_rank="0", worker_type="both") == 8

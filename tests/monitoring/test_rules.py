@@ -92,6 +92,16 @@ CASES = [
         "3m",
         [{"model": "m", "worker_id": "1a"}],
     ),
+    Case(
+        "DynamoKvRoutingBlind",
+        {
+            'dynamo_frontend_worker_kv_events{model="m", worker_id="1a", dp_rank="0", worker_type="both"}': "0x25",
+            'dynamo_frontend_worker_kv_events{model="m", worker_id="2b", dp_rank="0", worker_type="both"}': "1x25",
+            'dynamo_frontend_worker_kv_events{model="rr", worker_id="3c", dp_rank="0", worker_type="both"}': "-1x25",
+        },
+        "20m",
+        [{"model": "m", "worker_id": "1a"}],
+    ),
 ]
 
 

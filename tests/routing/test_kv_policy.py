@@ -197,6 +197,52 @@ def test_approximate_mode_remembers_its_own_decisions_for_the_ttl() -> None:
     assert kv.select(RouteRequest("d", prompt(4)), targets_of([1, 2, 3])).overlap_blocks == 0
 
 
+def test_a_worker_without_kv_events_is_routed_from_the_routers_decisions_beside_one_with_them() -> None:
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1000.0), random.Random(1), clock)
+    kv.apply_kv_events(stored_batch(1, 0, prompt(9)))  # worker 1 publishes; worker 2 never does
+
+    first = kv.select(RouteRequest("a", prompt(1)), [Target(2)])  # only worker 2 can take it
+    kv.on_finish("a")
+    again = kv.select(RouteRequest("b", prompt(1)), targets_of([1, 2]))
+
+    assert (again.target, again.overlap_blocks) == (Target(2), 10)  # its guessed cache wins the prefix
+    assert kv.select(RouteRequest("c", prompt(9)), targets_of([1, 2])).target == Target(1)  # worker 1's facts
+    assert kv.snapshot().precise == frozenset({1})
+    kv.apply_kv_events(stored_batch(2, 0, prompt(7)))  # worker 2's first events: its guesses give way
+    assert kv.snapshot().precise == frozenset({1, 2})
+    assert first.overlap_blocks == 0
+    assert kv.select(RouteRequest("d", prompt(1)), [Target(2)]).overlap_blocks == 8  # the system prompt only
+
+
+def test_a_worker_that_never_sends_kv_events_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "dynamo_cli.routing.kv_policy")
+    clock = Clock()
+    kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK, prefill_tokens_per_s=1000.0), random.Random(1), clock)
+    for i in range(4):
+        kv.select(RouteRequest(f"r{i}", prompt(i)), [Target(0xB1)])
+        kv.on_finish(f"r{i}")
+        clock.now += 5.0
+
+    blind = [r.getMessage() for r in caplog.records if "published no KV events" in r.getMessage()]
+    assert len(blind) == 1 and blind[0].startswith("worker b1 ") and "--kv-events-config" in blind[0]
+    kv.apply_kv_events(stored_batch(0xB1, 0, prompt(1)))
+    assert any("KV events arrive now" in r.getMessage() for r in caplog.records)
+
+
+def test_the_empty_dump_of_a_worker_that_never_published_leaves_it_approximate() -> None:
+    kv = policy()
+    kv.load_dump(KvDump(worker_id=1, last_event_id=-1, block_hashes=[]))  # a join's catch-up: nothing to say
+    kv.load_dump(KvDump(worker_id=2, last_event_id=4, block_hashes=[]))  # it published, then evicted all
+    assert kv.snapshot().precise == frozenset({2})
+
+
+def test_approximate_mode_counts_no_worker_as_precise() -> None:
+    kv = policy(use_kv_events=False)
+    kv.apply_kv_events(stored_batch(1, 0, prompt(1)))
+    assert kv.snapshot().precise == frozenset()
+
+
 def test_stale_requests_can_be_expired() -> None:
     clock = Clock()
     kv = KvRoutingPolicy(KvRouterConfig(block_size=BLOCK), rng=random.Random(0), clock=clock)

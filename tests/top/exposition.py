@@ -41,7 +41,7 @@ class Frontend:
         """/metrics now (as `prometheus()` writes it: the workers' series exported first)."""
         self.metrics.workers.labels(MODEL).set(len(self.workers))
         self.metrics.export_workers(
-            (MODEL, worker(worker_id, role, load, num_inflight))
+            (MODEL, worker(worker_id, role, load, num_inflight), None)
             for worker_id, (role, load, num_inflight) in self.workers.items()
         )
         return generate_latest(self.metrics.registry).decode()
