@@ -9,14 +9,26 @@ server. Sides, alternated in each round, one request at a time (streamed; TTFT =
     dyn_rr                       through a second front, `--router round-robin`: what the front adds, routing aside
 Prints TTFT p50/p90 and e2e p50/p99 per side, and each side's TTFT p50 over direct_rr's.
 
+With `--servers vllm` the servers are two real vLLM CPU servers (`python -m vllm.entrypoints.openai.api_server`, the
+built-in SmolLM2 exported to an HF directory, prefix caching on, a KV cache of `--blocks` 128-token blocks each) that
+publish their KV events over ZMQ, and the dyn sides are:
+    dyn_kv_events                `--router kv` with each backend's events (`--backend URL,kv_events=...,kv_replay=...`)
+    dyn_kv_approx                `--router kv` without them (approximate)
+
     python benchmarks/onramp.py [--rounds 3] [--requests 48] [--groups 8] [--blocks 400] [--json PATH]
+    python benchmarks/onramp.py --servers vllm --blocks 40 --rounds 2 --requests 24
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +40,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import loadavg, serving, write_results  # noqa: E402
+from benchmarks.harness import free_port, loadavg, serving, write_results  # noqa: E402
 
 MODEL = "mock"
 WORDS = "river mountain city garden window letter music paper silver winter morning story bridge ocean field".split()
@@ -98,6 +110,75 @@ def _measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     return samples
 
 
+KV_BYTES_PER_TOKEN = 23040
+"""SmolLM2-135M's KV cache per token in vLLM's CPU build (30 layers x 3 KV heads x 64 x K and V x 2 bytes)."""
+
+
+@contextlib.contextmanager
+def _vllm(where: Path, blocks: int) -> Iterator[tuple[str, str]]:
+    """A vLLM CPU server with `blocks` 128-token KV blocks, its events on ipc endpoints: (its URL, its --backend)."""
+    from dyn_engines.hf_export import hf_model_dir
+
+    port, events, replay = free_port(), f"ipc://{where}-events", f"ipc://{where}-replay"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": replay}
+    flags = ["--model", hf_model_dir("smollm2"), "--served-model-name", MODEL, "--port", str(port)]
+    flags += ["--enforce-eager", "--max-num-seqs", "8", "--max-model-len", "4096", "--enable-prefix-caching"]
+    flags += [
+        "--kv-cache-memory-bytes",
+        str(blocks * 128 * KV_BYTES_PER_TOKEN),
+        "--kv-events-config",
+        json.dumps(config),
+    ]
+    with open(f"{where}.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"vLLM did not come up; see {where}.log")
+        yield url, f"{url},kv_events={events},kv_replay={replay}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _measure_vllm(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """As `_measure`, with two vLLM servers: their events against approximate routing."""
+    tmp = Path(tempfile.mkdtemp())
+    prefixes, rng = _prefixes(args.groups, args.prefix_words), random.Random(1)
+    names = ("direct_rr", "dyn_kv_events", "dyn_kv_approx", "direct_rr_again")
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    with _vllm(tmp / "a", args.blocks) as (a, a_events), _vllm(tmp / "b", args.blocks) as (b, b_events):
+        events = ["--backend", a_events, "--backend", b_events, "--model", "smollm2", "--router", "kv"]
+        approx = ["--backend", a, "--backend", b, "--model", "smollm2", "--router", "kv"]
+        with (
+            serving([*events, "--namespace", "onramp-events"], tmp / "events.log") as front_events,
+            serving([*approx, "--namespace", "onramp-approx"], tmp / "approx.log") as front_approx,
+            httpx.Client(timeout=120) as client,
+        ):
+            spread = _round_robin([a, b])
+            urls = {"dyn_kv_events": lambda: front_events.url, "dyn_kv_approx": lambda: front_approx.url}
+            for _ in range(args.rounds):
+                for name in names:
+                    where = urls.get(name, lambda: next(spread))
+                    prompts = [f"{rng.choice(prefixes)} Question {rng.random():.9f}?" for _ in range(args.requests)]
+                    samples[name] += [_once(client, where(), p, args.max_tokens) for p in prompts]
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -107,10 +188,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=400, help="each server's KV blocks")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--speedup", default="1")
+    parser.add_argument("--servers", choices=("mocker", "vllm"), default="mocker")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     start_load = loadavg()
-    samples = _measure(args)
+    samples = _measure_vllm(args) if args.servers == "vllm" else _measure(args)
     base = statistics.median(t for t, _ in samples["direct_rr"])
     rows = {name: _summary(times, base) for name, times in samples.items()}
     print(f"{'side':<16} {'ttft p50':>9} {'ttft p90':>9} {'e2e p50':>8} {'e2e p99':>8} {'ttft p50 / direct':>18}")
@@ -119,7 +201,7 @@ def main() -> None:
             f"{name:<16} {r['ttft_p50_ms']:9.1f} {r['ttft_p90_ms']:9.1f} {r['e2e_p50_ms']:8.1f} "
             f"{r['e2e_p99_ms']:8.1f} {r['ttft_p50_over_direct']:18.2f}"
         )
-    settings = {k: getattr(args, k) for k in ("groups", "prefix_words", "blocks", "max_tokens", "speedup")}
+    settings = {k: getattr(args, k) for k in ("servers", "groups", "prefix_words", "blocks", "max_tokens", "speedup")}
     write_results("onramp", {"settings": settings, "sides": rows}, args.json, loadavg_start=start_load)
 
 
