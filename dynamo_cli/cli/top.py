@@ -16,7 +16,7 @@ from dynamo_cli.errors import ConfigError
 from dynamo_cli.top.frame import Latency, ModelRow, TopFrame
 from dynamo_cli.top.scrape import MetricsSource, MetricsUnreadable, frame_once, frames
 
-_COLUMNS = ("worker", "role", "running", "waiting", "KV used", "in flight", "requests", "req/s")
+_COLUMNS = ("worker", "role", "running", "waiting", "KV used", "in flight", "requests", "req/s", "KV routing")
 
 
 def command(
@@ -98,9 +98,14 @@ def _summary(model: ModelRow, has_rates: bool) -> Text:
         f"req/s {_rate(model.requests_per_s, has_rates)}  ·  queued {model.num_queued:.0f}  ·  "
         f"in flight {model.num_inflight:.0f}  ·  migrations {model.num_migrations:.0f}\n"
         f"  TTFT {_latency(model.ttft)}   ITL {_latency(model.itl)}{since}\n"
-        f"  disaggregation {disagg}  ·  KV transfer GB/s {gbps}"
+        f"  disaggregation {disagg}  ·  KV transfer GB/s {gbps}  ·  prefix hits {_hits(model.prefix_hits)}"
     )
     return line
+
+
+def _hits(hits: tuple[float, float] | None) -> str:
+    """Achieved of reachable, since start: `41% (reachable 55%)`."""
+    return "-" if hits is None else f"{hits[0]:.0%} (reachable {hits[1]:.0%})"
 
 
 def _workers(model: ModelRow, has_rates: bool) -> Table:
@@ -118,6 +123,7 @@ def _workers(model: ModelRow, has_rates: bool) -> Table:
             f"{w.num_inflight:.0f}",
             f"{w.num_requests:.0f}",
             _rate(w.requests_per_s, has_rates),
+            w.routing,
         )
     return table
 

@@ -70,6 +70,8 @@ class WorkerRow:
     num_requests: float
     """Requests it served part of, since the frontend started."""
     requests_per_s: float
+    routing: str = "-"
+    """How the KV router sees its cache: events | approximate | - (a router that does not route by KV)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,9 @@ class ModelRow:
     """No pull in the interval: `transfer_gbps` is over the whole history."""
     num_migrations: float
     workers: tuple[WorkerRow, ...]
+    prefix_hits: tuple[float, float] | None = None
+    """The KV router's achieved and reachable prefix hits, as fractions of the prompt blocks it routed since the
+    frontend started (None: it routed none, or does not route by KV)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,13 @@ def _model_row(before: MetricsSnapshot | None, now: MetricsSnapshot, model: Mode
         is_transfer_since_start=gbps is None and model.transfer_seconds > 0,
         num_migrations=model.num_migrations,
         workers=tuple(_worker_row(w, before, seconds) for w in workers),
+        prefix_hits=_prefix_hits(model),
     )
+
+
+def _prefix_hits(model: ModelSample) -> tuple[float, float] | None:
+    request, hit, reachable = model.prefix_blocks
+    return (hit / request, reachable / request) if request > 0 else None
 
 
 def _transfer_gbps(now: ModelSample, before: ModelSample | None) -> float | None:
@@ -185,4 +196,9 @@ def _worker_row(worker: WorkerSample, before: MetricsSnapshot | None, seconds: f
         num_inflight=worker.num_inflight,
         num_requests=worker.num_requests,
         requests_per_s=rate(worker.num_requests, then.num_requests if then else None, seconds),
+        routing=ROUTING.get(worker.kv_events, "-"),
     )
+
+
+ROUTING = {1.0: "events", 0.0: "approximate"}
+"""`dynamo_frontend_worker_kv_events` -> how a worker's line names it."""

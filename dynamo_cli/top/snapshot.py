@@ -54,6 +54,8 @@ class WorkerSample:
     """Streams this frontend has open on the worker."""
     num_requests: float
     """Requests the worker served part of, cumulative."""
+    kv_events: float = -1.0
+    """1: the KV router routes to it from its KV events; 0: approximately; -1: not by KV (or not exported)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,8 @@ class ModelSample:
     transfer_seconds: float
     """Time those pulls took (the histogram's sum)."""
     num_migrations: float
+    prefix_blocks: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """The KV router's (request, achieved hit, reachable hit) prompt blocks, cumulative (`dynamo_router_counter`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +177,22 @@ def _model(series: Series, name: str) -> ModelSample:
         transfer_bytes=_total(series, "kv_transfer_bytes_total", name),
         transfer_seconds=_total(series, "kv_transfer_seconds_sum", name),
         num_migrations=_total(series, "model_migration_total", name),
+        prefix_blocks=_router_blocks(series, name),
     )
+
+
+ROUTER_COUNTERS = ("num_request_blocks", "num_hit_blocks", "num_reachable_hit_blocks")
+
+
+def _router_blocks(series: Series, model: str) -> tuple[float, float, float]:
+    """A model's KV router counters in ROUTER_COUNTERS' order (zeros for a router that does not count them)."""
+    counters = {
+        labels.get("name"): value
+        for labels, value in series.get("dynamo_router_counter", ())
+        if labels.get("model") == model
+    }
+    request, hit, reachable = (counters.get(name, 0.0) for name in ROUTER_COUNTERS)
+    return request, hit, reachable
 
 
 def _buckets(series: Series, name: str, model: str, label: str = "model") -> Buckets:
@@ -196,6 +215,7 @@ _WORKER_GAUGES = {
     "active_blocks": "worker_active_decode_blocks",
     "total_blocks": "worker_total_blocks",
     "num_inflight": "worker_inflight_requests",
+    "kv_events": "worker_kv_events",
 }
 """WorkerSample field → the gauge it is read from (`dynamo_frontend_` + name)."""
 
@@ -227,6 +247,7 @@ def _workers(series: Series) -> list[WorkerSample]:
             total_blocks=got.get("total_blocks", 0.0),
             num_inflight=got.get("num_inflight", 0.0),
             num_requests=requests.get((model, worker_id), 0.0) if rank == ranks[model, worker_id][0] else 0.0,
+            kv_events=got.get("kv_events", -1.0),
         )
         for (model, worker_id, rank, role), got in sorted(values.items())
     ]

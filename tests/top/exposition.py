@@ -21,6 +21,8 @@ class Frontend:
     def __init__(self) -> None:
         self.metrics = FrontendMetrics()
         self.workers: dict[int, tuple[Role, LoadMetrics | None, int]] = {}
+        self.precise: frozenset[int] | None = None
+        """The workers the KV router routes from their KV events (None: a router blind to caches)."""
 
     def add_worker(self, worker_id: int, role: Role, load: LoadMetrics | None = None, num_inflight: int = 0) -> None:
         self.workers[worker_id] = (role, load, num_inflight)
@@ -37,11 +39,16 @@ class Frontend:
     def transfer(self, nbytes: int, seconds: float) -> None:
         self.metrics.observe_transfer(MODEL, TransferReport(nbytes=nbytes, seconds=seconds, backend="tcp"))
 
+    def route(self, request_blocks: int, hit_blocks: int, reachable_blocks: int) -> None:
+        """The KV router's counters, as the frontend copies them at a scrape."""
+        counters = {"num_request_blocks": request_blocks, "num_hit_blocks": hit_blocks}
+        self.metrics.export_router(MODEL, {**counters, "num_reachable_hit_blocks": reachable_blocks})
+
     def text(self) -> str:
         """/metrics now (as `prometheus()` writes it: the workers' series exported first)."""
         self.metrics.workers.labels(MODEL).set(len(self.workers))
         self.metrics.export_workers(
-            (MODEL, worker(worker_id, role, load, num_inflight), None)
+            (MODEL, worker(worker_id, role, load, num_inflight), self.precise)
             for worker_id, (role, load, num_inflight) in self.workers.items()
         )
         return generate_latest(self.metrics.registry).decode()

@@ -36,8 +36,8 @@ async def test_the_screen_shows_each_worker_and_the_models_figures_over_the_inte
     frontend.transfer(nbytes=3 * 10**9, seconds=1.0)
     text = drawn(render(frame_between(before, frontend.snapshot(at=2.0)), URL, 2.0))
     assert URL in text
-    decode = re.search(r"^d1\s+decode\s+5\s+2\s+25%\s+0\s+8\s+4\.0$", text, re.MULTILINE)
-    prefill = re.search(r"^e2\s+prefill\s+0\s+0\s+0%\s+1\s+4\s+2\.0$", text, re.MULTILINE)
+    decode = re.search(r"^d1\s+decode\s+5\s+2\s+25%\s+0\s+8\s+4\.0\s+-$", text, re.MULTILINE)
+    prefill = re.search(r"^e2\s+prefill\s+0\s+0\s+0%\s+1\s+4\s+2\.0\s+-$", text, re.MULTILINE)
     assert decode and prefill, text
     assert text.index("d1 ") < text.index("e2 ")  # prefill workers last
     assert "req/s 6.0" in text and "queued 3" in text, text
@@ -54,7 +54,19 @@ async def test_the_first_frame_has_no_rates_and_an_error_is_shown_above_the_last
     text = drawn(render(first, URL, 2.0, error="cannot read the frontend: ConnectError"))
     assert re.search(r"^error: cannot read the frontend: ConnectError \(retrying\)$", text, re.MULTILINE), text
     assert "req/s -" in text and "(since start)" in text
-    assert re.search(r"^d1\s+both\s+0\s+0\s+-\s+0\s+1\s+-$", text, re.MULTILINE), text
+    assert re.search(r"^d1\s+both\s+0\s+0\s+-\s+0\s+1\s+-\s+-$", text, re.MULTILINE), text
+
+
+async def test_each_workers_kv_routing_and_the_routers_prefix_hits_against_the_reachable_are_shown() -> None:
+    frontend = Frontend()
+    frontend.add_worker(0xA1, Role.BOTH)
+    frontend.add_worker(0xB2, Role.BOTH)
+    frontend.precise = frozenset({0xA1})  # its KV events reach the router; b2's do not
+    frontend.route(request_blocks=200, hit_blocks=82, reachable_blocks=110)
+    text = drawn(render(frame_between(None, frontend.snapshot(at=0.0)), URL, 2.0), width=120)
+    assert re.search(r"^a1\s+both\s.*\sevents$", text, re.MULTILINE), text
+    assert re.search(r"^b2\s+both\s.*\sapproximate$", text, re.MULTILINE), text
+    assert "prefix hits 41% (reachable 55%)" in text, text
 
 
 def test_before_any_reading_only_the_error_is_shown() -> None:
