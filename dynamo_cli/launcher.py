@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from dynamo_cli.backend_file import BackendFile
 from dynamo_cli.config import PlanesConfig, RouterConfig, ServeConfig, WorkerConfig, backend_options, child_command
 from dynamo_cli.core.registry import Worker
 from dynamo_cli.engine import EngineArgs, Role
@@ -192,6 +193,8 @@ class Deployment:
         """`--planner`: the connector that owns the workers (else the pool supervises them)."""
         self.served: set[str] = set()
         """The models served once ready: a request for one while its worker restarts is a 503, not a 404."""
+        self.backend_file: BackendFile | None = None
+        """`--backend-file`: the workers of the backends it lists, kept in step with it."""
 
     async def run(self, plan: ServePlan | None) -> None:
         """Start the workers, then the frontend (and the planner); serve until the stop. The caller stops the pools."""
@@ -199,7 +202,11 @@ class Deployment:
         # The workers first: they start (~0.8 s) while this process imports and builds the frontend (~1 s on 2 cores),
         # not after it; they register in discovery, where the frontend's registry finds them when it starts.
         self.connector = await _start_workers(self.config, self.pools.workers, self.planes, planned=plan is not None)
+        if self.config.backend_file:
+            self.backend_file = _backend_file(self.config, self.planes, self.pools.workers)
         try:
+            if self.backend_file is not None:
+                await self.backend_file.sync(supervise=False)  # supervised once ready, as the other workers
             from dynamo_cli.batch.service import batch_service
             from dynamo_cli.frontend.server import FrontendService, bind_socket
 
@@ -215,11 +222,14 @@ class Deployment:
         finally:
             if self.connector is not None:
                 await self.connector.close()
+            if self.backend_file is not None:
+                await self.backend_file.close()
 
     async def _serve(self, service: FrontendService, sock: socket.socket, planner: _PlannerLoops | None) -> None:
         config, pools = self.config, self.pools
         url = f"{config.frontend.scheme}://{config.frontend.advertised_host}:{sock.getsockname()[1]}"
         expected = config.num_workers + config.num_prefill_workers + config.num_encode_workers
+        expected += len(self.backend_file.backends) if self.backend_file is not None else 0
         if config.num_routers:  # `--router remote --routers N`: the frontend's registry holds the routers
             router = replace(config.router_config(), planes=self.planes)
             for i in range(config.num_routers):
@@ -245,11 +255,15 @@ class Deployment:
         this frontend, wait for the others, then the ready line."""
         config, pools = self.config, self.pools
         procs = pools.workers.procs + (self.connector.processes() if self.connector is not None else [])
+        procs += self.backend_file.procs if self.backend_file is not None else []
         await _wait_ready(service, procs, expected, config.ready_timeout_s)
         if config.num_routers:  # the frontend sees only the routers: count the workers behind them
             await _wait_backends(service, config, pools.workers.procs)
         self.served.update(service.registry.models)
         tasks.spawn(pools.workers.supervise())
+        if self.backend_file is not None:
+            self.backend_file.supervise()
+            tasks.spawn(self.backend_file.watch())
         if planner is not None:
             tasks.spawn(planner[1]())  # the workers' load, from the event plane
             tasks.spawn(planner[0].run(self.stop))
@@ -263,7 +277,8 @@ class Deployment:
         await _wait_frontends(self.discovery, config, pools.frontends, url)
         tasks.spawn(pools.frontends.supervise())
         grpc = f", kserve grpc {service.kserve_address}" if service.kserve_address is not None else ""
-        announce(ready_line("serve", f"{url} ({_workers_text(config)}, router {config.frontend.router}{grpc})"))
+        workers = _workers_text(config, len(self.backend_file.backends) if self.backend_file is not None else 0)
+        announce(ready_line("serve", f"{url} ({workers}, router {config.frontend.router}{grpc})"))
 
     def _planner(self, plan: ServePlan, profile: Profile, service: FrontendService) -> _PlannerLoops:
         """The planner on this frontend's own metrics registry (no HTTP), this deployment's workers and their load;
@@ -318,6 +333,12 @@ async def _start_workers(
         port = _child_port(config, config.num_workers + i)
         await _spawn(pool, _system_port(_own_disk_dir(prefill, f"prefill-{i}"), port), config.nodes_per_worker)
     return None
+
+
+def _backend_file(config: ServeConfig, planes: PlanesConfig, pool: ProcessPool) -> BackendFile:
+    """`--backend-file`'s watch: its workers as the pool's (any free system port each, with --system-port)."""
+    worker = _system_port(replace(config.worker, planes=planes), 0 if _base_port(config) is not None else None)
+    return BackendFile(Path(config.backend_file or ""), worker, pool.policy, pool.env)
 
 
 def _base_port(config: ServeConfig) -> int | None:
@@ -408,10 +429,10 @@ async def _wait_frontends(discovery: Discovery, config: ServeConfig, pool: Proce
         await asyncio.sleep(0.1)
 
 
-def _workers_text(config: ServeConfig) -> str:
+def _workers_text(config: ServeConfig, backends: int = 0) -> str:
     encode = f"{config.num_encode_workers} encode + " if config.num_encode_workers else ""
     if not config.num_prefill_workers:
-        return f"{encode}{config.num_workers} workers"
+        return f"{encode}{config.num_workers + backends} workers"
     policy = config.frontend.disagg.policy
     return f"{encode}{config.num_prefill_workers} prefill + {config.num_workers} decode workers, disagg {policy}"
 

@@ -32,6 +32,8 @@ Layers, lowest first; each may import the ones listed for it in ALLOWED and its 
                                 engine through the contract to profile it (the contract, runtime); its
                                 simulator takes the mocker's pass times (timing)
     process_pool                restarts `dyn serve`'s child processes (nothing of dyn)
+    backend_file                `dyn serve --backend-file`: a worker per backend a file lists (config, errors,
+                                process_pool)
     monitoring                  Prometheus scrape config, alerting rules, Grafana dashboard (errors, config)
     top                         `dyn top`'s view of a deployment: a frontend's /metrics over HTTP (errors)
     k8s                         Kubernetes objects of a deployment, and its status read from a cluster (errors,
@@ -73,6 +75,7 @@ _EVERYTHING = {
     "launcher",
     "bench",
     "process_pool",
+    "backend_file",
     "planner",
     "monitoring",
     "top",
@@ -108,6 +111,7 @@ ALLOWED: dict[str, set[str]] = {
     "planner": _CONTRACT
     | {"runtime", "timing", "k8s", "settings"},  # k8s: the API client its Kubernetes connector calls
     "process_pool": set(),  # child-process restarts for `dyn serve`: asyncio only
+    "backend_file": {"errors", "config", "process_pool"},  # the command lines of its workers, and their pools
     "monitoring": {"errors", "config"},  # scrape config, alerting rules, dashboard: text generated from code
     "top": {"errors"},  # `dyn top`: a frontend's /metrics over HTTP, none of the frontend's code
     # Kubernetes objects as plain dicts and `dyn k8s status`'s reading of a cluster: the pods' command lines come

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dynamo_cli.backend_file import read_backends
 from dynamo_cli.cli import options as o
 from dynamo_cli.cli import settings
 from dynamo_cli.config import (
@@ -184,21 +185,26 @@ def deployment(
         (ServeConfig, "num_workers"): num_decode,
         (ServeConfig, "num_prefill_workers"): prefill if disagg else 0,
     }
-    if backends:  # one http-engine worker each; one whose backend publishes no KV events is routed approximately
+    if backends is not None:  # one http-engine worker each; one that publishes no KV events is routed approximately
         given[(WorkerConfig, "engine")] = "http"
-        given[(ServeConfig, "num_workers")] = len(backends)
+        given[(ServeConfig, "num_workers")] = 0 if values.get("backend_file") else len(backends)
     return settings.build(ServeConfig, values, knobs, given), plan
 
 
-def _backends(values: dict[str, Any], disagg: bool) -> list[str]:
-    """The `--backend` URLs, when the flags around them fit (each backend prefills and decodes itself)."""
-    backends = list(values.get("backend") or [])
-    if backends and (disagg or values["engine"] not in (DEFAULT_ENGINE, "http")):
+def _backends(values: dict[str, Any], disagg: bool) -> list[str] | None:
+    """The `--backend` specs (`--backend-file`'s now, each started by the launcher's watch), when the flags around
+    them fit (each backend prefills and decodes itself); None: no backends, dyn's own workers."""
+    backends, path = list(values.get("backend") or []), values.get("backend_file")
+    if path and backends:
+        raise ConfigError("--backend-file lists the backends: drop --backend")
+    if not backends and not path:
+        return None
+    if disagg or values["engine"] not in (DEFAULT_ENGINE, "http"):
         flag = "--disagg" if disagg else f"--engine {values['engine']}"
         raise ConfigError(f"--backend routes to engine servers that run on their own: drop {flag}")
     for spec in backends:
         backend_options(spec)  # a malformed one is refused here, not by its worker
-    return backends
+    return read_backends(Path(path)) if path else backends
 
 
 def _plan(

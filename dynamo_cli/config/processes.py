@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -174,6 +175,9 @@ class ServeConfig:
     """An OpenAI-compatible server to route to (repeatable; instead of --workers): vLLM, SGLang, llama.cpp's server,
     another `dyn serve`. Each gets a worker of its own (`--engine http`) that forwards to it. `URL,KEY=VALUE,...` gives
     that worker engine options of its own: `http://h:8000,kv_events=tcp://h:5557,kv_replay=tcp://h:5558`."""
+    backend_file: str | None = setting(None, "--backend-file", env="DYN_BACKEND_FILE", panel=ROUTING)
+    """A file of backends, one `--backend` a line (`#` comments), instead of --backend: read again every 2 s, a line
+    added starts its worker, a line removed stops it (backend_file.py)."""
     num_frontends: int = setting(1, "--frontends", env="DYN_FRONTENDS", panel=HTTP)
     """Frontend processes sharing the HTTP port (SO_REUSEPORT) and their routers' in-flight load.
 
@@ -262,6 +266,9 @@ def config_document(kind: type[ChildConfig], environ: Mapping[str, str] | None =
 def backend_options(spec: str) -> dict[str, str]:
     """A `--backend URL,KEY=VALUE,...`'s engine options for its worker: `url` and the pairs after it."""
     url, *pairs = spec.split(",")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--backend {spec}: the URL comes first, http(s)://HOST[:PORT]")
     options = {"url": url.strip()}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -109,3 +109,27 @@ def test_a_backend_that_dies_is_routed_around_and_let_back_in(dyn_serve) -> None
     started = time.monotonic()
     assert _client(front).completions.create(model="tiny", prompt=prompt, max_tokens=2).choices[0].text
     assert time.monotonic() - started < 5
+
+
+def test_a_backend_file_is_followed_as_lines_come_and_go(  # type: ignore[no-untyped-def]
+    dyn_serve, backends: list[DynProcess], tmp_path
+) -> None:
+    listed = tmp_path / "backends.txt"
+    listed.write_text(f"# the fleet\n{backends[0].url}\n")
+    front = dyn_serve("--backend-file", str(listed), "--router", "kv", "--model", "smollm2", env=BACKEND_KEY)
+    assert "1 workers, router kv" in "\n".join(front.lines)
+
+    def workers() -> float:
+        return _metric(front, "dynamo_frontend_workers{")
+
+    listed.write_text(f"# the fleet\n{backends[0].url}\n{backends[1].url}  # added\n")
+    assert wait_until(lambda: workers() == 2, timeout=30)
+    listed.write_text(f"{backends[1].url}\n")  # the first taken away
+    assert wait_until(lambda: workers() == 1, timeout=30)
+    before = [_served(b) for b in backends]
+    for _ in range(3):
+        assert _client(front).completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text
+    assert [_served(b) - n for b, n in zip(backends, before, strict=True)] == [0, 3]  # only the one listed
+    listed.write_text(f"{backends[1].url}\nftp://nowhere\n")  # a bad line: the backends stay as they are
+    assert wait_until(lambda: "line 2" in "\n".join(front.lines), timeout=10)
+    assert workers() == 1
