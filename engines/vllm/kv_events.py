@@ -68,6 +68,8 @@ MAX_BATCH_BYTES = 64 << 20
 """The largest engine batch read (a bigger message drops its sender's connection)."""
 REPLAY_TIMEOUT_S = 2.0
 """The longest wait for the next frame of a replay; past it the replay is given up (its blocks are orphans)."""
+MAX_REPLAYED = 1 << 17
+"""The most batches one replay relays (vLLM buffers 10,000 by default)."""
 _MAX_RANKS = 1024
 """The widest data-parallel engine a batch may name a rank of."""
 _END = -1
@@ -409,8 +411,12 @@ class ZmqKvRelay:
         try:
             dealer.connect(rank_endpoint(self._replay, rank))
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+            for _ in range(MAX_REPLAYED):
+                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                    break
                 frames = await dealer.recv_multipart()
+                if len(frames) < 2:
+                    continue  # not a replay frame
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == _END or (stop is not None and seq >= stop):
                     self._next_seq.setdefault(rank, start)  # an empty buffer: the publisher's next is `start`
@@ -420,7 +426,11 @@ class ZmqKvRelay:
                     self.num_replayed += 1
                     self.handle_payload(frames[-1], rank)
             logger.warning(
-                "kv events: rank %d's replay from %d did not answer in %.0f s", rank, start, REPLAY_TIMEOUT_S
+                "kv events: rank %d's replay from %d did not end in %d batches, %.0f s apart at most",
+                rank,
+                start,
+                MAX_REPLAYED,
+                REPLAY_TIMEOUT_S,
             )
         finally:
             dealer.close(linger=0)

@@ -154,3 +154,16 @@ async def test_vllms_own_publisher_is_replayed_from_its_buffer_and_then_read_liv
         await relay.close()
     finally:
         vllm.shutdown()
+
+
+async def test_a_replay_of_bytes_that_are_no_batch_drops_them_and_reads_on(publisher: Publisher) -> None:
+    await publisher.send(b"\xc1", publish=False)  # in the buffer: no batch
+    await publisher.send(payload(stored([4, 4, 4, 4])), publish=False)
+    relay = await relay_of(publisher.endpoint, publisher.replay)
+    [replayed] = await take(relay, 1)
+    assert first_blocks(replayed) == sequence_hashes([4, 4, 4, 4], BLOCK) and relay.num_malformed == 1
+    await subscribed(publisher)
+    await publisher.send(payload(stored([5, 5, 5, 5])))
+    [live] = await take(relay, 1)
+    assert first_blocks(live) == sequence_hashes([5, 5, 5, 5], BLOCK)
+    await relay.close()
