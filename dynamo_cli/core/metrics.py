@@ -8,6 +8,7 @@ keeps; the frontend's `FrontendMetrics` (prefix `dynamo_frontend`) and `dyn rout
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -125,6 +126,23 @@ class RouterMetrics(DispatchSeries):
         self.kv_hit_rate = Histogram(
             f"{prefix}_kv_hit_rate", "Prompt blocks cached on the chosen worker", ["model"], buckets=_RATIO, registry=r
         )
+        self.kv_events = Gauge(
+            f"{prefix}_worker_kv_events",
+            "1: routed from the worker's KV events; 0: approximately (none arrive); -1: not routed by KV",
+            ["model", "worker_id"],
+            registry=r,
+        )
+        self._kv_modes: set[tuple[str, int]] = set()
+
+    def export_kv_modes(self, model: str, workers: Iterable[int], precise: frozenset[int] | None) -> None:
+        """Each of a model's workers' KV routing mode (`PolicySnapshot.precise`); a worker gone loses its series."""
+        now = {(model, worker_id) for worker_id in workers}
+        for worker_id in workers:
+            mode = -1 if precise is None else int(worker_id in precise)
+            self.kv_events.labels(model, f"{worker_id:x}").set(mode)
+        for gone, worker_id in {key for key in self._kv_modes if key[0] == model} - now:
+            self.kv_events.remove(gone, f"{worker_id:x}")
+        self._kv_modes = {key for key in self._kv_modes if key[0] != model} | now
 
     def observe_request(
         self, model: str, status: str, prompt: int, output: int, ttft: float | None, duration: float, hit: float

@@ -292,6 +292,7 @@ class RouterService:
         for entry in self.registry.models.values():
             self.metrics.workers.labels(entry.name).set(len(entry.workers))
             self.metrics.queued.labels(entry.name).set(len(entry.queue))
+            self.metrics.export_kv_modes(entry.name, list(entry.workers), entry.policy.snapshot().precise)
 
     async def health(self) -> HealthReport:
         """Ready when registered with at least one backend to route to."""

@@ -83,6 +83,9 @@ def test_serve_children_count_requests_and_a_draining_worker_answers_503(dyn_ser
     routed = _get(router, "/metrics").text
     assert _series(routed, "dynamo_component_router_requests_total", status="success") == 5
     assert _series(routed, "dynamo_component_requests_total", dynamo_endpoint="generate") == 5
+    client.completions.create(model="smollm2", prompt="hello there " * 100, max_tokens=1)  # full blocks: KV events
+    kv_events = "dynamo_component_router_worker_kv_events"
+    assert wait_until(lambda: _series(_get(router, "/metrics").text, kv_events, model="smollm2") == 1, timeout=10)
 
     # A long stream holds the worker while it drains: SIGTERM deregisters it, and /health says so.
     # 600 tokens: about 3.5 s at the mocker's speed, far longer than the probe needs to see it draining.
