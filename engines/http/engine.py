@@ -12,23 +12,35 @@ decisions stand in for the cache). The router's block size is the backend's wher
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 
 from dynamo_cli.engine import EngineArgs, EngineInfo, Feature, Role, check_request, check_token_ids
 from dynamo_cli.errors import BackendUnavailable, ConfigError, DynError, RequestError
 from dynamo_cli.kv.events import KvEventBatch
 from dynamo_cli.model.paths import model_vocab_size, resolve_model_path
 from dynamo_cli.model.tokenizer import Tokenizer, load_tokenizer
-from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics
+from dynamo_cli.wire import GenerateChunk, GenerateRequest, LoadMetrics, SamplingParams, TokenLogprob
 
 from .events import BackendEvents
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS, HttpOptions
 from .scrape import Scraper
-from .upstream import FINISH_REASONS, Dialect, Event, Model, completion_body, events, models_of, refusal
+from .upstream import (
+    FINISH_REASONS,
+    Dialect,
+    Event,
+    Model,
+    completion_body,
+    events,
+    models_of,
+    refusal,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +118,8 @@ class HttpEngine:
             eos_token_ids=self._tokenizer.eos_token_ids,
             vocab_size=model_vocab_size(source),
             extra={"backend": self.options.url, "dialect": "token_ids" if self._dialect.token_ids else "text"},
-            features=frozenset({Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P}),
+            features=frozenset({Feature.PENALTIES, Feature.LOGIT_BIAS, Feature.MIN_P})
+            | ({Feature.LOGPROBS} if self._dialect.logprobs else set()),
         )
 
     def _block_size(self, stated: int | None) -> int:
@@ -168,7 +181,14 @@ class HttpEngine:
                     f"the backend at {self.options.url} refuses a completion of token ids: {exc}"
                 ) from None
             return text
-        return exact if any(chunk.token_ids for chunk in chunks) else text
+        if not any(chunk.token_ids for chunk in chunks):
+            return text
+        scored = Dialect(token_ids=True, logprobs=True)
+        probe = msgspec.structs.replace(probe, sampling=SamplingParams(logprobs=1))
+        with contextlib.suppress(RequestError, BackendUnavailable):  # logprobs not named by id: not forwarded
+            if any(chunk.logprobs for chunk in [chunk async for chunk in self._forward(probe, scored)]):
+                return scored
+        return exact
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The backend's stream of `request`; closing this iterator closes the HTTP request (the backend aborts)."""
@@ -195,7 +215,7 @@ class HttpEngine:
                 async for event in events(response):
                     token_ids = self._token_ids(event, dialect)
                     if token_ids:
-                        yield GenerateChunk(token_ids=token_ids)
+                        yield GenerateChunk(token_ids=token_ids, logprobs=self._logprobs(event, request, token_ids))
                     reason = next((c.finish_reason for c in event.choices if c.finish_reason), reason)
                     cached = event.cached_tokens if event.cached_tokens is not None else cached
         except httpx.HTTPError as exc:
@@ -203,6 +223,16 @@ class HttpEngine:
         if reason is None:
             raise BackendUnavailable(f"the backend at {self.options.url} ended a stream without a finish reason")
         yield GenerateChunk(token_ids=[], finish_reason=FINISH_REASONS.get(reason, "stop"), num_cached_tokens=cached)
+
+    def _logprobs(self, event: Event, request: GenerateRequest, token_ids: list[int]) -> list[TokenLogprob] | None:
+        """The piece's logprobs, where the request asked for them (the logprobs dialect: named by token id)."""
+        top_n = request.sampling.logprobs
+        if top_n is None or not event.choices:
+            return None
+        logprobs = event.choices[0].logprobs
+        if logprobs is None:
+            raise BackendUnavailable(f"the backend at {self.options.url} sent a piece without the logprobs asked for")
+        return token_logprobs(logprobs, len(token_ids), top_n)
 
     def _token_ids(self, event: Event, dialect: Dialect) -> list[int]:
         """The event's new token ids: the backend's own, or its text tokenized again; ids outside the vocabulary

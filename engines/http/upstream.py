@@ -17,7 +17,7 @@ import httpx
 import msgspec
 
 from dynamo_cli.errors import BackendUnavailable, DynError, RequestError
-from dynamo_cli.wire import GenerateRequest
+from dynamo_cli.wire import GenerateRequest, TokenLogprob
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 """The longest line of a backend's event stream taken (a piece, its token ids, its usage)."""
@@ -36,12 +36,45 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "can
 class Dialect:
     token_ids: bool
     """The backend returns each piece's token ids when asked (`return_token_ids`)."""
+    logprobs: bool = False
+    """It also names the tokens of its logprobs by id when asked (vLLM's `return_tokens_as_token_ids`)."""
+
+
+class Logprobs(msgspec.Struct):
+    """A piece's logprobs in the completions API's shape, its tokens named `token_id:N`."""
+
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
 
 
 class Choice(msgspec.Struct):
     text: str = ""
     token_ids: list[int] | None = None
     finish_reason: str | None = None
+    logprobs: Logprobs | None = None
+
+
+TOKEN_ID = "token_id:"
+
+
+def token_logprobs(logprobs: Logprobs, count: int, top_n: int) -> list[TokenLogprob]:
+    """One TokenLogprob per token of a piece of `count` tokens, the `top_n` most likely of each position first;
+    BackendUnavailable when the backend's do not add up (another count, a token not named by id)."""
+    tops = logprobs.top_logprobs or [None] * len(logprobs.token_logprobs)
+    if not (len(logprobs.token_logprobs) == len(tops) == count):
+        raise BackendUnavailable(f"logprobs for {len(logprobs.token_logprobs)} tokens in a piece of {count}")
+    out = []
+    for chosen, top in zip(logprobs.token_logprobs, tops, strict=True):
+        ranked = sorted(((_token_id(t), lp) for t, lp in (top or {}).items()), key=lambda p: -p[1])
+        out.append(TokenLogprob(logprob=chosen if chosen is not None else float("-inf"), top=ranked[:top_n]))
+    return out
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(TOKEN_ID) or not token[len(TOKEN_ID) :].isdigit():
+        raise BackendUnavailable(f"a logprob of token {token[:40]!r}, not named by id")
+    return int(token[len(TOKEN_ID) :])
 
 
 class PromptDetails(msgspec.Struct):
@@ -106,6 +139,8 @@ def completion_body(request: GenerateRequest, model: str, dialect: Dialect) -> d
     body.update({name: value for name, (value, default) in optional.items() if value != default})
     if dialect.token_ids:
         body["return_token_ids"] = True
+    if s.logprobs is not None and dialect.logprobs:
+        body |= {"logprobs": s.logprobs, "return_tokens_as_token_ids": True}
     return body
 
 

@@ -133,3 +133,16 @@ def test_vllms_kv_events_reach_the_router_which_then_routes_to_it_precisely(fron
     log = "\n".join(front.lines)
     assert "published no KV events" not in log and "match none of the prompts" not in log
     assert "--block-size" not in log  # the router's block size is vLLM's, read from its /metrics
+
+
+def test_logprobs_through_dyn_are_vllms_own(front: DynProcess, vllm_url: str) -> None:
+    ask = {"model": "smol", "messages": QUESTION, "max_tokens": 6, "temperature": 0.0, "logprobs": True}
+    ask |= {"top_logprobs": 2}
+    direct = _client(vllm_url).chat.completions.create(**ask)  # type: ignore[call-overload]
+    through = _client(front.url, front.api_key).chat.completions.create(**ask)  # type: ignore[call-overload]
+    ours, theirs = through.choices[0].logprobs, direct.choices[0].logprobs
+    assert ours is not None and theirs is not None and ours.content and theirs.content
+    assert [t.token for t in ours.content] == [t.token for t in theirs.content]
+    for mine, vllms in zip(ours.content, theirs.content, strict=True):
+        assert abs(mine.logprob - vllms.logprob) < 1e-3  # the backend's own numbers, relayed
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in vllms.top_logprobs]

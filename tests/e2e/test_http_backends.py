@@ -133,3 +133,9 @@ def test_a_backend_file_is_followed_as_lines_come_and_go(  # type: ignore[no-unt
     listed.write_text(f"{backends[1].url}\nftp://nowhere\n")  # a bad line: the backends stay as they are
     assert wait_until(lambda: "line 2" in "\n".join(front.lines), timeout=10)
     assert workers() == 1
+
+
+def test_logprobs_from_backends_that_do_not_name_them_by_id_are_a_400_naming_the_field(front: DynProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:  # dyn's backends do not take return_tokens_as_token_ids
+        _client(front).completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=1)
+    assert "logprobs" in str(refused.value)

@@ -336,3 +336,69 @@ async def test_kv_events_that_match_none_of_the_prompts_sent_are_named_in_a_warn
     [warning] = [r.getMessage() for r in caplog.records if "match none of the prompts" in r.getMessage()]
     assert publisher.endpoint in warning and backend.url in warning
     await engine.stop()
+
+
+def scored(names: str = "token_id:{}") -> Answer:
+    """A vLLM-like backend that also gives logprobs, its tokens named as `names` says."""
+
+    def answer(body: dict[str, Any]) -> bytes:
+        ids = [[42], [43, 44]]
+        pieces = [piece(" a", ids[0]), piece(" b c", ids[1], "length")]
+        if body.get("logprobs") is not None:
+            for p, tokens in zip(pieces, ids, strict=True):
+                top = [
+                    {names.format(t): -1.0, names.format(t + 100): -0.5, names.format(t + 200): -3.0} for t in tokens
+                ]
+                p["choices"][0]["logprobs"] = {
+                    "token_logprobs": [-1.0] * len(tokens),
+                    "tokens": [],
+                    "top_logprobs": top,
+                }
+        return sse(*pieces, USAGE, "[DONE]")
+
+    return answer
+
+
+async def test_logprobs_named_by_token_id_are_forwarded_most_likely_first(backend: Backend) -> None:
+    from dynamo_cli.engine import Feature
+
+    backend.answer = scored()
+    engine = _engine(backend.url)
+    info = await engine.start()
+    assert Feature.LOGPROBS in info.features and backend.bodies[-1]["return_tokens_as_token_ids"]  # probed
+    chunks = await _run(engine, _request(logprobs=2))
+    first = chunks[0].logprobs
+    assert first is not None and first[0].logprob == -1.0 and first[0].top == [(142, -0.5), (42, -1.0)]
+    assert chunks[1].logprobs is not None and len(chunks[1].logprobs) == 2 and chunks[-1].logprobs is None
+    assert backend.bodies[-1]["logprobs"] == 2
+    await _run(engine, _request())
+    assert "logprobs" not in backend.bodies[-1]  # not asked: not sent
+    await engine.stop()
+
+
+async def test_a_backend_whose_logprobs_are_not_named_by_id_serves_without_them(backend: Backend) -> None:
+    from dynamo_cli.engine import Feature
+
+    backend.answer = scored("{}")  # tokens as text, not `token_id:N`
+    engine = _engine(backend.url)
+    info = await engine.start()
+    assert Feature.LOGPROBS not in info.features and info.extra["dialect"] == "token_ids"
+    await engine.stop()
+
+
+async def test_logprobs_that_do_not_add_up_fail_the_request_alone(backend: Backend) -> None:
+    engine = _engine(backend.url)
+    backend.answer = scored()
+    await engine.start()
+
+    def short(body: dict[str, Any]) -> bytes:
+        p = piece(" b c", [43, 44], "length")
+        p["choices"][0]["logprobs"] = {"token_logprobs": [-1.0], "top_logprobs": [{"token_id:43": -1.0}]}
+        return sse(p, "[DONE]")
+
+    backend.answer = short
+    with pytest.raises(BackendUnavailable, match="logprobs for 1 tokens in a piece of 2"):
+        await _run(engine, _request(logprobs=1))
+    backend.answer = scored()
+    assert (await _run(engine, _request(logprobs=1)))[0].logprobs is not None  # serving on
+    await engine.stop()
