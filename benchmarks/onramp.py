@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import signal
+import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,14 +80,26 @@ def _summary(times: list[tuple[float, float]], base: float | None) -> dict[str, 
     }
 
 
+def _rounds(
+    args: argparse.Namespace, client: httpx.Client, servers: list[str], fronts: dict[str, str], names: tuple[str, ...]
+) -> dict[str, list[tuple[float, float]]]:
+    """Each side's (TTFT, e2e) samples, the sides alternated in each round: a side named in `fronts` goes through
+    that front, the others round-robin over `servers` themselves."""
+    prefixes, rng, spread = _prefixes(args.groups, args.prefix_words), random.Random(1), _round_robin(servers)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            prompts = [f"{rng.choice(prefixes)} Question {rng.random():.9f}?" for _ in range(args.requests)]
+            samples[name] += [_once(client, fronts.get(name) or next(spread), p, args.max_tokens) for p in prompts]
+    return samples
+
+
 def _measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     """Each side's (TTFT, e2e) samples, the sides alternated in each round."""
     tmp = Path(tempfile.mkdtemp())
     server = ["--engine", "mocker", "--served-model-name", MODEL, "--speedup-ratio", args.speedup]
     server += ["--num-gpu-blocks", str(args.blocks)]
-    prefixes, rng = _prefixes(args.groups, args.prefix_words), random.Random(1)
     names = ("direct_rr", "dyn_kv", "dyn_rr", "direct_rr_again")
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     with (
         serving([*server, "--namespace", "onramp-a"], tmp / "a.log") as a,
         serving([*server, "--namespace", "onramp-b"], tmp / "b.log") as b,
@@ -100,14 +110,7 @@ def _measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
             serving([*backends, "--router", "round-robin"], tmp / "rr.log") as rr,
             httpx.Client(timeout=60) as client,
         ):
-            spread = _round_robin([a.url, b.url])
-            urls = {"dyn_kv": lambda: kv.url, "dyn_rr": lambda: rr.url}
-            for _ in range(args.rounds):
-                for name in names:
-                    where = urls.get(name, lambda: next(spread))
-                    prompts = [f"{rng.choice(prefixes)} Question {rng.random():.9f}?" for _ in range(args.requests)]
-                    samples[name] += [_once(client, where(), p, args.max_tokens) for p in prompts]
-    return samples
+            return _rounds(args, client, [a.url, b.url], {"dyn_kv": kv.url, "dyn_rr": rr.url}, names)
 
 
 KV_BYTES_PER_TOKEN = 23040
@@ -119,6 +122,8 @@ def _vllm(where: Path, blocks: int) -> Iterator[tuple[str, str]]:
     """A vLLM CPU server with `blocks` 128-token KV blocks, its events on ipc endpoints: (its URL, its --backend)."""
     from dyn_engines.hf_export import hf_model_dir
 
+    from benchmarks.engine_vllm import Server
+
     port, events, replay = free_port(), f"ipc://{where}-events", f"ipc://{where}-replay"
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": replay}
     flags = ["--model", hf_model_dir("smollm2"), "--served-model-name", MODEL, "--port", str(port)]
@@ -129,38 +134,19 @@ def _vllm(where: Path, blocks: int) -> Iterator[tuple[str, str]]:
         "--kv-events-config",
         json.dumps(config),
     ]
-    with open(f"{where}.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags]
+    server = Server("vllm serve", argv, f"http://127.0.0.1:{port}", re.compile(r"Application startup complete"))
     try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"vLLM did not come up; see {where}.log")
-        yield url, f"{url},kv_events={events},kv_replay={replay}"
+        server.wait_ready(300)
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port},kv_events={events},kv_replay={replay}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        server.stop()
 
 
 def _measure_vllm(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     """As `_measure`, with two vLLM servers: their events against approximate routing."""
     tmp = Path(tempfile.mkdtemp())
-    prefixes, rng = _prefixes(args.groups, args.prefix_words), random.Random(1)
     names = ("direct_rr", "dyn_kv_events", "dyn_kv_approx", "direct_rr_again")
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     with _vllm(tmp / "a", args.blocks) as (a, a_events), _vllm(tmp / "b", args.blocks) as (b, b_events):
         events = ["--backend", a_events, "--backend", b_events, "--model", "smollm2", "--router", "kv"]
         approx = ["--backend", a, "--backend", b, "--model", "smollm2", "--router", "kv"]
@@ -169,14 +155,8 @@ def _measure_vllm(args: argparse.Namespace) -> dict[str, list[tuple[float, float
             serving([*approx, "--namespace", "onramp-approx"], tmp / "approx.log") as front_approx,
             httpx.Client(timeout=120) as client,
         ):
-            spread = _round_robin([a, b])
-            urls = {"dyn_kv_events": lambda: front_events.url, "dyn_kv_approx": lambda: front_approx.url}
-            for _ in range(args.rounds):
-                for name in names:
-                    where = urls.get(name, lambda: next(spread))
-                    prompts = [f"{rng.choice(prefixes)} Question {rng.random():.9f}?" for _ in range(args.requests)]
-                    samples[name] += [_once(client, where(), p, args.max_tokens) for p in prompts]
-    return samples
+            fronts = {"dyn_kv_events": front_events.url, "dyn_kv_approx": front_approx.url}
+            return _rounds(args, client, [a, b], fronts, names)
 
 
 def main() -> None:

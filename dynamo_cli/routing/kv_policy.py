@@ -131,7 +131,8 @@ class KvRoutingPolicy:
         self._rounds = Rounds()
         """Deals near-ties (time cost) in rounds."""
         self._precise: set[int] = set()
-        """Workers whose KV events arrived: routed from the index; the others from the router's own decisions."""
+        """Workers whose KV events arrived (none in approximate mode, which reads no events): routed from the
+        index; the others from the router's own decisions."""
         self._blind_since: dict[int, float] = {}
         """Worker -> when a prompt with full blocks was first routed to it while it had sent no events (the
         self-check); a worker reported blind maps to inf."""
@@ -150,7 +151,7 @@ class KvRoutingPolicy:
             self._speed_probes.pop(request.request_id, None)  # its TTFT also holds a queue or an onboard
         else:  # nothing queued before it: its time to first token measures its own prefill
             self._speed_probes[request.request_id] = prefill_tokens
-        if not self._is_precise(target.worker):
+        if target.worker not in self._precise:
             self.approx.record(target, hashes, now)
             if hashes and self.config.use_kv_events:
                 self._check_blind(target.worker, now)
@@ -167,7 +168,7 @@ class KvRoutingPolicy:
         """Count a request another router replica routed, so every replica sees the same load."""
         now = self._clock()
         self.sequences.add_request(request_id, target, hashes, prefill_tokens, now)
-        if not self._is_precise(target.worker):
+        if target.worker not in self._precise:
             self.approx.record(target, hashes, now)
 
     def on_first_token(self, request_id: str) -> None:
@@ -215,8 +216,7 @@ class KvRoutingPolicy:
         in_flight = {
             t: InFlightLoad(s.num_requests(t), s.active_blocks(t), s.active_prefill_tokens(t)) for t in targets
         }
-        precise = frozenset(self._precise) if self.config.use_kv_events else frozenset()
-        return PolicySnapshot(self.counters.to_dict(), in_flight, precise)
+        return PolicySnapshot(self.counters.to_dict(), in_flight, frozenset(self._precise))
 
     def apply_load(self, metrics: LoadMetrics) -> None:
         """Load itself is predicted from the router's own decisions (sequences.py); the worker's last
@@ -327,9 +327,6 @@ class KvRoutingPolicy:
         self.approx.remove_worker(worker_id)
         if self._blind_since.pop(worker_id, None) == float("inf"):
             logger.info("worker %x: KV events arrive now; it is routed precisely", worker_id)
-
-    def _is_precise(self, worker_id: int) -> bool:
-        return self.config.use_kv_events and worker_id in self._precise
 
     def _check_blind(self, worker_id: int, now: float) -> None:
         """The self-check: a worker routed prompts BLIND_AFTER_S ago that has sent no KV events since is named once."""

@@ -105,9 +105,10 @@ class HttpEngine:
         context = model.max_model_len or self.args.context_length or DEFAULT_CONTEXT
         if not model.max_model_len and not self.args.context_length:
             logger.warning("backend %s does not say its context; assuming %d (--context-length)", model.id, context)
-        shape = self._scraper.shape if self._scraper is not None else None
-        block_size = self._block_size(shape.block_size if shape else None)
-        self._blocks = self.options.num_gpu_blocks or (shape.num_gpu_blocks if shape else None) or DEFAULT_BLOCKS
+        assert self._scraper is not None
+        shape = self._scraper.shape
+        block_size = self._block_size(shape.block_size)
+        self._blocks = self.options.num_gpu_blocks or shape.num_gpu_blocks or DEFAULT_BLOCKS
         return EngineInfo(
             model_name=self.args.served_model_name or model.id,
             tokenizer_source=source,
